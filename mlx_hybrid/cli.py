@@ -1,0 +1,112 @@
+"""The `mlx_hybrid.generate` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE_ERROR = 2
+
+DESCRIPTION = """\
+Generate text with a hybrid-attention model (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)
+from a .gguf file or a Hugging Face checkpoint directory. The text streams to
+stdout; prompt and generation speed and peak memory go to stderr at the end.
+"""
+
+EPILOG = """\
+examples:
+  mlx_hybrid.generate --model model.gguf --prompt "def parse_args("
+  echo "Hello" | mlx_hybrid.generate --model ./Qwen3.5-0.8B --prompt - --chat
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_hybrid.generate",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face model directory")
+    p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weight dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument("--verbose", action="store_true", help="print the model and compute path to stderr")
+    return p
+
+
+def _fail(message: str, code: int = USAGE_ERROR):
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import mlx_hybrid
+    from mlx_hybrid import ops
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        return _fail("the prompt is empty")
+    if args.system is not None and not args.chat:
+        return _fail("--system needs --chat")
+    try:
+        model, tokenizer = mlx_hybrid.load(args.model, dtype=args.dtype)
+        if args.verbose:
+            print(
+                f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
+                f"linear-attention ops: {ops.backend_name()}",
+                file=sys.stderr,
+            )
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": prompt})
+            try:
+                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as e:  # jinja2 errors, a model without a template
+                return _fail(f"chat template: {e}")
+        last = None
+        for response in mlx_hybrid.stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=args.max_tokens,
+            temp=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+        ):
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            last = response
+    except mlx_hybrid.MlxHybridError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    print()
+    if last is not None:
+        print(
+            f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s | "
+            f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s | "
+            f"peak memory: {last.peak_memory:.3f} GB",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def entry():
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Text generation: `stream_generate` and `generate`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+
+from .errors import ContextOverflowError, GenerationError
+from .sampling import Sampler
+
+# Prompts are prefilled this many tokens at a time, to bound activation memory.
+PREFILL_STEP = 512
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # new text since the previous response
+    token: int
+    from_draft: bool  # accepted from a draft rather than sampled from the trunk
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None  # "stop", "length" or None while generating
+    acceptance_rate: float | None = None  # speculative decoding: accepted / drafted
+    tokens_per_pass: float | None = None  # speculative decoding: tokens per trunk pass
+
+
+class StreamingDetokenizer:
+    """Emits new text as tokens arrive, holding back incomplete UTF-8 sequences."""
+
+    # byte-level BPE decodes piecewise, so a segment can restart after any clean emission
+    SEGMENT = 16
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.segment: list[int] = []
+        self.segment_text = ""
+
+    def add(self, token: int) -> str:
+        self.segment.append(token)
+        text = self.tokenizer.decode(self.segment)
+        if text.endswith("\ufffd"):
+            return ""
+        new = text[len(self.segment_text) :]
+        self.segment_text = text
+        if len(self.segment) >= self.SEGMENT:
+            self.segment, self.segment_text = [], ""
+        return new
+
+
+def prompt_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise GenerationError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise GenerationError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+def check_context(model, num_prompt: int) -> int:
+    """Raise if the prompt does not fit; return how many tokens may follow it."""
+    context = model.args.max_position_embeddings
+    if num_prompt >= context:
+        raise ContextOverflowError(
+            f"the prompt has {num_prompt} tokens but the model's context is {context} tokens"
+        )
+    return context - num_prompt
+
+
+def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
+    """Run the prompt through the model; returns the last position's hidden state [1, 1, E]."""
+    tokens = mx.array(ids)[None]
+    for start in range(0, len(ids), step):
+        h = model.hidden_states(tokens[:, start : start + step], cache)
+        mx.eval(h)
+    return h[:, -1:]
+
+
+def _plain_tokens(model, sampler, last_hidden, cache) -> Iterator[tuple[int, bool]]:
+    """Plain decoding: one trunk step per token."""
+    logits = model.logits_from_hidden(last_hidden)[:, -1]
+    token = sampler(logits)
+    mx.async_eval(token)
+    while True:
+        logits = model(token.reshape(1, 1), cache)[:, -1]
+        following = sampler(logits)
+        mx.async_eval(following)  # overlap the next step with handing out this token
+        yield int(token.reshape(-1)[0]), False
+        token = following
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate from `prompt` (a string or token ids), yielding a response per token.
+
+    temp=0 is greedy. The last response has `finish_reason` "stop" (an end token)
+    or "length" (max_tokens or the model's context reached).
+    """
+    ids = prompt_ids(tokenizer, prompt, model.args.vocab_size)
+    room = check_context(model, len(ids))
+    if max_tokens < 0:
+        raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
+    max_tokens = min(max_tokens, room)
+    sampler = Sampler(temp, top_p, top_k, min_p, seed)
+    if max_tokens == 0:
+        return
+    mx.reset_peak_memory()
+    cache = model.make_cache()
+    start = time.perf_counter()
+    last_hidden = prefill(model, ids, cache)
+    prompt_time = time.perf_counter() - start
+    prompt_tps = len(ids) / prompt_time
+    detokenizer = StreamingDetokenizer(tokenizer)
+    eos = set(tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    for n, (token, from_draft) in enumerate(_plain_tokens(model, sampler, last_hidden, cache), start=1):
+        finish = "stop" if token in eos else ("length" if n >= max_tokens else None)
+        elapsed = time.perf_counter() - start
+        yield GenerationResponse(
+            text="" if token in eos else detokenizer.add(token),
+            token=token,
+            from_draft=from_draft,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=n,
+            generation_tps=n / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+        )
+        if finish:
+            break
+
+
+def generate(model, tokenizer, prompt, **kwargs) -> str:
+    """The whole generated text (see `stream_generate` for the arguments)."""
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))

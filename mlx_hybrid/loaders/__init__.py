@@ -1,0 +1,116 @@
+"""`load(path)`: a `.gguf` file or a Hugging Face directory -> (model, tokenizer)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import ModelLoadError, UnsupportedArchitectureError
+from ..models import architecture
+from ..tokenizer import Tokenizer
+from . import gguf_file, hf
+from .common import fill_model, rename
+
+# Files at least this large get a progress bar while their tensors load.
+PROGRESS_MIN_BYTES = 256 << 20
+
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def default_dtype():
+    """float32 on the CPU, bfloat16 where a GPU runs the model."""
+    return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+
+
+def resolve_dtype(dtype):
+    if dtype is None:
+        return default_dtype()
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(_DTYPES)})")
+        return _DTYPES[dtype]
+    return dtype
+
+
+def load(path, dtype=None, progress: bool | None = None):
+    """Load a model and its tokenizer from a `.gguf` file or an HF checkpoint directory.
+
+    dtype: compute dtype of the weights ("float32", "bfloat16", "float16" or an
+    mx.Dtype); float32 on the CPU and bfloat16 on a GPU by default. Linear-attention
+    state is float32 whatever this is. progress: show a progress bar (default: for
+    large files on a terminal).
+    """
+    path = Path(path).expanduser()
+    dtype = resolve_dtype(dtype)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return _load_hf(path, dtype, progress)
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
+    return _load_gguf(path, dtype, progress)
+
+
+def _load_hf(path: Path, dtype, progress):
+    config = hf.read_config(path)
+    model_type = hf.model_type_of(config)
+    module = architecture(model_type)
+    if model_type not in hf.FAMILIES:
+        raise UnsupportedArchitectureError(f"no Hugging Face loader for {model_type!r}")
+    make_args, rules = hf.FAMILIES[model_type]
+    files = hf.safetensor_files(path)
+    tensors = hf.read_tensors(files)
+    args = make_args(config, module, has_mtp=any(name.startswith("mtp.") for name in tensors))
+    model = _build(module, args)
+    total = sum(f.stat().st_size for f in files)
+    with _progress_bar(len(tensors), total, progress, path.name) as bar:
+        weights, unmatched = rename(((n, (lambda t=t: t)) for n, t in tensors.items()), rules, args, bar)
+    _reject_unmatched(unmatched, path)
+    fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
+    return model, Tokenizer.from_hf_dir(path, config)
+
+
+def _load_gguf(path: Path, dtype, progress):
+    reader = gguf_file.open_gguf(path)
+    meta = gguf_file.Metadata(reader)
+    if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
+        known = ", ".join(sorted(gguf_file.GGUF_ARCHITECTURES))
+        raise UnsupportedArchitectureError(f"{path}: unsupported GGUF architecture {meta.arch!r} (supported: {known})")
+    model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
+    module = architecture(model_type)
+    names = {t.name for t in reader.tensors}
+    args = make_args(meta, module, names)
+    model = _build(module, args)
+    with _progress_bar(len(names), path.stat().st_size, progress, path.name) as bar:
+        weights, unmatched = rename(gguf_file.block_names(reader, args.num_hidden_layers), rules, args, bar)
+    _reject_unmatched(unmatched, path)
+    fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
+    return model, Tokenizer.from_gguf(meta)
+
+
+def _build(module, args):
+    try:
+        return module.Model(args)
+    except ValueError as e:
+        raise ModelLoadError(f"inconsistent model settings: {e}") from None
+
+
+def _reject_unmatched(unmatched, path):
+    if unmatched:
+        shown = ", ".join(unmatched[:5])
+        raise ModelLoadError(f"{path}: tensors this loader does not know: {shown}")
+
+
+@contextmanager
+def _progress_bar(count: int, total_bytes: int, progress, name: str):
+    if progress is None:
+        progress = total_bytes >= PROGRESS_MIN_BYTES
+    if not progress:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=count, desc=f"loading {name}", unit="tensor", leave=False, disable=None) as bar:
+        yield bar

@@ -1,0 +1,131 @@
+"""What both checkpoint formats share: renaming rules, transforms, and filling a model.
+
+Each format keeps its name mapping as a table of `Rule`s: a regular expression over
+the source tensor name, the canonical parameter name(s) it becomes, and an optional
+transform. Canonical names are the module paths of our models
+(`layers.3.self_attn.q_proj.weight`, `mtp.fc.weight`, ...). A target ending in
+`[{expert}]` collects one slice of a stacked tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..errors import ModelLoadError
+
+Transform = Callable[[mx.array, object], "mx.array | tuple[mx.array, ...]"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    source: str  # regular expression matched against the whole source name
+    target: str | tuple[str, ...]  # canonical name template(s), filled from the named groups
+    transform: Transform | None = None  # (tensor, model args) -> tensor, or one per target
+
+    def compiled(self):
+        return re.compile(self.source)
+
+
+# Transforms shared by the formats -------------------------------------------
+
+
+def plus_one(w, _args):
+    """Zero-centred RMSNorm weight w -> the plain weight 1 + w."""
+    return 1.0 + w.astype(mx.float32)
+
+
+def neg_exp(a_log, _args):
+    """A_log -> A = -exp(A_log), the decay rate the GGUF files store."""
+    return -mx.exp(a_log.astype(mx.float32))
+
+
+def squeeze_conv(w, _args):
+    """Depthwise conv weight [C, 1, K] -> [C, K]."""
+    return w.reshape(w.shape[0], -1)
+
+
+def halves(w, _args):
+    """Split the first axis after the expert axis in two: fused [E, 2I, D] -> gate, up."""
+    return tuple(mx.split(w, 2, axis=1))
+
+
+# Applying a table ------------------------------------------------------------
+
+
+def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Rule], args, progress=None):
+    """Map source tensors to canonical ones. Returns (weights, unmatched source names)."""
+    compiled = [(rule.compiled(), rule) for rule in rules]
+    weights: dict[str, mx.array] = {}
+    stacks: dict[str, dict[int, mx.array]] = defaultdict(dict)
+    unmatched = []
+    for name, load in tensors:
+        for pattern, rule in compiled:
+            match = pattern.fullmatch(name)
+            if match:
+                break
+        else:
+            unmatched.append(name)
+            continue
+        if rule.target == "":  # deliberately dropped
+            continue
+        tensor = load()
+        results = rule.transform(tensor, args) if rule.transform else tensor
+        targets = rule.target if isinstance(rule.target, tuple) else (rule.target,)
+        results = results if isinstance(results, tuple) else (results,)
+        for template, result in zip(targets, results):
+            target = template.format(**match.groupdict())
+            if target.endswith("]"):
+                base, index = target[:-1].split("[")
+                stacks[base][int(index)] = result
+            else:
+                weights[target] = result
+        if progress is not None:
+            progress.update(1)
+    for base, parts in stacks.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ModelLoadError(f"experts of {base} are incomplete: found {sorted(parts)}")
+        weights[base] = mx.stack([parts[i] for i in range(len(parts))])
+    return weights, unmatched
+
+
+def fill_model(model, weights: dict[str, mx.array], dtype, float32_params=(), source=""):
+    """Check names and shapes against the model, cast, and load the weights."""
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    where = f"{source}: " if source else ""
+    if missing:
+        raise ModelLoadError(f"{where}missing tensors: {_some(missing)}")
+    if unexpected:
+        raise ModelLoadError(f"{where}unexpected tensors: {_some(unexpected)}")
+    loaded = []
+    for name, param in expected.items():
+        tensor = weights[name]
+        if tensor.shape != param.shape:
+            # GGUF drops trailing unit dimensions of some small tensors
+            if tensor.size == param.size and _squeezed(tensor.shape) == _squeezed(param.shape):
+                tensor = tensor.reshape(param.shape)
+            else:
+                raise ModelLoadError(
+                    f"{where}tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
+        keep_f32 = name.rsplit(".", 1)[-1] in float32_params
+        loaded.append((name, tensor.astype(mx.float32 if keep_f32 else dtype)))
+    model.load_weights(loaded)
+    mx.eval(model.parameters())
+    return model
+
+
+def _squeezed(shape):
+    return tuple(d for d in shape if d != 1)
+
+
+def _some(names, limit=5):
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

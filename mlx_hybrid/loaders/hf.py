@@ -1,0 +1,162 @@
+"""Hugging Face checkpoint directories: config.json + safetensors (+ tokenizer files)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import ModelLoadError
+from ..models import architecture
+from ..models.qwen3_5 import FULL, LINEAR
+from .common import Rule, halves, neg_exp, plus_one, squeeze_conv
+
+# -- tensor tables -------------------------------------------------------------
+
+# Multimodal checkpoints nest the text model under `model.language_model.`.
+_PREFIX = r"(?:model\.language_model\.|language_model\.model\.|model\.)?"
+_BLOCK = _PREFIX + r"(?P<blk>layers\.\d+|mtp\.layers\.\d+)\."
+
+
+def _split_qkvz(w, args):
+    """Qwen3-Next fused rows, per key head [q, k, v (R heads), z (R heads)] -> qkv, z."""
+    Hk, Dk, Dv = args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim
+    R = args.linear_num_value_heads // Hk
+    grouped = w.reshape(Hk, 2 * Dk + 2 * R * Dv, -1)
+    q, k, v, z = mx.split(grouped, [Dk, 2 * Dk, 2 * Dk + R * Dv], axis=1)
+    flat = [t.reshape(-1, w.shape[-1]) for t in (q, k, v, z)]
+    return mx.concatenate(flat[:3], axis=0), flat[3]
+
+
+def _split_ba(w, args):
+    """Qwen3-Next fused rows, per key head [b (R), a (R)] -> b, a."""
+    Hk = args.linear_num_key_heads
+    b, a = mx.split(w.reshape(Hk, -1, w.shape[-1]), 2, axis=1)
+    return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
+
+
+QWEN_RULES = [
+    Rule(r"(?:model\.)?visual\..*", ""),  # vision tower of multimodal checkpoints: unused
+    Rule(_PREFIX + r"embed_tokens\.weight", "embed_tokens.weight"),
+    Rule(_PREFIX + r"norm\.weight", "norm.weight", plus_one),
+    Rule(r"(?:language_model\.)?lm_head\.weight", "lm_head.weight"),
+    Rule(r"mtp\.fc\.weight", "mtp.fc.weight"),
+    Rule(r"mtp\.pre_fc_norm_embedding\.weight", "mtp.enorm.weight", plus_one),
+    Rule(r"mtp\.pre_fc_norm_hidden\.weight", "mtp.hnorm.weight", plus_one),
+    Rule(r"mtp\.norm\.weight", "mtp.norm.weight", plus_one),
+    Rule(
+        _BLOCK + r"(?P<norm>input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm)\.weight",
+        "{blk}.{norm}.weight",
+        plus_one,
+    ),
+    Rule(_BLOCK + r"linear_attn\.A_log", "{blk}.linear_attn.A", neg_exp),
+    Rule(_BLOCK + r"linear_attn\.conv1d\.weight", "{blk}.linear_attn.conv1d_weight", squeeze_conv),
+    Rule(
+        _BLOCK + r"linear_attn\.in_proj_qkvz\.weight",
+        ("{blk}.linear_attn.in_proj_qkv.weight", "{blk}.linear_attn.in_proj_z.weight"),
+        _split_qkvz,
+    ),
+    Rule(
+        _BLOCK + r"linear_attn\.in_proj_ba\.weight",
+        ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"),
+        _split_ba,
+    ),
+    Rule(
+        _BLOCK + r"mlp\.experts\.gate_up_proj",
+        ("{blk}.mlp.switch_mlp.gate_proj", "{blk}.mlp.switch_mlp.up_proj"),
+        halves,
+    ),
+    Rule(_BLOCK + r"mlp\.experts\.down_proj", "{blk}.mlp.switch_mlp.down_proj"),
+    Rule(
+        _BLOCK + r"mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight",
+        "{blk}.mlp.switch_mlp.{proj}_proj[{e}]",
+    ),
+    Rule(_BLOCK + r"(?P<rest>.+)", "{blk}.{rest}"),
+]
+
+
+# -- hyper-parameters ------------------------------------------------------------
+
+
+def _qwen_args(config: dict, module, has_mtp: bool):
+    # multimodal configs keep the text model's settings under text_config
+    text = {**config, **config.get("text_config", {})}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    values = {f.name: text[f.name] for f in fields(module.ModelArgs) if f.name in text}
+    values["model_type"] = config["model_type"]
+    values["rope_theta"] = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+    values["partial_rotary_factor"] = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    if not values.get("head_dim"):
+        values["head_dim"] = _require(text, "hidden_size") // _require(text, "num_attention_heads")
+    if not text.get("layer_types"):
+        interval = text.get("full_attention_interval", 4)
+        n = _require(text, "num_hidden_layers")
+        values["layer_types"] = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+    values["mtp_num_hidden_layers"] = text.get("mtp_num_hidden_layers", 1) if has_mtp else 0
+    try:
+        return module.ModelArgs(**values)
+    except TypeError as e:
+        raise ModelLoadError(f"config.json is missing settings: {e}") from None
+
+
+def _require(config, key):
+    if key not in config:
+        raise ModelLoadError(f"config.json lacks {key!r}")
+    return config[key]
+
+
+# model_type -> (hyper-parameters, tensor table)
+FAMILIES = {
+    "qwen3_5": (_qwen_args, QWEN_RULES),
+    "qwen3_5_moe": (_qwen_args, QWEN_RULES),
+    "qwen3_next": (_qwen_args, QWEN_RULES),
+}
+
+
+# -- files ---------------------------------------------------------------------------
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face model directory or a .gguf file)")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({e})") from None
+
+
+def safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable index ({e})") from None
+        files = sorted({path / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index} names {f.name}, which is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no .safetensors files")
+    return files
+
+
+def read_tensors(files: list[Path]) -> dict[str, mx.array]:
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(mx.load(str(f)))
+        except Exception as e:  # MLX raises RuntimeError/ValueError on short or corrupt files
+            raise ModelLoadError(f"{f}: unreadable safetensors file ({e})") from None
+    return tensors
+
+
+def model_type_of(config: dict) -> str:
+    if "model_type" not in config:
+        raise ModelLoadError("config.json has no model_type")
+    return config["model_type"]

@@ -1,0 +1,24 @@
+"""Architectures mlx_hybrid implements, by the model type of their HF config."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ..errors import UnsupportedArchitectureError
+from . import qwen3_5
+
+ARCHITECTURES: dict[str, ModuleType] = {
+    "qwen3_5": qwen3_5,
+    "qwen3_5_moe": qwen3_5,
+    "qwen3_next": qwen3_5,
+}
+
+
+def architecture(model_type: str) -> ModuleType:
+    try:
+        return ARCHITECTURES[model_type]
+    except KeyError:
+        known = ", ".join(sorted(ARCHITECTURES))
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {model_type!r} (supported: {known})"
+        ) from None

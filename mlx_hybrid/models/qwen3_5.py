@@ -1,0 +1,259 @@
+"""Qwen3.5 (dense and MoE) and Qwen3-Next: gated delta net + gated full attention.
+
+The three families share one graph; they differ in checkpoint layout (handled by
+the loaders' tables) and in which layers use experts (`ModelArgs.is_sparse`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import ops
+from ..cache import KVCache, RecurrentCache
+from .blocks import (
+    F32,
+    MLP,
+    RMSNorm,
+    SwitchGLU,
+    causal_mask_for,
+    gated_rms_norm,
+    l2_normalize,
+    top_k_indices,
+)
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    layer_types: list[str]
+    max_position_embeddings: int = 262144
+    intermediate_size: int = 0
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    mtp_num_hidden_layers: int = 0
+
+    def is_sparse(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def validate(self):
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} of {LINEAR!r}/{FULL!r}")
+
+
+# Parameters the loaders keep in float32 whatever the compute dtype.
+FLOAT32_PARAMS = ("A", "dt_bias")
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule (Qwen3.5 / Qwen3-Next layout)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_k_heads = args.linear_num_key_heads
+        self.num_v_heads = args.linear_num_value_heads
+        self.head_k_dim = args.linear_key_head_dim
+        self.head_v_dim = args.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.eps = args.rms_norm_eps
+        E = args.hidden_size
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(E, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(E, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(E, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(E, self.num_v_heads, bias=False)
+        self.conv1d_weight = mx.zeros((conv_dim, args.linear_conv_kernel_dim))
+        self.dt_bias = mx.ones((self.num_v_heads,))
+        self.A = -mx.ones((self.num_v_heads,))  # -exp(A_log), as GGUF stores it
+        self.norm = RMSNorm(self.head_v_dim, args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, E, bias=False)
+
+    def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
+        B, T, _ = x.shape
+        record = cache is not None and cache.record_snapshots
+        conv = ops.conv1d_update(
+            self.in_proj_qkv(x), self.conv1d_weight, cache.conv_tail if cache else None, snapshots=record
+        )
+        q, k, v = mx.split(conv.out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = l2_normalize(q.reshape(B, T, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
+        k = l2_normalize(k.reshape(B, T, self.num_k_heads, self.head_k_dim))
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta = mx.sigmoid(self.in_proj_b(x).astype(F32))
+        g = self.A * nn.softplus(self.in_proj_a(x).astype(F32) + self.dt_bias)
+        rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
+        if cache is not None:
+            cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots, T)
+        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        out = gated_rms_norm(rule.out, self.norm.weight, nn.silu(z.astype(F32)), self.eps)
+        return self.out_proj(out.reshape(B, T, -1).astype(x.dtype))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with per-head q/k RMSNorm, partial RoPE and a sigmoid output gate."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.num_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5
+        self.rope_dims = int(self.head_dim * args.partial_rotary_factor)
+        self.rope_theta = args.rope_theta
+        E, H, D, bias = args.hidden_size, self.num_heads, self.head_dim, args.attention_bias
+        # per head: [query (D) | gate (D)]
+        self.q_proj = nn.Linear(E, 2 * H * D, bias=bias)
+        self.k_proj = nn.Linear(E, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(E, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, E, bias=bias)
+        self.q_norm = RMSNorm(D, args.rms_norm_eps)
+        self.k_norm = RMSNorm(D, args.rms_norm_eps)
+
+    def _rope(self, x, offset):
+        return mx.fast.rope(x, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+        B, T, _ = x.shape
+        query, gate = mx.split(self.q_proj(x).reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        q = self.q_norm(query).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self._rope(q, offset), self._rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask_for(T))
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        return self.o_proj(out * mx.sigmoid(gate.reshape(B, T, -1)))
+
+
+class SparseMoE(nn.Module):
+    """Softmax router over experts, top-k (renormalised), plus a sigmoid-gated shared expert."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
+        self.shared_expert = MLP(args.hidden_size, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x).astype(F32), axis=-1)
+        experts = top_k_indices(probs, self.top_k)
+        weights = mx.take_along_axis(probs, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        routed = (self.switch_mlp(x, experts) * weights[..., None].astype(x.dtype)).sum(axis=-2)
+        return routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str, sparse: bool):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = GatedAttention(args)
+        self.mlp = SparseMoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x, cache=None):
+        mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
+        h = x + mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPHead(nn.Module):
+    """Multi-token prediction block: one full-attention layer fed (h_t, token t+1)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E = args.hidden_size
+        self.fc = nn.Linear(2 * E, E, bias=False)
+        self.enorm = RMSNorm(E, args.rms_norm_eps)
+        self.hnorm = RMSNorm(E, args.rms_norm_eps)
+        # a list, so that checkpoint names `mtp.layers.0.*` are the module paths
+        self.layers = [DecoderLayer(args, FULL, sparse=args.num_experts > 0)]
+        self.norm = RMSNorm(E, args.rms_norm_eps)
+
+    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: KVCache | None = None):
+        """Pre-norm output u: predicts the token after next, and is the next draft's h."""
+        u = self.fc(mx.concatenate([self.enorm(next_embeddings), self.hnorm(hidden)], axis=-1))
+        return self.layers[0](u, cache)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.model_type = args.model_type
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [
+            DecoderLayer(args, args.layer_types[i], args.is_sparse(i)) for i in range(args.num_hidden_layers)
+        ]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.mtp_num_hidden_layers:
+            self.mtp = MTPHead(args)
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self
+
+    def make_cache(self):
+        return [RecurrentCache() if layer.layer_type == LINEAR else KVCache() for layer in self.layers]
+
+    def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
+        """The trunk's hidden state before the final norm, [B, T, E]."""
+        h = self.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache[i] if cache is not None else None)
+        return h
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        return self.project(self.norm(h))
+
+    def project(self, x: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.embed_tokens.as_linear(x)
+        return self.lm_head(x)
+
+    def __call__(self, ids: mx.array, cache=None) -> mx.array:
+        return self.logits_from_hidden(self.hidden_states(ids, cache))

@@ -1,0 +1,64 @@
+"""The op boundary of the linear-attention layers.
+
+Models and the speculative loop call `gated_delta_update` and `conv1d_update`
+and nothing below them. This module is the one place that decides which
+implementation runs a call: a custom kernel where the platform has one and the
+shape is supported, else the pure-MLX reference. Setting
+MLX_HYBRID_FORCE_REFERENCE=1 forces the pure-MLX path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from . import reference
+
+# Below this many tokens the token-by-token recurrence is cheaper than building the
+# chunked form's matrices (measured on a 2-core x86 CPU, Qwen3.5-0.8B head shapes:
+# 41 ms vs 56 ms at 64 tokens, 105 vs 114 at 128); decode and verify passes use it too.
+CHUNKED_MIN_TOKENS = 128
+
+
+class GatedDeltaResult(NamedTuple):
+    out: mx.array  # [B, T, Hv, Dv] float32
+    state: mx.array  # [B, Hv, Dk, Dv] float32, after the last token
+    snapshots: mx.array | None  # [B, T, Hv, Dk, Dv]: the state after each token
+
+
+class ConvResult(NamedTuple):
+    out: mx.array  # [B, T, C]
+    tail: mx.array  # [B, K-1, C]
+    snapshots: mx.array | None  # [B, T, K-1, C]: the tail after each token
+
+
+def force_reference() -> bool:
+    return os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
+
+
+def backend_name() -> str:
+    """Which implementation runs the linear-attention ops in this process."""
+    return "mlx-reference"
+
+
+def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False) -> GatedDeltaResult:
+    """Advance the gated delta rule over T tokens (see `reference` for shapes)."""
+    if not snapshots and q.shape[1] >= CHUNKED_MIN_TOKENS:
+        out, final = reference.gated_delta_chunked(q, k, v, g, beta, state)
+        return GatedDeltaResult(out, final, None)
+    return GatedDeltaResult(*reference.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots))
+
+
+def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.array:
+    """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out]."""
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        # MLX's CPU gather_mm is float32-only
+        return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
+    return mx.gather_mm(x, weight_t, rhs_indices=indices)
+
+
+def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResult:
+    """Causal depthwise conv + SiLU over T tokens, continuing from `tail`."""
+    return ConvResult(*reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))

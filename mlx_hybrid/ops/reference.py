@@ -1,0 +1,186 @@
+"""Pure-MLX forms of the linear-attention ops.
+
+These run on every backend and are the reference the custom kernels are checked
+against. Shapes, for one layer:
+
+    q, k   [B, T, Hk, Dk]   L2-normalised; q already scaled by Dk**-0.5
+    v      [B, T, Hv, Dv]   value head h reads key head h // (Hv // Hk)
+    g      [B, T, Hv]       log decay (<= 0), one per head (Qwen GDN), or
+           [B, T, Hv, Dk]   one per key channel (Kimi KDA)
+    beta   [B, T, Hv]
+    state  [B, Hv, Dk, Dv]  float32
+
+Everything is computed in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+F32 = mx.float32
+
+
+def _expand_key_heads(x: mx.array, num_value_heads: int) -> mx.array:
+    """[B, T, Hk, D] -> [B, T, Hv, D]: value head h uses key head h // R."""
+    ratio = num_value_heads // x.shape[2]
+    return x if ratio == 1 else mx.repeat(x, ratio, axis=2)
+
+
+def _prepare(q, k, v, g, beta, state):
+    num_value_heads = v.shape[2]
+    q = _expand_key_heads(q.astype(F32), num_value_heads)
+    k = _expand_key_heads(k.astype(F32), num_value_heads)
+    if state is None:
+        B, _, Hv, Dv = v.shape
+        state = mx.zeros((B, Hv, k.shape[-1], Dv), dtype=F32)
+    return q, k, v.astype(F32), g.astype(F32), beta.astype(F32), state.astype(F32)
+
+
+def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = False):
+    """The gated delta rule one token at a time (decode and verify passes).
+
+    Returns (out [B, T, Hv, Dv] float32, final state, states after every token
+    [B, T, Hv, Dk, Dv] or None).
+    """
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state)
+    vector_gate = g.ndim == 4
+    outputs, states = [], []
+    for t in range(v.shape[1]):
+        decay = mx.exp(g[:, t])
+        # scalar gate scales the whole [Dk, Dv] state, a vector gate each key row
+        state = state * (decay[..., None] if vector_gate else decay[..., None, None])
+        k_t = k[:, t]
+        remembered = (state * k_t[..., None]).sum(axis=-2)
+        delta = beta[:, t][..., None] * (v[:, t] - remembered)
+        state = state + k_t[..., None] * delta[..., None, :]
+        outputs.append((state * q[:, t][..., None]).sum(axis=-2))
+        if snapshots:
+            states.append(state)
+    out = mx.stack(outputs, axis=1)
+    return out, state, (mx.stack(states, axis=1) if snapshots else None)
+
+
+@lru_cache(maxsize=None)
+def _chunk_masks(chunk: int):
+    """Causal masks and the block masks used to invert unit lower-triangular matrices."""
+    row = np.arange(chunk)[:, None]
+    col = np.arange(chunk)[None, :]
+    inclusive = mx.array(row >= col)
+    strict = mx.array(row > col)
+    # Level s of the blocked inversion: the lower-left s x s block of every 2s x 2s
+    # diagonal block.
+    levels = []
+    size = 1
+    while size < chunk:
+        same_pair = (row // (2 * size)) == (col // (2 * size))
+        lower_half = (row // size) == (col // size) + 1
+        levels.append(mx.array(same_pair & lower_half))
+        size *= 2
+    return inclusive, strict, levels
+
+
+def unit_lower_inverse(strict_lower: mx.array) -> mx.array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], C a power of two.
+
+    Blocked inversion: with X the inverse of the block diagonal at block size s,
+    the inverse at size 2s is X - X A_off X, A_off the lower-left sub-blocks.
+    Only matrix products, so it runs on any backend, and it is as accurate as
+    forward substitution.
+    """
+    chunk = strict_lower.shape[-1]
+    if chunk & (chunk - 1):
+        raise ValueError(f"chunk size must be a power of two, got {chunk}")
+    _, _, levels = _chunk_masks(chunk)
+    inverse = mx.broadcast_to(mx.eye(chunk, dtype=strict_lower.dtype), strict_lower.shape)
+    for block in levels:
+        off_diagonal = mx.where(block, strict_lower, 0.0)
+        inverse = inverse - inverse @ off_diagonal @ inverse
+    return inverse
+
+
+def gated_delta_chunked(q, k, v, g, beta, state=None, *, chunk: int = 64):
+    """The gated delta rule over chunks (prefill): WY/UT form with matrix products.
+
+    Equal to `gated_delta_recurrent` up to float rounding. Returns (out, final state).
+    """
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state)
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    vector_gate = g.ndim == 4
+    pad = (-T) % chunk
+    if pad:
+        # zero keys and betas leave the state untouched; zero log decay keeps it
+        def padded(x):
+            return mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+        q, k, v, g, beta = map(padded, (q, k, v, g, beta))
+    n = (T + pad) // chunk
+
+    def chunked(x):  # [B, T', H, ...] -> [B, H, n, C, ...]
+        x = x.reshape(B, n, chunk, H, *x.shape[3:])
+        return mx.moveaxis(x, 3, 1)
+
+    q, k, v, g, beta = map(chunked, (q, k, v, g, beta))
+    inclusive, strict, _ = _chunk_masks(chunk)
+
+    cum = mx.cumsum(g, axis=3)  # log of the decay from the chunk start to position i
+    if vector_gate:
+        # per-channel decay between positions i >= j: exp(cum_i - cum_j), [.., C, C, Dk]
+        diff = cum[..., :, None, :] - cum[..., None, :, :]
+        pair_decay = mx.exp(mx.where(inclusive[..., None], diff, -mx.inf))
+        kk = (k[..., :, None, :] * pair_decay * k[..., None, :, :]).sum(-1)
+        qk = (q[..., :, None, :] * pair_decay * k[..., None, :, :]).sum(-1)
+        cum_decay = mx.exp(cum)  # [.., C, Dk]
+        to_end = mx.exp(cum[..., -1:, :] - cum)
+        chunk_decay = mx.exp(cum[..., -1, :])[..., None]  # [B, H, n, Dk, 1]
+    else:
+        diff = cum[..., :, None] - cum[..., None, :]
+        pair_decay = mx.exp(mx.where(inclusive, diff, -mx.inf))
+        kk = (k @ k.swapaxes(-1, -2)) * pair_decay
+        qk = (q @ k.swapaxes(-1, -2)) * pair_decay
+        cum_decay = mx.exp(cum)[..., None]
+        to_end = mx.exp(cum[..., -1:] - cum)[..., None]
+        chunk_decay = mx.exp(cum[..., -1])[..., None, None]  # [B, H, n, 1, 1]
+
+    beta_col = beta[..., None]
+    solve = unit_lower_inverse(mx.where(strict, kk * beta_col, 0.0))
+    new_values = solve @ (v * beta_col)  # "u" before the state's contribution
+    state_reads = solve @ (k * beta_col * cum_decay)
+    q_decayed = q * cum_decay
+    k_to_end = (k * to_end).swapaxes(-1, -2)  # [B, H, n, Dk, C]
+
+    outputs = []
+    for i in range(n):
+        v_new = new_values[:, :, i] - state_reads[:, :, i] @ state
+        outputs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i] @ v_new
+    out = mx.stack(outputs, axis=2).reshape(B, H, n * chunk, Dv)
+    out = out.swapaxes(1, 2)[:, :T]
+    return out, state
+
+
+def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
+    """Depthwise causal conv over time, then SiLU, continuing from a carried tail.
+
+    x [B, T, C], weight [C, K], tail [B, K-1, C] (the last K-1 inputs seen; zeros
+    when None). Returns (y [B, T, C] in x's dtype, new tail, tails after every
+    token [B, T, K-1, C] or None).
+    """
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    if tail is None:
+        tail = mx.zeros((B, K - 1, C), dtype=x.dtype)
+    full = mx.concatenate([tail.astype(x.dtype), x], axis=1)
+    w = weight.astype(F32)
+    acc = full[:, 0:T].astype(F32) * w[:, 0]
+    for j in range(1, K):
+        acc = acc + full[:, j : j + T].astype(F32) * w[:, j]
+    y = (acc * mx.sigmoid(acc)).astype(x.dtype)
+    new_tail = full[:, T:]
+    tails = None
+    if snapshots:
+        tails = mx.stack([full[:, t + 1 : t + K] for t in range(T)], axis=1)
+    return y, new_tail, tails

@@ -1,0 +1,197 @@
+"""Tokenizers from `tokenizer.json` or from GGUF metadata, and chat templates.
+
+From GGUF, the stored tokens and merges become a `tokenizers` byte-level BPE whose
+pre-tokenizer is the split that llama.cpp uses for `tokenizer.ggml.pre`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+# llama.cpp's split expressions, by `tokenizer.ggml.pre`
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen3.5 keeps combining marks with their letters
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Kimi K2 (tiktoken): Han runs apart, cased words, digit groups of up to three
+_KIMI_K2_SPLIT = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+PRE_TOKENIZER_SPLITS = {
+    "qwen2": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
+    "kimi-k2": _KIMI_K2_SPLIT,
+}
+
+# GGUF token types
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with the model's end tokens and chat template."""
+
+    def __init__(self, tokenizer, eos_token_ids, chat_template=None, bos_token=None, add_bos_token=False):
+        self._tokenizer = tokenizer
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.add_bos_token = add_bos_token
+        self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self._bos_id is not None:
+            ids = [self._bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str):
+        return self._tokenizer.token_to_id(token)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        return _compiled_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.decode(self.eos_token_ids[:1]) if self.eos_token_ids else "",
+            **kwargs,
+        )
+
+    # -- construction ------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, config: dict) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(f"{path}: no tokenizer.json")
+        try:
+            tokenizer = HFTokenizer.from_file(str(file))
+        except Exception as e:
+            raise ModelLoadError(f"{file}: unreadable tokenizer ({e})") from None
+        settings = _read_json(path / "tokenizer_config.json")
+        template = settings.get("chat_template")
+        template_file = path / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        eos = set()
+        for source in (config.get("text_config", {}), config, _read_json(path / "generation_config.json")):
+            eos.update(_as_list(source.get("eos_token_id")))
+        eos_token = _token_text(settings.get("eos_token"))
+        if eos_token and tokenizer.token_to_id(eos_token) is not None:
+            eos.add(tokenizer.token_to_id(eos_token))
+        return cls(
+            tokenizer,
+            eos,
+            template,
+            bos_token=_token_text(settings.get("bos_token")),
+            add_bos_token=bool(settings.get("add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_gguf(cls, meta) -> "Tokenizer":
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            raise ModelLoadError(
+                f"unsupported GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} (only byte-level BPE, 'gpt2')"
+            )
+        pre = meta.get("tokenizer.ggml.pre", "qwen2")
+        if pre not in PRE_TOKENIZER_SPLITS:
+            raise ModelLoadError(
+                f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
+            )
+        tokens = meta.get("tokenizer.ggml.tokens")
+        merges = meta.get("tokenizer.ggml.merges") or []
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        bpe = models.BPE(
+            vocab={token: i for i, token in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            ignore_merges=False,
+        )
+        tokenizer = HFTokenizer(bpe)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+        )
+        tokenizer.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+        )
+        eos = _as_list(meta.get("tokenizer.ggml.eos_token_id")) + _as_list(meta.get("tokenizer.ggml.eot_token_id"))
+        bos_id = meta.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            tokenizer,
+            eos,
+            meta.get("tokenizer.chat_template"),
+            bos_token=tokens[bos_id] if bos_id is not None else None,
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+
+def _compiled_template(source: str):
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _token_text(token):
+    return token.get("content") if isinstance(token, dict) else token

@@ -1,0 +1,34 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN_FAMILIES = ["qwen35", "qwen35moe", "qwen3next"]
+SOURCES = ["model.gguf", "hf"]
+
+_models = {}
+
+
+def load_fixture(family: str, source: str):
+    """Load a fixture model once per test session."""
+    import mlx_hybrid
+
+    key = (family, source)
+    if key not in _models:
+        _models[key] = mlx_hybrid.load(FIXTURES / family / source, dtype="float32")
+    return _models[key]
+
+
+def reference(family: str, name: str = "ref.npz"):
+    return np.load(FIXTURES / family / name)
+
+
+@pytest.fixture(params=QWEN_FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(params=SOURCES)
+def source(request):
+    return request.param

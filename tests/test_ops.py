@@ -1,0 +1,120 @@
+"""The linear-attention ops against recurrences written the slow, obvious way in numpy."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_hybrid import ops
+from mlx_hybrid.ops import reference
+
+
+def numpy_gated_delta(q, k, v, g, beta, state):
+    """Per token, per value head, in float64: the rule as docs/MODELS.md writes it."""
+    q, k, v, g, beta, S = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta, state))
+    B, T, Hk, _ = k.shape
+    Hv = v.shape[2]
+    R = Hv // Hk
+    out = np.zeros(v.shape)
+    states = []
+    S = S.copy()
+    for t in range(T):
+        for b in range(B):
+            for h in range(Hv):
+                decay = np.exp(g[b, t, h])
+                S[b, h] = S[b, h] * (decay[:, None] if decay.ndim else decay)
+                kv = S[b, h].T @ k[b, t, h // R]
+                delta = beta[b, t, h] * (v[b, t, h] - kv)
+                S[b, h] = S[b, h] + np.outer(k[b, t, h // R], delta)
+                out[b, t, h] = S[b, h].T @ q[b, t, h // R]
+        states.append(S.copy())
+    return out, S, np.stack(states, axis=1)
+
+
+def make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, Hk, Dk))
+    k = rng.standard_normal((B, T, Hk, Dk))
+    q = q / np.linalg.norm(q, axis=-1, keepdims=True) * Dk**-0.5
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, Hv, Dv))
+    g = -rng.uniform(0.01, 1.0, (B, T, Hv, Dk) if vector_gate else (B, T, Hv))
+    beta = rng.uniform(0.0, 1.0, (B, T, Hv))
+    state = 0.1 * rng.standard_normal((B, Hv, Dk, Dv))
+    return [x.astype(np.float32) for x in (q, k, v, g, beta, state)]
+
+
+GRID = list(
+    itertools.product([1, 63, 64, 65, 200], [16, 32, 64, 128], [1, 2, 4], [False, True])
+)
+
+
+@pytest.mark.parametrize("T,Dk,ratio,vector_gate", GRID)
+def test_chunked_equals_recurrent(T, Dk, ratio, vector_gate):
+    inputs = [mx.array(x) for x in make_inputs(1, T, 2, 2 * ratio, Dk, 32, vector_gate, seed=T + Dk)]
+    out_r, state_r, _ = reference.gated_delta_recurrent(*inputs)
+    out_c, state_c = reference.gated_delta_chunked(*inputs)
+    np.testing.assert_allclose(np.array(out_c), np.array(out_r), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.array(state_c), np.array(state_r), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "B,T,Hk,Hv,Dk,Dv,vector_gate",
+    [(1, 1, 2, 4, 16, 16, False), (2, 5, 2, 2, 32, 16, False), (2, 7, 1, 4, 16, 32, True), (1, 70, 2, 4, 16, 16, True)],
+)
+def test_recurrent_and_chunked_equal_numpy(B, T, Hk, Hv, Dk, Dv, vector_gate):
+    inputs = make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate)
+    out_n, state_n, states_n = numpy_gated_delta(*inputs)
+    out_r, state_r, states_r = reference.gated_delta_recurrent(*map(mx.array, inputs), snapshots=True)
+    out_c, state_c = reference.gated_delta_chunked(*map(mx.array, inputs))
+    for got, want in [(out_r, out_n), (state_r, state_n), (states_r, states_n), (out_c, out_n), (state_c, state_n)]:
+        np.testing.assert_allclose(np.array(got), want, atol=1e-5, rtol=0)
+
+
+def test_zero_initial_state_is_the_default():
+    q, k, v, g, beta, state = map(mx.array, make_inputs(1, 9, 2, 4, 16, 16, False))
+    out, final, _ = reference.gated_delta_recurrent(q, k, v, g, beta, None)
+    out0, final0, _ = reference.gated_delta_recurrent(q, k, v, g, beta, mx.zeros_like(state))
+    assert mx.array_equal(out, out0) and mx.array_equal(final, final0)
+
+
+def test_unit_lower_inverse():
+    rng = np.random.default_rng(1)
+    # entries of the size beta * (k_i . k_j) * decay takes for unit keys
+    a = np.tril(rng.uniform(-0.2, 0.2, (3, 64, 64)), -1).astype(np.float32)
+    inv = np.array(reference.unit_lower_inverse(mx.array(a)))
+    np.testing.assert_allclose(inv @ (np.eye(64) + a), np.broadcast_to(np.eye(64), a.shape), atol=1e-4)
+
+
+def numpy_conv_silu(x, weight, tail):
+    full = np.concatenate([tail, x], axis=1).astype(np.float64)
+    K = weight.shape[1]
+    T = x.shape[1]
+    y = np.stack([(full[:, t : t + K] * weight.T[None]).sum(axis=1) for t in range(T)], axis=1)
+    tails = np.stack([full[:, t + 1 : t + K] for t in range(T)], axis=1)
+    return y / (1 + np.exp(-y)), full[:, T:], tails
+
+
+@pytest.mark.parametrize("K,T", [(2, 1), (2, 9), (4, 1), (4, 3), (4, 70)])
+def test_conv_against_numpy(K, T):
+    rng = np.random.default_rng(K * 100 + T)
+    x = rng.standard_normal((2, T, 24)).astype(np.float32)
+    w = rng.standard_normal((24, K)).astype(np.float32)
+    tail = rng.standard_normal((2, K - 1, 24)).astype(np.float32)
+    y, new_tail, tails = reference.causal_conv1d_silu(mx.array(x), mx.array(w), mx.array(tail), snapshots=True)
+    want_y, want_tail, want_tails = numpy_conv_silu(x, w, tail)
+    np.testing.assert_allclose(np.array(y), want_y, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.array(new_tail), want_tail)
+    np.testing.assert_array_equal(np.array(tails), want_tails)
+
+
+def test_dispatch_returns_snapshots_that_match_prefix_runs():
+    """The state snapshot after token t is the final state of a run over tokens 0..t."""
+    inputs = [mx.array(x) for x in make_inputs(1, 4, 2, 4, 16, 16, False)]
+    result = ops.gated_delta_update(*inputs, snapshots=True)
+    for t in range(4):
+        prefix = [x[:, : t + 1] for x in inputs[:5]] + [inputs[5]]
+        np.testing.assert_allclose(
+            np.array(result.snapshots[:, t]), np.array(ops.gated_delta_update(*prefix).state), atol=1e-6
+        )
