@@ -53,22 +53,19 @@ class RecurrentCache:
     def __init__(self):
         self.conv_tail = None
         self.state = None
-        self.offset = 0
         self.record_snapshots = False
         self.conv_snapshots = None  # [B, T, K-1, C] after each token of the last call
         self.state_snapshots = None  # [B, T, H, Dk, Dv]
 
-    def update(self, conv_tail, state, conv_snapshots=None, state_snapshots=None, num_tokens=0):
+    def update(self, conv_tail, state, conv_snapshots=None, state_snapshots=None):
         self.conv_tail = conv_tail
         self.state = state
         self.conv_snapshots = conv_snapshots
         self.state_snapshots = state_snapshots
-        self.offset += num_tokens
 
     def rollback(self, keep: int, recorded: int):
         """Keep the first `keep` (>= 1) of the `recorded` tokens of the last call."""
         if keep < recorded:
             self.conv_tail = self.conv_snapshots[:, keep - 1]
             self.state = self.state_snapshots[:, keep - 1]
-            self.offset -= recorded - keep
         self.conv_snapshots = self.state_snapshots = None

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--mtp", action="store_true", help="speculative decoding, drafting with the model's MTP head")
+    p.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=3, metavar="N", help="tokens drafted per round (default: 3)"
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -62,8 +67,11 @@ def main(argv=None) -> int:
         return _fail("the prompt is empty")
     if args.system is not None and not args.chat:
         return _fail("--system needs --chat")
+    if args.mtp and args.draft_model:
+        return _fail("choose one of --mtp and --draft-model")
     try:
         model, tokenizer = mlx_hybrid.load(args.model, dtype=args.dtype)
+        draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
         if args.verbose:
             print(
                 f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
@@ -88,6 +96,9 @@ def main(argv=None) -> int:
             top_k=args.top_k,
             min_p=args.min_p,
             seed=args.seed,
+            draft="mtp" if args.mtp else None,
+            draft_model=draft_model,
+            num_draft_tokens=args.num_draft_tokens,
         ):
             sys.stdout.write(response.text)
             sys.stdout.flush()
@@ -105,6 +116,12 @@ def main(argv=None) -> int:
             f"peak memory: {last.peak_memory:.3f} GB",
             file=sys.stderr,
         )
+        if last.acceptance_rate is not None:
+            print(
+                f"speculative: {last.acceptance_rate:.1%} of drafts accepted, "
+                f"{last.tokens_per_pass:.2f} tokens per trunk pass",
+                file=sys.stderr,
+            )
     return 0
 
 

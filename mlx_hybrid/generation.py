@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from .errors import ContextOverflowError, GenerationError
 from .sampling import Sampler
+from .speculative import DraftModelDrafter, MTPDrafter, SpeculativeDecoder
 
 # Prompts are prefilled this many tokens at a time, to bound activation memory.
 PREFILL_STEP = 512
@@ -74,17 +75,18 @@ def check_context(model, num_prompt: int) -> int:
 
 
 def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
-    """Run the prompt through the model; returns the last position's hidden state [1, 1, E]."""
+    """Run the prompt through the model; returns its hidden states [1, T, E] (before the final norm)."""
     tokens = mx.array(ids)[None]
+    hidden = []
     for start in range(0, len(ids), step):
-        h = model.hidden_states(tokens[:, start : start + step], cache)
-        mx.eval(h)
-    return h[:, -1:]
+        hidden.append(model.hidden_states(tokens[:, start : start + step], cache))
+        mx.eval(hidden[-1])
+    return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
 
 
-def _plain_tokens(model, sampler, last_hidden, cache) -> Iterator[tuple[int, bool]]:
+def _plain_tokens(model, sampler, prompt_hidden, cache) -> Iterator[tuple[int, bool]]:
     """Plain decoding: one trunk step per token."""
-    logits = model.logits_from_hidden(last_hidden)[:, -1]
+    logits = model.logits_from_hidden(prompt_hidden[:, -1:])[:, -1]
     token = sampler(logits)
     mx.async_eval(token)
     while True:
@@ -93,6 +95,17 @@ def _plain_tokens(model, sampler, last_hidden, cache) -> Iterator[tuple[int, boo
         mx.async_eval(following)  # overlap the next step with handing out this token
         yield int(token.reshape(-1)[0]), False
         token = following
+
+
+def _speculative_tokens(decoder, first: int, max_tokens) -> Iterator[tuple[int, bool]]:
+    """Speculative decoding: each round yields the accepted drafts, then the trunk's token."""
+    yield first, False
+    emitted = 1
+    while True:
+        accepted = decoder.step(max_new=max_tokens - emitted)
+        for i, token in enumerate(accepted):
+            yield token, i + 1 < len(accepted)
+        emitted += len(accepted)
 
 
 def stream_generate(
@@ -105,11 +118,20 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
+    draft: str | None = None,
+    draft_model=None,
+    num_draft_tokens: int = 3,
 ) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (a string or token ids), yielding a response per token.
 
     temp=0 is greedy. The last response has `finish_reason` "stop" (an end token)
     or "length" (max_tokens or the model's context reached).
+
+    Speculative decoding: `draft="mtp"` drafts with the model's own MTP head,
+    `draft_model=` with another model of the same vocabulary; `num_draft_tokens`
+    per round. The output follows the model's distribution exactly (greedy:
+    token for token). Responses then carry `from_draft`, `acceptance_rate` and
+    `tokens_per_pass`.
     """
     ids = prompt_ids(tokenizer, prompt, model.args.vocab_size)
     room = check_context(model, len(ids))
@@ -117,18 +139,26 @@ def stream_generate(
         raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
     max_tokens = min(max_tokens, room)
     sampler = Sampler(temp, top_p, top_k, min_p, seed)
+    drafter = _drafter(model, draft, draft_model)
     if max_tokens == 0:
         return
     mx.reset_peak_memory()
     cache = model.make_cache()
     start = time.perf_counter()
-    last_hidden = prefill(model, ids, cache)
-    prompt_time = time.perf_counter() - start
-    prompt_tps = len(ids) / prompt_time
+    prompt_hidden = prefill(model, ids, cache)
+    if drafter is None:
+        stats = None
+        tokens = _plain_tokens(model, sampler, prompt_hidden, cache)
+    else:
+        decoder = SpeculativeDecoder(model, drafter, sampler, num_draft_tokens, cache)
+        stats = decoder.stats
+        first = decoder.start(ids, prompt_hidden)  # drafters take in the prompt as part of the prefill
+        tokens = _speculative_tokens(decoder, first, max_tokens)
+    prompt_tps = len(ids) / (time.perf_counter() - start)
     detokenizer = StreamingDetokenizer(tokenizer)
     eos = set(tokenizer.eos_token_ids)
     start = time.perf_counter()
-    for n, (token, from_draft) in enumerate(_plain_tokens(model, sampler, last_hidden, cache), start=1):
+    for n, (token, from_draft) in enumerate(tokens, start=1):
         finish = "stop" if token in eos else ("length" if n >= max_tokens else None)
         elapsed = time.perf_counter() - start
         yield GenerationResponse(
@@ -141,9 +171,23 @@ def stream_generate(
             generation_tps=n / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
+            acceptance_rate=stats.acceptance_rate if stats else None,
+            tokens_per_pass=stats.tokens_per_pass if stats else None,
         )
         if finish:
             break
+
+
+def _drafter(model, draft, draft_model):
+    if draft is not None and draft_model is not None:
+        raise GenerationError("give either draft='mtp' or draft_model=, not both")
+    if draft_model is not None:
+        return DraftModelDrafter(draft_model, model)
+    if draft is None:
+        return None
+    if draft != "mtp":
+        raise GenerationError(f"unknown draft {draft!r} (use draft='mtp' or draft_model=)")
+    return MTPDrafter(model)
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:

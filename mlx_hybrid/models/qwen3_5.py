@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
         g = self.A * nn.softplus(self.in_proj_a(x).astype(F32) + self.dt_bias)
         rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
         if cache is not None:
-            cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots, T)
+            cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
         out = gated_rms_norm(rule.out, self.norm.weight, nn.silu(z.astype(F32)), self.eps)
         return self.out_proj(out.reshape(B, T, -1).astype(x.dtype))
@@ -257,3 +257,11 @@ class Model(nn.Module):
 
     def __call__(self, ids: mx.array, cache=None) -> mx.array:
         return self.logits_from_hidden(self.hidden_states(ids, cache))
+
+    def mtp_logits(self, ids: mx.array) -> mx.array:
+        """Teacher-forced MTP predictions [B, T-1, V]: position t from h_t and token t+1."""
+        if not self.has_mtp:
+            raise ValueError("this model has no MTP head")
+        hidden = self.hidden_states(ids)
+        u = self.mtp(hidden[:, :-1], self.embed_tokens(ids[:, 1:]))
+        return self.project(self.mtp.norm(u))

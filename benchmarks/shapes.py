@@ -1,0 +1,56 @@
+"""Random-weight models at real shapes, built in memory (no checkpoint needed)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlx_hybrid.models.qwen3_5 import FULL, LINEAR, Model, ModelArgs
+
+
+def qwen3_5_0_8b() -> ModelArgs:
+    """Qwen3.5-0.8B's text model (hidden 1024, 24 layers, every 4th full attention)."""
+    return ModelArgs(
+        model_type="qwen3_5",
+        vocab_size=248320,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=[FULL if (i + 1) % 4 == 0 else LINEAR for i in range(24)],
+        intermediate_size=3584,
+        tie_word_embeddings=True,
+        mtp_num_hidden_layers=1,
+    )
+
+
+SHAPES = {"qwen3.5-0.8b": qwen3_5_0_8b}
+
+
+def random_model(args: ModelArgs, dtype=mx.float32, seed: int = 0) -> Model:
+    """Weights ~ N(0, 0.02), norms 1, decay settings as freshly initialised checkpoints have them."""
+    mx.random.seed(seed)
+    model = Model(args)
+    weights = []
+    for name, p in tree_flatten(model.parameters()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A":
+            p = -mx.random.uniform(1.0, 16.0, p.shape)
+        elif leaf == "dt_bias" or "norm" in name:
+            p = mx.ones(p.shape)
+        else:
+            p = 0.02 * mx.random.normal(p.shape)
+        weights.append((name, p.astype(mx.float32 if leaf in ("A", "dt_bias") else dtype)))
+    model.load_weights(weights)
+    mx.eval(model.parameters())
+    return model
