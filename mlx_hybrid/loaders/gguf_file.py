@@ -89,36 +89,42 @@ def _qwen_args(meta: Metadata, module, tensor_names: set[str]):
 
 # -- tensor tables -------------------------------------------------------------------
 
-_BLOCK = r"(?P<blk>layers\.\d+|mtp\.layers\.\d+)\."
-
-
-def _untile(w, args, *, axis=0, offset=0, head_size=1):
-    """Put value heads back in checkpoint order: GGUF head r*Hk + j is checkpoint head j*R + r."""
+def _tiled_order(args):
+    """GGUF value head p = r*Hk + j holds checkpoint head j*R + r (llama.cpp's qwen35 layout)."""
     Hk, Hv = args.linear_num_key_heads, args.linear_num_value_heads
     R = Hv // Hk
-    if R == 1:
-        return w
-    gguf_head = np.array([(h % R) * Hk + h // R for h in range(Hv)])
-    rows = (gguf_head[:, None] * head_size + np.arange(head_size)).reshape(-1) + offset
+    return np.array([(p % Hk) * R + p // Hk for p in range(Hv)])
+
+
+def _permute_heads(w, args, order, *, axis=0, offset=0, head_size=1):
+    """Reorder the value heads found at [offset, offset + Hv*head_size) along `axis`: new head i = old order[i]."""
+    Hv = args.linear_num_value_heads
+    rows = (order[:, None] * head_size + np.arange(head_size)).reshape(-1) + offset
     index = np.concatenate([np.arange(offset), rows, np.arange(offset + Hv * head_size, w.shape[axis])])
     return mx.take(w, mx.array(index), axis=axis)
 
 
-def _untile_qkv(w, args):  # rows [q | k | v]: only v is tiled
-    offset = 2 * args.linear_num_key_heads * args.linear_key_head_dim
-    return _untile(w, args, offset=offset, head_size=args.linear_value_head_dim)
+def _head_transforms(to_gguf: bool):
+    """Transforms between checkpoint order and tiled GGUF order of the value heads, per tensor kind."""
 
+    def order(args):
+        tiled = _tiled_order(args)
+        return tiled if to_gguf else np.argsort(tiled)
 
-def _untile_value_rows(w, args):
-    return _untile(w, args, head_size=args.linear_value_head_dim)
+    def qkv(w, args):  # rows [q | k | v]: only v has value heads
+        offset = 2 * args.linear_num_key_heads * args.linear_key_head_dim
+        return _permute_heads(w, args, order(args), offset=offset, head_size=args.linear_value_head_dim)
 
+    def value_rows(w, args):
+        return _permute_heads(w, args, order(args), head_size=args.linear_value_head_dim)
 
-def _untile_heads(w, args):
-    return _untile(w, args)
+    def heads(w, args):
+        return _permute_heads(w, args, order(args))
 
+    def value_columns(w, args):
+        return _permute_heads(w, args, order(args), axis=1, head_size=args.linear_value_head_dim)
 
-def _untile_value_columns(w, args):
-    return _untile(w, args, axis=1, head_size=args.linear_value_head_dim)
+    return qkv, value_rows, heads, value_columns
 
 
 def _split_ba(w, args):
@@ -127,42 +133,66 @@ def _split_ba(w, args):
     return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
 
 
-def _qwen_rules(tiled_value_heads: bool):
-    def untiled(transform):
-        return transform if tiled_value_heads else None
+# (GGUF tensor, canonical parameter, which value-head transform applies) for qwen35*/qwen3next.
+# Head transform names index into _head_transforms(); None: the tensor has no value heads.
+# Block names are ours (`layers.N`, `mtp.layers.N`); see block_names for `blk.N`.
+_QWEN_TENSORS = [
+    ("token_embd.weight", "embed_tokens.weight", None),
+    ("output_norm.weight", "norm.weight", None),
+    ("output.weight", "lm_head.weight", None),
+    ("mtp.layers.0.nextn.eh_proj.weight", "mtp.fc.weight", None),
+    ("mtp.layers.0.nextn.enorm.weight", "mtp.enorm.weight", None),
+    ("mtp.layers.0.nextn.hnorm.weight", "mtp.hnorm.weight", None),
+    ("mtp.layers.0.nextn.shared_head_norm.weight", "mtp.norm.weight", None),
+    ("{blk}.attn_norm.weight", "{blk}.input_layernorm.weight", None),
+    ("{blk}.post_attention_norm.weight", "{blk}.post_attention_layernorm.weight", None),
+    ("{blk}.attn_{qkv}.weight", "{blk}.self_attn.{qkv}_proj.weight", None),
+    ("{blk}.attn_output.weight", "{blk}.self_attn.o_proj.weight", None),
+    ("{blk}.attn_{qk}_norm.weight", "{blk}.self_attn.{qk}_norm.weight", None),
+    ("{blk}.attn_qkv.weight", "{blk}.linear_attn.in_proj_qkv.weight", "qkv"),
+    ("{blk}.attn_gate.weight", "{blk}.linear_attn.in_proj_z.weight", "value_rows"),
+    ("{blk}.ssm_alpha.weight", "{blk}.linear_attn.in_proj_a.weight", "heads"),
+    ("{blk}.ssm_beta.weight", "{blk}.linear_attn.in_proj_b.weight", "heads"),
+    ("{blk}.ssm_a", "{blk}.linear_attn.A", "heads"),
+    ("{blk}.ssm_dt.bias", "{blk}.linear_attn.dt_bias", "heads"),
+    ("{blk}.ssm_conv1d.weight", "{blk}.linear_attn.conv1d_weight", "qkv"),
+    ("{blk}.ssm_norm.weight", "{blk}.linear_attn.norm.weight", None),
+    ("{blk}.ssm_out.weight", "{blk}.linear_attn.out_proj.weight", "value_columns"),
+    ("{blk}.ffn_{ffn}.weight", "{blk}.mlp.{ffn}_proj.weight", None),
+    ("{blk}.ffn_gate_inp.weight", "{blk}.mlp.gate.weight", None),
+    ("{blk}.ffn_{ffn}_exps.weight", "{blk}.mlp.switch_mlp.{ffn}_proj", None),
+    ("{blk}.ffn_{ffn}_shexp.weight", "{blk}.mlp.shared_expert.{ffn}_proj.weight", None),
+    ("{blk}.ffn_gate_inp_shexp.weight", "{blk}.mlp.shared_expert_gate.weight", None),
+]
+# what each placeholder of the table may stand for
+_GROUPS = {
+    "blk": r"(?P<blk>layers\.\d+|mtp\.layers\.\d+)",
+    "qkv": r"(?P<qkv>q|k|v)",
+    "qk": r"(?P<qk>q|k)",
+    "ffn": r"(?P<ffn>gate|up|down)",
+}
 
-    la = "{blk}.linear_attn."
-    return [
-        Rule(r"token_embd\.weight", "embed_tokens.weight"),
-        Rule(r"output_norm\.weight", "norm.weight"),
-        Rule(r"output\.weight", "lm_head.weight"),
-        Rule(_BLOCK + r"nextn\.eh_proj\.weight", "mtp.fc.weight"),
-        Rule(_BLOCK + r"nextn\.enorm\.weight", "mtp.enorm.weight"),
-        Rule(_BLOCK + r"nextn\.hnorm\.weight", "mtp.hnorm.weight"),
-        Rule(_BLOCK + r"nextn\.shared_head_norm\.weight", "mtp.norm.weight"),
-        # optional copies of token_embd / output that the MTP head shares anyway
-        Rule(_BLOCK + r"nextn\.(?:embed_tokens|shared_head_head)\.weight", ""),
-        Rule(_BLOCK + r"attn_norm\.weight", "{blk}.input_layernorm.weight"),
-        Rule(_BLOCK + r"post_attention_norm\.weight", "{blk}.post_attention_layernorm.weight"),
-        Rule(_BLOCK + r"attn_(?P<p>q|k|v)\.weight", "{blk}.self_attn.{p}_proj.weight"),
-        Rule(_BLOCK + r"attn_output\.weight", "{blk}.self_attn.o_proj.weight"),
-        Rule(_BLOCK + r"attn_(?P<p>q|k)_norm\.weight", "{blk}.self_attn.{p}_norm.weight"),
-        Rule(_BLOCK + r"attn_qkv\.weight", la + "in_proj_qkv.weight", untiled(_untile_qkv)),
-        Rule(_BLOCK + r"attn_gate\.weight", la + "in_proj_z.weight", untiled(_untile_value_rows)),
-        Rule(_BLOCK + r"ssm_alpha\.weight", la + "in_proj_a.weight", untiled(_untile_heads)),
-        Rule(_BLOCK + r"ssm_beta\.weight", la + "in_proj_b.weight", untiled(_untile_heads)),
-        Rule(_BLOCK + r"ssm_ba\.weight", (la + "in_proj_b.weight", la + "in_proj_a.weight"), _split_ba),
-        Rule(_BLOCK + r"ssm_a", la + "A", untiled(_untile_heads)),
-        Rule(_BLOCK + r"ssm_dt\.bias", la + "dt_bias", untiled(_untile_heads)),
-        Rule(_BLOCK + r"ssm_conv1d\.weight", la + "conv1d_weight", untiled(_untile_qkv)),
-        Rule(_BLOCK + r"ssm_norm\.weight", la + "norm.weight"),
-        Rule(_BLOCK + r"ssm_out\.weight", la + "out_proj.weight", untiled(_untile_value_columns)),
-        Rule(_BLOCK + r"ffn_(?P<p>gate|up|down)\.weight", "{blk}.mlp.{p}_proj.weight"),
-        Rule(_BLOCK + r"ffn_gate_inp\.weight", "{blk}.mlp.gate.weight"),
-        Rule(_BLOCK + r"ffn_(?P<p>gate|up|down)_exps\.weight", "{blk}.mlp.switch_mlp.{p}_proj"),
-        Rule(_BLOCK + r"ffn_(?P<p>gate|up|down)_shexp\.weight", "{blk}.mlp.shared_expert.{p}_proj.weight"),
-        Rule(_BLOCK + r"ffn_gate_inp_shexp\.weight", "{blk}.mlp.shared_expert_gate.weight"),
-    ]
+
+def _pattern(template):
+    parts = re.split(r"\{(\w+)\}", template)  # odd items are placeholder names
+    return "".join(_GROUPS[part] if i % 2 else re.escape(part) for i, part in enumerate(parts))
+
+
+def _qwen_rules(tiled_value_heads: bool, to_gguf: bool = False):
+    """Rules from GGUF names to canonical ones (or back, with to_gguf)."""
+    transforms = dict(zip(("qkv", "value_rows", "heads", "value_columns"), _head_transforms(to_gguf)))
+    rules = []
+    for gguf_name, canonical, heads in _QWEN_TENSORS:
+        source, target = (canonical, gguf_name) if to_gguf else (gguf_name, canonical)
+        transform = transforms[heads] if heads and tiled_value_heads else None
+        rules.append(Rule(_pattern(source), target, transform))
+    if not to_gguf:
+        rules += [
+            # optional copies of token_embd / output that the MTP head shares anyway
+            Rule(_pattern("{blk}.nextn.") + r"(?:embed_tokens|shared_head_head)\.weight", ""),
+            Rule(_pattern("{blk}.ssm_ba.weight"), ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"), _split_ba),
+        ]
+    return rules
 
 
 # GGUF architecture -> (our model type, hyper-parameters, tensor table)
@@ -191,6 +221,15 @@ def open_gguf(path: Path):
     if end > size:
         raise ModelLoadError(f"{path}: truncated ({size} bytes, tensor data runs to {end})")
     return reader
+
+
+def gguf_block_name(name: str, n_layer: int) -> str:
+    """Our block path -> `blk.N` (MTP blocks follow the trunk's)."""
+    m = re.match(r"(mtp\.)?layers\.(\d+)\.", name)
+    if not m:
+        return name
+    index = int(m.group(2)) + (n_layer if m.group(1) else 0)
+    return f"blk.{index}." + name[m.end() :]
 
 
 def block_names(reader, n_layer: int):

@@ -77,6 +77,41 @@ QWEN_RULES = [
 ]
 
 
+def _minus_one(w, _args):
+    return w.astype(mx.float32) - 1.0
+
+
+def _log_neg(a, _args):
+    return mx.log(-a.astype(mx.float32))
+
+
+def _unsqueeze_conv(w, _args):
+    return w[:, None, :]
+
+
+# Canonical names -> the published Qwen3.5 layout (before the `model.language_model.`
+# prefix, which export_name adds). Dense models only: fused experts would need two inputs.
+QWEN_EXPORT_RULES = [
+    Rule(r"norm\.weight", "norm.weight", _minus_one),
+    Rule(r"mtp\.enorm\.weight", "mtp.pre_fc_norm_embedding.weight", _minus_one),
+    Rule(r"mtp\.hnorm\.weight", "mtp.pre_fc_norm_hidden.weight", _minus_one),
+    Rule(r"mtp\.norm\.weight", "mtp.norm.weight", _minus_one),
+    Rule(
+        r"(?P<blk>(?:mtp\.)?layers\.\d+)\.(?P<norm>input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm)\.weight",
+        "{blk}.{norm}.weight",
+        _minus_one,
+    ),
+    Rule(r"(?P<blk>(?:mtp\.)?layers\.\d+)\.linear_attn\.A", "{blk}.linear_attn.A_log", _log_neg),
+    Rule(r"(?P<blk>(?:mtp\.)?layers\.\d+)\.linear_attn\.conv1d_weight", "{blk}.linear_attn.conv1d.weight", _unsqueeze_conv),
+    Rule(r"(?P<name>.+)", "{name}"),
+]
+
+
+def export_name(name: str) -> str:
+    """Published multimodal checkpoints keep the text trunk under `model.language_model.`."""
+    return name if name.startswith(("mtp.", "lm_head.")) else "model.language_model." + name
+
+
 # -- hyper-parameters ------------------------------------------------------------
 
 

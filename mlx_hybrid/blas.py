@@ -1,0 +1,64 @@
+"""An optimized BLAS for MLX's CPU backend on Linux.
+
+MLX's Linux wheel links the reference (netlib) BLAS. When OpenBLAS is installed
+(Debian/Ubuntu: `libopenblas0-pthread`) and preloaded, MLX's matrix products use
+it instead: about 40x faster here for a 64x1024x8192 float32 product. A library
+cannot swap BLAS inside a running process, so `prefer_optimized_blas()` restarts
+the program once with OpenBLAS in LD_PRELOAD. The CLI calls it first thing; in
+your own program either call it at the very start or run Python with
+`LD_PRELOAD=/path/to/libopenblas.so.0`. MLX_HYBRID_BLAS=reference turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import sys
+from pathlib import Path
+
+_CANDIDATES = [
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+]
+_RESTARTED = "MLX_HYBRID_BLAS_RESTARTED"
+
+
+def find_openblas() -> str | None:
+    for candidate in _CANDIDATES:
+        if Path(candidate).is_file():
+            return candidate
+    return ctypes.util.find_library("openblas")
+
+
+def active_blas() -> str:
+    """The BLAS this process has mapped: 'openblas', 'accelerate', 'reference' or 'unknown'."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    if "openblas" in maps:
+        return "openblas"
+    return "reference" if "libblas" in maps else "unknown"
+
+
+def prefer_optimized_blas() -> None:
+    """Restart this process with OpenBLAS preloaded, if on Linux, installed and not yet loaded."""
+    if not sys.platform.startswith("linux") or os.environ.get(_RESTARTED):
+        return
+    if os.environ.get("MLX_HYBRID_BLAS", "") == "reference" or "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return
+    library = find_openblas()
+    if library is None:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(filter(None, [library, env.get("LD_PRELOAD")]))
+    env[_RESTARTED] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -1,0 +1,147 @@
+"""Writing models back out: GGUF in llama.cpp's qwen35 layout, and HF directories.
+
+The name mappings are the loaders' tables run the other way (see
+`loaders/gguf_file.py` and `loaders/hf.py`), so a written file loads back to the
+same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .loaders import gguf_file, hf
+from .loaders.common import rename
+from .models.qwen3_5 import LINEAR
+
+_GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+
+
+def _canonical(model):
+    return [(name, (lambda p=p: p)) for name, p in tree_flatten(model.parameters())]
+
+
+def _tokenizer_tables(tokenizer, vocab_size: int):
+    """Tokens by id, merges and GGUF token types from a byte-level BPE `tokenizers` object."""
+    inner = tokenizer._tokenizer
+    vocab = inner.get_vocab(with_added_tokens=True)
+    # ids the tokenizer never produces (embedding rows padded for alignment) get
+    # placeholder names, as llama.cpp's converter writes them
+    tokens = [f"[PAD{i}]" for i in range(max(vocab_size, len(vocab)))]
+    for token, i in vocab.items():
+        tokens[i] = token
+    merges = json.loads(inner.to_str())["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    special = {t.content for t in inner.get_added_tokens_decoder().values() if t.special}
+    types = [3 if t in special else 5 if t.startswith("[PAD") and t not in vocab else 1 for t in tokens]  # control, unused, normal
+    return tokens, merges, types
+
+
+def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=np.float16):
+    """A GGUF file llama.cpp's `qwen35`/`qwen35moe` loaders read (value heads tiled, MTP as `nextn`)."""
+    import gguf
+
+    args = model.args
+    if args.model_type not in _GGUF_ARCH:
+        raise ValueError(f"GGUF export supports {sorted(_GGUF_ARCH)}, not {args.model_type!r}")
+    arch = _GGUF_ARCH[args.model_type]
+    weights, unmatched = rename(_canonical(model), gguf_file._qwen_rules(True, to_gguf=True), args)
+    assert not unmatched, unmatched
+    n_layer, nextn = args.num_hidden_layers, args.mtp_num_hidden_layers
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_block_count(n_layer + nextn)
+    writer.add_context_length(args.max_position_embeddings)
+    writer.add_embedding_length(args.hidden_size)
+    if args.intermediate_size:
+        writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.num_attention_heads)
+    writer.add_head_count_kv(args.num_key_value_heads)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
+    rope_dims = int(args.head_dim * args.partial_rotary_factor)
+    writer.add_rope_dimension_count(rope_dims)
+    # text positions share one section: all rotary pairs in the first
+    writer.add_rope_dimension_sections([rope_dims // 2, 0, 0, 0])
+    writer.add_ssm_conv_kernel(args.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(args.linear_key_head_dim)
+    writer.add_ssm_group_count(args.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(args.linear_num_value_heads)
+    writer.add_ssm_inner_size(args.linear_num_value_heads * args.linear_value_head_dim)
+    writer.add_nextn_predict_layers(nextn)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == LINEAR for t in args.layer_types] + [False] * nextn)
+    writer.add_full_attention_interval(args.layer_types.index("full_attention") + 1)
+    if args.num_experts:
+        writer.add_expert_count(args.num_experts)
+        writer.add_expert_used_count(args.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(args.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(args.shared_expert_intermediate_size)
+    tokens, merges, types = _tokenizer_tables(tokenizer, args.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokenizer.eos_token_ids[0])
+    writer.add_pad_token_id(tokenizer.eos_token_ids[0])
+    writer.add_add_bos_token(False)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+    for canonical_name, tensor in weights.items():
+        array = np.array(tensor.astype(mx.float32))
+        if array.ndim == 2 and not canonical_name.endswith("conv1d_weight") and min(array.shape) > 1:
+            array = array.astype(matrix_dtype)
+        writer.add_tensor(gguf_file.gguf_block_name(canonical_name, n_layer), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def save_hf(model, tokenizer, directory):
+    """A Hugging Face directory in the published Qwen3.5 layout (dense models)."""
+    args = model.args
+    if args.model_type != "qwen3_5":
+        raise ValueError(f"HF export supports dense qwen3_5 models, not {args.model_type!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights, _ = rename(_canonical(model), hf.QWEN_EXPORT_RULES, args)
+    mx.save_safetensors(
+        str(directory / "model.safetensors"),
+        {hf.export_name(k): v for k, v in weights.items()},
+        metadata={"format": "pt"},
+    )
+    text = {k: v for k, v in vars(args).items() if k not in ("model_type", "rope_theta", "partial_rotary_factor")}
+    text.update(
+        model_type="qwen3_5_text",
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": args.partial_rotary_factor,
+        },
+        eos_token_id=tokenizer.eos_token_ids[0],
+    )
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "text_config": text,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer._tokenizer.save(str(directory / "tokenizer.json"))
+    eos = tokenizer.decode(tokenizer.eos_token_ids[:1])
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "pad_token": eos,
+        "add_bos_token": False,
+        "model_max_length": args.max_position_embeddings,
+        "chat_template": tokenizer.chat_template,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))

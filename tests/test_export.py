@@ -1,0 +1,36 @@
+"""Writing GGUF and HF files: what llama.cpp's converter writes, and loads back unchanged."""
+
+import gguf
+import mlx.core as mx
+import numpy as np
+
+import mlx_hybrid
+from conftest import FIXTURES, load_fixture, reference
+from mlx_hybrid.export import save_gguf, save_hf
+
+
+def test_gguf_export_matches_llama_cpp_converter(tmp_path):
+    """From the HF checkpoint, the same tensors (names, tiled heads, 1 + w norms) as convert_hf_to_gguf.py."""
+    model, tokenizer = load_fixture("qwen35", "hf")
+    save_gguf(model, tokenizer, tmp_path / "out.gguf", matrix_dtype=np.float32)
+    ours = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(tmp_path / "out.gguf")).tensors}
+    theirs = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(FIXTURES / "qwen35" / "model.gguf")).tensors}
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        np.testing.assert_allclose(ours[name].reshape(theirs[name].shape), theirs[name], atol=1e-6, err_msg=name)
+
+
+def test_exports_load_back_to_the_same_model(tmp_path):
+    model, tokenizer = load_fixture("qwen35", "model.gguf")
+    ids = mx.array(reference("qwen35")["input_ids"])
+    save_gguf(model, tokenizer, tmp_path / "out.gguf", matrix_dtype=np.float32)
+    save_hf(model, tokenizer, tmp_path / "hf")
+    text = "def parse_args(argv):\n    return {'é': 1}  # ünïcode\n"
+    for path in (tmp_path / "out.gguf", tmp_path / "hf"):
+        loaded, loaded_tokenizer = mlx_hybrid.load(path)
+        np.testing.assert_allclose(np.array(loaded(ids)), np.array(model(ids)), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(np.array(loaded.mtp_logits(ids)), np.array(model.mtp_logits(ids)), atol=1e-4, rtol=0)
+        assert loaded_tokenizer.encode(text) == tokenizer.encode(text)
+        assert loaded_tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}]
+        )
