@@ -7,6 +7,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
 from ..models import architecture
 from ..tokenizer import Tokenizer
@@ -19,14 +20,9 @@ PROGRESS_MIN_BYTES = 256 << 20
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def default_dtype():
-    """float32 on the CPU, bfloat16 where a GPU runs the model."""
-    return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-
-
 def resolve_dtype(dtype):
     if dtype is None:
-        return default_dtype()
+        return ops.default_dtype()
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(_DTYPES)})")

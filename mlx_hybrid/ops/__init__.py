@@ -2,19 +2,21 @@
 
 Models and the speculative loop call `gated_delta_update` and `conv1d_update`
 and nothing below them. This module is the one place that decides which
-implementation runs a call: a custom kernel where the platform has one and the
-shape is supported, else the pure-MLX reference. Setting
-MLX_HYBRID_FORCE_REFERENCE=1 forces the pure-MLX path.
+implementation runs a call: a custom kernel (Metal, or CUDA through the same
+bodies) where the platform has one and the shape is supported, else the pure-MLX
+reference. MLX_HYBRID_FORCE_REFERENCE=1 forces the pure-MLX path. Nothing else in
+the package asks which device it runs on.
 """
 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import reference
+from . import kernels, reference
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
 # chunked form's matrices (measured on a 2-core x86 CPU, Qwen3.5-0.8B head shapes:
@@ -38,14 +40,45 @@ def force_reference() -> bool:
     return os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
 
 
+@lru_cache(maxsize=None)
+def _gpu_platform() -> str | None:
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def kernel_platform() -> str | None:
+    """'metal' or 'cuda' when custom kernels run the linear-attention ops, else None."""
+    return None if force_reference() else _gpu_platform()
+
+
 def backend_name() -> str:
     """Which implementation runs the linear-attention ops in this process."""
-    return "mlx-reference"
+    platform = kernel_platform()
+    return f"{platform} kernels" if platform else "mlx-reference"
+
+
+def default_dtype():
+    """float32 where the CPU computes, bfloat16 on a GPU."""
+    return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+
+
+# the kernels keep a column of S in registers: Dk / 32 floats per lane
+KERNEL_MAX_KEY_DIM = 256
+KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False) -> GatedDeltaResult:
     """Advance the gated delta rule over T tokens (see `reference` for shapes)."""
-    if not snapshots and q.shape[1] >= CHUNKED_MIN_TOKENS:
+    platform = kernel_platform()
+    recurrent = snapshots or q.shape[1] < CHUNKED_MIN_TOKENS
+    if platform and recurrent and q.shape[-1] <= KERNEL_MAX_KEY_DIM and q.dtype in KERNEL_DTYPES:
+        out, final, states = kernels.run(kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform)
+        return GatedDeltaResult(out, final, states if snapshots else None)
+    if not recurrent:
         out, final = reference.gated_delta_chunked(q, k, v, g, beta, state)
         return GatedDeltaResult(out, final, None)
     return GatedDeltaResult(*reference.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots))
@@ -61,4 +94,8 @@ def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.arra
 
 def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResult:
     """Causal depthwise conv + SiLU over T tokens, continuing from `tail`."""
+    platform = kernel_platform()
+    if platform and x.dtype in KERNEL_DTYPES and weight.shape[-1] >= 2:
+        y, new_tail, tails = kernels.run(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform)
+        return ConvResult(y, new_tail, tails if snapshots else None)
     return ConvResult(*reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))

@@ -1,0 +1,98 @@
+"""Run the Metal kernel bodies of metal/ on the CPU: g++ behind metal_shim.h.
+
+`emulate(spec, launch)` takes the same KernelSpec and Launch the GPU runners take,
+writes the function signature the way mx.fast.metal_kernel does (inputs, their
+`_shape` arrays when the body uses them, outputs, template arguments as
+constants), compiles it once per distinct source, and runs every thread of the grid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HERE = Path(__file__).parent
+BUILD = Path(tempfile.gettempdir()) / "mlx_hybrid_kernel_emulation"
+C_TYPES = {mx.float32: ("float", np.float32), mx.int32: ("int", np.int32)}
+
+
+def render(spec, launch) -> str:
+    source = spec.source
+    params = []
+    for name, array in zip(spec.input_names, launch.inputs):
+        params.append(f"const device {C_TYPES[array.dtype][0]}* {name}")
+        if f"{name}_shape" in source:
+            params.append(f"const constant int* {name}_shape")
+    for name, dtype in zip(spec.output_names, launch.output_dtypes):
+        params.append(f"device {C_TYPES[dtype][0]}* {name}")
+    constants = []
+    for name, value in launch.template:
+        if isinstance(value, bool):
+            constants.append(f"constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            constants.append(f"constexpr int {name} = {value};")
+        else:
+            constants.append(f"using {name} = {C_TYPES[value][0]};")
+    return "\n".join(
+        [
+            '#include "metal_shim.h"',
+            f'extern "C" long run({", ".join(params)}, uint gx, uint gy, uint gz, uint tx, uint ty, uint tz) {{',
+            "    emu::Body body = [&](uint3 thread_position_in_grid, uint thread_index_in_simdgroup) {",
+            "        (void)thread_position_in_grid; (void)thread_index_in_simdgroup;",
+            *("        " + c for c in constants),
+            f'#line 1 "{spec.path}"',  # compiler messages and coverage name the kernel file
+            source,
+            "    };",
+            "    return emu::dispatch(body, uint3{gx, gy, gz}, uint3{tx, ty, tz});",
+            "}",
+            "#ifdef EMU_COVERAGE",  # counters reach the .gcda files only when asked (or at exit)
+            'extern "C" void __gcov_dump(void);',
+            'extern "C" void dump_coverage(void) { __gcov_dump(); }',
+            "#endif",
+        ]
+    )
+
+
+def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
+    digest = hashlib.sha256(code.encode() + (HERE / "metal_shim.h").read_bytes()).hexdigest()[:16]
+    build = coverage_dir or BUILD
+    build.mkdir(parents=True, exist_ok=True)
+    source = build / f"kernel_{digest}.cpp"
+    library = build / f"kernel_{digest}.so"
+    if not library.exists() or coverage_dir:
+        source.write_text(code)
+        flags = ["--coverage", "-O0", "-DEMU_COVERAGE"] if coverage_dir else ["-O2"]
+        subprocess.run(
+            ["g++", "-std=c++17", "-shared", "-fPIC", *flags, "-I", str(HERE), "-o", str(library), str(source)],
+            check=True,
+            cwd=build,
+        )
+    return ctypes.CDLL(str(library))
+
+
+def emulate(spec, launch, coverage_dir: Path | None = None):
+    """Outputs as numpy arrays, and the number of simd_sum barriers the run went through."""
+    library = compile_source(render(spec, launch), coverage_dir)
+    source = spec.source
+    args, keep = [], []
+    for name, array in zip(spec.input_names, launch.inputs):
+        data = np.ascontiguousarray(np.array(array), dtype=C_TYPES[array.dtype][1])
+        keep.append(data)
+        args.append(data.ctypes.data_as(ctypes.c_void_p))
+        if f"{name}_shape" in source:
+            shape = np.array(array.shape, dtype=np.int32)
+            keep.append(shape)
+            args.append(shape.ctypes.data_as(ctypes.c_void_p))
+    outputs = [np.zeros(shape, dtype=C_TYPES[dtype][1]) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)]
+    args += [out.ctypes.data_as(ctypes.c_void_p) for out in outputs]
+    library.run.restype = ctypes.c_long
+    barriers = library.run(*args, *map(ctypes.c_uint, launch.grid), *map(ctypes.c_uint, launch.threadgroup))
+    if coverage_dir:
+        library.dump_coverage()
+    return outputs, barriers

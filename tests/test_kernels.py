@@ -1,0 +1,139 @@
+"""The kernel bodies of metal/, run by the g++ emulation, against the pure-MLX reference.
+
+Like llama.cpp's backend-op tests: every kernel over a grid of shapes. These run
+on Linux in CI; on a Mac or an NVIDIA machine the same launches run on the GPU
+(test_kernels_on_gpu below).
+"""
+
+import itertools
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from emulation import emulate
+from mlx_hybrid import ops
+from mlx_hybrid.ops import kernels, reference
+from test_ops import make_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def check_gated_delta(B, T, Hk, Hv, Dk, Dv, vector_gate, snapshots, run):
+    inputs = [mx.array(x) for x in make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate, seed=B + T + Dk + Dv + Hv)]
+    (out, state, states), barriers = run(kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, snapshots))
+    want_out, want_state, want_states = reference.gated_delta_recurrent(*inputs, snapshots=snapshots)
+    np.testing.assert_allclose(out, np.array(want_out), atol=TOL, rtol=0)
+    np.testing.assert_allclose(state, np.array(want_state), atol=TOL, rtol=0)
+    if snapshots:
+        np.testing.assert_allclose(states, np.array(want_states), atol=TOL, rtol=0)
+    return barriers
+
+
+@pytest.mark.parametrize(
+    "Dk,vector_gate,snapshots", list(itertools.product([16, 32, 64, 128], [False, True], [False, True]))
+)
+def test_gated_delta_kernel_grid(Dk, vector_gate, snapshots):
+    """Dv x (Hv/Hk) x T x batch for each key size, gate kind and snapshot setting."""
+    for Dv, ratio, T, B in itertools.product([16, 64, 128], [1, 2, 4], [1, 2, 4, 5, 64, 65], [1, 2]):
+        barriers = check_gated_delta(B, T, 1, ratio, Dk, Dv, vector_gate, snapshots, emulate)
+        # every simdgroup (one per batch, value head and column) met both simd_sums every token
+        assert barriers == 2 * T * B * ratio * Dv
+
+
+@pytest.mark.parametrize("Hk,Hv", [(2, 2), (2, 4), (3, 12)])
+def test_gated_delta_kernel_maps_value_heads_to_key_heads(Hk, Hv):
+    check_gated_delta(2, 3, Hk, Hv, 32, 16, False, True, emulate)
+
+
+@pytest.mark.parametrize("K,snapshots", list(itertools.product([2, 4], [False, True])))
+def test_conv_kernel_grid(K, snapshots):
+    for T, B, C in itertools.product([1, 2, 4, 5, 64, 65], [1, 2], [24, 264]):
+        rng = np.random.default_rng(T * 7 + B + C)
+        x, w, tail = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in [(B, T, C), (C, K), (B, K - 1, C)])
+        (y, new_tail, tails), _ = emulate(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots))
+        want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, w, tail, snapshots=snapshots)
+        np.testing.assert_allclose(y, np.array(want_y), atol=TOL, rtol=0)
+        np.testing.assert_array_equal(new_tail, np.array(want_tail))
+        if snapshots:
+            np.testing.assert_array_equal(tails, np.array(want_tails))
+
+
+def _gcov_unexecuted(build: Path, source_name: str) -> list[str]:
+    """Executable lines of a kernel body that no emulated run reached (gcov's '#####')."""
+    subprocess.run(["gcov", "-o", str(build), *map(str, build.glob("*.gcda"))], cwd=build, capture_output=True, check=True)
+    report = build / f"{source_name}.gcov"
+    assert report.exists(), f"gcov wrote no report for {source_name}"
+    lines = report.read_text().splitlines()
+    assert sum(bool(re.match(r"\s*\d+\*?:", line)) for line in lines) > 10, "the report counts no kernel lines"
+    return [line for line in lines if re.match(r"\s*#####:", line)]
+
+
+@pytest.mark.skipif(shutil.which("gcov") is None, reason="needs gcov")
+def test_every_line_of_every_kernel_body_runs(tmp_path):
+    """With all template variants run, gcov finds no kernel line left unexecuted (no dead branch)."""
+    for i, (vector_gate, snapshots) in enumerate(itertools.product([False, True], [False, True])):
+        inputs = [mx.array(x) for x in make_inputs(1, 3, 1, 2, 48, 16, vector_gate)]  # Dk=48: a partly idle lane
+        emulate(kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, snapshots), coverage_dir=tmp_path / f"gd{i}")
+    for i, (K, snapshots) in enumerate(itertools.product([2, 4], [False, True])):
+        x, w, tail = mx.ones((1, 3, 8)), mx.ones((8, K)), mx.ones((1, K - 1, 8))
+        emulate(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots), coverage_dir=tmp_path / f"cv{i}")
+    for prefix, spec in (("gd", kernels.GATED_DELTA), ("cv", kernels.CONV1D_SILU)):
+        for build in sorted(tmp_path.glob(f"{prefix}*")):
+            unexecuted = _gcov_unexecuted(build, spec.file)
+            # a line counts as dead only if no variant ran it
+            lines = {int(line.split(":")[1]) for line in unexecuted}
+            spec_dead = lines if build.name.endswith("0") else spec_dead & lines
+        assert not spec_dead, f"{spec.file}: lines never executed: {sorted(spec_dead)}"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles only; no GPU needed)")
+@pytest.mark.parametrize("spec", [kernels.GATED_DELTA, kernels.CONV1D_SILU], ids=lambda s: s.file)
+def test_cuda_twin_compiles(spec, tmp_path):
+    """The CUDA prelude + the same bodies, wrapped the way mx.fast.cuda_kernel wraps them."""
+    template = {kernels.GATED_DELTA: "using T = float; constexpr int Dk = 64; constexpr bool VectorGate = true; constexpr bool Snapshots = true;",
+                kernels.CONV1D_SILU: "using T = float; constexpr int K = 4; constexpr bool Snapshots = true;"}[spec]
+    params = []
+    for name in spec.input_names:
+        params.append(f"const float* {name}")
+        if f"{name}_shape" in spec.source:
+            params.append(f"const __grid_constant__ Shape {name}_shape")
+    params += [f"float* {name}" for name in spec.output_names]
+    code = "\n".join([
+        "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };",
+        kernels.CUDA_PRELUDE,
+        f"__global__ void kernel({', '.join(params)}) {{",
+        template,
+        spec.source,
+        "}",
+    ])
+    (tmp_path / "twin.cu").write_text(code)
+    result = subprocess.run(["nvcc", "-c", "-std=c++17", "twin.cu", "-o", "twin.o"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(ops.kernel_platform() is None, reason="no Metal or CUDA device here")
+def test_kernels_on_gpu():
+    def on_gpu(spec, launch):
+        return [np.array(o) for o in kernels.run(spec, launch, ops.kernel_platform())], None
+
+    for Dk, Dv, ratio, T, vector_gate in itertools.product([16, 128], [16, 128], [1, 4], [1, 5, 65], [False, True]):
+        check_gated_delta(2, T, 1, ratio, Dk, Dv, vector_gate, True, on_gpu)
+
+
+def test_only_the_ops_module_asks_which_device_runs():
+    """Models, caches and the speculative loop never branch on the platform."""
+    pattern = re.compile(r"mx\.metal|mx\.cuda|metal_kernel|cuda_kernel|mx\.gpu\b|mx\.cpu\b|default_device")
+    offenders = []
+    for path in (ROOT / "mlx_hybrid").rglob("*.py"):
+        if path.parent.name == "ops":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
