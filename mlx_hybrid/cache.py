@@ -11,30 +11,32 @@ import mlx.core as mx
 
 
 class KVCache:
-    """Keys and values [B, H, T, D] of one attention layer, grown in steps."""
+    """Per-token entries [B, H, T, D] of one attention layer, grown in steps.
+
+    Usually keys and values; an absorbed MLA layer caches a single array (the
+    normalised latent and the rope key), whose first part serves as the values.
+    """
 
     step = 256
 
     def __init__(self):
-        self.keys = None
-        self.values = None
+        self.arrays = None
         self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        B, H, T, Dk = keys.shape
+    def update_and_fetch(self, *entries: mx.array):
+        T = entries[0].shape[2]
         needed = self.offset + T
-        if self.keys is None or needed > self.keys.shape[2]:
+        if self.arrays is None or needed > self.arrays[0].shape[2]:
             capacity = ((needed + self.step - 1) // self.step) * self.step
-            new_keys = mx.zeros((B, H, capacity, Dk), keys.dtype)
-            new_values = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
-            if self.keys is not None:
-                new_keys[..., : self.offset, :] = self.keys[..., : self.offset, :]
-                new_values[..., : self.offset, :] = self.values[..., : self.offset, :]
-            self.keys, self.values = new_keys, new_values
-        self.keys[..., self.offset : needed, :] = keys
-        self.values[..., self.offset : needed, :] = values
+            grown = [mx.zeros((*e.shape[:2], capacity, e.shape[3]), e.dtype) for e in entries]
+            if self.arrays is not None:
+                for new, old in zip(grown, self.arrays):
+                    new[..., : self.offset, :] = old[..., : self.offset, :]
+            self.arrays = grown
+        for array, entry in zip(self.arrays, entries):
+            array[..., self.offset : needed, :] = entry
         self.offset = needed
-        return self.keys[..., :needed, :], self.values[..., :needed, :]
+        return tuple(array[..., :needed, :] for array in self.arrays)
 
     def trim(self, n: int) -> int:
         """Forget the last n tokens."""
@@ -44,7 +46,7 @@ class KVCache:
 
     @property
     def state(self):
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return tuple(array[..., : self.offset, :] for array in self.arrays)
 
 
 class RecurrentCache:

@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import mlx_hybrid
     from mlx_hybrid import ops
+    from mlx_hybrid.blas import active_blas
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         if args.verbose:
             print(
                 f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
-                f"linear-attention ops: {ops.backend_name()}",
+                f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}",
                 file=sys.stderr,
             )
         if args.chat:
@@ -126,4 +127,7 @@ def main(argv=None) -> int:
 
 
 def entry():
+    from mlx_hybrid.blas import prefer_optimized_blas
+
+    prefer_optimized_blas()  # restarts once with OpenBLAS preloaded, where installed (Linux)
     sys.exit(main())

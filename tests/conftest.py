@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
-QWEN_FAMILIES = ["qwen35", "qwen35moe", "qwen3next"]
+QWEN_FAMILIES = ["qwen35", "qwen35moe", "qwen3next"]  # with MTP heads
+FAMILIES = QWEN_FAMILIES + ["kimilinear"]
 SOURCES = ["model.gguf", "hf"]
 
 _models = {}
@@ -24,7 +25,7 @@ def reference(family: str, name: str = "ref.npz"):
     return np.load(FIXTURES / family / name)
 
 
-@pytest.fixture(params=QWEN_FAMILIES)
+@pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
 

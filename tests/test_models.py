@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mlx_hybrid
-from conftest import FIXTURES, QWEN_FAMILIES, load_fixture, reference
+from conftest import FAMILIES, FIXTURES, load_fixture, reference
 
 TOL = 3e-3
 
@@ -34,7 +34,7 @@ def test_quantized_gguf_matches_exact_dequantization(family, quant):
     np.testing.assert_allclose(logits, reference(family, "ref_dequant.npz")[f"logits_{quant}"], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_one_pass_equals_token_by_token(family):
     """Prefill (chunked delta rule, causal attention) against T single-token steps with a cache."""
     model, _ = load_fixture(family, "model.gguf")
@@ -45,7 +45,7 @@ def test_one_pass_equals_token_by_token(family):
     np.testing.assert_allclose(np.array(steps), np.array(whole), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_continuing_a_cache_equals_one_pass(family):
     """A prompt split in two uneven prefills gives the logits of one pass."""
     model, _ = load_fixture(family, "hf")
@@ -80,3 +80,32 @@ def test_bfloat16_weights_stay_close():
     logits = np.array(model(mx.array(ref["input_ids"])).astype(mx.float32))
     assert np.abs(logits - ref["logits"]).mean() < 0.1 * np.abs(ref["logits"]).mean()
     assert (logits.argmax(-1) == ref["logits"].argmax(-1)).mean() > 0.9
+
+
+def test_bfloat16_kimi_keeps_float32_decay_and_router_bias():
+    model, _ = mlx_hybrid.load(FIXTURES / "kimilinear" / "model.gguf", dtype="bfloat16")
+    assert model.layers[0].self_attn.A.dtype == mx.float32
+    assert model.layers[1].mlp.e_score_correction_bias.dtype == mx.float32
+    ref = reference("kimilinear")
+    logits = np.array(model(mx.array(ref["input_ids"])).astype(mx.float32))
+    assert np.isfinite(logits).all()
+
+
+def test_mla_cache_holds_only_the_latent_and_rope_key():
+    """Absorbed MLA: kv_lora_rank + rope values per token, never per-head keys and values."""
+    model, tok = load_fixture("kimilinear", "model.gguf")
+    args = model.args
+    mla = [i for i, layer in enumerate(model.layers) if layer.layer_type == "full_attention"]
+    assert mla
+    ids = reference("kimilinear")["prompt_ids"][0].tolist()
+    cache = mlx_hybrid.make_cache(model)
+    model(mx.array([ids]), cache=cache)
+    for i in mla:
+        (entries,) = cache[i].state
+        assert entries.shape == (1, 1, len(ids), args.kv_lora_rank + args.qk_rope_head_dim)
+    token = mx.array([[5]])
+    for _ in range(256):
+        model(token, cache=cache)
+    for i in mla:
+        (entries,) = cache[i].state
+        assert entries.shape == (1, 1, len(ids) + 256, args.kv_lora_rank + args.qk_rope_head_dim)

@@ -25,6 +25,7 @@ def plain_greedy(family, source, n=128):
     return _plain[family, source]
 
 
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
 def test_mtp_logits_match_reference(family, source):
     model, _ = load_fixture(family, source)
     ref = reference(family)
@@ -32,6 +33,7 @@ def test_mtp_logits_match_reference(family, source):
     np.testing.assert_allclose(got, ref["mtp_logits"], atol=3e-3, rtol=0)
 
 
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_mtp_speculative_greedy_is_lossless(family, source, k):
     model, tok = load_fixture(family, source)
@@ -215,3 +217,14 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind):
     tv = 0.5 * sum(abs(counts.get(o, 0) / draws - p) for o, p in exact.items())
     print(f"total variation {tv:.4f}")
     assert tv < 0.05, tv
+
+
+def test_kimi_has_no_mtp_but_drafts_with_a_draft_model():
+    """KDA states roll back by snapshot and MLA latent caches by trimming, through the same loop."""
+    model, tok = load_fixture("kimilinear", "hf")
+    draft, _ = load_fixture("kimilinear", "model.gguf")
+    assert not model.has_mtp
+    prompt = reference("kimilinear")["prompt_ids"][0].tolist()
+    for k in (1, 3):
+        responses = list(mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=64, draft_model=draft, num_draft_tokens=k))
+        assert [r.token for r in responses] == plain_greedy("kimilinear", "hf", 64)

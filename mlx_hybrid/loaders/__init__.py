@@ -76,10 +76,10 @@ def _load_gguf(path: Path, dtype, progress):
         raise UnsupportedArchitectureError(f"{path}: unsupported GGUF architecture {meta.arch!r} (supported: {known})")
     model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
     module = architecture(model_type)
-    names = {t.name for t in reader.tensors}
-    args = make_args(meta, module, names)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    args = make_args(meta, module, shapes)
     model = _build(module, args)
-    with _progress_bar(len(names), path.stat().st_size, progress, path.name) as bar:
+    with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
         weights, unmatched = rename(gguf_file.block_names(reader, args.num_hidden_layers), rules, args, bar)
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
@@ -89,7 +89,7 @@ def _load_gguf(path: Path, dtype, progress):
 def _build(module, args):
     try:
         return module.Model(args)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise ModelLoadError(f"inconsistent model settings: {e}") from None
 
 

@@ -48,7 +48,7 @@ def _per_layer_max(value):
     return max(value) if isinstance(value, list) else value
 
 
-def _qwen_args(meta: Metadata, module, tensor_names: set[str]):
+def _qwen_args(meta: Metadata, module, tensor_shapes: dict):
     nextn = meta.arch_value("nextn_predict_layers", 0)
     n_layer = meta.require("block_count") - nextn
     head_dim = meta.require("attention.key_length")
@@ -78,7 +78,7 @@ def _qwen_args(meta: Metadata, module, tensor_names: set[str]):
         layer_types=layer_types,
         max_position_embeddings=meta.arch_value("context_length", 262144),
         intermediate_size=meta.arch_value("feed_forward_length", 0),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings="output.weight" not in tensor_shapes,
         num_experts=meta.arch_value("expert_count", 0),
         num_experts_per_tok=meta.arch_value("expert_used_count", 0),
         moe_intermediate_size=meta.arch_value("expert_feed_forward_length", 0),
@@ -178,21 +178,101 @@ def _pattern(template):
     return "".join(_GROUPS[part] if i % 2 else re.escape(part) for i, part in enumerate(parts))
 
 
-def _qwen_rules(tiled_value_heads: bool, to_gguf: bool = False):
-    """Rules from GGUF names to canonical ones (or back, with to_gguf)."""
-    transforms = dict(zip(("qkv", "value_rows", "heads", "value_columns"), _head_transforms(to_gguf)))
+def _rules(table, to_gguf=False, head_transforms=None, extra=()):
+    """A tensor table as Rules, GGUF -> canonical (or back with to_gguf); head_transforms
+    maps the table's transform names to functions (None: the tensors load as stored)."""
     rules = []
-    for gguf_name, canonical, heads in _QWEN_TENSORS:
+    for gguf_name, canonical, heads in table:
         source, target = (canonical, gguf_name) if to_gguf else (gguf_name, canonical)
-        transform = transforms[heads] if heads and tiled_value_heads else None
+        transform = head_transforms[heads] if heads and head_transforms else None
         rules.append(Rule(_pattern(source), target, transform))
-    if not to_gguf:
-        rules += [
-            # optional copies of token_embd / output that the MTP head shares anyway
-            Rule(_pattern("{blk}.nextn.") + r"(?:embed_tokens|shared_head_head)\.weight", ""),
-            Rule(_pattern("{blk}.ssm_ba.weight"), ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"), _split_ba),
-        ]
-    return rules
+    return rules + ([] if to_gguf else list(extra))
+
+
+def _qwen_rules(tiled_value_heads: bool, to_gguf: bool = False):
+    transforms = None
+    if tiled_value_heads:
+        transforms = dict(zip(("qkv", "value_rows", "heads", "value_columns"), _head_transforms(to_gguf)))
+    extra = [
+        # optional copies of token_embd / output that the MTP head shares anyway
+        Rule(_pattern("{blk}.nextn.") + r"(?:embed_tokens|shared_head_head)\.weight", ""),
+        Rule(
+            _pattern("{blk}.ssm_ba.weight"),
+            ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"),
+            _split_ba,
+        ),
+    ]
+    return _rules(_QWEN_TENSORS, to_gguf, transforms, extra)
+
+
+_KIMI_TENSORS = [
+    ("token_embd.weight", "embed_tokens.weight", None),
+    ("output_norm.weight", "norm.weight", None),
+    ("output.weight", "lm_head.weight", None),
+    ("{blk}.attn_norm.weight", "{blk}.input_layernorm.weight", None),
+    ("{blk}.ffn_norm.weight", "{blk}.post_attention_layernorm.weight", None),
+    # KDA layers
+    ("{blk}.attn_{qkv}.weight", "{blk}.self_attn.{qkv}_proj.weight", None),
+    ("{blk}.ssm_conv1d_{qkv}.weight", "{blk}.self_attn.{qkv}_conv1d_weight", None),
+    ("{blk}.ssm_f_a.weight", "{blk}.self_attn.f_a_proj.weight", None),
+    ("{blk}.ssm_f_b.weight", "{blk}.self_attn.f_b_proj.weight", None),
+    ("{blk}.ssm_g_a.weight", "{blk}.self_attn.g_a_proj.weight", None),
+    ("{blk}.ssm_g_b.weight", "{blk}.self_attn.g_b_proj.weight", None),
+    ("{blk}.ssm_a", "{blk}.self_attn.A", None),
+    ("{blk}.ssm_dt.bias", "{blk}.self_attn.dt_bias", None),
+    ("{blk}.ssm_beta.weight", "{blk}.self_attn.b_proj.weight", None),
+    ("{blk}.ssm_norm.weight", "{blk}.self_attn.o_norm.weight", None),
+    ("{blk}.attn_output.weight", "{blk}.self_attn.o_proj.weight", None),
+    # MLA layers (attn_q and attn_output as above)
+    ("{blk}.attn_kv_a_mqa.weight", "{blk}.self_attn.kv_a_proj_with_mqa.weight", None),
+    ("{blk}.attn_kv_a_norm.weight", "{blk}.self_attn.kv_a_layernorm.weight", None),
+    ("{blk}.attn_k_b.weight", "{blk}.self_attn.k_b_proj", None),
+    ("{blk}.attn_v_b.weight", "{blk}.self_attn.v_b_proj", None),
+    # feed-forward
+    ("{blk}.ffn_{ffn}.weight", "{blk}.mlp.{ffn}_proj.weight", None),
+    ("{blk}.ffn_gate_inp.weight", "{blk}.mlp.gate.weight", None),
+    ("{blk}.exp_probs_b.bias", "{blk}.mlp.e_score_correction_bias", None),
+    ("{blk}.ffn_{ffn}_exps.weight", "{blk}.mlp.switch_mlp.{ffn}_proj", None),
+    ("{blk}.ffn_{ffn}_shexp.weight", "{blk}.mlp.shared_experts.{ffn}_proj.weight", None),
+]
+
+
+def _kimi_args(meta: Metadata, module, tensor_shapes: dict):
+    n_layer = meta.require("block_count")
+    kv_heads = meta.require("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * n_layer
+    layer_types = [LINEAR if heads == 0 else FULL for heads in kv_heads]  # 0 marks a KDA layer
+    if meta.arch_value("expert_gating_func", 2) != 2:
+        raise ModelLoadError("kimi-linear GGUF: only sigmoid expert gating is supported")
+    kda = layer_types.index(LINEAR) if LINEAR in layer_types else None
+    rope_dim = meta.arch_value("rope.dimension_count", 0)
+    head_dim = meta.require("kda.head_dim")
+    return module.ModelArgs(
+        model_type="kimi_linear",
+        vocab_size=len(meta.get("tokenizer.ggml.tokens", [])) or meta.require("vocab_size"),
+        hidden_size=meta.require("embedding_length"),
+        num_hidden_layers=n_layer,
+        rms_norm_eps=meta.require("attention.layer_norm_rms_epsilon"),
+        layer_types=layer_types,
+        linear_num_heads=tensor_shapes[f"blk.{kda}.ssm_beta.weight"][0] if kda is not None else 0,
+        linear_head_dim=head_dim,
+        linear_conv_kernel_dim=meta.require("ssm.conv_kernel"),
+        num_attention_heads=_per_layer_max(meta.require("attention.head_count")),
+        kv_lora_rank=meta.require("attention.kv_lora_rank"),
+        qk_nope_head_dim=meta.require("attention.key_length_mla") - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=meta.require("attention.value_length_mla"),
+        intermediate_size=meta.arch_value("feed_forward_length", 0),
+        first_k_dense_replace=meta.arch_value("leading_dense_block_count", 0),
+        num_experts=meta.arch_value("expert_count", 0),
+        num_experts_per_tok=meta.arch_value("expert_used_count", 0),
+        moe_intermediate_size=meta.arch_value("expert_feed_forward_length", 0),
+        num_shared_experts=meta.arch_value("expert_shared_count", 0),
+        routed_scaling_factor=meta.arch_value("expert_weights_scale", 1.0),
+        norm_topk_prob=bool(meta.arch_value("expert_weights_norm", True)),
+        max_position_embeddings=meta.arch_value("context_length", 1048576),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+    )
 
 
 # GGUF architecture -> (our model type, hyper-parameters, tensor table)
@@ -200,6 +280,7 @@ GGUF_ARCHITECTURES = {
     "qwen35": ("qwen3_5", _qwen_args, _qwen_rules(tiled_value_heads=True)),
     "qwen35moe": ("qwen3_5_moe", _qwen_args, _qwen_rules(tiled_value_heads=True)),
     "qwen3next": ("qwen3_next", _qwen_args, _qwen_rules(tiled_value_heads=False)),
+    "kimi-linear": ("kimi_linear", _kimi_args, _rules(_KIMI_TENSORS)),
 }
 
 

@@ -112,6 +112,32 @@ def export_name(name: str) -> str:
     return name if name.startswith(("mtp.", "lm_head.")) else "model.language_model." + name
 
 
+def _split_kv_b(w, args):
+    """MLA kv_b_proj, per head rows [k_nope | v] over the latent -> k_b [H, L, nope], v_b [H, v, L]."""
+    H, nope = args.num_attention_heads, args.qk_nope_head_dim
+    per_head = w.reshape(H, -1, w.shape[-1])
+    return per_head[:, :nope].swapaxes(1, 2), per_head[:, nope:]
+
+
+_KIMI_BLOCK = r"model\.(?P<blk>layers\.\d+)\."
+_EXPERT = _KIMI_BLOCK + r"block_sparse_moe\.experts\.(?P<e>\d+)\."
+
+KIMI_RULES = [
+    Rule(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
+    Rule(r"model\.norm\.weight", "norm.weight"),
+    Rule(r"lm_head\.weight", "lm_head.weight"),
+    Rule(_KIMI_BLOCK + r"self_attn\.(?P<p>q|k|v)_conv1d\.weight", "{blk}.self_attn.{p}_conv1d_weight", squeeze_conv),
+    Rule(_KIMI_BLOCK + r"self_attn\.A_log", "{blk}.self_attn.A", neg_exp),
+    Rule(_KIMI_BLOCK + r"self_attn\.kv_b_proj\.weight", ("{blk}.self_attn.k_b_proj", "{blk}.self_attn.v_b_proj"), _split_kv_b),
+    Rule(_EXPERT + r"w1\.weight", "{blk}.mlp.switch_mlp.gate_proj[{e}]"),
+    Rule(_EXPERT + r"w2\.weight", "{blk}.mlp.switch_mlp.down_proj[{e}]"),
+    Rule(_EXPERT + r"w3\.weight", "{blk}.mlp.switch_mlp.up_proj[{e}]"),
+    Rule(_KIMI_BLOCK + r"block_sparse_moe\.gate\.e_score_correction_bias", "{blk}.mlp.e_score_correction_bias"),
+    Rule(_KIMI_BLOCK + r"block_sparse_moe\.(?P<rest>.+)", "{blk}.mlp.{rest}"),
+    Rule(_KIMI_BLOCK + r"(?P<rest>.+)", "{blk}.{rest}"),
+]
+
+
 # -- hyper-parameters ------------------------------------------------------------
 
 
@@ -142,11 +168,51 @@ def _require(config, key):
     return config[key]
 
 
+def _kimi_args(config: dict, module, has_mtp: bool):
+    linear = config.get("linear_attn_config") or {}
+    n = _require(config, "num_hidden_layers")
+    kda_layers = set(linear.get("kda_layers", []))  # 1-based layer numbers
+    if config.get("q_lora_rank"):
+        raise ModelLoadError("Kimi Linear with a q LoRA (q_lora_rank) is not supported")
+    if config.get("num_expert_group", 1) != 1:
+        raise ModelLoadError("Kimi Linear with expert groups (num_expert_group > 1) is not supported")
+    try:
+        return module.ModelArgs(
+            model_type=config["model_type"],
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=n,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+            layer_types=[LINEAR if i + 1 in kda_layers else FULL for i in range(n)],
+            linear_num_heads=linear["num_heads"],
+            linear_head_dim=linear["head_dim"],
+            linear_conv_kernel_dim=linear.get("short_conv_kernel_size", 4),
+            num_attention_heads=config["num_attention_heads"],
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_nope_head_dim=config["qk_nope_head_dim"],
+            qk_rope_head_dim=config["qk_rope_head_dim"],
+            v_head_dim=config["v_head_dim"],
+            intermediate_size=config["intermediate_size"],
+            first_k_dense_replace=config.get("first_k_dense_replace", 0),
+            num_experts=config.get("num_experts", 0),
+            num_experts_per_tok=config.get("num_experts_per_token", config.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=config.get("moe_intermediate_size", 0),
+            num_shared_experts=config.get("num_shared_experts", 0),
+            routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
+            norm_topk_prob=config.get("moe_renormalize", True),
+            max_position_embeddings=config.get("max_position_embeddings", config.get("model_max_length", 1048576)),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
+
+
 # model_type -> (hyper-parameters, tensor table)
 FAMILIES = {
     "qwen3_5": (_qwen_args, QWEN_RULES),
     "qwen3_5_moe": (_qwen_args, QWEN_RULES),
     "qwen3_next": (_qwen_args, QWEN_RULES),
+    "kimi_linear": (_kimi_args, KIMI_RULES),
 }
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedArchitectureError
-from . import qwen3_5
+from . import kimi_linear, qwen3_5
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3_5": qwen3_5,
     "qwen3_5_moe": qwen3_5,
     "qwen3_next": qwen3_5,
+    "kimi_linear": kimi_linear,
 }
 
 

@@ -73,3 +73,67 @@ def top_k_indices(scores: mx.array, k: int) -> mx.array:
 def causal_mask_for(num_tokens: int):
     """Mask argument for attention over a cache: causal when several tokens come at once."""
     return "causal" if num_tokens > 1 else None
+
+
+def delta_rule_attention(mixed_qkv, conv_weight, g, beta, cache, key_heads: int, value_heads: int, key_dim: int, value_dim: int):
+    """The shared core of GDN and KDA layers: causal conv + SiLU over q|k|v, L2-normalised
+    q and k, then the gated delta rule; reads and updates the layer's recurrent cache.
+
+    Returns the rule's output [B, T, value_heads, value_dim] in float32.
+    """
+    B, T, _ = mixed_qkv.shape
+    record = cache is not None and cache.record_snapshots
+    conv = ops.conv1d_update(mixed_qkv, conv_weight, cache.conv_tail if cache else None, snapshots=record)
+    q, k, v = mx.split(conv.out, [key_heads * key_dim, 2 * key_heads * key_dim], axis=-1)
+    q = l2_normalize(q.reshape(B, T, key_heads, key_dim)) * key_dim**-0.5
+    k = l2_normalize(k.reshape(B, T, key_heads, key_dim))
+    v = v.reshape(B, T, value_heads, value_dim)
+    rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
+    if cache is not None:
+        cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
+    return rule.out
+
+
+class HybridModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; subclasses build the layers.
+
+    Each layer has a `layer_type` ("linear_attention" or "full_attention") and is
+    called as layer(h, cache).
+    """
+
+    def __init__(self, args, layers):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = layers
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self
+
+    def make_cache(self):
+        from ..cache import KVCache, RecurrentCache
+
+        return [RecurrentCache() if layer.layer_type == "linear_attention" else KVCache() for layer in self.layers]
+
+    def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
+        """The trunk's hidden state before the final norm, [B, T, E]."""
+        h = self.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache[i] if cache is not None else None)
+        return h
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        return self.project(self.norm(h))
+
+    def project(self, x: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.embed_tokens.as_linear(x)
+        return self.lm_head(x)
+
+    def __call__(self, ids: mx.array, cache=None) -> mx.array:
+        return self.logits_from_hidden(self.hidden_states(ids, cache))

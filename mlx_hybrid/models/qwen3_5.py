@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import ops
 from ..cache import KVCache, RecurrentCache
 from .blocks import (
     F32,
     MLP,
+    HybridModel,
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
+    delta_rule_attention,
     gated_rms_norm,
-    l2_normalize,
     top_k_indices,
 )
 
@@ -85,38 +85,31 @@ class GatedDeltaNet(nn.Module):
         self.num_v_heads = args.linear_num_value_heads
         self.head_k_dim = args.linear_key_head_dim
         self.head_v_dim = args.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
         self.eps = args.rms_norm_eps
         E = args.hidden_size
-        conv_dim = 2 * self.key_dim + self.value_dim
+        key_dim = self.num_k_heads * self.head_k_dim
+        value_dim = self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * key_dim + value_dim
         self.in_proj_qkv = nn.Linear(E, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(E, self.value_dim, bias=False)
+        self.in_proj_z = nn.Linear(E, value_dim, bias=False)
         self.in_proj_b = nn.Linear(E, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(E, self.num_v_heads, bias=False)
         self.conv1d_weight = mx.zeros((conv_dim, args.linear_conv_kernel_dim))
         self.dt_bias = mx.ones((self.num_v_heads,))
         self.A = -mx.ones((self.num_v_heads,))  # -exp(A_log), as GGUF stores it
         self.norm = RMSNorm(self.head_v_dim, args.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, E, bias=False)
+        self.out_proj = nn.Linear(value_dim, E, bias=False)
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
-        record = cache is not None and cache.record_snapshots
-        conv = ops.conv1d_update(
-            self.in_proj_qkv(x), self.conv1d_weight, cache.conv_tail if cache else None, snapshots=record
-        )
-        q, k, v = mx.split(conv.out, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = l2_normalize(q.reshape(B, T, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
-        k = l2_normalize(k.reshape(B, T, self.num_k_heads, self.head_k_dim))
-        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
         beta = mx.sigmoid(self.in_proj_b(x).astype(F32))
         g = self.A * nn.softplus(self.in_proj_a(x).astype(F32) + self.dt_bias)
-        rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
-        if cache is not None:
-            cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
+        out = delta_rule_attention(
+            self.in_proj_qkv(x), self.conv1d_weight, g, beta, cache,
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+        )  # fmt: skip
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-        out = gated_rms_norm(rule.out, self.norm.weight, nn.silu(z.astype(F32)), self.eps)
+        out = gated_rms_norm(out, self.norm.weight, nn.silu(z.astype(F32)), self.eps)
         return self.out_proj(out.reshape(B, T, -1).astype(x.dtype))
 
 
@@ -217,46 +210,14 @@ class MTPHead(nn.Module):
         return self.layers[0](u, cache)
 
 
-class Model(nn.Module):
+class Model(HybridModel):
     def __init__(self, args: ModelArgs):
-        super().__init__()
         args.validate()
-        self.args = args
-        self.model_type = args.model_type
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [
-            DecoderLayer(args, args.layer_types[i], args.is_sparse(i)) for i in range(args.num_hidden_layers)
-        ]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(
+            args, [DecoderLayer(args, args.layer_types[i], args.is_sparse(i)) for i in range(args.num_hidden_layers)]
+        )
         if args.mtp_num_hidden_layers:
             self.mtp = MTPHead(args)
-
-    @property
-    def has_mtp(self) -> bool:
-        return "mtp" in self
-
-    def make_cache(self):
-        return [RecurrentCache() if layer.layer_type == LINEAR else KVCache() for layer in self.layers]
-
-    def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
-        """The trunk's hidden state before the final norm, [B, T, E]."""
-        h = self.embed_tokens(ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cache[i] if cache is not None else None)
-        return h
-
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        return self.project(self.norm(h))
-
-    def project(self, x: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.embed_tokens.as_linear(x)
-        return self.lm_head(x)
-
-    def __call__(self, ids: mx.array, cache=None) -> mx.array:
-        return self.logits_from_hidden(self.hidden_states(ids, cache))
 
     def mtp_logits(self, ids: mx.array) -> mx.array:
         """Teacher-forced MTP predictions [B, T-1, V]: position t from h_t and token t+1."""

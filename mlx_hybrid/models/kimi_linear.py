@@ -1,0 +1,188 @@
+"""Kimi Linear: KDA (gated delta rule with a per-channel gate) + MLA without positions.
+
+The MLA layers run in the absorbed form: the cache holds, per token, only the
+normalised latent (kv_lora_rank) and the rope-part key, never per-head keys and
+values. Kimi uses no positional encoding at all, so the "rope" part is plain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, RecurrentCache
+from .blocks import (
+    F32,
+    MLP,
+    HybridModel,
+    RMSNorm,
+    SwitchGLU,
+    causal_mask_for,
+    delta_rule_attention,
+    gated_rms_norm,
+    top_k_indices,
+)
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    layer_types: list[str]
+    # KDA layers
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    # MLA layers
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # feed-forward
+    intermediate_size: int
+    first_k_dense_replace: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer >= self.first_k_dense_replace
+
+    def validate(self):
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} of {LINEAR!r}/{FULL!r}")
+
+
+FLOAT32_PARAMS = ("A", "dt_bias", "e_score_correction_bias")
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA: q/k/v each with a short causal conv, a per-channel forget gate, sigmoid-gated output norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E, H, D = args.hidden_size, args.linear_num_heads, args.linear_head_dim
+        K = args.linear_conv_kernel_dim
+        self.num_heads, self.head_dim, self.eps = H, D, args.rms_norm_eps
+        self.q_proj = nn.Linear(E, H * D, bias=False)
+        self.k_proj = nn.Linear(E, H * D, bias=False)
+        self.v_proj = nn.Linear(E, H * D, bias=False)
+        self.q_conv1d_weight = mx.zeros((H * D, K))
+        self.k_conv1d_weight = mx.zeros((H * D, K))
+        self.v_conv1d_weight = mx.zeros((H * D, K))
+        self.f_a_proj = nn.Linear(E, D, bias=False)
+        self.f_b_proj = nn.Linear(D, H * D, bias=False)
+        self.dt_bias = mx.zeros((H * D,))
+        self.A = -mx.ones((H,))  # -exp(A_log), one decay rate per head
+        self.b_proj = nn.Linear(E, H, bias=False)
+        self.g_a_proj = nn.Linear(E, D, bias=False)
+        self.g_b_proj = nn.Linear(D, H * D, bias=False)
+        self.o_norm = RMSNorm(D, args.rms_norm_eps)
+        self.o_proj = nn.Linear(H * D, E, bias=False)
+
+    def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        # the three depthwise convs are one conv over the concatenated channels
+        mixed = mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        conv_weight = mx.concatenate([self.q_conv1d_weight, self.k_conv1d_weight, self.v_conv1d_weight], axis=0)
+        gate_in = self.f_b_proj(self.f_a_proj(x)).astype(F32) + self.dt_bias
+        g = self.A[:, None] * nn.softplus(gate_in.reshape(B, T, H, D))  # per head and channel
+        beta = mx.sigmoid(self.b_proj(x).astype(F32))
+        out = delta_rule_attention(mixed, conv_weight, g, beta, cache, H, H, D, D)
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
+        out = gated_rms_norm(out, self.o_norm.weight, mx.sigmoid(gate.astype(F32)), self.eps)
+        return self.o_proj(out.reshape(B, T, -1).astype(x.dtype))
+
+
+class LatentAttention(nn.Module):
+    """MLA, absorbed: queries are mapped into the latent space, so one shared latent 'head'
+    of kv_lora_rank + rope dims serves as keys (and its latent part as values)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E, H = args.hidden_size, args.num_attention_heads
+        self.num_heads = H
+        self.nope_dim, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.latent_dim = args.kv_lora_rank
+        self.scale = (self.nope_dim + self.rope_dim) ** -0.5
+        self.q_proj = nn.Linear(E, H * (self.nope_dim + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(E, self.latent_dim + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, args.rms_norm_eps)
+        # per head: latent -> key (no-position part), and latent -> value (as GGUF attn_k_b / attn_v_b)
+        self.k_b_proj = mx.zeros((H, self.latent_dim, self.nope_dim))
+        self.v_b_proj = mx.zeros((H, args.v_head_dim, self.latent_dim))
+        self.o_proj = nn.Linear(H * args.v_head_dim, E, bias=False)
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.num_heads, -1).transpose(0, 2, 1, 3)
+        q_nope, q_rope = mx.split(q, [self.nope_dim], axis=-1)
+        queries = mx.concatenate([q_nope @ self.k_b_proj.swapaxes(-1, -2), q_rope], axis=-1)
+        latent, k_rope = mx.split(self.kv_a_proj_with_mqa(x), [self.latent_dim], axis=-1)
+        keys = mx.concatenate([self.kv_a_layernorm(latent), k_rope], axis=-1)[:, None]  # [B, 1, T, L + R]
+        if cache is not None:
+            (keys,) = cache.update_and_fetch(keys)
+        values = keys[..., : self.latent_dim]
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=causal_mask_for(T))
+        out = out @ self.v_b_proj.swapaxes(-1, -2)  # [B, H, T, v_head_dim]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class SigmoidMoE(nn.Module):
+    """Sigmoid router with a selection-only bias, renormalised top-k, scaled, plus shared experts."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.scaling = args.routed_scaling_factor
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.e_score_correction_bias = mx.zeros((args.num_experts,))
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
+        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scores = mx.sigmoid(self.gate(x.astype(F32)))
+        experts = top_k_indices(scores + self.e_score_correction_bias, self.top_k)
+        weights = mx.take_along_axis(scores, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        weights = weights * self.scaling
+        routed = (self.switch_mlp(x, experts) * weights[..., None].astype(x.dtype)).sum(axis=-2)
+        return routed + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str, sparse: bool):
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = KimiDeltaAttention(args) if layer_type == LINEAR else LatentAttention(args)
+        self.mlp = SigmoidMoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(HybridModel):
+    def __init__(self, args: ModelArgs):
+        args.validate()
+        super().__init__(
+            args, [DecoderLayer(args, args.layer_types[i], args.is_sparse(i)) for i in range(args.num_hidden_layers)]
+        )

@@ -1,0 +1,53 @@
+"""The mlx_hybrid.generate command on the fixtures: text on stdout, statistics on stderr."""
+
+from conftest import FIXTURES, load_fixture
+from test_errors import run_cli
+
+import mlx_hybrid
+
+
+def greedy_text(family, source, prompt, n):
+    model, tok = load_fixture(family, source)
+    return mlx_hybrid.generate(model, tok, prompt, max_tokens=n)
+
+
+def test_cli_generates_the_api_text():
+    result = run_cli("--model", str(FIXTURES / "qwen35" / "model.gguf"), "--prompt", "def parse_args(", "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip("\n") == greedy_text("qwen35", "model.gguf", "def parse_args(", 12).rstrip("\n")
+    assert "generation: 12 tokens" in result.stderr and "peak memory" in result.stderr
+
+
+def test_cli_with_kimi_and_stdin_prompt():
+    result = run_cli("--model", str(FIXTURES / "kimilinear" / "hf"), "--prompt", "-", "--max-tokens", "8", stdin="import os\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip("\n") == greedy_text("kimilinear", "hf", "import os\n", 8).rstrip("\n")
+
+
+def test_cli_speculative_decoding_reports_acceptance_and_keeps_the_text():
+    args = ["--model", str(FIXTURES / "qwen35moe" / "hf"), "--prompt", "class A:", "--max-tokens", "16"]
+    plain = run_cli(*args)
+    for extra in (["--mtp", "--num-draft-tokens", "2"], ["--draft-model", str(FIXTURES / "qwen35moe" / "model.gguf")]):
+        spec = run_cli(*args, *extra)
+        assert spec.returncode == 0, spec.stderr
+        assert spec.stdout == plain.stdout
+        assert "of drafts accepted" in spec.stderr and "tokens per trunk pass" in spec.stderr
+
+
+def test_cli_chat_template_and_verbose():
+    result = run_cli(
+        "--model", str(FIXTURES / "qwen3next" / "model.gguf"), "--prompt", "hi", "--chat", "--system", "be brief",
+        "--max-tokens", "4", "--verbose",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    model, tok = load_fixture("qwen3next", "model.gguf")
+    prompt = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, prompt, max_tokens=4).rstrip("\n")
+    assert "linear-attention ops: mlx-reference" in result.stderr and "BLAS:" in result.stderr
+
+
+def test_cli_help_explains_the_options():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for option in ("--model", "--prompt", "--mtp", "--draft-model", "--num-draft-tokens", "--chat", "--temp"):
+        assert option in result.stdout
