@@ -30,13 +30,15 @@ def resolve_dtype(dtype):
     return dtype
 
 
-def load(path, dtype=None, progress: bool | None = None):
+def load(path, dtype=None, progress: bool | None = None, dequantize: bool = False):
     """Load a model and its tokenizer from a `.gguf` file or an HF checkpoint directory.
 
     dtype: compute dtype of the weights ("float32", "bfloat16", "float16" or an
     mx.Dtype); float32 on the CPU and bfloat16 on a GPU by default. Linear-attention
     state is float32 whatever this is. progress: show a progress bar (default: for
-    large files on a terminal).
+    large files on a terminal). GGUF tensors whose blocks are exactly MLX affine
+    groups (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K) stay quantized and run on MLX's
+    quantized kernels, unless dequantize=True; other types are dequantized to dtype.
     """
     path = Path(path).expanduser()
     dtype = resolve_dtype(dtype)
@@ -46,7 +48,7 @@ def load(path, dtype=None, progress: bool | None = None):
         return _load_hf(path, dtype, progress)
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-    return _load_gguf(path, dtype, progress)
+    return _load_gguf(path, dtype, progress, keep_quantized=not dequantize)
 
 
 def _load_hf(path: Path, dtype, progress):
@@ -68,7 +70,7 @@ def _load_hf(path: Path, dtype, progress):
     return model, Tokenizer.from_hf_dir(path, config)
 
 
-def _load_gguf(path: Path, dtype, progress):
+def _load_gguf(path: Path, dtype, progress, keep_quantized: bool):
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.Metadata(reader)
     if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
@@ -80,7 +82,7 @@ def _load_gguf(path: Path, dtype, progress):
     args = make_args(meta, module, shapes)
     model = _build(module, args)
     with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
-        weights, unmatched = rename(gguf_file.block_names(reader, args.num_hidden_layers), rules, args, bar)
+        weights, unmatched = rename(gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized), rules, args, bar)
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
     return model, Tokenizer.from_gguf(meta)

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError
+from .quantized import QuantizedTensor
 
 Transform = Callable[[mx.array, object], "mx.array | tuple[mx.array, ...]"]
 
@@ -55,6 +57,23 @@ def halves(w, _args):
     return tuple(mx.split(w, 2, axis=1))
 
 
+def rowwise(transform):
+    """Mark a transform that only selects or reorders rows: it applies to quantized tensors as they are."""
+    transform.rowwise = True
+    return transform
+
+
+def apply_transform(transform, tensor, args):
+    if isinstance(tensor, QuantizedTensor):
+        if not getattr(transform, "rowwise", False):
+            return transform(tensor.dequantize(), args)
+        parts = [transform(part, args) for part in (tensor.weight, tensor.scales, tensor.biases)]
+        if isinstance(parts[0], tuple):
+            return tuple(QuantizedTensor(w, s, b, tensor.bits, tensor.group_size) for w, s, b in zip(*parts))
+        return QuantizedTensor(*parts, tensor.bits, tensor.group_size)
+    return transform(tensor, args)
+
+
 # Applying a table ------------------------------------------------------------
 
 
@@ -75,7 +94,7 @@ def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Ru
         if rule.target == "":  # deliberately dropped
             continue
         tensor = load()
-        results = rule.transform(tensor, args) if rule.transform else tensor
+        results = apply_transform(rule.transform, tensor, args) if rule.transform else tensor
         targets = rule.target if isinstance(rule.target, tuple) else (rule.target,)
         results = results if isinstance(results, tuple) else (results,)
         for template, result in zip(targets, results):
@@ -94,8 +113,37 @@ def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Ru
     return weights, unmatched
 
 
-def fill_model(model, weights: dict[str, mx.array], dtype, float32_params=(), source=""):
-    """Check names and shapes against the model, cast, and load the weights."""
+def _quantize_modules(model, weights: dict):
+    """Turn the modules whose weights came quantized into MLX quantized modules, in place.
+
+    Returns the names of their quantized parts (packed weights, float32 scales and biases).
+    """
+    quantizable = {path for path, m in model.named_modules() if hasattr(m, "to_quantized")}
+    parts = {}
+    for name in [n for n, t in weights.items() if isinstance(t, QuantizedTensor)]:
+        tensor, path = weights.pop(name), name.rsplit(".", 1)[0]
+        if path not in quantizable or not name.endswith(".weight"):
+            weights[name] = tensor.dequantize()
+            continue
+        parts[path] = tensor
+        weights.update({f"{path}.weight": tensor.weight, f"{path}.scales": tensor.scales, f"{path}.biases": tensor.biases})
+    if parts:
+        nn.quantize(
+            model,
+            class_predicate=lambda path, m: (
+                {"group_size": parts[path].group_size, "bits": parts[path].bits} if path in parts else False
+            ),
+        )
+    return {f"{path}.{part}" for path in parts for part in ("weight", "scales", "biases")}
+
+
+def fill_model(model, weights: dict, dtype, float32_params=(), source=""):
+    """Check names and shapes against the model, cast, and load the weights.
+
+    Weights may be QuantizedTensors: their modules become MLX quantized modules.
+    """
+    weights = dict(weights)
+    keep_as_is = _quantize_modules(model, weights)
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -115,8 +163,10 @@ def fill_model(model, weights: dict[str, mx.array], dtype, float32_params=(), so
                 raise ModelLoadError(
                     f"{where}tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                 )
-        keep_f32 = name.rsplit(".", 1)[-1] in float32_params
-        loaded.append((name, tensor.astype(mx.float32 if keep_f32 else dtype)))
+        if name not in keep_as_is:
+            keep_f32 = name.rsplit(".", 1)[-1] in float32_params
+            tensor = tensor.astype(mx.float32 if keep_f32 else dtype)
+        loaded.append((name, tensor))
     model.load_weights(loaded)
     mx.eval(model.parameters())
     return model

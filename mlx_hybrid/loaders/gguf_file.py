@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from ..models.qwen3_5 import FULL, LINEAR
-from .common import Rule
+from .common import Rule, rowwise
+from .quantized import from_gguf_blocks
 
 # -- hyper-parameters ------------------------------------------------------------
 
@@ -111,13 +112,16 @@ def _head_transforms(to_gguf: bool):
         tiled = _tiled_order(args)
         return tiled if to_gguf else np.argsort(tiled)
 
+    @rowwise
     def qkv(w, args):  # rows [q | k | v]: only v has value heads
         offset = 2 * args.linear_num_key_heads * args.linear_key_head_dim
         return _permute_heads(w, args, order(args), offset=offset, head_size=args.linear_value_head_dim)
 
+    @rowwise
     def value_rows(w, args):
         return _permute_heads(w, args, order(args), head_size=args.linear_value_head_dim)
 
+    @rowwise
     def heads(w, args):
         return _permute_heads(w, args, order(args))
 
@@ -127,6 +131,7 @@ def _head_transforms(to_gguf: bool):
     return qkv, value_rows, heads, value_columns
 
 
+@rowwise
 def _split_ba(w, args):
     """Qwen3-Next `ssm_ba`, per key head [b (R), a (R)] -> b, a."""
     b, a = mx.split(w.reshape(args.linear_num_key_heads, -1, w.shape[-1]), 2, axis=1)
@@ -160,7 +165,7 @@ _QWEN_TENSORS = [
     ("{blk}.ssm_out.weight", "{blk}.linear_attn.out_proj.weight", "value_columns"),
     ("{blk}.ffn_{ffn}.weight", "{blk}.mlp.{ffn}_proj.weight", None),
     ("{blk}.ffn_gate_inp.weight", "{blk}.mlp.gate.weight", None),
-    ("{blk}.ffn_{ffn}_exps.weight", "{blk}.mlp.switch_mlp.{ffn}_proj", None),
+    ("{blk}.ffn_{ffn}_exps.weight", "{blk}.mlp.switch_mlp.{ffn}_proj.weight", None),
     ("{blk}.ffn_{ffn}_shexp.weight", "{blk}.mlp.shared_expert.{ffn}_proj.weight", None),
     ("{blk}.ffn_gate_inp_shexp.weight", "{blk}.mlp.shared_expert_gate.weight", None),
 ]
@@ -232,7 +237,7 @@ _KIMI_TENSORS = [
     ("{blk}.ffn_{ffn}.weight", "{blk}.mlp.{ffn}_proj.weight", None),
     ("{blk}.ffn_gate_inp.weight", "{blk}.mlp.gate.weight", None),
     ("{blk}.exp_probs_b.bias", "{blk}.mlp.e_score_correction_bias", None),
-    ("{blk}.ffn_{ffn}_exps.weight", "{blk}.mlp.switch_mlp.{ffn}_proj", None),
+    ("{blk}.ffn_{ffn}_exps.weight", "{blk}.mlp.switch_mlp.{ffn}_proj.weight", None),
     ("{blk}.ffn_{ffn}_shexp.weight", "{blk}.mlp.shared_experts.{ffn}_proj.weight", None),
 ]
 
@@ -313,9 +318,20 @@ def gguf_block_name(name: str, n_layer: int) -> str:
     return f"blk.{index}." + name[m.end() :]
 
 
-def block_names(reader, n_layer: int):
-    """Source tensors with `blk.N.` renamed to our block paths (MTP blocks come after the trunk)."""
+def block_names(reader, n_layer: int, keep_quantized: bool = True):
+    """Source tensors with `blk.N.` renamed to our block paths (MTP blocks come after the trunk).
+
+    Each comes with a loader giving an mx.array, or a QuantizedTensor where the block
+    type maps exactly onto MLX's affine groups (and keep_quantized).
+    """
     from gguf.quants import dequantize
+
+    def loader(t):
+        if keep_quantized:
+            quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name)
+            if quantized is not None:
+                return quantized
+        return mx.array(dequantize(t.data, t.tensor_type).astype(np.float32))
 
     def renamed(name):
         m = re.match(r"blk\.(\d+)\.", name)
@@ -326,4 +342,4 @@ def block_names(reader, n_layer: int):
         return block + name[m.end() - 1 :]
 
     for t in reader.tensors:
-        yield renamed(t.name), (lambda t=t: mx.array(dequantize(t.data, t.tensor_type).astype(np.float32)))
+        yield renamed(t.name), (lambda t=t: loader(t))

@@ -47,22 +47,52 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class SwitchLinear(nn.Module):
+    """Stacked expert matrices [E, out, in], applied to the experts each token selected."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, output_dims, input_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return ops.gather_matmul(x, self.weight.swapaxes(-1, -2), indices)
+
+    def to_quantized(self, group_size: int = 32, bits: int = 4, mode: str = "affine"):
+        return QuantizedSwitchLinear(self.weight.shape, group_size, bits)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear with MLX affine-quantized experts (gathered quantized matmul)."""
+
+    def __init__(self, shape, group_size: int, bits: int):
+        super().__init__()
+        E, out, inp = shape
+        self.group_size, self.bits = group_size, bits
+        self.weight = mx.zeros((E, out, inp * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((E, out, inp // group_size))
+        self.biases = mx.zeros((E, out, inp // group_size))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return mx.gather_qmm(
+            x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+            group_size=self.group_size, bits=self.bits,
+        )  # fmt: skip
+
+
 class SwitchGLU(nn.Module):
-    """SwiGLU experts stacked as [E, out, in] tensors, applied to the selected ones."""
+    """SwiGLU experts; each projection is one SwitchLinear over all experts."""
 
     def __init__(self, dims: int, hidden: int, num_experts: int):
         super().__init__()
-        self.gate_proj = mx.zeros((num_experts, hidden, dims))
-        self.up_proj = mx.zeros((num_experts, hidden, dims))
-        self.down_proj = mx.zeros((num_experts, dims, hidden))
+        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
+        self.up_proj = SwitchLinear(dims, hidden, num_experts)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., D], indices [..., k] -> [..., k, D]."""
         x = mx.expand_dims(x, (-2, -3))
-        gate = ops.gather_matmul(x, self.gate_proj.swapaxes(-1, -2), indices)
-        up = ops.gather_matmul(x, self.up_proj.swapaxes(-1, -2), indices)
-        out = ops.gather_matmul(nn.silu(gate) * up, self.down_proj.swapaxes(-1, -2), indices)
-        return out.squeeze(-2)
+        hidden = nn.silu(self.gate_proj(x, indices)) * self.up_proj(x, indices)
+        return self.down_proj(hidden, indices).squeeze(-2)
 
 
 def top_k_indices(scores: mx.array, k: int) -> mx.array:

@@ -1,0 +1,154 @@
+"""GGUF quantized blocks as MLX affine groups, without re-quantization.
+
+MLX's affine format: per group of `group_size` values along a row, w = scale * q + bias
+with q an unsigned `bits`-bit integer, q's packed as a little-endian bit stream into
+uint32 words. These GGUF block types are exactly that, per group of 32:
+
+| type | bits | scale | bias |
+| --- | --- | --- | --- |
+| Q8_0 | 8 | d | -128 d |
+| Q4_0 / Q5_0 | 4 / 5 | d | -8 d / -16 d |
+| Q4_1 / Q5_1 | 4 / 5 | d | m |
+| Q4_K / Q5_K | 4 / 5 | d * sc_j | -dmin * m_j (sub-block j of 32 in a super-block of 256) |
+
+Scales and biases are kept in float32, where every one of them is exact (a float16
+times a 6-bit integer needs 17 significant bits). Other types (Q6_K and Q2_K/Q3_K
+with groups of 16, the IQ types, ...) have no exact affine form and are dequantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+GROUP_SIZE = 32
+
+
+@dataclass
+class QuantizedTensor:
+    """An affine-quantized matrix (or stack of matrices) in MLX's layout."""
+
+    weight: mx.array  # uint32 [..., rows, cols * bits / 32]
+    scales: mx.array  # float32 [..., rows, cols / 32]
+    biases: mx.array
+    bits: int
+    group_size: int = GROUP_SIZE
+
+    @property
+    def shape(self):
+        return (*self.weight.shape[:-1], self.scales.shape[-1] * self.group_size)
+
+    def map_rows(self, fn):
+        """Apply a transform that only selects or reorders rows to every part."""
+        return QuantizedTensor(fn(self.weight), fn(self.scales), fn(self.biases), self.bits, self.group_size)
+
+    def dequantize(self) -> mx.array:
+        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+
+
+def _f16(block_bytes: np.ndarray) -> np.ndarray:
+    return block_bytes.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 values: low nibbles first, then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of a little-endian bit field, for i < count."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")
+    return bits[..., :count]
+
+
+def _q8_0(b):
+    d = _f16(b[..., 0:2])
+    q = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q[..., None, :], d[..., None], -128.0 * d[..., None]
+
+
+def _q4_0(b):
+    d = _f16(b[..., 0:2])
+    return _nibbles(b[..., 2:18])[..., None, :], d[..., None], -8.0 * d[..., None]
+
+
+def _q4_1(b):
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    return _nibbles(b[..., 4:20])[..., None, :], d[..., None], m[..., None]
+
+
+def _q5_0(b):
+    d = _f16(b[..., 0:2])
+    q = _nibbles(b[..., 6:22]) | (_high_bits(b[..., 2:6], 32) << 4)
+    return q[..., None, :], d[..., None], -16.0 * d[..., None]
+
+
+def _q5_1(b):
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    q = _nibbles(b[..., 8:24]) | (_high_bits(b[..., 4:8], 32) << 4)
+    return q[..., None, :], d[..., None], m[..., None]
+
+
+def _k_scales(b):
+    from gguf.quants import Q4_K
+
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    lead = b.shape[:-1]
+    sc, m = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+    sc, m = sc.reshape(*lead, 8).astype(np.float32), m.reshape(*lead, 8).astype(np.float32)
+    return d[..., None] * sc, -(dmin[..., None] * m)
+
+
+def _q4_k(b):
+    scales, biases = _k_scales(b)
+    qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)  # 4 chunks of 64 values
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 8, 32)
+    return q, scales, biases
+
+
+def _q5_k(b):
+    scales, biases = _k_scales(b)
+    qh = b[..., 16:48]  # bit j of byte i: high bit of value i of sub-block j
+    qs = b[..., 48:176].reshape(*b.shape[:-1], 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 8, 32)
+    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    return low | (high << 4), scales, biases
+
+
+# GGML type name -> (bits, values per block, block parser)
+AFFINE_TYPES = {
+    "Q8_0": (8, 32, _q8_0),
+    "Q4_0": (4, 32, _q4_0),
+    "Q4_1": (4, 32, _q4_1),
+    "Q5_0": (5, 32, _q5_0),
+    "Q5_1": (5, 32, _q5_1),
+    "Q4_K": (4, 256, _q4_k),
+    "Q5_K": (5, 256, _q5_k),
+}
+
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned bits-bit integers [..., n] -> MLX's little-endian bit stream as uint32 [..., n * bits / 32]."""
+    stream = ((q[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
+    packed = np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view(np.uint32)
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str) -> QuantizedTensor | None:
+    """raw: the tensor's bytes as the gguf reader gives them, [..., rows, bytes per row]."""
+    if type_name not in AFFINE_TYPES:
+        return None
+    bits, per_block, parse = AFFINE_TYPES[type_name]
+    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176}[type_name]
+    lead = raw.shape[:-1]
+    blocks = raw.reshape(*lead, -1, block_bytes)
+    q, scales, biases = parse(blocks)  # q [..., blocks, groups, 32]; scales [..., blocks, groups]
+    cols = blocks.shape[-2] * per_block
+    return QuantizedTensor(
+        mx.array(pack(q.reshape(*lead, cols), bits)),
+        mx.array(scales.reshape(*lead, cols // GROUP_SIZE).astype(np.float32)),
+        mx.array(biases.reshape(*lead, cols // GROUP_SIZE).astype(np.float32)),
+        bits,
+    )
