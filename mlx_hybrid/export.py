@@ -111,7 +111,7 @@ def save_hf(model, tokenizer, directory):
         raise ValueError(f"HF export supports dense qwen3_5 models, not {args.model_type!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    weights, _ = rename(_canonical(model), hf.QWEN_EXPORT_RULES, args)
+    weights, _ = rename(_canonical(model), hf.qwen_export_rules("hf"), args)
     mx.save_safetensors(
         str(directory / "model.safetensors"),
         {hf.export_name(k): v for k, v in weights.items()},

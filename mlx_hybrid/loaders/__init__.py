@@ -57,9 +57,13 @@ def _load_hf(path: Path, dtype, progress):
     module = architecture(model_type)
     if model_type not in hf.FAMILIES:
         raise UnsupportedArchitectureError(f"no Hugging Face loader for {model_type!r}")
-    make_args, rules = hf.FAMILIES[model_type]
+    make_args, rules_for = hf.FAMILIES[model_type]
     files = hf.safetensor_files(path)
     tensors = hf.read_tensors(files)
+    rules = rules_for(hf.detect_layout(tensors))
+    quantization = config.get("quantization") or config.get("quantization_config")
+    if quantization:
+        tensors = hf.group_quantized(tensors, quantization)
     args = make_args(config, module, has_mtp=any(name.startswith("mtp.") for name in tensors))
     model = _build(module, args)
     total = sum(f.stat().st_size for f in files)

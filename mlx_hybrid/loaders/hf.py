@@ -11,7 +11,8 @@ import mlx.core as mx
 from ..errors import ModelLoadError
 from ..models import architecture
 from ..models.qwen3_5 import FULL, LINEAR
-from .common import Rule, halves, neg_exp, plus_one, squeeze_conv
+from .common import Rule, halves, neg_exp, plus_one, rowwise, squeeze_conv
+from .quantized import QuantizedTensor
 
 # -- tensor tables -------------------------------------------------------------
 
@@ -20,6 +21,7 @@ _PREFIX = r"(?:model\.language_model\.|language_model\.model\.|model\.)?"
 _BLOCK = _PREFIX + r"(?P<blk>layers\.\d+|mtp\.layers\.\d+)\."
 
 
+@rowwise
 def _split_qkvz(w, args):
     """Qwen3-Next fused rows, per key head [q, k, v (R heads), z (R heads)] -> qkv, z."""
     Hk, Dk, Dv = args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim
@@ -30,6 +32,7 @@ def _split_qkvz(w, args):
     return mx.concatenate(flat[:3], axis=0), flat[3]
 
 
+@rowwise
 def _split_ba(w, args):
     """Qwen3-Next fused rows, per key head [b (R), a (R)] -> b, a."""
     Hk = args.linear_num_key_heads
@@ -37,44 +40,52 @@ def _split_ba(w, args):
     return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
 
 
-QWEN_RULES = [
-    Rule(r"(?:model\.)?visual\..*", ""),  # vision tower of multimodal checkpoints: unused
-    Rule(_PREFIX + r"embed_tokens\.weight", "embed_tokens.weight"),
-    Rule(_PREFIX + r"norm\.weight", "norm.weight", plus_one),
-    Rule(r"(?:language_model\.)?lm_head\.weight", "lm_head.weight"),
-    Rule(r"mtp\.fc\.weight", "mtp.fc.weight"),
-    Rule(r"mtp\.pre_fc_norm_embedding\.weight", "mtp.enorm.weight", plus_one),
-    Rule(r"mtp\.pre_fc_norm_hidden\.weight", "mtp.hnorm.weight", plus_one),
-    Rule(r"mtp\.norm\.weight", "mtp.norm.weight", plus_one),
-    Rule(
-        _BLOCK + r"(?P<norm>input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm)\.weight",
-        "{blk}.{norm}.weight",
-        plus_one,
-    ),
-    Rule(_BLOCK + r"linear_attn\.A_log", "{blk}.linear_attn.A", neg_exp),
-    Rule(_BLOCK + r"linear_attn\.conv1d\.weight", "{blk}.linear_attn.conv1d_weight", squeeze_conv),
-    Rule(
-        _BLOCK + r"linear_attn\.in_proj_qkvz\.weight",
-        ("{blk}.linear_attn.in_proj_qkv.weight", "{blk}.linear_attn.in_proj_z.weight"),
-        _split_qkvz,
-    ),
-    Rule(
-        _BLOCK + r"linear_attn\.in_proj_ba\.weight",
-        ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"),
-        _split_ba,
-    ),
-    Rule(
-        _BLOCK + r"mlp\.experts\.gate_up_proj",
-        ("{blk}.mlp.switch_mlp.gate_proj.weight", "{blk}.mlp.switch_mlp.up_proj.weight"),
-        halves,
-    ),
-    Rule(_BLOCK + r"mlp\.experts\.down_proj", "{blk}.mlp.switch_mlp.down_proj.weight"),
-    Rule(
-        _BLOCK + r"mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight",
-        "{blk}.mlp.switch_mlp.{proj}_proj.weight[{e}]",
-    ),
-    Rule(_BLOCK + r"(?P<rest>.+)", "{blk}.{rest}"),
-]
+# Two layouts of the same tensors: "hf" as published (zero-centred norms, conv [C, 1, K],
+# text trunk under `model.language_model.`) and "mlx" as MLX-community conversions
+# write them (plain norms, conv [C, K, 1], trunk under `language_model.model.`,
+# quantized modules as .weight/.scales/.biases).
+LAYOUTS = ("hf", "mlx")
+
+
+def qwen_rules(layout: str = "hf"):
+    norm = plus_one if layout == "hf" else None
+    return [
+        Rule(r"(?:model\.)?visual\..*", ""),  # vision tower of multimodal checkpoints: unused
+        Rule(_PREFIX + r"embed_tokens\.weight", "embed_tokens.weight"),
+        Rule(_PREFIX + r"norm\.weight", "norm.weight", norm),
+        Rule(r"(?:language_model\.)?lm_head\.weight", "lm_head.weight"),
+        Rule(r"mtp\.fc\.weight", "mtp.fc.weight"),
+        Rule(r"mtp\.pre_fc_norm_embedding\.weight", "mtp.enorm.weight", norm),
+        Rule(r"mtp\.pre_fc_norm_hidden\.weight", "mtp.hnorm.weight", norm),
+        Rule(r"mtp\.norm\.weight", "mtp.norm.weight", norm),
+        Rule(_BLOCK + _DECODER_NORMS, "{blk}.{norm}.weight", norm),
+        Rule(_BLOCK + r"linear_attn\.A_log", "{blk}.linear_attn.A", neg_exp),
+        Rule(_BLOCK + r"linear_attn\.conv1d\.weight", "{blk}.linear_attn.conv1d_weight", squeeze_conv),
+        Rule(
+            _BLOCK + r"linear_attn\.in_proj_qkvz\.weight",
+            ("{blk}.linear_attn.in_proj_qkv.weight", "{blk}.linear_attn.in_proj_z.weight"),
+            _split_qkvz,
+        ),
+        Rule(
+            _BLOCK + r"linear_attn\.in_proj_ba\.weight",
+            ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"),
+            _split_ba,
+        ),
+        Rule(
+            _BLOCK + r"mlp\.experts\.gate_up_proj",
+            ("{blk}.mlp.switch_mlp.gate_proj.weight", "{blk}.mlp.switch_mlp.up_proj.weight"),
+            halves,
+        ),
+        Rule(_BLOCK + r"mlp\.experts\.down_proj", "{blk}.mlp.switch_mlp.down_proj.weight"),
+        Rule(
+            _BLOCK + r"mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight",
+            "{blk}.mlp.switch_mlp.{proj}_proj.weight[{e}]",
+        ),
+        Rule(_BLOCK + r"(?P<rest>.+)", "{blk}.{rest}"),
+    ]
+
+
+_DECODER_NORMS = r"(?P<norm>input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm)\.weight"
 
 
 def _minus_one(w, _args):
@@ -85,31 +96,70 @@ def _log_neg(a, _args):
     return mx.log(-a.astype(mx.float32))
 
 
-def _unsqueeze_conv(w, _args):
-    return w[:, None, :]
+def _conv_layout(layout):
+    def expand(w, _args):  # [C, K] -> [C, 1, K] (hf) or [C, K, 1] (mlx)
+        return w[:, None, :] if layout == "hf" else w[:, :, None]
+
+    return expand
 
 
-# Canonical names -> the published Qwen3.5 layout (before the `model.language_model.`
-# prefix, which export_name adds). Dense models only: fused experts would need two inputs.
-QWEN_EXPORT_RULES = [
-    Rule(r"norm\.weight", "norm.weight", _minus_one),
-    Rule(r"mtp\.enorm\.weight", "mtp.pre_fc_norm_embedding.weight", _minus_one),
-    Rule(r"mtp\.hnorm\.weight", "mtp.pre_fc_norm_hidden.weight", _minus_one),
-    Rule(r"mtp\.norm\.weight", "mtp.norm.weight", _minus_one),
-    Rule(
-        r"(?P<blk>(?:mtp\.)?layers\.\d+)\.(?P<norm>input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm)\.weight",
-        "{blk}.{norm}.weight",
-        _minus_one,
-    ),
-    Rule(r"(?P<blk>(?:mtp\.)?layers\.\d+)\.linear_attn\.A", "{blk}.linear_attn.A_log", _log_neg),
-    Rule(r"(?P<blk>(?:mtp\.)?layers\.\d+)\.linear_attn\.conv1d_weight", "{blk}.linear_attn.conv1d.weight", _unsqueeze_conv),
-    Rule(r"(?P<name>.+)", "{name}"),
-]
+def qwen_export_rules(layout: str = "hf"):
+    """Canonical names -> a layout (before the trunk prefix, which export_name adds).
+
+    Dense experts only: fused HF experts would need two inputs per tensor.
+    """
+    norm = _minus_one if layout == "hf" else None
+    block = r"(?P<blk>(?:mtp\.)?layers\.\d+)\."
+    return [
+        Rule(r"norm\.weight", "norm.weight", norm),
+        Rule(r"mtp\.enorm\.weight", "mtp.pre_fc_norm_embedding.weight", norm),
+        Rule(r"mtp\.hnorm\.weight", "mtp.pre_fc_norm_hidden.weight", norm),
+        Rule(r"mtp\.norm\.weight", "mtp.norm.weight", norm),
+        Rule(block + _DECODER_NORMS, "{blk}.{norm}.weight", norm),
+        Rule(block + r"linear_attn\.A", "{blk}.linear_attn.A_log", _log_neg),
+        Rule(block + r"linear_attn\.conv1d_weight", "{blk}.linear_attn.conv1d.weight", _conv_layout(layout)),
+        Rule(r"(?P<name>.+)", "{name}"),
+    ]
 
 
-def export_name(name: str) -> str:
-    """Published multimodal checkpoints keep the text trunk under `model.language_model.`."""
-    return name if name.startswith(("mtp.", "lm_head.")) else "model.language_model." + name
+MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # published with a vision tower; text under a prefix
+
+
+def export_name(name: str, layout: str = "hf", model_type: str = "qwen3_5") -> str:
+    """Where a canonical tensor goes in a layout; MTP tensors stay at the top."""
+    if name.startswith("mtp."):
+        return name
+    if model_type not in MULTIMODAL:
+        return name if name.startswith("lm_head.") else "model." + name
+    if layout == "mlx":
+        return "language_model." + (name if name.startswith("lm_head.") else "model." + name)
+    return name if name.startswith("lm_head.") else "model.language_model." + name
+
+
+def detect_layout(tensors: dict) -> str:
+    """MLX conversions store depthwise conv weights as [C, K, 1]."""
+    for name, t in tensors.items():
+        if "conv1d" in name and name.endswith(".weight") and t.ndim == 3:
+            return "mlx" if t.shape[-1] == 1 and t.shape[1] != 1 else "hf"
+    return "hf"
+
+
+def group_quantized(tensors: dict, quantization: dict) -> dict:
+    """Gather MLX-quantized .weight/.scales/.biases triplets into QuantizedTensors under .weight."""
+    if quantization.get("mode", "affine") != "affine":
+        raise ModelLoadError(f"unsupported quantization mode {quantization.get('mode')!r} (only affine)")
+    grouped = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".scales")]:
+        path = name[: -len(".scales")]
+        params = quantization.get(path) if isinstance(quantization.get(path), dict) else quantization
+        try:
+            grouped[path + ".weight"] = QuantizedTensor(
+                grouped.pop(path + ".weight"), grouped.pop(name), grouped.pop(path + ".biases"),
+                params["bits"], params["group_size"],
+            )  # fmt: skip
+        except KeyError as e:
+            raise ModelLoadError(f"quantized tensor {path} is incomplete: no {e.args[0]}") from None
+    return grouped
 
 
 def _split_kv_b(w, args):
@@ -207,12 +257,12 @@ def _kimi_args(config: dict, module, has_mtp: bool):
         raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
 
 
-# model_type -> (hyper-parameters, tensor table)
+# model_type -> (hyper-parameters, tensor table for a layout)
 FAMILIES = {
-    "qwen3_5": (_qwen_args, QWEN_RULES),
-    "qwen3_5_moe": (_qwen_args, QWEN_RULES),
-    "qwen3_next": (_qwen_args, QWEN_RULES),
-    "kimi_linear": (_kimi_args, KIMI_RULES),
+    "qwen3_5": (_qwen_args, qwen_rules),
+    "qwen3_5_moe": (_qwen_args, qwen_rules),
+    "qwen3_next": (_qwen_args, qwen_rules),
+    "kimi_linear": (_kimi_args, lambda layout: KIMI_RULES),  # plain norms in every layout
 }
 
 

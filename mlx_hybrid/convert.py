@@ -1,0 +1,80 @@
+"""`mlx_hybrid.convert`: an HF checkpoint -> an MLX-quantized directory that keeps the MTP head.
+
+The output has the layout MLX-community conversions use (mlx-lm loads it too; it
+ignores the `mtp.*` tensors, which mlx_hybrid keeps for speculative decoding):
+trunk under `language_model.model.`, plain norms, conv weights [C, K, 1],
+quantized modules as .weight/.scales/.biases, and `quantization` in config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import MlxHybridError
+from .loaders import hf, load
+from .loaders.common import rename
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def convert(hf_path, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -> Path:
+    """Quantize every linear, embedding and expert layer whose input size the group size divides."""
+    hf_path, mlx_path = Path(hf_path), Path(mlx_path)
+    config = hf.read_config(hf_path)
+    if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        raise MlxHybridError(f"convert supports the Qwen hybrid families, not {config.get('model_type')!r}")
+    model, _ = load(hf_path, dtype=dtype)
+    nn.quantize(
+        model,
+        group_size,
+        bits,
+        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
+    )
+    parameters = [(name, (lambda p=p: p)) for name, p in tree_flatten(model.parameters())]
+    weights, _ = rename(parameters, hf.qwen_export_rules("mlx"), model.args)
+    mlx_path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(
+        str(mlx_path / "model.safetensors"),
+        {hf.export_name(name, "mlx", model.model_type): w for name, w in weights.items()},
+        metadata={"format": "mlx"},
+    )
+    quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    config.update(quantization=quantization, quantization_config=quantization)
+    (mlx_path / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (hf_path / name).is_file():
+            shutil.copy(hf_path / name, mlx_path / name)
+    return mlx_path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mlx_hybrid.convert", description=__doc__)
+    p.add_argument("--hf-path", required=True, help="the Hugging Face checkpoint directory")
+    p.add_argument("--mlx-path", required=True, help="where to write the quantized model")
+    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per weight (default: 4)")
+    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128], help="group size (default: 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="dtype of the rest")
+    args = p.parse_args(argv)
+    try:
+        out = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size, args.dtype)
+    except MlxHybridError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def entry():
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

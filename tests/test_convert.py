@@ -1,0 +1,65 @@
+"""MLX-community quantized checkpoints: ours from mlx_hybrid.convert, and mlx-lm's own."""
+
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import mlx_hybrid
+from conftest import FIXTURES, QWEN_FAMILIES, reference
+from mlx_hybrid.convert import convert
+from test_quantized import quantized_modules
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, tmp_path):
+    """Loading the converted directory gives the in-memory quantized model.
+
+    Up to float rounding: the format stores A_log, so A = -exp(A_log) goes through
+    log and exp once (an ulp), which the random fixtures amplify to ~1e-4.
+    """
+    out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
+    loaded, _ = mlx_hybrid.load(out)
+    assert loaded.has_mtp and quantized_modules(loaded)
+    expected, _ = mlx_hybrid.load(FIXTURES / family / "hf")
+    nn.quantize(expected, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+    ids = mx.array(reference(family)["input_ids"])
+    np.testing.assert_allclose(np.array(loaded(ids)), np.array(expected(ids)), atol=1e-3, rtol=0)
+    np.testing.assert_allclose(np.array(loaded.mtp_logits(ids)), np.array(expected.mtp_logits(ids)), atol=1e-3, rtol=0)
+
+
+def test_speculative_decoding_from_a_converted_checkpoint(tmp_path):
+    model, tok = mlx_hybrid.load(convert(FIXTURES / "qwen35moe" / "hf", tmp_path / "q", bits=8, group_size=32))
+    prompt = reference("qwen35moe")["prompt_ids"][0].tolist()
+    plain = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=48)]
+    assert [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=48, draft="mtp")] == plain
+
+
+def test_convert_command(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_hybrid.convert", "--hf-path", str(FIXTURES / "qwen35" / "hf"),
+         "--mlx-path", str(tmp_path / "q"), "--q-bits", "8", "--q-group-size", "32"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    model, tok = mlx_hybrid.load(tmp_path / "q")
+    assert tok.encode("def f(x):") == mlx_hybrid.load(FIXTURES / "qwen35" / "hf")[1].encode("def f(x):")
+
+
+@pytest.mark.parametrize("family", ["qwen35", "qwen35moe"])
+def test_checkpoints_converted_by_mlx_lm_load_identically(family, tmp_path):
+    """The leading MLX runner's own conversion: our forward equals its forward."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(FIXTURES / family / "hf"),
+         "--mlx-path", str(tmp_path / "q"), "-q", "--q-bits", "4", "--q-group-size", "32"],
+        capture_output=True, check=True, timeout=300,
+    )  # fmt: skip
+    ours, _ = mlx_hybrid.load(tmp_path / "q")
+    theirs, _ = mlx_lm.load(str(tmp_path / "q"))
+    ids = mx.array(reference(family)["input_ids"])
+    np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=1e-5, rtol=0)
