@@ -2,7 +2,7 @@
 
 from .errors import ContextOverflowError, GenerationError, MlxHybridError, ModelLoadError, UnsupportedArchitectureError
 from .generation import GenerationResponse, generate, stream_generate
-from .loaders import load
+from .loaders import bundled_model_path, load
 
 
 def make_cache(model):

@@ -15,6 +15,7 @@ stdout; prompt and generation speed and peak memory go to stderr at the end.
 
 EPILOG = """\
 examples:
+  mlx_hybrid.generate --prompt "def parse_args(" --mtp
   mlx_hybrid.generate --model model.gguf --prompt "def parse_args("
   echo "Hello" | mlx_hybrid.generate --model ./Qwen3.5-0.8B --prompt - --chat
 """
@@ -27,7 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face model directory")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or a Hugging Face model directory (default: the bundled tiny Qwen3.5 trained on "
+        "Python's standard library)",
+    )
     p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
@@ -71,7 +77,7 @@ def main(argv=None) -> int:
     if args.mtp and args.draft_model:
         return _fail("choose one of --mtp and --draft-model")
     try:
-        model, tokenizer = mlx_hybrid.load(args.model, dtype=args.dtype)
+        model, tokenizer = mlx_hybrid.load(args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype)
         draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
         if args.verbose:
             print(

@@ -9,20 +9,14 @@ quantized modules as .weight/.scales/.biases, and `quantization` in config.json.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .errors import MlxHybridError
+from .export import save_mlx
 from .loaders import hf, load
-from .loaders.common import rename
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def convert(hf_path, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -> Path:
@@ -31,27 +25,15 @@ def convert(hf_path, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) 
     config = hf.read_config(hf_path)
     if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         raise MlxHybridError(f"convert supports the Qwen hybrid families, not {config.get('model_type')!r}")
-    model, _ = load(hf_path, dtype=dtype)
+    model, tokenizer = load(hf_path, dtype=dtype)
     nn.quantize(
         model,
         group_size,
         bits,
         class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
     )
-    parameters = [(name, (lambda p=p: p)) for name, p in tree_flatten(model.parameters())]
-    weights, _ = rename(parameters, hf.qwen_export_rules("mlx"), model.args)
-    mlx_path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(
-        str(mlx_path / "model.safetensors"),
-        {hf.export_name(name, "mlx", model.model_type): w for name, w in weights.items()},
-        metadata={"format": "mlx"},
-    )
     quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    config.update(quantization=quantization, quantization_config=quantization)
-    (mlx_path / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (hf_path / name).is_file():
-            shutil.copy(hf_path / name, mlx_path / name)
+    save_mlx(model, tokenizer, mlx_path, source_dir=hf_path, quantization=quantization)
     return mlx_path
 
 

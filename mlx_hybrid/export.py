@@ -8,6 +8,7 @@ same parameters.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from .loaders import gguf_file, hf
 from .loaders.common import rename
-from .models.qwen3_5 import LINEAR
+from .models.blocks import LINEAR
 
 _GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 
@@ -104,36 +105,37 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     writer.close()
 
 
-def save_hf(model, tokenizer, directory):
-    """A Hugging Face directory in the published Qwen3.5 layout (dense models)."""
-    args = model.args
-    if args.model_type != "qwen3_5":
-        raise ValueError(f"HF export supports dense qwen3_5 models, not {args.model_type!r}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    weights, _ = rename(_canonical(model), hf.qwen_export_rules("hf"), args)
-    mx.save_safetensors(
-        str(directory / "model.safetensors"),
-        {hf.export_name(k): v for k, v in weights.items()},
-        metadata={"format": "pt"},
-    )
+def hf_config(args, eos_token_id: int) -> dict:
+    """config.json for a model's arguments: nested under text_config for the multimodal families."""
     text = {k: v for k, v in vars(args).items() if k not in ("model_type", "rope_theta", "partial_rotary_factor")}
     text.update(
-        model_type="qwen3_5_text",
         rope_parameters={
             "rope_type": "default",
             "rope_theta": args.rope_theta,
             "partial_rotary_factor": args.partial_rotary_factor,
         },
-        eos_token_id=tokenizer.eos_token_ids[0],
+        eos_token_id=eos_token_id,
     )
-    config = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+    if args.model_type not in hf.MULTIMODAL:
+        return {"architectures": ["Qwen3NextForCausalLM"], "model_type": args.model_type, **text}
+    architecture = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+    return {
+        "architectures": [architecture[args.model_type]],
+        "model_type": args.model_type,
         "tie_word_embeddings": args.tie_word_embeddings,
-        "text_config": text,
+        "text_config": {**text, "model_type": args.model_type + "_text"},
     }
+
+
+def _write_directory(directory: Path, tensors: dict, config: dict, tokenizer, source_dir=None):
+    directory.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+    if source_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+            if (Path(source_dir) / name).is_file():
+                shutil.copy(Path(source_dir) / name, directory / name)
+        return
     tokenizer._tokenizer.save(str(directory / "tokenizer.json"))
     eos = tokenizer.decode(tokenizer.eos_token_ids[:1])
     settings = {
@@ -141,7 +143,29 @@ def save_hf(model, tokenizer, directory):
         "eos_token": eos,
         "pad_token": eos,
         "add_bos_token": False,
-        "model_max_length": args.max_position_embeddings,
+        "model_max_length": config.get("text_config", config).get("max_position_embeddings"),
         "chat_template": tokenizer.chat_template,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+
+
+def save_hf(model, tokenizer, directory, source_dir=None):
+    """A Hugging Face directory in the published Qwen3.5 layout (dense models)."""
+    args = model.args
+    if args.model_type != "qwen3_5":
+        raise ValueError(f"HF export supports dense qwen3_5 models, not {args.model_type!r}")
+    weights, _ = rename(_canonical(model), hf.qwen_export_rules("hf"), args)
+    tensors = {hf.export_name(k, "hf", args.model_type): v for k, v in weights.items()}
+    _write_directory(Path(directory), tensors, hf_config(args, tokenizer.eos_token_ids[0]), tokenizer, source_dir)
+
+
+def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | None = None):
+    """The MLX-community layout (what mlx-lm writes), MTP tensors included; `quantization`
+    ({"group_size", "bits", "mode"}) describes a model already quantized in memory."""
+    args = model.args
+    weights, _ = rename(_canonical(model), hf.qwen_export_rules("mlx"), args)
+    tensors = {hf.export_name(k, "mlx", args.model_type): v for k, v in weights.items()}
+    config = hf_config(args, tokenizer.eos_token_ids[0])
+    if quantization:
+        config.update(quantization=quantization, quantization_config=quantization)
+    _write_directory(Path(directory), tensors, config, tokenizer, source_dir)

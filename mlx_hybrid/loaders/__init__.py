@@ -14,6 +14,9 @@ from ..tokenizer import Tokenizer
 from . import gguf_file, hf
 from .common import fill_model, rename
 
+# The default model: a small Qwen3.5 trained with its MTP head (examples/train_tiny.py).
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen35.gguf"
+
 # Files at least this large get a progress bar while their tensors load.
 PROGRESS_MIN_BYTES = 256 << 20
 
@@ -28,6 +31,13 @@ def resolve_dtype(dtype):
             raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(_DTYPES)})")
         return _DTYPES[dtype]
     return dtype
+
+
+def bundled_model_path() -> Path:
+    """The GGUF shipped inside the package, used when no model is named."""
+    if not BUNDLED_MODEL.is_file():
+        raise ModelLoadError(f"the bundled model is missing ({BUNDLED_MODEL}); name a model with --model")
+    return BUNDLED_MODEL
 
 
 def load(path, dtype=None, progress: bool | None = None, dequantize: bool = False):

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError
-from ..models.qwen3_5 import FULL, LINEAR
+from ..models.blocks import FULL, LINEAR
 from .common import Rule, rowwise
 from .quantized import from_gguf_blocks
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..errors import ModelLoadError
 from ..models import architecture
-from ..models.qwen3_5 import FULL, LINEAR
+from ..models.blocks import FULL, LINEAR
 from .common import Rule, halves, neg_exp, plus_one, rowwise, squeeze_conv
 from .quantized import QuantizedTensor
 

@@ -9,6 +9,14 @@ from .. import ops
 
 F32 = mx.float32
 
+# layer kinds of the hybrid models
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def check_layer_types(layer_types, num_layers: int):
+    if len(layer_types) != num_layers or set(layer_types) - {LINEAR, FULL}:
+        raise ValueError(f"layer_types must list {num_layers} of {LINEAR!r}/{FULL!r}")
+
 
 class RMSNorm(nn.Module):
     """RMSNorm with a plain weight (loaders turn zero-centred weights w into 1 + w)."""
@@ -148,7 +156,7 @@ class HybridModel(nn.Module):
     def make_cache(self):
         from ..cache import KVCache, RecurrentCache
 
-        return [RecurrentCache() if layer.layer_type == "linear_attention" else KVCache() for layer in self.layers]
+        return [RecurrentCache() if layer.layer_type == LINEAR else KVCache() for layer in self.layers]
 
     def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
         """The trunk's hidden state before the final norm, [B, T, E]."""

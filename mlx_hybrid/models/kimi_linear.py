@@ -15,17 +15,18 @@ import mlx.nn as nn
 from ..cache import KVCache, RecurrentCache
 from .blocks import (
     F32,
+    FULL,
+    LINEAR,
     MLP,
     HybridModel,
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
+    check_layer_types,
     delta_rule_attention,
     gated_rms_norm,
     top_k_indices,
 )
-
-LINEAR, FULL = "linear_attention", "full_attention"
 
 
 @dataclass
@@ -62,8 +63,7 @@ class ModelArgs:
         return self.num_experts > 0 and layer >= self.first_k_dense_replace
 
     def validate(self):
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
-            raise ValueError(f"layer_types must list {self.num_hidden_layers} of {LINEAR!r}/{FULL!r}")
+        check_layer_types(self.layer_types, self.num_hidden_layers)
 
 
 FLOAT32_PARAMS = ("A", "dt_bias", "e_score_correction_bias")

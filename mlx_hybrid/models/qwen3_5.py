@@ -14,17 +14,18 @@ import mlx.nn as nn
 from ..cache import KVCache, RecurrentCache
 from .blocks import (
     F32,
+    FULL,
+    LINEAR,
     MLP,
     HybridModel,
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
+    check_layer_types,
     delta_rule_attention,
     gated_rms_norm,
     top_k_indices,
 )
-
-LINEAR, FULL = "linear_attention", "full_attention"
 
 
 @dataclass
@@ -68,8 +69,7 @@ class ModelArgs:
     def validate(self):
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {LINEAR, FULL}:
-            raise ValueError(f"layer_types must list {self.num_hidden_layers} of {LINEAR!r}/{FULL!r}")
+        check_layer_types(self.layer_types, self.num_hidden_layers)
 
 
 # Parameters the loaders keep in float32 whatever the compute dtype.

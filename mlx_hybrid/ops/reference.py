@@ -39,6 +39,16 @@ def _prepare(q, k, v, g, beta, state):
     return q, k, v.astype(F32), g.astype(F32), beta.astype(F32), state.astype(F32)
 
 
+@mx.compile
+def _delta_step(state, q, k, v, decay, beta):
+    """One token for every head: decay, read, correct, write, read out (fused into one kernel)."""
+    state = state * decay
+    remembered = (state * k[..., None]).sum(axis=-2)
+    delta = beta[..., None] * (v - remembered)
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(axis=-2), state
+
+
 def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = False):
     """The gated delta rule one token at a time (decode and verify passes).
 
@@ -46,17 +56,12 @@ def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = Fal
     [B, T, Hv, Dk, Dv] or None).
     """
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state)
-    vector_gate = g.ndim == 4
+    # a scalar gate scales the whole [Dk, Dv] state, a vector gate each key row
+    decay = mx.exp(g)[..., None] if g.ndim == 4 else mx.exp(g)[..., None, None]
     outputs, states = [], []
     for t in range(v.shape[1]):
-        decay = mx.exp(g[:, t])
-        # scalar gate scales the whole [Dk, Dv] state, a vector gate each key row
-        state = state * (decay[..., None] if vector_gate else decay[..., None, None])
-        k_t = k[:, t]
-        remembered = (state * k_t[..., None]).sum(axis=-2)
-        delta = beta[:, t][..., None] * (v[:, t] - remembered)
-        state = state + k_t[..., None] * delta[..., None, :]
-        outputs.append((state * q[:, t][..., None]).sum(axis=-2))
+        out, state = _delta_step(state, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t])
+        outputs.append(out)
         if snapshots:
             states.append(state)
     out = mx.stack(outputs, axis=1)

@@ -1,0 +1,87 @@
+"""Prefill and decode speed and peak memory: mlx_hybrid against mlx-lm, same run, same files.
+
+    python benchmarks/make_checkpoints.py --out bench_models     # once
+    python benchmarks/bench_generate.py bench_models/qwen3.5-0.8b
+
+Both runners load the same checkpoint in the same dtype, in this process (so the
+same BLAS: the script restarts itself with OpenBLAS preloaded where installed;
+pass --reference-blas to keep MLX's own). Prints tokens/s for a prefill of each
+prompt length and for greedy decoding, peak memory, and mlx_hybrid / mlx-lm ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import mlx.core as mx
+
+
+def measure(name, generate, prompt_lengths, decode_tokens):
+    """Each runner's own streaming generation: its prompt and generation tokens/s and peak memory."""
+    results = {}
+    generate([1, 2, 3, 4], 2)  # warm up
+    for n in prompt_lengths:
+        prompt = mx.random.randint(3, 512, (n,), key=mx.random.key(n)).tolist()
+        mx.reset_peak_memory()
+        last = None
+        for last in generate(prompt, decode_tokens):
+            pass
+        results[f"prefill@{n}"] = last.prompt_tps
+        results[f"decode@{n}"] = last.generation_tps
+        results[f"peak GB@{n}"] = last.peak_memory
+    print(f"{name:12s} " + "  ".join(f"{k} {v:7.2f}" for k, v in results.items()), flush=True)
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--reference-blas", action="store_true", help="do not preload OpenBLAS")
+    p.add_argument("--only", choices=["mlx_hybrid", "mlx_lm"], help="measure one runner")
+    args = p.parse_args()
+    if args.reference_blas:
+        os.environ["MLX_HYBRID_BLAS"] = "reference"
+    from mlx_hybrid.blas import active_blas, prefer_optimized_blas
+
+    prefer_optimized_blas()
+    dtype = getattr(mx, args.dtype)
+    print(f"checkpoint {args.checkpoint}, {args.dtype}, BLAS {active_blas()}, device {mx.default_device()}")
+    results = {}
+    if args.only in (None, "mlx_hybrid"):
+        import mlx_hybrid
+
+        model, tokenizer = mlx_hybrid.load(args.checkpoint, dtype=dtype)
+        results["mlx_hybrid"] = measure(
+            "mlx_hybrid",
+            lambda prompt, n: mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=n),
+            args.prompt_lengths,
+            args.decode_tokens,
+        )
+        del model
+        gc.collect()
+        mx.clear_cache()
+    if args.only in (None, "mlx_lm"):
+        import mlx_lm
+
+        model, tokenizer = mlx_lm.load(args.checkpoint, model_config={"dtype": args.dtype})
+        model.set_dtype(dtype)
+        results["mlx_lm"] = measure(
+            "mlx-lm",
+            lambda prompt, n: mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n),
+            args.prompt_lengths,
+            args.decode_tokens,
+        )
+    if len(results) == 2:
+        ours, theirs = results["mlx_hybrid"], results["mlx_lm"]
+        print("ratios (mlx_hybrid / mlx-lm): " + "  ".join(f"{k} {ours[k] / theirs[k]:.2f}x" for k in ours))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The bundled default model: real, small, trained with its MTP head (examples/train_tiny.py)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_hybrid
+from mlx_hybrid.convert import convert
+from mlx_hybrid.export import save_hf
+from test_errors import run_cli
+
+PROMPT = "def parse_args(argv=None):\n    parser = argparse.ArgumentParser("
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return mlx_hybrid.load(mlx_hybrid.bundled_model_path())
+
+
+def test_bundled_model_is_small_real_and_has_mtp(bundled):
+    model, tokenizer = bundled
+    assert model.has_mtp and model.model_type == "qwen3_5"
+    assert mlx_hybrid.bundled_model_path().stat().st_size <= 25 * 1024**2
+    params = sum(p.size for _, p in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
+    assert 5e6 <= params <= 20e6
+    # trained: it continues Python code with Python
+    text = mlx_hybrid.generate(model, tokenizer, PROMPT, max_tokens=24)
+    assert any(word in text for word in (")", "add_argument", "parser", "=", "\n"))
+
+
+def test_gguf_and_hf_export_agree(bundled, tmp_path):
+    model, tokenizer = bundled
+    save_hf(model, tokenizer, tmp_path / "hf")
+    exported, exported_tokenizer = mlx_hybrid.load(tmp_path / "hf")
+    ids = mx.array([tokenizer.encode(PROMPT)])
+    np.testing.assert_allclose(np.array(exported(ids)), np.array(model(ids)), atol=1e-5, rtol=0)
+    assert exported_tokenizer.encode(PROMPT) == tokenizer.encode(PROMPT)
+    assert mlx_hybrid.generate(exported, exported_tokenizer, PROMPT, max_tokens=48) == mlx_hybrid.generate(
+        model, tokenizer, PROMPT, max_tokens=48
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_output_equals_plain_output(bundled, k):
+    model, tokenizer = bundled
+    plain = mlx_hybrid.generate(model, tokenizer, PROMPT, max_tokens=96)
+    responses = list(mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=96, draft="mtp", num_draft_tokens=k))
+    assert "".join(r.text for r in responses) == plain
+    assert responses[-1].acceptance_rate > 0.2  # a trained head drafts tokens the trunk accepts
+
+
+def test_readme_command_runs_the_bundled_model_with_mtp():
+    plain = run_cli("--prompt", "def parse_args(", "--max-tokens", "40")
+    spec = run_cli("--prompt", "def parse_args(", "--max-tokens", "40", "--mtp")
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "of drafts accepted" in spec.stderr
+
+
+def test_mlx_community_conversion_keeps_the_greedy_tokens(bundled, tmp_path):
+    """8-bit conversion of a trained model: the unquantized model's greedy tokens."""
+    model, tokenizer = bundled
+    save_hf(model, tokenizer, tmp_path / "hf")
+    quantized, qtok = mlx_hybrid.load(convert(tmp_path / "hf", tmp_path / "q8", bits=8, group_size=32))
+    prompt = tokenizer.encode(PROMPT)
+    want = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    assert [r.token for r in mlx_hybrid.stream_generate(quantized, qtok, prompt, max_tokens=24)] == want
