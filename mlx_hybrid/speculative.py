@@ -109,8 +109,9 @@ class DraftModelDrafter:
             )
         self.model = draft_model
         self.cache = draft_model.make_cache()
-        self.pending: list[int] = []
-        self.fed_drafts = 0
+        self.pending: list[int] = []  # accepted tokens the draft model has not read yet
+        self.fed_drafts = 0  # drafts of this round the draft model has read
+        self._states = []  # recurrent states after reading 0, 1, ... drafts
 
     def start(self, prompt: list[int], prompt_hidden, first_token: int):
         from .generation import prefill  # generation builds on this module
@@ -229,11 +230,21 @@ class SpeculativeDecoder:
     def step(self, max_new: int | None = None) -> list[int]:
         """One round; returns the a accepted drafts and the trunk's next token."""
         k = self.k if max_new is None else max(1, min(self.k, max_new - 1))
-        drafts, draft_logprobs = self.drafter.draft(k, self.sampler)
-        drafts = [int(t) for t in drafts]
-        hidden = self.verify([self.token] + drafts)
+        drafted, draft_logprobs = self.drafter.draft(k, self.sampler)
+        # the verify pass is built on the lazy drafts: drafting and verifying run as one graph
+        tokens = mx.concatenate([mx.array([self.token]), mx.stack(drafted).reshape(-1).astype(mx.int32)])
+        hidden = self.verify(tokens)
         logits = self.model.logits_from_hidden(hidden)[0]  # [k+1, V]
-        accepted = self.accept(drafts, draft_logprobs, logits)
+        if self.sampler.greedy:
+            drafts, target = mx.split(mx.concatenate([tokens[1:], mx.argmax(logits, axis=-1).astype(mx.int32)]), [k])
+            drafts, target = drafts.tolist(), target.tolist()  # the round's one host sync
+            a = 0
+            while a < k and drafts[a] == target[a]:
+                a += 1
+            accepted = drafts[:a] + [target[a]]
+        else:
+            drafts = tokens[1:].tolist()
+            accepted = self._accept_sampled(drafts, draft_logprobs, self.sampler.log_probs(logits))
         a = len(accepted) - 1
         rollback(self.cache, keep=a + 1, recorded=k + 1)
         self.drafter.update(hidden, accepted)
@@ -244,21 +255,13 @@ class SpeculativeDecoder:
         self.stats.emitted += a + 1
         return accepted
 
-    def verify(self, tokens: list[int]) -> mx.array:
+    def verify(self, tokens: mx.array) -> mx.array:
+        """The trunk over [last token, drafts], recording recurrent snapshots after each."""
         _record_snapshots(self.cache, True)
         try:
-            return self.model.hidden_states(mx.array(tokens)[None], self.cache)
+            return self.model.hidden_states(tokens[None], self.cache)
         finally:
             _record_snapshots(self.cache, False)
-
-    def accept(self, drafts: list[int], draft_logprobs, logits: mx.array) -> list[int]:
-        if self.sampler.greedy:
-            target = mx.argmax(logits, axis=-1).tolist()
-            a = 0
-            while a < len(drafts) and drafts[a] == target[a]:
-                a += 1
-            return drafts[:a] + [target[a]]
-        return self._accept_sampled(drafts, draft_logprobs, self.sampler.log_probs(logits))
 
     def _accept_sampled(self, drafts, draft_logprobs, target_logprobs):
         """Speculative sampling (Leviathan et al., Chen et al.): the output follows the target exactly."""
