@@ -15,7 +15,6 @@ import argparse
 import gc
 import os
 import sys
-import time
 
 import mlx.core as mx
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_hybrid.models.qwen3_5 import FULL, LINEAR, Model, ModelArgs

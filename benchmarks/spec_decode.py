@@ -98,7 +98,9 @@ def main():
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
     args = p.parse_args()
+    from mlx_hybrid.blas import active_blas, prefer_optimized_blas
 
+    prefer_optimized_blas()  # restarts with OpenBLAS preloaded where installed
     dtype = getattr(mx, args.dtype)
     if args.model:
         model, tokenizer = mlx_hybrid.load(args.model, dtype=dtype)
@@ -108,7 +110,10 @@ def main():
         model = random_model(SHAPES[args.shape](), dtype)
         prompt = mx.random.randint(0, model.args.vocab_size, (args.prompt_tokens,)).tolist()
         name = f"{args.shape} (random weights)"
-    print(f"model: {name}, {args.dtype}, backend {mlx_hybrid.ops.backend_name()}, device {mx.default_device()}")
+    print(
+        f"model: {name}, {args.dtype}, ops {mlx_hybrid.ops.backend_name()}, BLAS {active_blas()}, "
+        f"device {mx.default_device()}"
+    )
 
     reference, plain_tps = plain_decode(model, prompt, args.tokens)
     print(f"plain decoding: {plain_tps:.2f} tokens/s (baseline)")

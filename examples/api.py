@@ -1,6 +1,6 @@
 """The Python API in a few lines: load, stream, continue a cache by hand.
 
-    python examples/api.py tests/fixtures/qwen35/model.gguf
+python examples/api.py tests/fixtures/qwen35/model.gguf
 """
 
 import sys

@@ -60,7 +60,9 @@ def main():
     print(f"trunk next-token accuracy: {trunk_accuracy:.3f}")
     print(f"first MTP draft agrees with the trunk (acceptance of draft 1): {first_draft:.3f}")
 
-    prompts = [tokenizer.encode(t)[: args.prompt_tokens] for t in texts if len(tokenizer.encode(t)) > args.prompt_tokens]
+    prompts = [
+        tokenizer.encode(t)[: args.prompt_tokens] for t in texts if len(tokenizer.encode(t)) > args.prompt_tokens
+    ]
     prompts = prompts[: args.prompts]
 
     def run(**kwargs):

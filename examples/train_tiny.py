@@ -195,7 +195,9 @@ def main():
         from tokenizers import Tokenizer as HFTokenizer
 
         inner = HFTokenizer.from_file(str(tokenizer_file))
-        tokenizer = Tokenizer(inner, [inner.token_to_id("<|im_end|>"), inner.token_to_id("<|endoftext|>")], CHAT_TEMPLATE)
+        tokenizer = Tokenizer(
+            inner, [inner.token_to_id("<|im_end|>"), inner.token_to_id("<|endoftext|>")], CHAT_TEMPLATE
+        )
     else:
         print(f"training a {args.vocab}-token BPE on {len(train_files)} files", file=sys.stderr)
         tokenizer = train_tokenizer(train_files, args.vocab)

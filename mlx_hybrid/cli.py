@@ -45,9 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--mtp", action="store_true", help="speculative decoding, drafting with the model's MTP head")
     p.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
-    p.add_argument(
-        "--num-draft-tokens", type=int, default=3, metavar="N", help="tokens drafted per round (default: 3)"
-    )
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="N", help="tokens drafted per round (default: 3)")
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],

@@ -38,7 +38,9 @@ def _tokenizer_tables(tokenizer, vocab_size: int):
     merges = json.loads(inner.to_str())["model"]["merges"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     special = {t.content for t in inner.get_added_tokens_decoder().values() if t.special}
-    types = [3 if t in special else 5 if t.startswith("[PAD") and t not in vocab else 1 for t in tokens]  # control, unused, normal
+    types = [
+        3 if t in special else 5 if t.startswith("[PAD") and t not in vocab else 1 for t in tokens
+    ]  # control, unused, normal
     return tokens, merges, types
 
 

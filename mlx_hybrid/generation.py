@@ -68,9 +68,7 @@ def check_context(model, num_prompt: int) -> int:
     """Raise if the prompt does not fit; return how many tokens may follow it."""
     context = model.args.max_position_embeddings
     if num_prompt >= context:
-        raise ContextOverflowError(
-            f"the prompt has {num_prompt} tokens but the model's context is {context} tokens"
-        )
+        raise ContextOverflowError(f"the prompt has {num_prompt} tokens but the model's context is {context} tokens")
     return context - num_prompt
 
 

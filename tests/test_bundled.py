@@ -44,7 +44,9 @@ def test_gguf_and_hf_export_agree(bundled, tmp_path):
 def test_mtp_output_equals_plain_output(bundled, k):
     model, tokenizer = bundled
     plain = mlx_hybrid.generate(model, tokenizer, PROMPT, max_tokens=96)
-    responses = list(mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=96, draft="mtp", num_draft_tokens=k))
+    responses = list(
+        mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=96, draft="mtp", num_draft_tokens=k)
+    )
     assert "".join(r.text for r in responses) == plain
     assert responses[-1].acceptance_rate > 0.2  # a trained head drafts tokens the trunk accepts
 

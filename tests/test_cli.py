@@ -12,14 +12,18 @@ def greedy_text(family, source, prompt, n):
 
 
 def test_cli_generates_the_api_text():
-    result = run_cli("--model", str(FIXTURES / "qwen35" / "model.gguf"), "--prompt", "def parse_args(", "--max-tokens", "12")
+    result = run_cli(
+        "--model", str(FIXTURES / "qwen35" / "model.gguf"), "--prompt", "def parse_args(", "--max-tokens", "12"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == greedy_text("qwen35", "model.gguf", "def parse_args(", 12).rstrip("\n")
     assert "generation: 12 tokens" in result.stderr and "peak memory" in result.stderr
 
 
 def test_cli_with_kimi_and_stdin_prompt():
-    result = run_cli("--model", str(FIXTURES / "kimilinear" / "hf"), "--prompt", "-", "--max-tokens", "8", stdin="import os\n")
+    result = run_cli(
+        "--model", str(FIXTURES / "kimilinear" / "hf"), "--prompt", "-", "--max-tokens", "8", stdin="import os\n"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == greedy_text("kimilinear", "hf", "import os\n", 8).rstrip("\n")
 

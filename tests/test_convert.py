@@ -1,6 +1,5 @@
 """MLX-community quantized checkpoints: ours from mlx_hybrid.convert, and mlx-lm's own."""
 
-import shutil
 import subprocess
 import sys
 
@@ -26,7 +25,9 @@ def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, t
     loaded, _ = mlx_hybrid.load(out)
     assert loaded.has_mtp and quantized_modules(loaded)
     expected, _ = mlx_hybrid.load(FIXTURES / family / "hf")
-    nn.quantize(expected, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+    nn.quantize(
+        expected, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+    )
     ids = mx.array(reference(family)["input_ids"])
     np.testing.assert_allclose(np.array(loaded(ids)), np.array(expected(ids)), atol=1e-3, rtol=0)
     np.testing.assert_allclose(np.array(loaded.mtp_logits(ids)), np.array(expected.mtp_logits(ids)), atol=1e-3, rtol=0)

@@ -84,15 +84,27 @@ BAD_MODELS = {
     "truncated gguf header": (lambda tmp: truncated_gguf(tmp, 0.001), "truncated or corrupt GGUF file"),
     "truncated gguf tail": (lambda tmp: truncated_gguf(tmp, 0.999), "truncated"),
     "not a gguf": (lambda tmp: (tmp / "x.gguf").write_text("hello") and tmp / "x.gguf", "not a GGUF file"),
-    "unknown gguf architecture": (lambda tmp: gguf_of_architecture(tmp, "llama"), "unsupported GGUF architecture 'llama'"),
+    "unknown gguf architecture": (
+        lambda tmp: gguf_of_architecture(tmp, "llama"),
+        "unsupported GGUF architecture 'llama'",
+    ),
     "unknown hf architecture": (
         lambda tmp: hf_copy(tmp, edit_config=lambda c: c.update(model_type="llama")),
         "unsupported architecture 'llama'",
     ),
-    "tensor of the wrong shape": (lambda tmp: hf_copy(tmp, edit_tensors=wrong_shape), "has shape (64, 32), expected (64, 64)"),
-    "missing tensor": (lambda tmp: hf_copy(tmp, edit_tensors=missing_tensor), "missing tensors: layers.3.self_attn.k_proj"),
+    "tensor of the wrong shape": (
+        lambda tmp: hf_copy(tmp, edit_tensors=wrong_shape),
+        "has shape (64, 32), expected (64, 64)",
+    ),
+    "missing tensor": (
+        lambda tmp: hf_copy(tmp, edit_tensors=missing_tensor),
+        "missing tensors: layers.3.self_attn.k_proj",
+    ),
     "directory without config": (lambda tmp: tmp, "no config.json"),
-    "not a model file": (lambda tmp: (tmp / "notes.txt").write_text("x") and tmp / "notes.txt", "expected a .gguf file"),
+    "not a model file": (
+        lambda tmp: (tmp / "notes.txt").write_text("x") and tmp / "notes.txt",
+        "expected a .gguf file",
+    ),
 }
 
 
@@ -112,7 +124,9 @@ def test_truncated_safetensors(tmp_path):
         mlx_hybrid.load(target)
 
 
-@pytest.mark.parametrize("case", ["missing path", "truncated gguf", "unknown gguf architecture", "tensor of the wrong shape"])
+@pytest.mark.parametrize(
+    "case", ["missing path", "truncated gguf", "unknown gguf architecture", "tensor of the wrong shape"]
+)
 def test_cli_reports_bad_model_in_one_line(case, tmp_path):
     make, fragment = BAD_MODELS[case]
     assert_usage_error(run_cli("--model", str(make(tmp_path)), "--prompt", "hi"), fragment)

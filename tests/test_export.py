@@ -31,6 +31,6 @@ def test_exports_load_back_to_the_same_model(tmp_path):
         np.testing.assert_allclose(np.array(loaded(ids)), np.array(model(ids)), atol=1e-4, rtol=0)
         np.testing.assert_allclose(np.array(loaded.mtp_logits(ids)), np.array(model.mtp_logits(ids)), atol=1e-4, rtol=0)
         assert loaded_tokenizer.encode(text) == tokenizer.encode(text)
-        assert loaded_tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == tokenizer.apply_chat_template(
+        assert loaded_tokenizer.apply_chat_template(
             [{"role": "user", "content": "x"}]
-        )
+        ) == tokenizer.apply_chat_template([{"role": "user", "content": "x"}])

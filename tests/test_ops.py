@@ -45,9 +45,7 @@ def make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate, seed=0):
     return [x.astype(np.float32) for x in (q, k, v, g, beta, state)]
 
 
-GRID = list(
-    itertools.product([1, 63, 64, 65, 200], [16, 32, 64, 128], [1, 2, 4], [False, True])
-)
+GRID = list(itertools.product([1, 63, 64, 65, 200], [16, 32, 64, 128], [1, 2, 4], [False, True]))
 
 
 @pytest.mark.parametrize("T,Dk,ratio,vector_gate", GRID)

@@ -14,7 +14,11 @@ from mlx_hybrid.models.blocks import QuantizedSwitchLinear
 
 
 def quantized_modules(model):
-    return [p for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))]
+    return [
+        p
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
+    ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -71,5 +75,7 @@ def test_speculative_decoding_on_a_quantized_model():
     model, tok = mlx_hybrid.load(FIXTURES / "qwen35moe" / "model-Q4_K_M.gguf")
     prompt = reference("qwen35moe")["prompt_ids"][0].tolist()
     plain = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=32)]
-    spec = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=32, draft="mtp", num_draft_tokens=3)]
+    spec = [
+        r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=32, draft="mtp", num_draft_tokens=3)
+    ]
     assert spec == plain

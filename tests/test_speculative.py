@@ -1,6 +1,5 @@
 """MTP and draft-model speculative decoding: exact logits, lossless output, exact rollback."""
 
-import json
 import shutil
 
 import mlx.core as mx
@@ -79,7 +78,9 @@ def test_rollback_leaves_the_cache_of_plain_decoding(family, k):
     for a in range(k + 1):
         cache = model.make_cache()
         mtp = MTPDrafter(model)
-        decoder = SpeculativeDecoder(model, OracleDrafter(greedy, a / k, model.args.vocab_size, inner=mtp), Sampler(0.0), k, cache)
+        decoder = SpeculativeDecoder(
+            model, OracleDrafter(greedy, a / k, model.args.vocab_size, inner=mtp), Sampler(0.0), k, cache
+        )
         assert decoder.start(prompt, prefill(model, prompt, cache)) == greedy[0]
         assert decoder.step() == greedy[1 : a + 2]
 
@@ -123,7 +124,9 @@ def test_draft_model_rolls_back_after_accepts():
     """A model drafting for itself accepts everything: exercises keeping drafts in its cache."""
     model, tok = load_fixture("qwen3next", "hf")
     prompt = reference("qwen3next")["prompt_ids"][0].tolist()
-    responses = list(mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=64, draft_model=model, num_draft_tokens=3))
+    responses = list(
+        mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=64, draft_model=model, num_draft_tokens=3)
+    )
     assert [r.token for r in responses] == plain_greedy("qwen3next", "hf")[:64]
     assert responses[-1].acceptance_rate == 1.0 and responses[-1].tokens_per_pass > 3.5
 
@@ -226,5 +229,7 @@ def test_kimi_has_no_mtp_but_drafts_with_a_draft_model():
     assert not model.has_mtp
     prompt = reference("kimilinear")["prompt_ids"][0].tolist()
     for k in (1, 3):
-        responses = list(mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=64, draft_model=draft, num_draft_tokens=k))
+        responses = list(
+            mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=64, draft_model=draft, num_draft_tokens=k)
+        )
         assert [r.token for r in responses] == plain_greedy("kimilinear", "hf", 64)

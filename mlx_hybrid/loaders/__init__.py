@@ -96,7 +96,9 @@ def _load_gguf(path: Path, dtype, progress, keep_quantized: bool):
     args = make_args(meta, module, shapes)
     model = _build(module, args)
     with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
-        weights, unmatched = rename(gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized), rules, args, bar)
+        weights, unmatched = rename(
+            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized), rules, args, bar
+        )
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
     return model, Tokenizer.from_gguf(meta)

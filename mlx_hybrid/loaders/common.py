@@ -126,7 +126,9 @@ def _quantize_modules(model, weights: dict):
             weights[name] = tensor.dequantize()
             continue
         parts[path] = tensor
-        weights.update({f"{path}.weight": tensor.weight, f"{path}.scales": tensor.scales, f"{path}.biases": tensor.biases})
+        weights.update(
+            {f"{path}.weight": tensor.weight, f"{path}.scales": tensor.scales, f"{path}.biases": tensor.biases}
+        )
     if parts:
         nn.quantize(
             model,

@@ -90,6 +90,7 @@ def _qwen_args(meta: Metadata, module, tensor_shapes: dict):
 
 # -- tensor tables -------------------------------------------------------------------
 
+
 def _tiled_order(args):
     """GGUF value head p = r*Hk + j holds checkpoint head j*R + r (llama.cpp's qwen35 layout)."""
     Hk, Hv = args.linear_num_key_heads, args.linear_num_value_heads

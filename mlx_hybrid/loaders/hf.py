@@ -9,7 +9,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import ModelLoadError
-from ..models import architecture
 from ..models.blocks import FULL, LINEAR
 from .common import Rule, halves, neg_exp, plus_one, rowwise, squeeze_conv
 from .quantized import QuantizedTensor
@@ -178,7 +177,11 @@ KIMI_RULES = [
     Rule(r"lm_head\.weight", "lm_head.weight"),
     Rule(_KIMI_BLOCK + r"self_attn\.(?P<p>q|k|v)_conv1d\.weight", "{blk}.self_attn.{p}_conv1d_weight", squeeze_conv),
     Rule(_KIMI_BLOCK + r"self_attn\.A_log", "{blk}.self_attn.A", neg_exp),
-    Rule(_KIMI_BLOCK + r"self_attn\.kv_b_proj\.weight", ("{blk}.self_attn.k_b_proj", "{blk}.self_attn.v_b_proj"), _split_kv_b),
+    Rule(
+        _KIMI_BLOCK + r"self_attn\.kv_b_proj\.weight",
+        ("{blk}.self_attn.k_b_proj", "{blk}.self_attn.v_b_proj"),
+        _split_kv_b,
+    ),
     Rule(_EXPERT + r"w1\.weight", "{blk}.mlp.switch_mlp.gate_proj.weight[{e}]"),
     Rule(_EXPERT + r"w2\.weight", "{blk}.mlp.switch_mlp.down_proj.weight[{e}]"),
     Rule(_EXPERT + r"w3\.weight", "{blk}.mlp.switch_mlp.up_proj.weight[{e}]"),

@@ -20,6 +20,4 @@ def architecture(model_type: str) -> ModuleType:
         return ARCHITECTURES[model_type]
     except KeyError:
         known = ", ".join(sorted(ARCHITECTURES))
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {model_type!r} (supported: {known})"
-        ) from None
+        raise UnsupportedArchitectureError(f"unsupported architecture {model_type!r} (supported: {known})") from None

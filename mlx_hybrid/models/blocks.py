@@ -113,7 +113,9 @@ def causal_mask_for(num_tokens: int):
     return "causal" if num_tokens > 1 else None
 
 
-def delta_rule_attention(mixed_qkv, conv_weight, g, beta, cache, key_heads: int, value_heads: int, key_dim: int, value_dim: int):
+def delta_rule_attention(
+    mixed_qkv, conv_weight, g, beta, cache, key_heads: int, value_heads: int, key_dim: int, value_dim: int
+):
     """The shared core of GDN and KDA layers: causal conv + SiLU over q|k|v, L2-normalised
     q and k, then the gated delta rule; reads and updates the layer's recurrent cache.
 

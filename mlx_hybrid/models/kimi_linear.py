@@ -15,7 +15,6 @@ import mlx.nn as nn
 from ..cache import KVCache, RecurrentCache
 from .blocks import (
     F32,
-    FULL,
     LINEAR,
     MLP,
     HybridModel,

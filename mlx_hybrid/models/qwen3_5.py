@@ -61,9 +61,7 @@ class ModelArgs:
 
     def is_sparse(self, layer: int) -> bool:
         return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     def validate(self):

@@ -76,7 +76,9 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
     platform = kernel_platform()
     recurrent = snapshots or q.shape[1] < CHUNKED_MIN_TOKENS
     if platform and recurrent and q.shape[-1] <= KERNEL_MAX_KEY_DIM and q.dtype in KERNEL_DTYPES:
-        out, final, states = kernels.run(kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform)
+        out, final, states = kernels.run(
+            kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform
+        )
         return GatedDeltaResult(out, final, states if snapshots else None)
     if not recurrent:
         out, final = reference.gated_delta_chunked(q, k, v, g, beta, state)
@@ -96,6 +98,8 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
     """Causal depthwise conv + SiLU over T tokens, continuing from `tail`."""
     platform = kernel_platform()
     if platform and x.dtype in KERNEL_DTYPES and weight.shape[-1] >= 2:
-        y, new_tail, tails = kernels.run(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform)
+        y, new_tail, tails = kernels.run(
+            kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
+        )
         return ConvResult(y, new_tail, tails if snapshots else None)
     return ConvResult(*reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))

@@ -89,7 +89,9 @@ def emulate(spec, launch, coverage_dir: Path | None = None):
             shape = np.array(array.shape, dtype=np.int32)
             keep.append(shape)
             args.append(shape.ctypes.data_as(ctypes.c_void_p))
-    outputs = [np.zeros(shape, dtype=C_TYPES[dtype][1]) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)]
+    outputs = [
+        np.zeros(shape, dtype=C_TYPES[dtype][1]) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)
+    ]
     args += [out.ctypes.data_as(ctypes.c_void_p) for out in outputs]
     library.run.restype = ctypes.c_long
     barriers = library.run(*args, *map(ctypes.c_uint, launch.grid), *map(ctypes.c_uint, launch.threadgroup))
