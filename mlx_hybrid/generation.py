@@ -138,6 +138,8 @@ def stream_generate(
     max_tokens = min(max_tokens, room)
     sampler = Sampler(temp, top_p, top_k, min_p, seed)
     drafter = _drafter(model, draft, draft_model)
+    if drafter is not None and num_draft_tokens < 1:
+        raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     if max_tokens == 0:
         return
     mx.reset_peak_memory()

@@ -164,3 +164,7 @@ def test_bad_sampling_settings():
             mlx_hybrid.generate(model, tokenizer, "x", **setting)
     with pytest.raises(mlx_hybrid.GenerationError, match="out of range"):
         mlx_hybrid.generate(model, tokenizer, [1, 99999])
+    with pytest.raises(mlx_hybrid.GenerationError, match="num_draft_tokens"):
+        mlx_hybrid.generate(model, tokenizer, "x", draft="mtp", num_draft_tokens=0)
+    with pytest.raises(mlx_hybrid.GenerationError, match="unknown draft"):
+        mlx_hybrid.generate(model, tokenizer, "x", draft="eagle")
