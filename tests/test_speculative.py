@@ -233,3 +233,24 @@ def test_kimi_has_no_mtp_but_drafts_with_a_draft_model():
             mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=64, draft_model=draft, num_draft_tokens=k)
         )
         assert [r.token for r in responses] == plain_greedy("kimilinear", "hf", 64)
+
+
+def test_snapshot_memory_does_not_grow_with_rounds():
+    """Snapshot buffers are sized by k once: active memory is flat from round to round."""
+    model, _ = load_fixture("qwen35", "model.gguf")
+    prompt = reference("qwen35")["prompt_ids"][0].tolist()
+    greedy = plain_greedy("qwen35", "model.gguf")
+    cache = model.make_cache()
+    mtp = MTPDrafter(model)
+    decoder = SpeculativeDecoder(
+        model, OracleDrafter(greedy, 0.5, model.args.vocab_size, inner=mtp), Sampler(0.0), 4, cache
+    )
+    decoder.start(prompt, prefill(model, prompt, cache))
+    used = []
+    for _ in range(30):
+        decoder.step()
+        # what the next round reads: every layer's cache and the MTP head's
+        pending = [a for c in cache for a in ((c.conv_tail, c.state) if isinstance(c, RecurrentCache) else c.arrays)]
+        mx.eval(pending, mtp.cache.arrays, mtp.pending_hidden)
+        used.append(mx.get_active_memory())
+    assert used[-1] == used[5], used
