@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
+from mlx_hybrid.models.init import initialise
 from mlx_hybrid.models.qwen3_5 import FULL, LINEAR, Model, ModelArgs
 
 
@@ -66,19 +66,4 @@ SHAPES = {"qwen3.5-0.8b": qwen3_5_0_8b, "qwen3.5-35b-a3b-scaled": qwen3_5_35b_a3
 
 
 def random_model(args: ModelArgs, dtype=mx.float32, seed: int = 0) -> Model:
-    """Weights ~ N(0, 0.02), norms 1, decay settings as freshly initialised checkpoints have them."""
-    mx.random.seed(seed)
-    model = Model(args)
-    weights = []
-    for name, p in tree_flatten(model.parameters()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "A":
-            p = -mx.random.uniform(1.0, 16.0, p.shape)
-        elif leaf == "dt_bias" or "norm" in name:
-            p = mx.ones(p.shape)
-        else:
-            p = 0.02 * mx.random.normal(p.shape)
-        weights.append((name, p.astype(mx.float32 if leaf in ("A", "dt_bias") else dtype)))
-    model.load_weights(weights)
-    mx.eval(model.parameters())
-    return model
+    return initialise(Model(args), seed, dtype)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import sysconfig
@@ -41,6 +40,7 @@ from mlx.utils import tree_flatten, tree_map
 import mlx_hybrid
 from mlx_hybrid.blas import prefer_optimized_blas
 from mlx_hybrid.export import save_gguf, save_hf
+from mlx_hybrid.models.init import initialise
 from mlx_hybrid.models.qwen3_5 import FULL, LINEAR, Model, ModelArgs
 from mlx_hybrid.tokenizer import PRE_TOKENIZER_SPLITS, Tokenizer
 
@@ -126,26 +126,6 @@ def tokenize(tokenizer: Tokenizer, files) -> np.ndarray:
 
 
 # -- model -------------------------------------------------------------------------------
-
-
-def initialise(model: Model, seed: int):
-    """GPT-style init: N(0, 0.02), residual outputs scaled down with depth; decay as in HF."""
-    mx.random.seed(seed)
-    depth_scale = 1 / math.sqrt(2 * model.args.num_hidden_layers)
-    weights = []
-    for name, p in tree_flatten(model.parameters()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "A":
-            p = -mx.random.uniform(1.0, 16.0, p.shape)
-        elif leaf == "dt_bias" or "norm" in name:
-            p = mx.ones(p.shape)
-        elif leaf == "conv1d_weight":
-            p = mx.random.uniform(-0.5, 0.5, p.shape)
-        else:
-            std = 0.02 * (depth_scale if any(k in name for k in ("o_proj", "out_proj", "down_proj")) else 1.0)
-            p = std * mx.random.normal(p.shape)
-        weights.append((name, p))
-    model.load_weights(weights)
 
 
 def losses(model: Model, ids: mx.array):
