@@ -1,5 +1,6 @@
 """MTP and draft-model speculative decoding: exact logits, lossless output, exact rollback."""
 
+import gc
 import shutil
 
 import mlx.core as mx
@@ -246,6 +247,7 @@ def test_snapshot_memory_does_not_grow_with_rounds():
         model, OracleDrafter(greedy, 0.5, model.args.vocab_size, inner=mtp), Sampler(0.0), 4, cache
     )
     decoder.start(prompt, prefill(model, prompt, cache))
+    gc.collect()  # arrays left by earlier tests must not be freed mid-measurement
     used = []
     for _ in range(30):
         decoder.step()
@@ -253,4 +255,6 @@ def test_snapshot_memory_does_not_grow_with_rounds():
         pending = [a for c in cache for a in ((c.conv_tail, c.state) if isinstance(c, RecurrentCache) else c.arrays)]
         mx.eval(pending, mtp.cache.arrays, mtp.pending_hidden)
         used.append(mx.get_active_memory())
-    assert used[-1] == used[5], used
+    # one round's snapshots are ~60 KB here; what varies is the few hundred bytes that
+    # depend on how many drafts a round accepted
+    assert max(used[5:]) - min(used[5:]) < 4096, used
