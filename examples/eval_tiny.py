@@ -53,17 +53,14 @@ def main():
     prefer_optimized_blas()
     model, tokenizer = mlx_hybrid.load(args.model or mlx_hybrid.bundled_model_path())
     _, held_out = corpus_files()
-    texts = [read(f) for f in held_out]
-    tokens = [t for text in texts for t in tokenizer.encode(text) + tokenizer.eos_token_ids[-1:]]
+    encoded = [tokenizer.encode(read(f)) for f in held_out]
+    tokens = [t for ids in encoded for t in ids + tokenizer.eos_token_ids[-1:]]
     trunk_accuracy, first_draft = teacher_forced(model, tokens, args.window, args.windows)
     print(f"held-out files: {len(held_out)}, {len(tokens)} tokens")
     print(f"trunk next-token accuracy: {trunk_accuracy:.3f}")
     print(f"first MTP draft agrees with the trunk (acceptance of draft 1): {first_draft:.3f}")
 
-    prompts = [
-        tokenizer.encode(t)[: args.prompt_tokens] for t in texts if len(tokenizer.encode(t)) > args.prompt_tokens
-    ]
-    prompts = prompts[: args.prompts]
+    prompts = [ids[: args.prompt_tokens] for ids in encoded if len(ids) > args.prompt_tokens][: args.prompts]
 
     def run(**kwargs):
         tokens, tps, per_pass = [], [], []

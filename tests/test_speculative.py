@@ -252,8 +252,7 @@ def test_snapshot_memory_does_not_grow_with_rounds():
     for _ in range(30):
         decoder.step()
         # what the next round reads: every layer's cache and the MTP head's
-        pending = [a for c in cache for a in ((c.conv_tail, c.state) if isinstance(c, RecurrentCache) else c.arrays)]
-        mx.eval(pending, mtp.cache.arrays, mtp.pending_hidden)
+        mx.eval(_layer_arrays(cache), mtp.cache.arrays, mtp.pending_hidden)
         used.append(mx.get_active_memory())
     # one round's snapshots are ~60 KB here; what varies is the few hundred bytes that
     # depend on how many drafts a round accepted

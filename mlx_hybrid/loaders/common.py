@@ -74,6 +74,15 @@ def apply_transform(transform, tensor, args):
     return transform(tensor, args)
 
 
+@rowwise
+def split_fused_ba(w, args):
+    """Qwen3-Next's fused b/a projection (HF `in_proj_ba`, GGUF `ssm_ba`), per key head
+    [b (R rows), a (R rows)] -> b, a."""
+    Hk = args.linear_num_key_heads
+    b, a = mx.split(w.reshape(Hk, -1, w.shape[-1]), 2, axis=1)
+    return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
+
+
 # Applying a table ------------------------------------------------------------
 
 

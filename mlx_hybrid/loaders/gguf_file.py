@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from ..models.blocks import FULL, LINEAR
-from .common import Rule, rowwise
+from .common import Rule, rowwise, split_fused_ba
 from .quantized import from_gguf_blocks
 
 # -- hyper-parameters ------------------------------------------------------------
@@ -132,13 +132,6 @@ def _head_transforms(to_gguf: bool):
     return qkv, value_rows, heads, value_columns
 
 
-@rowwise
-def _split_ba(w, args):
-    """Qwen3-Next `ssm_ba`, per key head [b (R), a (R)] -> b, a."""
-    b, a = mx.split(w.reshape(args.linear_num_key_heads, -1, w.shape[-1]), 2, axis=1)
-    return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
-
-
 # (GGUF tensor, canonical parameter, which value-head transform applies) for qwen35*/qwen3next.
 # Head transform names index into _head_transforms(); None: the tensor has no value heads.
 # Block names are ours (`layers.N`, `mtp.layers.N`); see block_names for `blk.N`.
@@ -205,7 +198,7 @@ def _qwen_rules(tiled_value_heads: bool, to_gguf: bool = False):
         Rule(
             _pattern("{blk}.ssm_ba.weight"),
             ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"),
-            _split_ba,
+            split_fused_ba,
         ),
     ]
     return _rules(_QWEN_TENSORS, to_gguf, transforms, extra)

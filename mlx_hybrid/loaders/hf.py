@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..errors import ModelLoadError
 from ..models.blocks import FULL, LINEAR
-from .common import Rule, halves, neg_exp, plus_one, rowwise, squeeze_conv
+from .common import Rule, halves, neg_exp, plus_one, rowwise, split_fused_ba, squeeze_conv
 from .quantized import QuantizedTensor
 
 # -- tensor tables -------------------------------------------------------------
@@ -29,14 +29,6 @@ def _split_qkvz(w, args):
     q, k, v, z = mx.split(grouped, [Dk, 2 * Dk, 2 * Dk + R * Dv], axis=1)
     flat = [t.reshape(-1, w.shape[-1]) for t in (q, k, v, z)]
     return mx.concatenate(flat[:3], axis=0), flat[3]
-
-
-@rowwise
-def _split_ba(w, args):
-    """Qwen3-Next fused rows, per key head [b (R), a (R)] -> b, a."""
-    Hk = args.linear_num_key_heads
-    b, a = mx.split(w.reshape(Hk, -1, w.shape[-1]), 2, axis=1)
-    return b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])
 
 
 # Two layouts of the same tensors: "hf" as published (zero-centred norms, conv [C, 1, K],
@@ -68,7 +60,7 @@ def qwen_rules(layout: str = "hf"):
         Rule(
             _BLOCK + r"linear_attn\.in_proj_ba\.weight",
             ("{blk}.linear_attn.in_proj_b.weight", "{blk}.linear_attn.in_proj_a.weight"),
-            _split_ba,
+            split_fused_ba,
         ),
         Rule(
             _BLOCK + r"mlp\.experts\.gate_up_proj",
