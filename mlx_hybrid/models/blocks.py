@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -27,19 +29,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
+@partial(mx.compile, shapeless=True)
 def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (as FLA and transformers)."""
     x = x.astype(F32)
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
+@partial(mx.compile, shapeless=True)
 def gated_rms_norm(x: mx.array, weight: mx.array, gate: mx.array, eps: float) -> mx.array:
-    """RMSNorm(x) * weight * gate, in float32 (the output norm of linear attention)."""
+    """RMSNorm(x) * weight * gate, in float32 (the output norm of linear attention).
+
+    Written out rather than mx.fast.rms_norm so that compilation fuses it with the gate.
+    """
     x = x.astype(F32)
-    return mx.fast.rms_norm(x, weight.astype(F32), eps) * gate.astype(F32)
+    return x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * weight.astype(F32) * gate.astype(F32)
 
 
 class MLP(nn.Module):

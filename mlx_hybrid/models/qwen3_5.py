@@ -7,6 +7,7 @@ the loaders' tables) and in which layers use experts (`ModelArgs.is_sparse`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,6 +75,12 @@ class ModelArgs:
 FLOAT32_PARAMS = ("A", "dt_bias")
 
 
+@partial(mx.compile, shapeless=True)
+def gdn_gates(a: mx.array, b: mx.array, A: mx.array, dt_bias: mx.array):
+    """Log decay g = A softplus(a + dt_bias) (A = -exp(A_log)) and write strength beta = sigmoid(b)."""
+    return A * nn.softplus(a.astype(F32) + dt_bias), mx.sigmoid(b.astype(F32))
+
+
 class GatedDeltaNet(nn.Module):
     """Linear attention with the gated delta rule (Qwen3.5 / Qwen3-Next layout)."""
 
@@ -100,8 +107,7 @@ class GatedDeltaNet(nn.Module):
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
-        beta = mx.sigmoid(self.in_proj_b(x).astype(F32))
-        g = self.A * nn.softplus(self.in_proj_a(x).astype(F32) + self.dt_bias)
+        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A, self.dt_bias)
         out = delta_rule_attention(
             self.in_proj_qkv(x), self.conv1d_weight, g, beta, cache,
             self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,

@@ -40,13 +40,19 @@ def _prepare(q, k, v, g, beta, state):
 
 
 @mx.compile
-def _delta_step(state, q, k, v, decay, beta):
-    """One token for every head: decay, read, correct, write, read out (fused into one kernel)."""
-    state = state * decay
-    remembered = (state * k[..., None]).sum(axis=-2)
-    delta = beta[..., None] * (v - remembered)
-    state = state + k[..., None] * delta[..., None, :]
-    return (state * q[..., None]).sum(axis=-2), state
+def _delta_step(state, q, k, v, g, beta):
+    """One token for every head, with two passes over the state.
+
+    With D = exp(g) the decay: S' = D S + k (x) delta, delta = beta (v - k^T D S),
+    and the output q^T S' = q^T D S + (q . k) delta. So one product reads (q D, k D)
+    off S, and one fused elementwise pass writes S'.
+    """
+    # a scalar gate [B, H] scales the whole [Dk, Dv] state, a vector gate [B, H, Dk] each key row
+    row_decay = mx.exp(g)[..., None] if g.ndim == 2 else mx.exp(g)
+    reads = mx.stack([q * row_decay, k * row_decay], axis=-2) @ state  # [B, H, 2, Dv]
+    delta = beta[..., None] * (v - reads[..., 1, :])
+    out = reads[..., 0, :] + (q * k).sum(axis=-1, keepdims=True) * delta
+    return out, state * row_decay[..., None] + k[..., None] * delta[..., None, :]
 
 
 def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = False):
@@ -56,11 +62,9 @@ def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = Fal
     [B, T, Hv, Dk, Dv] or None).
     """
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state)
-    # a scalar gate scales the whole [Dk, Dv] state, a vector gate each key row
-    decay = mx.exp(g)[..., None] if g.ndim == 4 else mx.exp(g)[..., None, None]
     outputs, states = [], []
     for t in range(v.shape[1]):
-        out, state = _delta_step(state, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t])
+        out, state = _delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
         outputs.append(out)
         if snapshots:
             states.append(state)
@@ -167,6 +171,18 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, *, chunk: int = 64):
     return out, state
 
 
+@mx.compile
+def _conv_silu(padded: mx.array, weight: mx.array) -> mx.array:
+    """SiLU of the depthwise conv over `padded` [B, K-1+T, C] (one fused pass)."""
+    K = weight.shape[-1]
+    T = padded.shape[1] - (K - 1)
+    w = weight.astype(F32)
+    acc = padded[:, 0:T].astype(F32) * w[:, 0]
+    for j in range(1, K):
+        acc = acc + padded[:, j : j + T].astype(F32) * w[:, j]
+    return (acc * mx.sigmoid(acc)).astype(padded.dtype)
+
+
 def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
     """Depthwise causal conv over time, then SiLU, continuing from a carried tail.
 
@@ -178,14 +194,8 @@ def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
     K = weight.shape[-1]
     if tail is None:
         tail = mx.zeros((B, K - 1, C), dtype=x.dtype)
-    full = mx.concatenate([tail.astype(x.dtype), x], axis=1)
-    w = weight.astype(F32)
-    acc = full[:, 0:T].astype(F32) * w[:, 0]
-    for j in range(1, K):
-        acc = acc + full[:, j : j + T].astype(F32) * w[:, j]
-    y = (acc * mx.sigmoid(acc)).astype(x.dtype)
-    new_tail = full[:, T:]
+    padded = mx.concatenate([tail.astype(x.dtype), x], axis=1)
     tails = None
     if snapshots:
-        tails = mx.stack([full[:, t + 1 : t + K] for t in range(T)], axis=1)
-    return y, new_tail, tails
+        tails = mx.stack([padded[:, t + 1 : t + K] for t in range(T)], axis=1)
+    return _conv_silu(padded, weight), padded[:, T:], tails
