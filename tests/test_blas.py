@@ -1,5 +1,6 @@
-"""The gemv forwarding in front of the BLAS: single-row and single-column products
-through cblas_sgemv must equal what sgemm computes, for every operand layout."""
+"""The gemv forwarding in front of the BLAS: products with few rows, or one column,
+go through cblas_sgemv; they must be right for every operand layout, and a row must
+come out with the same bits whether it is multiplied alone or with others."""
 
 import os
 import subprocess
@@ -36,7 +37,8 @@ PRODUCTS = textwrap.dedent(
             return a[:, ::2], stored[:, ::2].astype(np.float64)
         return a, stored.astype(np.float64)
 
-    for m, k, n in [(1, 64, 300), (1, 1024, 4096), (300, 64, 1), (1, 1, 17), (1, 5, 1)]:
+    for m, k, n in [(1, 64, 300), (1, 1024, 4096), (300, 64, 1), (1, 1, 17), (1, 5, 1), (3, 200, 700),
+                    (8, 1024, 1100), (9, 64, 30)]:
         for ta in (False, True):
             for tb in (False, True):
                 for strided in (False, True):
@@ -51,6 +53,13 @@ PRODUCTS = textwrap.dedent(
     x = mx.array(rng.standard_normal((3, 1, 96)).astype(np.float32))
     w = mx.array(rng.standard_normal((3, 96, 40)).astype(np.float32))
     check("batched rows", x @ w, np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64))
+
+    # a verify pass (a few rows) and single decode steps (one row) give the same bits
+    w = mx.array(rng.standard_normal((5000, 1024)).astype(np.float32))
+    rows = mx.array(rng.standard_normal((5, 1024)).astype(np.float32))
+    together = np.array(rows @ w.T)
+    for i in range(5):
+        assert np.array_equal(np.array(rows[i : i + 1] @ w.T)[0], together[i]), i
     print("ok")
     """
 )
