@@ -44,8 +44,12 @@ def _tokenizer_tables(tokenizer, vocab_size: int):
     return tokens, merges, types
 
 
-def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=np.float16):
-    """A GGUF file llama.cpp's `qwen35`/`qwen35moe` loaders read (value heads tiled, MTP as `nextn`)."""
+def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=np.float16, encode_matrix=None):
+    """A GGUF file llama.cpp's `qwen35`/`qwen35moe` loaders read (value heads tiled, MTP as `nextn`).
+
+    Matrices are written as `matrix_dtype`, or as `encode_matrix(gguf_name, array)`
+    returns them where it returns (block bytes, GGMLQuantizationType) instead of None.
+    """
     import gguf
 
     args = model.args
@@ -98,9 +102,15 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
         writer.add_chat_template(tokenizer.chat_template)
     for canonical_name, tensor in weights.items():
         array = np.array(tensor.astype(mx.float32))
-        if array.ndim == 2 and not canonical_name.endswith("conv1d_weight") and min(array.shape) > 1:
-            array = array.astype(matrix_dtype)
-        writer.add_tensor(gguf_file.gguf_block_name(canonical_name, n_layer), array)
+        tensor_name = gguf_file.gguf_block_name(canonical_name, n_layer)
+        if array.ndim >= 2 and not canonical_name.endswith("conv1d_weight") and min(array.shape) > 1:
+            encoded = encode_matrix(tensor_name, array) if encode_matrix else None
+            if encoded is not None:
+                writer.add_tensor(tensor_name, encoded[0], raw_dtype=encoded[1])
+                continue
+            if array.ndim == 2:
+                array = array.astype(matrix_dtype)
+        writer.add_tensor(tensor_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
