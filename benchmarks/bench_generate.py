@@ -6,7 +6,8 @@
 Both runners load the same checkpoint in the same dtype, in this process (so the
 same BLAS: the script restarts itself with OpenBLAS preloaded where installed;
 pass --reference-blas to keep MLX's own). Prints tokens/s for a prefill of each
-prompt length and for greedy decoding, peak memory, and mlx_hybrid / mlx-lm ratios.
+prompt length and for greedy decoding, and peak memory, for --rounds rounds that
+alternate the runners; then the medians and their mlx_hybrid / mlx-lm ratios.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 
 import mlx.core as mx
@@ -32,7 +34,7 @@ def measure(name, generate, prompt_lengths, decode_tokens):
         results[f"prefill@{n}"] = last.prompt_tps
         results[f"decode@{n}"] = last.generation_tps
         results[f"peak GB@{n}"] = last.peak_memory
-    print(f"{name:12s} " + "  ".join(f"{k} {v:7.2f}" for k, v in results.items()), flush=True)
+    print(f"{name:19s} " + "  ".join(f"{k} {v:7.2f}" for k, v in results.items()), flush=True)
     return results
 
 
@@ -40,10 +42,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 2048])
-    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--reference-blas", action="store_true", help="do not preload OpenBLAS")
-    p.add_argument("--only", choices=["mlx_hybrid", "mlx_lm"], help="measure one runner")
+    p.add_argument("--only", choices=["mlx_hybrid", "mlx-lm"], help="measure one runner")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of both runners; medians are compared")
     args = p.parse_args()
     if args.reference_blas:
         os.environ["MLX_HYBRID_BLAS"] = "reference"
@@ -52,34 +55,43 @@ def main():
     prefer_optimized_blas()
     dtype = getattr(mx, args.dtype)
     print(f"checkpoint {args.checkpoint}, {args.dtype}, BLAS {active_blas()}, device {mx.default_device()}")
-    results = {}
-    if args.only in (None, "mlx_hybrid"):
-        import mlx_hybrid
+    runners = {
+        "mlx_hybrid": lambda: _mlx_hybrid(args.checkpoint, dtype),
+        "mlx-lm": lambda: _mlx_lm(args.checkpoint, args.dtype, dtype),
+    }
+    if args.only:
+        runners = {args.only: runners[args.only]}
+    # Rounds alternate the runners, each loaded alone (so peak memory is its own), and
+    # the medians over rounds are compared: this machine's speed drifts from minute to minute.
+    rounds = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, load in runners.items():
+            generate = load()
+            rounds[name].append(measure(name, generate, args.prompt_lengths, args.decode_tokens))
+            del generate
+            gc.collect()
+            mx.clear_cache()
+    medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in rounds.items()}
+    for name, values in medians.items():
+        print(f"{name + ' median':19s} " + "  ".join(f"{k} {v:7.2f}" for k, v in values.items()))
+    if len(medians) == 2:
+        ours, theirs = medians["mlx_hybrid"], medians["mlx-lm"]
+        print("ratios of medians (mlx_hybrid / mlx-lm): " + "  ".join(f"{k} {ours[k] / theirs[k]:.2f}x" for k in ours))
 
-        model, tokenizer = mlx_hybrid.load(args.checkpoint, dtype=dtype)
-        results["mlx_hybrid"] = measure(
-            "mlx_hybrid",
-            lambda prompt, n: mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=n),
-            args.prompt_lengths,
-            args.decode_tokens,
-        )
-        del model
-        gc.collect()
-        mx.clear_cache()
-    if args.only in (None, "mlx_lm"):
-        import mlx_lm
 
-        model, tokenizer = mlx_lm.load(args.checkpoint, model_config={"dtype": args.dtype})
-        model.set_dtype(dtype)
-        results["mlx_lm"] = measure(
-            "mlx-lm",
-            lambda prompt, n: mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n),
-            args.prompt_lengths,
-            args.decode_tokens,
-        )
-    if len(results) == 2:
-        ours, theirs = results["mlx_hybrid"], results["mlx_lm"]
-        print("ratios (mlx_hybrid / mlx-lm): " + "  ".join(f"{k} {ours[k] / theirs[k]:.2f}x" for k in ours))
+def _mlx_hybrid(checkpoint, dtype):
+    import mlx_hybrid
+
+    model, tokenizer = mlx_hybrid.load(checkpoint, dtype=dtype)
+    return lambda prompt, n: mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=n)
+
+
+def _mlx_lm(checkpoint, dtype_name, dtype):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(checkpoint, model_config={"dtype": dtype_name})
+    model.set_dtype(dtype)
+    return lambda prompt, n: mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=n)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ your own program either call it at the very start or run Python with
 `LD_PRELOAD=/path/to/libopenblas.so.0`. MLX_HYBRID_BLAS=reference turns it off.
 
 In front of OpenBLAS goes a small library of ours (csrc/gemv_forward.c, built once
-with the system C compiler into the user's cache directory) that sends
-single-row products, as in every decode step, to sgemv: OpenBLAS before 0.3.27
-runs them through sgemm at half the bandwidth. Without a C compiler OpenBLAS is
+with the system C compiler into the user's cache directory) that sends products of
+up to 8 rows (decode steps, verify passes) to sgemv: OpenBLAS before 0.3.27 runs
+them through sgemm at half the bandwidth. Without a C compiler OpenBLAS is
 preloaded alone.
 """
 

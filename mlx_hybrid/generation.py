@@ -8,6 +8,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from . import ops
 from .errors import ContextOverflowError, GenerationError
 from .sampling import Sampler
 from .speculative import DraftModelDrafter, MTPDrafter, SpeculativeDecoder
@@ -84,13 +85,15 @@ def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
 
 def _plain_tokens(model, sampler, prompt_hidden, cache) -> Iterator[tuple[int, bool]]:
     """Plain decoding: one trunk step per token."""
-    logits = model.logits_from_hidden(prompt_hidden[:, -1:])[:, -1]
-    token = sampler(logits)
+    token = sampler(model.logits_from_hidden(prompt_hidden[:, -1:])[:, -1])
+    if not ops.overlap_decode_steps():
+        while True:
+            yield int(token.reshape(-1)[0]), False
+            token = sampler(model(token.reshape(1, 1), cache)[:, -1])
     mx.async_eval(token)
     while True:
-        logits = model(token.reshape(1, 1), cache)[:, -1]
-        following = sampler(logits)
-        mx.async_eval(following)  # overlap the next step with handing out this token
+        following = sampler(model(token.reshape(1, 1), cache)[:, -1])
+        mx.async_eval(following)  # build and queue the next step while this token is handed out
         yield int(token.reshape(-1)[0]), False
         token = following
 

@@ -39,14 +39,9 @@ def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
-@partial(mx.compile, shapeless=True)
 def gated_rms_norm(x: mx.array, weight: mx.array, gate: mx.array, eps: float) -> mx.array:
-    """RMSNorm(x) * weight * gate, in float32 (the output norm of linear attention).
-
-    Written out rather than mx.fast.rms_norm so that compilation fuses it with the gate.
-    """
-    x = x.astype(F32)
-    return x * mx.rsqrt((x * x).mean(axis=-1, keepdims=True) + eps) * weight.astype(F32) * gate.astype(F32)
+    """RMSNorm(x) * weight * gate, in float32 (the output norm of linear attention)."""
+    return ops.rms_norm(x.astype(F32), weight.astype(F32), eps) * gate.astype(F32)
 
 
 class MLP(nn.Module):

@@ -84,6 +84,16 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return _rms_norm_compiled(x, weight, eps)
 
 
+def overlap_decode_steps() -> bool:
+    """Whether decoding builds and queues step t+1 before handing out token t.
+
+    Yes where a GPU computes. Not on the CPU, where building the next step takes a
+    core from the threads computing this one (2 cores, Qwen3.5-0.8B shape: 7.8
+    tokens/s stepping in turn, 7.5 overlapped).
+    """
+    return mx.default_device() == mx.gpu
+
+
 # the kernels keep a column of S in registers: Dk / 32 floats per lane
 KERNEL_MAX_KEY_DIM = 256
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
