@@ -25,7 +25,7 @@ import mlx_hybrid  # noqa: E402
 from mlx_hybrid.cache import KVCache, RecurrentCache  # noqa: E402
 from mlx_hybrid.generation import prefill  # noqa: E402
 from mlx_hybrid.sampling import Sampler  # noqa: E402
-from mlx_hybrid.speculative import MTPDrafter, OracleDrafter, SpeculativeDecoder  # noqa: E402
+from mlx_hybrid.speculative import MTPDrafter, OracleDrafter, SpeculativeDecoder, keep_snapshot_buffers  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 
@@ -64,6 +64,7 @@ def verify_cost(model, prompt, k):
     """Seconds of one verify pass over 1 + k tokens, and of one decode step, on a filled cache."""
     cache = model.make_cache()
     prefill(model, prompt, cache)
+    keep_snapshot_buffers(cache, k)  # as the decoder does
     step = mx.array([[prompt[-1]]])
     block = mx.array([prompt[-1 - k :]])
 

@@ -39,6 +39,21 @@ def _record_snapshots(cache, on: bool):
             layer_cache.record_snapshots = on
 
 
+def keep_snapshot_buffers(cache, num_draft_tokens: int):
+    """Let MLX's allocator keep a few rounds of snapshot buffers for reuse (it only raises the limit).
+
+    Every verify pass allocates and frees the same (k + 1) recurrent states per layer,
+    twice over (as computed, then stacked). Beyond the allocator's cache limit (32 MB
+    by default on the CPU) they go back to the system and return as fresh pages: at
+    the Qwen3.5-0.8B shape a k=4 verify pass took 300 to 560 ms instead of 220 ms.
+    """
+    state_bytes = sum(c.state.nbytes + c.conv_tail.nbytes for c in cache if isinstance(c, RecurrentCache))
+    wanted = 4 * (num_draft_tokens + 1) * state_bytes
+    previous = mx.set_cache_limit(wanted)
+    if previous > wanted:
+        mx.set_cache_limit(previous)
+
+
 def _draw(sampler, logits):
     """A draft token and the log-distribution it came from (None for greedy: a point mass)."""
     if sampler.greedy:
@@ -225,6 +240,7 @@ class SpeculativeDecoder:
         """prompt_hidden: the trunk's hidden states over the prompt (cache already filled)."""
         self.token = int(self.sampler(self.model.logits_from_hidden(prompt_hidden[:, -1:])[0, -1]))
         self.drafter.start(prompt, prompt_hidden, self.token)
+        keep_snapshot_buffers(self.cache, self.k)
         return self.token
 
     def step(self, max_new: int | None = None) -> list[int]:
