@@ -16,7 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111 };
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 /* Products with up to this many rows (decode steps, speculative verify passes) go
    through sgemv. */
@@ -69,7 +69,7 @@ static void rows_by_matvec(int trans_a, int trans_b, int m, int n, int k, float 
             const float *x = a + (trans_a == NO_TRANS ? (long)row * lda : row);
             int incx = trans_a == NO_TRANS ? 1 : lda;
             /* y = op(B)^T x, so B's transpose flag flips */
-            matvec(trans_b == NO_TRANS ? NO_TRANS + 1 : NO_TRANS, count, k, alpha, b_block, ldb, x, incx, beta,
+            matvec(trans_b == NO_TRANS ? TRANS : NO_TRANS, count, k, alpha, b_block, ldb, x, incx, beta,
                    c + (long)row * ldc + start, 1);
         }
     }
