@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -112,14 +113,9 @@ def main():
     for name, size in sorted(sizes.items(), key=lambda item: -item[1]):
         print(f"  {name:6s} {size / 1e6:9.1f} MB")
     print(f"loaded (float32 compute): {resident / 1e6:.1f} MB active = {resident / file_size:.2f}x the file")
-    quantized = sum(v.nbytes for k, v in _flat(model) if k.endswith((".scales", ".biases")) or v.dtype == mx.uint32)
+    parameters = tree_flatten(model.parameters())
+    quantized = sum(v.nbytes for k, v in parameters if k.endswith((".scales", ".biases")) or v.dtype == mx.uint32)
     print(f"  of which MLX quantized modules (packed weights, scales, biases): {quantized / 1e6:.1f} MB")
-
-
-def _flat(model):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(model.parameters())
 
 
 if __name__ == "__main__":

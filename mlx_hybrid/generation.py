@@ -85,14 +85,18 @@ def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
 
 def _plain_tokens(model, sampler, prompt_hidden, cache) -> Iterator[tuple[int, bool]]:
     """Plain decoding: one trunk step per token."""
+
+    def step(token):
+        return sampler(model(token.reshape(1, 1), cache)[:, -1])
+
     token = sampler(model.logits_from_hidden(prompt_hidden[:, -1:])[:, -1])
     if not ops.overlap_decode_steps():
         while True:
             yield int(token.reshape(-1)[0]), False
-            token = sampler(model(token.reshape(1, 1), cache)[:, -1])
+            token = step(token)
     mx.async_eval(token)
     while True:
-        following = sampler(model(token.reshape(1, 1), cache)[:, -1])
+        following = step(token)
         mx.async_eval(following)  # build and queue the next step while this token is handed out
         yield int(token.reshape(-1)[0]), False
         token = following
