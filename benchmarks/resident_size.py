@@ -7,8 +7,9 @@ No real Q4_K_M file can be had here and gguf-py writes no K-quants, so by defaul
 the script writes one: the Qwen3.5-0.8B shape with llama.cpp's Q4_K_M choice of type
 per tensor (Q6_K for the output matrix, for attn_v and ffn_down of the layers
 llama.cpp gives more bits, Q5_K for the fused attn_qkv, Q4_K elsewhere) and random
-blocks of those types. It then loads the file and prints the active MLX memory the
-weights take, by GGML type, against the bytes they take in the file.
+blocks of those types. It then loads the file, exactly and then compact
+(`mlx_hybrid.load(..., compact=True)`: float16 scales, Q6_K re-quantized to 6 bits),
+and prints the active MLX memory the weights take against the file's size.
 """
 
 from __future__ import annotations
@@ -105,14 +106,22 @@ def main():
             gc.collect()
             mx.clear_cache()
         sizes = file_bytes_by_type(path)
-        before = mx.get_active_memory()
-        model, _ = mlx_hybrid.load(path)
-        resident = mx.get_active_memory() - before
         file_size = path.stat().st_size
-    print(f"{path.name}: file {file_size / 1e6:.1f} MB; tensor bytes by type in the file:")
-    for name, size in sorted(sizes.items(), key=lambda item: -item[1]):
-        print(f"  {name:6s} {size / 1e6:9.1f} MB")
-    print(f"loaded (float32 compute): {resident / 1e6:.1f} MB active = {resident / file_size:.2f}x the file")
+        print(f"{path.name}: file {file_size / 1e6:.1f} MB; tensor bytes by type in the file:")
+        for name, size in sorted(sizes.items(), key=lambda item: -item[1]):
+            print(f"  {name:6s} {size / 1e6:9.1f} MB")
+        for compact in (False, True):
+            measure(path, file_size, compact)
+
+
+def measure(path: Path, file_size: int, compact: bool):
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    model, _ = mlx_hybrid.load(path, compact=compact)
+    resident = mx.get_active_memory() - before
+    mode = "compact" if compact else "exact"
+    print(f"loaded {mode} (float32 compute): {resident / 1e6:.1f} MB active = {resident / file_size:.2f}x the file")
     parameters = tree_flatten(model.parameters())
     quantized = sum(v.nbytes for k, v in parameters if k.endswith((".scales", ".biases")) or v.dtype == mx.uint32)
     print(f"  of which MLX quantized modules (packed weights, scales, biases): {quantized / 1e6:.1f} MB")

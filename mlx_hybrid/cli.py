@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="weight dtype (default: float32 on CPU, bfloat16 on GPU)",
     )
+    p.add_argument(
+        "--compact",
+        action="store_true",
+        help="GGUF: keep quantized weights near the file's size (float16 scales, Q6_K re-quantized to 6 bits); "
+        "slightly lossy",
+    )
     p.add_argument("--verbose", action="store_true", help="print the model and compute path to stderr")
     return p
 
@@ -75,7 +81,9 @@ def main(argv=None) -> int:
     if args.mtp and args.draft_model:
         return _fail("choose one of --mtp and --draft-model")
     try:
-        model, tokenizer = mlx_hybrid.load(args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype)
+        model, tokenizer = mlx_hybrid.load(
+            args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact
+        )
         draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
         if args.verbose:
             print(

@@ -87,7 +87,7 @@ class MTPDrafter:
         self.pending_next = [first_token]
 
     def _step(self, hidden, tokens):
-        return self.model.mtp(hidden, self.model.embed_tokens(tokens), self.cache)
+        return self.model.mtp(hidden, self.model.embed(tokens), self.cache)
 
     def draft(self, k: int, sampler):
         u = self._step(self.pending_hidden, mx.array(self.pending_next)[None])[:, -1:]

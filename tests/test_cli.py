@@ -1,7 +1,7 @@
 """The mlx_hybrid.generate command on the fixtures: text on stdout, statistics on stderr."""
 
 from conftest import FIXTURES, load_fixture
-from test_errors import run_cli
+from test_errors import assert_usage_error, run_cli
 
 import mlx_hybrid
 
@@ -18,6 +18,16 @@ def test_cli_generates_the_api_text():
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == greedy_text("qwen35", "model.gguf", "def parse_args(", 12).rstrip("\n")
     assert "generation: 12 tokens" in result.stderr and "peak memory" in result.stderr
+
+
+def test_cli_compact_loading():
+    path = FIXTURES / "qwen35" / "model-Q4_K_M.gguf"
+    result = run_cli("--model", str(path), "--compact", "--prompt", "def f(", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    model, tok = mlx_hybrid.load(path, compact=True)
+    assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, "def f(", max_tokens=8).rstrip("\n")
+    hf = run_cli("--model", str(FIXTURES / "qwen35" / "hf"), "--compact", "--prompt", "hi")
+    assert_usage_error(hf, "compact loading applies to GGUF files")
 
 
 def test_cli_with_kimi_and_stdin_prompt():

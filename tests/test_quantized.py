@@ -48,19 +48,61 @@ def test_every_affine_block_in_the_fixtures_unpacks_exactly():
     assert {"Q8_0", "Q5_0", "Q5_1"} <= seen
 
 
+def random_raw(type_name, rows, cols, seed):
+    """Random blocks of a GGML type with finite float16 scales, as the gguf reader gives them."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = cols // block_values
+    raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
+    if type_name == "Q6_K":
+        scale_fields = slice(block_bytes - 2, block_bytes)  # d comes last
+    else:
+        scale_fields = slice(0, 4 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 2)  # d (and m or dmin)
+    count = (scale_fields.stop - scale_fields.start) // 2
+    raw[..., scale_fields] = rng.uniform(-2, 2, (rows, blocks, count)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1), qtype
+
+
 @pytest.mark.parametrize("type_name", sorted(AFFINE_TYPES))
 def test_random_blocks_of_every_affine_type_unpack_exactly(type_name):
     """Random bytes with finite float16 scales, against gguf's own dequantization."""
-    qtype = gguf.GGMLQuantizationType[type_name]
-    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(len(type_name))
-    rows, blocks = 6, 512 // block_values
-    raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
-    scale_bytes = 4 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 2  # d (and m or dmin)
-    raw[..., :scale_bytes] = rng.uniform(-2, 2, (rows, blocks, scale_bytes // 2)).astype(np.float16).view(np.uint8)
-    raw = raw.reshape(rows, -1)
+    raw, qtype = random_raw(type_name, 6, 512, len(type_name))
     q = from_gguf_blocks(raw, type_name)
     np.testing.assert_array_equal(np.array(q.dequantize()), dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name):
+    raw, qtype = random_raw(type_name, 8, 1024, 7)
+    q = from_gguf_blocks(raw, type_name, compact=True)
+    assert q.scales.dtype == q.biases.dtype == mx.float16 and q.group_size == 32
+    assert q.weight.nbytes + q.scales.nbytes + q.biases.nbytes <= 1.15 * raw.nbytes
+    exact = dequantize(raw, qtype).astype(np.float64).reshape(8, -1, 32)  # groups of 32
+    error = np.abs(np.array(q.dequantize(), dtype=np.float64).reshape(exact.shape) - exact)
+    low, spread = exact.min(axis=-1, keepdims=True), np.ptp(exact, axis=-1, keepdims=True)
+    if type_name == "Q6_K":  # re-quantized: a step of the new 6-bit grid (MLX nudges it to keep an edge exact)
+        bound = spread / 63 + 2.0**-11 * (spread + np.abs(low))
+    else:  # the exact scale s and bias b, each rounded to float16: 2^-11 (|s| q_max + |b|)
+        exact_form = from_gguf_blocks(raw, type_name)
+        s, b = (np.array(part, dtype=np.float64)[..., None] for part in (exact_form.scales, exact_form.biases))
+        bound = 2.0**-11 * (np.abs(s) * (2**q.bits - 1) + np.abs(b))
+    assert (error <= bound).all(), float((error / np.maximum(bound, 1e-30)).max())
+
+
+def test_compact_load_runs_quantized_and_matches():
+    """The fixtures' block types (Q8_0, Q5_0, Q5_1) have float16 scales: compact is exact for them."""
+    model, _ = mlx_hybrid.load(FIXTURES / "qwen35" / "model-Q4_K_M.gguf", dtype="float32", compact=True)
+    scales = {p: m.scales.dtype for p, m in model.named_modules() if isinstance(m, nn.QuantizedEmbedding)}
+    assert scales == {"embed_tokens": mx.float16}
+    logits = model(mx.array(reference("qwen35")["input_ids"]))
+    assert logits.dtype == mx.float32
+    np.testing.assert_allclose(np.array(logits), reference("qwen35", "ref_dequant.npz")["logits_Q4_K_M"], atol=3e-3)
+
+
+def test_compact_is_for_gguf_files():
+    with pytest.raises(mlx_hybrid.ModelLoadError, match="GGUF"):
+        mlx_hybrid.load(FIXTURES / "qwen35" / "hf", compact=True)
 
 
 @pytest.mark.parametrize("bits", [3, 4, 5, 6, 8])
@@ -79,3 +121,24 @@ def test_speculative_decoding_on_a_quantized_model():
         r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=32, draft="mtp", num_draft_tokens=3)
     ]
     assert spec == plain
+
+
+def test_value_head_columns_move_as_whole_groups():
+    """GGUF's tiled value heads reorder out_proj's columns; heads of whole groups stay quantized."""
+    from types import SimpleNamespace
+
+    from mlx_hybrid.loaders.common import apply_transform
+    from mlx_hybrid.loaders.gguf_file import _head_transforms
+    from mlx_hybrid.loaders.quantized import QuantizedTensor
+
+    value_columns = _head_transforms(to_gguf=False)[3]
+    args = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=6, linear_value_head_dim=64)
+    dense = mx.random.normal((16, 6 * 64), key=mx.random.key(0))
+    for bits in (4, 6):
+        q = QuantizedTensor(*mx.quantize(dense, group_size=32, bits=bits), bits)
+        moved = apply_transform(value_columns, q, args)
+        assert isinstance(moved, QuantizedTensor)
+        np.testing.assert_array_equal(np.array(moved.dequantize()), np.array(value_columns(q.dequantize(), args)))
+    narrow = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16)
+    q = QuantizedTensor(*mx.quantize(dense[:, :64], group_size=32, bits=4), 4)
+    assert not isinstance(apply_transform(value_columns, q, narrow), QuantizedTensor)  # heads split groups

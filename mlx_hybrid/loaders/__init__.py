@@ -40,7 +40,7 @@ def bundled_model_path() -> Path:
     return BUNDLED_MODEL
 
 
-def load(path, dtype=None, progress: bool | None = None, dequantize: bool = False):
+def load(path, dtype=None, progress: bool | None = None, dequantize: bool = False, compact: bool = False):
     """Load a model and its tokenizer from a `.gguf` file or an HF checkpoint directory.
 
     dtype: compute dtype of the weights ("float32", "bfloat16", "float16" or an
@@ -49,16 +49,22 @@ def load(path, dtype=None, progress: bool | None = None, dequantize: bool = Fals
     large files on a terminal). GGUF tensors whose blocks are exactly MLX affine
     groups (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K) stay quantized and run on MLX's
     quantized kernels, unless dequantize=True; other types are dequantized to dtype.
+    compact=True (GGUF only) trades exactness for memory: float16 scales, and Q6_K
+    re-quantized to 6-bit groups instead of dequantized (see `loaders.quantized`).
     """
     path = Path(path).expanduser()
     dtype = resolve_dtype(dtype)
+    if compact and dequantize:
+        raise ValueError("compact and dequantize exclude each other")
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     if path.is_dir():
+        if compact:
+            raise ModelLoadError(f"{path}: compact loading applies to GGUF files, not Hugging Face directories")
         return _load_hf(path, dtype, progress)
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-    return _load_gguf(path, dtype, progress, keep_quantized=not dequantize)
+    return _load_gguf(path, dtype, progress, keep_quantized=not dequantize, compact=compact)
 
 
 def _load_hf(path: Path, dtype, progress):
@@ -84,7 +90,7 @@ def _load_hf(path: Path, dtype, progress):
     return model, Tokenizer.from_hf_dir(path, config)
 
 
-def _load_gguf(path: Path, dtype, progress, keep_quantized: bool):
+def _load_gguf(path: Path, dtype, progress, keep_quantized: bool, compact: bool):
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.Metadata(reader)
     if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
@@ -97,7 +103,7 @@ def _load_gguf(path: Path, dtype, progress, keep_quantized: bool):
     model = _build(module, args)
     with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
         weights, unmatched = rename(
-            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized), rules, args, bar
+            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact), rules, args, bar
         )
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))

@@ -58,19 +58,25 @@ def halves(w, _args):
 
 
 def rowwise(transform):
-    """Mark a transform that only selects or reorders rows: it applies to quantized tensors as they are."""
-    transform.rowwise = True
-    return transform
+    """Mark a transform that only selects or reorders rows: it applies to a quantized tensor's parts as they are."""
 
-
-def apply_transform(transform, tensor, args):
-    if isinstance(tensor, QuantizedTensor):
-        if not getattr(transform, "rowwise", False):
-            return transform(tensor.dequantize(), args)
+    def on_quantized(tensor, args):
         parts = [transform(part, args) for part in (tensor.weight, tensor.scales, tensor.biases)]
         if isinstance(parts[0], tuple):
             return tuple(QuantizedTensor(w, s, b, tensor.bits, tensor.group_size) for w, s, b in zip(*parts))
         return QuantizedTensor(*parts, tensor.bits, tensor.group_size)
+
+    transform.on_quantized = on_quantized
+    return transform
+
+
+def apply_transform(transform, tensor, args):
+    """A transform's `on_quantized(tensor, args)`, where it has one, keeps a quantized tensor
+    quantized (None: it cannot for this one); otherwise the tensor is dequantized first."""
+    if isinstance(tensor, QuantizedTensor):
+        on_quantized = getattr(transform, "on_quantized", None)
+        result = on_quantized(tensor, args) if on_quantized else None
+        return result if result is not None else transform(tensor.dequantize(), args)
     return transform(tensor, args)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import ModelLoadError
 from ..models.blocks import FULL, LINEAR
 from .common import Rule, rowwise, split_fused_ba
-from .quantized import from_gguf_blocks
+from .quantized import QuantizedTensor, from_gguf_blocks
 
 # -- hyper-parameters ------------------------------------------------------------
 
@@ -129,6 +129,21 @@ def _head_transforms(to_gguf: bool):
     def value_columns(w, args):
         return _permute_heads(w, args, order(args), axis=1, head_size=args.linear_value_head_dim)
 
+    def value_columns_of_blocks(q, args):
+        """Heads of whole groups move as packed words and group scales (else: None, dequantize)."""
+        head = args.linear_value_head_dim
+        if head % q.group_size:
+            return None
+
+        def move(part, per_head):
+            return _permute_heads(part, args, order(args), axis=-1, head_size=per_head)
+
+        groups = head // q.group_size
+        return QuantizedTensor(
+            move(q.weight, head * q.bits // 32), move(q.scales, groups), move(q.biases, groups), q.bits, q.group_size
+        )
+
+    value_columns.on_quantized = value_columns_of_blocks
     return qkv, value_rows, heads, value_columns
 
 
@@ -312,17 +327,18 @@ def gguf_block_name(name: str, n_layer: int) -> str:
     return f"blk.{index}." + name[m.end() :]
 
 
-def block_names(reader, n_layer: int, keep_quantized: bool = True):
+def block_names(reader, n_layer: int, keep_quantized: bool = True, compact: bool = False):
     """Source tensors with `blk.N.` renamed to our block paths (MTP blocks come after the trunk).
 
     Each comes with a loader giving an mx.array, or a QuantizedTensor where the block
-    type maps exactly onto MLX's affine groups (and keep_quantized).
+    type maps exactly onto MLX's affine groups (and keep_quantized), or, when compact,
+    where `quantized.from_gguf_blocks` re-quantizes it.
     """
     from gguf.quants import dequantize
 
     def loader(t):
         if keep_quantized:
-            quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name)
+            quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name, compact)
             if quantized is not None:
                 return quantized
         return mx.array(dequantize(t.data, t.tensor_type).astype(np.float32))

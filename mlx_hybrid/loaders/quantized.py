@@ -14,6 +14,11 @@ uint32 words. These GGUF block types are exactly that, per group of 32:
 Scales and biases are kept in float32, where every one of them is exact (a float16
 times a 6-bit integer needs 17 significant bits). Other types (Q6_K and Q2_K/Q3_K
 with groups of 16, the IQ types, ...) have no exact affine form and are dequantized.
+
+Compact loading trades exactness for memory: scales and biases in float16 (a relative
+error of at most 2^-11 on each), and Q6_K re-quantized to MLX's 6-bit groups of 32
+instead of dequantized. A Q4_K_M file then takes about its own size in memory
+(Q4_K 5 bits a weight against the file's 4.5, Q5_K 6 against 5.5, Q6_K 7 against 6.56).
 """
 
 from __future__ import annotations
@@ -45,7 +50,16 @@ class QuantizedTensor:
         return QuantizedTensor(fn(self.weight), fn(self.scales), fn(self.biases), self.bits, self.group_size)
 
     def dequantize(self) -> mx.array:
-        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        """The dense float32 matrix (float16 scales would round it to float16)."""
+        scales, biases = self.scales.astype(mx.float32), self.biases.astype(mx.float32)
+        return mx.dequantize(self.weight, scales, biases, group_size=self.group_size, bits=self.bits)
+
+    def with_float16_scales(self) -> "QuantizedTensor":
+        """Scales and biases rounded to float16, unless one of them would overflow it."""
+        narrow = [part.astype(mx.float16) for part in (self.scales, self.biases)]
+        if not all(mx.isfinite(part).all().item() for part in narrow):
+            return self
+        return QuantizedTensor(self.weight, *narrow, self.bits, self.group_size)
 
 
 def _f16(block_bytes: np.ndarray) -> np.ndarray:
@@ -129,6 +143,11 @@ AFFINE_TYPES = {
 }
 
 
+# Compact loading: types with no exact affine form that are re-quantized to MLX affine
+# groups of 32 with this many bits, instead of dequantized.
+REQUANTIZED_BITS = {"Q6_K": 6}
+
+
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """Unsigned bits-bit integers [..., n] -> MLX's little-endian bit stream as uint32 [..., n * bits / 32]."""
     stream = ((q[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
@@ -136,10 +155,26 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed).view(np.uint32)
 
 
-def from_gguf_blocks(raw: np.ndarray, type_name: str) -> QuantizedTensor | None:
-    """raw: the tensor's bytes as the gguf reader gives them, [..., rows, bytes per row]."""
-    if type_name not in AFFINE_TYPES:
+def from_gguf_blocks(raw: np.ndarray, type_name: str, compact: bool = False) -> QuantizedTensor | None:
+    """raw: the tensor's bytes as the gguf reader gives them, [..., rows, bytes per row].
+
+    None where the type stays dense (dequantized by the caller).
+    """
+    if type_name in AFFINE_TYPES:
+        tensor = _exact_affine(raw, type_name)
+    elif compact and type_name in REQUANTIZED_BITS:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        dense = mx.array(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
+        bits = REQUANTIZED_BITS[type_name]
+        tensor = QuantizedTensor(*mx.quantize(dense, group_size=GROUP_SIZE, bits=bits), bits)
+    else:
         return None
+    return tensor.with_float16_scales() if compact else tensor
+
+
+def _exact_affine(raw: np.ndarray, type_name: str) -> QuantizedTensor:
     bits, per_block, parse = AFFINE_TYPES[type_name]
     block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176}[type_name]
     lead = raw.shape[:-1]

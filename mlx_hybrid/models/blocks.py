@@ -57,6 +57,19 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """Looks rows up in float32: MLX's own gives its scales' dtype (float16 when loaded compact)."""
+
+    def __call__(self, x):
+        scales, biases = self["scales"][x].astype(F32), self["biases"][x].astype(F32)
+        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+
+
+class Embedding(nn.Embedding):
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
+
+
 class SwitchLinear(nn.Module):
     """Stacked expert matrices [E, out, in], applied to the experts each token selected."""
 
@@ -147,7 +160,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = layers
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if not args.tie_word_embeddings:
@@ -162,9 +175,13 @@ class HybridModel(nn.Module):
 
         return [RecurrentCache() if layer.layer_type == LINEAR else KVCache() for layer in self.layers]
 
+    def embed(self, ids: mx.array) -> mx.array:
+        # in the compute dtype: a quantized embedding gives float32
+        return self.embed_tokens(ids).astype(self.norm.weight.dtype)
+
     def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
         """The trunk's hidden state before the final norm, [B, T, E]."""
-        h = self.embed_tokens(ids)
+        h = self.embed(ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, cache[i] if cache is not None else None)
         return h

@@ -228,5 +228,5 @@ class Model(HybridModel):
         if not self.has_mtp:
             raise ValueError("this model has no MTP head")
         hidden = self.hidden_states(ids)
-        u = self.mtp(hidden[:, :-1], self.embed_tokens(ids[:, 1:]))
+        u = self.mtp(hidden[:, :-1], self.embed(ids[:, 1:]))
         return self.project(self.mtp.norm(u))
