@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compact",
         action="store_true",
-        help="GGUF: keep quantized weights near the file's size (float16 scales, Q6_K re-quantized to 6 bits); "
-        "slightly lossy",
+        help="a --model GGUF takes about its file's size in memory (float16 scales, Q6_K re-quantized to "
+        "6 bits); slightly lossy",
     )
     p.add_argument("--verbose", action="store_true", help="print the model and compute path to stderr")
     return p

@@ -45,10 +45,6 @@ class QuantizedTensor:
     def shape(self):
         return (*self.weight.shape[:-1], self.scales.shape[-1] * self.group_size)
 
-    def map_rows(self, fn):
-        """Apply a transform that only selects or reorders rows to every part."""
-        return QuantizedTensor(fn(self.weight), fn(self.scales), fn(self.biases), self.bits, self.group_size)
-
     def dequantize(self) -> mx.array:
         """The dense float32 matrix (float16 scales would round it to float16)."""
         scales, biases = self.scales.astype(mx.float32), self.biases.astype(mx.float32)
