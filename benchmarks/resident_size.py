@@ -8,7 +8,7 @@ the script writes one: the Qwen3.5-0.8B shape with llama.cpp's Q4_K_M choice of 
 per tensor (Q6_K for the output matrix, for attn_v and ffn_down of the layers
 llama.cpp gives more bits, Q5_K for the fused attn_qkv, Q4_K elsewhere) and random
 blocks of those types. It then loads the file, exactly and then compact
-(`mlx_hybrid.load(..., compact=True)`: float16 scales, Q6_K re-quantized to 6 bits),
+(`mlx_hybrid.load(..., compact=True)`: 16-bit scales, Q6_K re-quantized to 6 bits),
 and prints the active MLX memory the weights take against the file's size.
 """
 

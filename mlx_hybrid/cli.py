@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compact",
         action="store_true",
-        help="a --model GGUF takes about its file's size in memory (float16 scales, Q6_K re-quantized to "
+        help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
         "6 bits); slightly lossy",
     )
     p.add_argument("--verbose", action="store_true", help="print the model and compute path to stderr")

@@ -75,7 +75,7 @@ def test_random_blocks_of_every_affine_type_unpack_exactly(type_name):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name):
     raw, qtype = random_raw(type_name, 8, 1024, 7)
-    q = from_gguf_blocks(raw, type_name, compact=True)
+    q = from_gguf_blocks(raw, type_name, compact_scales=mx.float16)
     assert q.scales.dtype == q.biases.dtype == mx.float16 and q.group_size == 32
     assert q.weight.nbytes + q.scales.nbytes + q.biases.nbytes <= 1.15 * raw.nbytes
     exact = dequantize(raw, qtype).astype(np.float64).reshape(8, -1, 32)  # groups of 32
@@ -98,6 +98,18 @@ def test_compact_load_runs_quantized_and_matches():
     logits = model(mx.array(reference("qwen35")["input_ids"]))
     assert logits.dtype == mx.float32
     np.testing.assert_allclose(np.array(logits), reference("qwen35", "ref_dequant.npz")["logits_Q4_K_M"], atol=3e-3)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("family", ["qwen35", "qwen35moe", "kimilinear"])
+def test_bfloat16_models_on_quantized_modules_compute_in_bfloat16(family, compact):
+    """float32 scales (exact) would promote every product after the first to float32;
+    compact loading keeps bfloat16 scales for a bfloat16 model."""
+    model, _ = mlx_hybrid.load(FIXTURES / family / "model-Q4_K_M.gguf", dtype="bfloat16", compact=compact)
+    if compact:
+        assert {m.scales.dtype for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)} == {mx.bfloat16}
+    hidden = model.hidden_states(mx.array(reference(family)["input_ids"]))
+    assert hidden.dtype == mx.bfloat16 and model.logits_from_hidden(hidden).dtype == mx.bfloat16
 
 
 def test_compact_is_for_gguf_files():

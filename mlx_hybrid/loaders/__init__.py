@@ -49,7 +49,7 @@ def load(path, dtype=None, progress: bool | None = None, dequantize: bool = Fals
     large files on a terminal). GGUF tensors whose blocks are exactly MLX affine
     groups (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K) stay quantized and run on MLX's
     quantized kernels, unless dequantize=True; other types are dequantized to dtype.
-    compact=True (GGUF only) trades exactness for memory: float16 scales, and Q6_K
+    compact=True (GGUF only) trades exactness for memory: 16-bit scales, and Q6_K
     re-quantized to 6-bit groups instead of dequantized (see `loaders.quantized`).
     """
     path = Path(path).expanduser()
@@ -91,6 +91,8 @@ def _load_hf(path: Path, dtype, progress):
 
 
 def _load_gguf(path: Path, dtype, progress, keep_quantized: bool, compact: bool):
+    # compact scales: bfloat16 for a bfloat16 model (products stay in it), else float16
+    compact_scales = (mx.bfloat16 if dtype == mx.bfloat16 else mx.float16) if compact else None
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.Metadata(reader)
     if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
@@ -103,7 +105,7 @@ def _load_gguf(path: Path, dtype, progress, keep_quantized: bool, compact: bool)
     model = _build(module, args)
     with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
         weights, unmatched = rename(
-            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact), rules, args, bar
+            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales), rules, args, bar
         )
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))

@@ -327,18 +327,18 @@ def gguf_block_name(name: str, n_layer: int) -> str:
     return f"blk.{index}." + name[m.end() :]
 
 
-def block_names(reader, n_layer: int, keep_quantized: bool = True, compact: bool = False):
+def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scales=None):
     """Source tensors with `blk.N.` renamed to our block paths (MTP blocks come after the trunk).
 
     Each comes with a loader giving an mx.array, or a QuantizedTensor where the block
-    type maps exactly onto MLX's affine groups (and keep_quantized), or, when compact,
-    where `quantized.from_gguf_blocks` re-quantizes it.
+    type maps exactly onto MLX's affine groups (and keep_quantized), or, when compact
+    (compact_scales: a dtype), where `quantized.from_gguf_blocks` re-quantizes it.
     """
     from gguf.quants import dequantize
 
     def loader(t):
         if keep_quantized:
-            quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name, compact)
+            quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name, compact_scales)
             if quantized is not None:
                 return quantized
         return mx.array(dequantize(t.data, t.tensor_type).astype(np.float32))

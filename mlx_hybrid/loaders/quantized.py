@@ -15,9 +15,10 @@ Scales and biases are kept in float32, where every one of them is exact (a float
 times a 6-bit integer needs 17 significant bits). Other types (Q6_K and Q2_K/Q3_K
 with groups of 16, the IQ types, ...) have no exact affine form and are dequantized.
 
-Compact loading trades exactness for memory: scales and biases in float16 (a relative
-error of at most 2^-11 on each), and Q6_K re-quantized to MLX's 6-bit groups of 32
-instead of dequantized. A Q4_K_M file then takes about its own size in memory
+Compact loading trades exactness for memory: scales and biases in 16 bits (float16, a
+relative error of at most 2^-11 on each; bfloat16 when that is the compute dtype, so
+that products stay in it), and Q6_K re-quantized to MLX's 6-bit groups of 32 instead
+of dequantized. A Q4_K_M file then takes about its own size in memory
 (Q4_K 5 bits a weight against the file's 4.5, Q5_K 6 against 5.5, Q6_K 7 against 6.56).
 """
 
@@ -50,9 +51,9 @@ class QuantizedTensor:
         scales, biases = self.scales.astype(mx.float32), self.biases.astype(mx.float32)
         return mx.dequantize(self.weight, scales, biases, group_size=self.group_size, bits=self.bits)
 
-    def with_float16_scales(self) -> "QuantizedTensor":
-        """Scales and biases rounded to float16, unless one of them would overflow it."""
-        narrow = [part.astype(mx.float16) for part in (self.scales, self.biases)]
+    def with_scales_in(self, dtype) -> "QuantizedTensor":
+        """Scales and biases rounded to dtype, unless one of them would overflow it."""
+        narrow = [part.astype(dtype) for part in (self.scales, self.biases)]
         if not all(mx.isfinite(part).all().item() for part in narrow):
             return self
         return QuantizedTensor(self.weight, *narrow, self.bits, self.group_size)
@@ -151,11 +152,13 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed).view(np.uint32)
 
 
-def from_gguf_blocks(raw: np.ndarray, type_name: str, compact: bool = False) -> QuantizedTensor | None:
+def from_gguf_blocks(raw: np.ndarray, type_name: str, compact_scales=None) -> QuantizedTensor | None:
     """raw: the tensor's bytes as the gguf reader gives them, [..., rows, bytes per row].
 
+    compact_scales: the 16-bit dtype of scales and biases for compact loading; None: exact.
     None where the type stays dense (dequantized by the caller).
     """
+    compact = compact_scales is not None
     if type_name in AFFINE_TYPES:
         tensor = _exact_affine(raw, type_name)
     elif compact and type_name in REQUANTIZED_BITS:
@@ -167,7 +170,7 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, compact: bool = False) -> 
         tensor = QuantizedTensor(*mx.quantize(dense, group_size=GROUP_SIZE, bits=bits), bits)
     else:
         return None
-    return tensor.with_float16_scales() if compact else tensor
+    return tensor.with_scales_in(compact_scales) if compact else tensor
 
 
 def _exact_affine(raw: np.ndarray, type_name: str) -> QuantizedTensor:

@@ -49,20 +49,36 @@ class MLP(nn.Module):
 
     def __init__(self, dims: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
+        self.gate_proj = Linear(dims, hidden, bias=False)
+        self.up_proj = Linear(dims, hidden, bias=False)
+        self.down_proj = Linear(hidden, dims, bias=False)
 
     def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class QuantizedLinear(nn.QuantizedLinear):
+    """Returns the input's dtype: exact GGUF scales are float32, and MLX would promote a
+    16-bit model's products, and everything after them, to float32."""
+
+    def __call__(self, x):
+        return super().__call__(x).astype(x.dtype)
+
+
+class Linear(nn.Linear):
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """Looks rows up in float32: MLX's own gives its scales' dtype (float16 when loaded compact)."""
+    """Looks rows up in float32: MLX's own gives its scales' dtype (16 bits when loaded compact)."""
 
     def __call__(self, x):
         scales, biases = self["scales"][x].astype(F32), self["biases"][x].astype(F32)
         return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+
+    def as_linear(self, x):
+        return super().as_linear(x).astype(x.dtype)
 
 
 class Embedding(nn.Embedding):
@@ -99,7 +115,7 @@ class QuantizedSwitchLinear(nn.Module):
         return mx.gather_qmm(
             x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
             group_size=self.group_size, bits=self.bits,
-        )  # fmt: skip
+        ).astype(x.dtype)  # fmt: skip
 
 
 class SwitchGLU(nn.Module):
@@ -164,7 +180,7 @@ class HybridModel(nn.Module):
         self.layers = layers
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
     def has_mtp(self) -> bool:

@@ -18,6 +18,7 @@ from .blocks import (
     LINEAR,
     MLP,
     HybridModel,
+    Linear,
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
@@ -76,21 +77,21 @@ class KimiDeltaAttention(nn.Module):
         E, H, D = args.hidden_size, args.linear_num_heads, args.linear_head_dim
         K = args.linear_conv_kernel_dim
         self.num_heads, self.head_dim, self.eps = H, D, args.rms_norm_eps
-        self.q_proj = nn.Linear(E, H * D, bias=False)
-        self.k_proj = nn.Linear(E, H * D, bias=False)
-        self.v_proj = nn.Linear(E, H * D, bias=False)
+        self.q_proj = Linear(E, H * D, bias=False)
+        self.k_proj = Linear(E, H * D, bias=False)
+        self.v_proj = Linear(E, H * D, bias=False)
         self.q_conv1d_weight = mx.zeros((H * D, K))
         self.k_conv1d_weight = mx.zeros((H * D, K))
         self.v_conv1d_weight = mx.zeros((H * D, K))
-        self.f_a_proj = nn.Linear(E, D, bias=False)
-        self.f_b_proj = nn.Linear(D, H * D, bias=False)
+        self.f_a_proj = Linear(E, D, bias=False)
+        self.f_b_proj = Linear(D, H * D, bias=False)
         self.dt_bias = mx.zeros((H * D,))
         self.A = -mx.ones((H,))  # -exp(A_log), one decay rate per head
-        self.b_proj = nn.Linear(E, H, bias=False)
-        self.g_a_proj = nn.Linear(E, D, bias=False)
-        self.g_b_proj = nn.Linear(D, H * D, bias=False)
+        self.b_proj = Linear(E, H, bias=False)
+        self.g_a_proj = Linear(E, D, bias=False)
+        self.g_b_proj = Linear(D, H * D, bias=False)
         self.o_norm = RMSNorm(D, args.rms_norm_eps)
-        self.o_proj = nn.Linear(H * D, E, bias=False)
+        self.o_proj = Linear(H * D, E, bias=False)
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -118,13 +119,13 @@ class LatentAttention(nn.Module):
         self.nope_dim, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.latent_dim = args.kv_lora_rank
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5
-        self.q_proj = nn.Linear(E, H * (self.nope_dim + self.rope_dim), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(E, self.latent_dim + self.rope_dim, bias=False)
+        self.q_proj = Linear(E, H * (self.nope_dim + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = Linear(E, self.latent_dim + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, args.rms_norm_eps)
         # per head: latent -> key (no-position part), and latent -> value (as GGUF attn_k_b / attn_v_b)
         self.k_b_proj = mx.zeros((H, self.latent_dim, self.nope_dim))
         self.v_b_proj = mx.zeros((H, args.v_head_dim, self.latent_dim))
-        self.o_proj = nn.Linear(H * args.v_head_dim, E, bias=False)
+        self.o_proj = Linear(H * args.v_head_dim, E, bias=False)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -149,7 +150,7 @@ class SigmoidMoE(nn.Module):
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
         self.scaling = args.routed_scaling_factor
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         self.e_score_correction_bias = mx.zeros((args.num_experts,))
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)

@@ -19,6 +19,7 @@ from .blocks import (
     LINEAR,
     MLP,
     HybridModel,
+    Linear,
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
@@ -95,15 +96,15 @@ class GatedDeltaNet(nn.Module):
         key_dim = self.num_k_heads * self.head_k_dim
         value_dim = self.num_v_heads * self.head_v_dim
         conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(E, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(E, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(E, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(E, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(E, conv_dim, bias=False)
+        self.in_proj_z = Linear(E, value_dim, bias=False)
+        self.in_proj_b = Linear(E, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(E, self.num_v_heads, bias=False)
         self.conv1d_weight = mx.zeros((conv_dim, args.linear_conv_kernel_dim))
         self.dt_bias = mx.ones((self.num_v_heads,))
         self.A = -mx.ones((self.num_v_heads,))  # -exp(A_log), as GGUF stores it
         self.norm = RMSNorm(self.head_v_dim, args.rms_norm_eps)
-        self.out_proj = nn.Linear(value_dim, E, bias=False)
+        self.out_proj = Linear(value_dim, E, bias=False)
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -130,10 +131,10 @@ class GatedAttention(nn.Module):
         self.rope_theta = args.rope_theta
         E, H, D, bias = args.hidden_size, self.num_heads, self.head_dim, args.attention_bias
         # per head: [query (D) | gate (D)]
-        self.q_proj = nn.Linear(E, 2 * H * D, bias=bias)
-        self.k_proj = nn.Linear(E, self.num_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(E, self.num_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(H * D, E, bias=bias)
+        self.q_proj = Linear(E, 2 * H * D, bias=bias)
+        self.k_proj = Linear(E, self.num_kv_heads * D, bias=bias)
+        self.v_proj = Linear(E, self.num_kv_heads * D, bias=bias)
+        self.o_proj = Linear(H * D, E, bias=bias)
         self.q_norm = RMSNorm(D, args.rms_norm_eps)
         self.k_norm = RMSNorm(D, args.rms_norm_eps)
 
@@ -162,10 +163,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
         self.shared_expert = MLP(args.hidden_size, args.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         probs = mx.softmax(self.gate(x).astype(F32), axis=-1)
@@ -201,7 +202,7 @@ class MTPHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         E = args.hidden_size
-        self.fc = nn.Linear(2 * E, E, bias=False)
+        self.fc = Linear(2 * E, E, bias=False)
         self.enorm = RMSNorm(E, args.rms_norm_eps)
         self.hnorm = RMSNorm(E, args.rms_norm_eps)
         # a list, so that checkpoint names `mtp.layers.0.*` are the module paths
