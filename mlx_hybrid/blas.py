@@ -18,12 +18,13 @@ preloaded alone.
 from __future__ import annotations
 
 import ctypes.util
+import hashlib
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
-
-from .native import build_once
 
 _CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -46,18 +47,30 @@ def find_openblas() -> str | None:
 _GEMV_FORWARD_SOURCE = Path(__file__).parent / "csrc" / "gemv_forward.c"
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx_hybrid"
+
+
 def gemv_forward_library() -> str | None:
     """The gemv-forwarding library (to preload in front of OpenBLAS), built on first
     use; None without a C compiler."""
+    source = _GEMV_FORWARD_SOURCE.read_bytes()
+    target = _cache_dir() / f"gemv_forward-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    if target.is_file():
+        return str(target)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-
-    def command(output):
-        return [compiler, "-O2", "-shared", "-fPIC", "-o", str(output), str(_GEMV_FORWARD_SOURCE), "-ldl"]
-
-    library = build_once("gemv_forward", ".so", [_GEMV_FORWARD_SOURCE.read_bytes()], command)
-    return str(library) if library else None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as build:
+            built = Path(build) / target.name
+            command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(_GEMV_FORWARD_SOURCE), "-ldl"]
+            subprocess.run(command, check=True, capture_output=True, timeout=60)
+            built.replace(target)  # atomic: concurrent first runs each build, one wins
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return str(target)
 
 
 def active_blas() -> str:

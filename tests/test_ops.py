@@ -1,14 +1,13 @@
 """The linear-attention ops against recurrences written the slow, obvious way in numpy."""
 
 import itertools
-import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_primitive, reference
+from mlx_hybrid.ops import reference
 
 
 def numpy_gated_delta(q, k, v, g, beta, state):
@@ -117,35 +116,3 @@ def test_dispatch_returns_snapshots_that_match_prefix_runs():
         np.testing.assert_allclose(
             np.array(result.snapshots[:, t]), np.array(ops.gated_delta_update(*prefix).state), atol=1e-6
         )
-
-
-CPU_STEP_GRID = list(itertools.product([1, 2], [1, 4, 16], [16, 128], [16, 128], [False, True]))
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the compiled CPU step is built on Linux")
-@pytest.mark.parametrize("B,H,Dk,Dv,vector_gate", CPU_STEP_GRID)
-def test_compiled_cpu_step_against_numpy(B, H, Dk, Dv, vector_gate):
-    step = cpu_primitive.token_step()
-    assert step is not None, "the compiled CPU step did not build (needs nanobind and a C++20 compiler)"
-    inputs = make_inputs(B, 3, H, H, Dk, Dv, vector_gate, seed=B + H + Dk + Dv)
-    out_n, state_n, _ = numpy_gated_delta(*inputs)
-    out, state, _ = reference.gated_delta_recurrent(*map(mx.array, inputs), step=step)
-    np.testing.assert_allclose(np.array(out), out_n, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.array(state), state_n, atol=1e-5, rtol=0)
-
-
-def test_compiled_cpu_step_in_place_and_not():
-    """A donated state is rewritten in place; a state still held elsewhere is left alone."""
-    step = cpu_primitive.token_step()
-    if step is None:
-        pytest.skip("no compiled CPU step here")
-    *per_token, state = map(mx.array, make_inputs(1, 1, 4, 4, 32, 32, False))
-    q, k, v, g, beta = (x[:, 0] for x in per_token)
-    kept = mx.array(state)  # a second reference: no donation
-    out_kept, new_kept = step(kept, q, k, v, g, beta)
-    mx.eval(out_kept, new_kept)
-    np.testing.assert_array_equal(np.array(kept), np.array(state))
-    out_donated, new_donated = step(state * 1.0, q, k, v, g, beta)  # a temporary: donated
-    assert mx.array_equal(out_donated, out_kept) and mx.array_equal(new_donated, new_kept)
-    with pytest.raises(ValueError, match="must match state"):
-        step(state[0], q, k, v, g, beta)

@@ -4,9 +4,8 @@ Models and the speculative loop call `gated_delta_update` and `conv1d_update`
 and nothing below them. This module is the one place that decides which
 implementation runs a call: a custom kernel (Metal, or CUDA through the same
 bodies) where the platform has one and the shape is supported, else the pure-MLX
-reference, whose token-by-token recurrence runs its steps through a compiled CPU
-primitive where that builds (Linux, `cpu_primitive`). MLX_HYBRID_FORCE_REFERENCE=1
-forces the pure-MLX path. Nothing else in the package asks which device it runs on.
+reference. MLX_HYBRID_FORCE_REFERENCE=1 forces the pure-MLX path. Nothing else in
+the package asks which device it runs on.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import cpu_primitive, kernels, reference
+from . import kernels, reference
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
 # chunked form's matrices (measured on a 2-core x86 CPU, Qwen3.5-0.8B head shapes:
@@ -56,17 +55,10 @@ def kernel_platform() -> str | None:
     return None if force_reference() else _gpu_platform()
 
 
-def _cpu_token_step():
-    """The compiled CPU primitive for recurrent delta-rule steps, where no GPU kernel runs them."""
-    return None if force_reference() or _gpu_platform() else cpu_primitive.token_step()
-
-
 def backend_name() -> str:
     """Which implementation runs the linear-attention ops in this process."""
     platform = kernel_platform()
-    if platform:
-        return f"{platform} kernels"
-    return "mlx-reference + cpu delta-step primitive" if _cpu_token_step() else "mlx-reference"
+    return f"{platform} kernels" if platform else "mlx-reference"
 
 
 def _gpu_computes() -> bool:
@@ -123,9 +115,7 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
     if not recurrent:
         out, final = reference.gated_delta_chunked(q, k, v, g, beta, state)
         return GatedDeltaResult(out, final, None)
-    return GatedDeltaResult(
-        *reference.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots, step=_cpu_token_step())
-    )
+    return GatedDeltaResult(*reference.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots))
 
 
 def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.array:

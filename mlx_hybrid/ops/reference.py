@@ -55,18 +55,16 @@ def _delta_step(state, q, k, v, g, beta):
     return out, state * row_decay[..., None] + k[..., None] * delta[..., None, :]
 
 
-def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = False, step=None):
+def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = False):
     """The gated delta rule one token at a time (decode and verify passes).
 
-    step: another implementation of `_delta_step`'s token step (ops passes the CPU
-    primitive's). Returns (out [B, T, Hv, Dv] float32, final state, states after
-    every token [B, T, Hv, Dk, Dv] or None).
+    Returns (out [B, T, Hv, Dv] float32, final state, states after every token
+    [B, T, Hv, Dk, Dv] or None).
     """
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state)
-    step = step or _delta_step
     outputs, states = [], []
     for t in range(v.shape[1]):
-        out, state = step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        out, state = _delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
         outputs.append(out)
         if snapshots:
             states.append(state)
