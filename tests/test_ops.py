@@ -116,3 +116,58 @@ def test_dispatch_returns_snapshots_that_match_prefix_runs():
         np.testing.assert_allclose(
             np.array(result.snapshots[:, t]), np.array(ops.gated_delta_update(*prefix).state), atol=1e-6
         )
+
+
+def numpy_rope(x, dims, base, offset):
+    """Rotate-half RoPE in float64, pair (i, i + dims/2) at angle position * base^(-2i/dims)."""
+    x = np.asarray(x, dtype=np.float64)
+    half = dims // 2
+    angle = np.arange(offset, offset + x.shape[-2])[:, None] * base ** (-2.0 * np.arange(half) / dims)
+    x1, x2 = x[..., :half], x[..., half:dims]
+    rotated = [x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)]
+    return np.concatenate([*rotated, x[..., dims:]], axis=-1)
+
+
+@pytest.mark.parametrize(
+    "shape,dims,offset",
+    [((1, 8, 1, 256), 64, 0), ((1, 8, 1, 256), 64, 511), ((2, 2, 37, 128), 128, 5), ((1, 3, 5, 64), 32, 100_000)],
+)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rope_against_numpy(shape, dims, offset, dtype):
+    x = mx.array(np.random.default_rng(offset).standard_normal(shape).astype(np.float32)).astype(dtype)
+    out = reference.rope(x, dims, 1e7, offset)
+    assert out.dtype == dtype
+    expected = numpy_rope(np.array(x.astype(mx.float32)), dims, 1e7, offset)
+    atol = 1e-6 if dtype == mx.float32 else 2e-2  # bfloat16: the output's own rounding
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=0)
+
+
+def test_rope_one_token_equals_its_row_of_a_longer_call():
+    """Decode steps and verify passes must rotate a position to the same bits."""
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 4, 6, 128)).astype(np.float32))
+    together = np.array(reference.rope(x, 64, 1e4, 10))
+    for t in range(6):
+        alone = np.array(reference.rope(x[:, :, t : t + 1], 64, 1e4, 10 + t))
+        np.testing.assert_array_equal(alone[:, :, 0], together[:, :, t])
+
+
+def test_activations_against_numpy():
+    """sigmoid, SiLU and SwiGLU through 2^x: as accurate as MLX's own, in float32 and bfloat16."""
+    x = mx.array(np.linspace(-100, 100, 200_001).astype(np.float32))
+    up = mx.array(np.random.default_rng(0).standard_normal(x.shape).astype(np.float32))
+    # bfloat16: the inputs are rounded first, the output's own rounding is the tolerance
+    for dtype, rtol in [(mx.float32, 4e-6), (mx.bfloat16, 2**-8)]:
+        xs, ups = x.astype(dtype), up.astype(dtype)
+        x64, up64 = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (xs, ups))
+        exact_sigmoid = 1 / (1 + np.exp(-x64))
+        cases = [
+            ("sigmoid", ops.sigmoid(xs), exact_sigmoid),
+            ("silu", ops.silu(xs), x64 * exact_sigmoid),
+            ("swiglu", ops.swiglu(xs, ups), x64 * exact_sigmoid * up64),
+        ]
+        for name, out, want in cases:
+            assert out.dtype == dtype, name
+            out = np.array(out.astype(mx.float32)).astype(np.float64)
+            # below x = -88 exp(-x) overflows float32 (in mx.sigmoid too): values under 1e-30 give 0
+            close = np.abs(out - want) <= rtol * np.abs(want) + 1e-30
+            assert close.all(), (name, dtype, x64[~close][:5], out[~close][:5], want[~close][:5])

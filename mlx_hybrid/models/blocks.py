@@ -54,7 +54,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dims, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -130,7 +130,7 @@ class SwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., D], indices [..., k] -> [..., k, D]."""
         x = mx.expand_dims(x, (-2, -3))
-        hidden = nn.silu(self.gate_proj(x, indices)) * self.up_proj(x, indices)
+        hidden = ops.swiglu(self.gate_proj(x, indices), self.up_proj(x, indices))
         return self.down_proj(hidden, indices).squeeze(-2)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import ops
 from ..cache import KVCache, RecurrentCache
 from .blocks import (
     F32,
@@ -101,10 +102,10 @@ class KimiDeltaAttention(nn.Module):
         conv_weight = mx.concatenate([self.q_conv1d_weight, self.k_conv1d_weight, self.v_conv1d_weight], axis=0)
         gate_in = self.f_b_proj(self.f_a_proj(x)).astype(F32) + self.dt_bias
         g = self.A[:, None] * nn.softplus(gate_in.reshape(B, T, H, D))  # per head and channel
-        beta = mx.sigmoid(self.b_proj(x).astype(F32))
+        beta = ops.sigmoid(self.b_proj(x).astype(F32))
         out = delta_rule_attention(mixed, conv_weight, g, beta, cache, H, H, D, D)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
-        out = gated_rms_norm(out, self.o_norm.weight, mx.sigmoid(gate.astype(F32)), self.eps)
+        out = gated_rms_norm(out, self.o_norm.weight, ops.sigmoid(gate.astype(F32)), self.eps)
         return self.o_proj(out.reshape(B, T, -1).astype(x.dtype))
 
 

@@ -12,6 +12,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import ops
 from ..cache import KVCache, RecurrentCache
 from .blocks import (
     F32,
@@ -79,7 +80,7 @@ FLOAT32_PARAMS = ("A", "dt_bias")
 @partial(mx.compile, shapeless=True)
 def gdn_gates(a: mx.array, b: mx.array, A: mx.array, dt_bias: mx.array):
     """Log decay g = A softplus(a + dt_bias) (A = -exp(A_log)) and write strength beta = sigmoid(b)."""
-    return A * nn.softplus(a.astype(F32) + dt_bias), mx.sigmoid(b.astype(F32))
+    return A * nn.softplus(a.astype(F32) + dt_bias), ops.sigmoid(b.astype(F32))
 
 
 class GatedDeltaNet(nn.Module):
@@ -114,7 +115,7 @@ class GatedDeltaNet(nn.Module):
             self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
         )  # fmt: skip
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-        out = gated_rms_norm(out, self.norm.weight, nn.silu(z.astype(F32)), self.eps)
+        out = gated_rms_norm(out, self.norm.weight, ops.silu(z.astype(F32)), self.eps)
         return self.out_proj(out.reshape(B, T, -1).astype(x.dtype))
 
 
@@ -139,7 +140,7 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(D, args.rms_norm_eps)
 
     def _rope(self, x, offset):
-        return mx.fast.rope(x, self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        return ops.rope(x, self.rope_dims, self.rope_theta, offset)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -153,7 +154,7 @@ class GatedAttention(nn.Module):
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask_for(T))
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(out * mx.sigmoid(gate.reshape(B, T, -1)))
+        return self.o_proj(out * ops.sigmoid(gate.reshape(B, T, -1)))
 
 
 class SparseMoE(nn.Module):

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import kernels, reference
+from .activations import sigmoid, silu, swiglu  # noqa: F401  (the models' activations)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
 # chunked form's matrices (measured on a 2-core x86 CPU, Qwen3.5-0.8B head shapes:
@@ -86,6 +87,18 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     if _gpu_computes():
         return mx.fast.rms_norm(x, weight, eps)
     return _rms_norm_compiled(x, weight, eps)
+
+
+def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
+    """Rotary embedding (rotate-half layout) of the first `dims` features of x [B, H, T, D],
+    for positions offset .. offset + T - 1.
+
+    mx.fast.rope is one kernel on a GPU; on the CPU it runs as about 25 separate ops,
+    where angles from a host table and one fused pass do (1 ms of a 130 ms decode step).
+    """
+    if _gpu_computes():
+        return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
+    return reference.rope(x, dims, base, offset)
 
 
 def overlap_decode_steps() -> bool:

@@ -20,6 +20,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from .activations import silu
+
 F32 = mx.float32
 
 
@@ -171,6 +173,43 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, *, chunk: int = 64):
     return out, state
 
 
+@lru_cache(maxsize=4)
+def _rope_factors(positions: range, head_dim: int, dims: int, base: float):
+    """Per-feature factors c, s [T, head_dim] with rope(x) = x c + x[partner] s.
+
+    Angles are computed in float64 on the host (the same for a position whichever call
+    it comes in). Features past `dims` get c = 1, s = 0: they pass through unchanged.
+    """
+    half = dims // 2
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * base ** (-np.arange(half) / half)
+    c = np.ones((len(positions), head_dim), np.float32)
+    s = np.zeros((len(positions), head_dim), np.float32)
+    c[:, :half] = c[:, half:dims] = np.cos(angles)
+    s[:, :half], s[:, half:dims] = -np.sin(angles), np.sin(angles)
+    return mx.array(c), mx.array(s)
+
+
+@lru_cache(maxsize=None)
+def _rope_partners(head_dim: int, dims: int) -> mx.array:
+    """The feature each one rotates with: x2 for x1 and x1 for x2 (itself past `dims`)."""
+    half = dims // 2
+    partner = np.arange(head_dim)
+    partner[:half], partner[half:dims] = np.arange(half, dims), np.arange(half)
+    return mx.array(partner)
+
+
+@mx.compile
+def _rotate(x, partner, c, s):
+    return (x.astype(F32) * c + partner.astype(F32) * s).astype(x.dtype)
+
+
+def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
+    """Rotary embedding, rotate-half layout (x1, x2 halves of the first `dims` features:
+    x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t."""
+    c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
+    return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
+
+
 @mx.compile
 def _conv_silu(padded: mx.array, weight: mx.array) -> mx.array:
     """SiLU of the depthwise conv over `padded` [B, K-1+T, C] (one fused pass)."""
@@ -180,7 +219,7 @@ def _conv_silu(padded: mx.array, weight: mx.array) -> mx.array:
     acc = padded[:, 0:T].astype(F32) * w[:, 0]
     for j in range(1, K):
         acc = acc + padded[:, j : j + T].astype(F32) * w[:, j]
-    return (acc * mx.sigmoid(acc)).astype(padded.dtype)
+    return silu(acc).astype(padded.dtype)
 
 
 def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
