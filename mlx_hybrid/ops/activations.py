@@ -5,8 +5,8 @@ value here), while power(2, y) takes 5 ns. With y = -x log2(e) rounded once to
 float32 the result is as accurate as mx.sigmoid's (relative error below 4e-6 over
 [-100, 100], checked in tests/test_ops.py): y's rounding error grows with |x|, and
 both functions saturate before it matters. A Qwen3.5-0.8B decode step computes about
-250k of these values, 2.7 ms of a 130 ms step on the CPU. A GPU runs them in fused
-kernels either way.
+250k of these values: 4 ms of a 130 ms step at 16 ns each, under 2 ms this way. A GPU
+runs them in fused kernels either way.
 """
 
 from __future__ import annotations
