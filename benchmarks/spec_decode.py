@@ -3,11 +3,19 @@
     python benchmarks/spec_decode.py                       # Qwen3.5-0.8B shape, random weights
     python benchmarks/spec_decode.py --model path.gguf     # a real checkpoint (MTP acceptance is real too)
 
-Prints, each against plain decoding measured in the same run:
+Prints, each against plain decoding measured in the same run (for every row, plain
+decoding runs again just before it: the ratio is within that pair, which keeps a
+shared machine's drift out of it):
 - the verify pass (1 + k tokens, snapshots on) relative to one decode step;
-- tokens/s with the model's MTP head drafting;
-- tokens/s with an oracle drafter at set acceptance rates (MTP drafting runs
-  alongside, so its cost is included; only its tokens are replaced).
+- tokens/s with the model's MTP head drafting, default settings;
+- tokens/s with an oracle drafter at set acceptance rates, k = 1..4, adaptive length
+  off (exactly k drafts a round). The MTP head drafts alongside over the reduced
+  vocabulary, and its tokens are evaluated before the oracle replaces them, so the
+  draft cost counts in full;
+- the oracle at 0% acceptance with default settings (adaptive length on).
+
+The random-weight shapes draft over the first `--draft-vocab` token ids (what costs is
+the subset's size); a real checkpoint uses the ranking of `mlx_hybrid.draft_vocab`.
 """
 
 from __future__ import annotations
@@ -17,15 +25,17 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
+import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
+
+import mlx.core as mx  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-import mlx_hybrid  # noqa: E402
 from mlx_hybrid.cache import KVCache, RecurrentCache  # noqa: E402
+from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocabulary  # noqa: E402
+from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter, OracleDrafter  # noqa: E402
 from mlx_hybrid.generation import prefill  # noqa: E402
 from mlx_hybrid.sampling import Sampler  # noqa: E402
-from mlx_hybrid.speculative import MTPDrafter, OracleDrafter, SpeculativeDecoder, keep_snapshot_buffers  # noqa: E402
+from mlx_hybrid.speculative import SpeculativeDecoder, keep_snapshot_buffers  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 
@@ -49,9 +59,9 @@ def plain_decode(model, prompt, n):
     return tokens, (n - 1) / (time.perf_counter() - start)
 
 
-def speculative_decode(model, prompt, n, k, drafter):
+def speculative_decode(model, prompt, n, k, drafter, adaptive=False):
     cache = model.make_cache()
-    decoder = SpeculativeDecoder(model, drafter, Sampler(0.0), k, cache)
+    decoder = SpeculativeDecoder(model, drafter, Sampler(0.0), k, cache, adaptive=adaptive)
     tokens = [decoder.start(prompt, prefill(model, prompt, cache))]
     start = time.perf_counter()
     while len(tokens) < n:
@@ -98,48 +108,65 @@ def main():
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per measurement")
     p.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="0: the whole vocabulary")
+    p.add_argument("--skip-verify", action="store_true", help="leave out the verify-pass timings")
     args = p.parse_args()
-    from mlx_hybrid.blas import active_blas, prefer_optimized_blas
+    from mlx_hybrid.blas import active_blas
 
-    prefer_optimized_blas()  # restarts with OpenBLAS preloaded where installed
     dtype = getattr(mx, args.dtype)
     if args.model:
         model, tokenizer = mlx_hybrid.load(args.model, dtype=dtype)
         prompt = tokenizer.encode(Path(__file__).read_text())[: args.prompt_tokens]
+        vocabulary = draft_vocabulary(tokenizer, args.draft_vocab, model.args.vocab_size)
         name = args.model
     else:
         model = random_model(SHAPES[args.shape](), dtype)
         prompt = mx.random.randint(0, model.args.vocab_size, (args.prompt_tokens,)).tolist()
+        size = args.draft_vocab or model.args.vocab_size
+        vocabulary = list(range(min(size, model.args.vocab_size))) if args.draft_vocab else None
         name = f"{args.shape} (random weights)"
     print(
         f"model: {name}, {args.dtype}, ops {mlx_hybrid.ops.backend_name()}, BLAS {active_blas()}, "
-        f"device {mx.default_device()}"
+        f"device {mx.default_device()}, draft vocabulary {len(vocabulary) if vocabulary is not None else 'all'}"
     )
 
     reference, plain_tps = plain_decode(model, prompt, args.tokens)
     print(f"plain decoding: {plain_tps:.2f} tokens/s (baseline)")
 
-    print("\nverify pass (1 + k tokens, state snapshots) vs one decode step:")
-    for k in args.draft_tokens:
-        verify, step = verify_cost(model, prompt, k)
-        print(f"  k={k}: {verify * 1e3:7.1f} ms vs {step * 1e3:6.1f} ms  = {verify / step:.2f}x one step")
+    if not args.skip_verify:
+        print("\nverify pass (1 + k tokens, state snapshots) vs one decode step:")
+        for k in args.draft_tokens:
+            verify, step = verify_cost(model, prompt, k)
+            print(f"  k={k}: {verify * 1e3:7.1f} ms vs {step * 1e3:6.1f} ms  = {verify / step:.2f}x one step")
+
+    def report(label, k, drafter, adaptive=False):
+        _, baseline = plain_decode(model, prompt, args.tokens)
+        tokens, tps, stats = speculative_decode(model, prompt, args.tokens, k, drafter, adaptive)
+        assert tokens == reference, "speculative greedy output differs from plain decoding"
+        print(
+            f"  {label:<29} k={k}: {tps:6.2f} vs {baseline:5.2f} tokens/s  {tps / baseline:5.2f}x  "
+            f"(acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass)"
+        )
+        return tps / baseline
+
+    def mtp(p_min):
+        return MTPDrafter(model, draft_p_min=p_min, vocabulary=vocabulary)
 
     print("\nspeculative decoding, tokens/s and speed ratio to plain:")
     for k in args.draft_tokens:
-        tokens, tps, stats = speculative_decode(model, prompt, args.tokens, k, MTPDrafter(model))
-        assert tokens == reference, "speculative greedy output differs from plain decoding"
-        print(
-            f"  MTP head      k={k}: {tps:6.2f} tokens/s  {tps / plain_tps:5.2f}x  "
-            f"(acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass)"
-        )
+        report("MTP head, default settings", k, mtp(DEFAULT_DRAFT_P_MIN), adaptive=True)
+    table = {}
+    for k in args.draft_tokens:
         for rate in args.rates:
-            drafter = OracleDrafter(reference, rate, model.args.vocab_size, inner=MTPDrafter(model))
-            tokens, tps, stats = speculative_decode(model, prompt, args.tokens, k, drafter)
-            assert tokens == reference, "speculative greedy output differs from plain decoding"
-            print(
-                f"  oracle {rate:4.2f}   k={k}: {tps:6.2f} tokens/s  {tps / plain_tps:5.2f}x  "
-                f"(acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass)"
-            )
+            drafter = OracleDrafter(reference, rate, model.args.vocab_size, inner=mtp(0.0))
+            table[k, rate] = report(f"oracle {rate:4.2f}, adaptive off", k, drafter)
+        drafter = OracleDrafter(reference, 0.0, model.args.vocab_size, inner=mtp(DEFAULT_DRAFT_P_MIN))
+        table[k, "default"] = report("oracle 0.00, default settings", k, drafter, adaptive=True)
+    columns = [*args.rates, "default"]
+    print("\nspeed ratio to plain decoding (oracle acceptance; 'default': 0% with adaptive drafting):")
+    print("  k  " + "".join(f"{c if isinstance(c, str) else f'{c:.0%}':>9}" for c in columns))
+    for k in args.draft_tokens:
+        print(f"  {k}  " + "".join(f"{table[k, c]:8.2f}x" for c in columns))
 
 
 if __name__ == "__main__":

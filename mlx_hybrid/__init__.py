@@ -1,8 +1,19 @@
 """mlx-hybrid: hybrid-attention language models on MLX, with MTP speculative decoding."""
 
-from .errors import ContextOverflowError, GenerationError, MlxHybridError, ModelLoadError, UnsupportedArchitectureError
-from .generation import GenerationResponse, generate, stream_generate
-from .loaders import bundled_model_path, load
+# first, before anything imports mlx: on Linux MLX's library must find OpenBLAS already loaded
+from .blas import load_optimized_blas as _load_optimized_blas
+
+_load_optimized_blas()
+
+from .errors import (  # noqa: E402  (after the BLAS)
+    ContextOverflowError,
+    GenerationError,
+    MlxHybridError,
+    ModelLoadError,
+    UnsupportedArchitectureError,
+)
+from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
+from .loaders import bundled_model_path, load  # noqa: E402
 
 
 __all__ = [

@@ -1,22 +1,23 @@
 """An optimized BLAS for MLX's CPU backend on Linux.
 
 MLX's Linux wheel links the reference (netlib) BLAS. When OpenBLAS is installed
-(Debian/Ubuntu: `libopenblas0-pthread`) and preloaded, MLX's matrix products use
-it instead: about 40x faster here for a 64x1024x8192 float32 product. A library
-cannot swap BLAS inside a running process, so `prefer_optimized_blas()` restarts
-the program once with OpenBLAS in LD_PRELOAD. The CLI calls it first thing; in
-your own program either call it at the very start or run Python with
-`LD_PRELOAD=/path/to/libopenblas.so.0`. MLX_HYBRID_BLAS=reference turns it off.
+(Debian/Ubuntu: `libopenblas0-pthread`), `import mlx_hybrid` opens it into the
+process's global symbol scope before MLX's own library loads, so MLX's matrix
+products resolve to it: about 40x faster here for a 64x1024x8192 float32 product.
+That needs `mlx_hybrid` imported before `mlx`; otherwise a warning names the fix.
+`prefer_optimized_blas()` remains for programs that import `mlx` first: it restarts
+the process once with OpenBLAS in LD_PRELOAD. MLX_HYBRID_BLAS=reference turns all
+of this off.
 
 In front of OpenBLAS goes a small library of ours (csrc/gemv_forward.c, built once
-with the system C compiler into the user's cache directory) that sends products of
-up to 8 rows (decode steps, verify passes) to sgemv: OpenBLAS before 0.3.27 runs
-them through sgemm at half the bandwidth. Without a C compiler OpenBLAS is
-preloaded alone.
+with the system C compiler into the user's cache directory) that computes products
+of up to 8 rows (decode steps, verify passes) itself, reading the weights once for
+all rows. Without a C compiler OpenBLAS is loaded alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import hashlib
 import os
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 _CANDIDATES = [
@@ -65,7 +67,8 @@ def gemv_forward_library() -> str | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as build:
             built = Path(build) / target.name
-            command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(_GEMV_FORWARD_SOURCE), "-ldl"]
+            command = [compiler, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(built), str(_GEMV_FORWARD_SOURCE)]
+            command.append("-ldl")
             subprocess.run(command, check=True, capture_output=True, timeout=60)
             built.replace(target)  # atomic: concurrent first runs each build, one wins
     except (OSError, subprocess.SubprocessError):
@@ -82,17 +85,56 @@ def active_blas() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
-    if "openblas" in maps:
+    if "/libopenblas" in maps:  # the system's; numpy's own is libscipy_openblas, which MLX never uses
         return "openblas + gemv forwarding" if "gemv_forward-" in maps else "openblas"
     return "reference" if "libblas" in maps else "unknown"
 
 
+def _wanted() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("MLX_HYBRID_BLAS", "") != "reference"
+
+
+def load_optimized_blas() -> bool:
+    """Open OpenBLAS (behind the gemv forwarding) into the global symbol scope, so that
+    MLX's library, loaded after it, computes with it. Called by `import mlx_hybrid`.
+
+    Returns whether OpenBLAS is in use. If MLX is already loaded, it is too late: this
+    warns once, naming the fix.
+    """
+    if not _wanted():
+        return False
+    if active_blas().startswith("openblas"):
+        return True  # preloaded, or loaded by an earlier call
+    library = find_openblas()
+    if library is None:
+        return False
+    if "mlx.core" in sys.modules:
+        warnings.warn(
+            "mlx was imported before mlx_hybrid, so MLX keeps its reference BLAS (about 40x slower matrix "
+            "products on the CPU); import mlx_hybrid first, or call mlx_hybrid.blas.prefer_optimized_blas() "
+            "at the start of the program",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    forwarding = gemv_forward_library()
+    try:
+        if forwarding is not None:
+            # first in the global scope, so MLX's cblas_sgemm resolves to it; it opens the BLAS after itself
+            if ctypes.CDLL(forwarding, mode=ctypes.RTLD_GLOBAL).mlx_hybrid_gemv_bind(library.encode()) == 0:
+                return True
+        ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return False
+    return True
+
+
 def prefer_optimized_blas() -> None:
-    """Restart this process with OpenBLAS (and the gemv forwarding in front of it)
-    preloaded, if on Linux, installed and not yet loaded."""
-    if not sys.platform.startswith("linux") or os.environ.get(_RESTARTED):
+    """Make sure MLX computes with OpenBLAS: nothing to do when `import mlx_hybrid` loaded
+    it (or it was preloaded); otherwise restart this process once with it in LD_PRELOAD."""
+    if not _wanted() or os.environ.get(_RESTARTED) or active_blas().startswith("openblas"):
         return
-    if os.environ.get("MLX_HYBRID_BLAS", "") == "reference" or "openblas" in os.environ.get("LD_PRELOAD", ""):
+    if "openblas" in os.environ.get("LD_PRELOAD", ""):
         return
     library = find_openblas()
     if library is None:

@@ -56,8 +56,8 @@ class RecurrentCache:
         self.conv_tail = None
         self.state = None
         self.record_snapshots = False
-        self.conv_snapshots = None  # [B, T, K-1, C] after each token of the last call
-        self.state_snapshots = None  # [B, T, H, Dk, Dv]
+        self.conv_snapshots = None  # after each token of the last call: T arrays [B, K-1, C]
+        self.state_snapshots = None  # T arrays [B, H, Dk, Dv]
 
     def update(self, conv_tail, state, conv_snapshots=None, state_snapshots=None):
         self.conv_tail = conv_tail
@@ -68,6 +68,6 @@ class RecurrentCache:
     def rollback(self, keep: int, recorded: int):
         """Keep the first `keep` (>= 1) of the `recorded` tokens of the last call."""
         if keep < recorded:
-            self.conv_tail = self.conv_snapshots[:, keep - 1]
-            self.state = self.state_snapshots[:, keep - 1]
+            self.conv_tail = self.conv_snapshots[keep - 1]
+            self.state = self.state_snapshots[keep - 1]
         self.conv_snapshots = self.state_snapshots = None

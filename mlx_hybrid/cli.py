@@ -5,18 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN
+
 USAGE_ERROR = 2
 
 DESCRIPTION = """\
-Generate text with a hybrid-attention model (Qwen3.5, Qwen3.5-MoE, Qwen3-Next)
-from a .gguf file or a Hugging Face checkpoint directory. The text streams to
-stdout; prompt and generation speed and peak memory go to stderr at the end.
+Generate text with a hybrid-attention model (Qwen3.5, Qwen3.5-MoE, Qwen3-Next,
+Kimi Linear) from a .gguf file or a Hugging Face checkpoint directory. The text
+streams to stdout; prompt and generation speed, peak memory and draft acceptance
+go to stderr at the end.
+
+Speculative decoding is on by default where the model has an MTP head (Qwen
+families): the head drafts up to --num-draft-tokens tokens a round over a reduced
+vocabulary, and the model verifies them in one pass. The output is exactly the
+model's own (greedy: token for token). --draft ngram drafts by looking the last
+tokens up in the prompt and output (any model); --no-mtp turns speculation off.
 """
 
 EPILOG = """\
 examples:
-  mlx_hybrid.generate --prompt "def parse_args(" --mtp
-  mlx_hybrid.generate --model model.gguf --prompt "def parse_args("
+  mlx_hybrid.generate --prompt "def parse_args("              # the bundled model, MTP on
+  mlx_hybrid.generate --prompt "def parse_args(" --no-mtp     # plain decoding
+  mlx_hybrid.generate --model model.gguf --prompt "def parse_args(" --draft ngram
   echo "Hello" | mlx_hybrid.generate --model ./Qwen3.5-0.8B --prompt - --chat
 """
 
@@ -31,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="a .gguf file or a Hugging Face model directory (default: the bundled tiny Qwen3.5 trained on "
-        "Python's standard library)",
+        help="a .gguf file, a Hugging Face model directory, or a hub name: org/repo (downloads only the files "
+        "a model needs, into the Hugging Face cache) or org/repo:file.gguf (default: the bundled tiny Qwen3.5 "
+        "trained on Python's standard library)",
     )
     p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
@@ -43,9 +54,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--mtp", action="store_true", help="speculative decoding, drafting with the model's MTP head")
+    p.add_argument(
+        "--draft",
+        choices=["mtp", "ngram", "none"],
+        default=None,
+        help="how to draft: the model's MTP head, n-gram lookup in the prompt and output, or no speculation "
+        "(default: mtp where the model has an MTP head, else none)",
+    )
+    p.add_argument("--mtp", action="store_const", dest="draft", const="mtp", help="the same as --draft mtp")
+    p.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
     p.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
-    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="N", help="tokens drafted per round (default: 3)")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=3, metavar="N", help="most tokens drafted per round (default: 3)"
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the MTP head or draft model drafts over the N most frequent tokens only; 0: all (default: 32768 for "
+        "vocabularies over 65536, else all)",
+    )
+    p.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=DEFAULT_DRAFT_P_MIN,
+        metavar="P",
+        help=f"stop drafting when the draft's top probability is below P, and back off after misses; 0: always "
+        f"draft --num-draft-tokens (default: {DEFAULT_DRAFT_P_MIN})",
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -78,13 +115,16 @@ def main(argv=None) -> int:
         return _fail("the prompt is empty")
     if args.system is not None and not args.chat:
         return _fail("--system needs --chat")
-    if args.mtp and args.draft_model:
-        return _fail("choose one of --mtp and --draft-model")
+    if args.draft not in (None, "none") and args.draft_model:
+        return _fail(f"choose one of --draft {args.draft} and --draft-model")
     try:
         model, tokenizer = mlx_hybrid.load(
             args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact
         )
         draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
+        draft = args.draft
+        if draft is None and draft_model is None:
+            draft = "mtp" if model.has_mtp else None
         if args.verbose:
             print(
                 f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
@@ -109,9 +149,11 @@ def main(argv=None) -> int:
             top_k=args.top_k,
             min_p=args.min_p,
             seed=args.seed,
-            draft="mtp" if args.mtp else None,
+            draft=draft,
             draft_model=draft_model,
             num_draft_tokens=args.num_draft_tokens,
+            draft_vocab=args.draft_vocab,
+            draft_p_min=args.draft_p_min,
         ):
             sys.stdout.write(response.text)
             sys.stdout.flush()

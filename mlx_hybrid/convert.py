@@ -1,4 +1,5 @@
-"""`mlx_hybrid.convert`: an HF checkpoint -> an MLX-quantized directory that keeps the MTP head.
+"""`mlx_hybrid.convert`: a checkpoint (HF directory or GGUF file) -> an MLX-quantized directory
+that keeps the MTP head.
 
 The output has the layout MLX-community conversions use (mlx-lm loads it too; it
 ignores the `mtp.*` tensors, which mlx_hybrid keeps for speculative decoding):
@@ -16,16 +17,26 @@ import mlx.nn as nn
 
 from .errors import MlxHybridError
 from .export import save_mlx
-from .loaders import hf, load
+from .loaders import bundled_model_path, hf, hub, load
 
 
-def convert(hf_path, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -> Path:
-    """Quantize every linear, embedding and expert layer whose input size the group size divides."""
-    hf_path, mlx_path = Path(hf_path), Path(mlx_path)
-    config = hf.read_config(hf_path)
-    if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        raise MlxHybridError(f"convert supports the Qwen hybrid families, not {config.get('model_type')!r}")
-    model, tokenizer = load(hf_path, dtype=dtype)
+QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -> Path:
+    """Quantize every linear, embedding and expert layer whose input size the group size divides.
+
+    source: an HF checkpoint directory or a GGUF file (its tokenizer is written as tokenizer.json).
+    """
+    source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
+    mlx_path = Path(mlx_path)
+    if source.is_dir():  # refuse early, before loading the weights
+        model_type = hf.read_config(source).get("model_type")
+        if model_type not in QWEN_TYPES:
+            raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model_type!r}")
+    model, tokenizer = load(source, dtype=dtype)
+    if model.model_type not in QWEN_TYPES:
+        raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model.model_type!r}")
     nn.quantize(
         model,
         group_size,
@@ -33,20 +44,34 @@ def convert(hf_path, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) 
         class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
     )
     quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    save_mlx(model, tokenizer, mlx_path, source_dir=hf_path, quantization=quantization)
+    save_mlx(model, tokenizer, mlx_path, source_dir=source if source.is_dir() else None, quantization=quantization)
     return mlx_path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mlx_hybrid.convert", description=__doc__)
-    p.add_argument("--hf-path", required=True, help="the Hugging Face checkpoint directory")
+    p = argparse.ArgumentParser(
+        prog="mlx_hybrid.convert",
+        description=__doc__,
+        epilog="example (the bundled model, then generating from the result):\n"
+        "  mlx_hybrid.convert --mlx-path ./tiny-q4\n"
+        '  mlx_hybrid.generate --model ./tiny-q4 --prompt "def parse_args("',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        "--hf-path",
+        dest="model",
+        default=None,
+        help="a Hugging Face checkpoint directory, a .gguf file or a hub name (org/repo, org/repo:file.gguf; "
+        "default: the bundled model)",
+    )
     p.add_argument("--mlx-path", required=True, help="where to write the quantized model")
     p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per weight (default: 4)")
     p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128], help="group size (default: 64)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="dtype of the rest")
     args = p.parse_args(argv)
     try:
-        out = convert(args.hf_path, args.mlx_path, args.q_bits, args.q_group_size, args.dtype)
+        out = convert(args.model or bundled_model_path(), args.mlx_path, args.q_bits, args.q_group_size, args.dtype)
     except MlxHybridError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,12 +9,13 @@ from typing import Iterator
 import mlx.core as mx
 
 from . import ops
-from .errors import ContextOverflowError, GenerationError
+from .drafting import DEFAULT_DRAFT_P_MIN, make_drafter
+from .errors import GenerationError
+from .prompt import check_context, prefill, prompt_ids
 from .sampling import Sampler
-from .speculative import DraftModelDrafter, MTPDrafter, SpeculativeDecoder
+from .speculative import SpeculativeDecoder
 
-# Prompts are prefilled this many tokens at a time, to bound activation memory.
-PREFILL_STEP = 512
+__all__ = ["GenerationResponse", "generate", "prefill", "stream_generate"]
 
 
 @dataclass
@@ -53,34 +54,6 @@ class StreamingDetokenizer:
         if len(self.segment) >= self.SEGMENT:
             self.segment, self.segment_text = [], ""
         return new
-
-
-def prompt_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    if not ids:
-        raise GenerationError("the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise GenerationError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-    return ids
-
-
-def check_context(model, num_prompt: int) -> int:
-    """Raise if the prompt does not fit; return how many tokens may follow it."""
-    context = model.args.max_position_embeddings
-    if num_prompt >= context:
-        raise ContextOverflowError(f"the prompt has {num_prompt} tokens but the model's context is {context} tokens")
-    return context - num_prompt
-
-
-def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
-    """Run the prompt through the model; returns its hidden states [1, T, E] (before the final norm)."""
-    tokens = mx.array(ids)[None]
-    hidden = []
-    for start in range(0, len(ids), step):
-        hidden.append(model.hidden_states(tokens[:, start : start + step], cache))
-        mx.eval(hidden[-1])
-    return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
 
 
 def _plain_tokens(model, sampler, prompt_hidden, cache) -> Iterator[tuple[int, bool]]:
@@ -126,6 +99,8 @@ def stream_generate(
     draft: str | None = None,
     draft_model=None,
     num_draft_tokens: int = 3,
+    draft_vocab: int | None = None,
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN,
 ) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (a string or token ids), yielding a response per token.
 
@@ -133,10 +108,15 @@ def stream_generate(
     or "length" (max_tokens or the model's context reached).
 
     Speculative decoding: `draft="mtp"` drafts with the model's own MTP head,
-    `draft_model=` with another model of the same vocabulary; `num_draft_tokens`
-    per round. The output follows the model's distribution exactly (greedy:
-    token for token). Responses then carry `from_draft`, `acceptance_rate` and
-    `tokens_per_pass`.
+    `draft="ngram"` by looking the last tokens up in the prompt and output,
+    `draft_model=` with another model of the same vocabulary; up to
+    `num_draft_tokens` per round. The MTP head and draft models project onto the
+    `draft_vocab` most frequent tokens (default: 32768 when the vocabulary is larger
+    than 65536, else all; 0: all; see `draft_vocab`). Drafting adapts: it stops when
+    the draft's top probability falls below `draft_p_min`, and backs off after
+    rejections; `draft_p_min=0` drafts exactly `num_draft_tokens` every round. The
+    output follows the model's distribution exactly (greedy: token for token).
+    Responses then carry `from_draft`, `acceptance_rate` and `tokens_per_pass`.
     """
     ids = prompt_ids(tokenizer, prompt, model.args.vocab_size)
     room = check_context(model, len(ids))
@@ -144,7 +124,7 @@ def stream_generate(
         raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
     max_tokens = min(max_tokens, room)
     sampler = Sampler(temp, top_p, top_k, min_p, seed)
-    drafter = _drafter(model, draft, draft_model)
+    drafter = make_drafter(model, tokenizer, draft, draft_model, draft_vocab, draft_p_min)
     if drafter is not None and num_draft_tokens < 1:
         raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     if max_tokens == 0:
@@ -157,7 +137,7 @@ def stream_generate(
         stats = None
         tokens = _plain_tokens(model, sampler, prompt_hidden, cache)
     else:
-        decoder = SpeculativeDecoder(model, drafter, sampler, num_draft_tokens, cache)
+        decoder = SpeculativeDecoder(model, drafter, sampler, num_draft_tokens, cache, adaptive=draft_p_min > 0)
         stats = decoder.stats
         first = decoder.start(ids, prompt_hidden)  # drafters take in the prompt as part of the prefill
         tokens = _speculative_tokens(decoder, first, max_tokens)
@@ -183,18 +163,6 @@ def stream_generate(
         )
         if finish:
             break
-
-
-def _drafter(model, draft, draft_model):
-    if draft is not None and draft_model is not None:
-        raise GenerationError("give either draft='mtp' or draft_model=, not both")
-    if draft_model is not None:
-        return DraftModelDrafter(draft_model, model)
-    if draft is None:
-        return None
-    if draft != "mtp":
-        raise GenerationError(f"unknown draft {draft!r} (use draft='mtp' or draft_model=)")
-    return MTPDrafter(model)
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:

@@ -1,7 +1,9 @@
 """Tokenizers from `tokenizer.json` or from GGUF metadata, and chat templates.
 
 From GGUF, the stored tokens and merges become a `tokenizers` byte-level BPE whose
-pre-tokenizer is the split that llama.cpp uses for `tokenizer.ggml.pre`.
+pre-tokenizer is the split that llama.cpp uses for `tokenizer.ggml.pre`, behind the
+normalizer the published `tokenizer.json` files of that family apply (NFC for Qwen2,
+Qwen3 and Qwen3.5, which llama.cpp skips), so that both paths give the same ids.
 """
 
 from __future__ import annotations
@@ -42,6 +44,24 @@ PRE_TOKENIZER_SPLITS = {
     "kimi-k2": _KIMI_K2_SPLIT,
 }
 
+# Unicode normalization before the split, by `tokenizer.ggml.pre`, as the published
+# tokenizer.json files of those families declare it (Kimi's tiktoken tokenizer has none).
+PRE_TOKENIZER_NORMALIZERS = {"qwen2": "NFC", "qwen35": "NFC"}
+
+# Special tokens that end a generation wherever the vocabulary has them, from GGUF or
+# HF alike (llama.cpp derives its end-of-generation set from token texts the same way):
+# a base Qwen model ends a document with <|endoftext|>, a chat turn with <|im_end|>.
+END_TOKEN_TEXTS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "[EOS]",
+)
+
 # GGUF token types
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -51,7 +71,9 @@ class Tokenizer:
 
     def __init__(self, tokenizer, eos_token_ids, chat_template=None, bos_token=None, add_bos_token=False):
         self._tokenizer = tokenizer
-        self.eos_token_ids = sorted(set(eos_token_ids))
+        special = tokenizer.get_added_tokens_decoder()
+        end_tokens = {i for i, token in special.items() if token.special and token.content in END_TOKEN_TEXTS}
+        self.eos_token_ids = sorted(set(eos_token_ids) | end_tokens)
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.add_bos_token = add_bos_token
@@ -120,7 +142,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, meta) -> "Tokenizer":
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
         if meta.get("tokenizer.ggml.model") != "gpt2":
@@ -141,6 +163,8 @@ class Tokenizer:
             ignore_merges=False,
         )
         tokenizer = HFTokenizer(bpe)
+        if pre in PRE_TOKENIZER_NORMALIZERS:
+            tokenizer.normalizer = getattr(normalizers, PRE_TOKENIZER_NORMALIZERS[pre])()
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),

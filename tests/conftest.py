@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import mlx_hybrid  # noqa: F401  (first: on Linux it loads OpenBLAS before MLX, as for users)
+
 import numpy as np
 import pytest
 

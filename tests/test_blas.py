@@ -1,6 +1,7 @@
-"""The gemv forwarding in front of the BLAS: products with few rows, or one column,
-go through cblas_sgemv; they must be right for every operand layout, and a row must
-come out with the same bits whether it is multiplied alone or with others."""
+"""The library in front of the BLAS (csrc/gemv_forward.c): products with few rows, or
+one column, are computed there; they must be right for every operand layout, and a row
+must come out with the same bits whether it is multiplied alone or with others. And
+OpenBLAS gets loaded by `import mlx_hybrid`, without a restart, when MLX is not yet."""
 
 import os
 import subprocess
@@ -54,22 +55,61 @@ PRODUCTS = textwrap.dedent(
     w = mx.array(rng.standard_normal((3, 96, 40)).astype(np.float32))
     check("batched rows", x @ w, np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64))
 
-    # a verify pass (a few rows) and single decode steps (one row) give the same bits
-    w = mx.array(rng.standard_normal((5000, 1024)).astype(np.float32))
-    rows = mx.array(rng.standard_normal((5, 1024)).astype(np.float32))
-    together = np.array(rows @ w.T)
-    for i in range(5):
-        assert np.array_equal(np.array(rows[i : i + 1] @ w.T)[0], together[i]), i
+    # a verify pass (a few rows) and single decode steps (one row) give the same bits, for
+    # every row count, a column count that is no multiple of 4 and a depth no multiple of 8
+    for depth in (1000, 1027):
+        w = mx.array(rng.standard_normal((5001, depth)).astype(np.float32))
+        rows = mx.array(rng.standard_normal((8, depth)).astype(np.float32))
+        alone = [np.array(rows[i : i + 1] @ w.T)[0] for i in range(8)]
+        for m in range(2, 9):
+            together = np.array(rows[:m] @ w.T)
+            for i in range(m):
+                assert np.array_equal(alone[i], together[i]), (depth, m, i)
+        check(f"rows {depth}", rows @ w.T, np.array(rows, dtype=np.float64) @ np.array(w, dtype=np.float64).T)
     print("ok")
     """
 )
 
 
-def test_forwarded_products_equal_float64_reference():
+def _needs_openblas():
     openblas, library = find_openblas(), gemv_forward_library()
     if openblas is None or library is None:
         pytest.skip("needs OpenBLAS and a C compiler")
-    env = dict(os.environ, LD_PRELOAD=f"{library}:{openblas}")
-    result = subprocess.run([sys.executable, "-c", PRODUCTS], env=env, capture_output=True, text=True, timeout=300)
+    return openblas, library
+
+
+def _run(code, **env):
+    environment = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_HYBRID_BLAS_RESTARTED")}
+    environment.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("loading", ["preloaded", "imported"])
+def test_forwarded_products_equal_float64_reference(loading):
+    openblas, library = _needs_openblas()
+    if loading == "preloaded":
+        result = _run(PRODUCTS, LD_PRELOAD=f"{library}:{openblas}")
+    else:  # no LD_PRELOAD: `import mlx_hybrid` opens both before MLX loads
+        result = _run("import mlx_hybrid\n" + PRODUCTS)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_importing_mlx_hybrid_first_loads_openblas_without_a_restart():
+    _needs_openblas()
+    code = "import os, mlx_hybrid, mlx.core\nfrom mlx_hybrid.blas import active_blas\nprint(active_blas(), os.getpid())"
+    result = _run(code + "\nprint(os.getpid())")
+    assert result.returncode == 0, result.stderr
+    first, second = result.stdout.split("\n")[:2]
+    assert first.startswith("openblas + gemv forwarding") and first.split()[-1] == second  # same process
+    assert result.stderr == ""
+
+
+def test_importing_mlx_first_warns_once_and_names_the_fix():
+    _needs_openblas()
+    result = _run("import mlx.core, mlx_hybrid\nfrom mlx_hybrid.blas import active_blas\nprint(active_blas())")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "reference"
+    warning = [line for line in result.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warning) == 1 and "import mlx_hybrid first" in warning[0]
+    assert _run("import mlx.core, mlx_hybrid", MLX_HYBRID_BLAS="reference").stderr == ""

@@ -52,8 +52,8 @@ def test_mtp_output_equals_plain_output(bundled, k):
 
 
 def test_readme_command_runs_the_bundled_model_with_mtp():
-    plain = run_cli("--prompt", "def parse_args(", "--max-tokens", "40")
-    spec = run_cli("--prompt", "def parse_args(", "--max-tokens", "40", "--mtp")
+    plain = run_cli("--prompt", "def parse_args(", "--max-tokens", "40", "--no-mtp")
+    spec = run_cli("--prompt", "def parse_args(", "--max-tokens", "40")  # MTP is on by default
     assert plain.returncode == spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout
     assert "of drafts accepted" in spec.stderr
@@ -67,3 +67,32 @@ def test_mlx_community_conversion_keeps_the_greedy_tokens(bundled, tmp_path):
     prompt = tokenizer.encode(PROMPT)
     want = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24)]
     assert [r.token for r in mlx_hybrid.stream_generate(quantized, qtok, prompt, max_tokens=24)] == want
+
+
+QUOTED = '''def merge_intervals(intervals):
+    """Merge overlapping intervals given as (start, end) pairs."""
+    result = []
+    for start, end in sorted(intervals):
+        if result and start <= result[-1][1]:
+            result[-1] = (result[-1][0], max(result[-1][1], end))
+        else:
+            result.append((start, end))
+    return result
+
+
+# The same function again, copied exactly:
+def merge_intervals(intervals):
+'''
+
+
+def test_ngram_drafting_on_a_quoted_code_block(bundled):
+    """A prompt that quotes a code block and asks for it again: n-gram drafts get long
+    accepted runs, and the output is plain decoding's. (The small bundled model does not
+    reproduce the block; its runs come from lookups in its own, repetitive, output.)"""
+    model, tokenizer = bundled
+    plain = mlx_hybrid.generate(model, tokenizer, QUOTED, max_tokens=64)
+    responses = list(
+        mlx_hybrid.stream_generate(model, tokenizer, QUOTED, max_tokens=64, draft="ngram", num_draft_tokens=4)
+    )
+    assert "".join(r.text for r in responses) == plain
+    assert responses[-1].tokens_per_pass >= 2.0, responses[-1].tokens_per_pass

@@ -63,5 +63,24 @@ def test_cli_chat_template_and_verbose():
 def test_cli_help_explains_the_options():
     result = run_cli("--help")
     assert result.returncode == 0
-    for option in ("--model", "--prompt", "--mtp", "--draft-model", "--num-draft-tokens", "--chat", "--temp"):
+    for option in (
+        "--model", "--prompt", "--draft", "--no-mtp", "--draft-model", "--num-draft-tokens", "--draft-vocab",
+        "--draft-p-min", "--chat", "--temp",
+    ):  # fmt: skip
         assert option in result.stdout
+    assert "Kimi Linear" in result.stdout
+
+
+def test_cli_speculates_by_default_where_there_is_a_head_and_drafts_ngrams_for_kimi():
+    qwen = ["--model", str(FIXTURES / "qwen35" / "hf"), "--prompt", "class A:", "--max-tokens", "16"]
+    default, plain = run_cli(*qwen), run_cli(*qwen, "--no-mtp")
+    assert default.returncode == plain.returncode == 0, default.stderr
+    assert default.stdout == plain.stdout
+    assert "of drafts accepted" in default.stderr and "of drafts accepted" not in plain.stderr
+    kimi = ["--model", str(FIXTURES / "kimilinear" / "model.gguf"), "--prompt", "import os\n", "--max-tokens", "24"]
+    plain, ngram = run_cli(*kimi), run_cli(*kimi, "--draft", "ngram", "--num-draft-tokens", "4")
+    assert plain.returncode == ngram.returncode == 0, ngram.stderr
+    assert ngram.stdout == plain.stdout and "of drafts accepted" in ngram.stderr
+    assert_usage_error(run_cli(*kimi, "--draft", "mtp"), "no MTP head")
+    assert_usage_error(run_cli(*qwen, "--draft-p-min", "2"), "draft_p_min must be in [0, 1]")
+    assert_usage_error(run_cli(*qwen, "--draft-vocab", "-1"), "draft_vocab must be >= 0")

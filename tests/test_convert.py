@@ -65,3 +65,21 @@ def test_checkpoints_converted_by_mlx_lm_load_identically(family, tmp_path):
     ids = mx.array(reference(family)["input_ids"])
     # float32 rounding only: the two order the delta rule's products differently (observed 1.3e-4, 1.7e-4)
     np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=1e-3, rtol=0)
+
+
+def test_help_example_converts_the_bundled_model(tmp_path):
+    """`mlx_hybrid.convert --mlx-path DIR` (the example in its --help): the bundled GGUF,
+    quantized, then generating from it gives text, and its help shows that example."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", "mlx_hybrid.convert", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "mlx_hybrid.convert --mlx-path ./tiny-q4" in help_text
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_hybrid.convert", "--mlx-path", str(tmp_path / "tiny-q4")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    model, tok = mlx_hybrid.load(tmp_path / "tiny-q4")
+    bundled_tok = mlx_hybrid.load(mlx_hybrid.bundled_model_path())[1]
+    assert model.has_mtp and tok.encode("def parse_args(") == bundled_tok.encode("def parse_args(")
+    assert quantized_modules(model) and mlx_hybrid.generate(model, tok, "def parse_args(", max_tokens=8)

@@ -31,7 +31,7 @@ def check_gated_delta(B, T, Hk, Hv, Dk, Dv, vector_gate, snapshots, run):
     np.testing.assert_allclose(out, np.array(want_out), atol=TOL, rtol=0)
     np.testing.assert_allclose(state, np.array(want_state), atol=TOL, rtol=0)
     if snapshots:
-        np.testing.assert_allclose(states, np.array(want_states), atol=TOL, rtol=0)
+        np.testing.assert_allclose(states, np.array(mx.stack(want_states, axis=1)), atol=TOL, rtol=0)
     return barriers
 
 
@@ -61,7 +61,7 @@ def test_conv_kernel_grid(K, snapshots):
         np.testing.assert_allclose(y, np.array(want_y), atol=TOL, rtol=0)
         np.testing.assert_array_equal(new_tail, np.array(want_tail))
         if snapshots:
-            np.testing.assert_array_equal(tails, np.array(want_tails))
+            np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1)))
 
 
 def _gcov_unexecuted(build: Path, source_name: str) -> list[str]:

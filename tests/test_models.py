@@ -34,6 +34,13 @@ def test_quantized_gguf_matches_exact_dequantization(family, quant):
     np.testing.assert_allclose(logits, reference(family, "ref_dequant.npz")[f"logits_{quant}"], atol=TOL, rtol=0)
 
 
+# One pass and single steps multiply through different BLAS kernels (with OpenBLAS:
+# its sgemm, and the small-row kernel of csrc/gemv_forward.c), which round differently
+# in float32; through the random fixtures' layers that reaches 4e-4 on logits of scale
+# ~17 (the fixtures' README expects float32 agreement around 1e-3).
+BLAS_TOL = 1e-3
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_pass_equals_token_by_token(family):
     """Prefill (chunked delta rule, causal attention) against T single-token steps with a cache."""
@@ -42,7 +49,7 @@ def test_one_pass_equals_token_by_token(family):
     whole = model(ids)
     cache = mlx_hybrid.make_cache(model)
     steps = mx.concatenate([model(ids[:, t : t + 1], cache=cache) for t in range(ids.shape[1])], axis=1)
-    np.testing.assert_allclose(np.array(steps), np.array(whole), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.array(steps), np.array(whole), atol=BLAS_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -54,7 +61,7 @@ def test_continuing_a_cache_equals_one_pass(family):
     first = model(ids[:, :37], cache=cache)
     second = model(ids[:, 37:], cache=cache)
     np.testing.assert_allclose(
-        np.array(mx.concatenate([first, second], axis=1)), np.array(model(ids)), atol=1e-4, rtol=0
+        np.array(mx.concatenate([first, second], axis=1)), np.array(model(ids)), atol=BLAS_TOL, rtol=0
     )
 
 

@@ -7,33 +7,154 @@ from conftest import FIXTURES
 from mlx_hybrid.loaders import gguf_file
 from mlx_hybrid.tokenizer import Tokenizer
 
+import json
+import unicodedata
+
+# code, prose, CJK, emoji and ZWJ sequences, decomposed accents, special-token strings
+# inside text, runs of whitespace, other scripts and symbols
 TEXTS = [
-    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser()\n\treturn parser.parse_args(argv)\n",
-    "    \n\n\n        x  =  1   # runs of   whitespace\r\n\t\t",
-    "Grüße, naïve café — ½ × π ≈ 3.14159; 日本語のテキスト, 한국어, Ελληνικά, русский",
-    "emoji: 🐍🚀👩‍💻 flags 🇫🇷 and skin tones 👍🏽",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser()\n    return parser.parse_args(argv)\n",
+    "for i in range(10):\n\tprint(i ** 2, end=' ')\n",
+    'class Foo(Bar):\n    """Docstring."""\n\n    x: int = 42\n',
+    "if (a && b) || !c { return x->y[0]; }",
+    "SELECT name, COUNT(*) FROM users WHERE age >= 18 GROUP BY name;",
+    '<html><body><p class="x">Hi &amp; bye</p></body></html>',
+    "The quick brown fox jumps over the lazy dog.",
+    "It's a truth universally acknowledged, that a single man... isn't it? They'll see; we'd know.",
+    "Hello, World! HELLO WORLD hello world HeLLo",
+    "Numbers: 0 1 12 123 1234 12345 3.14159 -2.5e-10 1,000,000 0xFF 0b1010",
+    "Dates 2026-11-23, times 09:41:05, phone +1 (555) 123-4567.",
+    "你好，世界！今天天气很好。",
+    "日本語のテキストです。カタカナとひらがな。",
+    "한국어 문장입니다. 안녕하세요!",
+    "混合 mixed 文本 text 123 数字",
+    "Emoji: 😀 😃 😄 👍🏽 🎉",
+    "ZWJ family: 👨‍👩‍👧‍👦 and 🏳️‍🌈 and 👩🏾‍💻",
+    "Flags 🇫🇷🇩🇪🇯🇵 keycaps 1️⃣ #️⃣",
+    "Café naïve résumé façade coöperate",
+    unicodedata.normalize("NFD", "Café naïve résumé façade coöperate"),
+    unicodedata.normalize("NFD", "Ångström Zürich São Paulo Kraków"),
+    "e\u0301 a\u0300 o\u0308 n\u0303 (combining marks after letters)",
+    unicodedata.normalize("NFD", "한국어"),
+    "Ελληνικά κείμενα και Русский текст и עברית",
+    "العربية نص تجريبي",
+    "हिन्दी पाठ और বাংলা",
+    "Tabs\tand\t\ttabs\nnewlines\n\n\nand\r\nCRLF\r\n",
+    "    leading spaces and trailing spaces    ",
+    "multiple     spaces      between       words",
+    "\n\n\n",
+    " ",
+    "a",
     "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
-    "numbers 1234567890 and 3.5e-10, 0xDEADBEEF, i'll we're they've I'M",
-    "",
+    "text with <|endoftext|> inside and <|im_end|>after",
+    "<|im_start|><|im_end|><|endoftext|>",
+    "not special: <|im_start |> <im_end> |im_end|",
+    "<think>\nreasoning\n</think>\n\nanswer",
+    "Math: ∑_{i=1}^{n} x_i² ≤ √(a·b) ± ∞ ≠ ∅ ∈ ℝ",
+    "Quotes “smart” ‘single’ «guillemets» — en–dash … ellipsis",
+    "URLs https://example.com/path?q=1&r=2#frag and emails a.b@c.de",
+    'JSON: {"key": [1, 2.5, null, true, "str\\n"]}',
+    "Regex: ^(?:[a-z0-9!#$%&'*+/=?^_`{|}~-]+)$",
+    "Mixed\u00a0non-breaking\u2009thin\u200bzero-width spaces",
+    "Ligatures ﬁ ﬂ and fullwidth ＡＢＣ１２３ and ① ⅳ",
+    "Control chars \x07 \x1b[31mred\x1b[0m",
+    "Repeated!!!!!!! ??????? ........ ------",
+    "CamelCaseIdentifier snake_case_identifier kebab-case-identifier SCREAMING_CASE",
+    "中文标点：“引号”、《书名》——破折号……省略号",
+    "Tiếng Việt có dấu: Xin chào thế giới",
+    "Deutsch: Straße, Größe, Übermäßig; Français: œuvre, à côté",
 ]
+
+
+# The published tokenizer.json files of each family normalize like this; the fixtures'
+# files were written without a normalizer, so the test gives them the published one.
+PUBLISHED_NORMALIZER = {"qwen35": "NFC", "qwen35moe": "NFC", "qwen3next": "NFC", "kimilinear": None}
+
+
+def gguf_tokenizer(family):
+    return Tokenizer.from_gguf(gguf_file.Metadata(gguf_file.open_gguf(FIXTURES / family / "model.gguf")))
+
+
+def published_tokenizer_json(family):
+    spec = json.loads((FIXTURES / family / "hf" / "tokenizer.json").read_text())
+    if PUBLISHED_NORMALIZER[family]:
+        spec["normalizer"] = {"type": PUBLISHED_NORMALIZER[family]}
+    return HFTokenizer.from_str(json.dumps(spec))
+
+
+def test_corpus_is_varied():
+    assert len(TEXTS) >= 40
+    assert any(unicodedata.normalize("NFC", t) != t for t in TEXTS)  # needs normalization
+    assert any("\u200d" in t for t in TEXTS) and any("<|im_end|>" in t for t in TEXTS)
 
 
 @pytest.mark.parametrize("family", ["qwen35", "qwen35moe", "qwen3next", "kimilinear"])
 def test_gguf_tokenizer_matches_tokenizer_json(family):
-    reader = gguf_file.open_gguf(FIXTURES / family / "model.gguf")
-    ours = Tokenizer.from_gguf(gguf_file.Metadata(reader))
-    theirs = HFTokenizer.from_file(str(FIXTURES / family / "hf" / "tokenizer.json"))
+    """Ids and round trips equal on every text, normalization included."""
+    ours, theirs = gguf_tokenizer(family), published_tokenizer_json(family)
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == theirs.encode(text, add_special_tokens=False).ids, text
-        assert ours.decode(ids) == text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False), text
+        assert ours.decode(ids) == (
+            unicodedata.normalize(PUBLISHED_NORMALIZER[family], text) if PUBLISHED_NORMALIZER[family] else text
+        )
+
+
+@pytest.mark.parametrize("family", ["qwen35", "qwen35moe", "qwen3next", "kimilinear"])
+def test_fixture_tokenizer_json_differs_only_by_its_missing_normalizer(family):
+    ours = gguf_tokenizer(family)
+    theirs = HFTokenizer.from_file(str(FIXTURES / family / "hf" / "tokenizer.json"))
+    for text in TEXTS:
+        if unicodedata.normalize("NFC", text) == text:
+            assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text
+
+
+@pytest.mark.parametrize("family", ["qwen35", "qwen35moe", "qwen3next", "kimilinear"])
+def test_end_tokens_agree_between_gguf_and_hf(family):
+    import mlx_hybrid
+
+    gguf = mlx_hybrid.load(FIXTURES / family / "model.gguf")[1].eos_token_ids
+    hf = mlx_hybrid.load(FIXTURES / family / "hf")[1].eos_token_ids
+    assert gguf == hf
+    vocab = HFTokenizer.from_file(str(FIXTURES / family / "hf" / "tokenizer.json"))
+    assert {vocab.token_to_id("<|im_end|>"), vocab.token_to_id("<|endoftext|>")} <= set(gguf)
+
+
+def test_generation_stops_at_every_end_token():
+    """<|endoftext|> ends a generation as <|im_end|> does, from either source."""
+    import mlx_hybrid
+
+    for source in ("model.gguf", "hf"):
+        model, tok = mlx_hybrid.load(FIXTURES / "qwen35" / source)
+        for end in (0, 2):  # <|endoftext|>, <|im_end|>
+            # a prompt whose greedy continuation is forced to the end token: bias the LM head
+            responses = list(mlx_hybrid.stream_generate(_ends_with(model, end), tok, "def", max_tokens=8))
+            assert [r.token for r in responses] == [end] and responses[-1].finish_reason == "stop"
+
+
+def _ends_with(model, token):
+    """A copy of `model` whose output favours `token` everywhere."""
+    import copy
+
+    import mlx.core as mx
+
+    forced = copy.copy(model)
+    project = model.project
+
+    def biased(x):
+        logits = project(x)
+        return logits + 1e4 * (mx.arange(logits.shape[-1]) == token)
+
+    forced.project = biased
+    return forced
 
 
 def test_special_tokens_are_single_ids():
     reader = gguf_file.open_gguf(FIXTURES / "qwen35" / "model.gguf")
     tok = Tokenizer.from_gguf(gguf_file.Metadata(reader))
     assert tok.encode("<|im_start|><|im_end|>") == [1, 2]
-    assert tok.eos_token_ids == [2]
+    assert tok.eos_token_ids == [0, 2]  # <|endoftext|> and <|im_end|>
 
 
 def test_chat_template_from_gguf_and_hf_agree():

@@ -1,4 +1,4 @@
-"""`load(path)`: a `.gguf` file or a Hugging Face directory -> (model, tokenizer)."""
+"""`load(path)`: a `.gguf` file, a Hugging Face directory or a hub name -> (model, tokenizer)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
 from ..models import architecture
 from ..tokenizer import Tokenizer
-from . import gguf_file, hf
+from . import gguf_file, hf, hub
 from .common import fill_model, rename
 
 # The default model: a small Qwen3.5 trained with its MTP head (examples/train_tiny.py).
@@ -41,7 +41,8 @@ def bundled_model_path() -> Path:
 
 
 def load(path, dtype=None, progress: bool | None = None, dequantize: bool = False, compact: bool = False):
-    """Load a model and its tokenizer from a `.gguf` file or an HF checkpoint directory.
+    """Load a model and its tokenizer from a `.gguf` file, an HF checkpoint directory, or a
+    Hugging Face hub name (`org/repo`, `org/repo:file.gguf`; see `loaders.hub`).
 
     dtype: compute dtype of the weights ("float32", "bfloat16", "float16" or an
     mx.Dtype); float32 on the CPU and bfloat16 on a GPU by default. Linear-attention
@@ -52,7 +53,7 @@ def load(path, dtype=None, progress: bool | None = None, dequantize: bool = Fals
     compact=True (GGUF only) trades exactness for memory: 16-bit scales, and Q6_K
     re-quantized to 6-bit groups instead of dequantized (see `loaders.quantized`).
     """
-    path = Path(path).expanduser()
+    path = hub.resolve(path) if hub.is_hub_name(path) else Path(path).expanduser()
     dtype = resolve_dtype(dtype)
     if compact and dequantize:
         raise ValueError("compact and dequantize exclude each other")

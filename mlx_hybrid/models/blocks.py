@@ -134,6 +134,34 @@ class SwitchGLU(nn.Module):
         return self.down_proj(hidden, indices).squeeze(-2)
 
 
+class VocabularySubsetHead(nn.Module):
+    """An output projection restricted to some rows of the vocabulary (for drafting).
+
+    Takes the rows of a (possibly quantized) LM head or tied embedding once; the logits
+    it gives are over `ids`, in their order.
+    """
+
+    def __init__(self, projection: nn.Module, ids: mx.array):
+        super().__init__()
+        self.ids = ids
+        self.weight = projection["weight"][ids]
+        self.quantized = "scales" in projection
+        if self.quantized:
+            self.scales = projection["scales"][ids]
+            self.biases = projection["biases"][ids] if "biases" in projection else None
+            self.group_size, self.bits = projection.group_size, projection.bits
+            self.mode = getattr(projection, "mode", "affine")
+        mx.eval(self.parameters())
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.quantized:
+            return x @ self.weight.T
+        return mx.quantized_matmul(
+            x, self.weight, self.scales, self.biases, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        ).astype(x.dtype)  # fmt: skip
+
+
 def top_k_indices(scores: mx.array, k: int) -> mx.array:
     """Indices of the k largest scores along the last axis."""
     return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
@@ -209,6 +237,10 @@ class HybridModel(nn.Module):
         if self.args.tie_word_embeddings:
             return self.embed_tokens.as_linear(x)
         return self.lm_head(x)
+
+    def vocabulary_head(self, ids: mx.array) -> VocabularySubsetHead:
+        """`project` restricted to the tokens `ids`."""
+        return VocabularySubsetHead(self.embed_tokens if self.args.tie_word_embeddings else self.lm_head, ids)
 
     def __call__(self, ids: mx.array, cache=None) -> mx.array:
         return self.logits_from_hidden(self.hidden_states(ids, cache))

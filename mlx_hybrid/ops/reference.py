@@ -60,8 +60,9 @@ def _delta_step(state, q, k, v, g, beta):
 def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = False):
     """The gated delta rule one token at a time (decode and verify passes).
 
-    Returns (out [B, T, Hv, Dv] float32, final state, states after every token
-    [B, T, Hv, Dk, Dv] or None).
+    Returns (out [B, T, Hv, Dv] float32, final state, the states after each token as
+    a list of T arrays [B, Hv, Dk, Dv], or None). The list holds the arrays the recurrence
+    computes anyway: stacking them would copy T states per layer in every verify pass.
     """
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state)
     outputs, states = [], []
@@ -71,7 +72,7 @@ def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = Fal
         if snapshots:
             states.append(state)
     out = mx.stack(outputs, axis=1)
-    return out, state, (mx.stack(states, axis=1) if snapshots else None)
+    return out, state, (states if snapshots else None)
 
 
 @lru_cache(maxsize=None)
@@ -226,8 +227,8 @@ def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
     """Depthwise causal conv over time, then SiLU, continuing from a carried tail.
 
     x [B, T, C], weight [C, K], tail [B, K-1, C] (the last K-1 inputs seen; zeros
-    when None). Returns (y [B, T, C] in x's dtype, new tail, tails after every
-    token [B, T, K-1, C] or None).
+    when None). Returns (y [B, T, C] in x's dtype, new tail, the tails after each token
+    as a list of T views [B, K-1, C] of the padded input, or None).
     """
     B, T, C = x.shape
     K = weight.shape[-1]
@@ -236,5 +237,5 @@ def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
     padded = mx.concatenate([tail.astype(x.dtype), x], axis=1)
     tails = None
     if snapshots:
-        tails = mx.stack([padded[:, t + 1 : t + K] for t in range(T)], axis=1)
+        tails = [padded[:, t + 1 : t + K] for t in range(T)]
     return _conv_silu(padded, weight), padded[:, T:], tails

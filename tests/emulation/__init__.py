@@ -4,6 +4,16 @@
 writes the function signature the way mx.fast.metal_kernel does (inputs, their
 `_shape` arrays when the body uses them, outputs, template arguments as
 constants), compiles it once per distinct source, and runs every thread of the grid.
+
+The signature was checked against MLX's own generator: `write_signature` and the
+attribute table in mlx/backend/common/metal_kernel.cpp at v0.32.1 (lines 52-160 and
+255-257), and in mlx/backend/metal/custom_kernel.cpp at v0.29.0, the oldest version
+the package allows (lines 52-115, 207-209). Inputs are `const device T*` (`const
+constant T*` below 8 elements, which the shim's empty `constant` makes the same here,
+and which the bodies never name), `name_shape` is `const constant int*` when the body
+uses it, outputs are `device T*`, and `thread_position_in_grid` (uint3) and
+`thread_index_in_simdgroup` (uint) are the attributes the bodies use. MLX makes the
+template arguments template parameters; here they are constants of the same names.
 """
 
 from __future__ import annotations

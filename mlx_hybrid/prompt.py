@@ -1,0 +1,41 @@
+"""Prompts in: token ids checked against the vocabulary and the context, and the prefill.
+
+Below both generation and speculation, which each prefill (the trunk, a draft model).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .errors import ContextOverflowError, GenerationError
+
+# Prompts are prefilled this many tokens at a time, to bound activation memory.
+PREFILL_STEP = 512
+
+
+def prompt_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise GenerationError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise GenerationError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+def check_context(model, num_prompt: int) -> int:
+    """Raise if the prompt does not fit; return how many tokens may follow it."""
+    context = model.args.max_position_embeddings
+    if num_prompt >= context:
+        raise ContextOverflowError(f"the prompt has {num_prompt} tokens but the model's context is {context} tokens")
+    return context - num_prompt
+
+
+def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
+    """Run the prompt through the model; returns its hidden states [1, T, E] (before the final norm)."""
+    tokens = mx.array(ids)[None]
+    hidden = []
+    for start in range(0, len(ids), step):
+        hidden.append(model.hidden_states(tokens[:, start : start + step], cache))
+        mx.eval(hidden[-1])
+    return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]

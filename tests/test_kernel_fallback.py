@@ -1,0 +1,109 @@
+"""The first-call check of the custom kernels: a kernel that fails to compile or computes
+wrongly logs one warning, and the op runs the pure-MLX path with the same output as
+without kernels; MLX_HYBRID_STRICT_KERNELS=1 makes it an error.
+
+The Metal bodies run through the g++ emulation, registered as a kernel platform, so this
+runs on Linux; on a Mac or an NVIDIA GPU the same check runs the real compilers.
+"""
+
+import logging
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from emulation import emulate
+from mlx_hybrid import ops
+from mlx_hybrid.ops import kernels, reference
+from test_ops import make_inputs
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Kernels run on the 'emulated' platform; checks start afresh."""
+    monkeypatch.setitem(
+        kernels.RUNNERS, "emulated", lambda spec, launch: [mx.array(o) for o in emulate(spec, launch)[0]]
+    )
+    monkeypatch.setattr(ops, "kernel_platform", lambda: "emulated")
+    monkeypatch.setattr(ops, "_kernel_usable", {})
+    monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)
+
+
+def broken_kernel(monkeypatch, tmp_path, spec, old, new):
+    """Kernel sources from tmp_path, where `spec`'s body has `old` replaced by `new`."""
+    source = spec.source
+    assert old in source
+    (tmp_path / spec.file).write_text(source.replace(old, new))
+    for other in (kernels.GATED_DELTA, kernels.CONV1D_SILU):
+        if other.file != spec.file:
+            (tmp_path / other.file).write_text(other.source)
+    monkeypatch.setattr(kernels, "SOURCE_DIRS", [tmp_path])
+
+
+def gated_delta_inputs():
+    return [mx.array(x) for x in make_inputs(1, 4, 2, 4, 16, 16, False, seed=3)]
+
+
+def run_both_ops():
+    """The two ops through ops' dispatch, and what the pure-MLX forms give."""
+    inputs = gated_delta_inputs()
+    rule = ops.gated_delta_update(*inputs, snapshots=True)
+    want_rule = reference.gated_delta_recurrent(*inputs, snapshots=True)
+    rng = np.random.default_rng(0)
+    x, w = (
+        mx.array(rng.standard_normal((1, 4, 24)).astype(np.float32)),
+        mx.array(rng.standard_normal((24, 4)).astype(np.float32)),
+    )
+    conv = ops.conv1d_update(x, w, snapshots=True)
+    want_conv = reference.causal_conv1d_silu(x, w, snapshots=True)
+    return (rule, want_rule), (conv, want_conv)
+
+
+def assert_equal_results(got, want, atol):
+    np.testing.assert_allclose(np.array(got[0]), np.array(want[0]), atol=atol, rtol=0)
+    np.testing.assert_allclose(np.array(got[1]), np.array(want[1]), atol=atol, rtol=0)
+    for a, b in zip(got[2], want[2]):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=atol, rtol=0)
+
+
+def test_sound_kernels_pass_their_check_and_run(emulated, caplog):
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        (rule, want_rule), (conv, want_conv) = run_both_ops()
+    assert not caplog.records
+    assert all(ops._kernel_usable.values()) and len(ops._kernel_usable) == 2
+    assert_equal_results(rule, want_rule, 1e-5)
+    assert_equal_results(conv, want_conv, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec,old,new,problem",
+    [
+        (kernels.GATED_DELTA, "= read;", "= 2.0f * read;", "differs from the pure-MLX op"),
+        (kernels.CONV1D_SILU, "acc / (1.0f + metal::exp(-acc))", "acc", "differs from the pure-MLX op"),
+        (kernels.GATED_DELTA, "= read;", "= read", "failed"),  # a compile error
+    ],
+    ids=["wrong-gated-delta", "wrong-conv", "does-not-compile"],
+)
+def test_broken_kernel_warns_once_and_falls_back(emulated, monkeypatch, tmp_path, caplog, spec, old, new, problem):
+    broken_kernel(monkeypatch, tmp_path, spec, old, new)
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        (rule, want_rule), (conv, want_conv) = run_both_ops()
+        run_both_ops()  # a second call: no second warning, still the pure-MLX path
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert spec.file in warnings[0] and problem in warnings[0] and "pure-MLX path" in warnings[0]
+    broken = [key for key, usable in ops._kernel_usable.items() if not usable]
+    assert [key[0] for key in broken] == [spec.name]
+    # the fallback is the pure-MLX op itself: the broken op's output is exactly the reference
+    got, want = (rule, want_rule) if spec is kernels.GATED_DELTA else (conv, want_conv)
+    assert_equal_results(got, want, 0.0)
+
+
+def test_strict_mode_makes_a_broken_kernel_an_error(emulated, monkeypatch, tmp_path):
+    broken_kernel(monkeypatch, tmp_path, kernels.GATED_DELTA, "= read;", "= 2.0f * read;")
+    monkeypatch.setenv("MLX_HYBRID_STRICT_KERNELS", "1")
+    with pytest.raises(ops.KernelError, match="gated_delta.metal"):
+        ops.gated_delta_update(*gated_delta_inputs())
