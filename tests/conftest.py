@@ -1,6 +1,6 @@
 from pathlib import Path
 
-import mlx_hybrid  # noqa: F401  (first: on Linux it loads OpenBLAS before MLX, as for users)
+import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX, as for users
 
 import numpy as np
 import pytest
@@ -15,8 +15,6 @@ _models = {}
 
 def load_fixture(family: str, source: str):
     """Load a fixture model once per test session."""
-    import mlx_hybrid
-
     key = (family, source)
     if key not in _models:
         _models[key] = mlx_hybrid.load(FIXTURES / family / source, dtype="float32")
