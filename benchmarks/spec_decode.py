@@ -87,10 +87,10 @@ def verify_cost(model, prompt, k):
         for c in attention:
             c.trim(1)
 
-    def verify_pass():
+    def verify_pass():  # as the decoder runs it: the trunk with snapshots, then logits for every row
         for c in recurrent:
             c.record_snapshots = True
-        mx.eval(model.hidden_states(block, cache), [c.state_snapshots for c in recurrent])
+        mx.eval(model.logits_from_hidden(model.hidden_states(block, cache)), [c.state_snapshots for c in recurrent])
         for c in recurrent:
             c.record_snapshots = False
         for c in attention:
@@ -110,6 +110,7 @@ def main():
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="0: the whole vocabulary")
     p.add_argument("--skip-verify", action="store_true", help="leave out the verify-pass timings")
+    p.add_argument("--verify-only", action="store_true", help="only the verify-pass timings")
     args = p.parse_args()
     from mlx_hybrid.blas import active_blas
 
@@ -138,6 +139,9 @@ def main():
         for k in args.draft_tokens:
             verify, step = verify_cost(model, prompt, k)
             print(f"  k={k}: {verify * 1e3:7.1f} ms vs {step * 1e3:6.1f} ms  = {verify / step:.2f}x one step")
+
+    if args.verify_only:
+        return
 
     def report(label, k, drafter, adaptive=False):
         _, baseline = plain_decode(model, prompt, args.tokens)

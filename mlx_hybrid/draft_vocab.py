@@ -83,7 +83,7 @@ def _cache_path(key: str) -> Path:
 
 def ranked_tokens(tokenizer) -> np.ndarray:
     """Every token id of `tokenizer` (a `mlx_hybrid.tokenizer.Tokenizer`), most wanted first."""
-    backend = tokenizer._tokenizer
+    backend = tokenizer.backend
     serialized = backend.to_str()
     key = hashlib.sha256(f"{_RANKING_VERSION}:{serialized}".encode()).hexdigest()[:16]
     path = _cache_path(key)
@@ -94,12 +94,7 @@ def ranked_tokens(tokenizer) -> np.ndarray:
             pass  # a damaged cache file is rebuilt below
     vocab = backend.get_vocab(with_added_tokens=True)
     size = max(vocab.values()) + 1
-    counts = np.zeros(size, np.int64)
-    lines = reference_text().splitlines(keepends=True)
-    batch = 2000  # lines per call: encode_batch runs them in parallel
-    for start in range(0, len(lines), batch):
-        for encoding in backend.encode_batch(["".join(lines[start : start + batch])], add_special_tokens=False):
-            np.add.at(counts, np.asarray(encoding.ids, np.int64), 1)
+    counts = np.bincount(backend.encode(reference_text(), add_special_tokens=False).ids, minlength=size)
     ranks = bpe_ranks(json.loads(serialized))
     rank = np.full(size, np.iinfo(np.int64).max, np.int64)
     for token, token_id in vocab.items():

@@ -62,15 +62,19 @@ class DraftHead:
         return token, logprobs, top
 
 
+def check_draft_p_min(draft_p_min: float) -> float:
+    if not 0.0 <= draft_p_min <= 1.0:
+        raise GenerationError(f"draft_p_min must be in [0, 1], got {draft_p_min}")
+    return draft_p_min
+
+
 class _ConfidentDrafting:
     """The loop shared by drafters that compute distributions: draw, stop below p-min, feed."""
 
     declines_cost = True  # the first draft step ran before the confidence said stop
 
     def __init__(self, draft_p_min: float):
-        if not 0.0 <= draft_p_min <= 1.0:
-            raise GenerationError(f"draft_p_min must be in [0, 1], got {draft_p_min}")
-        self.draft_p_min = draft_p_min
+        self.draft_p_min = check_draft_p_min(draft_p_min)
 
     def _drafts(self, k: int, sampler, hidden, head: DraftHead, feed):
         """Up to k drafts from `hidden`; `feed(token)` advances the drafter and gives the next
@@ -314,6 +318,7 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     """
     from .draft_vocab import default_size, draft_vocabulary
 
+    check_draft_p_min(draft_p_min)  # it also switches the decoder's backoff, for every drafter
     if draft == "none":
         draft = None
     if draft is not None and draft_model is not None:

@@ -28,7 +28,7 @@ def _canonical(model):
 
 def _tokenizer_tables(tokenizer, vocab_size: int):
     """Tokens by id, merges and GGUF token types from a byte-level BPE `tokenizers` object."""
-    inner = tokenizer._tokenizer
+    inner = tokenizer.backend
     vocab = inner.get_vocab(with_added_tokens=True)
     # ids the tokenizer never produces (embedding rows padded for alignment) get
     # placeholder names, as llama.cpp's converter writes them
@@ -148,7 +148,7 @@ def _write_directory(directory: Path, tensors: dict, config: dict, tokenizer, so
             if (Path(source_dir) / name).is_file():
                 shutil.copy(Path(source_dir) / name, directory / name)
         return
-    tokenizer._tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
     eos = tokenizer.decode(tokenizer.eos_token_ids[:1])
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",

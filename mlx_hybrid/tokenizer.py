@@ -80,6 +80,11 @@ class Tokenizer:
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
 
     @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 

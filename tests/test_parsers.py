@@ -1,0 +1,118 @@
+"""Reasoning and tool-call parsing of generated text (Qwen3 JSON, Qwen3.5 XML, Kimi)."""
+
+import json
+
+import pytest
+
+from mlx_hybrid.parsers import extract_tool_calls, parse_output, prompt_opens_reasoning, split_reasoning
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "metric": {"type": "boolean"},
+                "hours": {"type": "array"},
+                "zip": {"type": "string"},
+            },
+        },
+    },
+}
+
+
+def arguments(call):
+    return json.loads(call["function"]["arguments"])
+
+
+def test_reasoning_split_with_tags_without_and_opened_by_the_template():
+    assert split_reasoning("<think>\nplan\n</think>\n\nAnswer.") == ("plan", "Answer.")
+    assert split_reasoning("Just an answer.") == (None, "Just an answer.")
+    # the template ended the prompt with <think>: the output starts inside it
+    assert split_reasoning("plan\n</think>\n\nAnswer.", opened=True) == ("plan", "Answer.")
+    # cut off while thinking: all reasoning, no content
+    assert split_reasoning("<think>\nstill going", opened=False) == ("still going", "")
+    assert split_reasoning("still going", opened=True) == ("still going", "")
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_qwen3_json_tool_calls():
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call>'
+    )
+    parsed = parse_output(text, tools=[WEATHER])
+    assert parsed.content == "Let me check."
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather", "get_time"]
+    assert arguments(parsed.tool_calls[0]) == {"city": "Paris", "days": 2}
+    assert arguments(parsed.tool_calls[1]) == {"zone": "CET"}  # arguments written as a JSON string
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in parsed.tool_calls)
+    assert len({c["id"] for c in parsed.tool_calls}) == 2
+
+
+@pytest.mark.parametrize(
+    "order", [["city", "days", "metric", "hours", "zip"], ["zip", "hours", "metric", "days", "city"]]
+)
+def test_qwen35_xml_parameters_become_typed_json_whatever_their_order(order):
+    values = {"city": "New York", "days": "3", "metric": "true", "hours": "[9, 12]", "zip": "01234"}
+    params = "".join(f"<parameter={k}>\n{values[k]}\n</parameter>\n" for k in order)
+    text = f"<tool_call>\n<function=get_weather>\n{params}</function>\n</tool_call>"
+    parsed = parse_output(text, tools=[WEATHER])
+    assert parsed.content == "" and len(parsed.tool_calls) == 1
+    # a string stays a string (the zip keeps its leading zero), the rest take their schema types
+    assert arguments(parsed.tool_calls[0]) == {
+        "city": "New York",
+        "days": 3,
+        "metric": True,
+        "hours": [9, 12],
+        "zip": "01234",
+    }
+
+
+def test_xml_parameters_without_a_schema_stay_text_and_multiline_values_keep_their_lines():
+    text = "<tool_call>\n<function=write>\n<parameter=body>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>"
+    parsed = parse_output(text)
+    assert arguments(parsed.tool_calls[0]) == {"body": "line 1\nline 2"}
+
+
+def test_kimi_tool_calls():
+    text = (
+        "I'll look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    parsed = parse_output(text)
+    assert parsed.content == "I'll look."
+    assert [(c["function"]["name"], arguments(c)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+
+
+def test_tool_calls_inside_reasoning_are_found_and_removed():
+    text = (
+        '<think>\nI need the weather.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+        "</tool_call>\n</think>\n\n"
+    )
+    parsed = parse_output(text)
+    assert parsed.reasoning == "I need the weather." and parsed.content == ""
+    assert arguments(parsed.tool_calls[0]) == {"city": "Rome"}
+    # the same, with the template having opened <think>
+    opened = parse_output(text[len("<think>") :], reasoning_opened=True)
+    assert opened.reasoning == "I need the weather." and arguments(opened.tool_calls[0]) == {"city": "Rome"}
+
+
+def test_malformed_blocks_stay_in_the_text():
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    text, calls = extract_tool_calls("before " + broken)
+    assert calls == [] and text == "before " + broken
+    kimi = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops"
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    assert extract_tool_calls(kimi) == (kimi, [])
+    assert parse_output("plain text, no calls").tool_calls == []
