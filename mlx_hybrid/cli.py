@@ -104,6 +104,20 @@ def _fail(message: str, code: int = USAGE_ERROR):
     return code
 
 
+def _speculation(args, draft, drafting_model) -> str:
+    """How drafting is set up, for --verbose."""
+    from mlx_hybrid.draft_vocab import default_size
+
+    if draft in (None, "none") and not args.draft_model:
+        return "off"
+    kind = "draft model" if args.draft_model else draft
+    described = f"{kind}, up to {args.num_draft_tokens} drafts a round"
+    if kind != "ngram":
+        size = default_size(drafting_model.args.vocab_size) if args.draft_vocab is None else args.draft_vocab
+        described += f" over {f'{size} tokens' if size else 'the whole vocabulary'}"
+    return described + (f", p-min {args.draft_p_min}" if args.draft_p_min > 0 else ", exactly k")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import mlx_hybrid
@@ -128,7 +142,8 @@ def main(argv=None) -> int:
         if args.verbose:
             print(
                 f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
-                f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}",
+                f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
+                f"speculation: {_speculation(args, draft, draft_model or model)}",
                 file=sys.stderr,
             )
         if args.chat:

@@ -58,6 +58,8 @@ def test_cli_chat_template_and_verbose():
     prompt = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, prompt, max_tokens=4).rstrip("\n")
     assert "linear-attention ops: mlx-reference" in result.stderr and "BLAS:" in result.stderr
+    # MTP by default; a 512-token vocabulary drafts over all of it
+    assert "speculation: mtp, up to 3 drafts a round over the whole vocabulary, p-min 0.1" in result.stderr
 
 
 def test_cli_help_explains_the_options():
