@@ -67,8 +67,8 @@ def gemv_forward_library() -> str | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as build:
             built = Path(build) / target.name
-            command = [compiler, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(built), str(_GEMV_FORWARD_SOURCE)]
-            command.append("-ldl")
+            source = str(_GEMV_FORWARD_SOURCE)
+            command = [compiler, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(built), source, "-ldl"]
             subprocess.run(command, check=True, capture_output=True, timeout=60)
             built.replace(target)  # atomic: concurrent first runs each build, one wins
     except (OSError, subprocess.SubprocessError):
@@ -117,12 +117,15 @@ def load_optimized_blas() -> bool:
             stacklevel=3,
         )
         return False
-    forwarding = gemv_forward_library()
     try:
+        # privately first: a BLAS that fails to load must not leave the forwarding library
+        # in the global scope with nothing behind it
+        blas = ctypes.CDLL(library)
+        forwarding = gemv_forward_library() if hasattr(blas, "cblas_sgemm") and hasattr(blas, "cblas_sgemv") else None
         if forwarding is not None:
-            # first in the global scope, so MLX's cblas_sgemm resolves to it; it opens the BLAS after itself
-            if ctypes.CDLL(forwarding, mode=ctypes.RTLD_GLOBAL).mlx_hybrid_gemv_bind(library.encode()) == 0:
-                return True
+            # first in the global scope, so MLX's cblas_sgemm resolves to it; binding then
+            # moves the BLAS (already loaded, so it cannot fail) into the scope after it
+            return ctypes.CDLL(forwarding, mode=ctypes.RTLD_GLOBAL).mlx_hybrid_gemv_bind(library.encode()) == 0
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
     except OSError:
         return False

@@ -106,14 +106,14 @@ def _fail(message: str, code: int = USAGE_ERROR):
 
 def _speculation(args, draft, drafting_model) -> str:
     """How drafting is set up, for --verbose."""
-    from mlx_hybrid.draft_vocab import default_size
+    from mlx_hybrid.draft_vocab import resolved_size
 
     if draft in (None, "none") and not args.draft_model:
         return "off"
     kind = "draft model" if args.draft_model else draft
     described = f"{kind}, up to {args.num_draft_tokens} drafts a round"
     if kind != "ngram":
-        size = default_size(drafting_model.args.vocab_size) if args.draft_vocab is None else args.draft_vocab
+        size = resolved_size(args.draft_vocab, drafting_model.args.vocab_size)
         described += f" over {f'{size} tokens' if size else 'the whole vocabulary'}"
     return described + (f", p-min {args.draft_p_min}" if args.draft_p_min > 0 else ", exactly k")
 

@@ -23,9 +23,12 @@ import hashlib
 import json
 import os
 import sysconfig
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+from .errors import GenerationError
 
 # The default subset when the vocabulary is larger than LARGE_VOCABULARY; smaller
 # vocabularies draft over all of it (their output matrix is cheap already).
@@ -55,6 +58,15 @@ def default_size(vocab_size: int) -> int:
     return DEFAULT_DRAFT_VOCAB if vocab_size > LARGE_VOCABULARY else 0
 
 
+def resolved_size(requested: int | None, vocab_size: int) -> int:
+    """The subset size a request asks for: None means the default, 0 the whole vocabulary."""
+    if requested is None:
+        return default_size(vocab_size)
+    if requested < 0:
+        raise GenerationError(f"draft_vocab must be >= 0, got {requested}")
+    return requested
+
+
 def reference_text() -> str:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     parts = []
@@ -81,6 +93,7 @@ def _cache_path(key: str) -> Path:
     return root / f"draft-vocab-{key}.npy"
 
 
+@lru_cache(maxsize=4)  # per tokenizer object: serializing and hashing a 248k vocabulary is not free
 def ranked_tokens(tokenizer) -> np.ndarray:
     """Every token id of `tokenizer` (a `mlx_hybrid.tokenizer.Tokenizer`), most wanted first."""
     backend = tokenizer.backend
@@ -114,10 +127,10 @@ def ranked_tokens(tokenizer) -> np.ndarray:
     return order
 
 
-def draft_vocabulary(tokenizer, size: int, vocab_size: int) -> np.ndarray | None:
-    """The sorted ids of the `size` most wanted tokens below `vocab_size`, or None for all."""
-    if size < 0:
-        raise ValueError(f"draft_vocab must be >= 0, got {size}")
+def draft_vocabulary(tokenizer, requested: int | None, vocab_size: int) -> np.ndarray | None:
+    """The sorted ids of the most wanted tokens below `vocab_size`, as many as `requested`
+    asks (see `resolved_size`), or None for the whole vocabulary."""
+    size = resolved_size(requested, vocab_size)
     if size == 0 or size >= vocab_size:
         return None
     order = ranked_tokens(tokenizer)

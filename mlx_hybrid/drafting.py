@@ -22,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cache import KVCache, RecurrentCache
+from .draft_vocab import draft_vocabulary
 from .errors import GenerationError
 from .prompt import prefill
 
@@ -316,8 +317,6 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     same vocabulary. draft_vocab: tokens the drafter projects onto (None: the default for
     the vocabulary's size, 0: all).
     """
-    from .draft_vocab import default_size, draft_vocabulary
-
     check_draft_p_min(draft_p_min)  # it also switches the decoder's backoff, for every drafter
     if draft == "none":
         draft = None
@@ -330,11 +329,7 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     if draft == "ngram":
         return NgramDrafter()
     drafting_model = draft_model if draft_model is not None else model
-    vocab_size = drafting_model.args.vocab_size
-    size = default_size(vocab_size) if draft_vocab is None else draft_vocab
-    if size < 0:
-        raise GenerationError(f"draft_vocab must be >= 0, got {size}")
-    vocabulary = draft_vocabulary(tokenizer, size, vocab_size)
+    vocabulary = draft_vocabulary(tokenizer, draft_vocab, drafting_model.args.vocab_size)
     if draft_model is not None:
         return DraftModelDrafter(draft_model, model, draft_p_min, vocabulary)
     return MTPDrafter(model, draft_p_min, vocabulary)

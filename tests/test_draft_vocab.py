@@ -6,11 +6,19 @@ from collections import Counter
 import numpy as np
 from conftest import load_fixture
 
-from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, bpe_ranks, default_size, draft_vocabulary, reference_text
+from mlx_hybrid.draft_vocab import (
+    DEFAULT_DRAFT_VOCAB,
+    bpe_ranks,
+    default_size,
+    draft_vocabulary,
+    ranked_tokens,
+    reference_text,
+)
 
 
 def test_subset_is_the_special_tokens_then_the_most_frequent(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ranked_tokens.cache_clear()  # the in-process memo would skip the file cache under test
     _, tok = load_fixture("qwen35", "hf")
     ids = draft_vocabulary(tok, 64, 512)
     assert len(ids) == 64 and list(ids) == sorted(ids)

@@ -138,15 +138,15 @@ def _strict_kernels() -> bool:
     return os.environ.get("MLX_HYBRID_STRICT_KERNELS", "") not in ("", "0")
 
 
-def _checked(spec, platform: str, variant: tuple, small_case: Callable[[], tuple]) -> bool:
+def _checked(spec, small_case: Callable[..., tuple], platform: str, *variant) -> bool:
     """Whether this kernel variant may run: checked once, on its first call.
 
-    small_case() -> (kernel outputs, reference outputs) for a few tokens of the variant.
+    small_case(platform, *variant) -> (kernel outputs, reference outputs) for a few tokens.
     """
-    key = (spec.name, platform, variant)
+    key = (spec.name, platform, *variant)
     if key not in _kernel_usable:
         try:
-            got, want = small_case()
+            got, want = small_case(platform, *variant)
             errors = [float(np.abs(np.array(g, np.float32) - np.array(w, np.float32)).max()) for g, w in zip(got, want)]
             problem = (
                 None if max(errors) <= KERNEL_CHECK_TOLERANCE else f"differs from the pure-MLX op by {max(errors):.3g}"
@@ -154,7 +154,8 @@ def _checked(spec, platform: str, variant: tuple, small_case: Callable[[], tuple
         except Exception as e:  # a compile error, a bad launch: the message is for the warning
             problem = f"failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
         if problem is not None:
-            message = f"the {platform} kernel {spec.file} {variant} {problem}; using the pure-MLX path for it"
+            described = ", ".join(map(str, variant))
+            message = f"the {platform} kernel {spec.file} ({described}) {problem}; using the pure-MLX path for it"
             if _strict_kernels():
                 raise KernelError(message + " (MLX_HYBRID_STRICT_KERNELS=1 makes this an error)")
             _log.warning("mlx_hybrid: %s", message)
@@ -212,10 +213,7 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
         and q.shape[-1] <= KERNEL_MAX_KEY_DIM
         and q.dtype in KERNEL_DTYPES
         and _checked(
-            kernels.GATED_DELTA,
-            platform,
-            (str(q.dtype), q.shape[-1], g.ndim == 4, snapshots),
-            partial(_small_gated_delta_case, platform, q.dtype, q.shape[-1], g.ndim == 4, snapshots),
+            kernels.GATED_DELTA, _small_gated_delta_case, platform, q.dtype, q.shape[-1], g.ndim == 4, snapshots
         )
     ):
         out, final, states = kernels.run(
@@ -249,12 +247,7 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
         platform
         and x.dtype in KERNEL_DTYPES
         and width >= 2
-        and _checked(
-            kernels.CONV1D_SILU,
-            platform,
-            (str(x.dtype), width, snapshots),
-            partial(_small_conv_case, platform, x.dtype, width, snapshots),
-        )
+        and _checked(kernels.CONV1D_SILU, _small_conv_case, platform, x.dtype, width, snapshots)
     ):
         y, new_tail, tails = kernels.run(
             kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
