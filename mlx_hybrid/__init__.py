@@ -12,17 +12,20 @@ from .errors import (  # noqa: E402  (after the BLAS)
     ModelLoadError,
     UnsupportedArchitectureError,
 )
+from .engine import Engine, batch_generate  # noqa: E402
 from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
 from .loaders import bundled_model_path, load  # noqa: E402
 
 
 __all__ = [
     "ContextOverflowError",
+    "Engine",
     "GenerationError",
     "GenerationResponse",
     "MlxHybridError",
     "ModelLoadError",
     "UnsupportedArchitectureError",
+    "batch_generate",
     "bundled_model_path",
     "generate",
     "load",

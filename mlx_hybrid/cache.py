@@ -3,6 +3,9 @@
 Attention caches roll back by trimming. Recurrent state cannot be trimmed, so a
 verify pass runs with `record_snapshots` on and each linear layer keeps its
 state after every token; `rollback` then selects one.
+
+Several sequences run in one pass packed along the token axis, never padded: each
+keeps its own caches, and a layer sees them as `RowCaches` (see `packed`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ class KVCache:
     def state(self):
         return tuple(array[..., : self.offset, :] for array in self.arrays)
 
+    def checkpoint(self) -> tuple:
+        """The entries so far, compact: a view would keep the whole grown buffer, and make
+        the next update copy it."""
+        return tuple(mx.contiguous(entry) for entry in self.state) if self.arrays is not None else ()
+
+    def restore(self, entries: tuple):
+        self.arrays = list(entries) or None
+        self.offset = entries[0].shape[2] if entries else 0
+
 
 class RecurrentCache:
     """State of one linear-attention layer: conv tail [B, K-1, C] and S [B, H, Dk, Dv]."""
@@ -65,9 +77,38 @@ class RecurrentCache:
         self.conv_snapshots = conv_snapshots
         self.state_snapshots = state_snapshots
 
+    def checkpoint(self) -> tuple:
+        # states are replaced, never written in place, so references are enough
+        return (self.conv_tail, self.state) if self.state is not None else ()
+
+    def restore(self, entries: tuple):
+        self.conv_tail, self.state = entries if entries else (None, None)
+
     def rollback(self, keep: int, recorded: int):
         """Keep the first `keep` (>= 1) of the `recorded` tokens of the last call."""
         if keep < recorded:
             self.conv_tail = self.conv_snapshots[keep - 1]
             self.state = self.state_snapshots[keep - 1]
         self.conv_snapshots = self.state_snapshots = None
+
+
+class RowCaches:
+    """One layer's caches of several sequences packed along the token axis of one input
+    [1, N, ...]: row r owns the next `lengths[r]` positions. The mixers run each row's
+    attention or recurrence on its own cache; everything per token runs on all N at once."""
+
+    def __init__(self, caches: list, lengths: list[int]):
+        self.caches = caches
+        self.lengths = lengths
+
+
+def row_caches(caches: list, lengths: list[int]):
+    """One layer's cache argument for rows packed along the token axis (one row: its own cache)."""
+    return caches[0] if len(caches) == 1 else RowCaches(caches, lengths)
+
+
+def packed(row_layer_caches: list[list], lengths: list[int]) -> list:
+    """A model's per-layer cache argument for rows packed along the token axis."""
+    if len(row_layer_caches) == 1:
+        return row_layer_caches[0]
+    return [RowCaches([caches[i] for caches in row_layer_caches], lengths) for i in range(len(row_layer_caches[0]))]

@@ -1,16 +1,22 @@
 """Drafters for speculative decoding: the model's MTP head, a draft model, n-gram lookup,
 and an oracle for measurements.
 
-Every drafter has the same three calls, made by `speculative.SpeculativeDecoder`:
-- `start(prompt, prompt_hidden, first_token)` after the prefill;
+Every drafter has the same calls, made by `speculative.SpeculativeDecoder` (one sequence)
+and by the batch engine (one drafter per row):
+- `prefill(tokens, hidden)` for each part of the prompt the trunk has read (hidden: its
+  hidden states [1, T, E], or None), then `begin(first_token)` with the first sampled
+  token; `start(prompt, prompt_hidden, first_token)` does both at once;
 - `draft(k, sampler)` -> (tokens, logprobs): up to k drafted tokens as scalar arrays, and
   for each the log-distribution [V] it was drawn from (None: a point mass). Fewer than k,
-  or none, when confidence runs out;
+  or none, when confidence runs out. `draft_rows(drafters, ks, samplers)` drafts for
+  several rows at once, the drafting model's steps packed into one call per step;
 - `update(verify_hidden, accepted)`: what the trunk accepted this round (the accepted
   drafts and the trunk's own next token), with the verify pass's hidden states. The
   decoder may skip `draft` for a round; `update` is still called;
 - `declines_cost`: whether drafting nothing still cost a model step (then repeated
-  declines make the decoder back off, as repeated rejections do).
+  declines make the decoder back off, as repeated rejections do);
+- `fork()`: a drafter of the same kind with no sequence yet, sharing what is fixed
+  (the model, the draft vocabulary's head).
 
 Drafters that compute a distribution (MTP head, draft model) can project onto a reduced
 vocabulary (`vocabulary=`, sorted token ids, see `draft_vocab`) and stop drafting once
@@ -19,12 +25,14 @@ their top probability falls below `draft_p_min`, as llama.cpp's draft p-min does
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import mlx.core as mx
 
-from .cache import KVCache, RecurrentCache
+from .cache import KVCache, RecurrentCache, packed, row_caches
 from .draft_vocab import draft_vocabulary
 from .errors import GenerationError
-from .prompt import prefill
+from .prompt import PREFILL_STEP, prefill
 
 # Default confidence under which a drafter stops drafting (see SpeculativeDecoder for
 # the acceptance-driven part of adaptive drafting). A low floor: it stops drafts from a
@@ -34,7 +42,7 @@ DEFAULT_DRAFT_P_MIN = 0.1
 
 
 class DraftHead:
-    """Turns a drafter's final hidden state into a draft token, over all or some of the vocabulary."""
+    """Turns drafters' final hidden states into draft tokens, over all or some of the vocabulary."""
 
     def __init__(self, model, vocabulary=None):
         self.vocab_size = model.args.vocab_size
@@ -44,23 +52,35 @@ class DraftHead:
             self.ids = mx.array(vocabulary, dtype=mx.int32)
             self.project = model.vocabulary_head(self.ids)
 
-    def draw(self, x: mx.array, sampler):
-        """(token, log-distribution over the whole vocabulary or None, top probability) for x [1, 1, E]."""
-        logits = self.project(x)[0, -1].astype(mx.float32)
-        if sampler.greedy:
+    def draw(self, x: mx.array, samplers: list):
+        """For x [1, R, E], one row per sampler: (tokens [R], per row the log-distribution over
+        the whole vocabulary or None, top probabilities [R])."""
+        logits = self.project(x)[0].astype(mx.float32)
+        if all(sampler.greedy for sampler in samplers):
             index = mx.argmax(logits, axis=-1)
-            top = mx.exp(logits.max() - mx.logsumexp(logits))
-            logprobs = None
+            tops = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+            logprobs = [None] * len(samplers)
         else:
-            logprobs = sampler.log_probs(logits)
-            index = mx.random.categorical(logprobs, key=sampler.next_key())
-            top = mx.exp(logprobs.max())
-            if self.ids is not None:  # the acceptance rule needs q over the whole vocabulary
-                full = mx.full((self.vocab_size,), -mx.inf, dtype=mx.float32)
-                full[self.ids] = logprobs
-                logprobs = full
-        token = index if self.ids is None else self.ids[index]
-        return token, logprobs, top
+            indices, top_list, logprobs = [], [], []
+            for row, sampler in zip(logits, samplers):
+                row_logprobs = sampler.log_probs(row)
+                indices.append(
+                    mx.argmax(row, axis=-1)
+                    if sampler.greedy
+                    else mx.random.categorical(row_logprobs, key=sampler.next_key())
+                )
+                top_list.append(mx.exp(row_logprobs.max()))
+                logprobs.append(None if sampler.greedy else self._whole_vocabulary(row_logprobs))
+            index, tops = mx.stack(indices), mx.stack(top_list)
+        return (index if self.ids is None else self.ids[index]), logprobs, tops
+
+    def _whole_vocabulary(self, logprobs: mx.array) -> mx.array:
+        """The acceptance rule needs q over the whole vocabulary."""
+        if self.ids is None:
+            return logprobs
+        full = mx.full((self.vocab_size,), -mx.inf, dtype=mx.float32)
+        full[self.ids] = logprobs
+        return full
 
 
 def check_draft_p_min(draft_p_min: float) -> float:
@@ -69,135 +89,232 @@ def check_draft_p_min(draft_p_min: float) -> float:
     return draft_p_min
 
 
-class _ConfidentDrafting:
-    """The loop shared by drafters that compute distributions: draw, stop below p-min, feed."""
+def _join(arrays: list) -> mx.array:
+    """Rows [1, n, E] side by side on the token axis (one row: itself, no copy)."""
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=1)
+
+
+def _last_of_each(x: mx.array, lengths: list[int]) -> mx.array:
+    """The last position of each packed row of x [1, N, E] -> [1, R, E]."""
+    if len(lengths) == 1:
+        return x[:, -1:]
+    return x[:, mx.array(list(accumulate(lengths))) - 1]
+
+
+class Drafter:
+    """What every drafter shares: `start`, drafting rows one at a time, and checkpoints that
+    hold nothing (the drafter reads the tokens again on restore)."""
+
+    declines_cost = False
+
+    def start(self, prompt: list[int], prompt_hidden, first_token: int):
+        self.prefill(list(prompt), prompt_hidden)
+        self.begin(first_token)
+
+    def checkpoint(self) -> dict[str, mx.array]:
+        """The drafter's state after the tokens the trunk has read (see `engine.prefix_store`)."""
+        return {}
+
+    def restore(self, state: dict[str, mx.array], tokens: list[int]):
+        """Take up a checkpoint's state, after `tokens`, in place of prefilling them."""
+        self.prefill(list(tokens), None)
+
+    @classmethod
+    def draft_rows(cls, drafters: list, ks: list[int], samplers: list) -> list[tuple[list, list]]:
+        return [drafter.draft(k, sampler) for drafter, k, sampler in zip(drafters, ks, samplers)]
+
+
+class _ConfidentDrafting(Drafter):
+    """The loop shared by drafters that compute distributions: draw, stop below p-min, feed.
+
+    A subclass gives `_open(drafters)`, the first step of a round for those rows, and
+    `_feed(drafters, tokens)`, one more token each; both return the rows' final hidden
+    states [1, R, E] for the head, and run the rows packed into one model call.
+    """
 
     declines_cost = True  # the first draft step ran before the confidence said stop
 
-    def __init__(self, draft_p_min: float):
+    def __init__(self, draft_p_min: float, head: DraftHead):
         self.draft_p_min = check_draft_p_min(draft_p_min)
+        self.head = head
+        self.fed_drafts = 0  # drafts of this round the drafting model has read
+        self.drafted = False  # whether this round's draft ran
 
-    def _drafts(self, k: int, sampler, hidden, head: DraftHead, feed):
-        """Up to k drafts from `hidden`; `feed(token)` advances the drafter and gives the next
-        hidden state. Returns the tokens, their distributions and how many were fed."""
-        tokens, logprobs, fed = [], [], 0
-        for _ in range(k):
-            token, logprob, top = head.draw(hidden, sampler)
-            if self.draft_p_min > 0:
-                mx.eval(token, top)  # deciding whether to go on needs the value now
-                if top.item() < self.draft_p_min:
-                    break
-            tokens.append(token)
-            logprobs.append(logprob)
-            if len(tokens) == k:
-                break
-            hidden = feed(token)
-            fed += 1
-        return tokens, logprobs, fed
+    def draft(self, k: int, sampler):
+        return self.draft_rows([self], [k], [sampler])[0]
+
+    @classmethod
+    def draft_rows(cls, drafters, ks, samplers):
+        """Up to ks[r] (>= 1) drafts for each row."""
+        head, p_min = drafters[0].head, drafters[0].draft_p_min
+        drafts = [([], []) for _ in drafters]
+        active = list(range(len(drafters)))
+        x = cls._open(drafters)
+        for drafter in drafters:
+            drafter.drafted, drafter.fed_drafts = True, 0
+        while True:
+            tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active])
+            if p_min > 0:
+                mx.eval(tokens, tops)  # deciding whether to go on needs the values now
+                confident = (tops >= p_min).tolist()
+            else:
+                confident = [True] * len(active)
+            going = []
+            for i, row in enumerate(active):
+                if confident[i]:
+                    drafts[row][0].append(tokens[i])
+                    drafts[row][1].append(logprobs[i])
+                    if len(drafts[row][0]) < ks[row]:
+                        going.append(i)
+            if not going:
+                return drafts
+            active = [active[i] for i in going]
+            feeding = tokens if len(going) == len(tokens) else tokens[mx.array(going)]
+            x = cls._feed([drafters[r] for r in active], feeding)
+            for row in active:
+                drafters[row].fed_drafts += 1
 
 
 class MTPDrafter(_ConfidentDrafting):
     """Drafts by chaining the model's MTP head, which keeps its own KV cache.
 
     The MTP cache holds one entry per (trunk hidden state h_t, token t+1) pair.
-    Pairs whose h_t is known but not yet fed are kept pending and go in with the
-    next round's first draft step, so catching up after a verify costs no extra call.
+    Hidden states not yet fed are kept pending with the tokens that follow them, as far
+    as known; the pairs a prompt completes go in with the prefill, and those a round
+    completes go in with the next round's first draft step, at no extra call.
     """
 
-    def __init__(self, model, draft_p_min: float = 0.0, vocabulary=None):
-        super().__init__(draft_p_min)
+    def __init__(self, model, draft_p_min: float = 0.0, vocabulary=None, head: DraftHead | None = None):
         if not model.has_mtp:
             raise GenerationError("this model has no MTP head, so draft='mtp' is unavailable")
+        super().__init__(draft_p_min, head or DraftHead(model, vocabulary))
         self.model = model
-        self.head = DraftHead(model, vocabulary)
         self.cache = KVCache()
         self.pending_hidden = None  # [1, n, E]
-        self.pending_next: list[int] = []  # the token after each pending hidden state
-        self.speculative_entries = 0  # drafted pairs in the cache, trimmed at the update
-        self.drafted = False  # whether this round's draft consumed the pending pairs
+        self.pending_next: list[int] = []  # the tokens after the pending hidden states (n, or n - 1)
+        self._u = None  # this round's last MTP output: the next draft step's h
 
-    def start(self, prompt: list[int], prompt_hidden: mx.array, first_token: int):
-        # the prompt's pairs go in now, as part of the prefill; the last one starts the first draft
-        if len(prompt) > 1:
-            mx.eval(self._step(prompt_hidden[:, :-1], mx.array(prompt[1:])[None]))
-        self.pending_hidden = prompt_hidden[:, -1:]
-        self.pending_next = [first_token]
+    def fork(self) -> MTPDrafter:
+        return MTPDrafter(self.model, self.draft_p_min, head=self.head)
 
-    def _step(self, hidden, tokens):
-        return self.model.mtp(hidden, self.model.embed(tokens), self.cache)
+    def _step(self, hidden, tokens, cache):
+        return self.model.mtp(hidden, self.model.embed(tokens), cache)
 
-    def _output(self, u):
-        return self.model.mtp.norm(u)
+    def prefill(self, tokens: list[int], hidden: mx.array):
+        """Feed the pairs the trunk's new hidden states complete; the last state waits for its token."""
+        held = 0 if self.pending_hidden is None else self.pending_hidden.shape[1]
+        known = self.pending_next + list(tokens)
+        hidden = hidden if held == 0 else mx.concatenate([self.pending_hidden, hidden], axis=1)
+        complete = hidden.shape[1] - 1
+        known = known[len(known) - complete :]
+        for start in range(0, complete, PREFILL_STEP):
+            end = min(start + PREFILL_STEP, complete)
+            mx.eval(self._step(hidden[:, start:end], mx.array(known[start:end])[None], self.cache))
+        self.pending_hidden, self.pending_next = hidden[:, complete:], []
 
-    def draft(self, k: int, sampler):
-        u = self._step(self.pending_hidden, mx.array(self.pending_next)[None])[:, -1:]
-        self.drafted = True
+    def begin(self, first_token: int):
+        self.pending_next.append(first_token)
 
-        def feed(token):
-            nonlocal u
-            u = self._step(u, token.reshape(1, 1))  # its own output is the next h
-            return self._output(u)
+    @staticmethod
+    def _open(drafters):
+        model = drafters[0].model
+        lengths = [len(d.pending_next) for d in drafters]
+        tokens = mx.array([t for d in drafters for t in d.pending_next])[None]
+        u = drafters[0]._step(
+            _join([d.pending_hidden for d in drafters]), tokens, row_caches([d.cache for d in drafters], lengths)
+        )
+        return MTPDrafter._carry(drafters, _last_of_each(u, lengths), model)
 
-        tokens, logprobs, self.speculative_entries = self._drafts(k, sampler, self._output(u), self.head, feed)
-        return tokens, logprobs
+    @staticmethod
+    def _feed(drafters, tokens):
+        u = drafters[0]._step(
+            _join([d._u for d in drafters]), tokens[None], row_caches([d.cache for d in drafters], [1] * len(drafters))
+        )
+        return MTPDrafter._carry(drafters, u, drafters[0].model)
+
+    @staticmethod
+    def _carry(drafters, u, model):
+        """Each row's MTP output is its next step's h; the head reads it normed."""
+        for i, drafter in enumerate(drafters):
+            drafter._u = u[:, i : i + 1]
+        return model.mtp.norm(u)
+
+    def checkpoint(self):
+        state = {f"cache.{i}": entry for i, entry in enumerate(self.cache.checkpoint())}
+        return state | {"pending_hidden": self.pending_hidden}
+
+    def restore(self, state, tokens):
+        self.cache.restore(tuple(state[f"cache.{i}"] for i in range(len(state) - 1)))
+        self.pending_hidden = state["pending_hidden"]
+        held = self.pending_hidden.shape[1]
+        self.pending_next = list(tokens[len(tokens) - held + 1 :]) if held > 1 else []
 
     def sync(self):
         """Feed the pending pairs into the MTP cache (no draft)."""
-        self._step(self.pending_hidden, mx.array(self.pending_next)[None])
+        self._step(self.pending_hidden, mx.array(self.pending_next)[None], self.cache)
         self.pending_hidden, self.pending_next = self.pending_hidden[:, :0], []
 
     def update(self, verify_hidden: mx.array, accepted: list[int]):
         """accepted: the a accepted drafts and the trunk's token after them."""
         new_hidden = verify_hidden[:, : len(accepted)]
         if self.drafted:
-            self.cache.trim(self.speculative_entries)
+            self.cache.trim(self.fed_drafts)
             self.pending_hidden, self.pending_next = new_hidden, list(accepted)
         else:  # a round without drafts: the pairs wait for the next draft
             self.pending_hidden = mx.concatenate([self.pending_hidden, new_hidden], axis=1)
             self.pending_next += accepted
-        self.speculative_entries, self.drafted = 0, False
+        self.fed_drafts, self.drafted, self._u = 0, False, None
 
 
 class DraftModelDrafter(_ConfidentDrafting):
     """Drafts with a separate (smaller) model that shares the tokenizer."""
 
-    def __init__(self, draft_model, target_model, draft_p_min: float = 0.0, vocabulary=None):
-        super().__init__(draft_p_min)
+    def __init__(
+        self, draft_model, target_model, draft_p_min: float = 0.0, vocabulary=None, head: DraftHead | None = None
+    ):
         if draft_model.args.vocab_size != target_model.args.vocab_size:
             raise GenerationError(
                 f"the draft model's vocabulary ({draft_model.args.vocab_size}) differs from the target's "
                 f"({target_model.args.vocab_size})"
             )
+        super().__init__(draft_p_min, head or DraftHead(draft_model, vocabulary))
         self.model = draft_model
-        self.head = DraftHead(draft_model, vocabulary)
+        self.target_model = target_model
         self.cache = draft_model.make_cache()
         self.pending: list[int] = []  # accepted tokens the draft model has not read yet
-        self.fed_drafts = 0  # drafts of this round the draft model has read
         self._states = []  # recurrent states after reading 0, 1, ... drafts
-        self.drafted = False
 
-    def start(self, prompt: list[int], prompt_hidden, first_token: int):
-        prefill(self.model, prompt, self.cache)  # the draft model reads the prompt as part of the prefill
+    def fork(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.model, self.target_model, self.draft_p_min, head=self.head)
+
+    def prefill(self, tokens: list[int], hidden):
+        prefill(self.model, tokens, self.cache)  # the draft model reads the prompt as part of the prefill
+
+    def begin(self, first_token: int):
         self.pending = [first_token]
 
-    def _read(self, tokens: mx.array):
-        """Run the draft model over tokens [1, T]; its last normed hidden state [1, 1, E]."""
-        return self.model.norm(self.model.hidden_states(tokens, self.cache)[:, -1:])
-
-    def draft(self, k: int, sampler):
-        hidden = self._read(mx.array(self.pending)[None])
-        self.drafted = True
+    @staticmethod
+    def _read(drafters, tokens: list[int], lengths: list[int]):
+        """Run the draft model over each row's tokens; each row's last normed hidden state [1, R, E]."""
+        model = drafters[0].model
+        hidden = model.hidden_states(mx.array(tokens)[None], packed([d.cache for d in drafters], lengths))
         # drafts run one token per call, so the recurrent states after each call are the
         # rollback points (MLX arrays are immutable: keeping them copies nothing)
-        self._states = [self._recurrent_states()]
+        for drafter in drafters:
+            drafter._states.append(drafter._recurrent_states())
+        return model.norm(_last_of_each(hidden, lengths))
 
-        def feed(token):
-            hidden = self._read(token.reshape(1, 1))
-            self._states.append(self._recurrent_states())
-            return hidden
+    @staticmethod
+    def _open(drafters):
+        for drafter in drafters:
+            drafter._states = []
+        return DraftModelDrafter._read(
+            drafters, [t for d in drafters for t in d.pending], [len(d.pending) for d in drafters]
+        )
 
-        tokens, logprobs, self.fed_drafts = self._drafts(k, sampler, hidden, self.head, feed)
-        return tokens, logprobs
+    @staticmethod
+    def _feed(drafters, tokens):
+        return DraftModelDrafter._read(drafters, tokens.tolist(), [1] * len(drafters))
 
     def _recurrent_states(self):
         return [(c.conv_tail, c.state) for c in self.cache if isinstance(c, RecurrentCache)]
@@ -217,7 +334,7 @@ class DraftModelDrafter(_ConfidentDrafting):
         self.pending = accepted[kept:]
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: proposes the tokens that followed the latest earlier occurrence of
     the last n tokens (n from `max_n` down to `min_n`) in the prompt and the output.
 
@@ -230,6 +347,7 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise GenerationError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
         self.sizes = range(max_n, min_n - 1, -1)
         self.history: list[int] = []
         # (n-gram) -> index of the token that followed its latest occurrence
@@ -243,9 +361,14 @@ class NgramDrafter:
                 if end >= n:
                     self.following[tuple(self.history[end - n : end])] = end
 
-    def start(self, prompt, prompt_hidden, first_token: int):
-        self.history, self.following = [], {}
-        self._extend(list(prompt) + [first_token])
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.max_n, self.min_n)
+
+    def prefill(self, tokens: list[int], hidden):
+        self._extend(tokens)
+
+    def begin(self, first_token: int):
+        self._extend([first_token])
 
     def draft(self, k: int, sampler):
         for n in self.sizes:
@@ -261,7 +384,7 @@ class NgramDrafter:
         self._extend(accepted)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Replays a known continuation so that a set share of drafts is accepted (greedy).
 
     For measuring and testing the verify/rollback machinery: each round proposes
@@ -282,16 +405,30 @@ class OracleDrafter:
         self.rng = random.Random(seed)
         self.position = 0  # index in `continuation` of the next token to draft
 
-    def start(self, prompt, prompt_hidden, first_token: int):
+    def prefill(self, tokens: list[int], hidden):
+        if self.inner is not None:
+            self.inner.prefill(tokens, hidden)
+
+    def begin(self, first_token: int):
         self.position = 1
         if self.inner is not None:
-            self.inner.start(prompt, prompt_hidden, first_token)
+            self.inner.begin(first_token)
 
     def draft(self, k: int, sampler):
-        if self.inner is not None:
-            drafted, _ = self.inner.draft(k, sampler)
-            mx.eval(drafted)  # MLX is lazy: replaced tokens would otherwise never be computed
-            k = len(drafted)
+        return self.draft_rows([self], [k], [sampler])[0]
+
+    @classmethod
+    def draft_rows(cls, drafters, ks, samplers):
+        """The inner drafters draft together (as they would without the oracle), then each row's
+        tokens are replaced."""
+        inner = [d.inner for d in drafters]
+        if inner[0] is not None:
+            inner_drafts = type(inner[0]).draft_rows(inner, ks, samplers)
+            mx.eval([tokens for tokens, _ in inner_drafts])  # MLX is lazy: replaced tokens must still run
+            ks = [len(tokens) for tokens, _ in inner_drafts]
+        return [drafter._replay(k) for drafter, k in zip(drafters, ks)]
+
+    def _replay(self, k: int):
         share = round(self.acceptance * k, 9)  # a rate of a/k means exactly a
         correct = int(share) + (self.rng.random() < share - int(share))
         tokens = []

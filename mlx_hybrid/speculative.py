@@ -40,7 +40,7 @@ def rollback(cache, keep: int, recorded: int):
             layer_cache.trim(recorded - keep)
 
 
-def _record_snapshots(cache, on: bool):
+def record_snapshots(cache, on: bool):
     for layer_cache in cache:
         if isinstance(layer_cache, RecurrentCache):
             layer_cache.record_snapshots = on
@@ -78,8 +78,20 @@ class SpeculativeStats:
         return self.emitted / self.passes if self.passes else 0.0
 
 
+def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
+    """The longest prefix of drafts the trunk agrees with, then the trunk's own token."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return drafts[:a] + [targets[a]]
+
+
 class SpeculativeDecoder:
-    """Runs rounds of draft + verify for one sequence (batch 1)."""
+    """Runs rounds of draft + verify for one sequence; with no drafter, plain decoding steps.
+
+    `step` is a whole round. The batch engine runs the same round for many sequences,
+    drafting and verifying them together, through `plan`, `accept` and `finish`.
+    """
 
     # misses in a row before the decoder backs off, and the longest run of plain rounds
     MISSES_BEFORE_BACKOFF = 3
@@ -101,12 +113,23 @@ class SpeculativeDecoder:
 
     def start(self, prompt: list[int], prompt_hidden: mx.array) -> int:
         """prompt_hidden: the trunk's hidden states over the prompt (cache already filled)."""
-        self.token = int(self.sampler(self.model.logits_from_hidden(prompt_hidden[:, -1:])[0, -1]))
-        self.drafter.start(prompt, prompt_hidden, self.token)
-        keep_snapshot_buffers(self.cache, self.k)
-        return self.token
+        token = self.sampler(self.model.logits_from_hidden(prompt_hidden[:, -1:])[0, -1])
+        if self.drafter is not None:
+            self.drafter.prefill(prompt, prompt_hidden)
+        return self.begin(int(token))
 
-    def _round_length(self, max_new: int | None) -> int:
+    def begin(self, first_token: int) -> int:
+        """The first token, sampled after the prompt (whose parts the drafter has read)."""
+        self.token = first_token
+        if self.drafter is not None:
+            self.drafter.begin(first_token)
+            keep_snapshot_buffers(self.cache, self.k)
+        return first_token
+
+    def plan(self, max_new: int | None = None) -> int:
+        """How many drafts to ask for this round (0: a plain step)."""
+        if self.drafter is None:
+            return 0
         if self.plain_rounds:
             self.plain_rounds -= 1
             return 0
@@ -123,50 +146,48 @@ class SpeculativeDecoder:
 
     def step(self, max_new: int | None = None) -> list[int]:
         """One round; returns the a accepted drafts and the trunk's next token."""
-        asked = self._round_length(max_new)
+        asked = self.plan(max_new)
         drafted, draft_logprobs = self.drafter.draft(asked, self.sampler) if asked else ([], [])
         k = len(drafted)
-        if k == 0:  # a plain step: nothing to roll back
-            hidden = self.model.hidden_states(mx.array([[self.token]]), self.cache)
-            accepted = [int(self.sampler(self.model.logits_from_hidden(hidden)[0, -1]))]
+        tokens = mx.array([self.token])
+        if k:  # the verify pass is built on the lazy drafts: drafting and verifying run as one graph
+            tokens = mx.concatenate([tokens, mx.stack(drafted).reshape(-1).astype(mx.int32)])
+        hidden = self.verify(tokens)
+        logits = self.model.logits_from_hidden(hidden)[0]  # [k+1, V]
+        if self.sampler.greedy:
+            both = mx.concatenate([tokens[1:], mx.argmax(logits, axis=-1).astype(mx.int32)]).tolist()  # one sync
+            accepted = accept_greedy(both[:k], both[k:])
         else:
-            # the verify pass is built on the lazy drafts: drafting and verifying run as one graph
-            tokens = mx.concatenate([mx.array([self.token]), mx.stack(drafted).reshape(-1).astype(mx.int32)])
-            hidden = self.verify(tokens)
-            logits = self.model.logits_from_hidden(hidden)[0]  # [k+1, V]
-            if self.sampler.greedy:
-                drafts, target = mx.split(
-                    mx.concatenate([tokens[1:], mx.argmax(logits, axis=-1).astype(mx.int32)]), [k]
-                )
-                drafts, target = drafts.tolist(), target.tolist()  # the round's one host sync
-                a = 0
-                while a < k and drafts[a] == target[a]:
-                    a += 1
-                accepted = drafts[:a] + [target[a]]
-            else:
-                drafts = tokens[1:].tolist()
-                accepted = self._accept_sampled(drafts, draft_logprobs, self.sampler.log_probs(logits))
-            rollback(self.cache, keep=len(accepted), recorded=k + 1)
-        a = len(accepted) - 1
-        self.drafter.update(hidden, accepted)
-        if self.adaptive and (k or (asked and self.drafter.declines_cost)):
-            self._adapt(a)
-        self.token = accepted[-1]
-        self.stats.drafted += k
-        self.stats.accepted += a
-        self.stats.passes += 1
-        self.stats.emitted += a + 1
+            accepted = self.accept_sampled(tokens[1:].tolist(), draft_logprobs, self.sampler.log_probs(logits))
+        self.finish(hidden, accepted, k, asked)
         return accepted
+
+    def finish(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int):
+        """After the verify pass over [token, `drafted` drafts] gave `hidden` [1, k+1, E]:
+        roll the caches back to the accepted tokens and tell the drafter."""
+        if drafted:
+            rollback(self.cache, keep=len(accepted), recorded=drafted + 1)
+        a = len(accepted) - 1
+        if self.drafter is not None:
+            self.drafter.update(hidden, accepted)
+            if self.adaptive and (drafted or (asked and self.drafter.declines_cost)):
+                self._adapt(a)
+            self.stats.drafted += drafted
+            self.stats.accepted += a
+            self.stats.passes += 1
+            self.stats.emitted += a + 1
+        self.token = accepted[-1]
 
     def verify(self, tokens: mx.array) -> mx.array:
         """The trunk over [last token, drafts], recording recurrent snapshots after each."""
-        _record_snapshots(self.cache, True)
+        record = tokens.size > 1
+        record_snapshots(self.cache, record)
         try:
             return self.model.hidden_states(tokens[None], self.cache)
         finally:
-            _record_snapshots(self.cache, False)
+            record_snapshots(self.cache, False)
 
-    def _accept_sampled(self, drafts, draft_logprobs, target_logprobs):
+    def accept_sampled(self, drafts, draft_logprobs, target_logprobs):
         """Speculative sampling (Leviathan et al., Chen et al.): the output follows the target exactly."""
         for i, token in enumerate(drafts):
             p = mx.exp(target_logprobs[i])

@@ -10,7 +10,7 @@ import pytest
 import mlx_hybrid
 from conftest import FIXTURES, QWEN_FAMILIES, load_fixture, reference
 from mlx_hybrid.cache import KVCache, RecurrentCache
-from mlx_hybrid.drafting import MTPDrafter, NgramDrafter, OracleDrafter
+from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter, OracleDrafter
 from mlx_hybrid.generation import prefill
 from mlx_hybrid.sampling import Sampler
 from mlx_hybrid.speculative import SpeculativeDecoder
@@ -171,7 +171,7 @@ def test_model_without_mtp_tensors_loads_and_says_so(tmp_path):
         mlx_hybrid.generate(model, tok, "x", draft="mtp")
 
 
-class UniformDrafter:
+class UniformDrafter(Drafter):
     """A deliberately poor drafter: uniform over a few tokens, with its distribution."""
 
     def __init__(self, pool, vocab_size, seed=0):
@@ -180,7 +180,10 @@ class UniformDrafter:
         self.logprobs = mx.where(in_pool, -np.log(len(pool)), -mx.inf)
         self.key = mx.random.key(seed)
 
-    def start(self, *args):
+    def prefill(self, *args):
+        pass
+
+    def begin(self, *args):
         pass
 
     def draft(self, k, sampler):
@@ -348,5 +351,6 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
     assert [int(t) for t in drafter.draft(4, Sampler(0.0))[0]] == block[8:12]
     for seed in range(20):
         history = np.random.default_rng(seed).integers(0, 6, 60).tolist()
+        drafter = drafter.fork()  # a fresh sequence
         drafter.start(history[:-1], None, history[-1])
         assert [int(t) for t in drafter.draft(3, Sampler(0.0))[0]] == _latest_continuation(history, 3), seed

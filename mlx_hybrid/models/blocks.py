@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from functools import partial
+from itertools import accumulate
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
+from ..cache import RowCaches
 
 F32 = mx.float32
 
@@ -172,6 +174,17 @@ def causal_mask_for(num_tokens: int):
     return "causal" if num_tokens > 1 else None
 
 
+def for_each_row(fn, cache, *arrays: mx.array) -> mx.array:
+    """fn(*arrays, cache) -> [B, T, ...], run per sequence when several come packed along
+    the token axis (axis 1) with `RowCaches`, so that no row sees another's tokens."""
+    if not isinstance(cache, RowCaches):
+        return fn(*arrays, cache)
+    bounds = list(accumulate(cache.lengths))[:-1]
+    pieces = [mx.split(array, bounds, axis=1) for array in arrays]
+    outs = [fn(*(p[row] for p in pieces), row_cache) for row, row_cache in enumerate(cache.caches)]
+    return mx.concatenate(outs, axis=1)
+
+
 def delta_rule_attention(
     mixed_qkv, conv_weight, g, beta, cache, key_heads: int, value_heads: int, key_dim: int, value_dim: int
 ):
@@ -180,17 +193,21 @@ def delta_rule_attention(
 
     Returns the rule's output [B, T, value_heads, value_dim] in float32.
     """
-    B, T, _ = mixed_qkv.shape
-    record = cache is not None and cache.record_snapshots
-    conv = ops.conv1d_update(mixed_qkv, conv_weight, cache.conv_tail if cache else None, snapshots=record)
-    q, k, v = mx.split(conv.out, [key_heads * key_dim, 2 * key_heads * key_dim], axis=-1)
-    q = l2_normalize(q.reshape(B, T, key_heads, key_dim)) * key_dim**-0.5
-    k = l2_normalize(k.reshape(B, T, key_heads, key_dim))
-    v = v.reshape(B, T, value_heads, value_dim)
-    rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
-    if cache is not None:
-        cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
-    return rule.out
+
+    def one_sequence(mixed_qkv, g, beta, cache):
+        B, T, _ = mixed_qkv.shape
+        record = cache is not None and cache.record_snapshots
+        conv = ops.conv1d_update(mixed_qkv, conv_weight, cache.conv_tail if cache else None, snapshots=record)
+        q, k, v = mx.split(conv.out, [key_heads * key_dim, 2 * key_heads * key_dim], axis=-1)
+        q = l2_normalize(q.reshape(B, T, key_heads, key_dim)) * key_dim**-0.5
+        k = l2_normalize(k.reshape(B, T, key_heads, key_dim))
+        v = v.reshape(B, T, value_heads, value_dim)
+        rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
+        if cache is not None:
+            cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
+        return rule.out
+
+    return for_each_row(one_sequence, cache, mixed_qkv, g, beta)
 
 
 class HybridModel(nn.Module):

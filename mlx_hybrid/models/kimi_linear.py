@@ -25,6 +25,7 @@ from .blocks import (
     causal_mask_for,
     check_layer_types,
     delta_rule_attention,
+    for_each_row,
     gated_rms_norm,
     top_k_indices,
 )
@@ -134,13 +135,20 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = mx.split(q, [self.nope_dim], axis=-1)
         queries = mx.concatenate([q_nope @ self.k_b_proj.swapaxes(-1, -2), q_rope], axis=-1)
         latent, k_rope = mx.split(self.kv_a_proj_with_mqa(x), [self.latent_dim], axis=-1)
-        keys = mx.concatenate([self.kv_a_layernorm(latent), k_rope], axis=-1)[:, None]  # [B, 1, T, L + R]
+        keys = mx.concatenate([self.kv_a_layernorm(latent), k_rope], axis=-1)  # [B, T, L + R]
+        out = for_each_row(self._attend, cache, queries.transpose(0, 2, 1, 3), keys)  # [B, T, H, L]
+        out = out.transpose(0, 2, 1, 3) @ self.v_b_proj.swapaxes(-1, -2)  # [B, H, T, v_head_dim]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+    def _attend(self, queries, keys, cache):
+        """One sequence's queries [B, T, H, L + R] over its latent cache; the result [B, T, H, L]."""
+        queries, keys = queries.transpose(0, 2, 1, 3), keys[:, None]  # [B, 1, T, L + R]
         if cache is not None:
             (keys,) = cache.update_and_fetch(keys)
         values = keys[..., : self.latent_dim]
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=causal_mask_for(T))
-        out = out @ self.v_b_proj.swapaxes(-1, -2)  # [B, H, T, v_head_dim]
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        mask = causal_mask_for(queries.shape[2])
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return out.transpose(0, 2, 1, 3)
 
 
 class SigmoidMoE(nn.Module):

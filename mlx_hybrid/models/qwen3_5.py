@@ -26,6 +26,7 @@ from .blocks import (
     causal_mask_for,
     check_layer_types,
     delta_rule_attention,
+    for_each_row,
     gated_rms_norm,
     top_k_indices,
 )
@@ -145,16 +146,21 @@ class GatedAttention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
         query, gate = mx.split(self.q_proj(x).reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
-        q = self.q_norm(query).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.q_norm(query)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1))
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
+        out = for_each_row(self._attend, cache, q, k, v)
+        return self.o_proj(out.reshape(B, T, -1) * ops.sigmoid(gate.reshape(B, T, -1)))
+
+    def _attend(self, q, k, v, cache):
+        """Positioned attention of one sequence over its cache; q, k, v and the result [B, T, H, D]."""
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         offset = cache.offset if cache is not None else 0
         q, k = self._rope(q, offset), self._rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask_for(T))
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(out * ops.sigmoid(gate.reshape(B, T, -1)))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask_for(q.shape[2]))
+        return out.transpose(0, 2, 1, 3)
 
 
 class SparseMoE(nn.Module):

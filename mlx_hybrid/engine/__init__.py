@@ -1,0 +1,16 @@
+"""Scheduling: one sequence or many, continuous joining, speculation per row, prefix checkpoints."""
+
+from .batch import batch_generate
+from .prefix_store import Checkpoint, PrefixStore, load_checkpoint, save_checkpoint
+from .scheduler import Engine, Event, Sequence
+
+__all__ = [
+    "Checkpoint",
+    "Engine",
+    "Event",
+    "PrefixStore",
+    "Sequence",
+    "batch_generate",
+    "load_checkpoint",
+    "save_checkpoint",
+]

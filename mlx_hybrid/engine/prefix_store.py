@@ -1,0 +1,188 @@
+"""Prefix checkpoints: a sequence's whole state after some tokens, to resume from.
+
+A recurrent state cannot be trimmed back to an earlier position, so a conversation can
+only skip the prefill of its history where a checkpoint was saved at exactly the right
+token. A `Checkpoint` holds, for its tokens: every layer's KV entries or (conv tail, S),
+the trunk's last hidden state (the next token's logits come from it) and the drafter's
+state (the MTP head's cache). The `PrefixStore` keeps checkpoints under a byte budget,
+evicting the least recently used, optionally spilling them to a directory as
+safetensors for reuse across restarts; `save_checkpoint` / `load_checkpoint` write and
+read one file (the CLI's prompt cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import GenerationError
+
+FORMAT = "mlx-hybrid-checkpoint-1"
+
+
+def model_fingerprint(model) -> str:
+    """What a checkpoint's arrays depend on: which model computed them."""
+    args = model.args
+    return f"{args.model_type}/{args.num_hidden_layers}x{args.hidden_size}/{args.vocab_size}"
+
+
+@dataclass
+class Checkpoint:
+    tokens: tuple[int, ...]  # what the state has read
+    layers: list[tuple]  # per trunk layer: its KV entries, or (conv tail, S)
+    last_hidden: mx.array  # [1, 1, E] at the last token
+    drafter: dict[str, mx.array]  # the drafter's state ({} when it keeps none)
+    model: str  # model_fingerprint
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [a for layer in self.layers for a in layer] + [self.last_hidden] + list(self.drafter.values())
+        return sum(a.nbytes for a in arrays)
+
+
+def capture(model, cache, tokens, last_hidden: mx.array, drafter=None) -> Checkpoint:
+    """A checkpoint of one sequence: its caches after `tokens`, `last_hidden` at the last of them."""
+    checkpoint = Checkpoint(
+        tuple(tokens),
+        [layer_cache.checkpoint() for layer_cache in cache],
+        last_hidden,
+        drafter.checkpoint() if drafter is not None else {},
+        model_fingerprint(model),
+    )
+    mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
+    return checkpoint
+
+
+def restore(checkpoint: Checkpoint, cache, drafter=None):
+    """Put a checkpoint's state into a fresh sequence's caches (and drafter)."""
+    for layer_cache, entries in zip(cache, checkpoint.layers):
+        layer_cache.restore(entries)
+    if drafter is not None:
+        drafter.restore(checkpoint.drafter, list(checkpoint.tokens))
+
+
+def save_checkpoint(path, checkpoint: Checkpoint):
+    arrays = {f"layer.{i}.{j}": a for i, layer in enumerate(checkpoint.layers) for j, a in enumerate(layer)}
+    arrays["last_hidden"] = checkpoint.last_hidden
+    arrays |= {f"drafter.{name}": a for name, a in checkpoint.drafter.items()}
+    metadata = {
+        "format": FORMAT,
+        "model": checkpoint.model,
+        "tokens": json.dumps(list(checkpoint.tokens)),
+        "layers": json.dumps([len(layer) for layer in checkpoint.layers]),
+    }
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial.safetensors")  # a crash leaves no half file under the name
+    mx.save_safetensors(str(partial), arrays, metadata=metadata)
+    os.replace(partial, path)
+
+
+def load_checkpoint(path, model=None) -> Checkpoint:
+    """Read a checkpoint file; with `model`, check that this model wrote it."""
+    try:
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        if metadata.get("format") != FORMAT:
+            raise ValueError("not an mlx-hybrid checkpoint")
+        counts = json.loads(metadata["layers"])
+        checkpoint = Checkpoint(
+            tuple(json.loads(metadata["tokens"])),
+            [tuple(arrays[f"layer.{i}.{j}"] for j in range(n)) for i, n in enumerate(counts)],
+            arrays["last_hidden"],
+            {name[len("drafter.") :]: a for name, a in arrays.items() if name.startswith("drafter.")},
+            metadata["model"],
+        )
+    except (OSError, RuntimeError, ValueError, KeyError) as e:
+        raise GenerationError(f"cannot read the prompt cache {path}: {e}") from None
+    if model is not None and checkpoint.model != model_fingerprint(model):
+        raise GenerationError(
+            f"the prompt cache {path} was made by another model ({checkpoint.model}, "
+            f"this one is {model_fingerprint(model)})"
+        )
+    return checkpoint
+
+
+class PrefixStore:
+    """Checkpoints keyed by their tokens, within `max_bytes`, least recently used evicted first.
+
+    With `directory`, evicted checkpoints are written there (as `save_checkpoint` files,
+    up to `max_disk_bytes`, oldest removed first) and found again, also after a restart.
+    """
+
+    def __init__(self, max_bytes: int, directory=None, max_disk_bytes: int | None = None):
+        if max_bytes < 0:
+            raise GenerationError(f"the prefix cache budget must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()  # oldest use first
+        self.nbytes = 0
+        self.directory = Path(directory) if directory is not None else None
+        self.max_disk_bytes = max_disk_bytes
+        self.on_disk: dict[tuple[int, ...], Path] = {}
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for path in sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
+                try:
+                    _, metadata = mx.load(str(path), return_metadata=True)
+                    self.on_disk[tuple(json.loads(metadata["tokens"]))] = path
+                except Exception:  # noqa: BLE001  (a stray or broken file is not a checkpoint)
+                    continue
+
+    def __len__(self):
+        return len(self.entries)
+
+    def save(self, checkpoint: Checkpoint):
+        if checkpoint.tokens in self.entries:
+            self.nbytes -= self.entries.pop(checkpoint.tokens).nbytes
+        if checkpoint.nbytes > self.max_bytes:
+            self._spill(checkpoint)
+            return
+        self.entries[checkpoint.tokens] = checkpoint
+        self.nbytes += checkpoint.nbytes
+        while self.nbytes > self.max_bytes:
+            _, evicted = self.entries.popitem(last=False)
+            self.nbytes -= evicted.nbytes
+            self._spill(evicted)
+
+    def longest_prefix(self, tokens: list[int], model=None) -> Checkpoint | None:
+        """The checkpoint of the longest saved prefix of `tokens` (all of them included)."""
+        tokens = tuple(tokens)
+        fingerprint = model_fingerprint(model) if model is not None else None
+
+        def fits(key):
+            return len(key) <= len(tokens) and tokens[: len(key)] == key
+
+        best = max((key for key in self.entries if fits(key)), key=len, default=None)
+        spilled = max((key for key in self.on_disk if fits(key)), key=len, default=None)
+        if spilled is not None and (best is None or len(spilled) > len(best)):
+            try:
+                checkpoint = load_checkpoint(self.on_disk[spilled])
+            except GenerationError:
+                del self.on_disk[spilled]
+                return self.longest_prefix(list(tokens), model)
+            if fingerprint is None or checkpoint.model == fingerprint:
+                self.save(checkpoint)
+                best = spilled
+        if best is None or (fingerprint is not None and self.entries[best].model != fingerprint):
+            return None
+        self.entries.move_to_end(best)
+        return self.entries[best]
+
+    def _spill(self, checkpoint: Checkpoint):
+        if self.directory is None or checkpoint.tokens in self.on_disk:
+            return
+        name = hashlib.sha256(json.dumps(checkpoint.tokens).encode()).hexdigest()[:32]
+        path = self.directory / f"{name}.safetensors"
+        save_checkpoint(path, checkpoint)
+        self.on_disk[checkpoint.tokens] = path
+        if self.max_disk_bytes is not None:
+            sizes = {key: p.stat().st_size for key, p in self.on_disk.items() if p.exists()}
+            for key in list(self.on_disk):  # oldest first
+                if sum(sizes.values()) <= self.max_disk_bytes:
+                    break
+                self.on_disk.pop(key).unlink(missing_ok=True)
+                sizes.pop(key, None)

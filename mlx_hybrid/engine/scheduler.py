@@ -1,0 +1,381 @@
+"""The batch engine: continuous batching of many sequences, speculation per row, prefix checkpoints.
+
+Each step runs one model pass over every running sequence, packed along the token axis
+(no padding, see `cache.RowCaches`):
+- a sequence still reading its prompt feeds its next chunk (at most `prefill_chunk`
+  prompt tokens a step in all, so a long prompt does not stall the others), ending at
+  the positions where it asked for checkpoints;
+- a decoding sequence feeds its last token and this round's drafts. The drafters of all
+  rows draft together (`draft_rows`), the pass records recurrent snapshots for the rows
+  that drafted, and each row then accepts, rolls back and adapts on its own, through its
+  `SpeculativeDecoder`.
+
+Sequences join between steps and leave when they finish or are cancelled. Nothing
+here knows about HTTP: `submit` gives a `Sequence` whose tokens arrive as events.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import mlx.core as mx
+
+from ..cache import packed
+from ..errors import GenerationError
+from ..prompt import PREFILL_STEP, check_context, prompt_ids
+from ..sampling import Sampler
+from ..speculative import SpeculativeDecoder, accept_greedy, record_snapshots
+from .prefix_store import PrefixStore, capture, restore
+
+DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class Event:
+    """What a sequence produced in one step: new tokens, and at the end why it ended."""
+
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
+    error: str | None = None  # what went wrong, with "error"
+
+
+@dataclass
+class Sequence:
+    """One request in the engine, as its submitter sees it."""
+
+    prompt: list[int]
+    max_tokens: int
+    cached_tokens: int = 0  # prompt tokens that came from a checkpoint
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    finish_reason: str | None = None
+    error: str | None = None
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: bool = False
+
+    def cancel(self):
+        """Stop generating; the engine frees the row at its next step."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def stream(self, timeout: float | None = None):
+        """The events, as the engine produces them (for a consumer on another thread)."""
+        while True:
+            event = self.events.get(timeout=timeout)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+class _Row:
+    """The engine's side of a sequence: caches, sampler, drafter and decoder."""
+
+    def __init__(self, sequence: Sequence, decoder: SpeculativeDecoder, stop_tokens, checkpoint_at):
+        self.sequence = sequence
+        self.decoder = decoder
+        self.stop_tokens = stop_tokens
+        self.checkpoint_at = sorted(p for p in set(checkpoint_at) if 0 < p <= len(sequence.prompt))
+        self.fed: list[int] = []  # tokens the caches have read
+        self.last_hidden = None  # the trunk's hidden state at the last fed token [1, 1, E]
+
+    @property
+    def prefilling(self) -> bool:
+        return self.decoder.token is None
+
+    @property
+    def drafter(self):
+        return self.decoder.drafter
+
+
+class Engine:
+    """Continuous batching over one model.
+
+    drafter: None (plain decoding) or a drafter (see `drafting.make_drafter`) that each
+    sequence gets a `fork` of; num_draft_tokens and adaptive as in `SpeculativeDecoder`.
+    prefix_store: where checkpoints are kept (None: a `PrefixStore` of
+    `DEFAULT_PREFIX_CACHE_BYTES`; a store with max_bytes=0 keeps none in memory).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        drafter=None,
+        num_draft_tokens: int = 3,
+        adaptive: bool = True,
+        max_batch: int = 8,
+        prefill_chunk: int = PREFILL_STEP,
+        prefix_store: PrefixStore | None = None,
+    ):
+        if max_batch < 1:
+            raise GenerationError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if num_draft_tokens < 1:
+            raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.adaptive = adaptive
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.store = prefix_store if prefix_store is not None else PrefixStore(DEFAULT_PREFIX_CACHE_BYTES)
+        self.waiting: queue.Queue = queue.Queue()
+        self.rows: list[_Row] = []
+        self._wake = threading.Event()
+        self._thread = None
+        self._stopping = False
+
+    # -- requests
+
+    def submit(
+        self,
+        prompt,
+        max_tokens: int = 256,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop_tokens=None,
+        checkpoint_at=(),
+        drafter=None,
+    ) -> Sequence:
+        """Queue a request; its tokens arrive on the returned Sequence.
+
+        prompt: a string or token ids. stop_tokens: ids that end it (default: the
+        tokenizer's end tokens). checkpoint_at: prompt positions (token counts) to save
+        checkpoints at; one is always saved at the end. drafter: this sequence's own
+        drafter instead of a fork of the engine's (for measurements).
+        """
+        ids = prompt_ids(self.tokenizer, prompt, self.model.args.vocab_size)
+        room = check_context(self.model, len(ids))
+        if max_tokens < 0:
+            raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
+        sampler = Sampler(temp, top_p, top_k, min_p, seed)
+        drafter = drafter if drafter is not None else (self.drafter.fork() if self.drafter is not None else None)
+        sequence = Sequence(ids, min(max_tokens, room))
+        decoder = SpeculativeDecoder(
+            self.model, drafter, sampler, self.num_draft_tokens, self.model.make_cache(), adaptive=self.adaptive
+        )
+        stops = set(self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens)
+        self.waiting.put(_Row(sequence, decoder, stops, checkpoint_at))
+        self._wake.set()
+        return sequence
+
+    # -- the loop
+
+    def step(self) -> bool:
+        """Admit what waits, then one pass over the running rows. Whether there is work left."""
+        self._admit()
+        self._drop_cancelled()
+        if self.rows:
+            try:
+                self._pass()
+            except Exception as e:  # noqa: BLE001  (a failed pass ends its rows, not the engine)
+                for row in self.rows:
+                    self._finish(row, "error", error=f"{type(e).__name__}: {e}")
+                self.rows = []
+        return bool(self.rows) or not self.waiting.empty()
+
+    def run(self):
+        """Step until every submitted sequence is done."""
+        while self.step():
+            pass
+
+    def start(self):
+        """Step on a background thread (for a server); `stop` ends it."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mlx-hybrid-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self):
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self):
+        while not self._stopping:
+            if not self.step():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def _admit(self):
+        while len(self.rows) < self.max_batch:
+            try:
+                row = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if row.sequence.cancelled:
+                self._finish(row, "cancelled")
+            elif row.sequence.max_tokens == 0:
+                self._finish(row, "length")
+            elif not self._resume(row):
+                self.rows.append(row)
+
+    def _resume(self, row: _Row) -> bool:
+        """Start from the longest checkpoint that is a prefix of the prompt; whether that ended the row."""
+        checkpoint = self.store.longest_prefix(row.sequence.prompt, self.model)
+        if checkpoint is None:
+            return False
+        restore(checkpoint, row.decoder.cache, row.drafter)
+        row.fed = list(checkpoint.tokens)
+        row.last_hidden = checkpoint.last_hidden
+        row.sequence.cached_tokens = len(row.fed)
+        if len(row.fed) < len(row.sequence.prompt):
+            return False
+        # the whole prompt: its first token comes from the saved hidden state
+        return self._started(row, self.model.logits_from_hidden(row.last_hidden)[0])
+
+    def _drop_cancelled(self):
+        for row in [r for r in self.rows if r.sequence.cancelled]:
+            self._finish(row, "cancelled")
+            self.rows.remove(row)
+
+    def _pass(self):
+        """One model pass over the rows that have tokens to feed this step."""
+        inputs, asked = self._inputs(self.rows)
+        rows = [row for row in self.rows if row in inputs]
+        feeds = [inputs[row] for row in rows]
+        lengths = [len(x) if isinstance(x, list) else x.size for x in feeds]
+        for row, n in zip(rows, lengths):
+            record_snapshots(row.decoder.cache, not row.prefilling and n > 1)
+        ids = mx.concatenate([mx.array(x) if isinstance(x, list) else x for x in feeds])[None]
+        try:
+            hidden = self.model.hidden_states(ids, packed([row.decoder.cache for row in rows], lengths))
+        finally:
+            for row in rows:
+                record_snapshots(row.decoder.cache, False)
+        starts = [0, *accumulate(lengths)]
+        spans = list(zip(starts, starts[1:]))
+
+        # logits where a token is chosen: every position of a decoding row, a prompt's last
+        wanted = [
+            list(range(s, e)) if not row.prefilling else ([e - 1] if self._prompt_done(row, e - s) else [])
+            for row, (s, e) in zip(rows, spans)
+        ]
+        positions = [p for w in wanted for p in w]
+        logits = self.model.logits_from_hidden(hidden[:, mx.array(positions)])[0] if positions else None
+        bounds = [0, *accumulate(len(w) for w in wanted)]
+        row_logits = [logits[s:e] if logits is not None else None for s, e in zip(bounds, bounds[1:])]
+        choices = self._greedy_choices(rows, feeds, row_logits)
+
+        for row, feed, (s, e), row_logit, choice in zip(rows, feeds, spans, row_logits, choices):
+            row_hidden = hidden[:, s:e]
+            if row.prefilling:
+                ended = self._after_prefill(row, feed, row_hidden, row_logit)
+            else:
+                k, draft_logprobs = asked[row]
+                if choice is not None:
+                    drafts, targets = choice
+                    accepted = accept_greedy(drafts, targets)
+                else:
+                    drafts = feed[1:].tolist()
+                    sampler = row.decoder.sampler
+                    accepted = row.decoder.accept_sampled(drafts, draft_logprobs, sampler.log_probs(row_logit))
+                previous = row.decoder.token
+                row.decoder.finish(row_hidden, accepted, len(drafts), k)
+                row.fed += [previous] + accepted[:-1]
+                row.last_hidden = row_hidden[:, len(accepted) - 1 : len(accepted)]
+                ended = self._emit(row, accepted)
+            if ended:
+                self.rows.remove(row)
+
+    def _inputs(self, rows):
+        """What each row feeds this pass: prompt tokens (a list), or its last token and this
+        round's drafts (an array, built on the lazy drafts); and for decoding rows the drafts
+        asked for and their distributions. Rows left without prefill budget sit the step out."""
+        budget = self.prefill_chunk
+        inputs, asked = {}, {}
+        for row in rows:
+            if row.prefilling:
+                if budget > 0:
+                    start = len(row.fed)
+                    end = min([len(row.sequence.prompt), start + budget] + [p for p in row.checkpoint_at if p > start])
+                    budget -= end - start
+                    inputs[row] = row.sequence.prompt[start:end]
+            else:
+                asked[row] = (row.decoder.plan(row.sequence.max_tokens - len(row.sequence.tokens)), [])
+                inputs[row] = mx.array([row.decoder.token])
+        drafting = [row for row, (k, _) in asked.items() if k]
+        if drafting:
+            drafters = [row.drafter for row in drafting]
+            samplers = [row.decoder.sampler for row in drafting]
+            drafts = type(drafters[0]).draft_rows(drafters, [asked[row][0] for row in drafting], samplers)
+            for row, (tokens, logprobs) in zip(drafting, drafts):
+                asked[row] = (asked[row][0], logprobs)
+                if tokens:
+                    inputs[row] = mx.concatenate([inputs[row], mx.stack(tokens).reshape(-1).astype(mx.int32)])
+        return inputs, asked
+
+    def _prompt_done(self, row, fed_now: int) -> bool:
+        return len(row.fed) + fed_now == len(row.sequence.prompt)
+
+    def _greedy_choices(self, rows, feeds, row_logits):
+        """For greedy decoding rows, (drafts, the trunk's argmax at every position), in one host sync."""
+        parts, owners = [], []
+        for i, row in enumerate(rows):
+            if not row.prefilling and row.decoder.sampler.greedy:
+                parts += [feeds[i][1:].astype(mx.int32), mx.argmax(row_logits[i], axis=-1).astype(mx.int32)]
+                owners.append(i)
+        choices = [None] * len(rows)
+        if parts:
+            flat, at = mx.concatenate(parts).tolist(), 0
+            for j, i in enumerate(owners):
+                n_drafts, n_targets = parts[2 * j].size, parts[2 * j + 1].size
+                choices[i] = (flat[at : at + n_drafts], flat[at + n_drafts : at + n_drafts + n_targets])
+                at += n_drafts + n_targets
+        return choices
+
+    def _after_prefill(self, row: _Row, tokens: list[int], hidden: mx.array, logits) -> bool:
+        """After a chunk of the prompt; whether the row ended (its first token may end it)."""
+        row.fed += tokens
+        row.last_hidden = hidden[:, -1:]
+        if row.drafter is not None:
+            row.drafter.prefill(tokens, hidden)
+        mx.eval(hidden)  # a chunk at a time bounds the activations, as `prompt.prefill` does
+        if len(row.fed) in row.checkpoint_at:
+            self._save(row)
+        return logits is not None and self._started(row, logits)
+
+    def _started(self, row: _Row, logits: mx.array) -> bool:
+        """The prompt is read: the first token from its last position's logits [1, V]."""
+        first = int(row.decoder.sampler(logits[-1]))
+        row.decoder.begin(first)
+        return self._emit(row, [first])
+
+    def _emit(self, row: _Row, accepted: list[int]) -> bool:
+        """Hand out a round's tokens, up to a stop token or max_tokens; whether the row ended."""
+        sequence = row.sequence
+        out, reason = [], None
+        for token in accepted:
+            out.append(token)
+            if token in row.stop_tokens:
+                reason = "stop"
+                break
+            if len(sequence.tokens) + len(out) >= sequence.max_tokens:
+                reason = "length"
+                break
+        sequence.tokens += out
+        if reason is None:
+            sequence.events.put(Event(out))
+            return False
+        self._save(row)
+        self._finish(row, reason, out)
+        return True
+
+    def _save(self, row: _Row):
+        self.store.save(capture(self.model, row.decoder.cache, row.fed, row.last_hidden, row.drafter))
+
+    def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None):
+        sequence = row.sequence
+        sequence.finish_reason, sequence.error = reason, error
+        sequence.events.put(Event(list(tokens), reason, error))
