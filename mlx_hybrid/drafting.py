@@ -64,11 +64,7 @@ class DraftHead:
             indices, top_list, logprobs = [], [], []
             for row, sampler in zip(logits, samplers):
                 row_logprobs = sampler.log_probs(row)
-                indices.append(
-                    mx.argmax(row, axis=-1)
-                    if sampler.greedy
-                    else mx.random.categorical(row_logprobs, key=sampler.next_key())
-                )
+                indices.append(mx.argmax(row, axis=-1) if sampler.greedy else sampler.draw(row_logprobs))
                 top_list.append(mx.exp(row_logprobs.max()))
                 logprobs.append(None if sampler.greedy else self._whole_vocabulary(row_logprobs))
             index, tops = mx.stack(indices), mx.stack(top_list)

@@ -55,6 +55,12 @@ class StreamingDetokenizer:
             self.segment, self.segment_text = [], ""
         return new
 
+    def finalize(self) -> str:
+        """What is still held back at the end (an incomplete character decodes as U+FFFD)."""
+        rest = self.tokenizer.decode(self.segment)[len(self.segment_text) :] if self.segment else ""
+        self.segment, self.segment_text = [], ""
+        return rest
+
 
 def _plain_tokens(model, sampler, prompt_hidden, cache) -> Iterator[tuple[int, bool]]:
     """Plain decoding: one trunk step per token."""
@@ -148,8 +154,11 @@ def stream_generate(
     for n, (token, from_draft) in enumerate(tokens, start=1):
         finish = "stop" if token in eos else ("length" if n >= max_tokens else None)
         elapsed = time.perf_counter() - start
+        text = "" if token in eos else detokenizer.add(token)
+        if finish:
+            text += detokenizer.finalize()
         yield GenerationResponse(
-            text="" if token in eos else detokenizer.add(token),
+            text=text,
             token=token,
             from_draft=from_draft,
             prompt_tokens=len(ids),

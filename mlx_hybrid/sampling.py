@@ -60,4 +60,10 @@ class Sampler:
         """Tokens [...] for logits [..., V]."""
         if self.greedy:
             return mx.argmax(logits, axis=-1)
-        return mx.random.categorical(self.log_probs(logits), key=self.next_key())
+        return self.draw(self.log_probs(logits))
+
+    def draw(self, logprobs: mx.array) -> mx.array:
+        """Tokens [...] drawn from log-probabilities [..., V] with the next key; a single row
+        draws the same token whether it comes as [V] or [1, V] (MLX's draw depends on the shape)."""
+        rows = logprobs.reshape(-1, logprobs.shape[-1])
+        return mx.random.categorical(rows, key=self.next_key()).reshape(logprobs.shape[:-1])

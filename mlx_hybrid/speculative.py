@@ -201,7 +201,7 @@ class SpeculativeDecoder:
                 residual = mx.where(mx.arange(p.shape[-1]) == token, 0.0, p)
             else:
                 residual = mx.maximum(p - q, 0.0)
-            fallback = mx.random.categorical(mx.log(residual), key=self.sampler.next_key())
+            fallback = self.sampler.draw(mx.log(residual))
             return drafts[:i] + [int(fallback)]
-        bonus = mx.random.categorical(target_logprobs[len(drafts)], key=self.sampler.next_key())
+        bonus = self.sampler.draw(target_logprobs[len(drafts)])
         return drafts + [int(bonus)]

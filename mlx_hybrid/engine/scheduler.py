@@ -265,7 +265,7 @@ class Engine:
         positions = [p for w in wanted for p in w]
         logits = self.model.logits_from_hidden(hidden[:, mx.array(positions)])[0] if positions else None
         bounds = [0, *accumulate(len(w) for w in wanted)]
-        row_logits = [logits[s:e] if logits is not None else None for s, e in zip(bounds, bounds[1:])]
+        row_logits = [logits[s:e] if e > s else None for s, e in zip(bounds, bounds[1:])]
         choices = self._greedy_choices(rows, feeds, row_logits)
 
         for row, feed, (s, e), row_logit, choice in zip(rows, feeds, spans, row_logits, choices):

@@ -1,0 +1,267 @@
+"""The batch engine: batches equal single runs, joining and leaving, speculation per row,
+sampled rows, cancellation, prefix checkpoints (exact, bounded, on disk), flat memory."""
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_hybrid
+from conftest import QWEN_FAMILIES, load_fixture
+from mlx_hybrid.drafting import make_drafter
+from mlx_hybrid.engine import Engine, PrefixStore, load_checkpoint, save_checkpoint
+from mlx_hybrid.engine.prefix_store import capture, restore
+from mlx_hybrid.prompt import prefill
+
+PROMPT_LENGTHS = (1, 5, 30, 200, 17, 2, 64, 120)
+MAX_TOKENS = 24
+_singles = {}
+
+
+def prompts_for(n=len(PROMPT_LENGTHS), seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, length).tolist() for length in PROMPT_LENGTHS[:n]]
+
+
+def single_greedy(family, source, prompt, max_tokens=MAX_TOKENS):
+    """Plain greedy decoding of one prompt alone: the reference every batch row must equal."""
+    key = (family, source, tuple(prompt), max_tokens)
+    if key not in _singles:
+        model, tok = load_fixture(family, source)
+        _singles[key] = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=max_tokens)]
+    return _singles[key]
+
+
+def engine_for(family, source, draft=None, **kwargs):
+    model, tok = load_fixture(family, source)
+    kwargs.setdefault("prefix_store", PrefixStore(0))
+    return Engine(model, tok, make_drafter(model, tok, draft), **kwargs)
+
+
+def drafts_for(family):
+    return [None, "ngram"] + (["mtp"] if family in QWEN_FAMILIES else [])
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "mtp"])
+def test_batch_rows_equal_single_greedy_runs(family, source, draft):
+    """8 prompts of 1 to 200 tokens, prefilled in interleaved chunks, decoded together."""
+    if draft == "mtp" and family not in QWEN_FAMILIES:
+        pytest.skip("Kimi Linear has no MTP head")
+    engine = engine_for(family, source, draft, prefill_chunk=48)
+    prompts = prompts_for()
+    sequences = [engine.submit(p, max_tokens=MAX_TOKENS) for p in prompts]
+    engine.run()
+    for prompt, sequence in zip(prompts, sequences):
+        assert sequence.tokens == single_greedy(family, source, prompt), len(prompt)
+        assert sequence.finish_reason in ("stop", "length") and sequence.cached_tokens == 0
+
+
+@pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
+def test_rows_join_mid_flight_and_finish_early(family):
+    """A batch of 3 slots: requests wait, join as others leave, and some stop early."""
+    source = "model.gguf"
+    engine = engine_for(family, source, "ngram" if family == "kimilinear" else "mtp", max_batch=3, prefill_chunk=32)
+    prompts = prompts_for()
+    budgets = [MAX_TOKENS, 3, MAX_TOKENS, 1, 7, MAX_TOKENS, 2, MAX_TOKENS]
+    sequences = [engine.submit(p, max_tokens=b) for p, b in zip(prompts[:4], budgets)]
+    for _ in range(5):
+        engine.step()
+        assert len(engine.rows) <= 3
+    sequences += [engine.submit(p, max_tokens=b) for p, b in zip(prompts[4:], budgets[4:])]
+    engine.run()
+    for prompt, budget, sequence in zip(prompts, budgets, sequences):
+        assert sequence.tokens == single_greedy(family, source, prompt)[:budget]
+
+
+def test_events_stream_each_rows_tokens_in_order():
+    engine = engine_for("qwen35", "hf", "mtp")
+    prompts = prompts_for(3)
+    sequences = [engine.submit(p, max_tokens=MAX_TOKENS) for p in prompts]
+    engine.run()
+    for prompt, sequence in zip(prompts, sequences):
+        events = list(sequence.stream(timeout=1))
+        assert [t for e in events for t in e.tokens] == single_greedy("qwen35", "hf", prompt)
+        assert events[-1].finish_reason == sequence.finish_reason and all(e.finish_reason is None for e in events[:-1])
+
+
+@pytest.mark.parametrize("draft", [None, "mtp"])
+def test_sampled_rows_draw_what_a_single_run_with_their_seed_draws(draft):
+    """Each row has its own seed stream: in a batch it samples exactly what it samples alone
+    (so a speculative row keeps the target's distribution, as the single decoder does)."""
+    model, tok = load_fixture("qwen3next", "model.gguf")
+    prompts = prompts_for(4)
+    settings = dict(temp=0.9, top_p=0.95, max_tokens=MAX_TOKENS)
+    alone = [
+        [r.token for r in mlx_hybrid.stream_generate(model, tok, p, seed=10 + i, draft=draft, **settings)]
+        for i, p in enumerate(prompts)
+    ]
+    engine = engine_for("qwen3next", "model.gguf", draft)
+    sequences = [engine.submit(p, seed=10 + i, **settings) for i, p in enumerate(prompts)]
+    greedy_neighbour = engine.submit(prompts[0], max_tokens=MAX_TOKENS)
+    engine.run()
+    assert [s.tokens for s in sequences] == alone
+    assert greedy_neighbour.tokens == single_greedy("qwen3next", "model.gguf", prompts[0])
+
+
+def test_batch_generate_returns_each_prompts_text():
+    model, tok = load_fixture("qwen35", "hf")
+    prompts = ["def add(a, b):", "import os\n", "class Point:"]
+    texts = mlx_hybrid.batch_generate(model, tok, prompts, max_tokens=16, draft="mtp")
+    assert texts == [mlx_hybrid.generate(model, tok, p, max_tokens=16) for p in prompts]
+    with pytest.raises(mlx_hybrid.GenerationError, match="non-empty list"):
+        mlx_hybrid.batch_generate(model, tok, [])
+    with pytest.raises(mlx_hybrid.GenerationError, match="empty"):
+        mlx_hybrid.batch_generate(model, tok, ["x", ""])
+
+
+def test_cancelled_rows_leave_and_the_others_go_on():
+    engine = engine_for("qwen35moe", "model.gguf", "mtp")
+    prompts = prompts_for(3)
+    sequences = [engine.submit(p, max_tokens=MAX_TOKENS) for p in prompts]
+    engine.step()
+    engine.step()
+    sequences[1].cancel()
+    waiting = engine.submit(prompts[0], max_tokens=5)
+    waiting.cancel()
+    engine.run()
+    assert sequences[1].finish_reason == "cancelled" and waiting.finish_reason == "cancelled"
+    assert len(sequences[1].tokens) < MAX_TOKENS and waiting.tokens == []
+    for i in (0, 2):
+        assert sequences[i].tokens == single_greedy("qwen35moe", "model.gguf", prompts[i])
+    assert engine.rows == []
+
+
+# -- prefix checkpoints
+
+
+def _fresh_logits(model, tokens):
+    return model(mx.array(tokens)[None], model.make_cache())[0, -1]
+
+
+def _continue(model, cache, tokens):
+    return model(mx.array(tokens)[None], cache)[0, -1]
+
+
+@pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
+def test_continuing_from_a_checkpoint_equals_a_fresh_prefill(family, tmp_path):
+    model, _ = load_fixture(family, "hf")
+    tokens = prompts_for()[3]  # 200
+    for split in (1, 50, 150):
+        fresh = model.make_cache()
+        hidden = prefill(model, tokens[:split], fresh)
+        checkpoint = capture(model, fresh, tokens[:split], hidden[:, -1:])
+        path = tmp_path / f"{split}.safetensors"
+        save_checkpoint(path, checkpoint)
+        want = _continue(model, fresh, tokens[split:])
+        for saved in (checkpoint, load_checkpoint(path, model)):
+            cache = model.make_cache()
+            restore(saved, cache)
+            assert float(mx.abs(_continue(model, cache, tokens[split:]) - want).max()) < 1e-5, split
+            at_end = model.logits_from_hidden(saved.last_hidden)[0, -1]
+            assert float(mx.abs(at_end - _fresh_logits(model, tokens[:split])).max()) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
+def test_the_engine_checkpoints_where_asked_and_at_the_end(family):
+    """The engine computes in 32-token chunks packed with other rows, so its states round
+    differently from one fresh call's (tolerance as in the model tests)."""
+    model, _ = load_fixture(family, "hf")
+    prompt = prompts_for()[7]  # 120 tokens
+    engine = engine_for(family, "hf", prefix_store=PrefixStore(1 << 30), prefill_chunk=32)
+    sequence = engine.submit(prompt, max_tokens=MAX_TOKENS, checkpoint_at=[50, 80, 500])
+    engine.submit(prompts_for()[4], max_tokens=MAX_TOKENS)  # a neighbour in the batch
+    engine.run()
+    # the named positions, the whole of each sequence but its last token (sampled, never fed)
+    everything = prompt + sequence.tokens
+    assert tuple(prompt[:50]) in engine.store.entries and tuple(prompt[:80]) in engine.store.entries
+    assert tuple(everything[:-1]) in engine.store.entries and len(engine.store) == 4
+    for key in (prompt[:50], prompt[:80], everything[:-1]):
+        cache = model.make_cache()
+        restore(engine.store.entries[tuple(key)], cache)
+        fresh = model.make_cache()
+        prefill(model, key, fresh)
+        got, want = _continue(model, cache, everything[len(key) :]), _continue(model, fresh, everything[len(key) :])
+        assert float(mx.abs(got - want).max()) < 1e-3
+
+
+@pytest.mark.parametrize("draft", ["none", "mtp", "ngram"])
+def test_a_second_turn_resumes_from_the_first_turns_checkpoint(draft):
+    family, source = "qwen3next", "hf"
+    engine = engine_for(family, source, draft, prefix_store=PrefixStore(1 << 30))
+    first_prompt = prompts_for()[2]
+    first = engine.submit(first_prompt, max_tokens=MAX_TOKENS)
+    engine.run()
+    second_prompt = first_prompt + first.tokens + [7, 8, 9]
+    second = engine.submit(second_prompt, max_tokens=MAX_TOKENS)
+    engine.run()
+    assert second.cached_tokens == len(first_prompt) + len(first.tokens) - 1
+    assert second.tokens == single_greedy(family, source, second_prompt)
+    # the exact prompt of a checkpoint: its first token comes from the saved hidden state
+    again = engine.submit(first_prompt, max_tokens=MAX_TOKENS, checkpoint_at=[len(first_prompt)])
+    engine.run()
+    third = engine.submit(first_prompt, max_tokens=MAX_TOKENS)
+    engine.run()
+    assert again.tokens == third.tokens == first.tokens
+    assert third.cached_tokens == len(first_prompt)
+
+
+def test_the_store_keeps_its_byte_budget_and_evicts_the_least_recently_used(tmp_path):
+    model, _ = load_fixture("qwen35", "model.gguf")
+    prompts = prompts_for(4, seed=3)
+    checkpoints = []
+    for prompt in prompts:
+        cache = model.make_cache()
+        hidden = prefill(model, prompt, cache)
+        checkpoints.append(capture(model, cache, prompt, hidden[:, -1:]))
+    sizes = [c.nbytes for c in checkpoints]
+    budget = sizes[0] + sizes[2] + sizes[3] + 1  # room for three of these
+    store = PrefixStore(budget, directory=tmp_path / "spill")
+    for c in checkpoints[:3]:
+        store.save(c)
+    assert store.longest_prefix(prompts[0] + [5]) is checkpoints[0]  # used: now the most recent
+    store.save(checkpoints[3])
+    assert store.nbytes <= budget and store.nbytes == sum(c.nbytes for c in store.entries.values())
+    assert set(store.entries) == {tuple(prompts[i]) for i in (0, 2, 3)}  # 1 was the least recently used
+    # the evicted one went to disk, and a new store on the same directory finds it
+    reopened = PrefixStore(budget, directory=tmp_path / "spill")
+    found = reopened.longest_prefix(prompts[1] + [9, 9])
+    assert found is not None and found.tokens == tuple(prompts[1])
+    cache = model.make_cache()
+    restore(found, cache)
+    got = model(mx.array([[9, 9]]), cache)[0, -1]
+    assert float(mx.abs(got - _fresh_logits(model, prompts[1] + [9, 9])).max()) < 1e-5
+    assert PrefixStore(0).longest_prefix(prompts[0]) is None
+
+
+def test_a_prompt_cache_from_another_model_is_refused(tmp_path):
+    model, _ = load_fixture("qwen35", "model.gguf")
+    other, _ = load_fixture("kimilinear", "model.gguf")
+    cache = model.make_cache()
+    hidden = prefill(model, [5, 6, 7], cache)
+    save_checkpoint(tmp_path / "c.safetensors", capture(model, cache, [5, 6, 7], hidden[:, -1:]))
+    with pytest.raises(mlx_hybrid.GenerationError, match="another model"):
+        load_checkpoint(tmp_path / "c.safetensors", other)
+    (tmp_path / "bad.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(mlx_hybrid.GenerationError, match="cannot read"):
+        load_checkpoint(tmp_path / "bad.safetensors", model)
+
+
+def test_500_requests_leave_active_memory_flat():
+    model, tok = load_fixture("qwen35", "model.gguf")
+    engine = Engine(model, tok, make_drafter(model, tok, "mtp"), prefix_store=PrefixStore(1 << 20))
+    rng = np.random.default_rng(0)
+
+    def burst(n):
+        for _ in range(n):
+            engine.submit(rng.integers(3, 500, int(rng.integers(1, 40))).tolist(), max_tokens=int(rng.integers(1, 8)))
+        engine.run()
+        gc.collect()
+        return mx.get_active_memory()
+
+    burst(50)
+    after_warmup = burst(50)
+    after_all = burst(400)
+    # the store is full from the first burst on (1 MB); requests leave nothing else behind
+    assert after_all - after_warmup < 256 * 1024, (after_warmup, after_all)
+    assert engine.store.nbytes <= 1 << 20 and engine.rows == []
