@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN
+from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, make_drafter
 
 USAGE_ERROR = 2
 
@@ -28,6 +28,7 @@ examples:
   mlx_hybrid.generate --prompt "def parse_args(" --no-mtp     # plain decoding
   mlx_hybrid.generate --model model.gguf --prompt "def parse_args(" --draft ngram
   echo "Hello" | mlx_hybrid.generate --model ./Qwen3.5-0.8B --prompt - --chat
+  mlx_hybrid.generate --chat --system "$(cat long_rules.md)" --prompt "first question" --prompt-cache-file rules.cache
 """
 
 
@@ -95,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
         "6 bits); slightly lossy",
     )
+    p.add_argument(
+        "--prompt-cache-file",
+        default=None,
+        metavar="FILE",
+        help="reuse the model's state over a long prompt prefix across runs: where FILE holds a prefix of this "
+        "prompt, only the rest is prefilled; then the state after this prompt's reusable part (with --chat "
+        "--system: the system message, else the whole prompt) is saved to FILE",
+    )
     p.add_argument("--verbose", action="store_true", help="print the model and compute path to stderr")
     return p
 
@@ -146,33 +155,19 @@ def main(argv=None) -> int:
                 f"speculation: {_speculation(args, draft, draft_model or model)}",
                 file=sys.stderr,
             )
+        reusable = None  # the text whose state --prompt-cache-file keeps
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": prompt})
             try:
                 prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                if args.system:
+                    reusable = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
             except Exception as e:  # jinja2 errors, a model without a template
                 return _fail(f"chat template: {e}")
-        last = None
-        for response in mlx_hybrid.stream_generate(
-            model,
-            tokenizer,
-            prompt,
-            max_tokens=args.max_tokens,
-            temp=args.temp,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            draft=draft,
-            draft_model=draft_model,
-            num_draft_tokens=args.num_draft_tokens,
-            draft_vocab=args.draft_vocab,
-            draft_p_min=args.draft_p_min,
-        ):
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-            last = response
+        drafter = make_drafter(model, tokenizer, draft, draft_model, args.draft_vocab, args.draft_p_min)
+        run = _Run(model, tokenizer, drafter, args)
+        last = run.generate(prompt, reusable)
     except mlx_hybrid.MlxHybridError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
@@ -180,19 +175,95 @@ def main(argv=None) -> int:
         return 130
     print()
     if last is not None:
-        print(
-            f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s | "
-            f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s | "
-            f"peak memory: {last.peak_memory:.3f} GB",
-            file=sys.stderr,
-        )
-        if last.acceptance_rate is not None:
-            print(
-                f"speculative: {last.acceptance_rate:.1%} of drafts accepted, "
-                f"{last.tokens_per_pass:.2f} tokens per trunk pass",
-                file=sys.stderr,
-            )
+        print(last, file=sys.stderr)
     return 0
+
+
+class _Run:
+    """One request through the engine (the same one the server drives), streamed to stdout."""
+
+    def __init__(self, model, tokenizer, drafter, args):
+        from mlx_hybrid.engine import Engine, PrefixStore
+
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.store = PrefixStore(1 << 62)  # only what this run saves, or its prompt cache file
+        self.engine = Engine(
+            model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, max_batch=1,
+            prefix_store=self.store,
+        )  # fmt: skip
+
+    def generate(self, prompt: str, reusable: str | None) -> str | None:
+        """Stream the text; the statistics line(s) for stderr."""
+        import time
+
+        import mlx.core as mx
+
+        from mlx_hybrid import GenerationError
+        from mlx_hybrid.generation import StreamingDetokenizer
+
+        ids = self.tokenizer.encode(prompt)
+        boundary = self._load_prompt_cache(ids, reusable)
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        sequence = self.engine.submit(
+            ids, self.args.max_tokens, self.args.temp, self.args.top_p, self.args.top_k, self.args.min_p,
+            self.args.seed, checkpoint_at=[boundary] if boundary else (),
+        )  # fmt: skip
+        detokenizer, eos = StreamingDetokenizer(self.tokenizer), set(self.tokenizer.eos_token_ids)
+        first_at = None
+        while not sequence.done:
+            self.engine.step()
+            while not sequence.events.empty():
+                for token in sequence.events.get().tokens:
+                    first_at = first_at or time.perf_counter()
+                    sys.stdout.write("" if token in eos else detokenizer.add(token))
+                    sys.stdout.flush()
+        sys.stdout.write(detokenizer.finalize())
+        if sequence.error:
+            raise GenerationError(f"generation failed: {sequence.error}")
+        self._save_prompt_cache(ids, boundary)
+        if not sequence.tokens:
+            return None
+        end = time.perf_counter()
+        read = len(ids) - sequence.cached_tokens
+        generated = len(sequence.tokens)
+        lines = [
+            f"prompt: {len(ids)} tokens"
+            + (f" ({sequence.cached_tokens} from the prompt cache)" if sequence.cached_tokens else "")
+            + f", {read / (first_at - start):.1f} tokens/s | generation: {generated} tokens, "
+            f"{(generated - 1) / (end - first_at) if end > first_at and generated > 1 else 0.0:.1f} tokens/s | "
+            f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"
+        ]
+        if sequence.stats is not None:
+            lines.append(
+                f"speculative: {sequence.stats.acceptance_rate:.1%} of drafts accepted, "
+                f"{sequence.stats.tokens_per_pass:.2f} tokens per trunk pass"
+            )
+        return "\n".join(lines)
+
+    def _load_prompt_cache(self, ids: list[int], reusable: str | None) -> int | None:
+        """Seed the store from --prompt-cache-file; the prompt position whose state it should keep."""
+        from pathlib import Path
+
+        from mlx_hybrid.engine import load_checkpoint
+
+        path = self.args.prompt_cache_file
+        if path is None:
+            return None
+        if Path(path).exists():
+            self.store.save(load_checkpoint(path, self.model))
+        if reusable is None:
+            return len(ids)
+        prefix = self.tokenizer.encode(reusable)
+        same = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+        return same or len(ids)
+
+    def _save_prompt_cache(self, ids: list[int], boundary: int | None):
+        from mlx_hybrid.engine import save_checkpoint
+
+        checkpoint = self.store.entries.get(tuple(ids[:boundary])) if boundary else None
+        if checkpoint is not None:
+            save_checkpoint(self.args.prompt_cache_file, checkpoint)
 
 
 def entry():

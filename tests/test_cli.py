@@ -86,3 +86,23 @@ def test_cli_speculates_by_default_where_there_is_a_head_and_drafts_ngrams_for_k
     assert_usage_error(run_cli(*kimi, "--draft", "mtp"), "no MTP head")
     assert_usage_error(run_cli(*qwen, "--draft-p-min", "2"), "draft_p_min must be in [0, 1]")
     assert_usage_error(run_cli(*qwen, "--draft-vocab", "-1"), "draft_vocab must be >= 0")
+
+
+def test_cli_prompt_cache_file_reuses_a_long_system_prompt(tmp_path):
+    """Run 1 saves the state after the system message; run 2, another question, prefills only its own part."""
+    cache = tmp_path / "rules.cache"
+    model_args = ["--model", str(FIXTURES / "qwen35" / "hf"), "--chat", "--system", "def rules(): " * 20]
+    model, tok = load_fixture("qwen35", "hf")
+    for question in ("first question", "another one"):
+        result = run_cli(*model_args, "--prompt", question, "--max-tokens", "6", "--prompt-cache-file", str(cache))
+        assert result.returncode == 0, result.stderr
+        messages = [{"role": "system", "content": "def rules(): " * 20}, {"role": "user", "content": question}]
+        prompt = tok.apply_chat_template(messages)
+        assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, prompt, max_tokens=6).rstrip("\n")
+        assert cache.exists()
+    system_tokens = len(tok.encode(tok.apply_chat_template(messages[:1], add_generation_prompt=False)))
+    assert f"({system_tokens} from the prompt cache)" in result.stderr
+    other_model = run_cli(
+        "--model", str(FIXTURES / "kimilinear" / "hf"), "--prompt", "x", "--prompt-cache-file", str(cache)
+    )
+    assert_usage_error(other_model, "made by another model")

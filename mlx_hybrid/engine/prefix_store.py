@@ -86,7 +86,7 @@ def save_checkpoint(path, checkpoint: Checkpoint):
 def load_checkpoint(path, model=None) -> Checkpoint:
     """Read a checkpoint file; with `model`, check that this model wrote it."""
     try:
-        arrays, metadata = mx.load(str(path), return_metadata=True)
+        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
         if metadata.get("format") != FORMAT:
             raise ValueError("not an mlx-hybrid checkpoint")
         counts = json.loads(metadata["layers"])
@@ -127,7 +127,7 @@ class PrefixStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             for path in sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
                 try:
-                    _, metadata = mx.load(str(path), return_metadata=True)
+                    _, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
                     self.on_disk[tuple(json.loads(metadata["tokens"]))] = path
                 except Exception:  # noqa: BLE001  (a stray or broken file is not a checkpoint)
                     continue

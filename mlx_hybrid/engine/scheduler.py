@@ -27,7 +27,7 @@ from ..cache import packed
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, check_context, prompt_ids
 from ..sampling import Sampler
-from ..speculative import SpeculativeDecoder, accept_greedy, record_snapshots
+from ..speculative import SpeculativeDecoder, SpeculativeStats, accept_greedy, record_snapshots
 from .prefix_store import PrefixStore, capture, restore
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
@@ -54,6 +54,7 @@ class Sequence:
     error: str | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
+    stats: SpeculativeStats | None = None  # with a drafter: drafts accepted, tokens per pass
 
     def cancel(self):
         """Stop generating; the engine frees the row at its next step."""
@@ -160,10 +161,10 @@ class Engine:
             raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
         sampler = Sampler(temp, top_p, top_k, min_p, seed)
         drafter = drafter if drafter is not None else (self.drafter.fork() if self.drafter is not None else None)
-        sequence = Sequence(ids, min(max_tokens, room))
         decoder = SpeculativeDecoder(
             self.model, drafter, sampler, self.num_draft_tokens, self.model.make_cache(), adaptive=self.adaptive
         )
+        sequence = Sequence(ids, min(max_tokens, room), stats=decoder.stats if drafter is not None else None)
         stops = set(self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens)
         self.waiting.put(_Row(sequence, decoder, stops, checkpoint_at))
         self._wake.set()

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
-from ..cache import RowCaches
+from ..cache import RecurrentCache, RowCaches
 
 F32 = mx.float32
 
@@ -207,7 +207,42 @@ def delta_rule_attention(
             cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
         return rule.out
 
-    return for_each_row(one_sequence, cache, mixed_qkv, g, beta)
+    if isinstance(cache, RowCaches):
+        return _rows_in_groups(one_sequence, cache, mixed_qkv, g, beta)
+    return one_sequence(mixed_qkv, g, beta, cache)
+
+
+def _rows_in_groups(one_sequence, cache: RowCaches, *arrays: mx.array) -> mx.array:
+    """Recurrent layers of packed rows: rows of one length whose states exist run as one batch
+    (each row's state is its own slice, and every op is per row, so each row computes what
+    it computes alone); the others one by one. Batching saves the per-op overhead of
+    B small calls, which at decode dominates the recurrence's work."""
+    bounds = list(accumulate(cache.lengths))[:-1]
+    pieces = [mx.split(array, bounds, axis=1) for array in arrays]
+    groups: dict[tuple, list[int]] = {}
+    for row, (n, row_cache) in enumerate(zip(cache.lengths, cache.caches)):
+        key = (n, row_cache.record_snapshots) if row_cache.state is not None else ("alone", row)
+        groups.setdefault(key, []).append(row)
+    outs = [None] * len(cache.caches)
+    for rows in groups.values():
+        if len(rows) == 1:
+            (row,) = rows
+            outs[row] = one_sequence(*(p[row] for p in pieces), cache.caches[row])
+            continue
+        members = [cache.caches[row] for row in rows]
+        batch = RecurrentCache()
+        batch.record_snapshots = members[0].record_snapshots
+        batch.update(mx.concatenate([c.conv_tail for c in members]), mx.concatenate([c.state for c in members]))
+        out = one_sequence(*(mx.concatenate([p[row] for row in rows]) for p in pieces), batch)
+        for i, (row, member) in enumerate(zip(rows, members)):
+            outs[row] = out[i : i + 1]
+            member.update(
+                batch.conv_tail[i : i + 1],
+                batch.state[i : i + 1],
+                [s[i : i + 1] for s in batch.conv_snapshots] if batch.conv_snapshots else None,
+                [s[i : i + 1] for s in batch.state_snapshots] if batch.state_snapshots else None,
+            )
+    return mx.concatenate(outs, axis=1)
 
 
 class HybridModel(nn.Module):
