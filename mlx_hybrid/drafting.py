@@ -213,27 +213,26 @@ class MTPDrafter(_ConfidentDrafting):
 
     @staticmethod
     def _open(drafters):
-        model = drafters[0].model
         lengths = [len(d.pending_next) for d in drafters]
         tokens = mx.array([t for d in drafters for t in d.pending_next])[None]
         u = drafters[0]._step(
             _join([d.pending_hidden for d in drafters]), tokens, row_caches([d.cache for d in drafters], lengths)
         )
-        return MTPDrafter._carry(drafters, _last_of_each(u, lengths), model)
+        return MTPDrafter._carry(drafters, _last_of_each(u, lengths))
 
     @staticmethod
     def _feed(drafters, tokens):
         u = drafters[0]._step(
             _join([d._u for d in drafters]), tokens[None], row_caches([d.cache for d in drafters], [1] * len(drafters))
         )
-        return MTPDrafter._carry(drafters, u, drafters[0].model)
+        return MTPDrafter._carry(drafters, u)
 
     @staticmethod
-    def _carry(drafters, u, model):
+    def _carry(drafters, u):
         """Each row's MTP output is its next step's h; the head reads it normed."""
         for i, drafter in enumerate(drafters):
             drafter._u = u[:, i : i + 1]
-        return model.mtp.norm(u)
+        return drafters[0].model.mtp.norm(u)
 
     def checkpoint(self):
         state = {f"cache.{i}": entry for i, entry in enumerate(self.cache.checkpoint())}

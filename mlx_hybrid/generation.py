@@ -10,10 +10,9 @@ import mlx.core as mx
 
 from . import ops
 from .drafting import DEFAULT_DRAFT_P_MIN, make_drafter
-from .errors import GenerationError
-from .prompt import check_context, prefill, prompt_ids
+from .prompt import prefill, request_ids
 from .sampling import Sampler
-from .speculative import SpeculativeDecoder
+from .speculative import SpeculativeDecoder, check_num_draft_tokens
 
 __all__ = ["GenerationResponse", "generate", "prefill", "stream_generate"]
 
@@ -124,15 +123,11 @@ def stream_generate(
     output follows the model's distribution exactly (greedy: token for token).
     Responses then carry `from_draft`, `acceptance_rate` and `tokens_per_pass`.
     """
-    ids = prompt_ids(tokenizer, prompt, model.args.vocab_size)
-    room = check_context(model, len(ids))
-    if max_tokens < 0:
-        raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
-    max_tokens = min(max_tokens, room)
+    ids, max_tokens = request_ids(model, tokenizer, prompt, max_tokens)
     sampler = Sampler(temp, top_p, top_k, min_p, seed)
     drafter = make_drafter(model, tokenizer, draft, draft_model, draft_vocab, draft_p_min)
-    if drafter is not None and num_draft_tokens < 1:
-        raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if drafter is not None:
+        check_num_draft_tokens(num_draft_tokens)
     if max_tokens == 0:
         return
     mx.reset_peak_memory()

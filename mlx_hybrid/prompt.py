@@ -31,6 +31,16 @@ def check_context(model, num_prompt: int) -> int:
     return context - num_prompt
 
 
+def request_ids(model, tokenizer, prompt, max_tokens: int) -> tuple[list[int], int]:
+    """A request's prompt ids, checked, and how many tokens it may generate (max_tokens,
+    or fewer where the context ends)."""
+    ids = prompt_ids(tokenizer, prompt, model.args.vocab_size)
+    room = check_context(model, len(ids))
+    if max_tokens < 0:
+        raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
+    return ids, min(max_tokens, room)
+
+
 def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
     """Run the prompt through the model; returns its hidden states [1, T, E] (before the final norm)."""
     tokens = mx.array(ids)[None]

@@ -62,6 +62,12 @@ def keep_snapshot_buffers(cache, num_draft_tokens: int):
         mx.set_cache_limit(previous)
 
 
+def check_num_draft_tokens(num_draft_tokens: int) -> int:
+    if num_draft_tokens < 1:
+        raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    return num_draft_tokens
+
+
 @dataclass
 class SpeculativeStats:
     drafted: int = 0
@@ -90,7 +96,8 @@ class SpeculativeDecoder:
     """Runs rounds of draft + verify for one sequence; with no drafter, plain decoding steps.
 
     `step` is a whole round. The batch engine runs the same round for many sequences,
-    drafting and verifying them together, through `plan`, `accept` and `finish`.
+    drafting and verifying them together, through `plan`, `accept_greedy` /
+    `accept_sampled` and `finish`.
     """
 
     # misses in a row before the decoder backs off, and the longest run of plain rounds
@@ -98,12 +105,10 @@ class SpeculativeDecoder:
     MAX_PLAIN_ROUNDS = 16
 
     def __init__(self, model, drafter, sampler, num_draft_tokens: int, cache, adaptive: bool = False):
-        if num_draft_tokens < 1:
-            raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.model = model
         self.drafter = drafter
         self.sampler = sampler
-        self.k = num_draft_tokens
+        self.k = check_num_draft_tokens(num_draft_tokens)
         self.cache = cache
         self.adaptive = adaptive
         self.stats = SpeculativeStats()

@@ -232,6 +232,9 @@ def test_the_store_keeps_its_byte_budget_and_evicts_the_least_recently_used(tmp_
     got = model(mx.array([[9, 9]]), cache)[0, -1]
     assert float(mx.abs(got - _fresh_logits(model, prompts[1] + [9, 9])).max()) < 1e-5
     assert PrefixStore(0).longest_prefix(prompts[0]) is None
+    # a store whose memory budget holds nothing still resumes from its directory
+    from_disk = PrefixStore(0, directory=tmp_path / "spill").longest_prefix(prompts[1])
+    assert from_disk is not None and from_disk.tokens == tuple(prompts[1])
 
 
 def test_a_prompt_cache_from_another_model_is_refused(tmp_path):

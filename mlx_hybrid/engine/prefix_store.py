@@ -165,8 +165,8 @@ class PrefixStore:
                 del self.on_disk[spilled]
                 return self.longest_prefix(list(tokens), model)
             if fingerprint is None or checkpoint.model == fingerprint:
-                self.save(checkpoint)
-                best = spilled
+                self.save(checkpoint)  # back in memory as the most recent, where the budget allows
+                return checkpoint
         if best is None or (fingerprint is not None and self.entries[best].model != fingerprint):
             return None
         self.entries.move_to_end(best)

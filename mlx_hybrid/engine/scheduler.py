@@ -25,9 +25,15 @@ import mlx.core as mx
 
 from ..cache import packed
 from ..errors import GenerationError
-from ..prompt import PREFILL_STEP, check_context, prompt_ids
+from ..prompt import PREFILL_STEP, request_ids
 from ..sampling import Sampler
-from ..speculative import SpeculativeDecoder, SpeculativeStats, accept_greedy, record_snapshots
+from ..speculative import (
+    SpeculativeDecoder,
+    SpeculativeStats,
+    accept_greedy,
+    check_num_draft_tokens,
+    record_snapshots,
+)
 from .prefix_store import PrefixStore, capture, restore
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
@@ -117,12 +123,10 @@ class Engine:
             raise GenerationError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
             raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if num_draft_tokens < 1:
-            raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
         self.adaptive = adaptive
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -155,16 +159,13 @@ class Engine:
         checkpoints at; one is always saved at the end. drafter: this sequence's own
         drafter instead of a fork of the engine's (for measurements).
         """
-        ids = prompt_ids(self.tokenizer, prompt, self.model.args.vocab_size)
-        room = check_context(self.model, len(ids))
-        if max_tokens < 0:
-            raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
+        ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, max_tokens)
         sampler = Sampler(temp, top_p, top_k, min_p, seed)
         drafter = drafter if drafter is not None else (self.drafter.fork() if self.drafter is not None else None)
         decoder = SpeculativeDecoder(
             self.model, drafter, sampler, self.num_draft_tokens, self.model.make_cache(), adaptive=self.adaptive
         )
-        sequence = Sequence(ids, min(max_tokens, room), stats=decoder.stats if drafter is not None else None)
+        sequence = Sequence(ids, max_tokens, stats=decoder.stats if drafter is not None else None)
         stops = set(self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens)
         self.waiting.put(_Row(sequence, decoder, stops, checkpoint_at))
         self._wake.set()

@@ -174,13 +174,18 @@ def causal_mask_for(num_tokens: int):
     return "causal" if num_tokens > 1 else None
 
 
+def _row_pieces(cache: RowCaches, arrays) -> list[list[mx.array]]:
+    """Each packed array split into its rows' parts along the token axis."""
+    bounds = list(accumulate(cache.lengths))[:-1]
+    return [mx.split(array, bounds, axis=1) for array in arrays]
+
+
 def for_each_row(fn, cache, *arrays: mx.array) -> mx.array:
     """fn(*arrays, cache) -> [B, T, ...], run per sequence when several come packed along
     the token axis (axis 1) with `RowCaches`, so that no row sees another's tokens."""
     if not isinstance(cache, RowCaches):
         return fn(*arrays, cache)
-    bounds = list(accumulate(cache.lengths))[:-1]
-    pieces = [mx.split(array, bounds, axis=1) for array in arrays]
+    pieces = _row_pieces(cache, arrays)
     outs = [fn(*(p[row] for p in pieces), row_cache) for row, row_cache in enumerate(cache.caches)]
     return mx.concatenate(outs, axis=1)
 
@@ -217,8 +222,7 @@ def _rows_in_groups(one_sequence, cache: RowCaches, *arrays: mx.array) -> mx.arr
     (each row's state is its own slice, and every op is per row, so each row computes what
     it computes alone); the others one by one. Batching saves the per-op overhead of
     B small calls, which at decode dominates the recurrence's work."""
-    bounds = list(accumulate(cache.lengths))[:-1]
-    pieces = [mx.split(array, bounds, axis=1) for array in arrays]
+    pieces = _row_pieces(cache, arrays)
     groups: dict[tuple, list[int]] = {}
     for row, (n, row_cache) in enumerate(zip(cache.lengths, cache.caches)):
         key = (n, row_cache.record_snapshots) if row_cache.state is not None else ("alone", row)
