@@ -32,13 +32,7 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mlx_hybrid.generate",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--model",
         default=None,
@@ -46,15 +40,32 @@ def build_parser() -> argparse.ArgumentParser:
         "a model needs, into the Hugging Face cache) or org/repo:file.gguf (default: the bundled tiny Qwen3.5 "
         "trained on Python's standard library)",
     )
-    p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weight dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument(
+        "--compact",
+        action="store_true",
+        help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
+        "6 bits); slightly lossy",
+    )
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256):
+    p.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})"
+    )
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat")
+
+
+def add_draft_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--draft",
         choices=["mtp", "ngram", "none"],
@@ -84,18 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"stop drafting when the draft's top probability is below P, and back off after misses; 0: always "
         f"draft --num-draft-tokens (default: {DEFAULT_DRAFT_P_MIN})",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="weight dtype (default: float32 on CPU, bfloat16 on GPU)",
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_hybrid.generate",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--compact",
-        action="store_true",
-        help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
-        "6 bits); slightly lossy",
-    )
+    add_model_arguments(p)
+    p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
+    add_sampling_arguments(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    add_draft_arguments(p)
     p.add_argument(
         "--prompt-cache-file",
         default=None,
@@ -127,45 +141,52 @@ def _speculation(args, draft, drafting_model) -> str:
     return described + (f", p-min {args.draft_p_min}" if args.draft_p_min > 0 else ", exactly k")
 
 
+def load_for_generation(args):
+    """(model, tokenizer, drafter, a line describing the setup) from the model and draft
+    arguments; raises MlxHybridError (GenerationError for contradictory options)."""
+    import mlx_hybrid
+    from mlx_hybrid import GenerationError, ops
+    from mlx_hybrid.blas import active_blas
+
+    if args.draft not in (None, "none") and args.draft_model:
+        raise GenerationError(f"choose one of --draft {args.draft} and --draft-model")
+    model, tokenizer = mlx_hybrid.load(
+        args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact
+    )
+    draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
+    draft = args.draft
+    if draft is None and draft_model is None:
+        draft = "mtp" if model.has_mtp else None
+    drafter = make_drafter(model, tokenizer, draft, draft_model, args.draft_vocab, args.draft_p_min)
+    described = (
+        f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
+        f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
+        f"speculation: {_speculation(args, draft, draft_model or model)}"
+    )
+    return model, tokenizer, drafter, described
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import mlx_hybrid
-    from mlx_hybrid import ops
-    from mlx_hybrid.blas import active_blas
+    from mlx_hybrid.prompt import chat_prompt
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         return _fail("the prompt is empty")
     if args.system is not None and not args.chat:
         return _fail("--system needs --chat")
-    if args.draft not in (None, "none") and args.draft_model:
-        return _fail(f"choose one of --draft {args.draft} and --draft-model")
     try:
-        model, tokenizer = mlx_hybrid.load(
-            args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact
-        )
-        draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
-        draft = args.draft
-        if draft is None and draft_model is None:
-            draft = "mtp" if model.has_mtp else None
+        model, tokenizer, drafter, described = load_for_generation(args)
         if args.verbose:
-            print(
-                f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
-                f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
-                f"speculation: {_speculation(args, draft, draft_model or model)}",
-                file=sys.stderr,
-            )
-        reusable = None  # the text whose state --prompt-cache-file keeps
+            print(described, file=sys.stderr)
+        reusable = None  # the token count whose state --prompt-cache-file keeps
         if args.chat:
             messages = [{"role": "system", "content": args.system}] if args.system else []
-            messages.append({"role": "user", "content": prompt})
-            try:
-                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-                if args.system:
-                    reusable = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
-            except Exception as e:  # jinja2 errors, a model without a template
-                return _fail(f"chat template: {e}")
-        drafter = make_drafter(model, tokenizer, draft, draft_model, args.draft_vocab, args.draft_p_min)
+            rendered = chat_prompt(tokenizer, messages + [{"role": "user", "content": prompt}])
+            prompt = rendered.ids
+            if args.system and rendered.boundaries:
+                reusable = rendered.boundaries[0]
         run = _Run(model, tokenizer, drafter, args)
         last = run.generate(prompt, reusable)
     except mlx_hybrid.MlxHybridError as e:
@@ -192,7 +213,7 @@ class _Run:
             prefix_store=self.store,
         )  # fmt: skip
 
-    def generate(self, prompt: str, reusable: str | None) -> str | None:
+    def generate(self, prompt, reusable: int | None) -> str | None:
         """Stream the text; the statistics line(s) for stderr."""
         import time
 
@@ -201,8 +222,8 @@ class _Run:
         from mlx_hybrid import GenerationError
         from mlx_hybrid.generation import StreamingDetokenizer
 
-        ids = self.tokenizer.encode(prompt)
-        boundary = self._load_prompt_cache(ids, reusable)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        boundary = self._load_prompt_cache(reusable or len(ids))
         mx.reset_peak_memory()
         start = time.perf_counter()
         sequence = self.engine.submit(
@@ -211,13 +232,11 @@ class _Run:
         )  # fmt: skip
         detokenizer, eos = StreamingDetokenizer(self.tokenizer), set(self.tokenizer.eos_token_ids)
         first_at = None
-        while not sequence.done:
-            self.engine.step()
-            while not sequence.events.empty():
-                for token in sequence.events.get().tokens:
-                    first_at = first_at or time.perf_counter()
-                    sys.stdout.write("" if token in eos else detokenizer.add(token))
-                    sys.stdout.flush()
+        for event in self.engine.drive(sequence):
+            for token in event.tokens:
+                first_at = first_at or time.perf_counter()
+                sys.stdout.write("" if token in eos else detokenizer.add(token))
+                sys.stdout.flush()
         sys.stdout.write(detokenizer.finalize())
         if sequence.error:
             raise GenerationError(f"generation failed: {sequence.error}")
@@ -241,7 +260,7 @@ class _Run:
             )
         return "\n".join(lines)
 
-    def _load_prompt_cache(self, ids: list[int], reusable: str | None) -> int | None:
+    def _load_prompt_cache(self, boundary: int) -> int | None:
         """Seed the store from --prompt-cache-file; the prompt position whose state it should keep."""
         from pathlib import Path
 
@@ -252,11 +271,7 @@ class _Run:
             return None
         if Path(path).exists():
             self.store.save(load_checkpoint(path, self.model))
-        if reusable is None:
-            return len(ids)
-        prefix = self.tokenizer.encode(reusable)
-        same = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
-        return same or len(ids)
+        return boundary
 
     def _save_prompt_cache(self, ids: list[int], boundary: int | None):
         from mlx_hybrid.engine import save_checkpoint

@@ -14,6 +14,8 @@ while thinking), and removed from both:
   <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`.
 Calls come out in the OpenAI shape, arguments as a JSON string. A block that does not
 parse stays in the text as it was.
+
+`OutputParser` does this as the text streams; `parse_output` on a whole output.
 """
 
 from __future__ import annotations
@@ -25,10 +27,8 @@ from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
-_QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _XML_FUNCTION = re.compile(r"^<function=([^>\n]+)>\s*(.*?)\s*</function>$", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-_KIMI_SECTION = re.compile(r"<\|tool_calls_section_begin\|>(.*?)<\|tool_calls_section_end\|>", re.DOTALL)
 _KIMI_CALL = re.compile(
     r"<\|tool_call_begin\|>\s*(?:functions\.)?([^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>\s*(.*?)\s*"
     r"<\|tool_call_end\|>",
@@ -41,17 +41,6 @@ class ParsedOutput:
     content: str
     reasoning: str | None = None  # None: the output had no reasoning part
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI: id, type, function {name, arguments}
-
-
-def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
-    """(reasoning or None, content). opened: the prompt already ended in `<think>`."""
-    if not opened:
-        stripped = text.lstrip()
-        if not stripped.startswith(THINK_OPEN):
-            return None, text
-        text = stripped[len(THINK_OPEN) :]
-    reasoning, closed, content = text.partition(THINK_CLOSE)
-    return reasoning.strip("\n"), content.lstrip("\n") if closed else ""
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -114,41 +103,190 @@ def _parse_qwen_block(body: str, types) -> dict | None:
     return _call(name, arguments)
 
 
+def _parse_kimi_section(body: str) -> list[dict] | None:
+    calls = []
+    for name, arguments in _KIMI_CALL.findall(body):
+        try:
+            parsed = json.loads(arguments) if arguments else {}
+        except ValueError:
+            return None
+        calls.append(_call(name, parsed if isinstance(parsed, dict) else {}))
+    return calls
+
+
+# tool-call blocks: opener -> (closer, parse of the text between them -> calls or None)
+_BLOCKS = {
+    "<tool_call>": ("</tool_call>", lambda body, types: [c] if (c := _parse_qwen_block(body.strip(), types)) else None),
+    "<|tool_calls_section_begin|>": ("<|tool_calls_section_end|>", lambda body, types: _parse_kimi_section(body)),
+}
+
+
+@dataclass
+class Delta:
+    """What a stretch of output adds: reasoning text, content text, complete tool calls."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def __bool__(self):
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class OutputParser:
+    """Reasoning, content and tool calls of an output as it streams.
+
+    `feed(text)` returns what is certain so far; text that may be the start of a tag
+    (`</thi`, an unclosed `<tool_call>`) waits for the next piece, and `finish()` gives
+    the rest (an unclosed block as text). Newlines around tags are dropped: a section's
+    leading and trailing ones, those around tool calls; other text is kept as written.
+    reasoning: look for reasoning at all (False: everything is content).
+    """
+
+    def __init__(self, tools=None, reasoning_opened: bool = False, reasoning: bool = True):
+        self._types = _parameter_types(tools)
+        self._mode = "reasoning" if reasoning_opened else ("start" if reasoning else "content")
+        self._buffer = ""
+        self._newlines = ""  # held back: dropped if a tag follows, written if text does
+        self._section_start = True  # drop newlines at the start of a section and after a call
+        self.saw_reasoning = self._mode == "reasoning"
+        self.saw_tool_calls = False
+
+    def feed(self, text: str) -> Delta:
+        self._buffer += text
+        delta = Delta()
+        if self._mode == "start" and not self._decide_start():
+            return delta
+        while self._buffer:
+            markers = list(_BLOCKS) + ([THINK_CLOSE] if self._mode == "reasoning" else [])
+            found = [(at, m) for m in markers if (at := self._buffer.find(m)) >= 0]
+            if not found:
+                keep = _partial_marker(self._buffer, markers)
+                self._write(delta, self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            at, marker = min(found)
+            if marker == THINK_CLOSE:
+                self._write(delta, self._buffer[:at])
+                self._buffer = self._buffer[at + len(marker) :]
+                self._mode, self._newlines, self._section_start = "content", "", True
+                continue
+            closer, parse = _BLOCKS[marker]
+            end = self._buffer.find(closer, at + len(marker))
+            if end < 0:  # the block is not complete yet
+                self._write(delta, self._buffer[:at])
+                self._buffer = self._buffer[at:]
+                break
+            self._write(delta, self._buffer[:at])
+            block = self._buffer[at : end + len(closer)]
+            self._buffer = self._buffer[end + len(closer) :]
+            calls = parse(block[len(marker) : -len(closer)], self._types)
+            if calls is None:  # not a call after all: it stays text
+                self._write(delta, block)
+            else:
+                delta.tool_calls += calls
+                self.saw_tool_calls = True
+                self._newlines, self._section_start = "", True
+        return delta
+
+    def finish(self) -> Delta:
+        """The rest of the output, once it has ended."""
+        if self._mode == "start":
+            self._mode = "content"
+        delta = Delta()
+        self._write(delta, self._buffer)
+        self._buffer = ""
+        if self._mode == "content" and not self.saw_tool_calls:
+            self._write_text(delta, self._newlines)  # trailing newlines of an answer are the answer's
+        return delta
+
+    def _decide_start(self) -> bool:
+        """Whether the output opens with `<think>` (then reasoning follows) or not; False
+        while too little has come to tell."""
+        stripped = self._buffer.lstrip()
+        if stripped.startswith(THINK_OPEN):
+            self._buffer = stripped[len(THINK_OPEN) :]
+            self._mode = "reasoning"
+            self.saw_reasoning = True
+        elif not THINK_OPEN.startswith(stripped):
+            self._mode = "content"
+        else:
+            return False
+        return True
+
+    def _write(self, delta: Delta, text: str):
+        """Text of the current section, holding trailing newlines back."""
+        if self._section_start:
+            text = text.lstrip("\n")
+            if not text:
+                return
+            self._section_start = False
+        body = text.rstrip("\n")
+        if body:
+            self._write_text(delta, self._newlines + body)
+            self._newlines = ""
+        self._newlines += text[len(body) :]
+
+    def _write_text(self, delta: Delta, text: str):
+        if self._mode == "reasoning":
+            delta.reasoning += text
+        else:
+            delta.content += text
+
+
+def _partial_marker(text: str, markers) -> int:
+    """Length of the longest end of text that is a proper start of a marker."""
+    for n in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
+            return n
+    return 0
+
+
+def _parse_all(text: str, **options) -> tuple[Delta, OutputParser]:
+    parser = OutputParser(**options)
+    whole = Delta()
+    for delta in (parser.feed(text), parser.finish()):
+        whole.reasoning += delta.reasoning
+        whole.content += delta.content
+        whole.tool_calls += delta.tool_calls
+    return whole, parser
+
+
 def extract_tool_calls(text: str, tools=None) -> tuple[str, list[dict]]:
     """(text without the tool calls, calls in order)."""
-    types = _parameter_types(tools)
-    calls = []
-
-    def qwen(match):
-        call = _parse_qwen_block(match[1], types)
-        if call is None:
-            return match[0]
-        calls.append(call)
-        return ""
-
-    def kimi(match):
-        found = []
-        for name, arguments in _KIMI_CALL.findall(match[1]):
-            try:
-                parsed = json.loads(arguments) if arguments else {}
-            except ValueError:
-                return match[0]
-            found.append(_call(name, parsed if isinstance(parsed, dict) else {}))
-        calls.extend(found)
-        return ""
-
-    text = _QWEN_CALL.sub(qwen, text)
-    text = _KIMI_SECTION.sub(kimi, text)
-    return text, calls
+    whole, _ = _parse_all(text, tools=tools, reasoning=False)
+    return whole.content, whole.tool_calls
 
 
 def parse_output(text: str, tools=None, reasoning_opened: bool = False) -> ParsedOutput:
     """Reasoning, content and tool calls of one generated output."""
-    reasoning, content = split_reasoning(text, reasoning_opened)
-    calls = []
-    if reasoning is not None:
-        reasoning, calls = extract_tool_calls(reasoning, tools)
-        reasoning = reasoning.strip("\n")
-    content, content_calls = extract_tool_calls(content, tools)
-    calls += content_calls
-    return ParsedOutput(content=content.strip() if calls else content, reasoning=reasoning, tool_calls=calls)
+    whole, parser = _parse_all(text, tools=tools, reasoning_opened=reasoning_opened)
+    return ParsedOutput(
+        content=whole.content, reasoning=whole.reasoning if parser.saw_reasoning else None, tool_calls=whole.tool_calls
+    )
+
+
+class StopStrings:
+    """Text cut before the first of some stop strings, as it streams: `feed` returns what is
+    certain to come before any stop (a possible start of one waits), `finish` the rest."""
+
+    def __init__(self, stops):
+        self.stops = [s for s in stops if s]
+        self.stopped = False
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        text = self._held + text
+        found = [at for stop in self.stops if (at := text.find(stop)) >= 0]
+        if found:
+            self.stopped, self._held = True, ""
+            return text[: min(found)]
+        keep = _partial_marker(text, self.stops) if text else 0
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+    def finish(self) -> str:
+        rest, self._held = self._held, ""
+        return "" if self.stopped else rest

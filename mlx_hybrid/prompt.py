@@ -1,9 +1,12 @@
-"""Prompts in: token ids checked against the vocabulary and the context, and the prefill.
+"""Prompts in: token ids checked against the vocabulary and the context, chat prompts and
+where they can be checkpointed, and the prefill.
 
 Below both generation and speculation, which each prefill (the trunk, a draft model).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -49,3 +52,35 @@ def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
         hidden.append(model.hidden_states(tokens[:, start : start + step], cache))
         mx.eval(hidden[-1])
     return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
+
+
+@dataclass
+class ChatPrompt:
+    """A conversation rendered by the chat template, ready for the engine."""
+
+    text: str
+    ids: list[int]
+    # token counts at which a message ends and the rendering of the messages so far is a
+    # prefix of this one (templates that drop earlier reasoning break it): where a
+    # checkpoint can serve the conversation's next turn
+    boundaries: list[int]
+
+
+def chat_prompt(tokenizer, messages: list[dict], **template_kwargs) -> ChatPrompt:
+    """Render messages with the generation prompt; template errors raise GenerationError."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+    except Exception as e:  # jinja2's errors, raise_exception in a template, a model without one
+        raise GenerationError(f"chat template: {e}") from None
+    ids = tokenizer.encode(text)
+    boundaries = []
+    for end in range(1, len(messages) + 1):
+        try:
+            prefix = tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **template_kwargs)
+        except Exception:  # noqa: BLE001  (some templates refuse a partial conversation)
+            continue
+        if prefix and text.startswith(prefix):
+            prefix_ids = tokenizer.encode(prefix)
+            if ids[: len(prefix_ids)] == prefix_ids and len(prefix_ids) < len(ids):
+                boundaries.append(len(prefix_ids))
+    return ChatPrompt(text, ids, sorted(set(boundaries)))

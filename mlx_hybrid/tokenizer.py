@@ -62,6 +62,17 @@ END_TOKEN_TEXTS = (
     "[EOS]",
 )
 
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand for
+    themselves, the others for the code points from 256 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
 # GGUF token types
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -99,6 +110,15 @@ class Tokenizer:
 
     def token_to_id(self, token: str):
         return self._tokenizer.token_to_id(token)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for, also when they are part of a character (where
+        `decode` gives U+FFFD)."""
+        piece = self._tokenizer.id_to_token(token) or ""
+        try:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        except KeyError:  # an added token, stored as plain text
+            return piece.encode()
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:

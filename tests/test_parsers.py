@@ -2,9 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 
-from mlx_hybrid.parsers import extract_tool_calls, parse_output, prompt_opens_reasoning, split_reasoning
+from mlx_hybrid.parsers import OutputParser, extract_tool_calls, parse_output, prompt_opens_reasoning
 
 WEATHER = {
     "type": "function",
@@ -29,13 +30,19 @@ def arguments(call):
 
 
 def test_reasoning_split_with_tags_without_and_opened_by_the_template():
-    assert split_reasoning("<think>\nplan\n</think>\n\nAnswer.") == ("plan", "Answer.")
-    assert split_reasoning("Just an answer.") == (None, "Just an answer.")
+    def split(text, opened=False):
+        parsed = parse_output(text, reasoning_opened=opened)
+        return parsed.reasoning, parsed.content
+
+    assert split("<think>\nplan\n</think>\n\nAnswer.") == ("plan", "Answer.")
+    assert split("Just an answer.") == (None, "Just an answer.")
     # the template ended the prompt with <think>: the output starts inside it
-    assert split_reasoning("plan\n</think>\n\nAnswer.", opened=True) == ("plan", "Answer.")
+    assert split("plan\n</think>\n\nAnswer.", opened=True) == ("plan", "Answer.")
     # cut off while thinking: all reasoning, no content
-    assert split_reasoning("<think>\nstill going", opened=False) == ("still going", "")
-    assert split_reasoning("still going", opened=True) == ("still going", "")
+    assert split("<think>\nstill going", opened=False) == ("still going", "")
+    assert split("still going", opened=True) == ("still going", "")
+    # text that only looks like a tag at first is text
+    assert split("<thinking aloud> is not a tag") == (None, "<thinking aloud> is not a tag")
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
@@ -116,3 +123,45 @@ def test_malformed_blocks_stay_in_the_text():
     )
     assert extract_tool_calls(kimi) == (kimi, [])
     assert parse_output("plain text, no calls").tool_calls == []
+
+
+STREAMED = [
+    ("<think>\nplan A\n\nplan B\n</think>\n\nAnswer\n\nwith lines.\n", False),
+    ("plan\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+     "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n", True),
+    ("thinking <tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call> still", True),
+    ('before <tool_call>\n{"name": broken\n</tool_call> after </tool_call', False),
+    ("I'll look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>', False),
+    ("an unclosed <tool_call>\n{\"name\": \"f\"", False),
+    ("x < y and a <tool b>", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text,opened", STREAMED)
+def test_streamed_output_parses_as_the_whole_whatever_the_pieces(text, opened):
+    whole = parse_output(text, tools=[WEATHER], reasoning_opened=opened)
+    rng = np.random.default_rng(len(text))
+    for cuts in [range(1, len(text)), sorted(rng.choice(range(1, len(text)), size=5, replace=False))]:
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        parser = OutputParser(tools=[WEATHER], reasoning_opened=opened)
+        reasoning = content = ""
+        calls = []
+        for delta in [parser.feed(piece) for piece in pieces] + [parser.finish()]:
+            reasoning, content, calls = reasoning + delta.reasoning, content + delta.content, calls + delta.tool_calls
+        assert content == whole.content and reasoning == (whole.reasoning or "")
+        assert [(c["function"]["name"], arguments(c)) for c in calls] == [
+            (c["function"]["name"], arguments(c)) for c in whole.tool_calls
+        ]
+
+
+def test_streaming_holds_back_only_what_may_be_a_tag():
+    parser = OutputParser(reasoning_opened=True)
+    assert parser.feed("step one</thi").reasoning == "step one"
+    delta = parser.feed("nk>\n\nDone <tool")
+    assert (delta.reasoning, delta.content) == ("", "Done ")
+    delta = parser.feed('_call>\n{"name": "f", "arguments": {"a": 1}}')
+    assert not delta  # inside an unclosed call
+    delta = parser.feed("\n</tool_call>")
+    assert delta.tool_calls[0]["function"]["name"] == "f" and delta.content == ""
+    assert parser.feed("<").content == "" and parser.finish().content == "<"

@@ -2,7 +2,7 @@
 
 from .batch import batch_generate
 from .prefix_store import Checkpoint, PrefixStore, load_checkpoint, save_checkpoint
-from .scheduler import Engine, Event, Sequence
+from .scheduler import Engine, Event, Sequence, TokenLogprob
 
 __all__ = [
     "Checkpoint",
@@ -10,6 +10,7 @@ __all__ = [
     "Event",
     "PrefixStore",
     "Sequence",
+    "TokenLogprob",
     "batch_generate",
     "load_checkpoint",
     "save_checkpoint",

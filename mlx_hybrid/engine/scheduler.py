@@ -37,6 +37,17 @@ from ..speculative import (
 from .prefix_store import PrefixStore, capture, restore
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (before sampling settings), and
+    the likeliest alternatives at its position, best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -46,6 +57,7 @@ class Event:
     tokens: list[int]
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     error: str | None = None  # what went wrong, with "error"
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -54,6 +66,7 @@ class Sequence:
 
     prompt: list[int]
     max_tokens: int
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
     cached_tokens: int = 0  # prompt tokens that came from a checkpoint
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None
@@ -151,25 +164,38 @@ class Engine:
         stop_tokens=None,
         checkpoint_at=(),
         drafter=None,
+        logprobs: int | None = None,
+        events=None,
     ) -> Sequence:
         """Queue a request; its tokens arrive on the returned Sequence.
 
         prompt: a string or token ids. stop_tokens: ids that end it (default: the
         tokenizer's end tokens). checkpoint_at: prompt positions (token counts) to save
         checkpoints at; one is always saved at the end. drafter: this sequence's own
-        drafter instead of a fork of the engine's (for measurements).
+        drafter instead of a fork of the engine's (for measurements). logprobs: give each
+        token's log-probability and the top `logprobs` alternatives. events: where the
+        events go, anything with a thread-safe `put` (default: a new `queue.Queue`).
         """
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, max_tokens)
         sampler = Sampler(temp, top_p, top_k, min_p, seed)
         drafter = drafter if drafter is not None else (self.drafter.fork() if self.drafter is not None else None)
         decoder = SpeculativeDecoder(
             self.model, drafter, sampler, self.num_draft_tokens, self.model.make_cache(), adaptive=self.adaptive
         )
-        sequence = Sequence(ids, max_tokens, stats=decoder.stats if drafter is not None else None)
+        sequence = Sequence(ids, max_tokens, logprobs, stats=decoder.stats if drafter is not None else None)
+        if events is not None:
+            sequence.events = events
         stops = set(self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens)
         self.waiting.put(_Row(sequence, decoder, stops, checkpoint_at))
         self._wake.set()
         return sequence
+
+    @property
+    def load(self) -> dict:
+        """How many sequences are generating and how many wait for a slot."""
+        return {"running": len(self.rows), "waiting": self.waiting.qsize()}
 
     # -- the loop
 
@@ -190,6 +216,17 @@ class Engine:
         """Step until every submitted sequence is done."""
         while self.step():
             pass
+
+    def drive(self, sequence: Sequence):
+        """Step on this thread until `sequence` ends, yielding its events as they come (for a
+        command line; not with `start`)."""
+        while True:
+            while not sequence.events.empty():
+                event = sequence.events.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+            self.step()
 
     def start(self):
         """Step on a background thread (for a server); `stop` ends it."""
@@ -287,7 +324,7 @@ class Engine:
                 row.decoder.finish(row_hidden, accepted, len(drafts), k)
                 row.fed += [previous] + accepted[:-1]
                 row.last_hidden = row_hidden[:, len(accepted) - 1 : len(accepted)]
-                ended = self._emit(row, accepted)
+                ended = self._emit(row, accepted, row_logit)
             if ended:
                 self.rows.remove(row)
 
@@ -352,10 +389,11 @@ class Engine:
         """The prompt is read: the first token from its last position's logits [1, V]."""
         first = int(row.decoder.sampler(logits[-1]))
         row.decoder.begin(first)
-        return self._emit(row, [first])
+        return self._emit(row, [first], logits[-1:])
 
-    def _emit(self, row: _Row, accepted: list[int]) -> bool:
-        """Hand out a round's tokens, up to a stop token or max_tokens; whether the row ended."""
+    def _emit(self, row: _Row, accepted: list[int], logits: mx.array) -> bool:
+        """Hand out a round's tokens, up to a stop token or max_tokens; whether the row ended.
+        logits [>= n, V]: where each token was chosen."""
         sequence = row.sequence
         out, reason = [], None
         for token in accepted:
@@ -367,17 +405,37 @@ class Engine:
                 reason = "length"
                 break
         sequence.tokens += out
+        logprobs = (
+            _token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
+        )
         if reason is None:
-            sequence.events.put(Event(out))
+            sequence.events.put(Event(out, logprobs=logprobs))
             return False
         self._save(row)
-        self._finish(row, reason, out)
+        self._finish(row, reason, out, logprobs=logprobs)
         return True
 
     def _save(self, row: _Row):
         self.store.save(capture(self.model, row.decoder.cache, row.fed, row.last_hidden, row.drafter))
 
-    def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None):
+    def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None, logprobs=None):
         sequence = row.sequence
         sequence.finish_reason, sequence.error = reason, error
-        sequence.events.put(Event(list(tokens), reason, error))
+        sequence.events.put(Event(list(tokens), reason, error, logprobs))
+
+
+def _token_logprobs(tokens: list[int], logits: mx.array, top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under logits [n, V] (float32), and the top alternatives."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    if top:
+        best = mx.argsort(-logprobs, axis=-1)[:, :top]
+        best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
+        best, best_logprobs = best.tolist(), best_logprobs.tolist()
+    else:
+        best, best_logprobs = [[]] * len(tokens), [[]] * len(tokens)
+    return [
+        TokenLogprob(token, logprob, list(zip(ids, values)))
+        for token, logprob, ids, values in zip(tokens, chosen.tolist(), best, best_logprobs)
+    ]

@@ -1,0 +1,418 @@
+"""The OpenAI-compatible HTTP API over one engine: requests in, engine sequences out as JSON
+or server-sent events. It translates and holds no generation logic: the engine schedules,
+`prompt.chat_prompt` renders, `parsers` split reasoning and tool calls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ..errors import ContextOverflowError, GenerationError
+from ..generation import StreamingDetokenizer
+from ..parsers import OutputParser, StopStrings, prompt_opens_reasoning
+from ..prompt import chat_prompt
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class ServedModel:
+    """What the server serves: one model, its tokenizer and the engine that runs it."""
+
+    id: str  # the name clients use (`model` in requests)
+    tokenizer: object
+    engine: object
+    default_max_tokens: int = 2048  # for requests that give none
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
+    """The ASGI app; it starts and stops the engine's thread with its own lifespan."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        served.engine.start()
+        try:
+            yield
+        finally:
+            served.engine.stop()
+
+    app = FastAPI(title="mlx-hybrid", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, error: ApiError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, error: RequestValidationError):
+        return _validation_error(error).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        return ApiError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, error: Exception):
+        return ApiError(500, f"internal error: {type(error).__name__}: {error}").response()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+                return ApiError(
+                    401, "a valid API key is needed: Authorization: Bearer KEY", "invalid_api_key"
+                ).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **served.engine.load}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(served)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(served, model_id)
+        return _model_card(served)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(served, body.model)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+        options = dict(body.chat_template_kwargs)
+        if tools:
+            options["tools"] = tools
+        messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+        rendered = await run_in_threadpool(_render, served.tokenizer, messages, options)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries)
+        parser = OutputParser(tools=tools, reasoning_opened=prompt_opens_reasoning(rendered.text))
+        chat = _ChatOutput(run, parser)
+        if body.stream:
+            return _event_stream(chat.chunks(body.include_usage))
+        return await chat.response(request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(served, body.model)
+        run = _Run.submit(served, body, body.prompt, body.logprobs)
+        completion = _CompletionOutput(run)
+        if body.stream:
+            return _event_stream(completion.chunks(body.include_usage))
+        return await completion.response(request)
+
+    return app
+
+
+def _validation_error(error: RequestValidationError) -> ApiError:
+    first = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON")
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return ApiError(400, f"{where}: {message}" if where else message, param=where or None)
+
+
+def _model_card(served: ServedModel) -> dict:
+    return {"id": served.id, "object": "model", "created": served.created, "owned_by": "mlx-hybrid"}
+
+
+def _check_model(served: ServedModel, name: str | None):
+    if name is not None and name != served.id:
+        raise ApiError(
+            404, f"the model {name!r} is not served here; this server serves {served.id!r}", "model_not_found"
+        )
+
+
+def _template_message(message: dict) -> dict:
+    """An OpenAI message as chat templates expect it: text content, tool-call arguments as
+    objects (the templates iterate them) rather than JSON strings."""
+    content = message.get("content")
+    if isinstance(content, list):
+        message["content"] = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                raise ApiError(400, "tool call arguments must be a JSON object", param="messages") from None
+    return message
+
+
+def _render(tokenizer, messages, options):
+    try:
+        return chat_prompt(tokenizer, messages, **options)
+    except GenerationError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+class _Events:
+    """Where the engine's thread puts a sequence's events: onto this request's event loop."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Piece:
+    """Text that can be sent, the logprobs of the tokens behind it, and at the end why."""
+
+    text: str
+    logprobs: list
+    finish_reason: str | None = None
+
+
+class _Run:
+    """One request's sequence, as text cut at its stop strings."""
+
+    def __init__(self, served: ServedModel, sequence, events: _Events, stops: list[str]):
+        self.served, self.sequence, self.events = served, sequence, events
+        self.id = uuid.uuid4().hex
+        self.detokenizer = StreamingDetokenizer(served.tokenizer)
+        self.stops = StopStrings(stops)
+        self.eos = set(served.tokenizer.eos_token_ids)
+        self.completion_tokens = 0
+
+    @classmethod
+    def submit(cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=()) -> "_Run":
+        events = _Events()
+        try:
+            sequence = served.engine.submit(
+                prompt,
+                body.token_limit or served.default_max_tokens,
+                body.temperature,
+                body.top_p,
+                max(body.top_k, 0),
+                body.min_p,
+                body.seed,
+                checkpoint_at=checkpoint_at,
+                logprobs=logprobs,
+                events=events,
+            )
+        except ContextOverflowError as e:
+            raise ApiError(400, str(e), "context_length_exceeded", "messages") from None
+        except GenerationError as e:
+            raise ApiError(400, str(e)) from None
+        return cls(served, sequence, events, body.stops)
+
+    async def pieces(self, request: Request | None = None):
+        """The output as it comes. request: poll it for a client that went away (streams
+        learn that from their response being cancelled instead)."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.events.queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        return
+                    continue
+                piece = self._piece(event)
+                yield piece
+                if piece.finish_reason is not None:
+                    return
+        finally:
+            self.sequence.cancel()  # a no-op once it ended; frees the slot when the client left
+
+    def _piece(self, event) -> _Piece:
+        if event.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {event.error}")
+        text, logprobs = "", []
+        for i, token in enumerate(event.tokens):
+            self.completion_tokens += 1
+            if event.logprobs is not None:
+                logprobs.append(event.logprobs[i])
+            if token not in self.eos:
+                text += self.stops.feed(self.detokenizer.add(token))
+            if self.stops.stopped:
+                return _Piece(text, logprobs, "stop")
+        if event.finish_reason is None:
+            return _Piece(text, logprobs)
+        text += self.stops.feed(self.detokenizer.finalize())
+        if self.stops.stopped:
+            return _Piece(text, logprobs, "stop")
+        return _Piece(text + self.stops.finish(), logprobs, event.finish_reason)
+
+    def usage(self) -> dict:
+        prompt = len(self.sequence.prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.sequence.cached_tokens},
+        }
+
+    def envelope(self, kind: str, choices: list[dict], usage: bool = False) -> dict:
+        prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
+        body = {"id": f"{prefix}-{self.id}", "object": kind, "created": int(time.time()), "model": self.served.id}
+        body["choices"] = choices
+        if usage:
+            body["usage"] = self.usage()
+        return body
+
+    def token_text(self, token: int) -> str:
+        return self.served.tokenizer.decode([token])
+
+
+class _ChatOutput:
+    """A run as chat completion(s): reasoning, content and tool calls apart."""
+
+    def __init__(self, run: _Run, parser: OutputParser):
+        self.run, self.parser = run, parser
+        self.calls = 0
+
+    async def response(self, request: Request) -> dict:
+        reasoning = content = ""
+        calls, logprobs, finish = [], [], None
+        async for piece in self.run.pieces(request):
+            for delta in self._deltas(piece):
+                reasoning, content = reasoning + delta.reasoning, content + delta.content
+                calls += delta.tool_calls
+            logprobs += piece.logprobs
+            finish = piece.finish_reason
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if self.parser.saw_reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": None}
+        choice["finish_reason"] = "tool_calls" if calls and finish == "stop" else finish
+        return self.run.envelope("chat.completion", [choice], usage=True)
+
+    async def chunks(self, include_usage: bool):
+        kind = "chat.completion.chunk"
+        yield self.run.envelope(kind, [self._choice({"role": "assistant", "content": ""})])
+        async for piece in self.run.pieces():
+            for delta in self._deltas(piece):
+                for name, value in (("reasoning_content", delta.reasoning), ("content", delta.content)):
+                    if value:
+                        yield self.run.envelope(kind, [self._choice({name: value}, piece.logprobs)])
+                        piece.logprobs = []
+                if delta.tool_calls:
+                    indexed = [{"index": self.calls + i, **call} for i, call in enumerate(delta.tool_calls)]
+                    self.calls += len(indexed)
+                    yield self.run.envelope(kind, [self._choice({"tool_calls": indexed}, piece.logprobs)])
+                    piece.logprobs = []
+            if piece.finish_reason is not None:
+                finish = "tool_calls" if self.calls and piece.finish_reason == "stop" else piece.finish_reason
+                yield self.run.envelope(kind, [self._choice({}, piece.logprobs, finish)])
+            elif piece.logprobs:  # tokens whose text is still held back
+                yield self.run.envelope(kind, [self._choice({}, piece.logprobs)])
+        if include_usage:
+            yield {**self.run.envelope(kind, []), "usage": self.run.usage()}
+
+    def _deltas(self, piece: _Piece):
+        deltas = [self.parser.feed(piece.text)]
+        if piece.finish_reason is not None:
+            deltas.append(self.parser.finish())
+        return [d for d in deltas if d]
+
+    def _choice(self, delta: dict, logprobs=(), finish_reason=None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+
+    def _logprobs(self, logprobs) -> dict | None:
+        if not logprobs:
+            return None
+        return {
+            "content": [
+                {**self._token(lp.token, lp.logprob), "top_logprobs": [self._token(t, v) for t, v in lp.top]}
+                for lp in logprobs
+            ]
+        }
+
+    def _token(self, token: int, logprob: float) -> dict:
+        tokenizer = self.run.served.tokenizer
+        return {"token": tokenizer.decode([token]), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
+
+
+class _CompletionOutput:
+    """A run as text completion(s), logprobs in the legacy completions layout."""
+
+    def __init__(self, run: _Run):
+        self.run = run
+        self.offset = 0  # text offset of the next token, for logprobs
+
+    async def response(self, request: Request) -> dict:
+        text, logprobs, finish = "", [], None
+        async for piece in self.run.pieces(request):
+            text, finish = text + piece.text, piece.finish_reason
+            logprobs += piece.logprobs
+        return self.run.envelope("text_completion", [self._choice(text, logprobs, finish)], usage=True)
+
+    async def chunks(self, include_usage: bool):
+        async for piece in self.run.pieces():
+            if piece.text or piece.logprobs or piece.finish_reason:
+                yield self.run.envelope(
+                    "text_completion", [self._choice(piece.text, piece.logprobs, piece.finish_reason)]
+                )
+        if include_usage:
+            yield {**self.run.envelope("text_completion", []), "usage": self.run.usage()}
+
+    def _choice(self, text: str, logprobs, finish_reason) -> dict:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+
+    def _logprobs(self, logprobs) -> dict | None:
+        if not logprobs and self.run.sequence.logprobs is None:
+            return None
+        tokens = [self.run.token_text(lp.token) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self.run.token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+def _event_stream(chunks) -> StreamingResponse:
+    """Server-sent events: one `data:` line per chunk, then `[DONE]`. An error after the
+    stream has started can only be told in the stream."""
+
+    async def lines():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except ApiError as e:
+            body = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,119 @@
+"""The `mlx_hybrid.server` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..cli import USAGE_ERROR, add_draft_arguments, add_model_arguments, load_for_generation
+
+DESCRIPTION = """\
+Serve a hybrid-attention model over an OpenAI-compatible HTTP API:
+POST /v1/chat/completions and /v1/completions (streaming as server-sent events),
+GET /v1/models and /health. Requests run together on one batch engine, with
+speculative decoding per request (on by default where the model has an MTP head),
+and every conversation's state is checkpointed at its message boundaries, so the
+next turn reads only its new messages (usage.prompt_tokens_details.cached_tokens).
+
+Reasoning comes back in `reasoning_content` and tool calls (Qwen3 JSON, Qwen3.5
+XML, Kimi) as OpenAI `tool_calls`.
+
+The server listens on 127.0.0.1 only. --host 0.0.0.0 opens it to the network:
+anyone who can reach the port can then use the model, so set --api-key too.
+"""
+
+EPILOG = """\
+examples:
+  mlx_hybrid.server                                   # the bundled model on 127.0.0.1:8080
+  mlx_hybrid.server --model Qwen/Qwen3.5-0.8B --max-batch 4
+  mlx_hybrid.server --model unsloth/Qwen3.5-4B-GGUF:Qwen3.5-4B-Q4_K_M.gguf --port 9000
+  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hello"}]}'
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_hybrid.server",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
+    add_draft_arguments(p)
+    p.add_argument(
+        "--max-batch", type=int, default=8, metavar="N", help="most requests generating at once (default: 8)"
+    )
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=2 * 1024**3,
+        metavar="B",
+        help="memory for prompt checkpoints, least recently used evicted first; 0: none (default: 2 GiB)",
+    )
+    p.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="spill evicted checkpoints to DIR, where a restarted server finds them again",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="tokens to generate for requests that set no max_tokens (default: 2048)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MLX_HYBRID_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ (default: $MLX_HYBRID_API_KEY, else none)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    import mlx_hybrid
+    from mlx_hybrid.engine import Engine, PrefixStore
+
+    from .app import ServedModel, create_app
+
+    for name in ("max_batch", "max_tokens", "num_draft_tokens"):
+        if getattr(args, name) < 1:
+            return _fail(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prefix_cache_bytes < 0:
+        return _fail("--prefix-cache-bytes must be >= 0")
+    try:
+        model, tokenizer, drafter, described = load_for_generation(args)
+    except mlx_hybrid.MlxHybridError as e:
+        return _fail(str(e))
+    store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
+    engine = Engine(
+        model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, max_batch=args.max_batch,
+        prefix_store=store,
+    )  # fmt: skip
+    name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
+    served = ServedModel(name, tokenizer, engine, default_max_tokens=args.max_tokens)
+    print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(served, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def entry():
+    from mlx_hybrid.blas import prefer_optimized_blas
+
+    prefer_optimized_blas()
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""`mlx_hybrid.server` as clients use it: a real server process on 127.0.0.1, driven by the
+official `openai` client (and raw HTTP for what no client would send). Outputs are compared
+with the model run alone in this process."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+import mlx_hybrid
+from conftest import FIXTURES
+from mlx_hybrid.parsers import parse_output
+from mlx_hybrid.prompt import chat_prompt
+
+QWEN = FIXTURES / "qwen35" / "hf"
+ASSISTANT = FIXTURES / "assistant"
+API_KEY = "test-key"
+MODEL = str(QWEN)  # the name the server gives it: --model as given
+
+
+def http(method: str, url: str, body: bytes | None = None, headers=None):
+    """(status, parsed JSON body) of one raw request."""
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Server:
+    def __init__(self, *args):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "mlx_hybrid.server", "--port", str(self.port), "--log-level", "warning"]
+        self.process = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.process.stdout.read()}")
+            try:
+                if http("GET", self.url + "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError("the server did not come up")
+
+    def health(self) -> dict:
+        status, body = http("GET", self.url + "/health")
+        assert status == 200
+        return body
+
+    def stop(self):
+        """Shut it down; whether it was still running (a server survives every request)."""
+        alive = self.process.poll() is None
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        return alive
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = Server("--model", str(QWEN), "--max-batch", "8")  # MTP speculation: on by default
+    yield running
+    assert running.stop()  # it survived every request
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local():
+    return mlx_hybrid.load(QWEN)
+
+
+def alone(local, ids, max_tokens):
+    """Greedy tokens of this prompt run by itself, no speculation, and their text."""
+    model, tokenizer = local
+    tokens = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft="none")]
+    text = tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])
+    return tokens, text
+
+
+def chat_ids(local, messages, **options):
+    return chat_prompt(local[1], messages, **options).ids
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_chat_equals_the_model_alone_plain_and_streamed(client, local):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse_args("}]
+    tokens, text = alone(local, chat_ids(local, messages), 20)
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert response.choices[0].message.content == parse_output(text).content
+    assert response.usage.completion_tokens == len(tokens)
+    assert response.usage.prompt_tokens == len(chat_ids(local, messages))
+    assert response.choices[0].finish_reason == ("stop" if tokens[-1] in local[1].eos_token_ids else "length")
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == parse_output(text).content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == response.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+
+
+def test_completions_and_logprobs_equal_the_model_alone(client, local):
+    model, tokenizer = local
+    tokens, text = alone(local, tokenizer.encode("import os\nimport"), 12)
+    response = client.completions.create(
+        model=MODEL, prompt="import os\nimport", max_tokens=12, temperature=0, logprobs=3
+    )
+    choice = response.choices[0]
+    assert choice.text == text
+    # each token's log-probability is the model's at its position, and the greedy token is the top one
+    import mlx.core as mx
+
+    logits = model(mx.array(tokenizer.encode("import os\nimport") + tokens)[None])[0].astype(mx.float32)
+    logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[-len(tokens) - 1 : -1]
+    expected = [logprobs[i, t].item() for i, t in enumerate(tokens)]
+    assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-3)
+    # (the legacy layout keys alternatives by text: tokens holding part of a character collide)
+    assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x = "}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top token
+    # the tokens' bytes make up the text, also where a token holds part of a character
+    text = bytes(b for t in content for b in t.bytes).decode(errors="replace")
+    assert text == chat.choices[0].message.content
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(client, local):
+    tokenizer = local[1]
+    _, text = alone(local, tokenizer.encode("def parse_args("), 40)
+    stop = text[10:13]  # a string the model will write
+    expected = text[: text.index(stop)]
+    response = client.completions.create(
+        model=MODEL, prompt="def parse_args(", max_tokens=40, temperature=0, stop=[stop, "@@@"]
+    )
+    assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens < 40
+    streamed = client.completions.create(
+        model=MODEL, prompt="def parse_args(", max_tokens=40, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_eight_concurrent_clients_each_get_what_they_get_alone(client, local):
+    prompts = [f"def f{i}(x):\n    return x {'+-*/%&|^'[i]} " + "y" * i for i in range(8)]
+    expected = [
+        parse_output(alone(local, chat_ids(local, [{"role": "user", "content": p}]), 16)[1]).content for p in prompts
+    ]
+
+    def ask(prompt):
+        messages = [{"role": "user", "content": prompt}]
+        return (
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+            .choices[0]
+            .message.content
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask, prompts)) == expected
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "import"}], max_tokens=4000, stream=True
+    )
+    for _, _chunk in zip(range(3), stream):
+        pass
+    stream.close()
+    deadline = time.time() + 15  # the 4000 tokens would take far longer
+    while server.health()["running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
+    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert response.usage.completion_tokens >= 1
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", b'{"messages": [', 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 17}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 30000}]}, 400, "messages"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [70000]}, 400, None),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_lives_on(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, response = http("POST", server.url + path, content)
+    assert got == status, response
+    error = response["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+    if "x" * 30000 in content.decode(errors="ignore"):
+        assert error["code"] == "context_length_exceeded"
+    assert server.health()["status"] == "ok"
+
+
+def test_unknown_routes_and_methods_are_json_errors(server):
+    status, body = http("GET", server.url + "/v1/nothing")
+    assert status == 404 and body["error"]["message"]
+    status, body = http("GET", server.url + "/v1/chat/completions")
+    assert status == 405 and body["error"]["message"]
+
+
+# -- conversations: the bundled model, whose answers are text that reads back as the same tokens
+# (a random model's bytes often are not UTF-8, and nothing can render those back as they were)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    running = Server()
+    yield running
+    assert running.stop()
+
+
+def test_second_turn_reads_only_the_new_message(bundled):
+    client = openai.OpenAI(base_url=bundled.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model, tokenizer = mlx_hybrid.load(mlx_hybrid.bundled_model_path())
+    name = mlx_hybrid.bundled_model_path().stem
+    first = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse_args("}]
+    reply = client.chat.completions.create(model=name, messages=first, max_tokens=24, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    answer = reply.choices[0].message.content
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "class Config:"}]
+    turn_1, turn_2 = chat_prompt(tokenizer, first).ids, chat_prompt(tokenizer, second).ids
+    generated = alone((model, tokenizer), turn_1, 24)[0]
+    assert turn_2[: len(turn_1) + len(generated)] == turn_1 + generated  # the history repeats turn 1 token for token
+
+    response = client.chat.completions.create(model=name, messages=second, max_tokens=24, temperature=0)
+    # turn 1 was checkpointed at its end (its last token not fed yet): turn 2 reads the rest
+    assert response.usage.prompt_tokens_details.cached_tokens == len(turn_1) + len(generated) - 1
+    assert response.usage.prompt_tokens == len(turn_2)
+    assert response.choices[0].message.content == parse_output(alone((model, tokenizer), turn_2, 24)[1]).content
+
+
+# -- tools and reasoning: a model taught one tool-using conversation (tests/fixtures/make_assistant.py)
+
+
+@pytest.fixture(scope="module")
+def assistant():
+    running = Server("--model", str(ASSISTANT), "--api-key", API_KEY, "--served-model-name", "assistant")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    return json.loads((ASSISTANT / "conversations.json").read_text())
+
+
+def test_the_api_key_is_required(assistant):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, body = http("GET", assistant.url + "/v1/models", headers=headers)
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+    wrong = openai.OpenAI(base_url=assistant.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert assistant.health()["status"] == "ok"  # /health needs no key
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip_with_the_call_inside_reasoning(assistant, conversations, stream):
+    client = openai.OpenAI(base_url=assistant.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    tools, expected = conversations["tools"], conversations["expected"]
+    turn_1 = dict(model="assistant", messages=conversations["turn_1"]["messages"], tools=tools, temperature=0)
+    message, finish = _answer(client, turn_1, stream)
+    # the template opened <think>: the call was made while thinking, and still comes out as a call
+    assert message["reasoning_content"] == expected["turn_1"]["reasoning"]
+    assert not message["content"]
+    assert finish == "tool_calls" and len(message["tool_calls"]) == 1
+    call = message["tool_calls"][0]
+    assert call["function"]["name"] == expected["turn_1"]["tool_call"]["name"]
+    assert json.loads(call["function"]["arguments"]) == expected["turn_1"]["tool_call"]["arguments"]
+    assert json.loads(call["function"]["arguments"])["days"] == 2  # the schema's integer, not "2"
+
+    # the client runs the tool and sends its result back
+    turn_2_messages = conversations["turn_1"]["messages"] + [
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": message["reasoning_content"],
+            "tool_calls": [{"id": call["id"], "type": "function", "function": call["function"]}],
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": conversations["turn_2"]["messages"][-1]["content"]},
+    ]
+    message, finish = _answer(client, {**turn_1, "messages": turn_2_messages}, stream)
+    assert message["reasoning_content"] == expected["turn_2"]["reasoning"]
+    assert message["content"] == expected["turn_2"]["content"]
+    assert finish == "stop" and not message.get("tool_calls")
+
+
+def _answer(client, request, stream):
+    """(message as a dict, finish_reason), put together from the chunks when streaming."""
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        return choice.message.model_dump(), choice.finish_reason
+    message = {"content": "", "reasoning_content": "", "tool_calls": []}
+    finish = None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta.model_dump()
+        message["content"] += delta.get("content") or ""
+        message["reasoning_content"] += delta.get("reasoning_content") or ""
+        for call in delta.get("tool_calls") or []:
+            assert call["index"] == len(message["tool_calls"])
+            message["tool_calls"].append({k: call[k] for k in ("id", "type", "function")})
+        finish = chunk.choices[0].finish_reason or finish
+    return message, finish
+
+
+def test_reasoning_dropped_from_the_history_is_not_claimed_as_cached(assistant, conversations):
+    """Turn 3: the template now drops the earlier turns' reasoning, so the conversation only
+    repeats up to the question; that is what may come from a checkpoint."""
+    client = openai.OpenAI(base_url=assistant.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    tools = conversations["tools"]
+    turn_2 = conversations["turn_2"]["messages"]
+    for messages in (conversations["turn_1"]["messages"], turn_2):  # turns 1 and 2 leave their checkpoints
+        client.chat.completions.create(model="assistant", messages=messages, tools=tools, temperature=0, max_tokens=60)
+    turn_3 = turn_2 + [
+        {"role": "assistant", "content": conversations["expected"]["turn_2"]["content"], "reasoning_content": "x"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    response = client.chat.completions.create(
+        model="assistant", messages=turn_3, tools=tools, temperature=0, max_tokens=4
+    )
+    model, tokenizer = mlx_hybrid.load(ASSISTANT)
+    rendered_turn_2 = tokenizer.apply_chat_template(_as_template(turn_2), add_generation_prompt=True, tools=tools)
+    rendered_turn_3 = tokenizer.apply_chat_template(_as_template(turn_3), add_generation_prompt=True, tools=tools)
+    question = tokenizer.apply_chat_template(_as_template(turn_2[:2]), add_generation_prompt=False, tools=tools)
+    assert rendered_turn_3.startswith(question) and not rendered_turn_3.startswith(
+        rendered_turn_2[: len(question) + 30]
+    )
+    assert response.usage.prompt_tokens_details.cached_tokens == len(tokenizer.encode(question))
+    assert response.usage.prompt_tokens == len(tokenizer.encode(rendered_turn_3))
+
+
+def _as_template(messages):
+    out = json.loads(json.dumps(messages))
+    for m in out:
+        for call in m.get("tool_calls", []):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return out
