@@ -1,0 +1,169 @@
+"""The `mlx_hybrid.chat` command: an interactive chat in the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .cli import USAGE_ERROR, add_draft_arguments, add_model_arguments, add_sampling_arguments, load_for_generation
+
+DESCRIPTION = """\
+Chat with a hybrid-attention model in the terminal. Answers stream as they are
+generated (reasoning, where the model thinks, dimmed). The conversation's state is
+kept after every turn, so each turn reads only its new message: the line after each
+answer says how many prompt tokens were new.
+
+Commands: /reset starts over, /quit (or Ctrl-D) leaves, /help lists them. Ctrl-C
+stops an answer.
+"""
+
+HELP = """\
+/reset   forget the conversation (the system message stays)
+/quit    leave (Ctrl-D does too)
+/help    this list
+Ctrl-C stops the answer being written."""
+
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_hybrid.chat", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_arguments(p)
+    p.add_argument("--system", default=None, help="the system message")
+    add_sampling_arguments(p, max_tokens=1024)
+    add_draft_arguments(p)
+    p.add_argument("--verbose", action="store_true", help="print the model and compute path at the start")
+    return p
+
+
+class ChatSession:
+    """The conversation, and its turns through the engine."""
+
+    def __init__(self, engine, tokenizer, args, out=sys.stdout):
+        self.engine, self.tokenizer, self.args, self.out = engine, tokenizer, args, out
+        self.system = [{"role": "system", "content": args.system}] if args.system else []
+        self.messages = list(self.system)
+        self.dim = out.isatty()
+
+    def reset(self):
+        self.messages = list(self.system)
+
+    def turn(self, text: str) -> str:
+        """Answer one user message (streamed to out); the statistics line."""
+        from .generation import StreamingDetokenizer
+        from .parsers import OutputParser, prompt_opens_reasoning
+        from .prompt import chat_prompt
+
+        messages = self.messages + [{"role": "user", "content": text}]
+        rendered = chat_prompt(self.tokenizer, messages)
+        a = self.args
+        sequence = self.engine.submit(
+            rendered.ids, a.max_tokens, a.temp, a.top_p, a.top_k, a.min_p, a.seed, checkpoint_at=rendered.boundaries
+        )
+        detokenizer, eos = StreamingDetokenizer(self.tokenizer), set(self.tokenizer.eos_token_ids)
+        parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text))
+        reasoning, content = [], []
+        start, first_at = time.perf_counter(), None
+        events = self.engine.drive(sequence)
+        try:
+            for event in events:
+                first_at = first_at or time.perf_counter()
+                text = "".join(detokenizer.add(t) for t in event.tokens if t not in eos)
+                if event.finish_reason is not None:
+                    text += detokenizer.finalize()
+                self._show(parser.feed(text), reasoning, content)
+        except KeyboardInterrupt:  # stop this answer, keep what was said
+            sequence.cancel()
+            for _ in events:
+                pass
+            self.out.write(" [stopped]")
+        self._show(parser.finish(), reasoning, content)
+        self.out.write("\n")
+        if sequence.error:
+            return f"error: {sequence.error}"
+        answer = {"role": "assistant", "content": "".join(content)}
+        if reasoning:
+            answer["reasoning_content"] = "".join(reasoning)
+        self.messages = messages + [answer]
+        end = time.perf_counter()
+        new = len(rendered.ids) - sequence.cached_tokens
+        generated = len(sequence.tokens)
+        return (
+            f"[prompt: {len(rendered.ids)} tokens, {new} new, {new / ((first_at or end) - start):.1f} tokens/s | "
+            f"answer: {generated} tokens, "
+            f"{(generated - 1) / (end - first_at) if first_at and end > first_at and generated > 1 else 0.0:.1f} "
+            f"tokens/s]"
+        )
+
+    def _show(self, delta, reasoning: list, content: list):
+        if delta.reasoning:
+            reasoning.append(delta.reasoning)
+            self.out.write(f"{DIM}{delta.reasoning}{RESET}" if self.dim else delta.reasoning)
+        if delta.content:
+            if reasoning and not content:
+                self.out.write("\n")
+            content.append(delta.content)
+            self.out.write(delta.content)
+        self.out.flush()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import mlx_hybrid
+    from mlx_hybrid.engine import Engine
+
+    try:
+        model, tokenizer, drafter, described = load_for_generation(args)
+        engine = Engine(model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, max_batch=1)
+    except mlx_hybrid.MlxHybridError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.verbose:
+        print(described, file=sys.stderr)
+    if not tokenizer.chat_template:
+        print("error: this model has no chat template; use mlx_hybrid.generate for plain text", file=sys.stderr)
+        return USAGE_ERROR
+    session = ChatSession(engine, tokenizer, args)
+    name = args.model or mlx_hybrid.bundled_model_path().stem
+    print(f"chatting with {name}; /help for commands, /quit to leave", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if not line:
+            continue
+        if line.startswith("/"):
+            command = line.split()[0]
+            if command in ("/quit", "/exit"):
+                return 0
+            if command == "/reset":
+                session.reset()
+                print("(the conversation starts over)", file=sys.stderr)
+            elif command == "/help":
+                print(HELP, file=sys.stderr)
+            else:
+                print(f"unknown command {command}; /help lists them", file=sys.stderr)
+            continue
+        try:
+            print(session.turn(line), file=sys.stderr)
+        except mlx_hybrid.MlxHybridError as e:  # a context overflow, a template error: the turn is dropped
+            print(f"error: {e}", file=sys.stderr)
+
+
+def entry():
+    from mlx_hybrid.blas import prefer_optimized_blas
+
+    prefer_optimized_blas()
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

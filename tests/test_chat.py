@@ -1,0 +1,90 @@
+"""`mlx_hybrid.chat` driven in a real terminal (pexpect): streaming, history, checkpoints per turn."""
+
+import re
+import sys
+
+import pexpect
+import pytest
+
+import mlx_hybrid
+from mlx_hybrid.parsers import parse_output
+from mlx_hybrid.prompt import chat_prompt
+
+STATS = re.compile(r"\[prompt: (\d+) tokens, (\d+) new, [\d.]+ tokens/s \| answer: (\d+) tokens")
+SYSTEM = "You write Python."
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return mlx_hybrid.load(mlx_hybrid.bundled_model_path())
+
+
+def greedy(model, tokenizer, ids, max_tokens):
+    return [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft="none")]
+
+
+def spawn(*args):
+    child = pexpect.spawn(
+        sys.executable, ["-m", "mlx_hybrid.chat", *args], encoding="utf-8", timeout=120, dimensions=(50, 200)
+    )
+    child.expect(">>> ")
+    return child
+
+
+def ask(child, text):
+    """(what the terminal showed as the answer, prompt tokens, new prompt tokens)."""
+    child.sendline(text)
+    child.expect(STATS)
+    shown = child.before.split(text, 1)[1]
+    prompt, new = int(child.match[1]), int(child.match[2])
+    child.expect(">>> ")
+    return shown.replace("\r\n", "\n").strip("\n"), prompt, new
+
+
+def test_two_turns_the_second_reads_only_its_new_message(bundled):
+    model, tokenizer = bundled
+    child = spawn("--system", SYSTEM, "--max-tokens", "24")
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "def parse_args("}]
+    turn_1 = chat_prompt(tokenizer, first).ids
+    generated = greedy(model, tokenizer, turn_1, 24)
+    answer = parse_output(tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])).content
+
+    shown, prompt, new = ask(child, "def parse_args(")
+    assert shown == answer.strip("\n") and (prompt, new) == (len(turn_1), len(turn_1))
+
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "class Config:"}]
+    turn_2 = chat_prompt(tokenizer, second).ids
+    shown, prompt, new = ask(child, "class Config:")
+    # everything up to turn 1's last token came from its checkpoint
+    assert prompt == len(turn_2) and new == len(turn_2) - (len(turn_1) + len(generated) - 1)
+    expected = greedy(model, tokenizer, turn_2, 24)
+    expected_text = tokenizer.decode([t for t in expected if t not in tokenizer.eos_token_ids])
+    assert shown == parse_output(expected_text).content.strip("\n")
+
+    child.sendline("/help")
+    child.expect("/reset")
+    child.expect(">>> ")
+    child.sendline("/reset")
+    child.expect("starts over")
+    child.expect(">>> ")
+    _, prompt, new = ask(child, "def parse_args(")
+    # the same first turn again: it was checkpointed where its messages end, before the answer's prompt
+    messages_end = len(tokenizer.encode(tokenizer.apply_chat_template(first, add_generation_prompt=False)))
+    assert prompt == len(turn_1) and new == len(turn_1) - messages_end > 0
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_end_of_input_leaves_and_bad_options_are_usage_errors():
+    child = spawn("--max-tokens", "4")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    child = pexpect.spawn(sys.executable, ["-m", "mlx_hybrid.chat", "--model", "/no/such/model"], encoding="utf-8")
+    child.expect("error: ")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 2
