@@ -258,6 +258,32 @@ def test_unknown_routes_and_methods_are_json_errors(server):
     assert status == 405 and body["error"]["message"]
 
 
+def test_a_hybrid_model_with_a_draft_model_serves_what_it_generates_alone(local):
+    """The leading MLX runner's server accepts --draft-model and fails on a hybrid model's first request."""
+    target = FIXTURES / "qwen35moe" / "hf"
+    running = Server("--model", str(target), "--draft-model", str(QWEN), "--draft-p-min", "0")
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model, tokenizer = mlx_hybrid.load(target)
+        expected = alone((model, tokenizer), tokenizer.encode("def main():"), 16)[1]
+        response = client.completions.create(model=str(target), prompt="def main():", max_tokens=16, temperature=0)
+        assert response.choices[0].text == expected
+    finally:
+        assert running.stop()
+
+
+def test_usage_errors_are_one_line_and_exit_2(server):
+    command = [sys.executable, "-m", "mlx_hybrid.server"]
+    for args, message in [
+        (["--model", "/no/such/model"], "no such file"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--port", str(server.port)], "cannot listen"),  # taken by the running server
+    ]:
+        result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
 # -- conversations: the bundled model, whose answers are text that reads back as the same tokens
 # (a random model's bytes often are not UTF-8, and nothing can render those back as they were)
 

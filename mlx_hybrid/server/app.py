@@ -155,7 +155,7 @@ def _check_model(served: ServedModel, name: str | None):
 def _template_message(message: dict) -> dict:
     """An OpenAI message as chat templates expect it: text content, tool-call arguments as
     objects (the templates iterate them) rather than JSON strings."""
-    content = message.get("content")
+    content = message.setdefault("content", "")  # an assistant turn of tool calls only may have none
     if isinstance(content, list):
         message["content"] = "".join(part.get("text", "") for part in content if part.get("type") == "text")
     for call in message.get("tool_calls") or []:

@@ -91,6 +91,9 @@ def main(argv=None) -> int:
             return _fail(f"--{name.replace('_', '-')} must be >= 1")
     if args.prefix_cache_bytes < 0:
         return _fail("--prefix-cache-bytes must be >= 0")
+    problem = _cannot_listen(args.host, args.port)
+    if problem:  # before the model loads, which can take minutes
+        return _fail(f"cannot listen on {args.host}:{args.port}: {problem}")
     try:
         model, tokenizer, drafter, described = load_for_generation(args)
     except mlx_hybrid.MlxHybridError as e:
@@ -105,6 +108,19 @@ def main(argv=None) -> int:
     print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(create_app(served, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except (OSError, OverflowError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    return None
 
 
 def _fail(message: str) -> int:
