@@ -16,6 +16,7 @@ import pytest
 
 import mlx_hybrid
 from conftest import FIXTURES
+from fixtures.make_assistant import template_messages
 from mlx_hybrid.parsers import parse_output
 from mlx_hybrid.prompt import chat_prompt
 
@@ -405,19 +406,11 @@ def test_reasoning_dropped_from_the_history_is_not_claimed_as_cached(assistant, 
         model="assistant", messages=turn_3, tools=tools, temperature=0, max_tokens=4
     )
     model, tokenizer = mlx_hybrid.load(ASSISTANT)
-    rendered_turn_2 = tokenizer.apply_chat_template(_as_template(turn_2), add_generation_prompt=True, tools=tools)
-    rendered_turn_3 = tokenizer.apply_chat_template(_as_template(turn_3), add_generation_prompt=True, tools=tools)
-    question = tokenizer.apply_chat_template(_as_template(turn_2[:2]), add_generation_prompt=False, tools=tools)
+    rendered_turn_2 = tokenizer.apply_chat_template(template_messages(turn_2), add_generation_prompt=True, tools=tools)
+    rendered_turn_3 = tokenizer.apply_chat_template(template_messages(turn_3), add_generation_prompt=True, tools=tools)
+    question = tokenizer.apply_chat_template(template_messages(turn_2[:2]), add_generation_prompt=False, tools=tools)
     assert rendered_turn_3.startswith(question) and not rendered_turn_3.startswith(
         rendered_turn_2[: len(question) + 30]
     )
     assert response.usage.prompt_tokens_details.cached_tokens == len(tokenizer.encode(question))
     assert response.usage.prompt_tokens == len(tokenizer.encode(rendered_turn_3))
-
-
-def _as_template(messages):
-    out = json.loads(json.dumps(messages))
-    for m in out:
-        for call in m.get("tool_calls", []):
-            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    return out
