@@ -53,7 +53,7 @@ class ChatSession:
 
     def turn(self, text: str) -> str:
         """Answer one user message (streamed to out); the statistics line."""
-        from .generation import StreamingDetokenizer
+        from .generation import StreamingDetokenizer, decode_rate
         from .parsers import OutputParser, prompt_opens_reasoning
         from .prompt import chat_prompt
 
@@ -63,7 +63,7 @@ class ChatSession:
         sequence = self.engine.submit(
             rendered.ids, a.max_tokens, a.temp, a.top_p, a.top_k, a.min_p, a.seed, checkpoint_at=rendered.boundaries
         )
-        detokenizer, eos = StreamingDetokenizer(self.tokenizer), set(self.tokenizer.eos_token_ids)
+        detokenizer = StreamingDetokenizer(self.tokenizer)
         parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text))
         reasoning, content = [], []
         start, first_at = time.perf_counter(), None
@@ -71,7 +71,7 @@ class ChatSession:
         try:
             for event in events:
                 first_at = first_at or time.perf_counter()
-                text = "".join(detokenizer.add(t) for t in event.tokens if t not in eos)
+                text = "".join(detokenizer.add(t) for t in event.tokens)
                 if event.finish_reason is not None:
                     text += detokenizer.finalize()
                 self._show(parser.feed(text), reasoning, content)
@@ -93,9 +93,7 @@ class ChatSession:
         generated = len(sequence.tokens)
         return (
             f"[prompt: {len(rendered.ids)} tokens, {new} new, {new / ((first_at or end) - start):.1f} tokens/s | "
-            f"answer: {generated} tokens, "
-            f"{(generated - 1) / (end - first_at) if first_at and end > first_at and generated > 1 else 0.0:.1f} "
-            f"tokens/s]"
+            f"answer: {generated} tokens, {decode_rate(generated, first_at, end):.1f} tokens/s]"
         )
 
     def _show(self, delta, reasoning: list, content: list):

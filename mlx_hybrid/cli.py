@@ -220,7 +220,7 @@ class _Run:
         import mlx.core as mx
 
         from mlx_hybrid import GenerationError
-        from mlx_hybrid.generation import StreamingDetokenizer
+        from mlx_hybrid.generation import StreamingDetokenizer, decode_rate
 
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         boundary = self._load_prompt_cache(reusable or len(ids))
@@ -230,12 +230,12 @@ class _Run:
             ids, self.args.max_tokens, self.args.temp, self.args.top_p, self.args.top_k, self.args.min_p,
             self.args.seed, checkpoint_at=[boundary] if boundary else (),
         )  # fmt: skip
-        detokenizer, eos = StreamingDetokenizer(self.tokenizer), set(self.tokenizer.eos_token_ids)
+        detokenizer = StreamingDetokenizer(self.tokenizer)
         first_at = None
         for event in self.engine.drive(sequence):
             for token in event.tokens:
                 first_at = first_at or time.perf_counter()
-                sys.stdout.write("" if token in eos else detokenizer.add(token))
+                sys.stdout.write(detokenizer.add(token))
                 sys.stdout.flush()
         sys.stdout.write(detokenizer.finalize())
         if sequence.error:
@@ -250,7 +250,7 @@ class _Run:
             f"prompt: {len(ids)} tokens"
             + (f" ({sequence.cached_tokens} from the prompt cache)" if sequence.cached_tokens else "")
             + f", {read / (first_at - start):.1f} tokens/s | generation: {generated} tokens, "
-            f"{(generated - 1) / (end - first_at) if end > first_at and generated > 1 else 0.0:.1f} tokens/s | "
+            f"{decode_rate(generated, first_at, end):.1f} tokens/s | "
             f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"
         ]
         if sequence.stats is not None:

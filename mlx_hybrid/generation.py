@@ -32,18 +32,27 @@ class GenerationResponse:
     tokens_per_pass: float | None = None  # speculative decoding: tokens per trunk pass
 
 
+def decode_rate(generated: int, first_at: float | None, end: float) -> float:
+    """Tokens/s after the first token (which the prompt's time pays for)."""
+    return (generated - 1) / (end - first_at) if first_at and end > first_at and generated > 1 else 0.0
+
+
 class StreamingDetokenizer:
-    """Emits new text as tokens arrive, holding back incomplete UTF-8 sequences."""
+    """Emits new text as tokens arrive, holding back incomplete UTF-8 sequences. End tokens
+    add no text (what ends a generation is not part of it)."""
 
     # byte-level BPE decodes piecewise, so a segment can restart after any clean emission
     SEGMENT = 16
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.end_tokens = set(tokenizer.eos_token_ids)
         self.segment: list[int] = []
         self.segment_text = ""
 
     def add(self, token: int) -> str:
+        if token in self.end_tokens:
+            return ""
         self.segment.append(token)
         text = self.tokenizer.decode(self.segment)
         if text.endswith("\ufffd"):
@@ -149,7 +158,7 @@ def stream_generate(
     for n, (token, from_draft) in enumerate(tokens, start=1):
         finish = "stop" if token in eos else ("length" if n >= max_tokens else None)
         elapsed = time.perf_counter() - start
-        text = "" if token in eos else detokenizer.add(token)
+        text = detokenizer.add(token)
         if finish:
             text += detokenizer.finalize()
         yield GenerationResponse(

@@ -206,7 +206,6 @@ class _Run:
         self.id = uuid.uuid4().hex
         self.detokenizer = StreamingDetokenizer(served.tokenizer)
         self.stops = StopStrings(stops)
-        self.eos = set(served.tokenizer.eos_token_ids)
         self.completion_tokens = 0
 
     @classmethod
@@ -257,8 +256,7 @@ class _Run:
             self.completion_tokens += 1
             if event.logprobs is not None:
                 logprobs.append(event.logprobs[i])
-            if token not in self.eos:
-                text += self.stops.feed(self.detokenizer.add(token))
+            text += self.stops.feed(self.detokenizer.add(token))
             if self.stops.stopped:
                 return _Piece(text, logprobs, "stop")
         if event.finish_reason is None:
