@@ -6,7 +6,15 @@ import argparse
 import sys
 import time
 
-from .cli import USAGE_ERROR, add_draft_arguments, add_model_arguments, add_sampling_arguments, load_for_generation
+from .cli import (
+    add_draft_arguments,
+    add_model_arguments,
+    add_sampling_arguments,
+    fail,
+    load_for_generation,
+    make_engine,
+    on_every_rank,
+)
 
 DESCRIPTION = """\
 Chat with a hybrid-attention model in the terminal. Answers stream as they are
@@ -111,20 +119,23 @@ class ChatSession:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import mlx_hybrid
-    from mlx_hybrid.engine import Engine
 
     try:
         model, tokenizer, drafter, described = load_for_generation(args)
-        engine = Engine(model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, max_batch=1)
+        engine = make_engine(model, tokenizer, drafter, args, max_batch=1)
     except mlx_hybrid.MlxHybridError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return USAGE_ERROR
+        return fail(str(e))
+    if not tokenizer.chat_template:
+        return fail("this model has no chat template; use mlx_hybrid.generate for plain text")
+    # under mlx.launch rank 0 talks to the terminal; the other ranks follow its engine
+    return on_every_rank(engine, lambda: _converse(ChatSession(engine, tokenizer, args), args, described))
+
+
+def _converse(session: ChatSession, args, described: str) -> int:
+    import mlx_hybrid
+
     if args.verbose:
         print(described, file=sys.stderr)
-    if not tokenizer.chat_template:
-        print("error: this model has no chat template; use mlx_hybrid.generate for plain text", file=sys.stderr)
-        return USAGE_ERROR
-    session = ChatSession(engine, tokenizer, args)
     name = args.model or mlx_hybrid.bundled_model_path().stem
     print(f"chatting with {name}; /help for commands, /quit to leave", file=sys.stderr)
     while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, make_drafter
@@ -29,6 +30,7 @@ examples:
   mlx_hybrid.generate --model model.gguf --prompt "def parse_args(" --draft ngram
   echo "Hello" | mlx_hybrid.generate --model ./Qwen3.5-0.8B --prompt - --chat
   mlx_hybrid.generate --chat --system "$(cat long_rules.md)" --prompt "first question" --prompt-cache-file rules.cache
+  mlx.launch --hostfile macs.json $(which mlx_hybrid.generate) --model big.gguf --prompt "hi"  # split over Macs
 """
 
 
@@ -51,6 +53,12 @@ def add_model_arguments(p: argparse.ArgumentParser):
         action="store_true",
         help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
         "6 bits); slightly lossy",
+    )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: give each process consecutive layers (pipeline) instead of a share of every "
+        "layer's heads (tensor parallel, the default)",
     )
 
 
@@ -122,8 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(message: str, code: int = USAGE_ERROR):
-    print(f"error: {message}", file=sys.stderr)
+def launched_rank() -> int:
+    """This process's rank in an mlx.launch run (0 without one), read before MLX starts."""
+    return int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+
+def launched_group():
+    from mlx_hybrid.parallel import launched_group as group
+
+    return group()
+
+
+def fail(message: str, code: int = USAGE_ERROR):
+    rank = launched_rank()
+    print(f"{f'rank {rank}: ' if rank else ''}error: {message}", file=sys.stderr)
     return code
 
 
@@ -150,9 +170,13 @@ def load_for_generation(args):
 
     if args.draft not in (None, "none") and args.draft_model:
         raise GenerationError(f"choose one of --draft {args.draft} and --draft-model")
+    group = launched_group()
+    if args.pipeline and group is None:
+        raise GenerationError("--pipeline splits a model over the processes of an mlx.launch run; this is one process")
     model, tokenizer = mlx_hybrid.load(
-        args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact
-    )
+        args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
+        pipeline=args.pipeline,
+    )  # fmt: skip
     draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
     draft = args.draft
     if draft is None and draft_model is None:
@@ -163,55 +187,90 @@ def load_for_generation(args):
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
         f"speculation: {_speculation(args, draft, draft_model or model)}"
     )
+    if model.parallel is not None:
+        described += f"; {model.parallel.describe()}"
     return model, tokenizer, drafter, described
+
+
+def make_engine(model, tokenizer, drafter, args, **options):
+    """The engine a command drives; for a split model, one that runs in step on every rank."""
+    from mlx_hybrid.engine import Engine, ReplicatedEngine
+
+    kind = Engine if model.parallel is None else ReplicatedEngine
+    return kind(model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, **options)
+
+
+def on_every_rank(engine, command) -> int:
+    """Run `command()` (which drives `engine`); under mlx.launch on rank 0, while the other
+    ranks follow its engine until it is done."""
+    from mlx_hybrid.engine import ReplicatedEngine
+
+    if not isinstance(engine, ReplicatedEngine):
+        return command()
+    if not engine.leader:
+        engine.follow()
+        return 0
+    try:
+        return command()
+    finally:
+        engine.stop()
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import mlx_hybrid
-    from mlx_hybrid.prompt import chat_prompt
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    leader = launched_rank() == 0  # under mlx.launch only rank 0 reads the prompt and prints
+    prompt = sys.stdin.read() if args.prompt == "-" and leader else args.prompt
     if not prompt.strip():
-        return _fail("the prompt is empty")
+        return fail("the prompt is empty")
     if args.system is not None and not args.chat:
-        return _fail("--system needs --chat")
+        return fail("--system needs --chat")
     try:
         model, tokenizer, drafter, described = load_for_generation(args)
-        if args.verbose:
-            print(described, file=sys.stderr)
-        reusable = None  # the token count whose state --prompt-cache-file keeps
-        if args.chat:
-            messages = [{"role": "system", "content": args.system}] if args.system else []
-            rendered = chat_prompt(tokenizer, messages + [{"role": "user", "content": prompt}])
-            prompt = rendered.ids
-            if args.system and rendered.boundaries:
-                reusable = rendered.boundaries[0]
+        if model.parallel is not None and args.prompt_cache_file:
+            return fail("--prompt-cache-file is for one process; a split model cannot use it")
         run = _Run(model, tokenizer, drafter, args)
-        last = run.generate(prompt, reusable)
     except mlx_hybrid.MlxHybridError as e:
-        return _fail(str(e))
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    print()
-    if last is not None:
-        print(last, file=sys.stderr)
-    return 0
+        return fail(str(e))
+    if args.verbose and leader:
+        print(described, file=sys.stderr)
+    return on_every_rank(run.engine, lambda: run.main(prompt))
 
 
 class _Run:
     """One request through the engine (the same one the server drives), streamed to stdout."""
 
     def __init__(self, model, tokenizer, drafter, args):
-        from mlx_hybrid.engine import Engine, PrefixStore
+        from mlx_hybrid.engine import PrefixStore
 
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.store = PrefixStore(1 << 62)  # only what this run saves, or its prompt cache file
-        self.engine = Engine(
-            model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, max_batch=1,
-            prefix_store=self.store,
-        )  # fmt: skip
+        self.engine = make_engine(model, tokenizer, drafter, args, max_batch=1, prefix_store=self.store)
+
+    def main(self, prompt) -> int:
+        import mlx_hybrid
+        from mlx_hybrid.prompt import chat_prompt
+
+        args = self.args
+        try:
+            reusable = None  # the token count whose state --prompt-cache-file keeps
+            if args.chat:
+                messages = [{"role": "system", "content": args.system}] if args.system else []
+                rendered = chat_prompt(self.tokenizer, messages + [{"role": "user", "content": prompt}])
+                prompt = rendered.ids
+                if args.system and rendered.boundaries:
+                    reusable = rendered.boundaries[0]
+            last = self.generate(prompt, reusable)
+        except mlx_hybrid.MlxHybridError as e:
+            return fail(str(e))
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        print()
+        if last is not None:
+            print(last, file=sys.stderr)
+        return 0
 
     def generate(self, prompt, reusable: int | None) -> str | None:
         """Stream the text; the statistics line(s) for stderr."""

@@ -3,6 +3,7 @@ official `openai` client (and raw HTTP for what no client would send). Outputs a
 with the model run alone in this process."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -39,12 +40,15 @@ def http(method: str, url: str, body: bytes | None = None, headers=None):
 
 
 class Server:
-    def __init__(self, *args):
+    """A server process; launcher: what runs `python` (e.g. mlx.launch and its options), else python itself."""
+
+    def __init__(self, *args, launcher=(sys.executable,), stop_signal=signal.SIGTERM):
+        self.stop_signal = stop_signal
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "mlx_hybrid.server", "--port", str(self.port), "--log-level", "warning"]
+        command = [*launcher, "-m", "mlx_hybrid.server", "--port", str(self.port), "--log-level", "warning"]
         self.process = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -66,7 +70,7 @@ class Server:
     def stop(self):
         """Shut it down; whether it was still running (a server survives every request)."""
         alive = self.process.poll() is None
-        self.process.terminate()
+        self.process.send_signal(self.stop_signal)
         try:
             self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:

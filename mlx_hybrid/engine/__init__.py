@@ -2,6 +2,7 @@
 
 from .batch import batch_generate
 from .prefix_store import Checkpoint, PrefixStore, load_checkpoint, save_checkpoint
+from .replicated import ReplicatedEngine
 from .scheduler import Engine, Event, Sequence, TokenLogprob
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "Engine",
     "Event",
     "PrefixStore",
+    "ReplicatedEngine",
     "Sequence",
     "TokenLogprob",
     "batch_generate",

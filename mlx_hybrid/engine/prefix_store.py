@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import GenerationError
+from ..parallel import agreed_max
 
 FORMAT = "mlx-hybrid-checkpoint-1"
 
@@ -29,7 +30,10 @@ FORMAT = "mlx-hybrid-checkpoint-1"
 def model_fingerprint(model) -> str:
     """What a checkpoint's arrays depend on: which model computed them."""
     args = model.args
-    return f"{args.model_type}/{args.num_hidden_layers}x{args.hidden_size}/{args.vocab_size}"
+    fingerprint = f"{args.model_type}/{args.num_hidden_layers}x{args.hidden_size}/{args.vocab_size}"
+    if model.parallel is not None:  # a rank's part of the state
+        fingerprint += f"/{model.parallel.describe()}, rank {model.parallel.rank}"
+    return fingerprint
 
 
 @dataclass
@@ -39,9 +43,13 @@ class Checkpoint:
     last_hidden: mx.array  # [1, 1, E] at the last token
     drafter: dict[str, mx.array]  # the drafter's state ({} when it keeps none)
     model: str  # model_fingerprint
+    # a split model's: the largest rank's size, so that every rank keeps and evicts alike
+    agreed_nbytes: int | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.agreed_nbytes is not None:
+            return self.agreed_nbytes
         arrays = [a for layer in self.layers for a in layer] + [self.last_hidden] + list(self.drafter.values())
         return sum(a.nbytes for a in arrays)
 
@@ -56,6 +64,8 @@ def capture(model, cache, tokens, last_hidden: mx.array, drafter=None) -> Checkp
         model_fingerprint(model),
     )
     mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
+    if model.parallel is not None:  # every rank captures at the same points, so may agree here
+        checkpoint.agreed_nbytes = agreed_max(checkpoint.nbytes, model.group)
     return checkpoint
 
 

@@ -176,6 +176,15 @@ class Engine:
         token's log-probability and the top `logprobs` alternatives. events: where the
         events go, anything with a thread-safe `put` (default: a new `queue.Queue`).
         """
+        row = self._new_row(
+            prompt, max_tokens, temp, top_p, top_k, min_p, seed, stop_tokens, checkpoint_at, drafter, logprobs, events
+        )
+        self._enqueue(row)
+        return row.sequence
+
+    def _new_row(
+        self, prompt, max_tokens, temp, top_p, top_k, min_p, seed, stop_tokens, checkpoint_at, drafter, logprobs, events
+    ) -> _Row:
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise GenerationError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
         ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, max_tokens)
@@ -188,9 +197,14 @@ class Engine:
         if events is not None:
             sequence.events = events
         stops = set(self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens)
-        self.waiting.put(_Row(sequence, decoder, stops, checkpoint_at))
+        return _Row(sequence, decoder, stops, checkpoint_at)
+
+    def _enqueue(self, row: _Row):
+        self.waiting.put(row)
         self._wake.set()
-        return sequence
+
+    def _cancelled(self, row: _Row) -> bool:
+        return row.sequence.cancelled
 
     @property
     def load(self) -> dict:
@@ -253,7 +267,7 @@ class Engine:
                 row = self.waiting.get_nowait()
             except queue.Empty:
                 return
-            if row.sequence.cancelled:
+            if self._cancelled(row):
                 self._finish(row, "cancelled")
             elif row.sequence.max_tokens == 0:
                 self._finish(row, "length")
@@ -275,7 +289,7 @@ class Engine:
         return self._started(row, self.model.logits_from_hidden(row.last_hidden)[0])
 
     def _drop_cancelled(self):
-        for row in [r for r in self.rows if r.sequence.cancelled]:
+        for row in [r for r in self.rows if self._cancelled(r)]:
             self._finish(row, "cancelled")
             self.rows.remove(row)
 

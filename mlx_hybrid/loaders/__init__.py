@@ -10,9 +10,10 @@ import mlx.core as mx
 from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
 from ..models import architecture
+from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
 from . import gguf_file, hf, hub
-from .common import fill_model, rename
+from .common import RankPart, fill_model, rename
 
 # The default model: a small Qwen3.5 trained with its MTP head (examples/train_tiny.py).
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen35.gguf"
@@ -40,7 +41,15 @@ def bundled_model_path() -> Path:
     return BUNDLED_MODEL
 
 
-def load(path, dtype=None, progress: bool | None = None, dequantize: bool = False, compact: bool = False):
+def load(
+    path,
+    dtype=None,
+    progress: bool | None = None,
+    dequantize: bool = False,
+    compact: bool = False,
+    group=None,
+    pipeline: bool = False,
+):
     """Load a model and its tokenizer from a `.gguf` file, an HF checkpoint directory, or a
     Hugging Face hub name (`org/repo`, `org/repo:file.gguf`; see `loaders.hub`).
 
@@ -52,6 +61,10 @@ def load(path, dtype=None, progress: bool | None = None, dequantize: bool = Fals
     quantized kernels, unless dequantize=True; other types are dequantized to dtype.
     compact=True (GGUF only) trades exactness for memory: 16-bit scales, and Q6_K
     re-quantized to 6-bit groups instead of dequantized (see `loaders.quantized`).
+
+    group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
+    `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank
+    with pipeline=True (see `mlx_hybrid.parallel`). Each rank reads only its part.
     """
     path = hub.resolve(path) if hub.is_hub_name(path) else Path(path).expanduser()
     dtype = resolve_dtype(dtype)
@@ -62,13 +75,27 @@ def load(path, dtype=None, progress: bool | None = None, dequantize: bool = Fals
     if path.is_dir():
         if compact:
             raise ModelLoadError(f"{path}: compact loading applies to GGUF files, not Hugging Face directories")
-        return _load_hf(path, dtype, progress)
+        return _load_hf(path, dtype, progress, _Split(group, pipeline))
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-    return _load_gguf(path, dtype, progress, keep_quantized=not dequantize, compact=compact)
+    return _load_gguf(path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact)
 
 
-def _load_hf(path: Path, dtype, progress):
+class _Split:
+    """How to split a model being built: over which group, how."""
+
+    def __init__(self, group, pipeline: bool):
+        self.group = group if group is not None and group.size() > 1 else None
+        self.mode = PIPELINE if pipeline else TENSOR
+
+    def apply(self, model) -> RankPart | None:
+        """Split the model's (not yet filled) parameters; the part of the checkpoint this rank reads."""
+        if self.group is None:
+            return None
+        return RankPart(model, model.shard(self.group, self.mode))
+
+
+def _load_hf(path: Path, dtype, progress, split: _Split):
     config = hf.read_config(path)
     model_type = hf.model_type_of(config)
     module = architecture(model_type)
@@ -83,15 +110,18 @@ def _load_hf(path: Path, dtype, progress):
         tensors = hf.group_quantized(tensors, quantization)
     args = make_args(config, module, has_mtp=any(name.startswith("mtp.") for name in tensors))
     model = _build(module, args)
+    part = split.apply(model)
     total = sum(f.stat().st_size for f in files)
     with _progress_bar(len(tensors), total, progress, path.name) as bar:
-        weights, unmatched = rename(((n, (lambda t=t: t)) for n, t in tensors.items()), rules, args, bar)
+        # popped as read: a split model keeps only its parts, so the whole tensors must go
+        read = ((name, (lambda name=name: tensors.pop(name))) for name in list(tensors))
+        weights, unmatched = rename(read, rules, args, bar, part)
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
     return model, Tokenizer.from_hf_dir(path, config)
 
 
-def _load_gguf(path: Path, dtype, progress, keep_quantized: bool, compact: bool):
+def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool):
     # compact scales: bfloat16 for a bfloat16 model (products stay in it), else float16
     compact_scales = (mx.bfloat16 if dtype == mx.bfloat16 else mx.float16) if compact else None
     reader = gguf_file.open_gguf(path)
@@ -104,10 +134,12 @@ def _load_gguf(path: Path, dtype, progress, keep_quantized: bool, compact: bool)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     args = make_args(meta, module, shapes)
     model = _build(module, args)
+    part = split.apply(model)
     with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
         weights, unmatched = rename(
-            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales), rules, args, bar
-        )
+            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales),
+            rules, args, bar, part,
+        )  # fmt: skip
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
     return model, Tokenizer.from_gguf(meta)

@@ -92,8 +92,34 @@ def split_fused_ba(w, args):
 # Applying a table ------------------------------------------------------------
 
 
-def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Rule], args, progress=None):
-    """Map source tensors to canonical ones. Returns (weights, unmatched source names)."""
+class RankPart:
+    """What one rank of a split model reads (see `HybridModel.shard`): only the tensors of
+    its parameters, each cut to its part as soon as it is read, so that no rank ever
+    holds the whole model (at most one whole tensor at a time)."""
+
+    def __init__(self, model, specs: dict):
+        self.specs = specs
+        self.rank, self.size = model.parallel.rank, model.parallel.size
+        self.ndims = {name: p.ndim for name, p in tree_flatten(model.parameters())}
+
+    def wants(self, name: str) -> bool:
+        return name in self.ndims
+
+    def cut(self, name: str, tensor):
+        split = self.specs.get(name)
+        if split is None:
+            return tensor
+        if not isinstance(tensor, QuantizedTensor) and tensor.ndim != self.ndims[name]:
+            tensor = tensor.reshape(_squeezed(tensor.shape))  # GGUF and HF store some vectors as [1, ..., n, 1]
+        part = split.take(tensor, self.rank, self.size)
+        mx.eval([part.weight, part.scales, part.biases] if isinstance(part, QuantizedTensor) else part)
+        return part
+
+
+def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Rule], args, progress=None, part=None):
+    """Map source tensors to canonical ones. Returns (weights, unmatched source names).
+
+    part: a `RankPart`, for a split model: tensors it does not want are not even read."""
     compiled = [(rule.compiled(), rule) for rule in rules]
     weights: dict[str, mx.array] = {}
     stacks: dict[str, dict[int, mx.array]] = defaultdict(dict)
@@ -108,23 +134,30 @@ def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Ru
             continue
         if rule.target == "":  # deliberately dropped
             continue
+        templates = rule.target if isinstance(rule.target, tuple) else (rule.target,)
+        targets = [template.format(**match.groupdict()) for template in templates]
+        bases = [target[:-1].split("[")[0] if target.endswith("]") else target for target in targets]
+        if part is not None and not any(part.wants(base) for base in bases):
+            continue
         tensor = load()
         results = apply_transform(rule.transform, tensor, args) if rule.transform else tensor
-        targets = rule.target if isinstance(rule.target, tuple) else (rule.target,)
         results = results if isinstance(results, tuple) else (results,)
-        for template, result in zip(targets, results):
-            target = template.format(**match.groupdict())
+        for target, base, result in zip(targets, bases, results):
+            if part is not None:
+                result = part.cut(base, result)
             if target.endswith("]"):
-                base, index = target[:-1].split("[")
-                stacks[base][int(index)] = result
+                stacks[base][int(target[:-1].split("[")[1])] = result
             else:
                 weights[target] = result
         if progress is not None:
             progress.update(1)
-    for base, parts in stacks.items():
+    for base in list(stacks):
+        parts = stacks.pop(base)
         if sorted(parts) != list(range(len(parts))):
             raise ModelLoadError(f"experts of {base} are incomplete: found {sorted(parts)}")
         weights[base] = mx.stack([parts[i] for i in range(len(parts))])
+        if part is not None:  # one layer's experts twice at a time, not every layer's
+            mx.eval(weights[base])
     return weights, unmatched
 
 

@@ -10,6 +10,19 @@ import mlx.nn as nn
 
 from .. import ops
 from ..cache import RecurrentCache, RowCaches
+from ..parallel import (
+    COLUMNS,
+    PIPELINE,
+    ROWS,
+    TENSOR,
+    Parallel,
+    ShardingError,
+    Split,
+    all_sum,
+    gather_last_axis,
+    layer_range,
+    require,
+)
 
 F32 = mx.float32
 
@@ -46,6 +59,14 @@ def gated_rms_norm(x: mx.array, weight: mx.array, gate: mx.array, eps: float) ->
     return ops.rms_norm(x.astype(F32), weight.astype(F32), eps) * gate.astype(F32)
 
 
+def prefixed(prefix: str, specs: dict) -> dict:
+    return {f"{prefix}.{name}": split for name, split in specs.items()}
+
+
+def check_heads(heads: int, size: int, what: str):
+    require(heads % size == 0, f"{heads} {what} cannot be split evenly over {size} ranks")
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
@@ -54,9 +75,16 @@ class MLP(nn.Module):
         self.gate_proj = Linear(dims, hidden, bias=False)
         self.up_proj = Linear(dims, hidden, bias=False)
         self.down_proj = Linear(hidden, dims, bias=False)
+        self.group = None  # split: each rank's down projection gives a partial sum
 
     def __call__(self, x):
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return all_sum(self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x))), self.group)
+
+    def split_heads(self, group, reduce: bool = True) -> dict[str, Split]:
+        """Split the hidden units; reduce=False leaves the all-sum to the caller (a shared expert)."""
+        check_heads(self.gate_proj.weight.shape[0], group.size(), "feed-forward units")
+        self.group = group if reduce else None
+        return {"gate_proj.weight": ROWS, "up_proj.weight": ROWS, "down_proj.weight": COLUMNS}
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -134,6 +162,11 @@ class SwitchGLU(nn.Module):
         x = mx.expand_dims(x, (-2, -3))
         hidden = ops.swiglu(self.gate_proj(x, indices), self.up_proj(x, indices))
         return self.down_proj(hidden, indices).squeeze(-2)
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Every expert keeps its share of hidden units; the caller sums the partial outputs."""
+        check_heads(self.gate_proj.weight.shape[-2], group.size(), "expert feed-forward units")
+        return {"gate_proj.weight": ROWS, "up_proj.weight": ROWS, "down_proj.weight": COLUMNS}
 
 
 class VocabularySubsetHead(nn.Module):
@@ -249,6 +282,35 @@ def _rows_in_groups(one_sequence, cache: RowCaches, *arrays: mx.array) -> mx.arr
     return mx.concatenate(outs, axis=1)
 
 
+class SplitVocabularySubsetHead(nn.Module):
+    """`VocabularySubsetHead` of a head split by vocabulary rows: each rank projects onto the
+    subset's tokens it holds, and the parts are gathered back into the subset's order."""
+
+    def __init__(self, projection: nn.Module, ids: mx.array, parallel: Parallel, vocab_size: int):
+        super().__init__()
+        ranges = [ROWS.bounds(vocab_size, r, parallel.size)[0] for r in range(parallel.size)]
+        wanted = ids.tolist()
+        held = [[i - start for i in wanted if start <= i < end] for start, end in ranges]
+        self.width = max(1, max(len(h) for h in held))
+        self.count = len(held[parallel.rank])
+        # a rank holding none of the subset still takes part in the gather (with one row)
+        self.local = VocabularySubsetHead(projection, mx.array(held[parallel.rank] or [0]))
+        self.order = mx.array([r * self.width + j for r, h in enumerate(held) for j in range(len(h))])
+        self.group = parallel.group
+
+    def __call__(self, x: mx.array) -> mx.array:
+        logits = self.local(x)[..., : self.count]
+        return gather_last_axis(logits, self.group, self.width * self.group.size())[..., self.order]
+
+
+class LayerElsewhere(nn.Module):
+    """A layer another rank of the pipeline runs: nothing held here."""
+
+    def __init__(self, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+
+
 class HybridModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head; subclasses build the layers.
 
@@ -265,6 +327,43 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.parallel: Parallel | None = None  # set by shard
+        self.vocab_range = None  # split: the [start, end) of the vocabulary rows this rank holds
+
+    @property
+    def group(self):
+        return self.parallel.group if self.parallel is not None else None
+
+    def shard(self, group, mode: str = TENSOR) -> dict[str, Split]:
+        """Split this model over `group`'s ranks in place (see `mlx_hybrid.parallel`): this rank
+        keeps its part of every parameter. mode: "tensor" or "pipeline". Returns the `Split`
+        of each split parameter by name (the loaders cut checkpoint tensors with them).
+        The MTP head is split like the layers in tensor mode; a pipeline keeps it whole on
+        every rank (one layer's worth), so that every rank drafts without communicating."""
+        if self.parallel is not None:
+            raise ShardingError("this model is already split")
+        rank, size = group.rank(), group.size()
+        specs = {"embed_tokens.weight": ROWS}
+        if not self.args.tie_word_embeddings:
+            specs["lm_head.weight"] = ROWS
+        if mode == TENSOR:
+            for i, layer in enumerate(self.layers):
+                specs |= prefixed(f"layers.{i}", layer.split_heads(group))
+            for i, layer in enumerate(self.mtp.layers if self.has_mtp else []):
+                specs |= prefixed(f"mtp.layers.{i}", layer.split_heads(group))
+        elif mode == PIPELINE:
+            count = len(self.layers)
+            require(size <= count, f"a pipeline over {size} ranks needs at least {size} layers; the model has {count}")
+            held = layer_range(count, rank, size)
+            for i, layer in enumerate(self.layers):
+                if i not in held:
+                    self.layers[i] = LayerElsewhere(layer.layer_type)
+        else:
+            raise ShardingError(f"unknown split {mode!r} (use {TENSOR!r} or {PIPELINE!r})")
+        self.parallel = Parallel(group, mode)
+        self.vocab_range = ROWS.bounds(self.args.vocab_size, rank, size)[0]
+        _cut_parameters(self, specs, rank, size)
+        return specs
 
     @property
     def has_mtp(self) -> bool:
@@ -277,26 +376,70 @@ class HybridModel(nn.Module):
 
     def embed(self, ids: mx.array) -> mx.array:
         # in the compute dtype: a quantized embedding gives float32
-        return self.embed_tokens(ids).astype(self.norm.weight.dtype)
+        dtype = self.norm.weight.dtype
+        if self.vocab_range is None:
+            return self.embed_tokens(ids).astype(dtype)
+        start, end = self.vocab_range
+        local = ids - start
+        held = (local >= 0) & (local < end - start)
+        rows = self.embed_tokens(mx.where(held, local, 0)).astype(dtype)
+        return all_sum(mx.where(held[..., None], rows, 0), self.group)
 
     def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
         """The trunk's hidden state before the final norm, [B, T, E]."""
         h = self.embed(ids)
+        pipeline = self.parallel if self.parallel is not None and self.parallel.mode == PIPELINE else None
+        if pipeline is not None and pipeline.rank > 0:
+            # the embedding's all-sum first, as on the ranks before: a receive does not depend on it
+            mx.eval(h)
+            h = mx.distributed.recv_like(h, pipeline.rank - 1, group=pipeline.group)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cache[i] if cache is not None else None)
+            if not isinstance(layer, LayerElsewhere):
+                h = layer(h, cache[i] if cache is not None else None)
+        if pipeline is not None:
+            if pipeline.rank < pipeline.size - 1:
+                h = mx.distributed.send(h, pipeline.rank + 1, group=pipeline.group)
+            # the last rank's output, on every rank (the gather also makes the send run)
+            h = mx.distributed.all_gather(h, group=pipeline.group)[-h.shape[0] :]
         return h
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         return self.project(self.norm(h))
 
+    def _output_projection(self) -> nn.Module:
+        return self.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+
     def project(self, x: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
-            return self.embed_tokens.as_linear(x)
-        return self.lm_head(x)
+            logits = self.embed_tokens.as_linear(x)
+        else:
+            logits = self.lm_head(x)
+        return logits if self.parallel is None else gather_last_axis(logits, self.group, self.args.vocab_size)
 
-    def vocabulary_head(self, ids: mx.array) -> VocabularySubsetHead:
+    def vocabulary_head(self, ids: mx.array) -> nn.Module:
         """`project` restricted to the tokens `ids`."""
-        return VocabularySubsetHead(self.embed_tokens if self.args.tie_word_embeddings else self.lm_head, ids)
+        if self.parallel is not None:
+            return SplitVocabularySubsetHead(self._output_projection(), ids, self.parallel, self.args.vocab_size)
+        return VocabularySubsetHead(self._output_projection(), ids)
 
     def __call__(self, ids: mx.array, cache=None) -> mx.array:
         return self.logits_from_hidden(self.hidden_states(ids, cache))
+
+
+def _cut_parameters(model: nn.Module, specs: dict, rank: int, size: int):
+    """Replace each split parameter by this rank's part (quantized modules: all their parts)."""
+    from ..loaders.quantized import QuantizedTensor
+
+    for name, split in specs.items():
+        path, leaf = name.rsplit(".", 1)
+        module = model
+        for part in path.split("."):
+            module = module[int(part)] if part.isdigit() else module[part]
+        if leaf == "weight" and "scales" in module:
+            parts = QuantizedTensor(module.weight, module.scales, module.biases, module.bits, module.group_size)
+            taken = split.take(parts, rank, size)
+            if not hasattr(taken, "scales"):
+                raise ShardingError(f"{name}: its split falls inside quantization groups")
+            module.weight, module.scales, module.biases = taken.weight, taken.scales, taken.biases
+        else:
+            setattr(module, leaf, split.take(module[leaf], rank, size))

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from .. import ops
 from ..cache import KVCache, RecurrentCache
+from ..parallel import COLUMNS, ROWS, VECTOR, Split, all_sum
 from .blocks import (
     F32,
     LINEAR,
@@ -23,10 +24,12 @@ from .blocks import (
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
+    check_heads,
     check_layer_types,
     delta_rule_attention,
     for_each_row,
     gated_rms_norm,
+    prefixed,
     top_k_indices,
 )
 
@@ -94,6 +97,19 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = Linear(D, H * D, bias=False)
         self.o_norm = RMSNorm(D, args.rms_norm_eps)
         self.o_proj = Linear(H * D, E, bias=False)
+        self.group = None  # split: o_proj gives a partial sum
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Heads split over the ranks: their q/k/v rows, conv channels, gates and decay; the
+        low-rank gate inputs (f_a, g_a) stay whole."""
+        check_heads(self.num_heads, group.size(), "KDA heads")
+        self.num_heads //= group.size()
+        self.group = group
+        rows = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj")
+        convs = ("q_conv1d_weight", "k_conv1d_weight", "v_conv1d_weight")
+        return {f"{name}.weight": ROWS for name in rows} | {name: ROWS for name in convs} | {
+            "dt_bias": VECTOR, "A": VECTOR, "o_proj.weight": COLUMNS,
+        }  # fmt: skip
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -107,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
         out = delta_rule_attention(mixed, conv_weight, g, beta, cache, H, H, D, D)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
         out = gated_rms_norm(out, self.o_norm.weight, ops.sigmoid(gate.astype(F32)), self.eps)
-        return self.o_proj(out.reshape(B, T, -1).astype(x.dtype))
+        return all_sum(self.o_proj(out.reshape(B, T, -1).astype(x.dtype)), self.group)
 
 
 class LatentAttention(nn.Module):
@@ -128,6 +144,16 @@ class LatentAttention(nn.Module):
         self.k_b_proj = mx.zeros((H, self.latent_dim, self.nope_dim))
         self.v_b_proj = mx.zeros((H, args.v_head_dim, self.latent_dim))
         self.o_proj = Linear(H * args.v_head_dim, E, bias=False)
+        self.group = None  # split: o_proj gives a partial sum
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Heads split over the ranks; the latent (and its cache) is shared by all heads, so
+        every rank keeps it whole."""
+        check_heads(self.num_heads, group.size(), "MLA heads")
+        self.num_heads //= group.size()
+        self.group = group
+        heads = Split(-3)
+        return {"q_proj.weight": ROWS, "k_b_proj": heads, "v_b_proj": heads, "o_proj.weight": COLUMNS}
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -138,7 +164,7 @@ class LatentAttention(nn.Module):
         keys = mx.concatenate([self.kv_a_layernorm(latent), k_rope], axis=-1)  # [B, T, L + R]
         out = for_each_row(self._attend, cache, queries.transpose(0, 2, 1, 3), keys)  # [B, T, H, L]
         out = out.transpose(0, 2, 1, 3) @ self.v_b_proj.swapaxes(-1, -2)  # [B, H, T, v_head_dim]
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        return all_sum(self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), self.group)
 
     def _attend(self, queries, keys, cache):
         """One sequence's queries [B, T, H, L + R] over its latent cache; the result [B, T, H, L]."""
@@ -163,6 +189,14 @@ class SigmoidMoE(nn.Module):
         self.e_score_correction_bias = mx.zeros((args.num_experts,))
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
         self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
+        self.group = None  # split: every expert's output is a partial sum
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Each expert's hidden units split (the router stays whole); one all-sum at the end."""
+        self.group = group
+        return prefixed("switch_mlp", self.switch_mlp.split_heads(group)) | prefixed(
+            "shared_experts", self.shared_experts.split_heads(group, reduce=False)
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         scores = mx.sigmoid(self.gate(x.astype(F32)))
@@ -172,7 +206,7 @@ class SigmoidMoE(nn.Module):
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         weights = weights * self.scaling
         routed = (self.switch_mlp(x, experts) * weights[..., None].astype(x.dtype)).sum(axis=-2)
-        return routed + self.shared_experts(x)
+        return all_sum(routed + self.shared_experts(x), self.group)
 
 
 class DecoderLayer(nn.Module):
@@ -187,6 +221,9 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, cache=None):
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def split_heads(self, group) -> dict[str, Split]:
+        return prefixed("self_attn", self.self_attn.split_heads(group)) | prefixed("mlp", self.mlp.split_heads(group))
 
 
 class Model(HybridModel):

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from .. import ops
 from ..cache import KVCache, RecurrentCache
+from ..parallel import COLUMNS, ROWS, VECTOR, Split, all_sum, require
 from .blocks import (
     F32,
     FULL,
@@ -24,10 +25,12 @@ from .blocks import (
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
+    check_heads,
     check_layer_types,
     delta_rule_attention,
     for_each_row,
     gated_rms_norm,
+    prefixed,
     top_k_indices,
 )
 
@@ -107,6 +110,20 @@ class GatedDeltaNet(nn.Module):
         self.A = -mx.ones((self.num_v_heads,))  # -exp(A_log), as GGUF stores it
         self.norm = RMSNorm(self.head_v_dim, args.rms_norm_eps)
         self.out_proj = Linear(value_dim, E, bias=False)
+        self.group = None  # split: out_proj gives a partial sum
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Key heads split over the ranks, each with its value heads (value head h reads key head h // R)."""
+        check_heads(self.num_k_heads, group.size(), "linear-attention key heads")
+        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        qkv = Split(-2, (key_dim, key_dim, value_dim))
+        self.num_k_heads //= group.size()
+        self.num_v_heads //= group.size()
+        self.group = group
+        return {
+            "in_proj_qkv.weight": qkv, "conv1d_weight": qkv, "in_proj_z.weight": ROWS, "in_proj_b.weight": ROWS,
+            "in_proj_a.weight": ROWS, "A": VECTOR, "dt_bias": VECTOR, "out_proj.weight": COLUMNS,
+        }  # fmt: skip
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -117,7 +134,7 @@ class GatedDeltaNet(nn.Module):
         )  # fmt: skip
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
         out = gated_rms_norm(out, self.norm.weight, ops.silu(z.astype(F32)), self.eps)
-        return self.out_proj(out.reshape(B, T, -1).astype(x.dtype))
+        return all_sum(self.out_proj(out.reshape(B, T, -1).astype(x.dtype)), self.group)
 
 
 class GatedAttention(nn.Module):
@@ -139,6 +156,30 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(H * D, E, bias=bias)
         self.q_norm = RMSNorm(D, args.rms_norm_eps)
         self.k_norm = RMSNorm(D, args.rms_norm_eps)
+        self.group = None  # split: o_proj gives a partial sum
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Query heads split over the ranks; KV heads too, or shared by several ranks where
+        the ranks outnumber them."""
+        size, kv_heads = group.size(), self.num_kv_heads
+        check_heads(self.num_heads, size, "attention heads")
+        require(
+            kv_heads % size == 0 or size % kv_heads == 0,
+            f"{kv_heads} KV heads can be neither split over nor shared by {size} ranks",
+        )
+        require("bias" not in self.o_proj, "attention with an output bias cannot be split")
+        kv = Split(-2, units=kv_heads)
+        specs = {"q_proj.weight": ROWS, "k_proj.weight": kv, "v_proj.weight": kv, "o_proj.weight": COLUMNS}
+        if "bias" in self.q_proj:
+            specs |= {
+                "q_proj.bias": VECTOR,
+                "k_proj.bias": Split(-1, units=kv_heads),
+                "v_proj.bias": Split(-1, units=kv_heads),
+            }
+        self.num_heads //= size
+        self.num_kv_heads = max(kv_heads // size, 1)
+        self.group = group
+        return specs
 
     def _rope(self, x, offset):
         return ops.rope(x, self.rope_dims, self.rope_theta, offset)
@@ -150,7 +191,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1))
         v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
         out = for_each_row(self._attend, cache, q, k, v)
-        return self.o_proj(out.reshape(B, T, -1) * ops.sigmoid(gate.reshape(B, T, -1)))
+        return all_sum(self.o_proj(out.reshape(B, T, -1) * ops.sigmoid(gate.reshape(B, T, -1))), self.group)
 
     def _attend(self, q, k, v, cache):
         """Positioned attention of one sequence over its cache; q, k, v and the result [B, T, H, D]."""
@@ -174,6 +215,14 @@ class SparseMoE(nn.Module):
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
         self.shared_expert = MLP(args.hidden_size, args.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
+        self.group = None  # split: every expert's output is a partial sum
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Each expert's hidden units split (the router stays whole); one all-sum at the end."""
+        self.group = group
+        return prefixed("switch_mlp", self.switch_mlp.split_heads(group)) | prefixed(
+            "shared_expert", self.shared_expert.split_heads(group, reduce=False)
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         probs = mx.softmax(self.gate(x).astype(F32), axis=-1)
@@ -182,7 +231,7 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         routed = (self.switch_mlp(x, experts) * weights[..., None].astype(x.dtype)).sum(axis=-2)
-        return routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return all_sum(routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), self.group)
 
 
 class DecoderLayer(nn.Module):
@@ -201,6 +250,10 @@ class DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
         h = x + mixer(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def split_heads(self, group) -> dict[str, Split]:
+        mixer = "linear_attn" if self.layer_type == LINEAR else "self_attn"
+        return prefixed(mixer, self[mixer].split_heads(group)) | prefixed("mlp", self.mlp.split_heads(group))
 
 
 class MTPHead(nn.Module):

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..cli import USAGE_ERROR, add_draft_arguments, add_model_arguments, load_for_generation
+from ..cli import add_draft_arguments, add_model_arguments, fail, launched_rank, load_for_generation, make_engine
 
 DESCRIPTION = """\
 Serve a hybrid-attention model over an OpenAI-compatible HTTP API:
@@ -82,31 +82,37 @@ def main(argv=None) -> int:
     import uvicorn
 
     import mlx_hybrid
-    from mlx_hybrid.engine import Engine, PrefixStore
+    from mlx_hybrid.engine import PrefixStore
 
     from .app import ServedModel, create_app
 
     for name in ("max_batch", "max_tokens", "num_draft_tokens"):
         if getattr(args, name) < 1:
-            return _fail(f"--{name.replace('_', '-')} must be >= 1")
+            return fail(f"--{name.replace('_', '-')} must be >= 1")
     if args.prefix_cache_bytes < 0:
-        return _fail("--prefix-cache-bytes must be >= 0")
-    problem = _cannot_listen(args.host, args.port)
+        return fail("--prefix-cache-bytes must be >= 0")
+    leader = launched_rank() == 0  # under mlx.launch rank 0 serves; the others follow its engine
+    problem = _cannot_listen(args.host, args.port) if leader else None
     if problem:  # before the model loads, which can take minutes
-        return _fail(f"cannot listen on {args.host}:{args.port}: {problem}")
+        return fail(f"cannot listen on {args.host}:{args.port}: {problem}")
     try:
         model, tokenizer, drafter, described = load_for_generation(args)
+        if model.parallel is not None and args.prefix_cache_dir:
+            return fail("--prefix-cache-dir is for one process; a split model keeps its checkpoints in memory")
     except mlx_hybrid.MlxHybridError as e:
-        return _fail(str(e))
+        return fail(str(e))
     store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
-    engine = Engine(
-        model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, max_batch=args.max_batch,
-        prefix_store=store,
-    )  # fmt: skip
+    engine = make_engine(model, tokenizer, drafter, args, max_batch=args.max_batch, prefix_store=store)
+    if not leader:
+        engine.follow()  # until rank 0's server shuts down
+        return 0
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
     served = ServedModel(name, tokenizer, engine, default_max_tokens=args.max_tokens)
     print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(served, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(create_app(served, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.stop()  # the other ranks' engines too (the app stops it as it shuts down; again is nothing)
     return 0
 
 
@@ -121,11 +127,6 @@ def _cannot_listen(host: str, port: int) -> str | None:
     except (OSError, OverflowError) as e:
         return getattr(e, "strerror", None) or str(e)
     return None
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return USAGE_ERROR
 
 
 def entry():

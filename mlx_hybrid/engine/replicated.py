@@ -1,0 +1,121 @@
+"""The engine of a model split over several ranks: every rank runs the same steps.
+
+Each pass of a split model is a collective, so every rank must run the same passes over
+the same rows. Rank 0 (the leader) takes the requests, as a server or a chat does; before
+each step it sends the others what changed since the last one (new requests with their
+resolved token ids and seeds, cancellations), and they replay it and step with it. The
+rest follows by itself: the logits are the same on every rank, so sampling, accepting
+drafts, rolling back and saving checkpoints come out the same everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..errors import GenerationError
+from ..parallel import STOP, broadcast_message
+from .scheduler import Engine
+
+
+class _Discard:
+    """Where a follower's events go: its leader's sequences report to the clients."""
+
+    def put(self, _event):
+        pass
+
+
+class ReplicatedEngine(Engine):
+    """An `Engine` in step over `model.group`: rank 0 calls `submit` and steps (`start`,
+    `drive`, `run`), the other ranks call `follow`; `stop` on rank 0 ends every rank's."""
+
+    def __init__(self, model, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self.group = model.group
+        self.leader = self.group.rank() == 0
+        self._lock = threading.Lock()
+        self._news = []  # the leader's rows and their requests, not yet announced
+        self._sequences = {}  # request number -> sequence, while it runs
+        self._cancels = set()  # request numbers whose cancellation every rank knows
+        self._numbered = 0
+        self._stopped = False
+
+    def submit(self, prompt, max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               min_p: float = 0.0, seed: int | None = None, stop_tokens=None, checkpoint_at=(), drafter=None,
+               logprobs: int | None = None, events=None):  # fmt: skip
+        """As `Engine.submit`, on rank 0 only and with the engine's own drafter."""
+        if not self.leader:
+            raise GenerationError("only rank 0 takes requests; the other ranks follow it")
+        if drafter is not None:
+            raise GenerationError("a split model's requests use the engine's drafter")
+        if seed is None:  # drawn here, so that every rank samples alike
+            seed = int.from_bytes(os.urandom(4), "little") >> 1
+        request = {
+            "max_tokens": max_tokens, "temp": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+            "seed": seed, "stop_tokens": None if stop_tokens is None else list(stop_tokens),
+            "checkpoint_at": list(checkpoint_at), "logprobs": logprobs,
+        }  # fmt: skip
+        row = self._new_row(prompt, drafter=None, events=events, **request)
+        request["prompt"] = row.sequence.prompt  # token ids, the tokenizer's work done once
+        with self._lock:
+            row.number, request["number"] = self._numbered, self._numbered
+            self._numbered += 1
+            self._news.append((row, request))
+        self._wake.set()
+        return row.sequence
+
+    def step(self) -> bool:
+        if not self.leader:
+            raise GenerationError("the other ranks step with `follow`")
+        with self._lock:
+            news, self._news = self._news, []
+        cancels = [n for n, sequence in self._sequences.items() if sequence.cancelled and n not in self._cancels]
+        message = {"submit": [request for _, request in news], "cancel": cancels} if news or cancels else None
+        broadcast_message(message, self.group)
+        for row, _ in news:
+            self._admit_row(row)
+        return self._step(cancels)
+
+    def follow(self):
+        """On ranks other than 0: replay rank 0's requests and step with it, until it stops."""
+        while True:
+            message = broadcast_message(None, self.group)
+            if message == STOP:
+                return
+            message = message or {}
+            for request in message.get("submit", []):
+                number = request.pop("number")
+                row = self._new_row(drafter=None, events=_Discard(), **request)
+                row.number = number
+                self._admit_row(row)
+            self._step(message.get("cancel", []))
+
+    def stop(self):
+        super().stop()
+        if self.leader and not self._stopped:
+            self._stopped = True
+            broadcast_message(STOP, self.group)
+
+    def _admit_row(self, row):
+        self._sequences[row.number] = row.sequence
+        self.waiting.put(row)
+
+    def _step(self, cancels) -> bool:
+        self._cancels.update(cancels)
+        more = super().step()
+        for number in [n for n, sequence in self._sequences.items() if sequence.done]:
+            del self._sequences[number]
+            self._cancels.discard(number)
+        return more
+
+    def _enqueue(self, row):
+        raise AssertionError("requests reach a replicated engine through submit or follow")
+
+    def _cancelled(self, row) -> bool:
+        return row.number in self._cancels
+
+    @property
+    def load(self) -> dict:
+        with self._lock:
+            announced = len(self._news)
+        return {"running": len(self.rows), "waiting": self.waiting.qsize() + announced}

@@ -1,0 +1,89 @@
+"""Run under `mlx.launch --backend ring -n N`: each rank loads the fixture models split over
+the group and, in the same process, whole; prints one JSON line per model comparing them.
+
+usage: distributed_check.py tensor|pipeline FAMILY/FILE ...   (FILE: hf or a .gguf name)
+"""
+
+import mlx_hybrid  # noqa: I001  (first: it picks the BLAS before MLX loads)
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from mlx_hybrid.drafting import make_drafter
+from mlx_hybrid.engine import Engine
+
+FIXTURES = Path(__file__).parent / "fixtures"
+NEW_TOKENS = 24
+
+
+def parameter_bytes(model) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+def load_measured(path, **split):
+    """(model, tokenizer, the peak memory its loading added)."""
+    gc.collect()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model, tokenizer = mlx_hybrid.load(path, **split)
+    return model, tokenizer, mx.get_peak_memory() - before
+
+
+def generate(model, tokenizer, prompts, draft, sampled=False):
+    """Each prompt's tokens, all in one batch through the engine."""
+    drafter = make_drafter(model, tokenizer, draft, draft_p_min=0.0) if draft else None
+    engine = Engine(model, tokenizer, drafter, num_draft_tokens=3, adaptive=False)
+    settings = {"temp": 0.8, "seed": 7} if sampled else {}
+    sequences = [engine.submit(p, NEW_TOKENS, stop_tokens=[], **settings) for p in prompts]
+    engine.run()
+    return [s.tokens for s in sequences]
+
+
+def check(group, mode: str, spec: str) -> dict:
+    family, file = spec.split("/")
+    path = FIXTURES / family / file
+    ref = np.load(FIXTURES / family / "ref.npz")
+    model, tokenizer, split_load_peak = load_measured(path, group=group, pipeline=mode == "pipeline")
+    whole, _, whole_load_peak = load_measured(path)
+
+    ids = mx.array(ref["input_ids"])
+    logits_diff = mx.abs(model(ids) - whole(ids)).max().item()
+    prompts = [ref["prompt_ids"][0].tolist(), ref["input_ids"][0, :20].tolist()]
+    draft = "mtp" if model.has_mtp else "ngram"
+    result = {
+        "rank": group.rank(),
+        "spec": spec,
+        "describe": model.parallel.describe(),
+        "logits_diff": logits_diff,
+        "split_bytes": parameter_bytes(model),
+        "whole_bytes": parameter_bytes(whole),
+        # a pipeline keeps the MTP head whole on every rank
+        "replicated_bytes": parameter_bytes(whole.mtp) if mode == "pipeline" and whole.has_mtp else 0,
+        "layers": len(whole.layers),
+        "split_load_peak": split_load_peak,
+        "whole_load_peak": whole_load_peak,
+        "plain": generate(model, tokenizer, prompts, None),
+        "plain_whole": generate(whole, tokenizer, prompts, None),
+        "speculative": generate(model, tokenizer, prompts, draft),
+        "sampled": generate(model, tokenizer, prompts, draft, sampled=True),
+    }
+    if model.has_mtp:
+        result["mtp_diff"] = mx.abs(model.mtp_logits(ids) - whole.mtp_logits(ids)).max().item()
+    return result
+
+
+def main():
+    group = mx.distributed.init()
+    mode, specs = sys.argv[1], sys.argv[2:]
+    for spec in specs:
+        print(json.dumps(check(group, mode, spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
