@@ -46,7 +46,6 @@ def rank_run(model_path: str, tokens: int, pipeline: bool):
             engine.follow()
             continue
         for warm in (True, False):
-            start = time.perf_counter()
             sequence = engine.submit(PROMPT, 8 if warm else tokens, stop_tokens=[])
             first = None
             for event in engine.drive(sequence):

@@ -135,12 +135,6 @@ def launched_rank() -> int:
     return int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
-def launched_group():
-    from mlx_hybrid.parallel import launched_group as group
-
-    return group()
-
-
 def fail(message: str, code: int = USAGE_ERROR):
     rank = launched_rank()
     print(f"{f'rank {rank}: ' if rank else ''}error: {message}", file=sys.stderr)
@@ -167,6 +161,7 @@ def load_for_generation(args):
     import mlx_hybrid
     from mlx_hybrid import GenerationError, ops
     from mlx_hybrid.blas import active_blas
+    from mlx_hybrid.parallel import launched_group
 
     if args.draft not in (None, "none") and args.draft_model:
         raise GenerationError(f"choose one of --draft {args.draft} and --draft-model")

@@ -18,7 +18,6 @@ with the same `Split`s as they read them, so no rank ever holds the whole model.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -167,14 +166,6 @@ def broadcast_message(message, group):
     payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if leader else mx.zeros((length,), dtype=mx.uint8)
     received = np.array(mx.distributed.all_sum(payload, group=group))  # evaluated on every rank, the leader's too
     return message if leader else json.loads(received.tobytes().decode())
-
-
-def agreed_seed(seed: int | None, group) -> int | None:
-    """A sampling seed every rank shares: the given one, or one rank 0 drew."""
-    if seed is not None or group is None:
-        return seed
-    drawn = int.from_bytes(os.urandom(4), "little") >> 1 if group.rank() == 0 else 0
-    return mx.distributed.all_sum(mx.array([drawn], dtype=mx.int64), group=group).item()
 
 
 def agreed_max(value: int, group) -> int:
