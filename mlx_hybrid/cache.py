@@ -86,7 +86,7 @@ class RecurrentCache:
 
     def rollback(self, keep: int, recorded: int):
         """Keep the first `keep` (>= 1) of the `recorded` tokens of the last call."""
-        if keep < recorded and self.state_snapshots is not None:  # none: a layer another rank runs
+        if keep < recorded:
             self.conv_tail = self.conv_snapshots[keep - 1]
             self.state = self.state_snapshots[keep - 1]
         self.conv_snapshots = self.state_snapshots = None

@@ -30,7 +30,7 @@ examples:
   mlx_hybrid.generate --model model.gguf --prompt "def parse_args(" --draft ngram
   echo "Hello" | mlx_hybrid.generate --model ./Qwen3.5-0.8B --prompt - --chat
   mlx_hybrid.generate --chat --system "$(cat long_rules.md)" --prompt "first question" --prompt-cache-file rules.cache
-  mlx.launch --hostfile macs.json $(which mlx_hybrid.generate) --model big.gguf --prompt "hi"  # split over Macs
+  mlx.launch --hostfile macs.json -- -m mlx_hybrid.generate --model big.gguf --prompt "hi"  # split over Macs
 """
 
 
@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import mlx_hybrid
 
-    leader = launched_rank() == 0  # under mlx.launch only rank 0 reads the prompt and prints
-    prompt = sys.stdin.read() if args.prompt == "-" and leader else args.prompt
+    # under mlx.launch only rank 0 reads the prompt (and prints; see on_every_rank)
+    prompt = sys.stdin.read() if args.prompt == "-" and launched_rank() == 0 else args.prompt
     if not prompt.strip():
         return fail("the prompt is empty")
     if args.system is not None and not args.chat:
@@ -228,9 +228,7 @@ def main(argv=None) -> int:
         run = _Run(model, tokenizer, drafter, args)
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
-    if args.verbose and leader:
-        print(described, file=sys.stderr)
-    return on_every_rank(run.engine, lambda: run.main(prompt))
+    return on_every_rank(run.engine, lambda: run.main(prompt, described))
 
 
 class _Run:
@@ -243,11 +241,13 @@ class _Run:
         self.store = PrefixStore(1 << 62)  # only what this run saves, or its prompt cache file
         self.engine = make_engine(model, tokenizer, drafter, args, max_batch=1, prefix_store=self.store)
 
-    def main(self, prompt) -> int:
+    def main(self, prompt, described: str) -> int:
         import mlx_hybrid
         from mlx_hybrid.prompt import chat_prompt
 
         args = self.args
+        if args.verbose:
+            print(described, file=sys.stderr)
         try:
             reusable = None  # the token count whose state --prompt-cache-file keeps
             if args.chat:

@@ -135,20 +135,19 @@ def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Ru
         if rule.target == "":  # deliberately dropped
             continue
         templates = rule.target if isinstance(rule.target, tuple) else (rule.target,)
-        targets = [template.format(**match.groupdict()) for template in templates]
-        bases = [target[:-1].split("[")[0] if target.endswith("]") else target for target in targets]
-        if part is not None and not any(part.wants(base) for base in bases):
+        targets = [_stack_slot(template.format(**match.groupdict())) for template in templates]
+        if part is not None and not any(part.wants(base) for base, _ in targets):
             continue
         tensor = load()
         results = apply_transform(rule.transform, tensor, args) if rule.transform else tensor
         results = results if isinstance(results, tuple) else (results,)
-        for target, base, result in zip(targets, bases, results):
+        for (base, index), result in zip(targets, results):
             if part is not None:
                 result = part.cut(base, result)
-            if target.endswith("]"):
-                stacks[base][int(target[:-1].split("[")[1])] = result
+            if index is None:
+                weights[base] = result
             else:
-                weights[target] = result
+                stacks[base][index] = result
         if progress is not None:
             progress.update(1)
     for base in list(stacks):
@@ -159,6 +158,14 @@ def rename(tensors: Iterable[tuple[str, Callable[[], mx.array]]], rules: list[Ru
         if part is not None:  # one layer's experts twice at a time, not every layer's
             mx.eval(weights[base])
     return weights, unmatched
+
+
+def _stack_slot(target: str) -> tuple[str, int | None]:
+    """`name[i]` -> (name, i), the i-th slice of a stacked tensor; `name` -> (name, None)."""
+    if not target.endswith("]"):
+        return target, None
+    base, index = target[:-1].split("[")
+    return base, int(index)
 
 
 def _quantize_modules(model, weights: dict):

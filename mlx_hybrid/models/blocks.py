@@ -372,7 +372,11 @@ class HybridModel(nn.Module):
     def make_cache(self):
         from ..cache import KVCache, RecurrentCache
 
-        return [RecurrentCache() if layer.layer_type == LINEAR else KVCache() for layer in self.layers]
+        # a layer another rank runs gets an empty KV cache: it trims and checkpoints to nothing
+        return [
+            RecurrentCache() if layer.layer_type == LINEAR and not isinstance(layer, LayerElsewhere) else KVCache()
+            for layer in self.layers
+        ]
 
     def embed(self, ids: mx.array) -> mx.array:
         # in the compute dtype: a quantized embedding gives float32

@@ -6,7 +6,15 @@ import argparse
 import os
 import sys
 
-from ..cli import add_draft_arguments, add_model_arguments, fail, launched_rank, load_for_generation, make_engine
+from ..cli import (
+    add_draft_arguments,
+    add_model_arguments,
+    fail,
+    launched_rank,
+    load_for_generation,
+    make_engine,
+    on_every_rank,
+)
 
 DESCRIPTION = """\
 Serve a hybrid-attention model over an OpenAI-compatible HTTP API:
@@ -91,8 +99,7 @@ def main(argv=None) -> int:
             return fail(f"--{name.replace('_', '-')} must be >= 1")
     if args.prefix_cache_bytes < 0:
         return fail("--prefix-cache-bytes must be >= 0")
-    leader = launched_rank() == 0  # under mlx.launch rank 0 serves; the others follow its engine
-    problem = _cannot_listen(args.host, args.port) if leader else None
+    problem = _cannot_listen(args.host, args.port) if launched_rank() == 0 else None
     if problem:  # before the model loads, which can take minutes
         return fail(f"cannot listen on {args.host}:{args.port}: {problem}")
     try:
@@ -103,17 +110,15 @@ def main(argv=None) -> int:
         return fail(str(e))
     store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
     engine = make_engine(model, tokenizer, drafter, args, max_batch=args.max_batch, prefix_store=store)
-    if not leader:
-        engine.follow()  # until rank 0's server shuts down
-        return 0
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
     served = ServedModel(name, tokenizer, engine, default_max_tokens=args.max_tokens)
-    print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    try:
+
+    def serve() -> int:
+        print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         uvicorn.run(create_app(served, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        engine.stop()  # the other ranks' engines too (the app stops it as it shuts down; again is nothing)
-    return 0
+        return 0
+
+    return on_every_rank(engine, serve)  # under mlx.launch rank 0 serves; the others follow its engine
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
