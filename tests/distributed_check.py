@@ -45,6 +45,21 @@ def generate(model, tokenizer, prompts, draft, sampled=False):
     return [s.tokens for s in sequences]
 
 
+def layer_by_layer(model, whole, ids) -> list[float]:
+    """Each split layer against the whole one, both fed the single-process model's input to
+    that layer: what the split itself changes, before the layers after it amplify it.
+    The MTP head (last, where there is one) is fed the whole trunk's output."""
+    h, diffs = whole.embed(ids), []
+    for split_layer, whole_layer in zip(model.layers, whole.layers):
+        out = whole_layer(h, None)
+        diffs.append(mx.abs(split_layer(h, None) - out).max().item())
+        h = out
+    if whole.has_mtp:
+        inputs = (h[:, :-1], whole.embed(ids[:, 1:]))
+        diffs.append(mx.abs(model.mtp(*inputs) - whole.mtp(*inputs)).max().item())
+    return diffs
+
+
 def check(group, mode: str, spec: str) -> dict:
     family, file = spec.split("/")
     path = FIXTURES / family / file
@@ -54,6 +69,7 @@ def check(group, mode: str, spec: str) -> dict:
 
     ids = mx.array(ref["input_ids"])
     logits_diff = mx.abs(model(ids) - whole(ids)).max().item()
+    layer_diffs = layer_by_layer(model, whole, ids) if mode == "tensor" else []
     prompts = [ref["prompt_ids"][0].tolist(), ref["input_ids"][0, :20].tolist()]
     draft = "mtp" if model.has_mtp else "ngram"
     result = {
@@ -61,6 +77,7 @@ def check(group, mode: str, spec: str) -> dict:
         "spec": spec,
         "describe": model.parallel.describe(),
         "logits_diff": logits_diff,
+        "layer_diffs": layer_diffs,
         "split_bytes": parameter_bytes(model),
         "whole_bytes": parameter_bytes(whole),
         # a pipeline keeps the MTP head whole on every rank

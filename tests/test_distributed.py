@@ -30,8 +30,13 @@ RUNS = {
     ("pipeline", 3): ["qwen35/model.gguf", "qwen35moe/hf", "qwen3next/hf", "kimilinear/model.gguf"],
 }  # fmt: skip
 
-# float32 logits of scale ~17: tensor parallel sums each product in parts, in another
-# order than one process does (about 1e-5 relative); a pipeline computes the same sums.
+# Each split layer, fed the same input, is within float32 rounding of the whole one (measured
+# at most 4.4e-6 on outputs of scale 3 to 10). Across the 4 layers the random-weight fixtures
+# amplify rounding about 10x per layer: on logits of scale ~17, summing in another order
+# moves the single-process model itself by up to 1.6e-4 (two rows in a batch instead of one)
+# or 2.9e-4 (the reference BLAS instead of OpenBLAS). Tensor parallel sums each product in
+# parts, so its logits are held to that floor; a pipeline computes the same sums.
+LAYER_TOLERANCE = 1e-5
 LOGITS_TOLERANCE = {"tensor": 3e-4, "pipeline": 1e-4}
 
 
@@ -56,10 +61,13 @@ def results(request):
 
 def test_logits_match_the_single_process_model(results):
     mode, ranks, by_spec = results
+    if mode == "tensor":
+        assert all(len(r["layer_diffs"]) >= 4 for per_rank in by_spec.values() for r in per_rank.values())
     for spec, per_rank in by_spec.items():
         for rank, r in per_rank.items():
             assert r["describe"] == f"{'tensor parallel' if mode == 'tensor' else 'pipeline'} over {ranks} ranks"
             assert r["logits_diff"] <= LOGITS_TOLERANCE[mode], (spec, rank, r["logits_diff"])
+            assert max(r["layer_diffs"], default=0) <= LAYER_TOLERANCE, (spec, rank, r["layer_diffs"])
             if "mtp_diff" in r:
                 assert r["mtp_diff"] <= LOGITS_TOLERANCE[mode], (spec, rank, r["mtp_diff"])
 
