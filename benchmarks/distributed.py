@@ -54,8 +54,38 @@ def rank_run(model_path: str, tokens: int, pipeline: bool):
         result[draft] = (len(sequence.tokens) - 1) / (end - first)
         if group is not None:
             engine.stop()
+    if group is not None:
+        result["idle_cpu"] = idle_cpu_shares(model, tokenizer, group)
     if group is None or group.rank() == 0:
         print(json.dumps(result), flush=True)
+
+
+def idle_cpu_shares(model, tokenizer, group, seconds: float = 5.0) -> dict:
+    """Each rank's CPU time over wall time while rank 0 has nothing to do: its engine idling
+    as a server's does (rank 0 stepping on the engine's thread, the others following), and
+    as a baseline the others waiting inside one collective for that long."""
+
+    def share(work) -> float:
+        cpu, wall = time.process_time(), time.perf_counter()
+        work()
+        return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+    def engine_idles():
+        engine = ReplicatedEngine(model, tokenizer)
+        if group.rank() > 0:
+            return engine.follow()
+        engine.start()
+        time.sleep(seconds)
+        engine.stop()
+
+    def waiting_in_a_collective():
+        if group.rank() == 0:
+            time.sleep(seconds)
+        mx.eval(mx.distributed.all_sum(mx.array([1]), group=group))
+
+    shares = mx.array([share(engine_idles), share(waiting_in_a_collective)])
+    gathered = mx.distributed.all_gather(shares[None], group=group).tolist()
+    return {"engine idling": [s[0] for s in gathered], "in one collective": [s[1] for s in gathered]}
 
 
 def communication(args, ranks: int, dtype_bytes: int):
@@ -106,6 +136,14 @@ def main():
     for name, r in results.items():
         cells = " | ".join(f"{r[d]:.1f} | {r[d] / base[d]:.2f}x" for d in drafts)
         print(f"| {name} | {r['bytes'] / base['bytes']:.2f} of the model | {cells} |")
+
+    print("\nCPU per rank while rank 0 has nothing to do for 5 s (mlx.launch's own relay not counted):\n")
+    print("| run | engine idling | ranks waiting in one collective |")
+    print("| --- | --- | --- |")
+    for name, r in results.items():
+        if "idle_cpu" in r:
+            cells = [", ".join(f"{share:.0%}" for share in shares) for shares in r["idle_cpu"].values()]
+            print(f"| {name} | {' | '.join(cells)} |")
 
     model, _ = mlx_hybrid.load(options.model)
     dtype_bytes = model.norm.weight.dtype.size

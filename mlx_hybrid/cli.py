@@ -205,6 +205,9 @@ def on_every_rank(engine, command) -> int:
     if not engine.leader:
         engine.follow()
         return 0
+    # stepping on the engine's thread, rank 0 keeps the others in step while `command` waits
+    # (for input, between a chat's turns), instead of leaving them waiting in a collective
+    engine.start()
     try:
         return command()
     finally:

@@ -151,18 +151,21 @@ def gather_last_axis(x: mx.array, group, length: int) -> mx.array:
     return mx.moveaxis(gathered[:length], 0, -1)
 
 
-STOP = -1
+# Control messages, sent in place of a payload's length
+STOP = -1  # the leader has stopped: the others return
+IDLE = -2  # nothing to do: every rank sleeps a moment before the next message
 
 
 def broadcast_message(message, group):
-    """Rank 0's JSON-able message on every rank (the others pass None). None (no news) and
-    STOP cost one collective of one number; anything else two."""
+    """Rank 0's message on every rank (the others pass None): None (no news) or a control
+    code (STOP, IDLE) in one collective of one number, anything else JSON-able in two."""
     leader = group.rank() == 0
-    data = json.dumps(message).encode() if leader and message not in (None, STOP) else b""
-    length = mx.array([STOP if leader and message == STOP else len(data)] if leader else [0], dtype=mx.int32)
+    control = leader and isinstance(message, int) and message < 0
+    data = json.dumps(message).encode() if leader and message is not None and not control else b""
+    length = mx.array([message if control else len(data)], dtype=mx.int32)
     length = mx.distributed.all_sum(length, group=group).item()
     if length <= 0:
-        return STOP if length == STOP else None
+        return length if length < 0 else None
     payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if leader else mx.zeros((length,), dtype=mx.uint8)
     received = np.array(mx.distributed.all_sum(payload, group=group))  # evaluated on every rank, the leader's too
     return message if leader else json.loads(received.tobytes().decode())

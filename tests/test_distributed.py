@@ -8,8 +8,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,27 @@ def test_generate_prints_once_the_single_process_text(split):
     assert done.stderr.count(described) == 1, done.stderr
 
 
+def test_generate_with_ranks_started_by_hand(tmp_path):
+    # MLX's ring backend without mlx.launch: each process names its rank and the hostfile
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+    args = ["mlx_hybrid.generate", "--model", QWEN_GGUF, "--prompt", "def parse(", "--max-tokens", "16", "--verbose"]
+    ranks = [
+        subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=os.environ | {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+        for rank in range(2)
+    ]  # fmt: skip
+    (out_0, err_0), (out_1, err_1) = [rank.communicate(timeout=300) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], err_0 + err_1
+    assert out_0 == single(*args).stdout and (out_1, err_1) == ("", "")
+    assert "tensor parallel over 2 ranks" in err_0
+
+
 def test_splits_that_cannot_work_are_clear_errors():
     args = ["mlx_hybrid.generate", "--model", QWEN_GGUF, "--prompt", "def parse(", "--max-tokens", "4"]
     done = launch_command(3, *args)
@@ -145,6 +168,27 @@ def test_splits_that_cannot_work_are_clear_errors():
     assert "Traceback" not in done.stderr and done.stdout == ""
     alone = single(*args, "--pipeline")
     assert alone.returncode == 2 and "--pipeline splits a model over the processes" in alone.stderr
+
+
+def test_chat_under_mlx_launch_keeps_its_ranks_in_step_between_turns():
+    args = ["mlx_hybrid.chat", "--model", QWEN_GGUF, "--max-tokens", "12"]
+    turns = ["def parse(\n", "class Config:\n/quit\n"]  # mlx.launch does not pass on the end of input
+    alone = subprocess.run([sys.executable, "-m", *args], input="".join(turns), capture_output=True, text=True)
+    assert alone.returncode == 0, alone.stderr
+    command = [LAUNCH, "--backend", "ring", "-n", "2", "--python", sys.executable, "--", "-m", *args]
+    chat = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        chat.stdin.write(turns[0])
+        chat.stdin.flush()
+        while not chat.stderr.readline().startswith("[prompt:"):  # the first answer is done
+            assert chat.poll() is None, "chat ended during its first turn"
+        time.sleep(1)  # the user thinks: rank 0's engine idles, rank 1 follows it
+        chat.stdin.write(turns[1])
+        out, err = chat.communicate(timeout=120)
+    finally:
+        chat.kill()
+    assert out == alone.stdout, err
+    assert err.count("[prompt:") == 1  # the second turn's (the first was read above)
 
 
 def test_server_under_mlx_launch_serves_from_rank_0():

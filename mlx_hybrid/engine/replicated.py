@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from ..errors import GenerationError
-from ..parallel import STOP, broadcast_message
+from ..parallel import IDLE, STOP, broadcast_message
 from .scheduler import Engine
+
+# How long every rank sleeps when the leader has nothing to do. A rank waiting in a ring
+# collective spins a core (MLX's ring backend polls its sockets), so an idle engine meets
+# at this pace instead of waiting for work inside one; a request waits at most this long.
+IDLE_SECONDS = 0.05
 
 
 class _Discard:
@@ -70,6 +76,10 @@ class ReplicatedEngine(Engine):
         with self._lock:
             news, self._news = self._news, []
         cancels = [n for n, sequence in self._sequences.items() if sequence.cancelled and n not in self._cancels]
+        if not (news or cancels or self.rows or not self.waiting.empty()):
+            broadcast_message(IDLE, self.group)
+            time.sleep(IDLE_SECONDS)
+            return False
         message = {"submit": [request for _, request in news], "cancel": cancels} if news or cancels else None
         broadcast_message(message, self.group)
         for row, _ in news:
@@ -82,6 +92,9 @@ class ReplicatedEngine(Engine):
             message = broadcast_message(None, self.group)
             if message == STOP:
                 return
+            if message == IDLE:
+                time.sleep(IDLE_SECONDS)
+                continue
             message = message or {}
             for request in message.get("submit", []):
                 number = request.pop("number")
@@ -95,6 +108,9 @@ class ReplicatedEngine(Engine):
         if self.leader and not self._stopped:
             self._stopped = True
             broadcast_message(STOP, self.group)
+
+    def _idle(self):
+        pass  # an idle step has slept already, in step with the other ranks
 
     def _admit_row(self, row):
         self._sequences[row.number] = row.sequence

@@ -233,7 +233,10 @@ class Engine:
 
     def drive(self, sequence: Sequence):
         """Step on this thread until `sequence` ends, yielding its events as they come (for a
-        command line; not with `start`)."""
+        command line). After `start`, the engine's thread steps and this one only reads."""
+        if self._thread is not None:
+            yield from sequence.stream()
+            return
         while True:
             while not sequence.events.empty():
                 event = sequence.events.get()
@@ -258,8 +261,12 @@ class Engine:
     def _loop(self):
         while not self._stopping:
             if not self.step():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                self._idle()
+
+    def _idle(self):
+        """Wait for work: until a request comes, or half a second."""
+        self._wake.wait(timeout=0.5)
+        self._wake.clear()
 
     def _admit(self):
         while len(self.rows) < self.max_batch:
