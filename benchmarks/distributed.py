@@ -26,6 +26,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_hybrid.cli import on_every_rank
 from mlx_hybrid.drafting import make_drafter
 from mlx_hybrid.engine import Engine, ReplicatedEngine
 from mlx_hybrid.models.blocks import LINEAR
@@ -71,12 +72,7 @@ def idle_cpu_shares(model, tokenizer, group, seconds: float = 5.0) -> dict:
         return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
     def engine_idles():
-        engine = ReplicatedEngine(model, tokenizer)
-        if group.rank() > 0:
-            return engine.follow()
-        engine.start()
-        time.sleep(seconds)
-        engine.stop()
+        on_every_rank(ReplicatedEngine(model, tokenizer), lambda: time.sleep(seconds))
 
     def waiting_in_a_collective():
         if group.rank() == 0:

@@ -1,3 +1,4 @@
+import socket
 from pathlib import Path
 
 import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX, as for users
@@ -19,6 +20,13 @@ def load_fixture(family: str, source: str):
     if key not in _models:
         _models[key] = mlx_hybrid.load(FIXTURES / family / source, dtype="float32")
     return _models[key]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def reference(family: str, name: str = "ref.npz"):

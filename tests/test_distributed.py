@@ -9,7 +9,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 HERE = Path(__file__).parent
 LAUNCH = shutil.which("mlx.launch")
@@ -141,13 +141,8 @@ def test_generate_prints_once_the_single_process_text(split):
 
 def test_generate_with_ranks_started_by_hand(tmp_path):
     # MLX's ring backend without mlx.launch: each process names its rank and the hostfile
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
     hostfile = tmp_path / "ring.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
     args = ["mlx_hybrid.generate", "--model", QWEN_GGUF, "--prompt", "def parse(", "--max-tokens", "16", "--verbose"]
     ranks = [
         subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

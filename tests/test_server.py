@@ -4,7 +4,6 @@ with the model run alone in this process."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 import mlx_hybrid
-from conftest import FIXTURES
+from conftest import FIXTURES, free_port
 from fixtures.make_assistant import template_messages
 from mlx_hybrid.parsers import parse_output
 from mlx_hybrid.prompt import chat_prompt
@@ -44,9 +43,7 @@ class Server:
 
     def __init__(self, *args, launcher=(sys.executable,), stop_signal=signal.SIGTERM):
         self.stop_signal = stop_signal
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [*launcher, "-m", "mlx_hybrid.server", "--port", str(self.port), "--log-level", "warning"]
         self.process = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
