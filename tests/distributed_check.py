@@ -16,7 +16,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_hybrid.drafting import make_drafter
-from mlx_hybrid.engine import Engine
+from mlx_hybrid.engine import Engine, ReplicatedEngine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NEW_TOKENS = 24
@@ -43,6 +43,24 @@ def generate(model, tokenizer, prompts, draft, sampled=False):
     sequences = [engine.submit(p, NEW_TOKENS, stop_tokens=[], **settings) for p in prompts]
     engine.run()
     return [s.tokens for s in sequences]
+
+
+def on_the_engine_thread(model, tokenizer, prompt) -> dict:
+    """Rank 0 serves one request from a `ReplicatedEngine` on its thread while the others
+    follow, as the server does; then a second `start` must be refused, not wait forever."""
+    engine = ReplicatedEngine(model, tokenizer)
+    if not engine.leader:
+        engine.follow()
+        return {}
+    engine.start()
+    tokens = [t for event in engine.submit(prompt, NEW_TOKENS, stop_tokens=[]).stream() for t in event.tokens]
+    engine.stop()
+    try:
+        engine.start()
+        restart = "started"
+    except mlx_hybrid.GenerationError as e:
+        restart = str(e)
+    return {"tokens": tokens, "restart": restart}
 
 
 def layer_by_layer(model, whole, ids) -> list[float]:
@@ -89,6 +107,7 @@ def check(group, mode: str, spec: str) -> dict:
         "plain_whole": generate(whole, tokenizer, prompts, None),
         "speculative": generate(model, tokenizer, prompts, draft),
         "sampled": generate(model, tokenizer, prompts, draft, sampled=True),
+        "engine_thread": on_the_engine_thread(model, tokenizer, prompts[0]),
     }
     if model.has_mtp:
         result["mtp_diff"] = mx.abs(model.mtp_logits(ids) - whole.mtp_logits(ids)).max().item()

@@ -76,13 +76,16 @@ def test_logits_match_the_single_process_model(results):
                 assert r["mtp_diff"] <= LOGITS_TOLERANCE[mode], (spec, rank, r["mtp_diff"])
 
 
-def test_greedy_tokens_equal_plain_and_speculative(results):
+def test_greedy_tokens_equal_plain_speculative_and_served(results):
     _, _, by_spec = results
     for spec, per_rank in by_spec.items():
         for rank, r in per_rank.items():
             assert len(r["plain_whole"][0]) == 24
             assert r["plain"] == r["plain_whole"], (spec, rank)
             assert r["speculative"] == r["plain_whole"], (spec, rank)
+        served = per_rank[0]["engine_thread"]  # rank 0 serving from the engine's thread, as a server does
+        assert served["tokens"] == per_rank[0]["plain_whole"][0], spec
+        assert served["restart"] == "this split engine has stopped, and the other ranks with it", spec
 
 
 def test_every_rank_samples_the_same_tokens(results):

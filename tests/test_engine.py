@@ -2,13 +2,15 @@
 sampled rows, cancellation, prefix checkpoints (exact, bounded, on disk), flat memory."""
 
 import gc
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlx_hybrid
-from conftest import QWEN_FAMILIES, load_fixture
+from conftest import FIXTURES, QWEN_FAMILIES, load_fixture
 from mlx_hybrid.drafting import make_drafter
 from mlx_hybrid.engine import Engine, PrefixStore, load_checkpoint, save_checkpoint
 from mlx_hybrid.engine.prefix_store import capture, restore
@@ -83,6 +85,24 @@ def test_events_stream_each_rows_tokens_in_order():
         events = list(sequence.stream(timeout=1))
         assert [t for e in events for t in e.tokens] == single_greedy("qwen35", "hf", prompt)
         assert events[-1].finish_reason == sequence.finish_reason and all(e.finish_reason is None for e in events[:-1])
+
+
+def test_an_engine_on_its_thread_streams_single_run_tokens_restarts_and_lets_its_process_exit():
+    # The process must end by itself right after `stop`: MLX frees a thread's compile cache
+    # at the thread's exit, which once aborted a finalizing interpreter ("terminate called").
+    script = f"""
+import mlx_hybrid
+from mlx_hybrid.engine import Engine
+model, tokenizer = mlx_hybrid.load({str(FIXTURES / "qwen35" / "hf")!r}, dtype="float32")
+engine = Engine(model, tokenizer, mlx_hybrid.drafting.make_drafter(model, tokenizer, "mtp"))
+for _ in range(2):  # and again after a stop
+    engine.start()
+    print([t for event in engine.submit({prompts_for(1)[0]!r}, max_tokens={MAX_TOKENS}).stream() for t in event.tokens])
+    engine.stop()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"{single_greedy('qwen35', 'hf', prompts_for(1)[0])}\n" * 2
 
 
 @pytest.mark.parametrize("draft", [None, "mtp"])

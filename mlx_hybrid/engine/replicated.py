@@ -73,6 +73,7 @@ class ReplicatedEngine(Engine):
     def step(self) -> bool:
         if not self.leader:
             raise GenerationError("the other ranks step with `follow`")
+        self._check_running()
         with self._lock:
             news, self._news = self._news, []
         cancels = [n for n, sequence in self._sequences.items() if sequence.cancelled and n not in self._cancels]
@@ -103,11 +104,19 @@ class ReplicatedEngine(Engine):
                 self._admit_row(row)
             self._step(message.get("cancel", []))
 
+    def start(self):
+        self._check_running()
+        super().start()
+
     def stop(self):
         super().stop()
         if self.leader and not self._stopped:
             self._stopped = True
             broadcast_message(STOP, self.group)
+
+    def _check_running(self):
+        if self._stopped:  # the other ranks returned from `follow`: a step would wait for them forever
+            raise GenerationError("this split engine has stopped, and the other ranks with it")
 
     def _idle(self):
         pass  # an idle step has slept already, in step with the other ranks

@@ -246,8 +246,9 @@ class Engine:
             self.step()
 
     def start(self):
-        """Step on a background thread (for a server); `stop` ends it."""
+        """Step on a background thread (for a server); `stop` ends it, `start` starts it again."""
         if self._thread is None:
+            self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="mlx-hybrid-engine", daemon=True)
             self._thread.start()
 
@@ -259,9 +260,15 @@ class Engine:
             self._thread = None
 
     def _loop(self):
-        while not self._stopping:
-            if not self.step():
-                self._idle()
+        try:
+            while not self._stopping:
+                if not self.step():
+                    self._idle()
+        finally:
+            # Empty this thread's compile cache while it holds the GIL: left to the thread's
+            # exit, MLX frees it after `join` has returned and, when the process is ending,
+            # takes the GIL from a finalizing interpreter and aborts ("terminate called").
+            mx.clear_streams()
 
     def _idle(self):
         """Wait for work: until a request comes, or half a second."""
