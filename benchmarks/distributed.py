@@ -30,14 +30,14 @@ from mlx_hybrid.cli import on_every_rank
 from mlx_hybrid.drafting import make_drafter
 from mlx_hybrid.engine import Engine, ReplicatedEngine
 from mlx_hybrid.models.blocks import LINEAR
+from mlx_hybrid.parallel import launched_group
 
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
 
 
 def rank_run(model_path: str, tokens: int, pipeline: bool):
     """Inside each process: load (split when launched), decode, print one JSON line from rank 0."""
-    group = mx.distributed.init()
-    group = group if group.size() > 1 else None
+    group = launched_group()
     model, tokenizer = mlx_hybrid.load(model_path, group=group, pipeline=pipeline)
     result = {"bytes": sum(a.nbytes for _, a in tree_flatten(model.parameters()))}
     for draft in ["none"] + (["mtp"] if model.has_mtp else []):

@@ -3,7 +3,6 @@ official `openai` client (and raw HTTP for what no client would send). Outputs a
 with the model run alone in this process."""
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -41,8 +40,7 @@ def http(method: str, url: str, body: bytes | None = None, headers=None):
 class Server:
     """A server process; launcher: what runs `python` (e.g. mlx.launch and its options), else python itself."""
 
-    def __init__(self, *args, launcher=(sys.executable,), stop_signal=signal.SIGTERM):
-        self.stop_signal = stop_signal
+    def __init__(self, *args, launcher=(sys.executable,)):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [*launcher, "-m", "mlx_hybrid.server", "--port", str(self.port), "--log-level", "warning"]
@@ -67,7 +65,7 @@ class Server:
     def stop(self):
         """Shut it down; whether it was still running (a server survives every request)."""
         alive = self.process.poll() is None
-        self.process.send_signal(self.stop_signal)
+        self.process.terminate()
         try:
             self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
