@@ -92,7 +92,7 @@ def _mlx_hybrid(checkpoint, dtype):
     import mlx_hybrid
 
     model, tokenizer = mlx_hybrid.load(checkpoint, dtype=dtype)
-    return lambda prompt, n: mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=n)
+    return lambda prompt, n: mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=n, draft=None)
 
 
 def _mlx_lm(checkpoint, dtype_name, dtype):

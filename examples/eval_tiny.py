@@ -8,7 +8,7 @@ accuracy, and how often the MTP head's first draft equals the trunk's own greedy
 next token (what speculative decoding accepts), and the share of the vocabulary that
 covers 99% of the held-out tokens. Then, generating greedily from held-out prompts
 through the Python API with no set-up call (as an app would): mean tokens per trunk
-pass for k = 1..4 and the wall-clock speedup over plain decoding measured in this run,
+pass and acceptance by draft position (mean over the prompts) for k = 1..4 and the wall-clock speedup over plain decoding measured in this run,
 drafting over the whole vocabulary and over the `--draft-vocab` most frequent tokens
 (1/8 of the 2048, as 32k is of Qwen3.5's 248k), both with exactly k drafts a round,
 then with the default (adaptive) settings.
@@ -37,8 +37,7 @@ def teacher_forced(model, tokens: list[int], window: int, windows: int):
         ids = mx.array([tokens[start : start + window + 1]])
         hidden = model.hidden_states(ids[:, :-1])
         trunk = mx.argmax(model.logits_from_hidden(hidden), axis=-1)[0]  # predicts ids[t + 1]
-        u = model.mtp(hidden[:, :-1], model.embed_tokens(ids[:, 1:-1]))
-        draft = mx.argmax(model.project(model.mtp.norm(u)), axis=-1)[0]  # predicts ids[t + 2]
+        draft = mx.argmax(model.mtp_teacher_forced(hidden[:, :-1], ids[:, 1:-1]), axis=-1)[0]  # predicts ids[t + 2]
         targets = ids[0, 1:]
         trunk_hits += int((trunk == targets).sum())
         draft_hits += int((draft == trunk[1:]).sum())  # the first draft is accepted iff the trunk agrees
@@ -73,16 +72,19 @@ def main():
     prompts = [ids[: args.prompt_tokens] for ids in encoded if len(ids) > args.prompt_tokens][: args.prompts]
 
     def run(**kwargs):
-        tokens, tps, per_pass = [], [], []
+        tokens, tps, per_pass, by_position = [], [], [], []
         for prompt in prompts:
             responses = list(mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, **kwargs))
             tokens.append([r.token for r in responses])
             tps.append(responses[-1].generation_tps)
             per_pass.append(responses[-1].tokens_per_pass or 1.0)
-        return tokens, float(np.mean(tps)), float(np.mean(per_pass))
+            by_position.append(responses[-1].acceptance_by_position or [])
+        positions = max(map(len, by_position))
+        mean_by_position = [np.mean([rates[j] for rates in by_position if len(rates) > j]) for j in range(positions)]
+        return tokens, float(np.mean(tps)), float(np.mean(per_pass)), mean_by_position
 
-    run()  # warm up
-    plain_tokens, plain_before, _ = run()
+    run(draft=None)  # warm up
+    plain_tokens, plain_before, _, _ = run(draft=None)
     results = []
     settings = {
         "whole vocabulary, k drafts": dict(draft_vocab=0, draft_p_min=0),
@@ -91,14 +93,16 @@ def main():
     }
     for label, extra in settings.items():
         for k in (1, 2, 3, 4):
-            spec_tokens, tps, per_pass = run(draft="mtp", num_draft_tokens=k, **extra)
-            results.append((label, k, per_pass, tps, spec_tokens == plain_tokens))
-    _, plain_after, _ = run()
+            spec_tokens, tps, per_pass, by_position = run(draft="mtp", num_draft_tokens=k, **extra)
+            results.append((label, k, per_pass, by_position, tps, spec_tokens == plain_tokens))
+    _, plain_after, _, _ = run(draft=None)
     plain_tps = (plain_before + plain_after) / 2  # before and after: the machine's drift shows, and averages out
     print(f"plain greedy decoding: {plain_before:.1f} tokens/s before, {plain_after:.1f} after (baseline: the mean)")
-    for label, k, per_pass, tps, same in results:
-        print(f"MTP k={k}, {label}: {per_pass:.2f} tokens per trunk pass, {tps:.1f} tokens/s, "
-              f"speedup {tps / plain_tps:.2f}x, same tokens as plain: {same}")  # fmt: skip
+    for label, k, per_pass, by_position, tps, same in results:
+        accepted = ", ".join(f"{rate:.0%}" for rate in by_position)
+        print(f"MTP k={k}, {label}: {per_pass:.2f} tokens per trunk pass, accepted by draft position "
+              f"{accepted}, {tps:.1f} tokens/s, speedup {tps / plain_tps:.2f}x, "
+              f"same tokens as plain: {same}")  # fmt: skip
 
 
 if __name__ == "__main__":

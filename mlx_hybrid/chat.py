@@ -7,13 +7,16 @@ import sys
 import time
 
 from .cli import (
+    ArgumentParser,
     add_draft_arguments,
     add_model_arguments,
     add_sampling_arguments,
     fail,
+    follow,
     load_for_generation,
     make_engine,
     on_every_rank,
+    quiet_on_closed_pipe,
 )
 
 DESCRIPTION = """\
@@ -36,7 +39,7 @@ DIM, RESET = "\033[2m", "\033[0m"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mlx_hybrid.chat", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_model_arguments(p)
@@ -75,18 +78,16 @@ class ChatSession:
         parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text))
         reasoning, content = [], []
         start, first_at = time.perf_counter(), None
-        events = self.engine.drive(sequence)
-        try:
-            for event in events:
-                first_at = first_at or time.perf_counter()
-                text = "".join(detokenizer.add(t) for t in event.tokens)
-                if event.finish_reason is not None:
-                    text += detokenizer.finalize()
-                self._show(parser.feed(text), reasoning, content)
-        except KeyboardInterrupt:  # stop this answer, keep what was said
-            sequence.cancel()
-            for _ in events:
-                pass
+
+        def show(event):
+            nonlocal first_at
+            first_at = first_at or time.perf_counter()
+            text = "".join(detokenizer.add(t) for t in event.tokens)
+            if event.finish_reason is not None:
+                text += detokenizer.finalize()
+            self._show(parser.feed(text), reasoning, content)
+
+        if follow(self.engine, sequence, show):  # a stopped answer is kept, and checkpointed
             self.out.write(" [stopped]")
         self._show(parser.finish(), reasoning, content)
         self.out.write("\n")
@@ -165,13 +166,15 @@ def _converse(session: ChatSession, args, described: str) -> int:
             print(session.turn(line), file=sys.stderr)
         except mlx_hybrid.MlxHybridError as e:  # a context overflow, a template error: the turn is dropped
             print(f"error: {e}", file=sys.stderr)
+        except KeyboardInterrupt:  # before the answer began: the turn is dropped
+            print("\n(stopped before answering)", file=sys.stderr)
 
 
 def entry():
     from mlx_hybrid.blas import prefer_optimized_blas
 
     prefer_optimized_blas()
-    sys.exit(main())
+    sys.exit(quiet_on_closed_pipe(main))
 
 
 if __name__ == "__main__":

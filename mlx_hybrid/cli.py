@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, make_drafter
+from mlx_hybrid.drafting import AUTO, DEFAULT_DRAFT_P_MIN, make_drafter, resolve_draft
+from mlx_hybrid.sampling import SEED_LIMIT
 
 USAGE_ERROR = 2
 
@@ -62,6 +64,17 @@ def add_model_arguments(p: argparse.ArgumentParser):
     )
 
 
+def seed(text: str) -> int:
+    """--seed's type: an integer MLX's random keys take."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
+    return value
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256):
     p.add_argument(
         "--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})"
@@ -70,20 +83,22 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--seed", type=seed, default=None, help="random seed for sampling, in [0, 2**64)")
 
 
 def add_draft_arguments(p: argparse.ArgumentParser):
-    p.add_argument(
+    # one way to say how to draft: two of these contradict each other (or repeat one another)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument(
         "--draft",
         choices=["mtp", "ngram", "none"],
         default=None,
         help="how to draft: the model's MTP head, n-gram lookup in the prompt and output, or no speculation "
         "(default: mtp where the model has an MTP head, else none)",
     )
-    p.add_argument("--mtp", action="store_const", dest="draft", const="mtp", help="the same as --draft mtp")
-    p.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
-    p.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
+    how.add_argument("--mtp", action="store_const", dest="draft", const="mtp", help="the same as --draft mtp")
+    how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
+    how.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
     p.add_argument(
         "--num-draft-tokens", type=int, default=3, metavar="N", help="most tokens drafted per round (default: 3)"
     )
@@ -106,7 +121,7 @@ def add_draft_arguments(p: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mlx_hybrid.generate",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -135,6 +150,16 @@ def launched_rank() -> int:
     return int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
+INTERRUPTED = 128 + signal.SIGINT  # the exit status of a command Ctrl-C stopped
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit status 2, as every usage error here."""
+
+    def error(self, message):
+        sys.exit(fail(f"{message} (see {self.prog} --help)"))
+
+
 def fail(message: str, code: int = USAGE_ERROR):
     rank = launched_rank()
     print(f"{f'rank {rank}: ' if rank else ''}error: {message}", file=sys.stderr)
@@ -145,7 +170,7 @@ def _speculation(args, draft, drafting_model) -> str:
     """How drafting is set up, for --verbose."""
     from mlx_hybrid.draft_vocab import resolved_size
 
-    if draft in (None, "none") and not args.draft_model:
+    if draft is None and not args.draft_model:
         return "off"
     kind = "draft model" if args.draft_model else draft
     described = f"{kind}, up to {args.num_draft_tokens} drafts a round"
@@ -163,8 +188,6 @@ def load_for_generation(args):
     from mlx_hybrid.blas import active_blas
     from mlx_hybrid.parallel import launched_group
 
-    if args.draft not in (None, "none") and args.draft_model:
-        raise GenerationError(f"choose one of --draft {args.draft} and --draft-model")
     group = launched_group()
     if args.pipeline and group is None:
         raise GenerationError("--pipeline splits a model over the processes of an mlx.launch run; this is one process")
@@ -173,9 +196,7 @@ def load_for_generation(args):
         pipeline=args.pipeline,
     )  # fmt: skip
     draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
-    draft = args.draft
-    if draft is None and draft_model is None:
-        draft = "mtp" if model.has_mtp else None
+    draft = resolve_draft(model, args.draft or AUTO, draft_model)
     drafter = make_drafter(model, tokenizer, draft, draft_model, args.draft_vocab, args.draft_p_min)
     described = (
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
@@ -195,18 +216,31 @@ def make_engine(model, tokenizer, drafter, args, **options):
     return kind(model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, **options)
 
 
+def follow(engine, sequence, show) -> bool:
+    """Hand each of `sequence`'s events to `show` until it ends; whether Ctrl-C stopped it.
+    Ctrl-C cancels it: the engine ends it at its next step, keeping what it generated (and a
+    checkpoint of it), and the events up to then are still shown."""
+    try:
+        for event in engine.drive(sequence):
+            show(event)
+    except KeyboardInterrupt:
+        sequence.cancel()
+        for event in sequence.stream() if not sequence.done else ():
+            show(event)
+    return sequence.finish_reason == "cancelled"
+
+
 def on_every_rank(engine, command) -> int:
-    """Run `command()` (which drives `engine`); under mlx.launch on rank 0, while the other
-    ranks follow its engine until it is done."""
+    """Run `command()` (which drives `engine`) while the engine steps on its own thread; under
+    mlx.launch on rank 0, while the other ranks follow its engine until it is done."""
     from mlx_hybrid.engine import ReplicatedEngine
 
-    if not isinstance(engine, ReplicatedEngine):
-        return command()
-    if not engine.leader:
+    if isinstance(engine, ReplicatedEngine) and not engine.leader:
         engine.follow()
         return 0
-    # stepping on the engine's thread, rank 0 keeps the others in step while `command` waits
-    # (for input, between a chat's turns), instead of leaving them waiting in a collective
+    # on its own thread, a step is never cut in half by Ctrl-C (which lands on this one, while
+    # it waits for events), and rank 0 keeps the others in step while `command` waits (for
+    # input, between a chat's turns) instead of leaving them waiting in a collective
     engine.start()
     try:
         return command()
@@ -224,6 +258,9 @@ def main(argv=None) -> int:
         return fail("the prompt is empty")
     if args.system is not None and not args.chat:
         return fail("--system needs --chat")
+    problem = _unwritable(args.prompt_cache_file) if args.prompt_cache_file else None
+    if problem:  # before the model loads and generates
+        return fail(f"--prompt-cache-file {args.prompt_cache_file}: {problem}")
     try:
         model, tokenizer, drafter, described = load_for_generation(args)
         if model.parallel is not None and args.prompt_cache_file:
@@ -259,19 +296,19 @@ class _Run:
                 prompt = rendered.ids
                 if args.system and rendered.boundaries:
                     reusable = rendered.boundaries[0]
-            last = self.generate(prompt, reusable)
+            statistics, stopped = self.generate(prompt, reusable)
         except mlx_hybrid.MlxHybridError as e:
             return fail(str(e))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # before generating (the template, the prompt cache)
             print(file=sys.stderr)
-            return 130
+            return INTERRUPTED
         print()
-        if last is not None:
-            print(last, file=sys.stderr)
-        return 0
+        if statistics is not None:
+            print(statistics, file=sys.stderr)
+        return INTERRUPTED if stopped else 0
 
-    def generate(self, prompt, reusable: int | None) -> str | None:
-        """Stream the text; the statistics line(s) for stderr."""
+    def generate(self, prompt, reusable: int | None) -> tuple[str | None, bool]:
+        """Stream the text; (the statistics line(s) for stderr, whether Ctrl-C stopped it)."""
         import time
 
         import mlx.core as mx
@@ -289,17 +326,21 @@ class _Run:
         )  # fmt: skip
         detokenizer = StreamingDetokenizer(self.tokenizer)
         first_at = None
-        for event in self.engine.drive(sequence):
+
+        def show(event):
+            nonlocal first_at
             for token in event.tokens:
                 first_at = first_at or time.perf_counter()
                 sys.stdout.write(detokenizer.add(token))
-                sys.stdout.flush()
+            sys.stdout.flush()
+
+        stopped = follow(self.engine, sequence, show)
         sys.stdout.write(detokenizer.finalize())
         if sequence.error:
             raise GenerationError(f"generation failed: {sequence.error}")
         self._save_prompt_cache(ids, boundary)
         if not sequence.tokens:
-            return None
+            return None, stopped
         end = time.perf_counter()
         read = len(ids) - sequence.cached_tokens
         generated = len(sequence.tokens)
@@ -310,12 +351,20 @@ class _Run:
             f"{decode_rate(generated, first_at, end):.1f} tokens/s | "
             f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"
         ]
+        if stopped:
+            lines.append(f"stopped by Ctrl-C after {generated} tokens")
+        if sequence.finish_reason == "length" and generated < self.args.max_tokens:
+            lines.append(
+                f"stopped at the model's context of {self.model.args.max_position_embeddings} tokens, "
+                f"after {generated} of the {self.args.max_tokens} tokens --max-tokens asked for"
+            )
         if sequence.stats is not None:
             lines.append(
-                f"speculative: {sequence.stats.acceptance_rate:.1%} of drafts accepted, "
+                f"speculative: {sequence.stats.acceptance_rate:.1%} of drafts accepted "
+                f"(by position in a round: {_percentages(sequence.stats.acceptance_by_position)}), "
                 f"{sequence.stats.tokens_per_pass:.2f} tokens per trunk pass"
             )
-        return "\n".join(lines)
+        return "\n".join(lines), stopped
 
     def _load_prompt_cache(self, boundary: int) -> int | None:
         """Seed the store from --prompt-cache-file; the prompt position whose state it should keep."""
@@ -338,8 +387,37 @@ class _Run:
             save_checkpoint(self.args.prompt_cache_file, checkpoint)
 
 
+def _unwritable(path) -> str | None:
+    """Why a file cannot be written at `path` (None: it can)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        return "is a directory"
+    if not path.parent.is_dir():
+        return f"no directory {path.parent}"
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
+
+
+def _percentages(rates: list[float]) -> str:
+    return ", ".join(f"{rate:.0%}" for rate in rates) or "none drafted"
+
+
 def entry():
     from mlx_hybrid.blas import prefer_optimized_blas
 
     prefer_optimized_blas()  # restarts once with OpenBLAS preloaded, where installed (Linux)
-    sys.exit(main())
+    sys.exit(quiet_on_closed_pipe(main))
+
+
+def quiet_on_closed_pipe(command) -> int:
+    """Run a command whose output may go to a reader that leaves early (`| head`): it ends
+    quietly, as Unix tools do, with the status of a process that SIGPIPE ended."""
+    try:
+        return command()
+    except BrokenPipeError:
+        # stdout's last flush, at exit, would fail again: send what is left nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
+from .cli import ArgumentParser
 from .errors import MlxHybridError
 from .export import save_mlx
 from .loaders import bundled_model_path, hf, hub, load
@@ -28,8 +29,10 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
 
     source: an HF checkpoint directory or a GGUF file (its tokenizer is written as tokenizer.json).
     """
-    source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
     mlx_path = Path(mlx_path)
+    if mlx_path.exists():  # as mlx-lm: never write over what is there
+        raise MlxHybridError(f"{mlx_path} already exists; remove it or give another --mlx-path")
+    source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
     if source.is_dir():  # refuse early, before loading the weights
         model_type = hf.read_config(source).get("model_type")
         if model_type not in QWEN_TYPES:
@@ -49,7 +52,7 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mlx_hybrid.convert",
         description=__doc__,
         epilog="example (the bundled model, then generating from the result):\n"
@@ -75,7 +78,9 @@ def main(argv=None) -> int:
     except MlxHybridError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {out}: {args.q_bits}-bit, groups of {args.q_group_size}", file=sys.stderr)
+    for file in sorted(out.iterdir()):
+        print(f"  {file.name}  {file.stat().st_size / 1e6:.1f} MB", file=sys.stderr)
     return 0
 
 

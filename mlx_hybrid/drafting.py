@@ -37,7 +37,7 @@ from .prompt import PREFILL_STEP, prefill
 # Default confidence under which a drafter stops drafting (see SpeculativeDecoder for
 # the acceptance-driven part of adaptive drafting). A low floor: it stops drafts from a
 # head with no idea (a random head's top probability is ~0.001 over 32k tokens), while
-# the bundled head keeps 2.74 of its 2.83 tokens per pass (0.2: 2.54, 0.5: 1.90).
+# the bundled head keeps 2.73 of its 2.87 tokens per pass at k=3 (0.2: 2.56, 0.5: 2.04).
 DEFAULT_DRAFT_P_MIN = 0.1
 
 
@@ -174,10 +174,12 @@ class _ConfidentDrafting(Drafter):
 class MTPDrafter(_ConfidentDrafting):
     """Drafts by chaining the model's MTP head, which keeps its own KV cache.
 
-    The MTP cache holds one entry per (trunk hidden state h_t, token t+1) pair.
-    Hidden states not yet fed are kept pending with the tokens that follow them, as far
-    as known; the pairs a prompt completes go in with the prefill, and those a round
-    completes go in with the next round's first draft step, at no extra call.
+    The MTP cache holds one entry per (trunk hidden state h_t, token t+1) pair; the head
+    reads h_t as `model.mtp_input` gives it, and a chained draft the previous step's
+    carry (see `MTPHead`). Trunk states not yet fed are kept pending, as the trunk gave
+    them, with the tokens that follow them, as far as known; the pairs a prompt completes
+    go in with the prefill, and those a round completes go in with the next round's first
+    draft step, at no extra call.
     """
 
     def __init__(self, model, draft_p_min: float = 0.0, vocabulary=None, head: DraftHead | None = None):
@@ -186,15 +188,19 @@ class MTPDrafter(_ConfidentDrafting):
         super().__init__(draft_p_min, head or DraftHead(model, vocabulary))
         self.model = model
         self.cache = KVCache()
-        self.pending_hidden = None  # [1, n, E]
+        self.pending_hidden = None  # [1, n, E], the trunk's states
         self.pending_next: list[int] = []  # the tokens after the pending hidden states (n, or n - 1)
-        self._u = None  # this round's last MTP output: the next draft step's h
+        self._carry = None  # this round's last MTP carry: the next draft step's h
 
     def fork(self) -> MTPDrafter:
         return MTPDrafter(self.model, self.draft_p_min, head=self.head)
 
-    def _step(self, hidden, tokens, cache):
-        return self.model.mtp(hidden, self.model.embed(tokens), cache)
+    def _step(self, head_input, tokens, cache):
+        """The head over pairs (head_input[t], tokens[t]): (y, carry), see `MTPHead`."""
+        return self.model.mtp(head_input, self.model.embed(tokens), cache)
+
+    def _step_from_trunk(self, trunk_hidden, tokens, cache):
+        return self._step(self.model.mtp_input(trunk_hidden), tokens, cache)
 
     def prefill(self, tokens: list[int], hidden: mx.array):
         """Feed the pairs the trunk's new hidden states complete; the last state waits for its token."""
@@ -205,7 +211,7 @@ class MTPDrafter(_ConfidentDrafting):
         known = known[len(known) - complete :]
         for start in range(0, complete, PREFILL_STEP):
             end = min(start + PREFILL_STEP, complete)
-            mx.eval(self._step(hidden[:, start:end], mx.array(known[start:end])[None], self.cache))
+            mx.eval(self._step_from_trunk(hidden[:, start:end], mx.array(known[start:end])[None], self.cache))
         self.pending_hidden, self.pending_next = hidden[:, complete:], []
 
     def begin(self, first_token: int):
@@ -215,24 +221,23 @@ class MTPDrafter(_ConfidentDrafting):
     def _open(drafters):
         lengths = [len(d.pending_next) for d in drafters]
         tokens = mx.array([t for d in drafters for t in d.pending_next])[None]
-        u = drafters[0]._step(
-            _join([d.pending_hidden for d in drafters]), tokens, row_caches([d.cache for d in drafters], lengths)
-        )
-        return MTPDrafter._carry(drafters, _last_of_each(u, lengths))
+        caches = row_caches([d.cache for d in drafters], lengths)
+        y, carry = drafters[0]._step_from_trunk(_join([d.pending_hidden for d in drafters]), tokens, caches)
+        last_y = _last_of_each(y, lengths)
+        return MTPDrafter._keep_carry(drafters, last_y, last_y if carry is y else _last_of_each(carry, lengths))
 
     @staticmethod
     def _feed(drafters, tokens):
-        u = drafters[0]._step(
-            _join([d._u for d in drafters]), tokens[None], row_caches([d.cache for d in drafters], [1] * len(drafters))
-        )
-        return MTPDrafter._carry(drafters, u)
+        caches = row_caches([d.cache for d in drafters], [1] * len(drafters))
+        y, carry = drafters[0]._step(_join([d._carry for d in drafters]), tokens[None], caches)
+        return MTPDrafter._keep_carry(drafters, y, carry)
 
     @staticmethod
-    def _carry(drafters, u):
-        """Each row's MTP output is its next step's h; the head reads it normed."""
+    def _keep_carry(drafters, y, carry):
+        """Each row's carry is its next step's h; the draft head reads y [1, R, E]."""
         for i, drafter in enumerate(drafters):
-            drafter._u = u[:, i : i + 1]
-        return drafters[0].model.mtp.norm(u)
+            drafter._carry = carry[:, i : i + 1]
+        return y
 
     def checkpoint(self):
         state = {f"cache.{i}": entry for i, entry in enumerate(self.cache.checkpoint())}
@@ -246,7 +251,7 @@ class MTPDrafter(_ConfidentDrafting):
 
     def sync(self):
         """Feed the pending pairs into the MTP cache (no draft)."""
-        self._step(self.pending_hidden, mx.array(self.pending_next)[None], self.cache)
+        self._step_from_trunk(self.pending_hidden, mx.array(self.pending_next)[None], self.cache)
         self.pending_hidden, self.pending_next = self.pending_hidden[:, :0], []
 
     def update(self, verify_hidden: mx.array, accepted: list[int]):
@@ -258,7 +263,7 @@ class MTPDrafter(_ConfidentDrafting):
         else:  # a round without drafts: the pairs wait for the next draft
             self.pending_hidden = mx.concatenate([self.pending_hidden, new_hidden], axis=1)
             self.pending_next += accepted
-        self.fed_drafts, self.drafted, self._u = 0, False, None
+        self.fed_drafts, self.drafted, self._carry = 0, False, None
 
 
 class DraftModelDrafter(_ConfidentDrafting):
@@ -440,22 +445,30 @@ class OracleDrafter(Drafter):
 
 
 DRAFTS = ("mtp", "ngram")
+AUTO = "auto"  # the default: the model's MTP head where it has one, else no speculation
+
+
+def resolve_draft(model, draft, draft_model=None) -> str | None:
+    """`draft` as make_drafter takes it, with "auto" decided and "none" as None."""
+    if draft == AUTO:
+        return "mtp" if draft_model is None and model.has_mtp else None
+    return None if draft == "none" else draft
 
 
 def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=None, draft_p_min=DEFAULT_DRAFT_P_MIN):
     """The drafter for `stream_generate`'s arguments, or None for plain decoding.
 
-    draft: None or "none" (no speculation), "mtp" or "ngram"; draft_model: a model of the
-    same vocabulary. draft_vocab: tokens the drafter projects onto (None: the default for
-    the vocabulary's size, 0: all).
+    draft: None or "none" (no speculation), "mtp", "ngram", or "auto" (the MTP head where
+    the model has one and no draft model is given, else none); draft_model: a model of
+    the same vocabulary. draft_vocab: tokens the drafter projects onto (None: the default
+    for the vocabulary's size, 0: all).
     """
     check_draft_p_min(draft_p_min)  # it also switches the decoder's backoff, for every drafter
-    if draft == "none":
-        draft = None
+    draft = resolve_draft(model, draft, draft_model)
     if draft is not None and draft_model is not None:
         raise GenerationError("give either draft= or draft_model=, not both")
     if draft is not None and draft not in DRAFTS:
-        raise GenerationError(f"unknown draft {draft!r} (use draft='mtp', 'ngram' or 'none', or draft_model=)")
+        raise GenerationError(f"unknown draft {draft!r} (use draft='mtp', 'ngram', 'auto' or None, or draft_model=)")
     if draft is None and draft_model is None:
         return None
     if draft == "ngram":

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from .loaders import gguf_file, hf
 from .loaders.common import rename
 from .models.blocks import LINEAR
+from .models.qwen3_5 import POST_NORM
 
 _GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 
@@ -82,6 +83,8 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     writer.add_ssm_time_step_rank(args.linear_num_value_heads)
     writer.add_ssm_inner_size(args.linear_num_value_heads * args.linear_value_head_dim)
     writer.add_nextn_predict_layers(nextn)
+    if args.mtp_hidden != POST_NORM:
+        writer.add_string(gguf_file.MTP_HIDDEN_KEY, args.mtp_hidden)
     writer.add_array(f"{arch}.attention.recurrent_layers", [t == LINEAR for t in args.layer_types] + [False] * nextn)
     writer.add_full_attention_interval(args.layer_types.index("full_attention") + 1)
     if args.num_experts:

@@ -9,7 +9,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from . import ops
-from .drafting import DEFAULT_DRAFT_P_MIN, make_drafter
+from .drafting import AUTO, DEFAULT_DRAFT_P_MIN, make_drafter
 from .prompt import prefill, request_ids
 from .sampling import Sampler
 from .speculative import SpeculativeDecoder, check_num_draft_tokens
@@ -30,6 +30,8 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop", "length" or None while generating
     acceptance_rate: float | None = None  # speculative decoding: accepted / drafted
     tokens_per_pass: float | None = None  # speculative decoding: tokens per trunk pass
+    # speculative decoding: per draft position in a round, the share of drafts accepted
+    acceptance_by_position: list[float] | None = None
 
 
 def decode_rate(generated: int, first_at: float | None, end: float) -> float:
@@ -110,7 +112,7 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
-    draft: str | None = None,
+    draft: str | None = AUTO,
     draft_model=None,
     num_draft_tokens: int = 3,
     draft_vocab: int | None = None,
@@ -121,8 +123,9 @@ def stream_generate(
     temp=0 is greedy. The last response has `finish_reason` "stop" (an end token)
     or "length" (max_tokens or the model's context reached).
 
-    Speculative decoding: `draft="mtp"` drafts with the model's own MTP head,
-    `draft="ngram"` by looking the last tokens up in the prompt and output,
+    Speculative decoding is on by default where the model has an MTP head
+    (`draft="auto"`); `draft=None` turns it off. `draft="mtp"` drafts with the model's
+    own MTP head, `draft="ngram"` by looking the last tokens up in the prompt and output,
     `draft_model=` with another model of the same vocabulary; up to
     `num_draft_tokens` per round. The MTP head and draft models project onto the
     `draft_vocab` most frequent tokens (default: 32768 when the vocabulary is larger
@@ -130,7 +133,8 @@ def stream_generate(
     the draft's top probability falls below `draft_p_min`, and backs off after
     rejections; `draft_p_min=0` drafts exactly `num_draft_tokens` every round. The
     output follows the model's distribution exactly (greedy: token for token).
-    Responses then carry `from_draft`, `acceptance_rate` and `tokens_per_pass`.
+    Responses then carry `from_draft`, `acceptance_rate`, `tokens_per_pass` and
+    `acceptance_by_position`.
     """
     ids, max_tokens = request_ids(model, tokenizer, prompt, max_tokens)
     sampler = Sampler(temp, top_p, top_k, min_p, seed)
@@ -173,6 +177,7 @@ def stream_generate(
             finish_reason=finish,
             acceptance_rate=stats.acceptance_rate if stats else None,
             tokens_per_pass=stats.tokens_per_pass if stats else None,
+            acceptance_by_position=stats.acceptance_by_position if stats else None,
         )
         if finish:
             break

@@ -9,6 +9,9 @@ import mlx.core as mx
 from .errors import GenerationError
 
 
+SEED_LIMIT = 2**64  # MLX's random keys take unsigned 64-bit seeds
+
+
 class Sampler:
     """Samples from the filtered, tempered distribution; `temp == 0` is greedy."""
 
@@ -21,6 +24,8 @@ class Sampler:
             raise GenerationError(f"top_k must be >= 0, got {top_k}")
         if not 0.0 <= min_p <= 1.0:
             raise GenerationError(f"min_p must be in [0, 1], got {min_p}")
+        if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
+            raise GenerationError(f"seed must be an integer in [0, 2**64), got {seed!r}")
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")

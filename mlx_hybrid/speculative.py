@@ -23,7 +23,7 @@ shorten rounds otherwise: at a first-draft acceptance near 50% full rounds still
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -74,6 +74,26 @@ class SpeculativeStats:
     accepted: int = 0
     passes: int = 0
     emitted: int = 0
+    # per position j in a round (0: the first draft): drafts proposed there, and accepted
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int):
+        """A trunk pass that verified `drafted` drafts and accepted the first `accepted`."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.passes += 1
+        self.emitted += accepted + 1
+        _count_positions(self.drafted_at, drafted)
+        _count_positions(self.accepted_at, accepted)
+
+    def merge(self, other: SpeculativeStats):
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.passes += other.passes
+        self.emitted += other.emitted
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            _count_positions(mine, len(theirs), theirs)
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,6 +102,31 @@ class SpeculativeStats:
     @property
     def tokens_per_pass(self) -> float:
         return self.emitted / self.passes if self.passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Of the drafts proposed at position j of a round, the share accepted (as vLLM reports
+        it: a draft is accepted only with all before it). A chained draft fed the wrong state
+        shows here: drafts 2 and 3 collapse while draft 1 looks fine."""
+        accepted = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
+        return [a / d for a, d in zip(accepted, self.drafted_at)]
+
+    def summary(self) -> dict:
+        """The figures, for a report (a server's /health, say)."""
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_pass": self.tokens_per_pass,
+            "acceptance_by_position": self.acceptance_by_position,
+        }
+
+
+def _count_positions(counts: list[int], n: int, amounts=None):
+    """Add amounts[j] (default 1) to counts[j] for j < n, growing counts as needed."""
+    counts.extend([0] * (n - len(counts)))
+    for j in range(n):
+        counts[j] += 1 if amounts is None else amounts[j]
 
 
 def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
@@ -177,10 +222,7 @@ class SpeculativeDecoder:
             self.drafter.update(hidden, accepted)
             if self.adaptive and (drafted or (asked and self.drafter.declines_cost)):
                 self._adapt(a)
-            self.stats.drafted += drafted
-            self.stats.accepted += a
-            self.stats.passes += 1
-            self.stats.emitted += a + 1
+            self.stats.record(drafted, a)
         self.token = accepted[-1]
 
     def verify(self, tokens: mx.array) -> mx.array:

@@ -73,8 +73,8 @@ def layer_by_layer(model, whole, ids) -> list[float]:
         diffs.append(mx.abs(split_layer(h, None) - out).max().item())
         h = out
     if whole.has_mtp:
-        inputs = (h[:, :-1], whole.embed(ids[:, 1:]))
-        diffs.append(mx.abs(model.mtp(*inputs) - whole.mtp(*inputs)).max().item())
+        inputs = (whole.mtp_input(h[:, :-1]), whole.embed(ids[:, 1:]))
+        diffs.append(mx.abs(model.mtp(*inputs)[0] - whole.mtp(*inputs)[0]).max().item())
     return diffs
 
 

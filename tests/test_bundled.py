@@ -43,7 +43,7 @@ def test_gguf_and_hf_export_agree(bundled, tmp_path):
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_output_equals_plain_output(bundled, k):
     model, tokenizer = bundled
-    plain = mlx_hybrid.generate(model, tokenizer, PROMPT, max_tokens=96)
+    plain = mlx_hybrid.generate(model, tokenizer, PROMPT, max_tokens=96, draft=None)
     responses = list(
         mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=96, draft="mtp", num_draft_tokens=k)
     )
@@ -65,7 +65,7 @@ def test_mlx_community_conversion_keeps_the_greedy_tokens(bundled, tmp_path):
     save_hf(model, tokenizer, tmp_path / "hf")
     quantized, qtok = mlx_hybrid.load(convert(tmp_path / "hf", tmp_path / "q8", bits=8, group_size=32))
     prompt = tokenizer.encode(PROMPT)
-    want = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    want = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, draft=None)]
     assert [r.token for r in mlx_hybrid.stream_generate(quantized, qtok, prompt, max_tokens=24)] == want
 
 
@@ -90,7 +90,7 @@ def test_ngram_drafting_on_a_quoted_code_block(bundled):
     accepted runs, and the output is plain decoding's. (The small bundled model does not
     reproduce the block; its runs come from lookups in its own, repetitive, output.)"""
     model, tokenizer = bundled
-    plain = mlx_hybrid.generate(model, tokenizer, QUOTED, max_tokens=64)
+    plain = mlx_hybrid.generate(model, tokenizer, QUOTED, max_tokens=64, draft=None)
     responses = list(
         mlx_hybrid.stream_generate(model, tokenizer, QUOTED, max_tokens=64, draft="ngram", num_draft_tokens=4)
     )

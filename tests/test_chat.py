@@ -77,6 +77,26 @@ def test_two_turns_the_second_reads_only_its_new_message(bundled):
     assert child.exitstatus == 0
 
 
+def test_an_answer_stopped_with_ctrl_c_is_kept_and_the_next_turn_reads_only_what_is_new(bundled):
+    model, tokenizer = bundled
+    child = spawn("--max-tokens", "3000", "--no-mtp")
+    child.sendline("def parse_args(")
+    child.expect_exact("def parse_args(")  # the terminal's echo
+    child.expect(r"\S{4}")  # the answer is streaming
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    child.expect(STATS)
+    prompt_1, generated = int(child.match[1]), int(child.match[3])
+    assert 0 < generated < 3000
+    child.expect(">>> ")
+    _, prompt_2, new = ask(child, "class Config:")
+    # everything up to the stopped answer's last token came from the checkpoint it left
+    assert new == prompt_2 - (prompt_1 + generated - 1)
+    assert new < 20
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+
 def test_end_of_input_leaves_and_bad_options_are_usage_errors():
     child = spawn("--max-tokens", "4")
     child.sendeof()

@@ -8,7 +8,7 @@ import mlx_hybrid
 
 def greedy_text(family, source, prompt, n):
     model, tok = load_fixture(family, source)
-    return mlx_hybrid.generate(model, tok, prompt, max_tokens=n)
+    return mlx_hybrid.generate(model, tok, prompt, max_tokens=n, draft=None)
 
 
 def test_cli_generates_the_api_text():

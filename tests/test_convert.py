@@ -36,7 +36,7 @@ def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, t
 def test_speculative_decoding_from_a_converted_checkpoint(tmp_path):
     model, tok = mlx_hybrid.load(convert(FIXTURES / "qwen35moe" / "hf", tmp_path / "q", bits=8, group_size=32))
     prompt = reference("qwen35moe")["prompt_ids"][0].tolist()
-    plain = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=48)]
+    plain = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=48, draft=None)]
     assert [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=48, draft="mtp")] == plain
 
 
@@ -47,8 +47,21 @@ def test_convert_command(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert "8-bit, groups of 32" in result.stderr and "model.safetensors" in result.stderr  # what it wrote
     model, tok = mlx_hybrid.load(tmp_path / "q")
     assert tok.encode("def f(x):") == mlx_hybrid.load(FIXTURES / "qwen35" / "hf")[1].encode("def f(x):")
+
+
+def test_convert_never_writes_over_an_existing_path(tmp_path):
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "notes.txt").write_text("mine")
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_hybrid.convert", "--hf-path", str(FIXTURES / "qwen35" / "hf"),
+         "--mlx-path", str(tmp_path / "q")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and "already exists" in result.stderr and "Traceback" not in result.stderr
+    assert [f.name for f in (tmp_path / "q").iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.parametrize("family", ["qwen35", "qwen35moe"])

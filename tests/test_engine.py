@@ -31,7 +31,7 @@ def single_greedy(family, source, prompt, max_tokens=MAX_TOKENS):
     key = (family, source, tuple(prompt), max_tokens)
     if key not in _singles:
         model, tok = load_fixture(family, source)
-        _singles[key] = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=max_tokens)]
+        _singles[key] = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=max_tokens, draft=None)]
     return _singles[key]
 
 
@@ -128,7 +128,7 @@ def test_batch_generate_returns_each_prompts_text():
     model, tok = load_fixture("qwen35", "hf")
     prompts = ["def add(a, b):", "import os\n", "class Point:"]
     texts = mlx_hybrid.batch_generate(model, tok, prompts, max_tokens=16, draft="mtp")
-    assert texts == [mlx_hybrid.generate(model, tok, p, max_tokens=16) for p in prompts]
+    assert texts == [mlx_hybrid.generate(model, tok, p, max_tokens=16, draft=None) for p in prompts]
     with pytest.raises(mlx_hybrid.GenerationError, match="non-empty list"):
         mlx_hybrid.batch_generate(model, tok, [])
     with pytest.raises(mlx_hybrid.GenerationError, match="empty"):
@@ -224,6 +224,26 @@ def test_a_second_turn_resumes_from_the_first_turns_checkpoint(draft):
     engine.run()
     assert again.tokens == third.tokens == first.tokens
     assert third.cached_tokens == len(first_prompt)
+
+
+@pytest.mark.parametrize("draft", ["none", "mtp"])
+def test_a_cancelled_sequence_keeps_its_tokens_and_a_checkpoint_to_resume_from(draft):
+    """A chat's stopped answer: the next turn reads only what is new."""
+    family, source = "qwen3next", "hf"
+    engine = engine_for(family, source, draft, prefix_store=PrefixStore(1 << 30))
+    first_prompt = prompts_for()[2]
+    first = engine.submit(first_prompt, max_tokens=MAX_TOKENS)
+    for _ in range(3):  # the prompt, then two rounds
+        engine.step()
+    first.cancel()
+    engine.run()
+    assert first.finish_reason == "cancelled" and 0 < len(first.tokens) < MAX_TOKENS
+    assert first.tokens == single_greedy(family, source, first_prompt)[: len(first.tokens)]
+    second_prompt = first_prompt + first.tokens + [7, 8, 9]
+    second = engine.submit(second_prompt, max_tokens=MAX_TOKENS)
+    engine.run()
+    assert second.cached_tokens == len(first_prompt) + len(first.tokens) - 1
+    assert second.tokens == single_greedy(family, source, second_prompt)
 
 
 def test_the_store_keeps_its_byte_budget_and_evicts_the_least_recently_used(tmp_path):

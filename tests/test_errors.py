@@ -168,3 +168,66 @@ def test_bad_sampling_settings():
         mlx_hybrid.generate(model, tokenizer, "x", draft="mtp", num_draft_tokens=0)
     with pytest.raises(mlx_hybrid.GenerationError, match="unknown draft"):
         mlx_hybrid.generate(model, tokenizer, "x", draft="eagle")
+    for seed in (-3, 2**64, 1.5):
+        with pytest.raises(mlx_hybrid.GenerationError, match="seed"):
+            mlx_hybrid.generate(model, tokenizer, "x", temp=1.0, seed=seed)
+
+
+
+# Command lines a user gets wrong: each is one line naming the flag, exit status 2, before
+# any model loads or anything is generated. Add a row to test another.
+BAD_COMMAND_LINES = [
+    (["--seed", "-3"], "--seed"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--seed", "x"], "--seed"),
+    (["--mtp", "--no-mtp"], "--no-mtp: not allowed with argument --mtp"),
+    (["--draft", "none", "--draft-model", "x.gguf"], "--draft-model: not allowed with argument --draft"),
+    (["--draft", "eagle"], "--draft: invalid choice"),
+    (["--max-tokens", "many"], "--max-tokens"),
+    (["--prompt-cache-file", "/nonexistent-dir/cache.safetensors"], "--prompt-cache-file"),
+    (["--prompt-cache-file", "/tmp"], "--prompt-cache-file /tmp: is a directory"),
+    (["--system", "be brief"], "--system needs --chat"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", BAD_COMMAND_LINES, ids=[" ".join(a) for a, _ in BAD_COMMAND_LINES])
+def test_bad_command_lines_are_one_line_usage_errors(args, fragment):
+    assert_usage_error(run_cli("--model", str(QWEN35 / "model.gguf"), "--prompt", "hi", *args), fragment)
+
+
+def test_output_into_a_reader_that_leaves_early_ends_quietly():
+    """`mlx_hybrid.generate ... | head -c 5`: the closed pipe ends the command, no traceback."""
+    command = [sys.executable, "-m", "mlx_hybrid.generate", "--model", str(QWEN35 / "model.gguf"),
+               "--prompt", "def f(", "--max-tokens", "200"]  # fmt: skip
+    generator = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = generator.stdout.read(5)
+    generator.stdout.close()  # the reader leaves
+    _, stderr = generator.communicate(timeout=120)
+    assert len(head) == 5 and b"Traceback" not in stderr and b"BrokenPipe" not in stderr, stderr
+    assert generator.returncode == 141  # as a process that SIGPIPE ended
+
+
+def test_cli_says_when_the_context_ends_generation():
+    model, tokenizer = load_fixture("qwen35", "model.gguf")
+    context = model.args.max_position_embeddings
+    prompt = "x" * 4000  # tokens short of the 4096-token context
+    room = context - len(tokenizer.encode(prompt))
+    assert 0 < room < 200
+    result = run_cli("--model", str(QWEN35 / "model.gguf"), "--prompt", prompt, "--max-tokens", "100000000",
+                     "--no-mtp")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"stopped at the model's context of {context} tokens" in result.stderr
+
+
+def test_ctrl_c_stops_generation_with_its_statistics():
+    import signal
+
+    command = [sys.executable, "-m", "mlx_hybrid.generate", "--model", str(QWEN35 / "model.gguf"),
+               "--prompt", "def f(", "--max-tokens", "3000"]  # fmt: skip
+    generator = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    shown = generator.stdout.read(20)  # it is generating
+    generator.send_signal(signal.SIGINT)
+    rest, stderr = generator.communicate(timeout=120)
+    assert generator.returncode == 130 and "Traceback" not in stderr, stderr
+    assert "stopped by Ctrl-C after" in stderr and "generation:" in stderr
+    assert len(shown + rest) > 20

@@ -62,6 +62,9 @@ class Server:
         assert status == 200
         return body
 
+    def load(self) -> dict:
+        return {key: self.health()[key] for key in ("status", "running", "waiting")}
+
     def stop(self):
         """Shut it down; whether it was still running (a server survives every request)."""
         alive = self.process.poll() is None
@@ -104,7 +107,17 @@ def chat_ids(local, messages, **options):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
+    assert server.load() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_health_reports_the_running_speculation_figures(server, client):
+    before = server.health()["speculation"]
+    client.completions.create(model=MODEL, prompt="def parse_args(", max_tokens=40, temperature=0)
+    after = server.health()["speculation"]
+    assert after["drafted"] > before["drafted"]
+    assert after["acceptance_rate"] == pytest.approx(after["accepted"] / after["drafted"])
+    rates = after["acceptance_by_position"]
+    assert 1 <= len(rates) <= 3 and all(0.0 <= r <= 1.0 for r in rates)  # 3 drafts a round by default
 
 
 def test_chat_equals_the_model_alone_plain_and_streamed(client, local):
@@ -209,7 +222,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server, client):
     deadline = time.time() + 15  # the 4000 tokens would take far longer
     while server.health()["running"] and time.time() < deadline:
         time.sleep(0.1)
-    assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
+    assert server.load() == {"status": "ok", "running": 0, "waiting": 0}
     response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
     assert response.usage.completion_tokens >= 1
 
@@ -230,6 +243,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 17}, 400, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 30000}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": -3}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    (
+        "/v1/chat/completions",  # this model's template has no place for tools
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [70000]}, 400, None),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..drafting import DEFAULT_DRAFT_P_MIN, make_drafter
+from ..drafting import AUTO, DEFAULT_DRAFT_P_MIN, make_drafter
 from ..errors import GenerationError
 from .prefix_store import PrefixStore
 from .scheduler import Engine
@@ -18,7 +18,7 @@ def batch_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
-    draft: str | None = None,
+    draft: str | None = AUTO,
     num_draft_tokens: int = 3,
     draft_vocab: int | None = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,

@@ -144,6 +144,7 @@ class Engine:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(DEFAULT_PREFIX_CACHE_BYTES)
+        self.speculation = SpeculativeStats()  # the figures of every finished sequence that drafted
         self.waiting: queue.Queue = queue.Queue()
         self.rows: list[_Row] = []
         self._wake = threading.Event()
@@ -304,6 +305,8 @@ class Engine:
 
     def _drop_cancelled(self):
         for row in [r for r in self.rows if self._cancelled(r)]:
+            if not row.prefilling:  # what it generated stays resumable (a chat's stopped answer)
+                self._save(row)
             self._finish(row, "cancelled")
             self.rows.remove(row)
 
@@ -448,6 +451,8 @@ class Engine:
 
     def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None, logprobs=None):
         sequence = row.sequence
+        if sequence.stats is not None:
+            self.speculation.merge(sequence.stats)
         sequence.finish_reason, sequence.error = reason, error
         sequence.events.put(Event(list(tokens), reason, error, logprobs))
 

@@ -16,10 +16,15 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from ..models.blocks import FULL, LINEAR
+from ..models.qwen3_5 import POST_NORM
 from .common import Rule, rowwise, split_fused_ba
 from .quantized import QuantizedTensor, from_gguf_blocks
 
 # -- hyper-parameters ------------------------------------------------------------
+
+# Written only for an MTP head trained on the pre-norm state (llama.cpp knows no such key:
+# the released heads, and llama.cpp, read the post-norm state).
+MTP_HIDDEN_KEY = "mlx_hybrid.mtp_hidden"
 
 
 class Metadata:
@@ -85,6 +90,7 @@ def _qwen_args(meta: Metadata, module, tensor_shapes: dict):
         moe_intermediate_size=meta.arch_value("expert_feed_forward_length", 0),
         shared_expert_intermediate_size=meta.arch_value("expert_shared_feed_forward_length", 0),
         mtp_num_hidden_layers=nextn,
+        mtp_hidden=meta.get(MTP_HIDDEN_KEY, POST_NORM),
     )
 
 

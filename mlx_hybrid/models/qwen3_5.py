@@ -35,6 +35,14 @@ from .blocks import (
 )
 
 
+# The hidden state an MTP head reads. The released Qwen3.5 / Qwen3-Next heads were trained
+# (Megatron-LM's MTP) on the trunk's output after the final norm, each chained draft on the
+# head's own output after `mtp.norm`; a head trained on the states before those norms
+# (an early llama.cpp wiring) declares "pre_norm" in its config.
+POST_NORM, PRE_NORM = "post_norm", "pre_norm"
+MTP_HIDDEN = (POST_NORM, PRE_NORM)
+
+
 @dataclass
 class ModelArgs:
     model_type: str
@@ -65,6 +73,8 @@ class ModelArgs:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     mtp_num_hidden_layers: int = 0
+    # which trunk state the MTP head was trained to read (see `MTPHead`)
+    mtp_hidden: str = POST_NORM
 
     def is_sparse(self, layer: int) -> bool:
         return (
@@ -75,6 +85,8 @@ class ModelArgs:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         check_layer_types(self.layer_types, self.num_hidden_layers)
+        if self.mtp_hidden not in MTP_HIDDEN:
+            raise ValueError(f"mtp_hidden must be one of {', '.join(map(repr, MTP_HIDDEN))}, got {self.mtp_hidden!r}")
 
 
 # Parameters the loaders keep in float32 whatever the compute dtype.
@@ -257,7 +269,13 @@ class DecoderLayer(nn.Module):
 
 
 class MTPHead(nn.Module):
-    """Multi-token prediction block: one full-attention layer fed (h_t, token t+1)."""
+    """Multi-token prediction block: one full-attention layer fed (h_t, token t+1).
+
+    h_t is the trunk's state at t as `Model.mtp_input` gives it, or, for a chained draft,
+    the previous step's `carry`. Post-norm (the released heads): h_t = norm(x_t), the
+    tensor the LM head reads, and carry = mtp.norm(u), the tensor the head's logits come
+    from. Pre-norm: the states before those norms.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -268,11 +286,15 @@ class MTPHead(nn.Module):
         # a list, so that checkpoint names `mtp.layers.0.*` are the module paths
         self.layers = [DecoderLayer(args, FULL, sparse=args.num_experts > 0)]
         self.norm = RMSNorm(E, args.rms_norm_eps)
+        self.chains_normed = args.mtp_hidden == POST_NORM
 
     def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: KVCache | None = None):
-        """Pre-norm output u: predicts the token after next, and is the next draft's h."""
+        """(y, carry): y = mtp.norm(u), which the LM head projects to predict the token after
+        next, and carry, the next chained draft's h."""
         u = self.fc(mx.concatenate([self.enorm(next_embeddings), self.hnorm(hidden)], axis=-1))
-        return self.layers[0](u, cache)
+        u = self.layers[0](u, cache)
+        y = self.norm(u)
+        return y, (y if self.chains_normed else u)
 
 
 class Model(HybridModel):
@@ -284,10 +306,18 @@ class Model(HybridModel):
         if args.mtp_num_hidden_layers:
             self.mtp = MTPHead(args)
 
+    def mtp_input(self, hidden: mx.array) -> mx.array:
+        """The trunk's hidden states (`hidden_states`) as the MTP head reads them."""
+        return self.norm(hidden) if self.args.mtp_hidden == POST_NORM else hidden
+
+    def mtp_teacher_forced(self, hidden: mx.array, next_ids: mx.array) -> mx.array:
+        """MTP logits [B, T, V] for the trunk's hidden states [B, T, E] (before the final norm)
+        and the tokens after them [B, T]: position t predicts the token after next_ids[t]."""
+        y, _ = self.mtp(self.mtp_input(hidden), self.embed(next_ids))
+        return self.project(y)
+
     def mtp_logits(self, ids: mx.array) -> mx.array:
         """Teacher-forced MTP predictions [B, T-1, V]: position t from h_t and token t+1."""
         if not self.has_mtp:
             raise ValueError("this model has no MTP head")
-        hidden = self.hidden_states(ids)
-        u = self.mtp(hidden[:, :-1], self.embed(ids[:, 1:]))
-        return self.project(self.mtp.norm(u))
+        return self.mtp_teacher_forced(self.hidden_states(ids)[:, :-1], ids[:, 1:])

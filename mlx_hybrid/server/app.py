@@ -92,7 +92,10 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **served.engine.load}
+        health = {"status": "ok", **served.engine.load}
+        if served.engine.drafter is not None:  # over the requests finished so far
+            health["speculation"] = served.engine.speculation.summary()
+        return health
 
     @app.get("/v1/models")
     async def models():
@@ -170,7 +173,13 @@ def _template_message(message: dict) -> dict:
 
 def _render(tokenizer, messages, options):
     try:
-        return chat_prompt(tokenizer, messages, **options)
+        rendered = chat_prompt(tokenizer, messages, **options)
+        if options.get("tools"):
+            without = {name: value for name, value in options.items() if name != "tools"}
+            if tokenizer.apply_chat_template(messages, add_generation_prompt=True, **without) == rendered.text:
+                raise ApiError(400, "this model's chat template does not render tools: it would never see them",
+                               param="tools")  # fmt: skip
+        return rendered
     except GenerationError as e:
         raise ApiError(400, str(e), param="messages") from None
 

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..cli import (
+    ArgumentParser,
     add_draft_arguments,
     add_model_arguments,
     fail,
@@ -42,7 +43,7 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mlx_hybrid.server",
         description=DESCRIPTION,
         epilog=EPILOG,

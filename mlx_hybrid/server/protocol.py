@@ -11,6 +11,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.scheduler import MAX_TOP_LOGPROBS
+from ..sampling import SEED_LIMIT
 
 MAX_STOP_STRINGS = 16
 
@@ -30,7 +31,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # -1 and 0: off (vLLM spells off as -1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     n: int = Field(1, ge=1, le=1)  # one choice per request: send several requests for more
     stop: Union[str, list[str], None] = None
     stream: bool = False
