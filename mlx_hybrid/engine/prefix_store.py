@@ -107,6 +107,8 @@ def load_checkpoint(path, model=None) -> Checkpoint:
             {name[len("drafter.") :]: a for name, a in arrays.items() if name.startswith("drafter.")},
             metadata["model"],
         )
+        # read now: a lazy load belongs to this thread's stream, and the engine may step on another
+        mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
     except (OSError, RuntimeError, ValueError, KeyError) as e:
         raise GenerationError(f"cannot read the prompt cache {path}: {e}") from None
     if model is not None and checkpoint.model != model_fingerprint(model):
