@@ -19,6 +19,13 @@ _models = {}
 # two summation orders hold to this share of the compared values' scale.
 FLOAT32_FLOOR = 6e-5
 
+# Our logits against transformers' (torch's float32 kernels, another summation order and
+# other transcendental functions): measured at most 3.0e-4 over the four families and both
+# formats on logits of scale ~17 (qwen35moe, where a router's near-tie amplifies rounding);
+# the fixtures' README expects agreement around 1e-3. 3e-3 leaves room for other CPUs' kernels
+# while a wrong layer (a missing norm, a swapped gate) moves logits by 1e-1 or more.
+REFERENCE_TOL = 3e-3
+
 
 def assert_close_to_floor(got, want):
     """got and want, computed in different summation orders, agree to the float32 floor."""

@@ -19,7 +19,8 @@ import pytest
 from conftest import free_port
 
 HERE = Path(__file__).parent
-LAUNCH = shutil.which("mlx.launch")
+# the launcher installed beside this interpreter (a venv's bin/, on PATH or not), else PATH's
+LAUNCH = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
 
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 

@@ -5,9 +5,7 @@ import numpy as np
 import pytest
 
 import mlx_hybrid
-from conftest import FAMILIES, FIXTURES, load_fixture, reference
-
-TOL = 3e-3
+from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, assert_close_to_floor, load_fixture, reference
 
 
 def test_logits_match_reference(family, source):
@@ -15,7 +13,7 @@ def test_logits_match_reference(family, source):
     ref = reference(family)
     logits = np.array(model(mx.array(ref["input_ids"])))
     assert logits.shape == ref["logits"].shape
-    np.testing.assert_allclose(logits, ref["logits"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits, ref["logits"], atol=REFERENCE_TOL, rtol=0)
 
 
 def test_greedy_tokens_match_reference(family, source):
@@ -31,14 +29,7 @@ def test_quantized_gguf_matches_exact_dequantization(family, quant):
     model, _ = mlx_hybrid.load(FIXTURES / family / f"model-{quant}.gguf", dtype="float32")
     ref = reference(family)
     logits = np.array(model(mx.array(ref["input_ids"])))
-    np.testing.assert_allclose(logits, reference(family, "ref_dequant.npz")[f"logits_{quant}"], atol=TOL, rtol=0)
-
-
-# One pass and single steps multiply through different BLAS kernels (with OpenBLAS:
-# its sgemm, and the small-row kernel of csrc/gemv_forward.c), which round differently
-# in float32; through the random fixtures' layers that reaches 4e-4 on logits of scale
-# ~17 (the fixtures' README expects float32 agreement around 1e-3).
-BLAS_TOL = 1e-3
+    np.testing.assert_allclose(logits, reference(family, "ref_dequant.npz")[f"logits_{quant}"], atol=REFERENCE_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -49,7 +40,9 @@ def test_one_pass_equals_token_by_token(family):
     whole = model(ids)
     cache = mlx_hybrid.make_cache(model)
     steps = mx.concatenate([model(ids[:, t : t + 1], cache=cache) for t in range(ids.shape[1])], axis=1)
-    np.testing.assert_allclose(np.array(steps), np.array(whole), atol=BLAS_TOL, rtol=0)
+    # one pass and single steps multiply through different BLAS kernels (OpenBLAS's sgemm, the
+    # small-row kernel of csrc/gemv_forward.c): two summation orders
+    assert_close_to_floor(steps, whole)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -60,9 +53,7 @@ def test_continuing_a_cache_equals_one_pass(family):
     cache = mlx_hybrid.make_cache(model)
     first = model(ids[:, :37], cache=cache)
     second = model(ids[:, 37:], cache=cache)
-    np.testing.assert_allclose(
-        np.array(mx.concatenate([first, second], axis=1)), np.array(model(ids)), atol=BLAS_TOL, rtol=0
-    )
+    assert_close_to_floor(mx.concatenate([first, second], axis=1), model(ids))  # chunks: other sums
 
 
 def test_batched_rows_equal_single_rows():
@@ -70,8 +61,9 @@ def test_batched_rows_equal_single_rows():
     ids = mx.array(reference("qwen35moe")["input_ids"])
     batch = mx.concatenate([ids, ids[:, ::-1]], axis=0)
     out = np.array(model(batch))
-    np.testing.assert_allclose(out[0], np.array(model(ids))[0], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(out[1], np.array(model(ids[:, ::-1]))[0], atol=1e-4, rtol=0)
+    # two rows take other BLAS kernels than one (measured 6.3e-5 here): the float32 floor
+    assert_close_to_floor(out[0], np.array(model(ids))[0])
+    assert_close_to_floor(out[1], np.array(model(ids[:, ::-1]))[0])
 
 
 def test_bfloat16_weights_stay_close():
@@ -85,6 +77,9 @@ def test_bfloat16_weights_stay_close():
     assert model.layers[0].linear_attn.A.dtype == mx.float32
     assert model.layers[0].linear_attn.in_proj_qkv.weight.dtype == mx.bfloat16
     logits = np.array(model(mx.array(ref["input_ids"])).astype(mx.float32))
+    # bfloat16 keeps 8 mantissa bits: measured a mean error of 4.5% of the logits' mean size and
+    # 98% of top tokens kept. The bounds are twice as loose; float32 state run in bfloat16 (the
+    # defect this guards) compounds over the 96 positions and misses both.
     assert np.abs(logits - ref["logits"]).mean() < 0.1 * np.abs(ref["logits"]).mean()
     assert (logits.argmax(-1) == ref["logits"].argmax(-1)).mean() > 0.9
 
