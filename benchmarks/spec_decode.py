@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mlx_hybrid.cache import KVCache, RecurrentCache  # noqa: E402
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocabulary  # noqa: E402
 from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter, OracleDrafter  # noqa: E402
+from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
 from mlx_hybrid.generation import prefill  # noqa: E402
-from mlx_hybrid.sampling import Sampler  # noqa: E402
-from mlx_hybrid.speculative import SpeculativeDecoder, keep_snapshot_buffers  # noqa: E402
+from mlx_hybrid.speculative import keep_snapshot_buffers  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 
@@ -47,27 +47,24 @@ def timed(fn, repeat=3):
     return (time.perf_counter() - start) / repeat
 
 
-def plain_decode(model, prompt, n):
-    cache = model.make_cache()
-    hidden = prefill(model, prompt, cache)
-    token = mx.argmax(model.logits_from_hidden(hidden[:, -1:])[0, -1])
-    tokens = [int(token)]
+def engine_decode(model, prompt, n, k=1, drafter=None, adaptive=False):
+    """n greedy tokens as every entry point produces them (the engine's step, one row):
+    (tokens, tokens/s after the first, the drafting statistics)."""
+    engine = Engine(model, None, None, k, adaptive=adaptive, max_batch=1, prefix_store=PrefixStore(0))
+    sequence = engine.submit(prompt, n, drafter=drafter, stop_tokens=())
+    engine.step()  # the prompt, and the first token
     start = time.perf_counter()
-    for _ in range(n - 1):
-        token = mx.argmax(model(token.reshape(1, 1), cache)[0, -1])
-        tokens.append(int(token))
-    return tokens, (n - 1) / (time.perf_counter() - start)
+    engine.run()
+    return sequence.tokens, (n - 1) / (time.perf_counter() - start), sequence.stats
+
+
+def plain_decode(model, prompt, n):
+    tokens, tps, _ = engine_decode(model, prompt, n)
+    return tokens, tps
 
 
 def speculative_decode(model, prompt, n, k, drafter, adaptive=False):
-    cache = model.make_cache()
-    decoder = SpeculativeDecoder(model, drafter, Sampler(0.0), k, cache, adaptive=adaptive)
-    tokens = [decoder.start(prompt, prefill(model, prompt, cache))]
-    start = time.perf_counter()
-    while len(tokens) < n:
-        tokens += decoder.step(max_new=n - len(tokens))
-    elapsed = time.perf_counter() - start
-    return tokens[:n], (len(tokens) - 1) / elapsed, decoder.stats
+    return engine_decode(model, prompt, n, k, drafter, adaptive)
 
 
 def verify_cost(model, prompt, k):

@@ -6,17 +6,19 @@ import argparse
 import sys
 import time
 
-from .cli import (
+from .commands import (
     ArgumentParser,
     add_draft_arguments,
     add_model_arguments,
     add_sampling_arguments,
+    decode_rate,
     fail,
     follow,
     load_for_generation,
     make_engine,
     on_every_rank,
     quiet_on_closed_pipe,
+    sampling_params,
 )
 
 DESCRIPTION = """\
@@ -64,15 +66,14 @@ class ChatSession:
 
     def turn(self, text: str) -> str:
         """Answer one user message (streamed to out); the statistics line."""
-        from .generation import StreamingDetokenizer, decode_rate
         from .parsers import OutputParser, prompt_opens_reasoning
         from .prompt import chat_prompt
+        from .tokenizer import StreamingDetokenizer
 
         messages = self.messages + [{"role": "user", "content": text}]
         rendered = chat_prompt(self.tokenizer, messages)
-        a = self.args
         sequence = self.engine.submit(
-            rendered.ids, a.max_tokens, a.temp, a.top_p, a.top_k, a.min_p, a.seed, checkpoint_at=rendered.boundaries
+            rendered.ids, params=sampling_params(self.args), checkpoint_at=rendered.boundaries
         )
         detokenizer = StreamingDetokenizer(self.tokenizer)
         parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text))

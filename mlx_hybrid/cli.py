@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
-from mlx_hybrid.drafting import AUTO, DEFAULT_DRAFT_P_MIN, make_drafter, resolve_draft
-from mlx_hybrid.sampling import SEED_LIMIT
-
-USAGE_ERROR = 2
+from mlx_hybrid.commands import (
+    INTERRUPTED,
+    ArgumentParser,
+    add_draft_arguments,
+    add_model_arguments,
+    add_sampling_arguments,
+    decode_rate,
+    fail,
+    follow,
+    launched_rank,
+    load_for_generation,
+    make_engine,
+    on_every_rank,
+    percentages,
+    quiet_on_closed_pipe,
+    sampling_params,
+)
 
 DESCRIPTION = """\
 Generate text with a hybrid-attention model (Qwen3.5, Qwen3.5-MoE, Qwen3-Next,
@@ -36,90 +48,6 @@ examples:
 """
 
 
-def add_model_arguments(p: argparse.ArgumentParser):
-    p.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file, a Hugging Face model directory, or a hub name: org/repo (downloads only the files "
-        "a model needs, into the Hugging Face cache) or org/repo:file.gguf (default: the bundled tiny Qwen3.5 "
-        "trained on Python's standard library)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="weight dtype (default: float32 on CPU, bfloat16 on GPU)",
-    )
-    p.add_argument(
-        "--compact",
-        action="store_true",
-        help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
-        "6 bits); slightly lossy",
-    )
-    p.add_argument(
-        "--pipeline",
-        action="store_true",
-        help="under mlx.launch: give each process consecutive layers (pipeline) instead of a share of every "
-        "layer's heads (tensor parallel, the default)",
-    )
-
-
-def seed(text: str) -> int:
-    """--seed's type: an integer MLX's random keys take."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
-    return value
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256):
-    p.add_argument(
-        "--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})"
-    )
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    p.add_argument("--seed", type=seed, default=None, help="random seed for sampling, in [0, 2**64)")
-
-
-def add_draft_arguments(p: argparse.ArgumentParser):
-    # one way to say how to draft: two of these contradict each other (or repeat one another)
-    how = p.add_mutually_exclusive_group()
-    how.add_argument(
-        "--draft",
-        choices=["mtp", "ngram", "none"],
-        default=None,
-        help="how to draft: the model's MTP head, n-gram lookup in the prompt and output, or no speculation "
-        "(default: mtp where the model has an MTP head, else none)",
-    )
-    how.add_argument("--mtp", action="store_const", dest="draft", const="mtp", help="the same as --draft mtp")
-    how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
-    how.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
-    p.add_argument(
-        "--num-draft-tokens", type=int, default=3, metavar="N", help="most tokens drafted per round (default: 3)"
-    )
-    p.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the MTP head or draft model drafts over the N most frequent tokens only; 0: all (default: 32768 for "
-        "vocabularies over 65536, else all)",
-    )
-    p.add_argument(
-        "--draft-p-min",
-        type=float,
-        default=DEFAULT_DRAFT_P_MIN,
-        metavar="P",
-        help=f"stop drafting when the draft's top probability is below P, and back off after misses; 0: always "
-        f"draft --num-draft-tokens (default: {DEFAULT_DRAFT_P_MIN})",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="mlx_hybrid.generate",
@@ -143,109 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--verbose", action="store_true", help="print the model and compute path to stderr")
     return p
-
-
-def launched_rank() -> int:
-    """This process's rank in an mlx.launch run (0 without one), read before MLX starts."""
-    return int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
-
-
-INTERRUPTED = 128 + signal.SIGINT  # the exit status of a command Ctrl-C stopped
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit status 2, as every usage error here."""
-
-    def error(self, message):
-        sys.exit(fail(f"{message} (see {self.prog} --help)"))
-
-
-def fail(message: str, code: int = USAGE_ERROR):
-    rank = launched_rank()
-    print(f"{f'rank {rank}: ' if rank else ''}error: {message}", file=sys.stderr)
-    return code
-
-
-def _speculation(args, draft, drafting_model) -> str:
-    """How drafting is set up, for --verbose."""
-    from mlx_hybrid.draft_vocab import resolved_size
-
-    if draft is None and not args.draft_model:
-        return "off"
-    kind = "draft model" if args.draft_model else draft
-    described = f"{kind}, up to {args.num_draft_tokens} drafts a round"
-    if kind != "ngram":
-        size = resolved_size(args.draft_vocab, drafting_model.args.vocab_size)
-        described += f" over {f'{size} tokens' if size else 'the whole vocabulary'}"
-    return described + (f", p-min {args.draft_p_min}" if args.draft_p_min > 0 else ", exactly k")
-
-
-def load_for_generation(args):
-    """(model, tokenizer, drafter, a line describing the setup) from the model and draft
-    arguments; raises MlxHybridError (GenerationError for contradictory options)."""
-    import mlx_hybrid
-    from mlx_hybrid import GenerationError, ops
-    from mlx_hybrid.blas import active_blas
-    from mlx_hybrid.parallel import launched_group
-
-    group = launched_group()
-    if args.pipeline and group is None:
-        raise GenerationError("--pipeline splits a model over the processes of an mlx.launch run; this is one process")
-    model, tokenizer = mlx_hybrid.load(
-        args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
-        pipeline=args.pipeline,
-    )  # fmt: skip
-    draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
-    draft = resolve_draft(model, args.draft or AUTO, draft_model)
-    drafter = make_drafter(model, tokenizer, draft, draft_model, args.draft_vocab, args.draft_p_min)
-    described = (
-        f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
-        f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
-        f"speculation: {_speculation(args, draft, draft_model or model)}"
-    )
-    if model.parallel is not None:
-        described += f"; {model.parallel.describe()}"
-    return model, tokenizer, drafter, described
-
-
-def make_engine(model, tokenizer, drafter, args, **options):
-    """The engine a command drives; for a split model, one that runs in step on every rank."""
-    from mlx_hybrid.engine import Engine, ReplicatedEngine
-
-    kind = Engine if model.parallel is None else ReplicatedEngine
-    return kind(model, tokenizer, drafter, args.num_draft_tokens, adaptive=args.draft_p_min > 0, **options)
-
-
-def follow(engine, sequence, show) -> bool:
-    """Hand each of `sequence`'s events to `show` until it ends; whether Ctrl-C stopped it.
-    Ctrl-C cancels it: the engine ends it at its next step, keeping what it generated (and a
-    checkpoint of it), and the events up to then are still shown."""
-    try:
-        for event in engine.drive(sequence):
-            show(event)
-    except KeyboardInterrupt:
-        sequence.cancel()
-        for event in sequence.stream() if not sequence.done else ():
-            show(event)
-    return sequence.finish_reason == "cancelled"
-
-
-def on_every_rank(engine, command) -> int:
-    """Run `command()` (which drives `engine`) while the engine steps on its own thread; under
-    mlx.launch on rank 0, while the other ranks follow its engine until it is done."""
-    from mlx_hybrid.engine import ReplicatedEngine
-
-    if isinstance(engine, ReplicatedEngine) and not engine.leader:
-        engine.follow()
-        return 0
-    # on its own thread, a step is never cut in half by Ctrl-C (which lands on this one, while
-    # it waits for events), and rank 0 keeps the others in step while `command` waits (for
-    # input, between a chat's turns) instead of leaving them waiting in a collective
-    engine.start()
-    try:
-        return command()
-    finally:
-        engine.stop()
 
 
 def main(argv=None) -> int:
@@ -314,16 +139,15 @@ class _Run:
         import mlx.core as mx
 
         from mlx_hybrid import GenerationError
-        from mlx_hybrid.generation import StreamingDetokenizer, decode_rate
+        from mlx_hybrid.tokenizer import StreamingDetokenizer
 
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         boundary = self._load_prompt_cache(reusable or len(ids))
         mx.reset_peak_memory()
         start = time.perf_counter()
         sequence = self.engine.submit(
-            ids, self.args.max_tokens, self.args.temp, self.args.top_p, self.args.top_k, self.args.min_p,
-            self.args.seed, checkpoint_at=[boundary] if boundary else (),
-        )  # fmt: skip
+            ids, params=sampling_params(self.args), checkpoint_at=[boundary] if boundary else ()
+        )
         detokenizer = StreamingDetokenizer(self.tokenizer)
         first_at = None
 
@@ -361,7 +185,7 @@ class _Run:
         if sequence.stats is not None:
             lines.append(
                 f"speculative: {sequence.stats.acceptance_rate:.1%} of drafts accepted "
-                f"(by position in a round: {_percentages(sequence.stats.acceptance_by_position)}), "
+                f"(by position in a round: {percentages(sequence.stats.acceptance_by_position)}), "
                 f"{sequence.stats.tokens_per_pass:.2f} tokens per trunk pass"
             )
         return "\n".join(lines), stopped
@@ -401,10 +225,6 @@ def _unwritable(path) -> str | None:
     return None
 
 
-def _percentages(rates: list[float]) -> str:
-    return ", ".join(f"{rate:.0%}" for rate in rates) or "none drafted"
-
-
 def entry():
     from mlx_hybrid.blas import prefer_optimized_blas
 
@@ -412,12 +232,3 @@ def entry():
     sys.exit(quiet_on_closed_pipe(main))
 
 
-def quiet_on_closed_pipe(command) -> int:
-    """Run a command whose output may go to a reader that leaves early (`| head`): it ends
-    quietly, as Unix tools do, with the status of a process that SIGPIPE ended."""
-    try:
-        return command()
-    except BrokenPipeError:
-        # stdout's last flush, at exit, would fail again: send what is left nowhere
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from .cli import ArgumentParser
+from .commands import ArgumentParser
 from .errors import MlxHybridError
 from .export import save_mlx
 from .loaders import bundled_model_path, hf, hub, load

@@ -115,9 +115,28 @@ class Drafter:
         """Take up a checkpoint's state, after `tokens`, in place of prefilling them."""
         self.prefill(list(tokens), None)
 
+    def batch_key(self):
+        """Drafters with equal keys draft their rows together in one `draft_rows` call."""
+        return type(self)
+
     @classmethod
     def draft_rows(cls, drafters: list, ks: list[int], samplers: list) -> list[tuple[list, list]]:
         return [drafter.draft(k, sampler) for drafter, k, sampler in zip(drafters, ks, samplers)]
+
+
+def draft_rows(drafters: list, ks: list[int], samplers: list) -> list[tuple[list, list]]:
+    """Each row's drafts (tokens, log-probabilities): rows whose drafters share a `batch_key`
+    draft together; a batch may mix drafters of any kind."""
+    groups: dict = {}
+    for i, drafter in enumerate(drafters):
+        groups.setdefault(drafter.batch_key(), []).append(i)
+    drafts = [None] * len(drafters)
+    for rows in groups.values():
+        group = [drafters[i] for i in rows]
+        done = type(group[0]).draft_rows(group, [ks[i] for i in rows], [samplers[i] for i in rows])
+        for i, result in zip(rows, done):
+            drafts[i] = result
+    return drafts
 
 
 class _ConfidentDrafting(Drafter):
@@ -139,9 +158,12 @@ class _ConfidentDrafting(Drafter):
     def draft(self, k: int, sampler):
         return self.draft_rows([self], [k], [sampler])[0]
 
+    def batch_key(self):
+        return type(self), self.head, self.draft_p_min  # one head call, one confidence floor
+
     @classmethod
     def draft_rows(cls, drafters, ks, samplers):
-        """Up to ks[r] (>= 1) drafts for each row."""
+        """Up to ks[r] (>= 1) drafts for each row (drafters of one `batch_key`)."""
         head, p_min = drafters[0].head, drafters[0].draft_p_min
         drafts = [([], []) for _ in drafters]
         active = list(range(len(drafters)))
@@ -453,6 +475,12 @@ def resolve_draft(model, draft, draft_model=None) -> str | None:
     if draft == AUTO:
         return "mtp" if draft_model is None and model.has_mtp else None
     return None if draft == "none" else draft
+
+
+def adaptive(adaptive_drafting: bool | None, draft_p_min: float) -> bool:
+    """Whether the decoder backs off after misses (see `speculative`): as asked, or by default
+    unless draft_p_min is 0, which asks for exactly num_draft_tokens every round."""
+    return draft_p_min > 0 if adaptive_drafting is None else bool(adaptive_drafting)
 
 
 def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=None, draft_p_min=DEFAULT_DRAFT_P_MIN):

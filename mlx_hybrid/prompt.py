@@ -38,10 +38,7 @@ def request_ids(model, tokenizer, prompt, max_tokens: int) -> tuple[list[int], i
     """A request's prompt ids, checked, and how many tokens it may generate (max_tokens,
     or fewer where the context ends)."""
     ids = prompt_ids(tokenizer, prompt, model.args.vocab_size)
-    room = check_context(model, len(ids))
-    if max_tokens < 0:
-        raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
-    return ids, min(max_tokens, room)
+    return ids, min(max_tokens, check_context(model, len(ids)))  # max_tokens: checked by SamplingParams
 
 
 def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:

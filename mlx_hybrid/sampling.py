@@ -1,31 +1,86 @@
-"""Turning logits into tokens: greedy, or temperature with top-k / top-p / min-p."""
+"""A request's settings (`SamplingParams`), and turning logits into tokens: greedy, or
+temperature with top-k / top-p / min-p."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .errors import GenerationError
 
-
 SEED_LIMIT = 2**64  # MLX's random keys take unsigned 64-bit seeds
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """Every setting of one request, checked once, when it is made (a `GenerationError` that
+    names the field). Every entry point builds one: `stream_generate`, `generate`,
+    `batch_generate` and `Engine.submit` from their keyword arguments, the server from a
+    request body, the commands from their flags.
+
+    max_tokens: the most tokens to generate (the model's context may end it sooner).
+    temp: 0 is greedy; above 0 tokens are drawn from the distribution at that temperature.
+    top_p: draw from the likeliest tokens whose probabilities sum to top_p (1: all).
+    top_k: draw from the k likeliest tokens (0: all).
+    min_p: draw from tokens at least min_p times as likely as the likeliest (0: all).
+    seed: the random stream's seed, an integer in [0, 2**64) (None: one drawn at random).
+    stop_tokens: token ids that end the generation (None: the tokenizer's end tokens).
+    logprobs: None, or k >= 0: each token's log-probability under the model (before the
+        settings above) and the k likeliest alternatives.
+    """
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_tokens: tuple[int, ...] | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        _check(self, "max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 0, "an integer >= 0")
+        _check(self, "temp", _is_number(self.temp) and self.temp >= 0, ">= 0")
+        _check(self, "top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "in (0, 1]")
+        _check(self, "top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0")
+        _check(self, "min_p", _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "in [0, 1]")
+        seed_ok = self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT)
+        _check(self, "seed", seed_ok, "an integer in [0, 2**64)")
+        logprobs_ok = self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0)
+        _check(self, "logprobs", logprobs_ok, "None or an integer >= 0")
+        if self.stop_tokens is not None:
+            stops = tuple(self.stop_tokens) if not isinstance(self.stop_tokens, str) else None
+            _check(self, "stop_tokens", stops is not None and all(map(_is_int, stops)), "token ids")
+            object.__setattr__(self, "stop_tokens", stops)
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.temp, self.top_p, self.top_k, self.min_p, self.seed)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(params, name: str, ok: bool, wanted: str):
+    if not ok:
+        raise GenerationError(f"{name} must be {wanted}, got {getattr(params, name)!r}")
+
+
 class Sampler:
-    """Samples from the filtered, tempered distribution; `temp == 0` is greedy."""
+    """Samples from the filtered, tempered distribution; `temp == 0` is greedy. Its settings
+    are those of a `SamplingParams`, which checks them."""
 
     def __init__(self, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None):
-        if temp < 0:
-            raise GenerationError(f"temp must be >= 0, got {temp}")
-        if not 0.0 < top_p <= 1.0:
-            raise GenerationError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise GenerationError(f"top_k must be >= 0, got {top_k}")
-        if not 0.0 <= min_p <= 1.0:
-            raise GenerationError(f"min_p must be in [0, 1], got {min_p}")
-        if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
-            raise GenerationError(f"seed must be an integer in [0, 2**64), got {seed!r}")
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")

@@ -138,12 +138,10 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
 
 
 class SpeculativeDecoder:
-    """Runs rounds of draft + verify for one sequence; with no drafter, plain decoding steps.
-
-    `step` is a whole round. The batch engine runs the same round for many sequences,
-    drafting and verifying them together, through `plan`, `accept_greedy` /
-    `accept_sampled` and `finish`.
-    """
+    """One sequence's side of the rounds of draft + verify (with no drafter, plain decoding
+    steps): how many drafts to ask for (`plan`), acceptance (`accept_greedy`,
+    `accept_sampled`), then rollback and the drafter's update (`finish`). The engine
+    (`engine.scheduler`) drafts and verifies its rows together and runs these for each."""
 
     # misses in a row before the decoder backs off, and the longest run of plain rounds
     MISSES_BEFORE_BACKOFF = 3
@@ -160,13 +158,6 @@ class SpeculativeDecoder:
         self.token: int | None = None  # sampled, not yet run through the trunk
         self.misses = 0  # rounds in a row that asked for drafts and accepted none
         self.plain_rounds = 0  # rounds still to run without drafting
-
-    def start(self, prompt: list[int], prompt_hidden: mx.array) -> int:
-        """prompt_hidden: the trunk's hidden states over the prompt (cache already filled)."""
-        token = self.sampler(self.model.logits_from_hidden(prompt_hidden[:, -1:])[0, -1])
-        if self.drafter is not None:
-            self.drafter.prefill(prompt, prompt_hidden)
-        return self.begin(int(token))
 
     def begin(self, first_token: int) -> int:
         """The first token, sampled after the prompt (whose parts the drafter has read)."""
@@ -194,24 +185,6 @@ class SpeculativeDecoder:
         if self.misses >= self.MISSES_BEFORE_BACKOFF:
             self.plain_rounds = min(2 ** (self.misses - self.MISSES_BEFORE_BACKOFF), self.MAX_PLAIN_ROUNDS)
 
-    def step(self, max_new: int | None = None) -> list[int]:
-        """One round; returns the a accepted drafts and the trunk's next token."""
-        asked = self.plan(max_new)
-        drafted, draft_logprobs = self.drafter.draft(asked, self.sampler) if asked else ([], [])
-        k = len(drafted)
-        tokens = mx.array([self.token])
-        if k:  # the verify pass is built on the lazy drafts: drafting and verifying run as one graph
-            tokens = mx.concatenate([tokens, mx.stack(drafted).reshape(-1).astype(mx.int32)])
-        hidden = self.verify(tokens)
-        logits = self.model.logits_from_hidden(hidden)[0]  # [k+1, V]
-        if self.sampler.greedy:
-            both = mx.concatenate([tokens[1:], mx.argmax(logits, axis=-1).astype(mx.int32)]).tolist()  # one sync
-            accepted = accept_greedy(both[:k], both[k:])
-        else:
-            accepted = self.accept_sampled(tokens[1:].tolist(), draft_logprobs, self.sampler.log_probs(logits))
-        self.finish(hidden, accepted, k, asked)
-        return accepted
-
     def finish(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int):
         """After the verify pass over [token, `drafted` drafts] gave `hidden` [1, k+1, E]:
         roll the caches back to the accepted tokens and tell the drafter."""
@@ -224,15 +197,6 @@ class SpeculativeDecoder:
                 self._adapt(a)
             self.stats.record(drafted, a)
         self.token = accepted[-1]
-
-    def verify(self, tokens: mx.array) -> mx.array:
-        """The trunk over [last token, drafts], recording recurrent snapshots after each."""
-        record = tokens.size > 1
-        record_snapshots(self.cache, record)
-        try:
-            return self.model.hidden_states(tokens[None], self.cache)
-        finally:
-            record_snapshots(self.cache, False)
 
     def accept_sampled(self, drafts, draft_logprobs, target_logprobs):
         """Speculative sampling (Leviathan et al., Chen et al.): the output follows the target exactly."""

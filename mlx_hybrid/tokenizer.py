@@ -1,4 +1,4 @@
-"""Tokenizers from `tokenizer.json` or from GGUF metadata, and chat templates.
+"""Tokenizers from `tokenizer.json` or from GGUF metadata, chat templates, and text as tokens stream.
 
 From GGUF, the stored tokens and merges become a `tokenizers` byte-level BPE whose
 pre-tokenizer is the split that llama.cpp uses for `tokenizer.ggml.pre`, behind the
@@ -244,3 +244,36 @@ def _as_list(value):
 
 def _token_text(token):
     return token.get("content") if isinstance(token, dict) else token
+
+
+class StreamingDetokenizer:
+    """Emits new text as tokens arrive, holding back incomplete UTF-8 sequences. End tokens
+    add no text (what ends a generation is not part of it)."""
+
+    # byte-level BPE decodes piecewise, so a segment can restart after any clean emission
+    SEGMENT = 16
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.end_tokens = set(tokenizer.eos_token_ids)
+        self.segment: list[int] = []
+        self.segment_text = ""
+
+    def add(self, token: int) -> str:
+        if token in self.end_tokens:
+            return ""
+        self.segment.append(token)
+        text = self.tokenizer.decode(self.segment)
+        if text.endswith("\ufffd"):
+            return ""
+        new = text[len(self.segment_text) :]
+        self.segment_text = text
+        if len(self.segment) >= self.SEGMENT:
+            self.segment, self.segment_text = [], ""
+        return new
+
+    def finalize(self) -> str:
+        """What is still held back at the end (an incomplete character decodes as U+FFFD)."""
+        rest = self.tokenizer.decode(self.segment)[len(self.segment_text) :] if self.segment else ""
+        self.segment, self.segment_text = [], ""
+        return rest

@@ -82,7 +82,9 @@ def _needs_openblas():
 
 
 def _run(code, **env):
-    environment = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MLX_HYBRID_BLAS_RESTARTED")}
+    # these test the loading itself: none of the suite's own BLAS settings is inherited
+    unset = ("LD_PRELOAD", "MLX_HYBRID_BLAS", "MLX_HYBRID_BLAS_RESTARTED")
+    environment = {k: v for k, v in os.environ.items() if k not in unset}
     environment.update(env)
     return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=300)
 

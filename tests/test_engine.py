@@ -11,7 +11,7 @@ import pytest
 
 import mlx_hybrid
 from conftest import FIXTURES, QWEN_FAMILIES, assert_close_to_floor, load_fixture
-from mlx_hybrid.drafting import make_drafter
+from mlx_hybrid.drafting import DraftModelDrafter, NgramDrafter, make_drafter
 from mlx_hybrid.engine import Engine, PrefixStore, load_checkpoint, save_checkpoint
 from mlx_hybrid.engine.prefix_store import capture, restore
 from mlx_hybrid.prompt import prefill
@@ -43,6 +43,20 @@ def engine_for(family, source, draft=None, **kwargs):
 
 def drafts_for(family):
     return [None, "ngram"] + (["mtp"] if family in QWEN_FAMILIES else [])
+
+
+def test_a_batch_mixes_drafters_of_every_kind():
+    """Rows drafting with the engine's MTP head, with their own n-gram lookup and with their
+    own draft model, in one batch: each drafts with its own, and each equals its single run."""
+    model, tok = load_fixture("qwen35", "hf")
+    engine = engine_for("qwen35", "hf", "mtp")
+    prompts = prompts_for(3)
+    own = [None, NgramDrafter(), DraftModelDrafter(load_fixture("qwen35", "model.gguf")[0], model)]
+    sequences = [engine.submit(p, max_tokens=MAX_TOKENS, drafter=d) for p, d in zip(prompts, own)]
+    engine.run()
+    for prompt, sequence in zip(prompts, sequences):
+        assert sequence.error is None and sequence.tokens == single_greedy("qwen35", "hf", prompt)
+        assert sequence.stats.passes > 0
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram", "mtp"])

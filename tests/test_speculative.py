@@ -11,11 +11,24 @@ import mlx_hybrid
 from conftest import FIXTURES, QWEN_FAMILIES, REFERENCE_TOL, assert_close_to_floor, load_fixture, reference
 from mlx_hybrid.cache import KVCache, RecurrentCache
 from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter, OracleDrafter
+from mlx_hybrid.engine import Engine, PrefixStore
 from mlx_hybrid.generation import prefill
-from mlx_hybrid.sampling import Sampler
-from mlx_hybrid.speculative import SpeculativeDecoder
+from mlx_hybrid.sampling import Sampler, SamplingParams
 
 _plain = {}
+
+
+def one_row_engine(model, k, adaptive=False, store=None):
+    """An engine for one sequence at a time, whose requests bring their own drafters."""
+    return Engine(model, None, None, k, adaptive=adaptive, max_batch=1, prefix_store=store or PrefixStore(0))
+
+
+def decode_with(model, prompt, drafter, k, n, adaptive=False):
+    """n greedy tokens (no stop token) with `drafter` drafting up to k a round: (tokens, stats)."""
+    engine = one_row_engine(model, k, adaptive)
+    sequence = engine.submit(prompt, n, drafter=drafter, stop_tokens=())
+    engine.run()
+    return sequence.tokens, sequence.stats
 
 
 def plain_greedy(family, source, n=128):
@@ -139,19 +152,15 @@ def test_oracle_drafts_are_lossless_through_many_accepts(family, acceptance):
     model, tok = load_fixture(family, "model.gguf")
     prompt = reference(family)["prompt_ids"][0].tolist()
     plain = plain_greedy(family, "model.gguf")
-    cache = model.make_cache()
     drafter = OracleDrafter(plain, acceptance, model.args.vocab_size, inner=MTPDrafter(model))
-    decoder = SpeculativeDecoder(model, drafter, Sampler(0.0), 4, cache)
-    tokens = [decoder.start(prompt, prefill(model, prompt, cache))]
-    while len(tokens) < len(plain):
-        tokens += decoder.step(max_new=len(plain) - len(tokens))
+    tokens, stats = decode_with(model, prompt, drafter, 4, len(plain))
     assert tokens == plain
-    assert decoder.stats.acceptance_rate == pytest.approx(acceptance, abs=0.02)
+    assert stats.acceptance_rate == pytest.approx(acceptance, abs=0.02)
     # a full round of 4 drafts has exactly 4 * acceptance correct ones, then a wrong one (only
     # the last rounds, cut short by the length, differ)
     correct = round(4 * acceptance)
     want = [1.0] * correct + [0.0] * (4 - correct)
-    assert decoder.stats.acceptance_by_position == pytest.approx(want, abs=0.05)
+    assert stats.acceptance_by_position == pytest.approx(want, abs=0.05)
 
 
 def _layer_arrays(cache):
@@ -171,13 +180,15 @@ def test_rollback_leaves_the_cache_of_plain_decoding(family, k):
     prompt = reference(family)["prompt_ids"][0].tolist()
     greedy = plain_greedy(family, "hf")
     for a in range(k + 1):
-        cache = model.make_cache()
         mtp = MTPDrafter(model)
-        decoder = SpeculativeDecoder(
-            model, OracleDrafter(greedy, a / k, model.args.vocab_size, inner=mtp), Sampler(0.0), k, cache
-        )
-        assert decoder.start(prompt, prefill(model, prompt, cache)) == greedy[0]
-        assert decoder.step() == greedy[1 : a + 2]
+        engine = one_row_engine(model, k)
+        drafter = OracleDrafter(greedy, a / k, model.args.vocab_size, inner=mtp)
+        sequence = engine.submit(prompt, len(greedy), drafter=drafter, stop_tokens=())
+        engine.step()  # the prompt, and the first token
+        assert sequence.tokens == greedy[:1]
+        engine.step()  # one round: k drafts, a of them accepted, then the model's own token
+        assert sequence.tokens == greedy[: a + 2]
+        cache = engine.rows[0].decoder.cache
 
         # plain decoding of the same tokens: prefill, then one token at a time
         plain = model.make_cache()
@@ -293,29 +304,21 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind):
     prompt = reference("qwen35")["prompt_ids"][0].tolist()
     settings = dict(temp=1.0, top_k=3)
     exact = _exact_distribution(model, prompt, Sampler(**settings), depth=3)
-    cache = model.make_cache()
-    prompt_hidden = prefill(model, prompt, cache)
-    base = [(c.conv_tail, c.state) if isinstance(c, RecurrentCache) else c.offset for c in cache]
+    # every draw resumes from the prompt's checkpoint, which the first one saves
+    engine = one_row_engine(model, 2, store=PrefixStore(1 << 30))
     support = sorted({t for outcome in exact for t in outcome})
     counts = {}
     draws = 3000
     for i in range(draws):
-        for c, saved in zip(cache, base):  # back to the state right after the prompt
-            if isinstance(c, RecurrentCache):
-                c.conv_tail, c.state = saved
-            else:
-                c.offset = saved
-        sampler = Sampler(**settings, seed=i)
         if drafter_kind == "uniform":
             drafter = UniformDrafter(support[:2] + [7], model.args.vocab_size, seed=i)
         else:
             drafter = OracleDrafter([support[0]] * 4, 0.5, model.args.vocab_size, seed=i)
-        decoder = SpeculativeDecoder(model, drafter, sampler, 2, cache)
-        tokens = [decoder.start(prompt, prompt_hidden)]
-        tokens += decoder.step()
-        outcome = tuple(tokens[:3]) if len(tokens) >= 3 else None
-        if outcome is None:  # one accepted-or-not round gave 2 tokens: one more round
-            outcome = tuple((tokens + decoder.step())[:3])
+        # 4 tokens: the first, then a round of 2 drafts (the limit shortens no earlier round)
+        params = SamplingParams(max_tokens=4, seed=i, stop_tokens=(), **settings)
+        sequence = engine.submit(prompt, params=params, drafter=drafter, checkpoint_at=[len(prompt)])
+        engine.run()
+        outcome = tuple(sequence.tokens[:3])
         counts[outcome] = counts.get(outcome, 0) + 1
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts.get(o, 0) / draws - p) for o, p in exact.items())
@@ -341,31 +344,22 @@ def test_snapshot_memory_does_not_grow_with_rounds():
     model, _ = load_fixture("qwen35", "model.gguf")
     prompt = reference("qwen35")["prompt_ids"][0].tolist()
     greedy = plain_greedy("qwen35", "model.gguf")
-    cache = model.make_cache()
     mtp = MTPDrafter(model)
-    decoder = SpeculativeDecoder(
-        model, OracleDrafter(greedy, 0.5, model.args.vocab_size, inner=mtp), Sampler(0.0), 4, cache
-    )
-    decoder.start(prompt, prefill(model, prompt, cache))
+    engine = one_row_engine(model, 4)
+    drafter = OracleDrafter(greedy, 0.5, model.args.vocab_size, inner=mtp)
+    engine.submit(prompt, len(greedy), drafter=drafter, stop_tokens=())
+    engine.step()  # the prompt
+    cache = engine.rows[0].decoder.cache
     gc.collect()  # arrays left by earlier tests must not be freed mid-measurement
     used = []
     for _ in range(30):
-        decoder.step()
+        engine.step()
         # what the next round reads: every layer's cache and the MTP head's
         mx.eval(_layer_arrays(cache), mtp.cache.arrays, mtp.pending_hidden)
         used.append(mx.get_active_memory())
     # one round's snapshots are ~60 KB here; what varies is the few hundred bytes that
     # depend on how many drafts a round accepted
     assert max(used[5:]) - min(used[5:]) < 4096, used
-
-
-def _decode_all(model, prompt, drafter, k, n, adaptive):
-    cache = model.make_cache()
-    decoder = SpeculativeDecoder(model, drafter, Sampler(0.0), k, cache, adaptive=adaptive)
-    tokens = [decoder.start(prompt, prefill(model, prompt, cache))]
-    while len(tokens) < n:
-        tokens += decoder.step(max_new=n - len(tokens))
-    return tokens, decoder.stats
 
 
 def test_adaptive_drafting_backs_off_after_misses_and_keeps_k_while_accepting():
@@ -376,13 +370,13 @@ def test_adaptive_drafting_backs_off_after_misses_and_keeps_k_while_accepting():
     V = model.args.vocab_size
     # every draft wrong: after 3 misses, plain rounds (1, 2, 4, ... 16) between tries, so
     # over 128 tokens at most 16 rounds draft
-    tokens, stats = _decode_all(model, prompt, OracleDrafter(plain, 0.0, V), 4, len(plain), adaptive=True)
+    tokens, stats = decode_with(model, prompt, OracleDrafter(plain, 0.0, V), 4, len(plain), adaptive=True)
     assert tokens == plain
     assert stats.accepted == 0 and stats.drafted <= 4 * 16, stats
-    fixed_tokens, fixed = _decode_all(model, prompt, OracleDrafter(plain, 0.0, V), 4, len(plain), adaptive=False)
+    fixed_tokens, fixed = decode_with(model, prompt, OracleDrafter(plain, 0.0, V), 4, len(plain), adaptive=False)
     assert fixed_tokens == plain and fixed.drafted >= 4 * (len(plain) - 8), fixed
     # every draft right: the length stays at k
-    tokens, stats = _decode_all(model, prompt, OracleDrafter(plain, 1.0, V), 4, len(plain), adaptive=True)
+    tokens, stats = decode_with(model, prompt, OracleDrafter(plain, 1.0, V), 4, len(plain), adaptive=True)
     assert tokens == plain and stats.tokens_per_pass > 4.5, stats
 
 
@@ -391,8 +385,8 @@ def test_p_min_stops_drafting_below_the_confidence():
     model, tok = load_fixture("qwen35", "hf")
     prompt = reference("qwen35")["prompt_ids"][0].tolist()
     plain = plain_greedy("qwen35", "hf")
-    never, never_stats = _decode_all(model, prompt, MTPDrafter(model, draft_p_min=1.0), 3, len(plain), adaptive=True)
-    always, always_stats = _decode_all(model, prompt, MTPDrafter(model, draft_p_min=0.0), 3, len(plain), adaptive=False)
+    never, never_stats = decode_with(model, prompt, MTPDrafter(model, draft_p_min=1.0), 3, len(plain), adaptive=True)
+    always, always_stats = decode_with(model, prompt, MTPDrafter(model, draft_p_min=0.0), 3, len(plain), adaptive=False)
     assert never == always == plain
     assert never_stats.drafted == 0 and always_stats.drafted >= 3 * (always_stats.passes - 2)  # the last: shorter
 

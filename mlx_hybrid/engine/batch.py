@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ..drafting import AUTO, DEFAULT_DRAFT_P_MIN, make_drafter
+from ..drafting import AUTO, DEFAULT_DRAFT_P_MIN, adaptive, make_drafter
 from ..errors import GenerationError
+from ..sampling import SEED_LIMIT, SamplingParams
 from .prefix_store import PrefixStore
 from .scheduler import Engine
 
@@ -23,6 +24,7 @@ def batch_generate(
     draft_vocab: int | None = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     max_batch: int = 8,
+    adaptive_drafting: bool | None = None,
 ) -> list[str]:
     """The generated text for each prompt (strings or token ids), decoded together.
 
@@ -32,13 +34,14 @@ def batch_generate(
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise GenerationError("prompts must be a non-empty list of strings or token id lists")
+    params = SamplingParams(max_tokens, temp, top_p, top_k, min_p, seed)
     drafter = make_drafter(model, tokenizer, draft, None, draft_vocab, draft_p_min)
     engine = Engine(
-        model, tokenizer, drafter, num_draft_tokens, adaptive=draft_p_min > 0, max_batch=max_batch,
-        prefix_store=PrefixStore(0),
+        model, tokenizer, drafter, num_draft_tokens, adaptive=adaptive(adaptive_drafting, draft_p_min),
+        max_batch=max_batch, prefix_store=PrefixStore(0),
     )  # fmt: skip
     sequences = [
-        engine.submit(prompt, max_tokens, temp, top_p, top_k, min_p, seed=None if seed is None else seed + i)
+        engine.submit(prompt, params=params if seed is None else params.replace(seed=(seed + i) % SEED_LIMIT))
         for i, prompt in enumerate(prompts)
     ]
     engine.run()

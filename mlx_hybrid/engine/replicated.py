@@ -10,12 +10,14 @@ drafts, rolling back and saving checkpoints come out the same everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 
 from ..errors import GenerationError
 from ..parallel import IDLE, STOP, broadcast_message
+from ..sampling import SamplingParams
 from .scheduler import Engine
 
 # How long every rank sleeps when the leader has nothing to do. A rank waiting in a ring
@@ -46,23 +48,21 @@ class ReplicatedEngine(Engine):
         self._numbered = 0
         self._stopped = False
 
-    def submit(self, prompt, max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0, seed: int | None = None, stop_tokens=None, checkpoint_at=(), drafter=None,
-               logprobs: int | None = None, events=None):  # fmt: skip
+    def submit(self, prompt, max_tokens=None, *, params=None, checkpoint_at=(), drafter=None, events=None,
+               **settings):  # fmt: skip
         """As `Engine.submit`, on rank 0 only and with the engine's own drafter."""
         if not self.leader:
             raise GenerationError("only rank 0 takes requests; the other ranks follow it")
         if drafter is not None:
             raise GenerationError("a split model's requests use the engine's drafter")
-        if seed is None:  # drawn here, so that every rank samples alike
-            seed = int.from_bytes(os.urandom(4), "little") >> 1
-        request = {
-            "max_tokens": max_tokens, "temp": temp, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-            "seed": seed, "stop_tokens": None if stop_tokens is None else list(stop_tokens),
-            "checkpoint_at": list(checkpoint_at), "logprobs": logprobs,
-        }  # fmt: skip
-        row = self._new_row(prompt, drafter=None, events=events, **request)
-        request["prompt"] = row.sequence.prompt  # token ids, the tokenizer's work done once
+        if max_tokens is not None:
+            settings["max_tokens"] = max_tokens
+        params = (params or SamplingParams()).replace(**settings)
+        if params.seed is None:  # drawn here, so that every rank samples alike
+            params = params.replace(seed=int.from_bytes(os.urandom(4), "little") >> 1)
+        row = self._new_row(prompt, params, checkpoint_at, None, events)
+        # token ids: the tokenizer's work done once
+        request = {"prompt": row.sequence.prompt, "params": dataclasses.asdict(params), "checkpoint_at": list(checkpoint_at)}
         with self._lock:
             row.number, request["number"] = self._numbered, self._numbered
             self._numbered += 1
@@ -99,7 +99,8 @@ class ReplicatedEngine(Engine):
             message = message or {}
             for request in message.get("submit", []):
                 number = request.pop("number")
-                row = self._new_row(drafter=None, events=_Discard(), **request)
+                params = SamplingParams(**request["params"])
+                row = self._new_row(request["prompt"], params, request["checkpoint_at"], None, _Discard())
                 row.number = number
                 self._admit_row(row)
             self._step(message.get("cancel", []))

@@ -24,9 +24,10 @@ from itertools import accumulate
 import mlx.core as mx
 
 from ..cache import packed
+from ..drafting import draft_rows
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, request_ids
-from ..sampling import Sampler
+from ..sampling import SamplingParams
 from ..speculative import (
     SpeculativeDecoder,
     SpeculativeStats,
@@ -37,7 +38,6 @@ from ..speculative import (
 from .prefix_store import PrefixStore, capture, restore
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
-MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 
 
 @dataclass
@@ -58,6 +58,7 @@ class Event:
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     error: str | None = None  # what went wrong, with "error"
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    drafted: int = 0  # how many of the tokens, from the first, are drafts the model accepted
 
 
 @dataclass
@@ -156,48 +157,40 @@ class Engine:
     def submit(
         self,
         prompt,
-        max_tokens: int = 256,
-        temp: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop_tokens=None,
+        max_tokens: int | None = None,
+        *,
+        params: SamplingParams | None = None,
         checkpoint_at=(),
         drafter=None,
-        logprobs: int | None = None,
         events=None,
+        **settings,
     ) -> Sequence:
         """Queue a request; its tokens arrive on the returned Sequence.
 
-        prompt: a string or token ids. stop_tokens: ids that end it (default: the
-        tokenizer's end tokens). checkpoint_at: prompt positions (token counts) to save
-        checkpoints at; one is always saved at the end. drafter: this sequence's own
-        drafter instead of a fork of the engine's (for measurements). logprobs: give each
-        token's log-probability and the top `logprobs` alternatives. events: where the
-        events go, anything with a thread-safe `put` (default: a new `queue.Queue`).
+        prompt: a string or token ids. params: its `SamplingParams`; `max_tokens` and any
+        other field given as a keyword (`temp=`, `seed=`, ...) override it. checkpoint_at:
+        prompt positions (token counts) to save checkpoints at; one is always saved at the
+        end. drafter: this sequence's own drafter instead of a fork of the engine's (for
+        measurements). events: where the events go, anything with a thread-safe `put`
+        (default: a new `queue.Queue`).
         """
-        row = self._new_row(
-            prompt, max_tokens, temp, top_p, top_k, min_p, seed, stop_tokens, checkpoint_at, drafter, logprobs, events
-        )
+        if max_tokens is not None:
+            settings["max_tokens"] = max_tokens
+        params = (params or SamplingParams()).replace(**settings)
+        row = self._new_row(prompt, params, checkpoint_at, drafter, events)
         self._enqueue(row)
         return row.sequence
 
-    def _new_row(
-        self, prompt, max_tokens, temp, top_p, top_k, min_p, seed, stop_tokens, checkpoint_at, drafter, logprobs, events
-    ) -> _Row:
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise GenerationError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
-        ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, max_tokens)
-        sampler = Sampler(temp, top_p, top_k, min_p, seed)
+    def _new_row(self, prompt, params: SamplingParams, checkpoint_at, drafter, events) -> _Row:
+        ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, params.max_tokens)
         drafter = drafter if drafter is not None else (self.drafter.fork() if self.drafter is not None else None)
         decoder = SpeculativeDecoder(
-            self.model, drafter, sampler, self.num_draft_tokens, self.model.make_cache(), adaptive=self.adaptive
+            self.model, drafter, params.sampler(), self.num_draft_tokens, self.model.make_cache(), self.adaptive
         )
-        sequence = Sequence(ids, max_tokens, logprobs, stats=decoder.stats if drafter is not None else None)
+        sequence = Sequence(ids, max_tokens, params.logprobs, stats=decoder.stats if drafter is not None else None)
         if events is not None:
             sequence.events = events
-        stops = set(self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens)
+        stops = set(self.tokenizer.eos_token_ids if params.stop_tokens is None else params.stop_tokens)
         return _Row(sequence, decoder, stops, checkpoint_at)
 
     def _enqueue(self, row: _Row):
@@ -379,7 +372,7 @@ class Engine:
         if drafting:
             drafters = [row.drafter for row in drafting]
             samplers = [row.decoder.sampler for row in drafting]
-            drafts = type(drafters[0]).draft_rows(drafters, [asked[row][0] for row in drafting], samplers)
+            drafts = draft_rows(drafters, [asked[row][0] for row in drafting], samplers)
             for row, (tokens, logprobs) in zip(drafting, drafts):
                 asked[row] = (asked[row][0], logprobs)
                 if tokens:
@@ -423,8 +416,8 @@ class Engine:
         return self._emit(row, [first], logits[-1:])
 
     def _emit(self, row: _Row, accepted: list[int], logits: mx.array) -> bool:
-        """Hand out a round's tokens, up to a stop token or max_tokens; whether the row ended.
-        logits [>= n, V]: where each token was chosen."""
+        """Hand out a round's tokens (accepted drafts, then the model's own token), up to a stop
+        token or max_tokens; whether the row ended. logits [>= n, V]: where each was chosen."""
         sequence = row.sequence
         out, reason = [], None
         for token in accepted:
@@ -439,22 +432,23 @@ class Engine:
         logprobs = (
             _token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
         )
+        drafted = min(len(out), len(accepted) - 1)
         if reason is None:
-            sequence.events.put(Event(out, logprobs=logprobs))
+            sequence.events.put(Event(out, logprobs=logprobs, drafted=drafted))
             return False
         self._save(row)
-        self._finish(row, reason, out, logprobs=logprobs)
+        self._finish(row, reason, out, logprobs=logprobs, drafted=drafted)
         return True
 
     def _save(self, row: _Row):
         self.store.save(capture(self.model, row.decoder.cache, row.fed, row.last_hidden, row.drafter))
 
-    def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None, logprobs=None):
+    def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None, logprobs=None, drafted=0):
         sequence = row.sequence
         if sequence.stats is not None:
             self.speculation.merge(sequence.stats)
         sequence.finish_reason, sequence.error = reason, error
-        sequence.events.put(Event(list(tokens), reason, error, logprobs))
+        sequence.events.put(Event(list(tokens), reason, error, logprobs, drafted))
 
 
 def _token_logprobs(tokens: list[int], logits: mx.array, top: int) -> list[TokenLogprob]:

@@ -18,9 +18,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import ContextOverflowError, GenerationError
-from ..generation import StreamingDetokenizer
 from ..parsers import OutputParser, StopStrings, prompt_opens_reasoning
 from ..prompt import chat_prompt
+from ..sampling import SamplingParams
+from ..tokenizer import StreamingDetokenizer
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -221,18 +222,16 @@ class _Run:
     def submit(cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=()) -> "_Run":
         events = _Events()
         try:
-            sequence = served.engine.submit(
-                prompt,
-                body.token_limit or served.default_max_tokens,
-                body.temperature,
-                body.top_p,
-                max(body.top_k, 0),
-                body.min_p,
-                body.seed,
-                checkpoint_at=checkpoint_at,
+            params = SamplingParams(
+                max_tokens=body.token_limit or served.default_max_tokens,
+                temp=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                min_p=body.min_p,
+                seed=body.seed,
                 logprobs=logprobs,
-                events=events,
             )
+            sequence = served.engine.submit(prompt, params=params, checkpoint_at=checkpoint_at, events=events)
         except ContextOverflowError as e:
             raise ApiError(400, str(e), "context_length_exceeded", "messages") from None
         except GenerationError as e:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..cli import (
+from ..commands import (
     ArgumentParser,
     add_draft_arguments,
     add_model_arguments,

@@ -10,10 +10,10 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.scheduler import MAX_TOP_LOGPROBS
 from ..sampling import SEED_LIMIT
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 
 
 class StreamOptions(BaseModel):
