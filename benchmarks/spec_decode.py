@@ -30,7 +30,7 @@ import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
 import mlx.core as mx  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mlx_hybrid.cache import KVCache, RecurrentCache  # noqa: E402
+from mlx_hybrid.cache import marks, record_snapshots, rewind  # noqa: E402
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocabulary  # noqa: E402
 from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter, OracleDrafter  # noqa: E402
 from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
@@ -75,23 +75,17 @@ def verify_cost(model, prompt, k):
     step = mx.array([[prompt[-1]]])
     block = mx.array([prompt[-1 - k :]])
 
-    attention = [c for c in cache if isinstance(c, KVCache)]
-    recurrent = [c for c in cache if isinstance(c, RecurrentCache)]
+    start = marks(cache)  # each pass leaves the caches as it found them
 
-    # each pass leaves the attention caches as it found them; recurrent state just moves on
     def decode_step():
         mx.eval(model(step, cache))
-        for c in attention:
-            c.trim(1)
+        rewind(cache, start)
 
-    def verify_pass():  # as the decoder runs it: the trunk with snapshots, then logits for every row
-        for c in recurrent:
-            c.record_snapshots = True
-        mx.eval(model.logits_from_hidden(model.hidden_states(block, cache)), [c.state_snapshots for c in recurrent])
-        for c in recurrent:
-            c.record_snapshots = False
-        for c in attention:
-            c.trim(k + 1)
+    def verify_pass():  # as the engine runs it: the trunk with snapshots, then logits for every row
+        record_snapshots(cache, True)
+        mx.eval(model.logits_from_hidden(model.hidden_states(block, cache)), [c.arrays for c in cache])
+        record_snapshots(cache, False)
+        rewind(cache, start)
 
     return timed(verify_pass), timed(decode_step)
 

@@ -1,8 +1,11 @@
-"""Per-layer caches: a KV cache for attention layers, recurrent state for linear ones.
+"""Per-layer caches behind one interface (`LayerCache`): a KV cache for attention layers
+(absorbed MLA's latent cache too, and the MTP head's), recurrent state for linear ones.
 
 Attention caches roll back by trimming. Recurrent state cannot be trimmed, so a
 verify pass runs with `record_snapshots` on and each linear layer keeps its
-state after every token; `rollback` then selects one.
+state after every token; `rollback` then selects one. Speculation, drafting, the
+engine's rows and prefix checkpoints call only this interface, through the functions
+at the end for a model's list of layer caches.
 
 Several sequences run in one pass packed along the token axis, never padded: each
 keeps its own caches, and a layer sees them as `RowCaches` (see `packed`).
@@ -13,7 +16,49 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-class KVCache:
+class LayerCache:
+    """What every layer cache does.
+
+    record_snapshots: while on, a call keeps the state after each of its tokens.
+    rollback(keep, recorded): keep the first `keep` of the `recorded` tokens the last call added.
+    mark() / rewind(mark): where the cache is now, and back there (tokens added since are
+    forgotten; for a draft model, which reads a token per call).
+    checkpoint() / restore(entries): the state as arrays, and back from them.
+    arrays: the arrays it holds now; nbytes: their size.
+    step_nbytes: what one recorded token's snapshot takes (0 where rollback trims).
+    """
+
+    record_snapshots = False
+
+    def rollback(self, keep: int, recorded: int):
+        raise NotImplementedError
+
+    def mark(self):
+        raise NotImplementedError
+
+    def rewind(self, mark):
+        raise NotImplementedError
+
+    def checkpoint(self) -> tuple:
+        raise NotImplementedError
+
+    def restore(self, entries: tuple):
+        raise NotImplementedError
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def step_nbytes(self) -> int:
+        return 0
+
+
+class KVCache(LayerCache):
     """Per-token entries [B, H, T, D] of one attention layer, grown in steps.
 
     Usually keys and values; an absorbed MLA layer caches a single array (the
@@ -23,23 +68,23 @@ class KVCache:
     step = 256
 
     def __init__(self):
-        self.arrays = None
+        self.buffers = None  # grown in steps of `step` tokens; the first `offset` are in use
         self.offset = 0
 
     def update_and_fetch(self, *entries: mx.array):
         T = entries[0].shape[2]
         needed = self.offset + T
-        if self.arrays is None or needed > self.arrays[0].shape[2]:
+        if self.buffers is None or needed > self.buffers[0].shape[2]:
             capacity = ((needed + self.step - 1) // self.step) * self.step
             grown = [mx.zeros((*e.shape[:2], capacity, e.shape[3]), e.dtype) for e in entries]
-            if self.arrays is not None:
-                for new, old in zip(grown, self.arrays):
+            if self.buffers is not None:
+                for new, old in zip(grown, self.buffers):
                     new[..., : self.offset, :] = old[..., : self.offset, :]
-            self.arrays = grown
-        for array, entry in zip(self.arrays, entries):
-            array[..., self.offset : needed, :] = entry
+            self.buffers = grown
+        for buffer, entry in zip(self.buffers, entries):
+            buffer[..., self.offset : needed, :] = entry
         self.offset = needed
-        return tuple(array[..., :needed, :] for array in self.arrays)
+        return tuple(buffer[..., :needed, :] for buffer in self.buffers)
 
     def trim(self, n: int) -> int:
         """Forget the last n tokens."""
@@ -47,21 +92,34 @@ class KVCache:
         self.offset -= n
         return n
 
+    def rollback(self, keep: int, recorded: int):
+        self.trim(recorded - keep)
+
+    def mark(self) -> int:
+        return self.offset
+
+    def rewind(self, mark: int):
+        self.trim(self.offset - mark)
+
     @property
     def state(self):
-        return tuple(array[..., : self.offset, :] for array in self.arrays)
+        return tuple(buffer[..., : self.offset, :] for buffer in self.buffers)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return list(self.state) if self.buffers is not None else []
 
     def checkpoint(self) -> tuple:
         """The entries so far, compact: a view would keep the whole grown buffer, and make
         the next update copy it."""
-        return tuple(mx.contiguous(entry) for entry in self.state) if self.arrays is not None else ()
+        return tuple(mx.contiguous(entry) for entry in self.state) if self.buffers is not None else ()
 
     def restore(self, entries: tuple):
-        self.arrays = list(entries) or None
+        self.buffers = list(entries) or None
         self.offset = entries[0].shape[2] if entries else 0
 
 
-class RecurrentCache:
+class RecurrentCache(LayerCache):
     """State of one linear-attention layer: conv tail [B, K-1, C] and S [B, H, Dk, Dv]."""
 
     def __init__(self):
@@ -91,6 +149,22 @@ class RecurrentCache:
             self.state = self.state_snapshots[keep - 1]
         self.conv_snapshots = self.state_snapshots = None
 
+    def mark(self) -> tuple:
+        return self.conv_tail, self.state  # replaced, never written in place: references suffice
+
+    def rewind(self, mark: tuple):
+        self.conv_tail, self.state = mark
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        """The state, and the last call's snapshots while they are kept."""
+        held = [self.conv_tail, self.state] if self.state is not None else []
+        return held + list(self.conv_snapshots or ()) + list(self.state_snapshots or ())
+
+    @property
+    def step_nbytes(self) -> int:
+        return self.conv_tail.nbytes + self.state.nbytes if self.state is not None else 0
+
 
 class RowCaches:
     """One layer's caches of several sequences packed along the token axis of one input
@@ -105,6 +179,26 @@ class RowCaches:
 def row_caches(caches: list, lengths: list[int]):
     """One layer's cache argument for rows packed along the token axis (one row: its own cache)."""
     return caches[0] if len(caches) == 1 else RowCaches(caches, lengths)
+
+
+def rollback(cache: list[LayerCache], keep: int, recorded: int):
+    """Keep the first `keep` of the `recorded` tokens the last call added to each layer."""
+    for layer_cache in cache:
+        layer_cache.rollback(keep, recorded)
+
+
+def record_snapshots(cache: list[LayerCache], on: bool):
+    for layer_cache in cache:
+        layer_cache.record_snapshots = on
+
+
+def marks(cache: list[LayerCache]) -> list:
+    return [layer_cache.mark() for layer_cache in cache]
+
+
+def rewind(cache: list[LayerCache], marks_: list):
+    for layer_cache, mark in zip(cache, marks_):
+        layer_cache.rewind(mark)
 
 
 def packed(row_layer_caches: list[list], lengths: list[int]) -> list:

@@ -29,7 +29,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from .cache import KVCache, RecurrentCache, packed, row_caches
+from .cache import KVCache, marks, packed, rewind, row_caches
 from .draft_vocab import draft_vocabulary
 from .errors import GenerationError
 from .prompt import PREFILL_STEP, prefill
@@ -304,7 +304,7 @@ class DraftModelDrafter(_ConfidentDrafting):
         self.target_model = target_model
         self.cache = draft_model.make_cache()
         self.pending: list[int] = []  # accepted tokens the draft model has not read yet
-        self._states = []  # recurrent states after reading 0, 1, ... drafts
+        self._marks = []  # where its caches were after reading 0, 1, ... drafts
 
     def fork(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.model, self.target_model, self.draft_p_min, head=self.head)
@@ -320,16 +320,16 @@ class DraftModelDrafter(_ConfidentDrafting):
         """Run the draft model over each row's tokens; each row's last normed hidden state [1, R, E]."""
         model = drafters[0].model
         hidden = model.hidden_states(mx.array(tokens)[None], packed([d.cache for d in drafters], lengths))
-        # drafts run one token per call, so the recurrent states after each call are the
-        # rollback points (MLX arrays are immutable: keeping them copies nothing)
+        # drafts run one token per call, so where the caches are after each call are the
+        # rollback points (a mark holds references or an offset: it copies nothing)
         for drafter in drafters:
-            drafter._states.append(drafter._recurrent_states())
+            drafter._marks.append(marks(drafter.cache))
         return model.norm(_last_of_each(hidden, lengths))
 
     @staticmethod
     def _open(drafters):
         for drafter in drafters:
-            drafter._states = []
+            drafter._marks = []
         return DraftModelDrafter._read(
             drafters, [t for d in drafters for t in d.pending], [len(d.pending) for d in drafters]
         )
@@ -338,21 +338,13 @@ class DraftModelDrafter(_ConfidentDrafting):
     def _feed(drafters, tokens):
         return DraftModelDrafter._read(drafters, tokens.tolist(), [1] * len(drafters))
 
-    def _recurrent_states(self):
-        return [(c.conv_tail, c.state) for c in self.cache if isinstance(c, RecurrentCache)]
-
     def update(self, verify_hidden, accepted: list[int]):
         if not self.drafted:  # a round without drafts: the tokens wait for the next draft
             self.pending += accepted
             return
         self.drafted = False
         kept = min(len(accepted) - 1, self.fed_drafts)  # accepted drafts already in the cache
-        recurrent = [c for c in self.cache if isinstance(c, RecurrentCache)]
-        for c, (tail, state) in zip(recurrent, self._states[kept]):
-            c.conv_tail, c.state = tail, state
-        for c in self.cache:
-            if isinstance(c, KVCache):
-                c.trim(self.fed_drafts - kept)
+        rewind(self.cache, self._marks[kept])
         self.pending = accepted[kept:]
 
 

@@ -27,23 +27,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .cache import RecurrentCache
+from .cache import rollback
 from .errors import GenerationError
-
-
-def rollback(cache, keep: int, recorded: int):
-    """Keep the first `keep` of the `recorded` tokens the last call added to each layer."""
-    for layer_cache in cache:
-        if isinstance(layer_cache, RecurrentCache):
-            layer_cache.rollback(keep, recorded)
-        else:
-            layer_cache.trim(recorded - keep)
-
-
-def record_snapshots(cache, on: bool):
-    for layer_cache in cache:
-        if isinstance(layer_cache, RecurrentCache):
-            layer_cache.record_snapshots = on
 
 
 def keep_snapshot_buffers(cache, num_draft_tokens: int):
@@ -55,8 +40,7 @@ def keep_snapshot_buffers(cache, num_draft_tokens: int):
     return as fresh pages: at the Qwen3.5-0.8B shape a k=4 verify pass took 300 to 560 ms
     instead of 220 ms.
     """
-    state_bytes = sum(c.state.nbytes + c.conv_tail.nbytes for c in cache if isinstance(c, RecurrentCache))
-    wanted = 4 * (num_draft_tokens + 1) * state_bytes
+    wanted = 4 * (num_draft_tokens + 1) * sum(c.step_nbytes for c in cache)
     previous = mx.set_cache_limit(wanted)
     if previous > wanted:
         mx.set_cache_limit(previous)

@@ -23,7 +23,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from ..cache import packed
+from ..cache import packed, record_snapshots
 from ..drafting import draft_rows
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, request_ids
@@ -33,7 +33,6 @@ from ..speculative import (
     SpeculativeStats,
     accept_greedy,
     check_num_draft_tokens,
-    record_snapshots,
 )
 from .prefix_store import PrefixStore, capture, restore
 

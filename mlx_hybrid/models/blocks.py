@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
-from ..cache import RecurrentCache, RowCaches
+from ..cache import KVCache, RecurrentCache, RowCaches
 from ..parallel import (
     COLUMNS,
     PIPELINE,
@@ -370,8 +370,6 @@ class HybridModel(nn.Module):
         return "mtp" in self
 
     def make_cache(self):
-        from ..cache import KVCache, RecurrentCache
-
         # a layer another rank runs gets an empty KV cache: it trims and checkpoints to nothing
         return [
             RecurrentCache() if layer.layer_type == LINEAR and not isinstance(layer, LayerElsewhere) else KVCache()

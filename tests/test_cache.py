@@ -1,0 +1,56 @@
+"""The layer-cache interface (`cache.LayerCache`), on every family's caches (KV, absorbed MLA,
+recurrent): rolling back, rewinding to a mark, checkpointing, and what they hold."""
+
+import mlx.core as mx
+import pytest
+
+import mlx_hybrid
+from conftest import FAMILIES, assert_close_to_floor, load_fixture, reference
+from mlx_hybrid.cache import LayerCache, marks, record_snapshots, rewind, rollback
+
+
+def _prompt(family):
+    return mx.array([reference(family)["prompt_ids"][0].tolist()])
+
+
+def _continued(model, cache, tokens):
+    return model(mx.array([tokens]), cache)[0, -1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_layer_cache_rolls_back_rewinds_and_restores(family):
+    model, _ = load_fixture(family, "model.gguf")
+    cache = mlx_hybrid.make_cache(model)
+    assert all(isinstance(c, LayerCache) for c in cache)
+    model(_prompt(family), cache)
+    after_prompt = marks(cache)
+    want = _continued(model, cache, [7])  # the reference: the prompt, then token 7
+    rewind(cache, after_prompt)
+
+    # a recorded call of 4 tokens rolled back to its first: the state after the prompt and 7
+    record_snapshots(cache, True)
+    model(mx.array([[7, 8, 9, 10]]), cache)
+    record_snapshots(cache, False)
+    rollback(cache, keep=1, recorded=4)
+    got_rolled = _continued(model, cache, [11])
+
+    # rewinding to a mark forgets what came after it
+    rewind(cache, after_prompt)
+    model(mx.array([[7, 3, 3]]), cache)
+    rewind(cache, after_prompt)
+    assert mx.array_equal(_continued(model, cache, [7]), want)  # the same sums: the same bits
+
+    # a checkpoint restored into fresh caches continues as the original does
+    rewind(cache, after_prompt)
+    saved = [c.checkpoint() for c in cache]
+    fresh = mlx_hybrid.make_cache(model)
+    for c, entries in zip(fresh, saved):
+        c.restore(entries)
+    assert mx.array_equal(_continued(model, fresh, [7]), want)
+    assert sum(c.nbytes for c in fresh) == sum(a.nbytes for c in fresh for a in c.arrays) > 0
+
+    # the rolled-back caches, continued with 11, equal the prompt, 7, then 11 read one at a time
+    plain = mlx_hybrid.make_cache(model)
+    model(_prompt(family), plain)
+    _continued(model, plain, [7])
+    assert_close_to_floor(got_rolled, _continued(model, plain, [11]))  # 4 rows against single steps
