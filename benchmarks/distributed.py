@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 from mlx_hybrid.commands import on_every_rank
 from mlx_hybrid.drafting import make_drafter
 from mlx_hybrid.engine import Engine, ReplicatedEngine
-from mlx_hybrid.models.blocks import LINEAR
+from mlx_hybrid.models.layers import LINEAR
 from mlx_hybrid.parallel import launched_group
 
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"

@@ -9,7 +9,13 @@ import os
 import signal
 import sys
 
-from mlx_hybrid.drafting import AUTO, DEFAULT_DRAFT_P_MIN, adaptive, make_drafter, resolve_draft
+from mlx_hybrid.drafting import (
+    AUTO,
+    DEFAULT_DRAFT_P_MIN,
+    adaptive,
+    make_drafter,
+    resolve_draft,
+)
 from mlx_hybrid.sampling import SEED_LIMIT, SamplingParams
 
 USAGE_ERROR = 2

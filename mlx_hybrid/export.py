@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from .loaders import gguf_file, hf
 from .loaders.common import rename
-from .models.blocks import LINEAR
+from .models.layers import LINEAR
 from .models.qwen3_5 import POST_NORM
 
 _GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}

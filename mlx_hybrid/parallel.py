@@ -17,11 +17,9 @@ with the same `Split`s as they read them, so no rank ever holds the whole model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
-import numpy as np
 
 from .errors import ModelLoadError
 
@@ -91,7 +89,7 @@ class Split:
 
     def take(self, tensor, rank: int, size: int):
         """The rank's part of an mx.array, or of a quantized tensor (anything with weight,
-        scales, biases, bits and group_size, as `loaders.quantized.QuantizedTensor`)."""
+        scales, biases, bits and group_size, as `quantized_tensor.QuantizedTensor`)."""
         if not hasattr(tensor, "scales"):
             return self._take(tensor, self.axis, self.bounds(tensor.shape[self.axis], rank, size))
         if self.axis != -1:  # rows: every part of a quantized tensor has them
@@ -149,26 +147,6 @@ def gather_last_axis(x: mx.array, group, length: int) -> mx.array:
         x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
     gathered = mx.distributed.all_gather(mx.moveaxis(x, -1, 0), group=group)  # along axis 0
     return mx.moveaxis(gathered[:length], 0, -1)
-
-
-# Control messages, sent in place of a payload's length
-STOP = -1  # the leader has stopped: the others return
-IDLE = -2  # nothing to do: every rank sleeps a moment before the next message
-
-
-def broadcast_message(message, group):
-    """Rank 0's message on every rank (the others pass None): None (no news) or a control
-    code (STOP, IDLE) in one collective of one number, anything else JSON-able in two."""
-    leader = group.rank() == 0
-    control = leader and isinstance(message, int) and message < 0
-    data = json.dumps(message).encode() if leader and message is not None and not control else b""
-    length = mx.array([message if control else len(data)], dtype=mx.int32)
-    length = mx.distributed.all_sum(length, group=group).item()
-    if length <= 0:
-        return length if length < 0 else None
-    payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if leader else mx.zeros((length,), dtype=mx.uint8)
-    received = np.array(mx.distributed.all_sum(payload, group=group))  # evaluated on every rank, the leader's too
-    return message if leader else json.loads(received.tobytes().decode())
 
 
 def agreed_max(value: int, group) -> int:

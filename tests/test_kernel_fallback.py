@@ -15,7 +15,7 @@ import pytest
 
 from emulation import emulate
 from mlx_hybrid import ops
-from mlx_hybrid.ops import kernels, reference
+from mlx_hybrid.ops import kernels, reference, selfcheck
 from test_ops import OP_TOL, make_inputs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
@@ -28,7 +28,7 @@ def emulated(monkeypatch):
         kernels.RUNNERS, "emulated", lambda spec, launch: [mx.array(o) for o in emulate(spec, launch)[0]]
     )
     monkeypatch.setattr(ops, "kernel_platform", lambda: "emulated")
-    monkeypatch.setattr(ops, "_kernel_usable", {})
+    monkeypatch.setattr(selfcheck, "kernel_usable", {})
     monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)
 
 
@@ -73,7 +73,7 @@ def test_sound_kernels_pass_their_check_and_run(emulated, caplog):
     with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
         (rule, want_rule), (conv, want_conv) = run_both_ops()
     assert not caplog.records
-    assert all(ops._kernel_usable.values()) and len(ops._kernel_usable) == 2
+    assert all(selfcheck.kernel_usable.values()) and len(selfcheck.kernel_usable) == 2
     assert_equal_results(rule, want_rule, OP_TOL)  # the kernel against pure MLX: two float32 orders
     assert_equal_results(conv, want_conv, OP_TOL)
 
@@ -95,7 +95,7 @@ def test_broken_kernel_warns_once_and_falls_back(emulated, monkeypatch, tmp_path
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
     assert spec.file in warnings[0] and problem in warnings[0] and "pure-MLX path" in warnings[0]
-    broken = [key for key, usable in ops._kernel_usable.items() if not usable]
+    broken = [key for key, usable in selfcheck.kernel_usable.items() if not usable]
     assert [key[0] for key in broken] == [spec.name]
     # the fallback is the pure-MLX op itself: the broken op's output is exactly the reference
     got, want = (rule, want_rule) if spec is kernels.GATED_DELTA else (conv, want_conv)
@@ -105,5 +105,5 @@ def test_broken_kernel_warns_once_and_falls_back(emulated, monkeypatch, tmp_path
 def test_strict_mode_makes_a_broken_kernel_an_error(emulated, monkeypatch, tmp_path):
     broken_kernel(monkeypatch, tmp_path, kernels.GATED_DELTA, "= read;", "= 2.0f * read;")
     monkeypatch.setenv("MLX_HYBRID_STRICT_KERNELS", "1")
-    with pytest.raises(ops.KernelError, match="gated_delta.metal"):
+    with pytest.raises(selfcheck.KernelError, match="gated_delta.metal"):
         ops.gated_delta_update(*gated_delta_inputs())

@@ -10,7 +10,7 @@ from gguf.quants import dequantize
 import mlx_hybrid
 from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, reference
 from mlx_hybrid.loaders.quantized import AFFINE_TYPES, from_gguf_blocks, pack
-from mlx_hybrid.models.blocks import QuantizedSwitchLinear
+from mlx_hybrid.models.layers import QuantizedSwitchLinear
 
 
 def quantized_modules(model):

@@ -11,14 +11,37 @@ drafts, rolling back and saving checkpoints come out the same everywhere.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
 
+import mlx.core as mx
+import numpy as np
+
 from ..errors import GenerationError
-from ..parallel import IDLE, STOP, broadcast_message
 from ..sampling import SamplingParams
 from .scheduler import Engine
+
+# Control messages, sent in place of a payload's length
+STOP = -1  # the leader has stopped: the others return
+IDLE = -2  # nothing to do: every rank sleeps a moment before the next message
+
+
+def broadcast_message(message, group):
+    """Rank 0's message on every rank (the others pass None): None (no news) or a control
+    code (STOP, IDLE) in one collective of one number, anything else JSON-able in two."""
+    leader = group.rank() == 0
+    control = leader and isinstance(message, int) and message < 0
+    data = json.dumps(message).encode() if leader and message is not None and not control else b""
+    length = mx.array([message if control else len(data)], dtype=mx.int32)
+    length = mx.distributed.all_sum(length, group=group).item()
+    if length <= 0:
+        return length if length < 0 else None
+    payload = mx.array(np.frombuffer(data, dtype=np.uint8)) if leader else mx.zeros((length,), dtype=mx.uint8)
+    received = np.array(mx.distributed.all_sum(payload, group=group))  # evaluated on every rank, the leader's too
+    return message if leader else json.loads(received.tobytes().decode())
+
 
 # How long every rank sleeps when the leader has nothing to do. A rank waiting in a ring
 # collective spins a core (MLX's ring backend polls its sockets), so an idle engine meets

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError
-from .quantized import QuantizedTensor
+from ..quantized_tensor import QuantizedTensor
 
 Transform = Callable[[mx.array, object], "mx.array | tuple[mx.array, ...]"]
 

@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError
-from ..models.blocks import FULL, LINEAR
+from ..models.layers import FULL, LINEAR
 from ..models.qwen3_5 import POST_NORM
+from ..quantized_tensor import QuantizedTensor
 from .common import Rule, rowwise, split_fused_ba
-from .quantized import QuantizedTensor, from_gguf_blocks
+from .quantized import from_gguf_blocks
 
 # -- hyper-parameters ------------------------------------------------------------
 

@@ -9,9 +9,17 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import ModelLoadError
-from ..models.blocks import FULL, LINEAR
-from .common import Rule, halves, neg_exp, plus_one, rowwise, split_fused_ba, squeeze_conv
-from .quantized import QuantizedTensor
+from ..models.layers import FULL, LINEAR
+from ..quantized_tensor import QuantizedTensor
+from .common import (
+    Rule,
+    halves,
+    neg_exp,
+    plus_one,
+    rowwise,
+    split_fused_ba,
+    squeeze_conv,
+)
 
 # -- tensor tables -------------------------------------------------------------
 

@@ -15,23 +15,22 @@ import mlx.nn as nn
 from .. import ops
 from ..cache import KVCache, RecurrentCache
 from ..parallel import COLUMNS, ROWS, VECTOR, Split, all_sum
-from .blocks import (
+from .layers import (
     F32,
     LINEAR,
     MLP,
-    HybridModel,
     Linear,
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
     check_heads,
     check_layer_types,
-    delta_rule_attention,
-    for_each_row,
     gated_rms_norm,
-    prefixed,
     top_k_indices,
 )
+from .linear_attention import delta_rule_attention, for_each_row
+from .sharding import prefixed
+from .trunk import HybridModel
 
 
 @dataclass

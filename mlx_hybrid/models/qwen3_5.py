@@ -15,25 +15,23 @@ import mlx.nn as nn
 from .. import ops
 from ..cache import KVCache, RecurrentCache
 from ..parallel import COLUMNS, ROWS, VECTOR, Split, all_sum, require
-from .blocks import (
+from .layers import (
     F32,
     FULL,
     LINEAR,
     MLP,
-    HybridModel,
     Linear,
     RMSNorm,
     SwitchGLU,
     causal_mask_for,
     check_heads,
     check_layer_types,
-    delta_rule_attention,
-    for_each_row,
     gated_rms_norm,
-    prefixed,
     top_k_indices,
 )
-
+from .linear_attention import delta_rule_attention, for_each_row
+from .sharding import prefixed
+from .trunk import HybridModel
 
 # The hidden state an MTP head reads. The released Qwen3.5 / Qwen3-Next heads were trained
 # (Megatron-LM's MTP) on the trunk's output after the final norm, each chained draft on the

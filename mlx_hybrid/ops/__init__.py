@@ -11,20 +11,18 @@ A safety net for kernels no compiler on the user's machine has seen before: the 
 call of each kernel variant (its template arguments) runs it on a small case against
 the pure-MLX op. If it fails to compile or disagrees, one warning is logged and that
 variant runs the pure-MLX path for the rest of the process;
-MLX_HYBRID_STRICT_KERNELS=1 makes it an error instead.
+MLX_HYBRID_STRICT_KERNELS=1 makes it an error instead (see `selfcheck`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from functools import lru_cache, partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
-from . import kernels, reference
+from . import kernels, reference, selfcheck
 from .activations import sigmoid, silu, swiglu  # noqa: F401  (the models' activations)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
@@ -125,84 +123,6 @@ KERNEL_MAX_KEY_DIM = 256
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-class KernelError(RuntimeError):
-    """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
-
-
-_log = logging.getLogger("mlx_hybrid")
-_kernel_usable: dict[tuple, bool] = {}  # (kernel, platform, variant) -> passed its check
-KERNEL_CHECK_TOLERANCE = 1e-3  # float32 accumulation either way; inputs cast the same
-
-
-def _strict_kernels() -> bool:
-    return os.environ.get("MLX_HYBRID_STRICT_KERNELS", "") not in ("", "0")
-
-
-def _checked(spec, small_case: Callable[..., tuple], platform: str, *variant) -> bool:
-    """Whether this kernel variant may run: checked once, on its first call.
-
-    small_case(platform, *variant) -> (kernel outputs, reference outputs) for a few tokens.
-    """
-    key = (spec.name, platform, *variant)
-    if key not in _kernel_usable:
-        try:
-            got, want = small_case(platform, *variant)
-            errors = [float(np.abs(np.array(g, np.float32) - np.array(w, np.float32)).max()) for g, w in zip(got, want)]
-            problem = (
-                None if max(errors) <= KERNEL_CHECK_TOLERANCE else f"differs from the pure-MLX op by {max(errors):.3g}"
-            )
-        except Exception as e:  # a compile error, a bad launch: the message is for the warning
-            problem = f"failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
-        if problem is not None:
-            described = ", ".join(map(str, variant))
-            message = f"the {platform} kernel {spec.file} ({described}) {problem}; using the pure-MLX path for it"
-            if _strict_kernels():
-                raise KernelError(message + " (MLX_HYBRID_STRICT_KERNELS=1 makes this an error)")
-            _log.warning("mlx_hybrid: %s", message)
-        _kernel_usable[key] = problem is None
-    return _kernel_usable[key]
-
-
-def _small_gated_delta_case(platform, dtype, key_dim: int, vector_gate: bool, snapshots: bool):
-    """Three tokens, one key head, two value heads: the kernel against the recurrence."""
-    rng = np.random.default_rng(0)
-    B, T, Hk, Hv, Dv = 1, 3, 1, 2, 8
-    q = rng.standard_normal((B, T, Hk, key_dim))
-    k = rng.standard_normal((B, T, Hk, key_dim))
-    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
-    g = -rng.uniform(0.01, 0.5, (B, T, Hv, key_dim) if vector_gate else (B, T, Hv))
-    inputs = [mx.array(x.astype(np.float32)).astype(dtype) for x in (q, k, rng.standard_normal((B, T, Hv, Dv)), g)]
-    inputs += [mx.array(rng.uniform(0.1, 0.9, (B, T, Hv)).astype(np.float32)).astype(dtype)]
-    state = mx.array(rng.standard_normal((B, Hv, key_dim, Dv)).astype(np.float32))
-    out, final, states = kernels.run(
-        kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, state, snapshots), platform
-    )
-    want_out, want_final, want_states = reference.gated_delta_recurrent(*inputs, state, snapshots=snapshots)
-    got, want = [out, final], [want_out, want_final]
-    if snapshots:
-        got.append(states)
-        want.append(mx.stack(want_states, axis=1))
-    return got, want
-
-
-def _small_conv_case(platform, dtype, width: int, snapshots: bool):
-    rng = np.random.default_rng(0)
-    x, tail = (
-        mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-        for shape in [(1, 3, 8), (1, width - 1, 8)]
-    )
-    weight = mx.array(rng.standard_normal((8, width)).astype(np.float32))
-    y, new_tail, tails = kernels.run(
-        kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
-    )
-    want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots)
-    got, want = [y, new_tail], [want_y, want_tail]
-    if snapshots:
-        got.append(tails)
-        want.append(mx.stack(want_tails, axis=1))
-    return got, want
-
-
 def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False) -> GatedDeltaResult:
     """Advance the gated delta rule over T tokens (see `reference` for shapes)."""
     platform = kernel_platform()
@@ -212,8 +132,8 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
         and recurrent
         and q.shape[-1] <= KERNEL_MAX_KEY_DIM
         and q.dtype in KERNEL_DTYPES
-        and _checked(
-            kernels.GATED_DELTA, _small_gated_delta_case, platform, q.dtype, q.shape[-1], g.ndim == 4, snapshots
+        and selfcheck.passed(
+            kernels.GATED_DELTA, selfcheck.small_gated_delta_case, platform, q.dtype, q.shape[-1], g.ndim == 4, snapshots
         )
     ):
         out, final, states = kernels.run(
@@ -247,7 +167,7 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
         platform
         and x.dtype in KERNEL_DTYPES
         and width >= 2
-        and _checked(kernels.CONV1D_SILU, _small_conv_case, platform, x.dtype, width, snapshots)
+        and selfcheck.passed(kernels.CONV1D_SILU, selfcheck.small_conv_case, platform, x.dtype, width, snapshots)
     ):
         y, new_tail, tails = kernels.run(
             kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform

@@ -1,0 +1,168 @@
+"""Layers the model files share: norms, MLPs and mixtures of experts, linear and embedding
+layers (float and quantized), the layer kinds of the hybrid models."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import ops
+from ..parallel import (
+    COLUMNS,
+    ROWS,
+    Split,
+    all_sum,
+    require,
+)
+
+F32 = mx.float32
+
+# layer kinds of the hybrid models
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def check_layer_types(layer_types, num_layers: int):
+    if len(layer_types) != num_layers or set(layer_types) - {LINEAR, FULL}:
+        raise ValueError(f"layer_types must list {num_layers} of {LINEAR!r}/{FULL!r}")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a plain weight (loaders turn zero-centred weights w into 1 + w)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@partial(mx.compile, shapeless=True)
+def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (as FLA and transformers)."""
+    x = x.astype(F32)
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def gated_rms_norm(x: mx.array, weight: mx.array, gate: mx.array, eps: float) -> mx.array:
+    """RMSNorm(x) * weight * gate, in float32 (the output norm of linear attention)."""
+    return ops.rms_norm(x.astype(F32), weight.astype(F32), eps) * gate.astype(F32)
+
+
+def check_heads(heads: int, size: int, what: str):
+    require(heads % size == 0, f"{heads} {what} cannot be split evenly over {size} ranks")
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, dims: int, hidden: int):
+        super().__init__()
+        self.gate_proj = Linear(dims, hidden, bias=False)
+        self.up_proj = Linear(dims, hidden, bias=False)
+        self.down_proj = Linear(hidden, dims, bias=False)
+        self.group = None  # split: each rank's down projection gives a partial sum
+
+    def __call__(self, x):
+        return all_sum(self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x))), self.group)
+
+    def split_heads(self, group, reduce: bool = True) -> dict[str, Split]:
+        """Split the hidden units; reduce=False leaves the all-sum to the caller (a shared expert)."""
+        check_heads(self.gate_proj.weight.shape[0], group.size(), "feed-forward units")
+        self.group = group if reduce else None
+        return {"gate_proj.weight": ROWS, "up_proj.weight": ROWS, "down_proj.weight": COLUMNS}
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """Returns the input's dtype: exact GGUF scales are float32, and MLX would promote a
+    16-bit model's products, and everything after them, to float32."""
+
+    def __call__(self, x):
+        return super().__call__(x).astype(x.dtype)
+
+
+class Linear(nn.Linear):
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """Looks rows up in float32: MLX's own gives its scales' dtype (16 bits when loaded compact)."""
+
+    def __call__(self, x):
+        scales, biases = self["scales"][x].astype(F32), self["biases"][x].astype(F32)
+        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+
+    def as_linear(self, x):
+        return super().as_linear(x).astype(x.dtype)
+
+
+class Embedding(nn.Embedding):
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
+        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
+
+
+class SwitchLinear(nn.Module):
+    """Stacked expert matrices [E, out, in], applied to the experts each token selected."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+        super().__init__()
+        self.weight = mx.zeros((num_experts, output_dims, input_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return ops.gather_matmul(x, self.weight.swapaxes(-1, -2), indices)
+
+    def to_quantized(self, group_size: int = 32, bits: int = 4, mode: str = "affine"):
+        return QuantizedSwitchLinear(self.weight.shape, group_size, bits)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear with MLX affine-quantized experts (gathered quantized matmul)."""
+
+    def __init__(self, shape, group_size: int, bits: int):
+        super().__init__()
+        E, out, inp = shape
+        self.group_size, self.bits = group_size, bits
+        self.weight = mx.zeros((E, out, inp * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((E, out, inp // group_size))
+        self.biases = mx.zeros((E, out, inp // group_size))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return mx.gather_qmm(
+            x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+            group_size=self.group_size, bits=self.bits,
+        ).astype(x.dtype)  # fmt: skip
+
+
+class SwitchGLU(nn.Module):
+    """SwiGLU experts; each projection is one SwitchLinear over all experts."""
+
+    def __init__(self, dims: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
+        self.up_proj = SwitchLinear(dims, hidden, num_experts)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [..., D], indices [..., k] -> [..., k, D]."""
+        x = mx.expand_dims(x, (-2, -3))
+        hidden = ops.swiglu(self.gate_proj(x, indices), self.up_proj(x, indices))
+        return self.down_proj(hidden, indices).squeeze(-2)
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Every expert keeps its share of hidden units; the caller sums the partial outputs."""
+        check_heads(self.gate_proj.weight.shape[-2], group.size(), "expert feed-forward units")
+        return {"gate_proj.weight": ROWS, "up_proj.weight": ROWS, "down_proj.weight": COLUMNS}
+
+
+def top_k_indices(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest scores along the last axis."""
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+
+
+def causal_mask_for(num_tokens: int):
+    """Mask argument for attention over a cache: causal when several tokens come at once."""
+    return "causal" if num_tokens > 1 else None

@@ -1,0 +1,87 @@
+"""Linear attention over packed rows: several sequences packed along the token axis, each on
+its own cache (`cache.RowCaches`), and the delta rule's shared core (GDN and KDA)."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import mlx.core as mx
+
+from .. import ops
+from ..cache import RecurrentCache, RowCaches
+from .layers import l2_normalize
+
+
+def _row_pieces(cache: RowCaches, arrays) -> list[list[mx.array]]:
+    """Each packed array split into its rows' parts along the token axis."""
+    bounds = list(accumulate(cache.lengths))[:-1]
+    return [mx.split(array, bounds, axis=1) for array in arrays]
+
+
+def for_each_row(fn, cache, *arrays: mx.array) -> mx.array:
+    """fn(*arrays, cache) -> [B, T, ...], run per sequence when several come packed along
+    the token axis (axis 1) with `RowCaches`, so that no row sees another's tokens."""
+    if not isinstance(cache, RowCaches):
+        return fn(*arrays, cache)
+    pieces = _row_pieces(cache, arrays)
+    outs = [fn(*(p[row] for p in pieces), row_cache) for row, row_cache in enumerate(cache.caches)]
+    return mx.concatenate(outs, axis=1)
+
+
+def delta_rule_attention(
+    mixed_qkv, conv_weight, g, beta, cache, key_heads: int, value_heads: int, key_dim: int, value_dim: int
+):
+    """The shared core of GDN and KDA layers: causal conv + SiLU over q|k|v, L2-normalised
+    q and k, then the gated delta rule; reads and updates the layer's recurrent cache.
+
+    Returns the rule's output [B, T, value_heads, value_dim] in float32.
+    """
+
+    def one_sequence(mixed_qkv, g, beta, cache):
+        B, T, _ = mixed_qkv.shape
+        record = cache is not None and cache.record_snapshots
+        conv = ops.conv1d_update(mixed_qkv, conv_weight, cache.conv_tail if cache else None, snapshots=record)
+        q, k, v = mx.split(conv.out, [key_heads * key_dim, 2 * key_heads * key_dim], axis=-1)
+        q = l2_normalize(q.reshape(B, T, key_heads, key_dim)) * key_dim**-0.5
+        k = l2_normalize(k.reshape(B, T, key_heads, key_dim))
+        v = v.reshape(B, T, value_heads, value_dim)
+        rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
+        if cache is not None:
+            cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
+        return rule.out
+
+    if isinstance(cache, RowCaches):
+        return _rows_in_groups(one_sequence, cache, mixed_qkv, g, beta)
+    return one_sequence(mixed_qkv, g, beta, cache)
+
+
+def _rows_in_groups(one_sequence, cache: RowCaches, *arrays: mx.array) -> mx.array:
+    """Recurrent layers of packed rows: rows of one length whose states exist run as one batch
+    (each row's state is its own slice, and every op is per row, so each row computes what
+    it computes alone); the others one by one. Batching saves the per-op overhead of
+    B small calls, which at decode dominates the recurrence's work."""
+    pieces = _row_pieces(cache, arrays)
+    groups: dict[tuple, list[int]] = {}
+    for row, (n, row_cache) in enumerate(zip(cache.lengths, cache.caches)):
+        key = (n, row_cache.record_snapshots) if row_cache.state is not None else ("alone", row)
+        groups.setdefault(key, []).append(row)
+    outs = [None] * len(cache.caches)
+    for rows in groups.values():
+        if len(rows) == 1:
+            (row,) = rows
+            outs[row] = one_sequence(*(p[row] for p in pieces), cache.caches[row])
+            continue
+        members = [cache.caches[row] for row in rows]
+        batch = RecurrentCache()
+        batch.record_snapshots = members[0].record_snapshots
+        batch.update(mx.concatenate([c.conv_tail for c in members]), mx.concatenate([c.state for c in members]))
+        out = one_sequence(*(mx.concatenate([p[row] for row in rows]) for p in pieces), batch)
+        for i, (row, member) in enumerate(zip(rows, members)):
+            outs[row] = out[i : i + 1]
+            member.update(
+                batch.conv_tail[i : i + 1],
+                batch.state[i : i + 1],
+                [s[i : i + 1] for s in batch.conv_snapshots] if batch.conv_snapshots else None,
+                [s[i : i + 1] for s in batch.state_snapshots] if batch.state_snapshots else None,
+            )
+    return mx.concatenate(outs, axis=1)

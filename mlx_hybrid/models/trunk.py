@@ -1,0 +1,141 @@
+"""The trunk every architecture shares: embedding, decoder layers, final norm and LM head,
+with its caches and its split over a group's ranks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, RecurrentCache
+from ..parallel import (
+    PIPELINE,
+    ROWS,
+    TENSOR,
+    Parallel,
+    ShardingError,
+    Split,
+    all_sum,
+    gather_last_axis,
+    layer_range,
+    require,
+)
+from .heads import SplitVocabularySubsetHead, VocabularySubsetHead
+from .layers import LINEAR, Embedding, Linear, RMSNorm
+from .sharding import LayerElsewhere, cut_parameters, prefixed
+
+
+class HybridModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; subclasses build the layers.
+
+    Each layer has a `layer_type` ("linear_attention" or "full_attention") and is
+    called as layer(h, cache).
+    """
+
+    def __init__(self, args, layers):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = layers
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.parallel: Parallel | None = None  # set by shard
+        self.vocab_range = None  # split: the [start, end) of the vocabulary rows this rank holds
+
+    @property
+    def group(self):
+        return self.parallel.group if self.parallel is not None else None
+
+    def shard(self, group, mode: str = TENSOR) -> dict[str, Split]:
+        """Split this model over `group`'s ranks in place (see `mlx_hybrid.parallel`): this rank
+        keeps its part of every parameter. mode: "tensor" or "pipeline". Returns the `Split`
+        of each split parameter by name (the loaders cut checkpoint tensors with them).
+        The MTP head is split like the layers in tensor mode; a pipeline keeps it whole on
+        every rank (one layer's worth), so that every rank drafts without communicating."""
+        if self.parallel is not None:
+            raise ShardingError("this model is already split")
+        rank, size = group.rank(), group.size()
+        specs = {"embed_tokens.weight": ROWS}
+        if not self.args.tie_word_embeddings:
+            specs["lm_head.weight"] = ROWS
+        if mode == TENSOR:
+            for i, layer in enumerate(self.layers):
+                specs |= prefixed(f"layers.{i}", layer.split_heads(group))
+            for i, layer in enumerate(self.mtp.layers if self.has_mtp else []):
+                specs |= prefixed(f"mtp.layers.{i}", layer.split_heads(group))
+        elif mode == PIPELINE:
+            count = len(self.layers)
+            require(size <= count, f"a pipeline over {size} ranks needs at least {size} layers; the model has {count}")
+            held = layer_range(count, rank, size)
+            for i, layer in enumerate(self.layers):
+                if i not in held:
+                    self.layers[i] = LayerElsewhere(layer.layer_type)
+        else:
+            raise ShardingError(f"unknown split {mode!r} (use {TENSOR!r} or {PIPELINE!r})")
+        self.parallel = Parallel(group, mode)
+        self.vocab_range = ROWS.bounds(self.args.vocab_size, rank, size)[0]
+        cut_parameters(self, specs, rank, size)
+        return specs
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self
+
+    def make_cache(self):
+        # a layer another rank runs gets an empty KV cache: it trims and checkpoints to nothing
+        return [
+            RecurrentCache() if layer.layer_type == LINEAR and not isinstance(layer, LayerElsewhere) else KVCache()
+            for layer in self.layers
+        ]
+
+    def embed(self, ids: mx.array) -> mx.array:
+        # in the compute dtype: a quantized embedding gives float32
+        dtype = self.norm.weight.dtype
+        if self.vocab_range is None:
+            return self.embed_tokens(ids).astype(dtype)
+        start, end = self.vocab_range
+        local = ids - start
+        held = (local >= 0) & (local < end - start)
+        rows = self.embed_tokens(mx.where(held, local, 0)).astype(dtype)
+        return all_sum(mx.where(held[..., None], rows, 0), self.group)
+
+    def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
+        """The trunk's hidden state before the final norm, [B, T, E]."""
+        h = self.embed(ids)
+        pipeline = self.parallel if self.parallel is not None and self.parallel.mode == PIPELINE else None
+        if pipeline is not None and pipeline.rank > 0:
+            # the embedding's all-sum first, as on the ranks before: a receive does not depend on it
+            mx.eval(h)
+            h = mx.distributed.recv_like(h, pipeline.rank - 1, group=pipeline.group)
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerElsewhere):
+                h = layer(h, cache[i] if cache is not None else None)
+        if pipeline is not None:
+            if pipeline.rank < pipeline.size - 1:
+                h = mx.distributed.send(h, pipeline.rank + 1, group=pipeline.group)
+            # the last rank's output, on every rank (the gather also makes the send run)
+            h = mx.distributed.all_gather(h, group=pipeline.group)[-h.shape[0] :]
+        return h
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        return self.project(self.norm(h))
+
+    def _output_projection(self) -> nn.Module:
+        return self.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+
+    def project(self, x: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            logits = self.embed_tokens.as_linear(x)
+        else:
+            logits = self.lm_head(x)
+        return logits if self.parallel is None else gather_last_axis(logits, self.group, self.args.vocab_size)
+
+    def vocabulary_head(self, ids: mx.array) -> nn.Module:
+        """`project` restricted to the tokens `ids`."""
+        if self.parallel is not None:
+            return SplitVocabularySubsetHead(self._output_projection(), ids, self.parallel, self.args.vocab_size)
+        return VocabularySubsetHead(self._output_projection(), ids)
+
+    def __call__(self, ids: mx.array, cache=None) -> mx.array:
+        return self.logits_from_hidden(self.hidden_states(ids, cache))
