@@ -325,7 +325,10 @@ class Engine:
             for row, (s, e) in zip(rows, spans)
         ]
         positions = [p for w in wanted for p in w]
-        logits = self.model.logits_from_hidden(hidden[:, mx.array(positions)])[0] if positions else None
+        if len(positions) == hidden.shape[1]:  # every position (decoding rows only): no gather
+            logits = self.model.logits_from_hidden(hidden)[0]
+        else:
+            logits = self.model.logits_from_hidden(hidden[:, mx.array(positions)])[0] if positions else None
         bounds = [0, *accumulate(len(w) for w in wanted)]
         row_logits = [logits[s:e] if e > s else None for s, e in zip(bounds, bounds[1:])]
         choices = self._greedy_choices(rows, feeds, row_logits)
