@@ -8,7 +8,8 @@ accuracy, and how often the MTP head's first draft equals the trunk's own greedy
 next token (what speculative decoding accepts), and the share of the vocabulary that
 covers 99% of the held-out tokens. Then, generating greedily from held-out prompts
 through the Python API with no set-up call (as an app would): mean tokens per trunk
-pass and acceptance by draft position (mean over the prompts) for k = 1..4 and the wall-clock speedup over plain decoding measured in this run,
+pass and acceptance by draft position (mean over the prompts) for k = 1..4 and the
+wall-clock speedup over plain decoding measured in this run,
 drafting over the whole vocabulary and over the `--draft-vocab` most frequent tokens
 (1/8 of the 2048, as 32k is of Qwen3.5's 248k), both with exactly k drafts a round,
 then with the default (adaptive) settings.

@@ -150,10 +150,10 @@ class RecurrentCache(LayerCache):
         self.conv_snapshots = self.state_snapshots = None
 
     def mark(self) -> tuple:
-        return self.conv_tail, self.state  # replaced, never written in place: references suffice
+        return self.checkpoint()  # references: states are replaced, never written in place
 
     def rewind(self, mark: tuple):
-        self.conv_tail, self.state = mark
+        self.restore(mark)
 
     @property
     def arrays(self) -> list[mx.array]:

@@ -483,7 +483,7 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     the same vocabulary. draft_vocab: tokens the drafter projects onto (None: the default
     for the vocabulary's size, 0: all).
     """
-    check_draft_p_min(draft_p_min)  # it also switches the decoder's backoff, for every drafter
+    check_draft_p_min(draft_p_min)  # it also decides the decoder's backoff by default (see `adaptive`)
     draft = resolve_draft(model, draft, draft_model)
     if draft is not None and draft_model is not None:
         raise GenerationError("give either draft= or draft_model=, not both")

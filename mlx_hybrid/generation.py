@@ -84,7 +84,7 @@ def stream_generate(
     start = time.perf_counter()
     sequence = engine.submit(prompt, params=params)
     detokenizer = StreamingDetokenizer(tokenizer)
-    n, first_at, prompt_tps = 0, None, 0.0
+    n, first_at, prompt_tps, stats = 0, None, 0.0, sequence.stats
     for event in engine.drive(sequence):
         if event.error is not None:
             raise GenerationError(f"generation failed: {event.error}")
@@ -97,7 +97,6 @@ def stream_generate(
             finish = event.finish_reason if i == len(event.tokens) - 1 else None
             text = detokenizer.add(token) + (detokenizer.finalize() if finish else "")
             elapsed = now - first_at
-            stats = sequence.stats
             yield GenerationResponse(
                 text=text,
                 token=token,

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..sampling import SamplingParams
-from .scheduler import Engine
+from .scheduler import Engine, request_params
 
 # Control messages, sent in place of a payload's length
 STOP = -1  # the leader has stopped: the others return
@@ -78,14 +78,13 @@ class ReplicatedEngine(Engine):
             raise GenerationError("only rank 0 takes requests; the other ranks follow it")
         if drafter is not None:
             raise GenerationError("a split model's requests use the engine's drafter")
-        if max_tokens is not None:
-            settings["max_tokens"] = max_tokens
-        params = (params or SamplingParams()).replace(**settings)
+        params = request_params(params, max_tokens, settings)
         if params.seed is None:  # drawn here, so that every rank samples alike
             params = params.replace(seed=int.from_bytes(os.urandom(4), "little") >> 1)
         row = self._new_row(prompt, params, checkpoint_at, None, events)
-        # token ids: the tokenizer's work done once
-        request = {"prompt": row.sequence.prompt, "params": dataclasses.asdict(params), "checkpoint_at": list(checkpoint_at)}
+        request = {  # the prompt as token ids: the tokenizer's work done once
+            "prompt": row.sequence.prompt, "params": dataclasses.asdict(params), "checkpoint_at": list(checkpoint_at),
+        }  # fmt: skip
         with self._lock:
             row.number, request["number"] = self._numbered, self._numbered
             self._numbered += 1

@@ -92,6 +92,13 @@ class Sequence:
                 return
 
 
+def request_params(params: SamplingParams | None, max_tokens: int | None, settings: dict) -> SamplingParams:
+    """`submit`'s settings: `params` (default: all defaults) with max_tokens and the keywords applied."""
+    if max_tokens is not None:
+        settings = {**settings, "max_tokens": max_tokens}
+    return (params or SamplingParams()).replace(**settings)
+
+
 class _Row:
     """The engine's side of a sequence: caches, sampler, drafter and decoder."""
 
@@ -173,10 +180,7 @@ class Engine:
         measurements). events: where the events go, anything with a thread-safe `put`
         (default: a new `queue.Queue`).
         """
-        if max_tokens is not None:
-            settings["max_tokens"] = max_tokens
-        params = (params or SamplingParams()).replace(**settings)
-        row = self._new_row(prompt, params, checkpoint_at, drafter, events)
+        row = self._new_row(prompt, request_params(params, max_tokens, settings), checkpoint_at, drafter, events)
         self._enqueue(row)
         return row.sequence
 
