@@ -32,8 +32,9 @@ import mlx.core as mx  # noqa: I001
 sys.path.insert(0, str(Path(__file__).parent))
 from mlx_hybrid.blas import active_blas  # noqa: E402
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB  # noqa: E402
-from mlx_hybrid.drafting import MTPDrafter, OracleDrafter  # noqa: E402
+from mlx_hybrid.drafting import MTPDrafter  # noqa: E402
 from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
+from oracle import OracleDrafter  # noqa: E402
 
 
 def prompts(n, length, vocab, seed=0):

@@ -32,10 +32,11 @@ import mlx.core as mx  # noqa: I001
 sys.path.insert(0, str(Path(__file__).parent))
 from mlx_hybrid.cache import marks, record_snapshots, rewind  # noqa: E402
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocabulary  # noqa: E402
-from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter, OracleDrafter  # noqa: E402
+from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter  # noqa: E402
 from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
 from mlx_hybrid.generation import prefill  # noqa: E402
 from mlx_hybrid.speculative import keep_snapshot_buffers  # noqa: E402
+from oracle import OracleDrafter  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 

@@ -51,13 +51,26 @@ def add_model_arguments(p: argparse.ArgumentParser):
 
 def seed(text: str) -> int:
     """--seed's type: an integer MLX's random keys take."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < SEED_LIMIT:
+    value = at_least(0)(text)
+    if value >= SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
     return value
+
+
+def at_least(minimum: int):
+    """A type for an integer flag with a lower bound (checked when the flags are read, before any loading)."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    integer.__name__ = f"integer >= {minimum}"
+    return integer
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256):
@@ -90,7 +103,7 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
     how.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
     p.add_argument(
-        "--num-draft-tokens", type=int, default=3, metavar="N", help="most tokens drafted per round (default: 3)"
+        "--num-draft-tokens", type=at_least(1), default=3, metavar="N", help="most tokens drafted per round (default: 3)"
     )
     p.add_argument(
         "--draft-vocab",

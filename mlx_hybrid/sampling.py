@@ -84,14 +84,14 @@ class Sampler:
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
-        self._key = mx.random.key(seed)
+        self.key = mx.random.key(seed)  # the random stream's position (a discarded pass sets it back)
 
     @property
     def greedy(self) -> bool:
         return self.temp == 0
 
     def next_key(self):
-        self._key, key = mx.random.split(self._key)
+        self.key, key = mx.random.split(self.key)
         return key
 
     def log_probs(self, logits: mx.array) -> mx.array:

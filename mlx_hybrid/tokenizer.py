@@ -8,6 +8,8 @@ Qwen3 and Qwen3.5, which llama.cpp skips), so that both paths give the same ids.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 
@@ -130,6 +132,15 @@ class Tokenizer:
             eos_token=self.decode(self.eos_token_ids[:1]) if self.eos_token_ids else "",
             **kwargs,
         )
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model the tools it is given (asked once)."""
+        probe = {"type": "function", "function": {"name": "probe_tool_x7", "parameters": {"type": "object"}}}
+        try:
+            return "probe_tool_x7" in self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe])
+        except Exception:  # noqa: BLE001  (a template that fails here fails the request itself, with its message)
+            return True
 
     # -- construction ------------------------------------------------------------
 

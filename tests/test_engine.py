@@ -166,6 +166,57 @@ def test_cancelled_rows_leave_and_the_others_go_on():
     assert engine.rows == []
 
 
+def _overlap_scenario(family, overlap):
+    """Rows that sample, are cancelled, join late (while a sampled row runs), stop early, and
+    a second turn that resumes from a first one's checkpoint."""
+    source = "model.gguf"
+    engine = engine_for(family, source, max_batch=3, overlap=overlap, prefix_store=PrefixStore(1 << 30))
+    prompts = prompts_for(5)
+    early_stop = single_greedy(family, source, prompts[3])[6]
+    sequences = [
+        engine.submit(prompts[0], max_tokens=MAX_TOKENS, logprobs=2),
+        engine.submit(prompts[1], max_tokens=MAX_TOKENS, temp=0.8, seed=5),
+        engine.submit(prompts[2], max_tokens=MAX_TOKENS),
+    ]
+    for _ in range(6):
+        engine.step()
+    sequences[2].cancel()
+    sequences.append(engine.submit(prompts[3], max_tokens=MAX_TOKENS, stop_tokens=[early_stop]))
+    sequences.append(engine.submit(prompts[4], max_tokens=3))
+    engine.run()
+    second_prompt = prompts[0] + sequences[0].tokens + [7, 8]
+    sequences.append(engine.submit(second_prompt, max_tokens=MAX_TOKENS))
+    engine.run()
+    return sequences
+
+
+@pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
+def test_overlapped_plain_passes_give_what_stepping_in_turn_gives(family):
+    """Where a GPU computes, plain rows queue the next pass before their tokens are read
+    (forced on here). Rows joining, stopping early, cancelled, sampled or resumed get the
+    tokens, finish reasons and checkpoints they get stepping in turn, and their single
+    run's tokens."""
+    stepped, overlapped = _overlap_scenario(family, False), _overlap_scenario(family, True)
+    for want, got in zip(stepped, overlapped):
+        assert (got.tokens, got.finish_reason, got.cached_tokens) == (want.tokens, want.finish_reason, want.cached_tokens)
+    assert overlapped[2].finish_reason == "cancelled" and overlapped[3].finish_reason == "stop"
+    assert overlapped[-1].cached_tokens == len(overlapped[-1].prompt) - 3  # the first turn's checkpoint
+    assert overlapped[0].tokens == single_greedy(family, "model.gguf", overlapped[0].prompt)
+    assert overlapped[-1].tokens == single_greedy(family, "model.gguf", overlapped[-1].prompt)
+    # the same logits, packed with other rows in the other order of passes: the float32 floor
+    got = [[t.logprob for t in event] for event in _logprobs(overlapped[0])]
+    want = [[t.logprob for t in event] for event in _logprobs(stepped[0])]
+    assert_close_to_floor(mx.array(got), mx.array(want))
+
+
+def _logprobs(sequence):
+    events = []
+    while not sequence.events.empty():
+        event = sequence.events.get()
+        events += [event.logprobs] if event.logprobs else []
+    return events
+
+
 # -- prefix checkpoints
 
 

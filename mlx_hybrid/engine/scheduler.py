@@ -10,6 +10,12 @@ Each step runs one model pass over every running sequence, packed along the toke
   that drafted, and each row then accepts, rolls back and adapts on its own, through its
   `SpeculativeDecoder`.
 
+Where a GPU computes and every row decodes plainly (no drafter), a step builds and
+queues the next pass, fed this pass's tokens before they are read, and only then reads
+them (`_overlapped_pass`): the host's work overlaps the device's. A row that ends, a
+cancellation or a new request takes the queued pass back (caches and random stream as
+before it), so the tokens are the same either way.
+
 Sequences join between steps and leave when they finish or are cancelled. Nothing
 here knows about HTTP: `submit` gives a `Sequence` whose tokens arrive as events.
 """
@@ -23,7 +29,8 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from ..cache import packed, record_snapshots
+from .. import ops
+from ..cache import marks, packed, record_snapshots, rewind
 from ..drafting import draft_rows
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, request_ids
@@ -99,6 +106,17 @@ def request_params(params: SamplingParams | None, max_tokens: int | None, settin
     return (params or SamplingParams()).replace(**settings)
 
 
+@dataclass
+class _Ahead:
+    """A row's share of a pass built and queued before the tokens it reads were known."""
+
+    marks: list  # the row's caches before the pass
+    key: mx.array  # the sampler's random key before the pass
+    token: mx.array | None = None  # [1] the token it chooses, lazy
+    logits: mx.array | None = None  # [1, V] where it is chosen
+    hidden: mx.array | None = None  # [1, 1, E] the trunk's state at the token it read
+
+
 class _Row:
     """The engine's side of a sequence: caches, sampler, drafter and decoder."""
 
@@ -109,6 +127,7 @@ class _Row:
         self.checkpoint_at = sorted(p for p in set(checkpoint_at) if 0 < p <= len(sequence.prompt))
         self.fed: list[int] = []  # tokens the caches have read
         self.last_hidden = None  # the trunk's hidden state at the last fed token [1, 1, E]
+        self.ahead: _Ahead | None = None  # a queued pass that reads `decoder.token` (see `_overlapped_pass`)
 
     @property
     def prefilling(self) -> bool:
@@ -126,6 +145,8 @@ class Engine:
     sequence gets a `fork` of; num_draft_tokens and adaptive as in `SpeculativeDecoder`.
     prefix_store: where checkpoints are kept (None: a `PrefixStore` of
     `DEFAULT_PREFIX_CACHE_BYTES`; a store with max_bytes=0 keeps none in memory).
+    overlap: queue each plain decoding pass before reading the previous one's tokens
+    (None: where a GPU computes, `ops.overlap_decode_steps`).
     """
 
     def __init__(
@@ -138,6 +159,7 @@ class Engine:
         max_batch: int = 8,
         prefill_chunk: int = PREFILL_STEP,
         prefix_store: PrefixStore | None = None,
+        overlap: bool | None = None,
     ):
         if max_batch < 1:
             raise GenerationError(f"max_batch must be >= 1, got {max_batch}")
@@ -151,6 +173,7 @@ class Engine:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(DEFAULT_PREFIX_CACHE_BYTES)
+        self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
         self.speculation = SpeculativeStats()  # the figures of every finished sequence that drafted
         self.waiting: queue.Queue = queue.Queue()
         self.rows: list[_Row] = []
@@ -308,6 +331,11 @@ class Engine:
 
     def _pass(self):
         """One model pass over the rows that have tokens to feed this step."""
+        if self.overlap and all(not row.prefilling and row.drafter is None for row in self.rows):
+            self._overlapped_pass()
+            return
+        for row in self.rows:
+            self._take_back(row)
         inputs, asked = self._inputs(self.rows)
         rows = [row for row in self.rows if row in inputs]
         feeds = [inputs[row] for row in rows]
@@ -357,6 +385,45 @@ class Engine:
                 ended = self._emit(row, accepted, row_logit)
             if ended:
                 self.rows.remove(row)
+
+    def _overlapped_pass(self):
+        """Plain decoding with the next pass queued before this one's tokens are read. Each
+        row's `ahead` is the pass that reads its `decoder.token`; the step queues the pass
+        that reads the tokens it chooses, then reads them."""
+        rows = list(self.rows)
+        missing = [row for row in rows if row.ahead is None]
+        if missing:
+            self._queue_pass(missing, [mx.array([row.decoder.token]) for row in missing])
+        current = [row.ahead for row in rows]
+        self._queue_pass(rows, [ahead.token for ahead in current])
+        tokens = mx.concatenate([ahead.token for ahead in current]).tolist()
+        for row, ahead, token in zip(rows, current, tokens):
+            previous = row.decoder.token
+            row.decoder.finish(ahead.hidden, [token], 0, 0)
+            row.fed.append(previous)
+            row.last_hidden = ahead.hidden
+            if self._emit(row, [token], ahead.logits):
+                self.rows.remove(row)
+
+    def _queue_pass(self, rows, feeds):
+        """Build one plain pass over `rows`, each fed its token [1] (lazy or known), start it
+        computing, and make it each row's `ahead`."""
+        aheads = [_Ahead(marks(row.decoder.cache), row.decoder.sampler.key) for row in rows]
+        caches = packed([row.decoder.cache for row in rows], [1] * len(rows))
+        hidden = self.model.hidden_states(mx.concatenate(feeds).astype(mx.int32)[None], caches)
+        logits = self.model.logits_from_hidden(hidden)[0]
+        for i, (row, ahead) in enumerate(zip(rows, aheads)):
+            ahead.logits, ahead.hidden = logits[i : i + 1], hidden[:, i : i + 1]
+            ahead.token = row.decoder.sampler(ahead.logits).reshape(1).astype(mx.int32)
+            row.ahead = ahead
+        mx.async_eval([ahead.token for ahead in aheads])
+
+    def _take_back(self, row: _Row):
+        """Undo the row's queued pass: its caches and random stream as before it."""
+        if row.ahead is not None:
+            rewind(row.decoder.cache, row.ahead.marks)
+            row.decoder.sampler.key = row.ahead.key
+            row.ahead = None
 
     def _inputs(self, rows):
         """What each row feeds this pass: prompt tokens (a list), or its last token and this
@@ -447,6 +514,7 @@ class Engine:
         return True
 
     def _save(self, row: _Row):
+        self._take_back(row)  # a checkpoint holds what the row has read, not a pass queued past it
         self.store.save(capture(self.model, row.decoder.cache, row.fed, row.last_hidden, row.drafter))
 
     def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None, logprobs=None, drafted=0):

@@ -174,13 +174,10 @@ def _template_message(message: dict) -> dict:
 
 def _render(tokenizer, messages, options):
     try:
-        rendered = chat_prompt(tokenizer, messages, **options)
-        if options.get("tools"):
-            without = {name: value for name, value in options.items() if name != "tools"}
-            if tokenizer.apply_chat_template(messages, add_generation_prompt=True, **without) == rendered.text:
-                raise ApiError(400, "this model's chat template does not render tools: it would never see them",
-                               param="tools")  # fmt: skip
-        return rendered
+        if options.get("tools") and not tokenizer.renders_tools:
+            raise ApiError(400, "this model's chat template does not render tools: it would never see them",
+                           param="tools")  # fmt: skip
+        return chat_prompt(tokenizer, messages, **options)
     except GenerationError as e:
         raise ApiError(400, str(e), param="messages") from None
 

@@ -10,6 +10,7 @@ from ..commands import (
     ArgumentParser,
     add_draft_arguments,
     add_model_arguments,
+    at_least,
     fail,
     launched_rank,
     load_for_generation,
@@ -54,11 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     add_draft_arguments(p)
     p.add_argument(
-        "--max-batch", type=int, default=8, metavar="N", help="most requests generating at once (default: 8)"
+        "--max-batch", type=at_least(1), default=8, metavar="N", help="most requests generating at once (default: 8)"
     )
     p.add_argument(
         "--prefix-cache-bytes",
-        type=int,
+        type=at_least(0),
         default=2 * 1024**3,
         metavar="B",
         help="memory for prompt checkpoints, least recently used evicted first; 0: none (default: 2 GiB)",
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=at_least(1),
         default=2048,
         metavar="N",
         help="tokens to generate for requests that set no max_tokens (default: 2048)",
@@ -95,11 +96,6 @@ def main(argv=None) -> int:
 
     from .app import ServedModel, create_app
 
-    for name in ("max_batch", "max_tokens", "num_draft_tokens"):
-        if getattr(args, name) < 1:
-            return fail(f"--{name.replace('_', '-')} must be >= 1")
-    if args.prefix_cache_bytes < 0:
-        return fail("--prefix-cache-bytes must be >= 0")
     problem = _cannot_listen(args.host, args.port) if launched_rank() == 0 else None
     if problem:  # before the model loads, which can take minutes
         return fail(f"cannot listen on {args.host}:{args.port}: {problem}")
