@@ -15,6 +15,8 @@ from .errors import (  # noqa: E402  (after the BLAS)
 from .engine import Engine, batch_generate  # noqa: E402
 from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
 from .loaders import bundled_model_path, load  # noqa: E402
+from .processors import Grammar  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
 
 __all__ = [
@@ -22,8 +24,10 @@ __all__ = [
     "Engine",
     "GenerationError",
     "GenerationResponse",
+    "Grammar",
     "MlxHybridError",
     "ModelLoadError",
+    "SamplingParams",
     "UnsupportedArchitectureError",
     "batch_generate",
     "bundled_model_path",

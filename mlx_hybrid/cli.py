@@ -11,6 +11,7 @@ from mlx_hybrid.commands import (
     ArgumentParser,
     add_draft_arguments,
     add_model_arguments,
+    add_grammar_arguments,
     add_sampling_arguments,
     decode_rate,
     fail,
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
     add_sampling_arguments(p)
+    add_grammar_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     add_draft_arguments(p)
@@ -83,6 +85,10 @@ def main(argv=None) -> int:
         return fail("the prompt is empty")
     if args.system is not None and not args.chat:
         return fail("--system needs --chat")
+    try:
+        sampling_params(args)  # the settings' ranges, before the model loads
+    except mlx_hybrid.MlxHybridError as e:
+        return fail(str(e))
     problem = _unwritable(args.prompt_cache_file) if args.prompt_cache_file else None
     if problem:  # before the model loads and generates
         return fail(f"--prompt-cache-file {args.prompt_cache_file}: {problem}")

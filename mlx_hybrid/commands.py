@@ -5,9 +5,11 @@ and how they drive it."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 from mlx_hybrid.drafting import (
     AUTO,
@@ -16,6 +18,8 @@ from mlx_hybrid.drafting import (
     make_drafter,
     resolve_draft,
 )
+from mlx_hybrid.errors import GenerationError
+from mlx_hybrid.processors import Grammar
 from mlx_hybrid.sampling import SEED_LIMIT, SamplingParams
 
 USAGE_ERROR = 2
@@ -82,11 +86,65 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256):
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     p.add_argument("--seed", type=seed, default=None, help="random seed for sampling, in [0, 2**64)")
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, metavar="P",
+        help="divide (multiply, if negative) the logits of the last --repetition-context-size tokens by P "
+        "(default: 1, off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repetition-context-size", type=at_least(1), default=20, metavar="N",
+        help="tokens of prompt and output the repetition penalty looks back over (default: 20)",
+    )  # fmt: skip
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, in [-2, 2]")
+
+
+def grammar_file(kind: str):
+    """A type for a flag naming a grammar file (for "regex": giving the expression): the `Grammar`
+    it holds, checked (a "grammar" file is GBNF where it says `::=`, else Lark)."""
+
+    def read(path: str) -> Grammar:
+        try:
+            text = Path(path).read_text() if kind != "regex" else path
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        if kind == "json_schema":
+            try:
+                json.loads(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from None
+        try:
+            return Grammar(("gbnf" if "::=" in text else "lark") if kind == "grammar" else kind, text)
+        except GenerationError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return read
+
+
+def add_grammar_arguments(p: argparse.ArgumentParser):
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--json-schema", type=grammar_file("json_schema"), default=None, dest="grammar", metavar="FILE",
+        help="the output is JSON valid under the JSON schema in FILE",
+    )  # fmt: skip
+    what.add_argument(
+        "--grammar", type=grammar_file("grammar"), default=None, dest="grammar", metavar="FILE",
+        help="the output matches the grammar in FILE: llguidance's Lark, or llama.cpp's GBNF (rules with ::=)",
+    )  # fmt: skip
+    what.add_argument(
+        "--regex", type=grammar_file("regex"), default=None, dest="grammar", metavar="R",
+        help="the output matches the regular expression R (Rust regex syntax)",
+    )  # fmt: skip
 
 
 def sampling_params(args, **changes) -> SamplingParams:
-    """The request settings of `add_sampling_arguments`' flags."""
-    return SamplingParams(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, args.seed, **changes)
+    """The request settings of `add_sampling_arguments`' (and `add_grammar_arguments`') flags."""
+    return SamplingParams(
+        args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, args.seed,
+        repetition_penalty=args.repetition_penalty, repetition_context_size=args.repetition_context_size,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        grammar=getattr(args, "grammar", None), **changes,
+    )  # fmt: skip
 
 
 def add_draft_arguments(p: argparse.ArgumentParser):
@@ -103,7 +161,8 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
     how.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
     p.add_argument(
-        "--num-draft-tokens", type=at_least(1), default=3, metavar="N", help="most tokens drafted per round (default: 3)"
+        "--num-draft-tokens", type=at_least(1), default=3, metavar="N",
+        help="most tokens drafted per round (default: 3)",
     )
     p.add_argument(
         "--draft-vocab",

@@ -51,10 +51,14 @@ def stream_generate(
     draft_vocab: int | None = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     adaptive_drafting: bool | None = None,
+    **settings,
 ) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (a string or token ids), yielding a response per token.
 
-    temp=0 is greedy; the sampling settings are those of `SamplingParams`. The last
+    temp=0 is greedy; the sampling settings are those of `SamplingParams`, and any other
+    field of it may be given as a keyword: `logit_bias=`, `presence_penalty=`,
+    `frequency_penalty=`, `repetition_penalty=`, `repetition_context_size=`, `grammar=`
+    (a `Grammar`), or OpenAI's `response_format=` ({"type": "json_schema", ...}). The last
     response has `finish_reason` "stop" (an end token) or "length" (max_tokens or the
     model's context reached).
 
@@ -74,7 +78,9 @@ def stream_generate(
     The tokens come from the batch engine's step (as for `batch_generate`, the commands
     and the server), with this sequence its only row, stepped on the caller's thread.
     """
-    params = SamplingParams(max_tokens, temp, top_p, top_k, min_p, seed)
+    params = SamplingParams().replace(
+        max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, **settings
+    )
     drafter = make_drafter(model, tokenizer, draft, draft_model, draft_vocab, draft_p_min)
     engine = Engine(
         model, tokenizer, drafter, num_draft_tokens, adaptive(adaptive_drafting, draft_p_min), max_batch=1,

@@ -1,5 +1,5 @@
 """A request's settings (`SamplingParams`), and turning logits into tokens: greedy, or
-temperature with top-k / top-p / min-p."""
+temperature with top-k / top-p / min-p (after the request's `processors`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .errors import GenerationError
+from .processors import Grammar, LogitsProcessor, response_format_grammar
 
 SEED_LIMIT = 2**64  # MLX's random keys take unsigned 64-bit seeds
 
@@ -29,7 +30,15 @@ class SamplingParams:
     seed: the random stream's seed, an integer in [0, 2**64) (None: one drawn at random).
     stop_tokens: token ids that end the generation (None: the tokenizer's end tokens).
     logprobs: None, or k >= 0: each token's log-probability under the model (before the
-        settings above) and the k likeliest alternatives.
+        settings above and below) and the k likeliest alternatives.
+    logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits (None: none).
+    presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of each token
+        the output holds (presence once, frequency per occurrence); 0: off.
+    repetition_penalty: > 0; the logits of the last repetition_context_size (>= 1) tokens
+        of prompt and output are divided by it where positive, multiplied where negative; 1: off.
+    grammar: a `processors.Grammar` the output must match (JSON schema, any JSON object,
+        regular expression, Lark or GBNF), or None.
+    The order and exact formulas of these four are in `processors`.
     """
 
     max_tokens: int = 256
@@ -40,6 +49,12 @@ class SamplingParams:
     seed: int | None = None
     stop_tokens: tuple[int, ...] | None = None
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         _check(self, "max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 0, "an integer >= 0")
@@ -55,12 +70,37 @@ class SamplingParams:
             stops = tuple(self.stop_tokens) if not isinstance(self.stop_tokens, str) else None
             _check(self, "stop_tokens", stops is not None and all(map(_is_int, stops)), "token ids")
             object.__setattr__(self, "stop_tokens", stops)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(self, name, _is_number(value) and -2.0 <= value <= 2.0, "in [-2, 2]")
+        _check(self, "repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0, "> 0")
+        size = self.repetition_context_size
+        _check(self, "repetition_context_size", _is_int(size) and size >= 1, "an integer >= 1")
+        if isinstance(self.grammar, dict):  # as `asdict` writes it (a request sent to other ranks)
+            object.__setattr__(self, "grammar", Grammar(**self.grammar))
+        _check(self, "grammar", self.grammar is None or isinstance(self.grammar, Grammar), "a Grammar or None")
 
-    def replace(self, **changes) -> SamplingParams:
+    def replace(self, response_format=None, **changes) -> SamplingParams:
+        """These settings with some changed, as keyword arguments: any field, or OpenAI's
+        `response_format` (a dict) for the grammar. An unknown keyword is an error that names it."""
+        fields = [field.name for field in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise GenerationError(f"unknown setting {unknown[0]!r} (the settings: {', '.join(fields)})")
+        if response_format is not None:
+            if changes.get("grammar") is not None:
+                raise GenerationError("give either grammar= or response_format=, not both")
+            changes["grammar"] = response_format_grammar(response_format)
         return dataclasses.replace(self, **changes)
 
     def sampler(self) -> Sampler:
         return Sampler(self.temp, self.top_p, self.top_k, self.min_p, self.seed)
+
+    def processor(self, prompt: list[int], vocab_size: int, tokenizer) -> LogitsProcessor | None:
+        """What acts on the logits before the sampler (None: nothing asked)."""
+        return LogitsProcessor(self, prompt, vocab_size, tokenizer) if LogitsProcessor.wanted(self) else None
 
 
 def _is_int(value) -> bool:
@@ -69,6 +109,24 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """{token id: bias}, ids as integers (JSON bodies send them as strings)."""
+    if not isinstance(bias, dict):
+        raise GenerationError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}")
+    checked = {}
+    for token, value in bias.items():
+        try:
+            token_id = int(token) if not isinstance(token, (bool, float)) else None
+        except ValueError:
+            token_id = None
+        if token_id is None:
+            raise GenerationError(f"logit_bias: {token!r} is not a token id")
+        if not (_is_number(value) and -100 <= value <= 100):
+            raise GenerationError(f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {value!r}")
+        checked[token_id] = float(value)
+    return checked
 
 
 def _check(params, name: str, ok: bool, wanted: str):

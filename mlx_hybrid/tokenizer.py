@@ -79,10 +79,33 @@ _BYTE_OF_CHAR = _byte_level_alphabet()
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-class Tokenizer:
-    """A `tokenizers.Tokenizer` with the model's end tokens and chat template."""
+# the sampling defaults a checkpoint may recommend, as `SamplingParams` names them:
+# generation_config.json's names, and GGUF's general.sampling.* keys
+HF_SAMPLING_DEFAULTS = {
+    "temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}  # fmt: skip
+GGUF_SAMPLING_DEFAULTS = {
+    "general.sampling.temp": "temp", "general.sampling.top_p": "top_p", "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p", "general.sampling.penalty_repeat": "repetition_penalty",
+    "general.sampling.penalty_last_n": "repetition_context_size",
+}  # fmt: skip
 
-    def __init__(self, tokenizer, eos_token_ids, chat_template=None, bos_token=None, add_bos_token=False):
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with the model's end tokens and chat template, and the
+    sampling defaults its checkpoint recommends (`generation_defaults`: SamplingParams names)."""
+
+    def __init__(
+        self,
+        tokenizer,
+        eos_token_ids,
+        chat_template=None,
+        bos_token=None,
+        add_bos_token=False,
+        generation_defaults=None,
+    ):
+        self.generation_defaults = dict(generation_defaults or {})
         self._tokenizer = tokenizer
         special = tokenizer.get_added_tokens_decoder()
         end_tokens = {i for i, token in special.items() if token.special and token.content in END_TOKEN_TEXTS}
@@ -163,8 +186,12 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         eos = set()
-        for source in (config.get("text_config", {}), config, _read_json(path / "generation_config.json")):
+        generation = _read_json(path / "generation_config.json")
+        for source in (config.get("text_config", {}), config, generation):
             eos.update(_as_list(source.get("eos_token_id")))
+        defaults = {ours: generation[theirs] for theirs, ours in HF_SAMPLING_DEFAULTS.items() if theirs in generation}
+        if generation.get("do_sample") is False:  # transformers then decodes greedily, whatever the temperature
+            defaults["temp"] = 0.0
         eos_token = _token_text(settings.get("eos_token"))
         if eos_token and tokenizer.token_to_id(eos_token) is not None:
             eos.add(tokenizer.token_to_id(eos_token))
@@ -174,6 +201,7 @@ class Tokenizer:
             template,
             bos_token=_token_text(settings.get("bos_token")),
             add_bos_token=bool(settings.get("add_bos_token", False)),
+            generation_defaults=defaults,
         )
 
     @classmethod
@@ -222,6 +250,9 @@ class Tokenizer:
             meta.get("tokenizer.chat_template"),
             bos_token=tokens[bos_id] if bos_id is not None else None,
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            generation_defaults={
+                ours: meta.get(key) for key, ours in GGUF_SAMPLING_DEFAULTS.items() if meta.get(key) is not None
+            },
         )
 
 

@@ -61,3 +61,19 @@ def family(request):
 @pytest.fixture(params=SOURCES)
 def source(request):
     return request.param
+
+
+def reference_processing(logits, prompt, output, logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0,
+                         repetition_penalty=1.0, repetition_context_size=20):  # fmt: skip
+    """The logit processors' formulas (llama.cpp's repetition penalty, OpenAI's bias and
+    presence / frequency penalties), written the slow obvious way in numpy float32, one token at a time."""
+    x = np.array(logits, dtype=np.float32)
+    for token, bias in (logit_bias or {}).items():
+        x[token] += np.float32(bias)
+    if repetition_penalty != 1.0:
+        for token in set((prompt + output)[-repetition_context_size:]):
+            factor = np.float32(repetition_penalty)
+            x[token] = x[token] / factor if x[token] > 0 else x[token] * factor
+    for token in set(output):
+        x[token] -= np.float32(frequency_penalty * output.count(token) + presence_penalty)
+    return x

@@ -106,3 +106,30 @@ def test_cli_prompt_cache_file_reuses_a_long_system_prompt(tmp_path):
         "--model", str(FIXTURES / "kimilinear" / "hf"), "--prompt", "x", "--prompt-cache-file", str(cache)
     )
     assert_usage_error(other_model, "made by another model")
+
+
+def test_cli_constrains_with_a_schema_a_gbnf_grammar_or_a_regex_and_penalizes(tmp_path):
+    import json
+    import re
+
+    import jsonschema
+
+    model = str(FIXTURES / "qwen35" / "model.gguf")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "answer.gbnf").write_text('root ::= "yes" | "no" | "(" [a-c]+ ")"')
+    for flags, holds in [
+        (["--json-schema", str(tmp_path / "schema.json")], lambda text: jsonschema.validate(json.loads(text), schema)),
+        (["--grammar", str(tmp_path / "answer.gbnf")], lambda text: re.fullmatch(r"yes|no|\([a-c]+\)", text)),
+        (["--regex", "[a-z]{2,6}-[0-9]{1,3}"], lambda text: re.fullmatch(r"[a-z]{2,6}-[0-9]{1,3}", text)),
+    ]:
+        result = run_cli("--model", model, "--prompt", "x", "--max-tokens", "60", *flags)
+        assert result.returncode == 0, result.stderr
+        assert holds(result.stdout.rstrip("\n")) is not False, result.stdout
+    settings = ["--presence-penalty", "1.5", "--frequency-penalty", "2", "--repetition-penalty", "2"]
+    result = run_cli("--model", model, "--prompt", "def parse_args(", "--max-tokens", "24", *settings)
+    model_, tok = load_fixture("qwen35", "model.gguf")
+    want = mlx_hybrid.generate(model_, tok, "def parse_args(", max_tokens=24, draft=None, presence_penalty=1.5,
+                               frequency_penalty=2.0, repetition_penalty=2.0)  # fmt: skip
+    assert result.stdout.rstrip("\n") == want.rstrip("\n") != greedy_text("qwen35", "model.gguf", "def parse_args(", 24)

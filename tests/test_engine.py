@@ -198,7 +198,8 @@ def test_overlapped_plain_passes_give_what_stepping_in_turn_gives(family):
     run's tokens."""
     stepped, overlapped = _overlap_scenario(family, False), _overlap_scenario(family, True)
     for want, got in zip(stepped, overlapped):
-        assert (got.tokens, got.finish_reason, got.cached_tokens) == (want.tokens, want.finish_reason, want.cached_tokens)
+        assert got.tokens == want.tokens
+        assert (got.finish_reason, got.cached_tokens) == (want.finish_reason, want.cached_tokens)
     assert overlapped[2].finish_reason == "cancelled" and overlapped[3].finish_reason == "stop"
     assert overlapped[-1].cached_tokens == len(overlapped[-1].prompt) - 3  # the first turn's checkpoint
     assert overlapped[0].tokens == single_greedy(family, "model.gguf", overlapped[0].prompt)

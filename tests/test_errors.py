@@ -187,6 +187,13 @@ BAD_COMMAND_LINES = [
     (["--prompt-cache-file", "/nonexistent-dir/cache.safetensors"], "--prompt-cache-file"),
     (["--prompt-cache-file", "/tmp"], "--prompt-cache-file /tmp: is a directory"),
     (["--system", "be brief"], "--system needs --chat"),
+    (["--regex", "[a-"], "--regex: invalid regex grammar"),
+    (["--json-schema", "/nonexistent.json"], "--json-schema: cannot read"),
+    (["--json-schema", __file__], "is not JSON"),
+    (["--grammar", __file__], "--grammar: invalid lark grammar"),
+    (["--presence-penalty", "5"], "presence_penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--repetition-context-size", "0"], "--repetition-context-size"),
 ]
 
 

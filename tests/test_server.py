@@ -255,7 +255,34 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [70000]}, 400, None),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
-]
+    # every OpenAI field that would change the output and is not implemented: a 400 naming it
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "function_call": "auto"}, 400,
+     "function_call"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, 400,
+     "modalities"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}, 400, "audio"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "web_search_options": {}}, 400,
+     "web_search_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}, 400,
+     "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "verbosity": "low"}, 400, "verbosity"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": False}, 400,
+     "parallel_tool_calls"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, None),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "string", "pattern": "(["}}}}, 400, None),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
@@ -434,3 +461,111 @@ def test_reasoning_dropped_from_the_history_is_not_claimed_as_cached(assistant, 
     )
     assert response.usage.prompt_tokens_details.cached_tokens == len(tokenizer.encode(question))
     assert response.usage.prompt_tokens == len(tokenizer.encode(rendered_turn_3))
+
+
+# -- logit processors and structured output
+
+
+def test_logit_bias_and_penalties_change_the_text_as_a_single_run_does(client, local):
+    model, tokenizer = local
+    ids = tokenizer.encode("def parse_args(")
+    plain, _ = alone(local, ids, 24)
+    settings = dict(logit_bias={str(plain[0]): -100, str(plain[2]): -5}, presence_penalty=1.0, frequency_penalty=1.5)
+    response = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, **settings)
+    want = mlx_hybrid.generate(
+        model, tokenizer, ids, max_tokens=24, draft=None, presence_penalty=1.0, frequency_penalty=1.5,
+        logit_bias={plain[0]: -100, plain[2]: -5},
+    )  # fmt: skip
+    assert response.choices[0].text == want.removesuffix(tokenizer.decode(tokenizer.eos_token_ids[:1]))
+    assert response.choices[0].text != tokenizer.decode([t for t in plain if t not in tokenizer.eos_token_ids])
+
+
+def schemas(n=50):
+    """n different schemas: nested objects, bounded arrays, enums, ranged numbers, required and
+    optional fields, strings with patterns; every string bounded, as a schema for a small model must be."""
+    leaves = [
+        {"type": "integer", "minimum": -5, "maximum": 500},
+        {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
+        {"type": "boolean"},
+        {"enum": ["red", "green", "blue"]},
+        {"type": "string", "maxLength": 8},
+        {"type": "string", "pattern": "^[a-z]{2,5}-[0-9]{2}$"},
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 3},
+        {"type": "null"},
+    ]
+    made = []
+    for i in range(n):
+        names = [f"f{i}_{j}" for j in range(1 + i % 4)]
+        properties = {name: leaves[(i + 3 * j) % len(leaves)] for j, name in enumerate(names)}
+        if i % 3 == 0:  # nested
+            properties["inner"] = {
+                "type": "object",
+                "properties": {"k": leaves[i % len(leaves)], "v": leaves[(i + 1) % len(leaves)]},
+                "required": ["k"] if i % 2 else ["k", "v"],
+                "additionalProperties": False,
+            }
+        if i % 5 == 0:  # an array of objects
+            properties["items"] = {
+                "type": "array", "minItems": 1, "maxItems": 2,
+                "items": {"type": "object", "properties": {"id": leaves[0]}, "required": ["id"],
+                          "additionalProperties": False},
+            }  # fmt: skip
+        required = list(properties)[: 1 + i % len(properties)]
+        made.append({"type": "object", "properties": properties, "required": required, "additionalProperties": False})
+    assert len({json.dumps(s, sort_keys=True) for s in made}) == n
+    return made
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_50_json_schemas_8_at_a_time_with_mtp_give_valid_answers(client, temperature):
+    import jsonschema
+
+    def ask(schema):
+        response = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a thing in JSON."}], max_tokens=300,
+            temperature=temperature, seed=7,
+            response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}},
+        )  # fmt: skip
+        return response.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, schemas()))
+    for schema, answer in zip(schemas(), answers):
+        assert answer.finish_reason == "stop", answer.message.content
+        jsonschema.validate(json.loads(answer.message.content), schema)
+
+
+def test_json_object_gives_an_object_and_the_defaults_are_shown(server, client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=200, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    content = response.choices[0].message.content
+    if response.choices[0].finish_reason == "stop":  # a random model may wander inside a string
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert content.startswith("{")
+    status, card = http("GET", server.url + "/v1/models/" + MODEL)
+    assert status == 200 and card["sampling_defaults"] == {} and card["max_tokens_default"] == 2048
+
+
+def test_omitted_sampling_fields_come_from_the_checkpoint_then_the_flags(tmp_path, local):
+    """generation_config.json recommends greedy decoding (do_sample false) and top_k 5; --top-p
+    overrides what it does not say. A request that omits temperature is then greedy."""
+    import shutil
+
+    checkpoint = tmp_path / "model"
+    shutil.copytree(QWEN, checkpoint)
+    config = json.loads((checkpoint / "generation_config.json").read_text())
+    (checkpoint / "generation_config.json").write_text(json.dumps(config | {"do_sample": False, "top_k": 5}))
+    running = Server("--model", str(checkpoint), "--top-p", "0.9")
+    try:
+        status, card = http("GET", running.url + "/v1/models/" + str(checkpoint))
+        assert card["sampling_defaults"] == {"top_k": 5, "temp": 0.0, "top_p": 0.9}
+        model, tokenizer = local
+        ids = tokenizer.encode("import os\n")
+        body = json.dumps({"prompt": ids, "max_tokens": 16}).encode()
+        status, response = http("POST", running.url + "/v1/completions", body)
+        assert status == 200 and response["choices"][0]["text"] == alone(local, ids, 16)[1]
+    finally:
+        assert running.stop()

@@ -9,7 +9,15 @@ import pytest
 
 import mlx_hybrid
 from benchmarks.oracle import OracleDrafter
-from conftest import FIXTURES, QWEN_FAMILIES, REFERENCE_TOL, assert_close_to_floor, load_fixture, reference
+from conftest import (
+    FIXTURES,
+    QWEN_FAMILIES,
+    REFERENCE_TOL,
+    assert_close_to_floor,
+    load_fixture,
+    reference,
+    reference_processing,
+)
 from mlx_hybrid.cache import KVCache, RecurrentCache
 from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter
 from mlx_hybrid.engine import Engine, PrefixStore
@@ -284,15 +292,19 @@ class UniformDrafter(Drafter):
         pass
 
 
-def _exact_distribution(model, prompt, sampler, depth):
-    """P(x_P, ..., x_{P+depth-1}) under the sampler, by enumerating the support."""
+def _exact_distribution(model, prompt, sampler, depth, processing=None):
+    """P(x_P, ..., x_{P+depth-1}) under the sampler (after the processors' reference formulas),
+    by enumerating the support."""
     table = {}
 
     def walk(prefix, prob):
         if len(prefix) == depth:
             table[tuple(prefix)] = prob
             return
-        p = np.exp(np.array(sampler.log_probs(model(mx.array([prompt + prefix]))[0, -1])))
+        logits = model(mx.array([prompt + prefix]))[0, -1]
+        if processing:
+            logits = mx.array(reference_processing(np.array(logits), prompt, prefix, **processing))
+        p = np.exp(np.array(sampler.log_probs(logits)))
         for token in np.nonzero(p > 0)[0]:
             walk(prefix + [int(token)], prob * p[token])
 
@@ -300,9 +312,13 @@ def _exact_distribution(model, prompt, sampler, depth):
     return table
 
 
-@pytest.mark.parametrize("drafter_kind", ["uniform", "point-mass"])
-def test_speculative_sampling_follows_the_target_distribution(drafter_kind):
-    """Sampled (x_P, x_P+1, x_P+2) with k=2 against the exact target law.
+@pytest.mark.parametrize(
+    "drafter_kind, processed",
+    [("uniform", False), ("point-mass", False), pytest.param("uniform", True, id="processed")],
+)
+def test_speculative_sampling_follows_the_target_distribution(drafter_kind, processed):
+    """Sampled (x_P, x_P+1, x_P+2) with k=2 against the exact target law (with processors:
+    the law of the processed logits, by the reference formulas).
 
     Bound: total variation below 0.05 over 3000 draws (its standard error here is
     about 0.02); the fixed seed makes the test deterministic.
@@ -311,6 +327,18 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind):
     prompt = reference("qwen35")["prompt_ids"][0].tolist()
     settings = dict(temp=1.0, top_k=3)
     exact = _exact_distribution(model, prompt, Sampler(**settings), depth=3)
+    if processed:
+        # the likeliest first token pushed down, the prompt's last pushed up into the top 3,
+        # where the repetition penalty (over the prompt) and, once drawn, the others act on it
+        first = max(exact, key=exact.get)[0]
+        processing = dict(
+            logit_bias={first: -2.0, prompt[-1]: 4.0}, presence_penalty=0.8, frequency_penalty=0.5,
+            repetition_penalty=1.4, repetition_context_size=8,
+        )  # fmt: skip
+        unprocessed, exact = exact, _exact_distribution(model, prompt, Sampler(**settings), 3, processing)
+        moved = sum(abs(exact.get(o, 0.0) - unprocessed.get(o, 0.0)) for o in exact.keys() | unprocessed.keys())
+        assert moved > 0.5, moved  # the processors change the law
+        settings |= processing
     # every draw resumes from the prompt's checkpoint, which the first one saves
     engine = one_row_engine(model, 2, store=PrefixStore(1 << 30))
     support = sorted({t for outcome in exact for t in outcome})

@@ -25,16 +25,20 @@ def batch_generate(
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     max_batch: int = 8,
     adaptive_drafting: bool | None = None,
+    **settings,
 ) -> list[str]:
     """The generated text for each prompt (strings or token ids), decoded together.
 
-    Arguments as `stream_generate`'s; with a seed, sequence i samples from seed + i (each
+    Arguments as `stream_generate`'s (other `SamplingParams` fields and `response_format=`
+    as keywords, each sequence with its own penalties and grammar); with a seed, sequence i samples from seed + i (each
     has its own stream). Up to `max_batch` sequences run at once; the rest join as
     others finish. Greedy output is that of each prompt alone.
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise GenerationError("prompts must be a non-empty list of strings or token id lists")
-    params = SamplingParams(max_tokens, temp, top_p, top_k, min_p, seed)
+    params = SamplingParams().replace(
+        max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, **settings
+    )
     drafter = make_drafter(model, tokenizer, draft, None, draft_vocab, draft_p_min)
     engine = Engine(
         model, tokenizer, drafter, num_draft_tokens, adaptive=adaptive(adaptive_drafting, draft_p_min),

@@ -120,9 +120,11 @@ class _Ahead:
 class _Row:
     """The engine's side of a sequence: caches, sampler, drafter and decoder."""
 
-    def __init__(self, sequence: Sequence, decoder: SpeculativeDecoder, stop_tokens, checkpoint_at):
+    def __init__(self, sequence: Sequence, decoder: SpeculativeDecoder, stop_tokens, checkpoint_at, processor=None):
         self.sequence = sequence
         self.decoder = decoder
+        self.processor = processor  # the request's `processors.LogitsProcessor`, or None
+        self.drafts: list[int] = []  # with a processor: the drafts this pass verifies
         self.stop_tokens = stop_tokens
         self.checkpoint_at = sorted(p for p in set(checkpoint_at) if 0 < p <= len(sequence.prompt))
         self.fed: list[int] = []  # tokens the caches have read
@@ -217,7 +219,8 @@ class Engine:
         if events is not None:
             sequence.events = events
         stops = set(self.tokenizer.eos_token_ids if params.stop_tokens is None else params.stop_tokens)
-        return _Row(sequence, decoder, stops, checkpoint_at)
+        processor = params.processor(ids, self.model.args.vocab_size, self.tokenizer)
+        return _Row(sequence, decoder, stops, checkpoint_at, processor)
 
     def _enqueue(self, row: _Row):
         self.waiting.put(row)
@@ -331,7 +334,7 @@ class Engine:
 
     def _pass(self):
         """One model pass over the rows that have tokens to feed this step."""
-        if self.overlap and all(not row.prefilling and row.drafter is None for row in self.rows):
+        if self.overlap and all(not r.prefilling and r.drafter is None and r.processor is None for r in self.rows):
             self._overlapped_pass()
             return
         for row in self.rows:
@@ -363,9 +366,14 @@ class Engine:
             logits = self.model.logits_from_hidden(hidden[:, mx.array(positions)])[0] if positions else None
         bounds = [0, *accumulate(len(w) for w in wanted)]
         row_logits = [logits[s:e] if e > s else None for s, e in zip(bounds, bounds[1:])]
-        choices = self._greedy_choices(rows, feeds, row_logits)
+        # what a token is chosen from: the logits after the request's processors (decoding rows)
+        chosen_from = [
+            row.processor(x, row.drafts) if row.processor is not None and not row.prefilling else x
+            for row, x in zip(rows, row_logits)
+        ]
+        choices = self._greedy_choices(rows, feeds, chosen_from)
 
-        for row, feed, (s, e), row_logit, choice in zip(rows, feeds, spans, row_logits, choices):
+        for row, feed, (s, e), row_logit, scores, choice in zip(rows, feeds, spans, row_logits, chosen_from, choices):
             row_hidden = hidden[:, s:e]
             if row.prefilling:
                 ended = self._after_prefill(row, feed, row_hidden, row_logit)
@@ -377,7 +385,7 @@ class Engine:
                 else:
                     drafts = feed[1:].tolist()
                     sampler = row.decoder.sampler
-                    accepted = row.decoder.accept_sampled(drafts, draft_logprobs, sampler.log_probs(row_logit))
+                    accepted = row.decoder.accept_sampled(drafts, draft_logprobs, sampler.log_probs(scores))
                 previous = row.decoder.token
                 row.decoder.finish(row_hidden, accepted, len(drafts), k)
                 row.fed += [previous] + accepted[:-1]
@@ -441,12 +449,17 @@ class Engine:
             else:
                 asked[row] = (row.decoder.plan(row.sequence.max_tokens - len(row.sequence.tokens)), [])
                 inputs[row] = mx.array([row.decoder.token])
+                row.drafts = []
         drafting = [row for row, (k, _) in asked.items() if k]
         if drafting:
             drafters = [row.drafter for row in drafting]
             samplers = [row.decoder.sampler for row in drafting]
             drafts = draft_rows(drafters, [asked[row][0] for row in drafting], samplers)
             for row, (tokens, logprobs) in zip(drafting, drafts):
+                if row.processor is not None and tokens:
+                    row.drafts = mx.stack(tokens).reshape(-1).tolist()
+                    allowed = row.processor.allowed_drafts(row.drafts)  # a forbidden draft is not verified
+                    tokens, logprobs, row.drafts = tokens[:allowed], logprobs[:allowed], row.drafts[:allowed]
                 asked[row] = (asked[row][0], logprobs)
                 if tokens:
                     inputs[row] = mx.concatenate([inputs[row], mx.stack(tokens).reshape(-1).astype(mx.int32)])
@@ -484,7 +497,8 @@ class Engine:
 
     def _started(self, row: _Row, logits: mx.array) -> bool:
         """The prompt is read: the first token from its last position's logits [1, V]."""
-        first = int(row.decoder.sampler(logits[-1]))
+        scores = row.processor(logits[-1:], []) if row.processor is not None else logits[-1:]
+        first = int(row.decoder.sampler(scores[-1]))
         row.decoder.begin(first)
         return self._emit(row, [first], logits[-1:])
 
@@ -502,6 +516,12 @@ class Engine:
                 reason = "length"
                 break
         sequence.tokens += out
+        if row.processor is not None:
+            if not row.processor.accept(out):
+                self._finish(row, "error", out, error="the grammar refused a token it had allowed")
+                return True
+            if reason is None and row.processor.finished:
+                reason = "stop"  # the grammar is complete and allows nothing more
         logprobs = (
             _token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
         )

@@ -22,7 +22,9 @@ from ..parsers import OutputParser, StopStrings, prompt_opens_reasoning
 from ..prompt import chat_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest
+
+PARAM_NAMES = {"temperature": "temp"}  # request field -> SamplingParams field, where they differ
 
 
 @dataclass
@@ -33,6 +35,9 @@ class ServedModel:
     tokenizer: object
     engine: object
     default_max_tokens: int = 2048  # for requests that give none
+    # for the sampling fields a request omits (SamplingParams names): the command's flags over
+    # the checkpoint's recommendations; what neither gives is OpenAI's default
+    sampling_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -146,7 +151,8 @@ def _validation_error(error: RequestValidationError) -> ApiError:
 
 
 def _model_card(served: ServedModel) -> dict:
-    return {"id": served.id, "object": "model", "created": served.created, "owned_by": "mlx-hybrid"}
+    card = {"id": served.id, "object": "model", "created": served.created, "owned_by": "mlx-hybrid"}
+    return card | {"sampling_defaults": served.sampling_defaults, "max_tokens_default": served.default_max_tokens}
 
 
 def _check_model(served: ServedModel, name: str | None):
@@ -218,15 +224,18 @@ class _Run:
     @classmethod
     def submit(cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=()) -> "_Run":
         events = _Events()
+        asked = {PARAM_NAMES.get(name, name): getattr(body, name) for name in SAMPLING_FIELDS}
+        sampling = served.sampling_defaults | {name: value for name, value in asked.items() if value is not None}
+        if "top_k" in sampling:
+            sampling["top_k"] = max(sampling["top_k"], 0)
         try:
-            params = SamplingParams(
+            params = SamplingParams(temp=1.0).replace(
                 max_tokens=body.token_limit or served.default_max_tokens,
-                temp=body.temperature,
-                top_p=body.top_p,
-                top_k=max(body.top_k, 0),
-                min_p=body.min_p,
                 seed=body.seed,
                 logprobs=logprobs,
+                logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()} or None,
+                response_format=body.response_format,
+                **sampling,
             )
             sequence = served.engine.submit(prompt, params=params, checkpoint_at=checkpoint_at, events=events)
         except ContextOverflowError as e:

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from ..errors import GenerationError
+from ..sampling import SamplingParams
 from ..commands import (
     ArgumentParser,
     add_draft_arguments,
@@ -77,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tokens to generate for requests that set no max_tokens (default: 2048)",
     )
+    defaults = p.add_argument_group(
+        "request defaults",
+        "for requests that omit these fields; over the checkpoint's own recommendation (generation_config.json, "
+        "GGUF general.sampling.*), which is over OpenAI's defaults (temperature 1, the rest off); GET /v1/models "
+        "shows what is in force",
+    )
+    for flag, kind, what in REQUEST_DEFAULT_FLAGS:
+        defaults.add_argument(flag, type=kind, default=None, help=what)
     p.add_argument(
         "--api-key",
         default=os.environ.get("MLX_HYBRID_API_KEY"),
@@ -85,6 +95,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+# (flag, type, help): the server's defaults for requests, each a SamplingParams field
+REQUEST_DEFAULT_FLAGS = [
+    ("--temp", float, "temperature"),
+    ("--top-p", float, "nucleus sampling mass"),
+    ("--top-k", int, "sample among the k likeliest tokens"),
+    ("--min-p", float, "drop tokens below min-p x the top probability"),
+    ("--repetition-penalty", float, "llama.cpp's repetition penalty over the last --repetition-context-size tokens"),
+    ("--repetition-context-size", int, "tokens the repetition penalty looks back over (default: 20)"),
+    ("--presence-penalty", float, "OpenAI's presence penalty"),
+    ("--frequency-penalty", float, "OpenAI's frequency penalty"),
+]
+
+
+def flag_defaults(args) -> dict:
+    """The request defaults the flags give, each checked (before the model loads)."""
+    defaults = {}
+    for flag, _, _ in REQUEST_DEFAULT_FLAGS:
+        name = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, name) is not None:
+            try:
+                SamplingParams(**{name: getattr(args, name)})
+            except GenerationError as e:
+                raise ValueError(f"{flag}: {e}") from None
+            defaults[name] = getattr(args, name)
+    return defaults
+
+
+def recommended_defaults(recommended: dict) -> dict:
+    """The checkpoint's recommendations; one out of range is left out, with a warning."""
+    defaults = {}
+    for name, value in recommended.items():
+        try:
+            SamplingParams(**{name: value})
+            defaults[name] = value
+        except GenerationError as e:
+            print(f"warning: not using the checkpoint's recommended {e}", file=sys.stderr)
+    return defaults
 
 
 def main(argv=None) -> int:
@@ -96,6 +145,10 @@ def main(argv=None) -> int:
 
     from .app import ServedModel, create_app
 
+    try:
+        flags = flag_defaults(args)
+    except ValueError as e:
+        return fail(str(e))
     problem = _cannot_listen(args.host, args.port) if launched_rank() == 0 else None
     if problem:  # before the model loads, which can take minutes
         return fail(f"cannot listen on {args.host}:{args.port}: {problem}")
@@ -108,7 +161,8 @@ def main(argv=None) -> int:
     store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
     engine = make_engine(model, tokenizer, drafter, args, max_batch=args.max_batch, prefix_store=store)
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
-    served = ServedModel(name, tokenizer, engine, default_max_tokens=args.max_tokens)
+    defaults = recommended_defaults(tokenizer.generation_defaults) | flags
+    served = ServedModel(name, tokenizer, engine, default_max_tokens=args.max_tokens, sampling_defaults=defaults)
 
     def serve() -> int:
         print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

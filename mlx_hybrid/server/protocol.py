@@ -1,15 +1,21 @@
 """The OpenAI request bodies the server accepts, validated by pydantic.
 
-Fields the OpenAI API has and the server ignores (`user`, penalties, ...) are allowed and
-ignored, as clients send them unasked; values out of range are 400s.
+Every field that changes the output does what OpenAI documents, or is a 400 that names it
+(`UNSUPPORTED`). Fields that change nothing a model computes (`user`, `metadata`, `store`,
+`service_tier`, ...) are allowed and ignored, as clients send them unasked. Values out of
+range are 400s. Sampling fields a request omits are None here: the server fills them from
+the model's defaults (`ServedModel.sampling_defaults`).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+import json
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ..errors import GenerationError
+from ..processors import response_format_grammar
 from ..sampling import SEED_LIMIT
 
 MAX_STOP_STRINGS = 16
@@ -20,22 +26,85 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields that would change the output and that the server does not implement, with
+# the values that change nothing (a 400 names any other value)
+UNSUPPORTED = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "functions": (None,),  # the deprecated forms of tools and tool_choice
+    "function_call": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "parallel_tool_calls": (None, True),
+}
+# the sampling fields a request may omit, taken then from the model's defaults
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+
+
 class _Sampling(BaseModel):
-    """What both endpoints share: sampling, length, stops, streaming."""
+    """What both endpoints share: sampling, length, stops, streaming, processors."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # -1 and 0: off (vLLM spells off as -1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0: off (vLLM spells off as -1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's and llama.cpp's extension
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     n: int = Field(1, ge=1, le=1)  # one choice per request: send several requests for more
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    best_of: Any = None
+    suffix: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    parallel_tool_calls: Any = None
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value, info: ValidationInfo):
+        harmless = UNSUPPORTED[info.field_name]
+        if value not in harmless:
+            only = f" (only {json.dumps(harmless[-1])})" if harmless[-1] is not None else ""
+            raise ValueError(f"{info.field_name} is not supported by this server{only}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias):
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"{token!r} is not a token id")
+            if not -100 <= value <= 100:
+                raise ValueError(f"the bias of token {token} must be in [-100, 100]")
+        return bias
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, response_format):
+        try:
+            response_format_grammar(response_format)  # compiled when the request is submitted
+        except GenerationError as e:
+            raise ValueError(str(e).removeprefix("response_format: ")) from None
+        return response_format
 
     @field_validator("stop")
     @classmethod
