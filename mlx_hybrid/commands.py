@@ -77,26 +77,47 @@ def at_least(minimum: int):
     return integer
 
 
+# the flags of the sampling settings, each a SamplingParams field: (flag, type, metavar, its
+# default, what it does); the commands default to the field's default, the server to none
+SAMPLING_FLAGS = [
+    ("--temp", float, "T", 0.0, "sampling temperature; 0 is greedy"),
+    ("--top-p", float, "P", 1.0, "nucleus sampling mass (1: off)"),
+    ("--top-k", int, "K", 0, "sample among the k likeliest tokens (0: off)"),
+    ("--min-p", float, "M", 0.0, "drop tokens below min-p x the top probability (0: off)"),
+    ("--repetition-penalty", float, "P", 1.0,
+     "divide (multiply, if negative) the logits of the last --repetition-context-size tokens by P (1: off)"),
+    ("--repetition-context-size", at_least(1), "N", 20, "tokens of prompt and output the repetition penalty reads"),
+    ("--presence-penalty", float, "P", 0.0, "OpenAI's presence penalty, in [-2, 2]"),
+    ("--frequency-penalty", float, "P", 0.0, "OpenAI's frequency penalty, in [-2, 2]"),
+]  # fmt: skip
+
+
+def flag_field(flag: str) -> str:
+    """The SamplingParams field a flag of SAMPLING_FLAGS sets."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def add_sampling_settings(p, defaults: bool = True):
+    """The SAMPLING_FLAGS; defaults=False leaves a flag not given at None (see `sampling_settings`)."""
+    for flag, kind, metavar, default, what in SAMPLING_FLAGS:
+        p.add_argument(
+            flag, type=kind, metavar=metavar, default=default if defaults else None,
+            help=f"{what} (default: {default})" if defaults else what,
+        )  # fmt: skip
+
+
+def sampling_settings(args) -> dict:
+    """The SamplingParams fields the SAMPLING_FLAGS set (those at None left out)."""
+    values = {flag_field(flag): getattr(args, flag_field(flag)) for flag, *_ in SAMPLING_FLAGS}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256):
     p.add_argument(
         "--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})"
     )
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0, off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    add_sampling_settings(p)
     p.add_argument("--seed", type=seed, default=None, help="random seed for sampling, in [0, 2**64)")
-    p.add_argument(
-        "--repetition-penalty", type=float, default=1.0, metavar="P",
-        help="divide (multiply, if negative) the logits of the last --repetition-context-size tokens by P "
-        "(default: 1, off)",
-    )  # fmt: skip
-    p.add_argument(
-        "--repetition-context-size", type=at_least(1), default=20, metavar="N",
-        help="tokens of prompt and output the repetition penalty looks back over (default: 20)",
-    )  # fmt: skip
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, in [-2, 2]")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, in [-2, 2]")
 
 
 def grammar_file(kind: str):
@@ -140,10 +161,8 @@ def add_grammar_arguments(p: argparse.ArgumentParser):
 def sampling_params(args, **changes) -> SamplingParams:
     """The request settings of `add_sampling_arguments`' (and `add_grammar_arguments`') flags."""
     return SamplingParams(
-        args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, args.seed,
-        repetition_penalty=args.repetition_penalty, repetition_context_size=args.repetition_context_size,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        grammar=getattr(args, "grammar", None), **changes,
+        max_tokens=args.max_tokens, seed=args.seed, grammar=getattr(args, "grammar", None),
+        **sampling_settings(args), **changes,
     )  # fmt: skip
 
 

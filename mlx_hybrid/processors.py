@@ -68,8 +68,8 @@ class Grammar:
             error = LLMatcher.validate_grammar(grammar)
         except Exception as e:  # noqa: BLE001  (llguidance raises ValueError and others for bad text)
             error = str(e)
-        if error:  # one line: llguidance draws its errors over several
-            raise GenerationError(f"invalid {self.kind} grammar: {' '.join(error.split())}")
+        if error:
+            raise grammar_error(self.kind, error)
         return grammar
 
     def _translated(self) -> str:
@@ -83,6 +83,11 @@ class Grammar:
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         return LLMatcher.grammar_from_lark(any_to_lark(self.source) if self.kind == "gbnf" else self.source)
+
+
+def grammar_error(kind: str, error: str) -> GenerationError:
+    """llguidance's message, on one line (it draws its errors over several)."""
+    return GenerationError(f"invalid {kind} grammar: {' '.join(error.split())}")
 
 
 def response_format_grammar(response_format) -> Grammar | None:
@@ -141,7 +146,7 @@ class LogitsProcessor:
 
             self.matcher = LLMatcher(_grammar_tokenizer(tokenizer, vocab_size), params.grammar.compiled(), log_level=0)
             if self.matcher.is_error():
-                raise GenerationError(f"invalid {params.grammar.kind} grammar: {self.matcher.get_error()}")
+                raise grammar_error(params.grammar.kind, self.matcher.get_error())
 
     @staticmethod
     def wanted(params) -> bool:

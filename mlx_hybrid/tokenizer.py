@@ -9,7 +9,6 @@ Qwen3 and Qwen3.5, which llama.cpp skips), so that both paths give the same ids.
 from __future__ import annotations
 
 import functools
-
 import json
 from pathlib import Path
 

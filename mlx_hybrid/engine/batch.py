@@ -30,8 +30,8 @@ def batch_generate(
     """The generated text for each prompt (strings or token ids), decoded together.
 
     Arguments as `stream_generate`'s (other `SamplingParams` fields and `response_format=`
-    as keywords, each sequence with its own penalties and grammar); with a seed, sequence i samples from seed + i (each
-    has its own stream). Up to `max_batch` sequences run at once; the rest join as
+    as keywords, each sequence with its own penalties and grammar); with a seed, sequence
+    i samples from seed + i (each has its own stream). Up to `max_batch` sequences run at once; the rest join as
     others finish. Greedy output is that of each prompt alone.
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -233,7 +233,7 @@ class _Run:
                 max_tokens=body.token_limit or served.default_max_tokens,
                 seed=body.seed,
                 logprobs=logprobs,
-                logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()} or None,
+                logit_bias=body.logit_bias,  # SamplingParams reads JSON's string token ids
                 response_format=body.response_format,
                 **sampling,
             )

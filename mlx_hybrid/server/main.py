@@ -6,19 +6,21 @@ import argparse
 import os
 import sys
 
-from ..errors import GenerationError
-from ..sampling import SamplingParams
 from ..commands import (
     ArgumentParser,
     add_draft_arguments,
     add_model_arguments,
+    add_sampling_settings,
     at_least,
     fail,
     launched_rank,
     load_for_generation,
     make_engine,
     on_every_rank,
+    sampling_settings,
 )
+from ..errors import GenerationError
+from ..sampling import SamplingParams
 
 DESCRIPTION = """\
 Serve a hybrid-attention model over an OpenAI-compatible HTTP API:
@@ -85,8 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "GGUF general.sampling.*), which is over OpenAI's defaults (temperature 1, the rest off); GET /v1/models "
         "shows what is in force",
     )
-    for flag, kind, what in REQUEST_DEFAULT_FLAGS:
-        defaults.add_argument(flag, type=kind, default=None, help=what)
+    add_sampling_settings(defaults, defaults=False)
     p.add_argument(
         "--api-key",
         default=os.environ.get("MLX_HYBRID_API_KEY"),
@@ -97,30 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# (flag, type, help): the server's defaults for requests, each a SamplingParams field
-REQUEST_DEFAULT_FLAGS = [
-    ("--temp", float, "temperature"),
-    ("--top-p", float, "nucleus sampling mass"),
-    ("--top-k", int, "sample among the k likeliest tokens"),
-    ("--min-p", float, "drop tokens below min-p x the top probability"),
-    ("--repetition-penalty", float, "llama.cpp's repetition penalty over the last --repetition-context-size tokens"),
-    ("--repetition-context-size", int, "tokens the repetition penalty looks back over (default: 20)"),
-    ("--presence-penalty", float, "OpenAI's presence penalty"),
-    ("--frequency-penalty", float, "OpenAI's frequency penalty"),
-]
-
-
 def flag_defaults(args) -> dict:
     """The request defaults the flags give, each checked (before the model loads)."""
-    defaults = {}
-    for flag, _, _ in REQUEST_DEFAULT_FLAGS:
-        name = flag.removeprefix("--").replace("-", "_")
-        if getattr(args, name) is not None:
-            try:
-                SamplingParams(**{name: getattr(args, name)})
-            except GenerationError as e:
-                raise ValueError(f"{flag}: {e}") from None
-            defaults[name] = getattr(args, name)
+    defaults = sampling_settings(args)
+    for name, value in defaults.items():
+        try:
+            SamplingParams(**{name: value})
+        except GenerationError as e:
+            raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
     return defaults
 
 

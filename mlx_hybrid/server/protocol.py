@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ..errors import GenerationError
 from ..processors import response_format_grammar
-from ..sampling import SEED_LIMIT
+from ..sampling import SEED_LIMIT, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
@@ -90,11 +90,10 @@ class _Sampling(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, bias):
-        for token, value in (bias or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"{token!r} is not a token id")
-            if not -100 <= value <= 100:
-                raise ValueError(f"the bias of token {token} must be in [-100, 100]")
+        try:
+            SamplingParams(logit_bias=bias)  # the one check of token ids and biases
+        except GenerationError as e:
+            raise ValueError(str(e).removeprefix("logit_bias: ")) from None
         return bias
 
     @field_validator("response_format")
