@@ -15,7 +15,6 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..errors import GenerationError
-from ..processors import response_format_grammar
 from ..sampling import SEED_LIMIT, SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -87,23 +86,15 @@ class _Sampling(BaseModel):
             raise ValueError(f"{info.field_name} is not supported by this server{only}")
         return value
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", "response_format")
     @classmethod
-    def _bias(cls, bias):
+    def _checked_by_sampling(cls, value, info: ValidationInfo):
+        """SamplingParams' own check: token ids and biases; the response format's grammar."""
         try:
-            SamplingParams(logit_bias=bias)  # the one check of token ids and biases
+            SamplingParams().replace(**{info.field_name: value})
         except GenerationError as e:
-            raise ValueError(str(e).removeprefix("logit_bias: ")) from None
-        return bias
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, response_format):
-        try:
-            response_format_grammar(response_format)  # compiled when the request is submitted
-        except GenerationError as e:
-            raise ValueError(str(e).removeprefix("response_format: ")) from None
-        return response_format
+            raise ValueError(str(e).removeprefix(f"{info.field_name}: ")) from None
+        return value
 
     @field_validator("stop")
     @classmethod
