@@ -89,10 +89,11 @@ class SamplingParams:
         unknown = sorted(set(changes) - set(fields))
         if unknown:
             raise GenerationError(f"unknown setting {unknown[0]!r} (the settings: {', '.join(fields)})")
-        if response_format is not None:
+        format_grammar = response_format_grammar(response_format)
+        if format_grammar is not None:
             if changes.get("grammar") is not None:
                 raise GenerationError("give either grammar= or response_format=, not both")
-            changes["grammar"] = response_format_grammar(response_format)
+            changes["grammar"] = format_grammar
         return dataclasses.replace(self, **changes)
 
     def sampler(self) -> Sampler:

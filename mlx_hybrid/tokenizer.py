@@ -158,11 +158,28 @@ class Tokenizer:
     @functools.cached_property
     def renders_tools(self) -> bool:
         """Whether the chat template shows the model the tools it is given (asked once)."""
-        probe = {"type": "function", "function": {"name": "probe_tool_x7", "parameters": {"type": "object"}}}
         try:
-            return "probe_tool_x7" in self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe])
+            return _PROBE_NAME in self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
         except Exception:  # noqa: BLE001  (a template that fails here fails the request itself, with its message)
             return True
+
+    @functools.cached_property
+    def tool_call_style(self) -> str | None:
+        """How the chat template writes a tool call (one of `parsers.TOOL_CALL_STYLES`), or None
+        when it writes none the parsers know (asked once)."""
+        from .parsers import tool_call_style
+
+        call = {"type": "function", "function": {"name": _PROBE_NAME, "arguments": {"probe_key": "v"}}}
+        turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            return tool_call_style(self.apply_chat_template(turn, add_generation_prompt=False, tools=[_PROBE_TOOL]))
+        except Exception:  # noqa: BLE001  (a template that cannot render a call writes no known format)
+            return None
+
+    def is_special_token(self, text: str) -> bool:
+        """Whether text is one special token (which ordinary text never encodes to)."""
+        added = self._tokenizer.get_added_tokens_decoder().get(self._tokenizer.token_to_id(text))
+        return added is not None and added.special and added.content == text
 
     # -- construction ------------------------------------------------------------
 
@@ -253,6 +270,10 @@ class Tokenizer:
                 ours: meta.get(key) for key, ours in GGUF_SAMPLING_DEFAULTS.items() if meta.get(key) is not None
             },
         )
+
+
+_PROBE_NAME = "probe_tool_x7"
+_PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "parameters": {"type": "object"}}}
 
 
 def _compiled_template(source: str):

@@ -77,3 +77,36 @@ def reference_processing(logits, prompt, output, logit_bias=None, presence_penal
     for token in set(output):
         x[token] -= np.float32(frequency_penalty * output.count(token) + presence_penalty)
     return x
+
+
+# Chat templates that write tool calls as the released checkpoints' templates do (Qwen3.5's XML is
+# fixtures/make_assistant.py's TEMPLATE): tools in a system turn, each call in the model's format.
+_TOOLS_TURN = """\
+{%- if tools %}<|im_start|>system
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools><|im_end|>
+{% endif %}"""
+TOOL_TEMPLATES = {
+    "json": _TOOLS_TURN + """\
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}
+<tool_call>
+{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}""",
+    "kimi": _TOOLS_TURN + """\
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content or '' }}
+{%- if m.tool_calls %}<|tool_calls_section_begin|>
+{%- for call in m.tool_calls %}<|tool_call_begin|>functions.{{ call.function.name }}:{{ loop.index0 }}\
+<|tool_call_argument_begin|>{{ call.function.arguments | tojson }}<|tool_call_end|>
+{%- endfor %}<|tool_calls_section_end|>{% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}""",
+}

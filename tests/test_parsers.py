@@ -165,3 +165,141 @@ def test_streaming_holds_back_only_what_may_be_a_tag():
     delta = parser.feed("\n</tool_call>")
     assert delta.tool_calls[0]["function"]["name"] == "f" and delta.content == ""
     assert parser.feed("<").content == "" and parser.finish().content == "<"
+
+
+# -- grammars that hold the output to tool calls (tool_choice "required" or a named function)
+
+WEATHER_REQUIRED = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"],
+}}}  # fmt: skip
+MODE = {
+    "type": "function",
+    "function": {
+        "name": "set_mode",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "mode": {"type": "string", "enum": ["fast", "slow"]},
+                "level": {"type": "integer", "minimum": 0, "maximum": 9},
+                "note": {"type": "string"},
+            },
+            "required": ["mode", "level"],
+        },
+    },
+}
+CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("set_mode", {"mode": "fast", "level": 3})]
+
+
+def written(style: str, calls) -> str:
+    """Calls as each model family writes them (the templates in conftest.TOOL_TEMPLATES)."""
+    if style == "json":
+        blocks = [f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>' for name, args in calls]
+        return "\n".join(blocks)
+    if style == "xml":
+        return "\n".join(
+            f"<tool_call>\n<function={name}>\n"
+            + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+            + "</function>\n</tool_call>"
+            for name, args in calls
+        )
+    return (
+        "<|tool_calls_section_begin|>"
+        + "".join(
+            f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{json.dumps(args)}<|tool_call_end|>"
+            for i, (name, args) in enumerate(calls)
+        )
+        + "<|tool_calls_section_end|>"
+    )
+
+
+def takes(grammar, tokenizer, text: str, encoded_by=None) -> bool:
+    """Whether the grammar takes text (as `encoded_by` encodes it) and then the end token, as
+    the engine would run it."""
+    from mlx_hybrid.sampling import SamplingParams
+
+    processor = SamplingParams(grammar=grammar).processor([], tokenizer.vocab_size, tokenizer)
+    ids = (encoded_by or tokenizer).encode(text) + tokenizer.eos_token_ids[:1]
+    return processor.accept(ids) and processor.finished
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    """The fixtures' tokenizer, and one where Kimi's tool-call markers are special tokens as in
+    Kimi's own vocabulary."""
+    import copy
+
+    from conftest import FIXTURES
+
+    from mlx_hybrid.tokenizer import Tokenizer
+
+    plain = Tokenizer.from_hf_dir(FIXTURES / "qwen3next" / "hf", {})
+    backend = copy.deepcopy(plain.backend)
+    from tokenizers import AddedToken
+
+    markers = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+               "<|tool_call_argument_begin|>", "<|tool_call_end|>"]  # fmt: skip
+    backend.add_special_tokens([AddedToken(m, special=True) for m in markers])
+    return plain, Tokenizer(backend, plain.eos_token_ids)
+
+
+@pytest.mark.parametrize("style", ["json", "xml", "kimi"])
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_tool_call_grammar_takes_calls_and_nothing_else(tool_tokenizer, style, opened):
+    from mlx_hybrid.parsers import tool_call_grammar
+
+    tokenizer = tool_tokenizer[0]
+    grammar = tool_call_grammar(style, [WEATHER_REQUIRED, MODE], opened)
+    reasoning = "I need the weather.\n</think>\n\n" if opened else ""
+    text = reasoning + written(style, CALLS)
+    assert takes(grammar, tokenizer, text)
+    parsed = parse_output(text, tools=[WEATHER_REQUIRED, MODE], reasoning_opened=opened)
+    assert [(c["function"]["name"], arguments(c)) for c in parsed.tool_calls] == CALLS
+    assert takes(grammar, tokenizer, reasoning + written(style, CALLS[:1]))
+    if opened:  # a call made while thinking ends the free text too
+        assert takes(grammar, tokenizer, "I need the weather.\n" + written(style, CALLS))
+    wrong = [
+        written(style, [("get_time", {"city": "Paris"})]),  # not a tool
+        written(style, [("set_mode", {"mode": "fast"})]),  # a required parameter missing
+        written(style, [("set_mode", {"mode": "fast", "level": 12})]),  # out of range
+        written(style, [("set_mode", {"mode": "quick", "level": 1})]),  # not in the enum
+        written(style, [("set_mode", {"mode": "fast", "level": 1, "speed": 2})]),  # not a declared parameter
+        written(style, CALLS) + "\nDone.",  # text after the calls
+        "Sure. " + written(style, CALLS),  # an answer instead of (or before) the calls
+        "",  # no call at all
+    ]
+    for text in wrong:
+        assert not takes(grammar, tokenizer, reasoning + text), text
+    single = tool_call_grammar(style, [WEATHER_REQUIRED, MODE], opened, parallel=False)
+    assert takes(single, tokenizer, reasoning + written(style, CALLS[1:]))
+    assert not takes(single, tokenizer, reasoning + written(style, CALLS))
+    named = tool_call_grammar(style, [MODE], opened)  # tool_choice naming set_mode
+    assert takes(named, tokenizer, reasoning + written(style, CALLS[1:]))
+    assert not takes(named, tokenizer, reasoning + written(style, CALLS[:1]))
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_kimi_markers_that_are_special_tokens_are_written_as_such(tool_tokenizer, opened):
+    from mlx_hybrid.parsers import tool_call_grammar
+
+    plain, special = tool_tokenizer
+    assert special.is_special_token("<|tool_call_begin|>") and not plain.is_special_token("<|tool_call_begin|>")
+    assert not special.is_special_token("<tool_call>") and special.is_special_token("<|im_end|>")
+    grammar = tool_call_grammar("kimi", [WEATHER_REQUIRED, MODE], opened, special.is_special_token)
+    reasoning = "Thinking </think> still free " if opened else ""
+    assert takes(grammar, special, reasoning + written("kimi", CALLS))
+    assert not takes(grammar, special, reasoning + written("kimi", CALLS) + "x")
+    # the same characters spelled with ordinary tokens are not the markers
+    assert not takes(grammar, special, reasoning + written("kimi", CALLS), encoded_by=plain)
+
+
+@pytest.mark.parametrize("style", ["json", "xml", "kimi"])
+def test_the_tool_call_style_is_read_from_the_chat_template(tool_tokenizer, style):
+    from conftest import TOOL_TEMPLATES
+    from fixtures.make_assistant import TEMPLATE
+
+    from mlx_hybrid.tokenizer import Tokenizer
+
+    plain = tool_tokenizer[0]
+    assert plain.tool_call_style is None  # the fixtures' own template writes no calls
+    template = TEMPLATE if style == "xml" else TOOL_TEMPLATES[style]
+    assert Tokenizer(plain.backend, plain.eos_token_ids, template).tool_call_style == style

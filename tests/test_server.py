@@ -251,6 +251,8 @@ BAD_REQUESTS = [
         400,
         "tools",
     ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [70000]}, 400, None),
@@ -270,8 +272,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}, 400,
      "reasoning_effort"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "verbosity": "low"}, 400, "verbosity"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": False}, 400,
-     "parallel_tool_calls"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, None),
@@ -417,6 +417,85 @@ def test_tool_call_round_trip_with_the_call_inside_reasoning(assistant, conversa
     assert message["reasoning_content"] == expected["turn_2"]["reasoning"]
     assert message["content"] == expected["turn_2"]["content"]
     assert finish == "stop" and not message.get("tool_calls")
+
+
+# tools whose arguments a small model can finish (bounded strings), for tool_choice
+UNITS = {"type": "function", "function": {"name": "set_units", "parameters": {"type": "object", "properties": {
+    "units": {"type": "string", "enum": ["metric", "imperial"]},
+    "level": {"type": "integer", "minimum": 0, "maximum": 9},
+}, "required": ["units"]}}}  # fmt: skip
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+}, "required": ["city", "days"]}}}  # fmt: skip
+
+
+def assert_valid_calls(message, tools, finish, name=None):
+    """At least one call, each to one of tools (to `name` when given) with arguments its schema takes."""
+    import jsonschema
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    assert finish == "tool_calls" and message["tool_calls"], message
+    for call in message["tool_calls"]:
+        assert call["function"]["name"] in ([name] if name else schemas)
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_or_named_always_gives_valid_calls(assistant, conversations, stream):
+    """The template opens <think>: reasoning stays free; then the output can only be calls. A
+    request the model would answer in prose gets a call too; a named function is the one called."""
+    client = openai.OpenAI(base_url=assistant.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    tools = conversations["tools"] + [UNITS]
+    weather = conversations["turn_1"]["messages"]
+    prose = [weather[0], {"role": "user", "content": "Thanks! Tell me a story."}]
+    for messages in (weather, prose):
+        for temperature in (0.0, 1.0):
+            request = dict(model="assistant", messages=messages, tools=tools, temperature=temperature, seed=5)
+            message, finish = _answer(client, {**request, "tool_choice": "required"}, stream)
+            assert_valid_calls(message, tools, finish)
+            named = {"type": "function", "function": {"name": "set_units"}}
+            message, finish = _answer(client, {**request, "tool_choice": named}, stream)
+            assert_valid_calls(message, tools, finish, name="set_units")
+    for choice, extra, param in [
+        ({"type": "function", "function": {"name": "nope"}}, {}, "tool_choice"),
+        ("required", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("auto", {"parallel_tool_calls": False}, "parallel_tool_calls"),  # kept only where a grammar holds it
+    ]:
+        body = dict(model="assistant", messages=weather, tools=tools, tool_choice=choice, **extra)
+        status, response = http("POST", assistant.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        assert status == 400 and response["error"]["param"] == param
+
+
+@pytest.mark.parametrize("style", ["json", "kimi"])
+def test_tool_choice_holds_a_random_model_to_its_own_call_format(tmp_path, style):
+    """Qwen3's JSON calls and Kimi's, on the random Qwen3-Next fixture with MTP drafting: only the
+    grammar makes its output calls. One call each (parallel_tool_calls false): a random model,
+    free to go on, would call again and again."""
+    import shutil
+
+    from conftest import TOOL_TEMPLATES
+
+    checkpoint = tmp_path / "model"
+    shutil.copytree(FIXTURES / "qwen3next" / "hf", checkpoint)
+    settings = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": TOOL_TEMPLATES[style]}))
+    running = Server("--model", str(checkpoint), "--served-model-name", "m")
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        tools = [CITY, UNITS]
+        for temperature in (0.0, 1.0):
+            request = dict(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                           temperature=temperature, seed=3, max_tokens=200, parallel_tool_calls=False)  # fmt: skip
+            message, finish = _answer(client, {**request, "tool_choice": "required"}, stream=False)
+            assert_valid_calls(message, tools, finish)
+            assert len(message["tool_calls"]) == 1
+            named = {"type": "function", "function": {"name": "get_weather"}}
+            message, finish = _answer(client, {**request, "tool_choice": named}, stream=True)
+            assert_valid_calls(message, tools, finish, name="get_weather")
+            assert len(message["tool_calls"]) == 1
+    finally:
+        assert running.stop()
 
 
 def _answer(client, request, stream):

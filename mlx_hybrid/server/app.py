@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import ContextOverflowError, GenerationError
-from ..parsers import OutputParser, StopStrings, prompt_opens_reasoning
+from ..parsers import TOOL_CALL_STYLES, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar
 from ..prompt import chat_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
@@ -121,9 +121,11 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
             options["tools"] = tools
         messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
         rendered = await run_in_threadpool(_render, served.tokenizer, messages, options)
+        reasoning_opened = prompt_opens_reasoning(rendered.text)
+        grammar = _tool_choice_grammar(served.tokenizer, body, tools, reasoning_opened)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries)
-        parser = OutputParser(tools=tools, reasoning_opened=prompt_opens_reasoning(rendered.text))
+        run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar)
+        parser = OutputParser(tools=tools, reasoning_opened=reasoning_opened)
         chat = _ChatOutput(run, parser)
         if body.stream:
             return _event_stream(chat.chunks(body.include_usage))
@@ -188,6 +190,36 @@ def _render(tokenizer, messages, options):
         raise ApiError(400, str(e), param="messages") from None
 
 
+def _tool_choice_grammar(tokenizer, body, tools: list[dict], reasoning_opened: bool):
+    """For tool_choice "required" or a named function, the grammar that holds the output to
+    calls (of that function) in the model's own tool-call format; else None."""
+    choice = body.tool_choice
+    if choice in (None, "auto", "none"):
+        if tools and not body.parallel_tool_calls:
+            message = "parallel_tool_calls: false is kept with tool_choice 'required' or a named function (the output "
+            raise ApiError(400, message + "is then held to one call), not with 'auto'", param="parallel_tool_calls")
+        return None
+    if not tools:
+        raise ApiError(400, "tool_choice asks for a tool call, but the request gives no tools", param="tool_choice")
+    if choice != "required":
+        tools = [tool for tool in tools if tool["function"]["name"] == choice.function.name]
+        if not tools:
+            raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")  # fmt: skip
+    if (body.response_format or {}).get("type", "text") != "text":
+        raise ApiError(400, "tool_choice and response_format both constrain the output: give one",
+                       param="response_format")  # fmt: skip
+    style = tokenizer.tool_call_style
+    if style is None:
+        raise ApiError(400, f"tool_choice {'required' if choice == 'required' else 'naming a function'} needs the "
+                       "model's tool-call format, and this chat template writes none the server knows "
+                       f"({', '.join(TOOL_CALL_STYLES)})", param="tool_choice")  # fmt: skip
+    try:
+        return tool_call_grammar(style, tools, reasoning_opened, tokenizer.is_special_token, body.parallel_tool_calls)
+    except GenerationError as e:
+        raise ApiError(400, str(e), param="tools") from None
+
+
 class _Events:
     """Where the engine's thread puts a sequence's events: onto this request's event loop."""
 
@@ -222,7 +254,7 @@ class _Run:
         self.completion_tokens = 0
 
     @classmethod
-    def submit(cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=()) -> "_Run":
+    def submit(cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=(), grammar=None) -> "_Run":
         events = _Events()
         asked = {PARAM_NAMES.get(name, name): getattr(body, name) for name in SAMPLING_FIELDS}
         sampling = served.sampling_defaults | {name: value for name, value in asked.items() if value is not None}
@@ -235,6 +267,7 @@ class _Run:
                 logprobs=logprobs,
                 logit_bias=body.logit_bias,  # SamplingParams reads JSON's string token ids
                 response_format=body.response_format,
+                grammar=grammar,
                 **sampling,
             )
             sequence = served.engine.submit(prompt, params=params, checkpoint_at=checkpoint_at, events=events)

@@ -37,7 +37,6 @@ UNSUPPORTED = {
     "web_search_options": (None,),
     "reasoning_effort": (None,),
     "verbosity": (None,),
-    "parallel_tool_calls": (None, True),
 }
 # the sampling fields a request may omit, taken then from the model's defaults
 SAMPLING_FIELDS = (
@@ -75,7 +74,6 @@ class _Sampling(BaseModel):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    parallel_tool_calls: Any = None
 
     @field_validator(*UNSUPPORTED)
     @classmethod
@@ -160,6 +158,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict = Field(default_factory=dict)
 
     @model_validator(mode="after")
