@@ -42,15 +42,15 @@ class OracleDrafter(Drafter):
             self.inner.begin(first_token)
 
     def draft(self, k: int, sampler):
-        return self.draft_rows([self], [k], [sampler])[0]
+        return self.draft_rows([self], [k], [sampler], [None])[0]
 
     @classmethod
-    def draft_rows(cls, drafters, ks, samplers):
+    def draft_rows(cls, drafters, ks, samplers, masks):
         """The inner drafters draft together (as they would without the oracle), then each row's
         tokens are replaced."""
         inner = [d.inner for d in drafters]
         if inner[0] is not None:
-            inner_drafts = type(inner[0]).draft_rows(inner, ks, samplers)
+            inner_drafts = type(inner[0]).draft_rows(inner, ks, samplers, masks)
             mx.eval([tokens for tokens, _ in inner_drafts])  # MLX is lazy: replaced tokens must still run
             ks = [len(tokens) for tokens, _ in inner_drafts]
         return [drafter._replay(k) for drafter, k in zip(drafters, ks)]

@@ -7,8 +7,9 @@ and by the batch engine (one drafter per row):
   token; `start(prompt, prompt_hidden, first_token)` does both at once;
 - `draft(k, sampler)` -> (tokens, logprobs): up to k drafted tokens as scalar arrays, and
   for each the log-distribution [V] it was drawn from (None: a point mass). Fewer than k,
-  or none, when confidence runs out. `draft_rows(drafters, ks, samplers)` drafts for
-  several rows at once, the drafting model's steps packed into one call per step;
+  or none, when confidence runs out. `draft_rows(drafters, ks, samplers, masks)` drafts for
+  several rows at once, the drafting model's steps packed into one call per step, each
+  row drawn from what its grammar allows (masks);
 - `update(verify_hidden, accepted)`: what the trunk accepted this round (the accepted
   drafts and the trunk's own next token), with the verify pass's hidden states. The
   decoder may skip `draft` for a round; `update` is still called;
@@ -51,10 +52,14 @@ class DraftHead:
             self.ids = mx.array(vocabulary, dtype=mx.int32)
             self.project = model.vocabulary_head(self.ids)
 
-    def draw(self, x: mx.array, samplers: list):
+    def draw(self, x: mx.array, samplers: list, allowed: list | None = None):
         """For x [1, R, E], one row per sampler: (tokens [R], per row the log-distribution over
-        the whole vocabulary or None, top probabilities [R])."""
+        the whole vocabulary or None, top probabilities [R]). allowed: per row None or the
+        tokens [V] (bool) it may draw (a grammar's); a row that allows none of the head's is
+        drawn unmasked (its draft will be cut)."""
         logits = self.project(x)[0].astype(mx.float32)
+        if allowed is not None and any(mask is not None for mask in allowed):
+            logits = mx.where(self._allowed_rows(allowed), logits, -mx.inf)
         if all(sampler.greedy for sampler in samplers):
             index = mx.argmax(logits, axis=-1)
             tops = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
@@ -68,6 +73,18 @@ class DraftHead:
                 logprobs.append(None if sampler.greedy else self._whole_vocabulary(row_logprobs))
             index, tops = mx.stack(indices), mx.stack(top_list)
         return (index if self.ids is None else self.ids[index]), logprobs, tops
+
+    def _allowed_rows(self, allowed: list) -> mx.array:
+        """The rows' masks [R, V_head] over the head's own vocabulary."""
+        rows = []
+        for mask in allowed:
+            if mask is None:
+                rows.append(mx.ones((self.vocab_size,), dtype=mx.bool_))
+            else:  # a draft model's vocabulary may be padded to another size than the target's
+                n = min(mask.shape[0], self.vocab_size)
+                rows.append(mx.concatenate([mask[:n], mx.zeros((self.vocab_size - n,), dtype=mx.bool_)]))
+        masks = mx.stack(rows) if self.ids is None else mx.stack(rows)[:, self.ids]
+        return masks | ~masks.any(axis=-1, keepdims=True)
 
     def _whole_vocabulary(self, logprobs: mx.array) -> mx.array:
         """The acceptance rule needs q over the whole vocabulary."""
@@ -87,6 +104,11 @@ def check_draft_p_min(draft_p_min: float) -> float:
 def _join(arrays: list) -> mx.array:
     """Rows [1, n, E] side by side on the token axis (one row: itself, no copy)."""
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=1)
+
+
+def _values(tokens: list) -> list[int]:
+    """Lazy draft tokens (scalars) as ints."""
+    return mx.stack(tokens).reshape(-1).tolist() if tokens else []
 
 
 def _last_of_each(x: mx.array, lengths: list[int]) -> mx.array:
@@ -119,20 +141,26 @@ class Drafter:
         return type(self)
 
     @classmethod
-    def draft_rows(cls, drafters: list, ks: list[int], samplers: list) -> list[tuple[list, list]]:
+    def draft_rows(cls, drafters: list, ks: list[int], samplers: list, masks: list) -> list[tuple[list, list]]:
+        """Drafters that draw from no distribution (n-grams) have nothing to mask."""
         return [drafter.draft(k, sampler) for drafter, k, sampler in zip(drafters, ks, samplers)]
 
 
-def draft_rows(drafters: list, ks: list[int], samplers: list) -> list[tuple[list, list]]:
+def draft_rows(drafters: list, ks: list[int], samplers: list, masks: list | None = None) -> list[tuple[list, list]]:
     """Each row's drafts (tokens, log-probabilities): rows whose drafters share a `batch_key`
-    draft together; a batch may mix drafters of any kind."""
+    draft together; a batch may mix drafters of any kind. masks: per row None or a function
+    (drafts so far, vocabulary size) -> the tokens [V] (bool) it allows next, or None (a
+    grammar's, `LogitsProcessor.draft_mask`): drafters that compute distributions draw from it."""
+    masks = masks or [None] * len(drafters)
     groups: dict = {}
     for i, drafter in enumerate(drafters):
         groups.setdefault(drafter.batch_key(), []).append(i)
     drafts = [None] * len(drafters)
     for rows in groups.values():
         group = [drafters[i] for i in rows]
-        done = type(group[0]).draft_rows(group, [ks[i] for i in rows], [samplers[i] for i in rows])
+        done = type(group[0]).draft_rows(
+            group, [ks[i] for i in rows], [samplers[i] for i in rows], [masks[i] for i in rows]
+        )
         for i, result in zip(rows, done):
             drafts[i] = result
     return drafts
@@ -155,14 +183,15 @@ class _ConfidentDrafting(Drafter):
         self.drafted = False  # whether this round's draft ran
 
     def draft(self, k: int, sampler):
-        return self.draft_rows([self], [k], [sampler])[0]
+        return self.draft_rows([self], [k], [sampler], [None])[0]
 
     def batch_key(self):
         return type(self), self.head, self.draft_p_min  # one head call, one confidence floor
 
     @classmethod
-    def draft_rows(cls, drafters, ks, samplers):
-        """Up to ks[r] (>= 1) drafts for each row (drafters of one `batch_key`)."""
+    def draft_rows(cls, drafters, ks, samplers, masks):
+        """Up to ks[r] (>= 1) drafts for each row (drafters of one `batch_key`), each drawn from
+        what the row's mask allows after its drafts so far."""
         head, p_min = drafters[0].head, drafters[0].draft_p_min
         drafts = [([], []) for _ in drafters]
         active = list(range(len(drafters)))
@@ -170,7 +199,10 @@ class _ConfidentDrafting(Drafter):
         for drafter in drafters:
             drafter.drafted, drafter.fed_drafts = True, 0
         while True:
-            tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active])
+            allowed = None
+            if any(masks[r] is not None for r in active):  # the grammar reads the drafts' values
+                allowed = [masks[r] and masks[r](_values(drafts[r][0]), head.vocab_size) for r in active]
+            tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active], allowed)
             if p_min > 0:
                 mx.eval(tokens, tops)  # deciding whether to go on needs the values now
                 confident = (tops >= p_min).tolist()

@@ -13,8 +13,10 @@ of a verify pass), in this order, in float32:
 The sampler (temperature, top-k, top-p, min-p) or greedy argmax then reads the result.
 
 Under speculation, verify position j sees the output with that round's first j drafts in
-it (counts, window and grammar alike), so speculative output is plain output exactly. A
-draft the grammar forbids is cut, with the drafts after it, before the verify pass.
+it (counts, window and grammar alike), so speculative output is plain output exactly.
+Drafters that compute distributions (the MTP head, a draft model) draw each draft from what
+the grammar allows after the ones before it (`draft_mask`); a draft it forbids all the same
+(an n-gram's) is cut, with the drafts after it, before the verify pass.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class LogitsProcessor:
         self.prompt_tail = list(prompt[-self.window :]) if self.repetition != 1.0 else []
         self.generated: list[int] = []
         self.matcher = None
+        self.end_tokens = set(tokenizer.eos_token_ids)
         if params.grammar is not None:
             from llguidance import LLMatcher
 
@@ -201,20 +204,34 @@ class LogitsProcessor:
             amounts.append(counts)
         return np.concatenate(rows), np.concatenate(cols), np.concatenate(amounts).astype(np.float64)
 
-    def _allowed(self, drafts, positions, vocab_size) -> mx.array:
-        """The grammar's masks [P, V] (bool): position j after the output and drafts[:j]."""
+    def draft_mask(self, drafts: list[int], vocab_size: int) -> mx.array | None:
+        """What the grammar allows [V] (bool) after the output and drafts, for a drafter to draw
+        from; None without a grammar, or when it forbids one of the drafts (they will be cut)."""
+        if self.matcher is None or self.allowed_drafts(drafts) < len(drafts) or self.end_tokens.intersection(drafts):
+            return None
+        return self._allowed(drafts, len(drafts) + 1, vocab_size, first=len(drafts))[0]
+
+    def _allowed(self, drafts, positions, vocab_size, first: int = 0) -> mx.array:
+        """The grammar's masks [P - first, V] (bool): for each position j from `first` on, what
+        it allows after the output and drafts[:j]. Positions after a drafted end token allow
+        everything: nothing chosen there is kept, and the matcher is not given the end token
+        (llguidance cannot roll back over one)."""
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-        words = allocate_token_bitmask(positions, vocab_size)
+        words = allocate_token_bitmask(positions - first, vocab_size)
         consumed = 0
         for j in range(positions):
-            fill_next_token_bitmask(self.matcher, words, j)
-            if j < positions - 1 and self.matcher.consume_token(drafts[j]):
+            if j > 0 and drafts[j - 1] in self.end_tokens:
+                words[max(j - first, 0) :] = -1  # every bit set
+                break
+            if j >= first:
+                fill_next_token_bitmask(self.matcher, words, j - first)
+            if j < positions - 1 and drafts[j] not in self.end_tokens and self.matcher.consume_token(drafts[j]):
                 consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
         bits = (mx.array(words)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
-        return bits.reshape(positions, -1)[:, :vocab_size].astype(mx.bool_)
+        return bits.reshape(positions - first, -1)[:, :vocab_size].astype(mx.bool_)
 
     def accept(self, tokens: list[int]) -> bool:
         """The tokens the request emitted; whether the grammar took them."""

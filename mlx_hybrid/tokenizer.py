@@ -164,17 +164,15 @@ class Tokenizer:
             return True
 
     @functools.cached_property
-    def tool_call_style(self) -> str | None:
-        """How the chat template writes a tool call (one of `parsers.TOOL_CALL_STYLES`), or None
-        when it writes none the parsers know (asked once)."""
-        from .parsers import tool_call_style
-
+    def rendered_tool_call(self) -> str:
+        """The chat template's rendering of an assistant turn that calls a tool, which shows how
+        it writes calls (`parsers.tool_call_style`); "" where it cannot render one (asked once)."""
         call = {"type": "function", "function": {"name": _PROBE_NAME, "arguments": {"probe_key": "v"}}}
         turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         try:
-            return tool_call_style(self.apply_chat_template(turn, add_generation_prompt=False, tools=[_PROBE_TOOL]))
+            return self.apply_chat_template(turn, add_generation_prompt=False, tools=[_PROBE_TOOL])
         except Exception:  # noqa: BLE001  (a template that cannot render a call writes no known format)
-            return None
+            return ""
 
     def is_special_token(self, text: str) -> bool:
         """Whether text is one special token (which ordinary text never encodes to)."""

@@ -297,9 +297,10 @@ def test_the_tool_call_style_is_read_from_the_chat_template(tool_tokenizer, styl
     from conftest import TOOL_TEMPLATES
     from fixtures.make_assistant import TEMPLATE
 
+    from mlx_hybrid.parsers import tool_call_style
     from mlx_hybrid.tokenizer import Tokenizer
 
     plain = tool_tokenizer[0]
-    assert plain.tool_call_style is None  # the fixtures' own template writes no calls
+    assert tool_call_style(plain.rendered_tool_call) is None  # the fixtures' own template writes no calls
     template = TEMPLATE if style == "xml" else TOOL_TEMPLATES[style]
-    assert Tokenizer(plain.backend, plain.eos_token_ids, template).tool_call_style == style
+    assert tool_call_style(Tokenizer(plain.backend, plain.eos_token_ids, template).rendered_tool_call) == style

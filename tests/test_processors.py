@@ -157,6 +157,36 @@ def test_a_draft_the_grammar_forbids_is_not_verified():
     assert sequence.stats.drafted == 0 and sequence.stats.passes > 0
 
 
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_the_mtp_head_drafts_from_what_the_grammar_allows(temp):
+    """With the grammar's mask the head drafts only digits, and a sampled draft's distribution
+    (what the acceptance rule divides by) has no mass elsewhere; without it, it drafts other text."""
+    from mlx_hybrid.drafting import draft_rows, make_drafter
+    from mlx_hybrid.sampling import SamplingParams
+
+    model, tok = load_fixture("qwen35", "hf")
+    prompt = prompt_for("qwen35")
+    params = SamplingParams(temp=temp, seed=3, grammar=Grammar("regex", "[0-9]{30}"))
+
+    def drafts(masked: bool):
+        drafter = make_drafter(model, tok, "mtp", draft_vocab=0, draft_p_min=0.0)
+        hidden = prefill(model, prompt, model.make_cache())
+        drafter.start(prompt, hidden, 7)  # "7" as the first token: the grammar took it
+        processor = params.processor(prompt, model.args.vocab_size, tok)
+        assert processor.accept(tok.encode("7"))
+        [(tokens, logprobs)] = draft_rows([drafter], [4], [params.sampler()], [processor.draft_mask if masked else None])
+        return [int(t) for t in tokens], logprobs
+
+    digits = {t for t in range(model.args.vocab_size) if re.fullmatch("[0-9]+", tok.decode([t]))}
+    tokens, logprobs = drafts(masked=True)
+    assert len(tokens) == 4 and set(tokens) <= digits
+    if temp:
+        for q in logprobs:
+            outside = np.array([t not in digits for t in range(model.args.vocab_size)])
+            assert np.all(np.isneginf(np.array(q)[outside]))
+    assert not set(drafts(masked=False)[0]) <= digits
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

@@ -454,7 +454,8 @@ class Engine:
         if drafting:
             drafters = [row.drafter for row in drafting]
             samplers = [row.decoder.sampler for row in drafting]
-            drafts = draft_rows(drafters, [asked[row][0] for row in drafting], samplers)
+            masks = [None if row.processor is None else row.processor.draft_mask for row in drafting]
+            drafts = draft_rows(drafters, [asked[row][0] for row in drafting], samplers, masks)
             for row, (tokens, logprobs) in zip(drafting, drafts):
                 if row.processor is not None and tokens:
                     row.drafts = mx.stack(tokens).reshape(-1).tolist()

@@ -18,7 +18,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import ContextOverflowError, GenerationError
-from ..parsers import TOOL_CALL_STYLES, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar
+from ..parsers import (
+    TOOL_CALL_STYLES, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar, tool_call_style,
+)  # fmt: skip
 from ..prompt import chat_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
@@ -209,7 +211,7 @@ def _tool_choice_grammar(tokenizer, body, tools: list[dict], reasoning_opened: b
     if (body.response_format or {}).get("type", "text") != "text":
         raise ApiError(400, "tool_choice and response_format both constrain the output: give one",
                        param="response_format")  # fmt: skip
-    style = tokenizer.tool_call_style
+    style = tool_call_style(tokenizer.rendered_tool_call)
     if style is None:
         raise ApiError(400, f"tool_choice {'required' if choice == 'required' else 'naming a function'} needs the "
                        "model's tool-call format, and this chat template writes none the server knows "
