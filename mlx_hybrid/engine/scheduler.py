@@ -510,19 +510,20 @@ class Engine:
         out, reason = [], None
         for token in accepted:
             out.append(token)
+            if row.processor is not None and not row.processor.accept([token]):
+                sequence.tokens += out
+                self._finish(row, "error", out, error="the grammar refused a token it had allowed")
+                return True
             if token in row.stop_tokens:
                 reason = "stop"
                 break
             if len(sequence.tokens) + len(out) >= sequence.max_tokens:
                 reason = "length"
                 break
+            if row.processor is not None and row.processor.finished:
+                reason = "stop"  # the grammar is complete and allows nothing more, as plain decoding ends
+                break
         sequence.tokens += out
-        if row.processor is not None:
-            if not row.processor.accept(out):
-                self._finish(row, "error", out, error="the grammar refused a token it had allowed")
-                return True
-            if reason is None and row.processor.finished:
-                reason = "stop"  # the grammar is complete and allows nothing more
         logprobs = (
             _token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
         )
