@@ -1,17 +1,17 @@
 """What constrained decoding costs, run by hand: tokens/s and MTP tokens per trunk pass with a
-grammar, against the same requests unconstrained, measured in the same run.
+grammar, each against the same request unconstrained, measured beside it in the same run.
 
     python benchmarks/constrained.py                        # the bundled model
     python benchmarks/constrained.py --model path.gguf      # any checkpoint with an MTP head
 
 For each prompt (chat questions, rendered by the model's template), greedy, `--tokens` at
-most, in --rounds rounds that alternate the settings:
-- unconstrained, plain decoding and MTP drafting (the baselines);
-- a JSON schema (an object of a few typed fields), plain and MTP;
-- a regular expression that any text matches (the grammar's bookkeeping alone), MTP.
-Tokens/s counts the tokens after the first over the time from the first to the last, as
-`bench_generate.py`; the ratios are against unconstrained decoding of the same kind. Under
-MTP a grammar masks the head's logits too, so its drafts are ones the grammar allows.
+most, in --rounds rounds, each setting:
+- a JSON schema (an object of a few typed fields), plain decoding and MTP drafting;
+- a regular expression that any text matches (the grammar's bookkeeping alone), MTP;
+and right after it its baseline: the same request unconstrained, decoding as many tokens
+(end tokens ignored), so that both time the same number of steps. Tokens/s counts the tokens
+after the first over the time from the first to the last, as `bench_generate.py`. Under MTP
+a grammar masks the head's logits too, so its drafts are ones the grammar allows.
 """
 
 from __future__ import annotations
@@ -43,18 +43,18 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SETTINGS = {  # label -> (draft, grammar)
-    "plain": (None, None),
-    "mtp": ("mtp", None),
     "plain + json schema": (None, Grammar("json_schema", SCHEMA)),
     "mtp + json schema": ("mtp", Grammar("json_schema", SCHEMA)),
     "mtp + any-text regex": ("mtp", Grammar("regex", r"(?s:.*)")),
 }
 
 
-def run(model, tokenizer, prompt, tokens, draft, grammar):
+def run(model, tokenizer, prompt, tokens, draft, grammar, **settings):
     """(tokens generated, tokens/s after the first, MTP tokens per trunk pass or None)."""
     last = None
-    for last in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=tokens, draft=draft, grammar=grammar):
+    for last in mlx_hybrid.stream_generate(
+        model, tokenizer, prompt, max_tokens=tokens, draft=draft, grammar=grammar, **settings
+    ):
         pass
     return last.generation_tokens, last.generation_tps, last.tokens_per_pass
 
@@ -72,23 +72,24 @@ def main():
     prompts = [chat_prompt(tokenizer, [{"role": "user", "content": q}]).ids for q in QUESTIONS]
     print(f"model: {args.model}, ops {mlx_hybrid.ops.backend_name()}, BLAS {active_blas()}")
     run(model, tokenizer, prompts[0], 8, "mtp", SETTINGS["mtp + json schema"][1])  # warm up
-    speeds = {label: [] for label in SETTINGS}
-    passes = {label: [] for label in SETTINGS}
+    ratios = {label: [] for label in SETTINGS}
+    passes = {label: ([], []) for label in SETTINGS}
     counts = {label: 0 for label in SETTINGS}
     for _ in range(args.rounds):
         for prompt in prompts:
             for label, (draft, grammar) in SETTINGS.items():
                 n, tps, per_pass = run(model, tokenizer, prompt, args.tokens, draft, grammar)
-                speeds[label].append(tps)
+                _, base_tps, base_per_pass = run(model, tokenizer, prompt, n, draft, None, stop_tokens=())
+                ratios[label].append(tps / base_tps)
                 counts[label] += n
                 if per_pass is not None:
-                    passes[label].append(per_pass)
-    print(f"{'':24s} {'tokens/s':>9s} {'vs baseline':>11s} {'tokens/pass':>11s} {'tokens':>7s}")
+                    passes[label][0].append(per_pass)
+                    passes[label][1].append(base_per_pass)
+    print(f"{'':22s} {'tokens/s vs unconstrained':>26s} {'tokens/pass (unconstrained)':>28s} {'tokens':>7s}")
     for label in SETTINGS:
-        baseline = "mtp" if label.startswith("mtp") else "plain"
-        tps, base = statistics.median(speeds[label]), statistics.median(speeds[baseline])
-        per_pass = f"{statistics.mean(passes[label]):.2f}" if passes[label] else "-"
-        print(f"{label:24s} {tps:9.1f} {tps / base:10.2f}x {per_pass:>11s} {counts[label]:7d}")
+        constrained, free = passes[label]
+        per_pass = f"{statistics.mean(constrained):.2f} ({statistics.mean(free):.2f})" if constrained else "-"
+        print(f"{label:22s} {statistics.median(ratios[label]):25.2f}x {per_pass:>28s} {counts[label]:7d}")
 
 
 if __name__ == "__main__":

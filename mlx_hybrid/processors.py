@@ -230,8 +230,8 @@ class LogitsProcessor:
                 consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
-        bits = (mx.array(words)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
-        return bits.reshape(positions - first, -1)[:, :vocab_size].astype(mx.bool_)
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # token i: bit i % 32 of word i // 32
+        return mx.array(bits[:, :vocab_size].astype(np.bool_))
 
     def accept(self, tokens: list[int]) -> bool:
         """The tokens the request emitted; whether the grammar took them."""

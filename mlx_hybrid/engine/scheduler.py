@@ -366,7 +366,10 @@ class Engine:
             logits = self.model.logits_from_hidden(hidden[:, mx.array(positions)])[0] if positions else None
         bounds = [0, *accumulate(len(w) for w in wanted)]
         row_logits = [logits[s:e] if e > s else None for s, e in zip(bounds, bounds[1:])]
-        # what a token is chosen from: the logits after the request's processors (decoding rows)
+        # what a token is chosen from: the logits after the request's processors (decoding rows);
+        # the model computes meanwhile, while grammars work out their masks on the host
+        if logits is not None and any(row.processor is not None for row in rows):
+            mx.async_eval(logits)
         chosen_from = [
             row.processor(x, row.drafts) if row.processor is not None and not row.prefilling else x
             for row, x in zip(rows, row_logits)
