@@ -149,8 +149,8 @@ class Drafter:
 def draft_rows(drafters: list, ks: list[int], samplers: list, masks: list | None = None) -> list[tuple[list, list]]:
     """Each row's drafts (tokens, log-probabilities): rows whose drafters share a `batch_key`
     draft together; a batch may mix drafters of any kind. masks: per row None or a function
-    (drafts so far, vocabulary size) -> the tokens [V] (bool) it allows next, or None (a
-    grammar's, `LogitsProcessor.draft_mask`): drafters that compute distributions draw from it."""
+    (drafts so far) -> the tokens [V] (bool) it allows next, or None (a grammar's,
+    `LogitsProcessor.draft_mask`): drafters that compute distributions draw from it."""
     masks = masks or [None] * len(drafters)
     groups: dict = {}
     for i, drafter in enumerate(drafters):
@@ -201,7 +201,7 @@ class _ConfidentDrafting(Drafter):
         while True:
             allowed = None
             if any(masks[r] is not None for r in active):  # the grammar reads the drafts' values
-                allowed = [masks[r] and masks[r](_values(drafts[r][0]), head.vocab_size) for r in active]
+                allowed = [masks[r] and masks[r](_values(drafts[r][0])) for r in active]
             tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active], allowed)
             if p_min > 0:
                 mx.eval(tokens, tops)  # deciding whether to go on needs the values now

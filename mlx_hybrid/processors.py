@@ -144,6 +144,7 @@ class LogitsProcessor:
         self.generated: list[int] = []
         self.matcher = None
         self.end_tokens = set(tokenizer.eos_token_ids)
+        self.vocab_size = vocab_size
         if params.grammar is not None:
             from llguidance import LLMatcher
 
@@ -204,12 +205,12 @@ class LogitsProcessor:
             amounts.append(counts)
         return np.concatenate(rows), np.concatenate(cols), np.concatenate(amounts).astype(np.float64)
 
-    def draft_mask(self, drafts: list[int], vocab_size: int) -> mx.array | None:
+    def draft_mask(self, drafts: list[int]) -> mx.array | None:
         """What the grammar allows [V] (bool) after the output and drafts, for a drafter to draw
         from; None without a grammar, or when it forbids one of the drafts (they will be cut)."""
         if self.matcher is None or self.allowed_drafts(drafts) < len(drafts) or self.end_tokens.intersection(drafts):
             return None
-        return self._allowed(drafts, len(drafts) + 1, vocab_size, first=len(drafts))[0]
+        return self._allowed(drafts, len(drafts) + 1, self.vocab_size, first=len(drafts))[0]
 
     def _allowed(self, drafts, positions, vocab_size, first: int = 0) -> mx.array:
         """The grammar's masks [P - first, V] (bool): for each position j from `first` on, what
