@@ -142,10 +142,10 @@ class LogitsProcessor:
         self.repetition, self.window = params.repetition_penalty, params.repetition_context_size
         self.prompt_tail = list(prompt[-self.window :]) if self.repetition != 1.0 else []
         self.generated: list[int] = []
-        self.matcher = None
-        self.end_tokens = set(tokenizer.eos_token_ids)
+        self.matcher, self.end_tokens = None, set()
         self.vocab_size = vocab_size
         if params.grammar is not None:
+            self.end_tokens = set(tokenizer.eos_token_ids)
             from llguidance import LLMatcher
 
             self.matcher = LLMatcher(_grammar_tokenizer(tokenizer, vocab_size), params.grammar.compiled(), log_level=0)
