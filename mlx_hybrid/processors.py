@@ -222,13 +222,14 @@ class LogitsProcessor:
         words = allocate_token_bitmask(positions - first, vocab_size)
         consumed = 0
         for j in range(positions):
-            if j > 0 and drafts[j - 1] in self.end_tokens:
-                words[max(j - first, 0) :] = -1  # every bit set
-                break
             if j >= first:
                 fill_next_token_bitmask(self.matcher, words, j - first)
-            if j < positions - 1 and drafts[j] not in self.end_tokens and self.matcher.consume_token(drafts[j]):
-                consumed += 1
+            if j == positions - 1:
+                break
+            if drafts[j] in self.end_tokens:
+                words[max(j + 1 - first, 0) :] = -1  # every bit set
+                break
+            consumed += self.matcher.consume_token(drafts[j])
         if consumed:
             self.matcher.rollback(consumed)
         bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # token i: bit i % 32 of word i // 32

@@ -229,13 +229,12 @@ def tool_tokenizer():
     import copy
 
     from conftest import FIXTURES
+    from tokenizers import AddedToken
 
     from mlx_hybrid.tokenizer import Tokenizer
 
     plain = Tokenizer.from_hf_dir(FIXTURES / "qwen3next" / "hf", {})
     backend = copy.deepcopy(plain.backend)
-    from tokenizers import AddedToken
-
     markers = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                "<|tool_call_argument_begin|>", "<|tool_call_end|>"]  # fmt: skip
     backend.add_special_tokens([AddedToken(m, special=True) for m in markers])
