@@ -14,6 +14,7 @@ keeps its own caches, and a layer sees them as `RowCaches` (see `packed`).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 
 class LayerCache:
@@ -58,6 +59,35 @@ class LayerCache:
         return 0
 
 
+class RotaryPositions:
+    """Where a sequence's tokens sit for rotary embeddings when that is not their index (a
+    prompt with images): token i < P of the prompt at table[:, i] (temporal, row, column),
+    every later token at i + shift on all three axes. `index_shift` reads the table that
+    many tokens on (the MTP head's pair t sits where token t + 1 does). Like llama.cpp's
+    memory, the attention caches of a sequence carry its positions (`KVCache.positions`).
+    """
+
+    def __init__(self, table: np.ndarray, index_shift: int = 0):
+        self.table = table  # [3, P]
+        self.shift = int(table.max()) + 1 - table.shape[1] if table.size else 0
+        self.index_shift = index_shift
+
+    def shifted(self, tokens: int) -> RotaryPositions:
+        return RotaryPositions(self.table, self.index_shift + tokens)
+
+    def span(self, start: int, count: int) -> int | np.ndarray:
+        """The positions of tokens start .. start + count - 1: p where they are p, p + 1, ... on
+        every axis (plain rotary embedding from p), else their table [3, count]."""
+        first, length = start + self.index_shift, self.table.shape[1]
+        if first >= length:
+            return first + self.shift
+        index = np.arange(first, first + count)
+        positions = np.where(index < length, self.table[:, np.minimum(index, length - 1)], index + self.shift)
+        if (positions == positions[0]).all() and (np.diff(positions[0]) == 1).all():
+            return int(positions[0, 0])
+        return positions
+
+
 class KVCache(LayerCache):
     """Per-token entries [B, H, T, D] of one attention layer, grown in steps.
 
@@ -70,6 +100,11 @@ class KVCache(LayerCache):
     def __init__(self):
         self.buffers = None  # grown in steps of `step` tokens; the first `offset` are in use
         self.offset = 0
+        self.positions: RotaryPositions | None = None  # None: token i at position i
+
+    def rotary_span(self, count: int) -> int | np.ndarray:
+        """The rotary positions of the next `count` tokens (see `RotaryPositions.span`)."""
+        return self.offset if self.positions is None else self.positions.span(self.offset, count)
 
     def update_and_fetch(self, *entries: mx.array):
         T = entries[0].shape[2]
@@ -199,6 +234,13 @@ def marks(cache: list[LayerCache]) -> list:
 def rewind(cache: list[LayerCache], marks_: list):
     for layer_cache, mark in zip(cache, marks_):
         layer_cache.rewind(mark)
+
+
+def set_positions(cache: list[LayerCache], positions: RotaryPositions | None):
+    """Give a sequence's attention caches its rotary positions (None: token index)."""
+    for layer_cache in cache:
+        if isinstance(layer_cache, KVCache):
+            layer_cache.positions = positions
 
 
 def packed(row_layer_caches: list[list], lengths: list[int]) -> list:

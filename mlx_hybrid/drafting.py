@@ -140,6 +140,10 @@ class Drafter:
         """Drafters with equal keys draft their rows together in one `draft_rows` call."""
         return type(self)
 
+    def use_positions(self, positions):
+        """The sequence's rotary positions (`cache.RotaryPositions`), where they are not its
+        token indices (a prompt with images); a drafter with its own positions takes them up."""
+
     @classmethod
     def draft_rows(cls, drafters: list, ks: list[int], samplers: list, masks: list) -> list[tuple[list, list]]:
         """Drafters that draw from no distribution (n-grams) have nothing to mask."""
@@ -247,6 +251,9 @@ class MTPDrafter(_ConfidentDrafting):
 
     def fork(self) -> MTPDrafter:
         return MTPDrafter(self.model, self.draft_p_min, head=self.head)
+
+    def use_positions(self, positions):
+        self.cache.positions = positions.shifted(1)  # the pair (h_t, token t + 1) sits where token t + 1 does
 
     def _step(self, head_input, tokens, cache):
         """The head over pairs (head_input[t], tokens[t]): (y, carry), see `MTPHead`."""

@@ -51,6 +51,7 @@ def stream_generate(
     draft_vocab: int | None = None,
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     adaptive_drafting: bool | None = None,
+    images=None,
     **settings,
 ) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (a string or token ids), yielding a response per token.
@@ -75,6 +76,10 @@ def stream_generate(
     exactly (greedy: token for token). Responses then carry `from_draft`,
     `acceptance_rate`, `tokens_per_pass` and `acceptance_by_position`.
 
+    images: for a model with a vision tower, paths, bytes, PIL images or data URLs, one
+    per `<|image_pad|>` in the prompt, in order (render the prompt with the chat template
+    from messages with `{"type": "image"}` parts: see `Engine.submit`).
+
     The tokens come from the batch engine's step (as for `batch_generate`, the commands
     and the server), with this sequence its only row, stepped on the caller's thread.
     """
@@ -88,7 +93,7 @@ def stream_generate(
     )  # fmt: skip
     mx.reset_peak_memory()
     start = time.perf_counter()
-    sequence = engine.submit(prompt, params=params)
+    sequence = engine.submit(prompt, params=params, images=images)
     detokenizer = StreamingDetokenizer(tokenizer)
     n, first_at, prompt_tps, stats = 0, None, 0.0, sequence.stats
     for event in engine.drive(sequence):

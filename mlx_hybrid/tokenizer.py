@@ -93,7 +93,11 @@ GGUF_SAMPLING_DEFAULTS = {
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` with the model's end tokens and chat template, and the
-    sampling defaults its checkpoint recommends (`generation_defaults`: SamplingParams names)."""
+    sampling defaults its checkpoint recommends (`generation_defaults`: SamplingParams names).
+    For a model with a vision tower, `image_processor` (an `images.ImageProcessor`) turns
+    images into its patches, as a Hugging Face processor pairs the two."""
+
+    image_processor = None
 
     def __init__(
         self,

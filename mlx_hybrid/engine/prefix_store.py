@@ -45,6 +45,13 @@ class Checkpoint:
     model: str  # model_fingerprint
     # a split model's: the largest rank's size, so that every rank keeps and evicts alike
     agreed_nbytes: int | None = None
+    # what the store finds it by where the tokens do not tell the state (images: see
+    # `images.ImagePrompt.key`); None: the tokens
+    image_key: tuple[int, ...] | None = None
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return self.image_key if self.image_key is not None else self.tokens
 
     @property
     def nbytes(self) -> int:
@@ -54,14 +61,16 @@ class Checkpoint:
         return sum(a.nbytes for a in arrays)
 
 
-def capture(model, cache, tokens, last_hidden: mx.array, drafter=None) -> Checkpoint:
-    """A checkpoint of one sequence: its caches after `tokens`, `last_hidden` at the last of them."""
+def capture(model, cache, tokens, last_hidden: mx.array, drafter=None, key=None) -> Checkpoint:
+    """A checkpoint of one sequence: its caches after `tokens`, `last_hidden` at the last of
+    them; `key`: what finds it, where not the tokens (see `Checkpoint.image_key`)."""
     checkpoint = Checkpoint(
         tuple(tokens),
         [layer_cache.checkpoint() for layer_cache in cache],
         last_hidden,
         drafter.checkpoint() if drafter is not None else {},
         model_fingerprint(model),
+        image_key=tuple(key) if key is not None else None,
     )
     mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
     if model.parallel is not None:  # every rank captures at the same points, so may agree here
@@ -87,6 +96,8 @@ def save_checkpoint(path, checkpoint: Checkpoint):
         "tokens": json.dumps(list(checkpoint.tokens)),
         "layers": json.dumps([len(layer) for layer in checkpoint.layers]),
     }
+    if checkpoint.image_key is not None:
+        metadata["image_key"] = json.dumps(list(checkpoint.image_key))
     path = Path(path)
     partial = path.with_name(path.name + ".partial.safetensors")  # a crash leaves no half file under the name
     mx.save_safetensors(str(partial), arrays, metadata=metadata)
@@ -106,6 +117,7 @@ def load_checkpoint(path, model=None) -> Checkpoint:
             arrays["last_hidden"],
             {name[len("drafter.") :]: a for name, a in arrays.items() if name.startswith("drafter.")},
             metadata["model"],
+            image_key=tuple(json.loads(metadata["image_key"])) if "image_key" in metadata else None,
         )
         # read now: a lazy load belongs to this thread's stream, and the engine may step on another
         mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
@@ -140,7 +152,7 @@ class PrefixStore:
             for path in sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
                 try:
                     _, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
-                    self.on_disk[tuple(json.loads(metadata["tokens"]))] = path
+                    self.on_disk[tuple(json.loads(metadata.get("image_key", metadata["tokens"])))] = path
                 except Exception:  # noqa: BLE001  (a stray or broken file is not a checkpoint)
                     continue
 
@@ -148,12 +160,12 @@ class PrefixStore:
         return len(self.entries)
 
     def save(self, checkpoint: Checkpoint):
-        if checkpoint.tokens in self.entries:
-            self.nbytes -= self.entries.pop(checkpoint.tokens).nbytes
+        if checkpoint.key in self.entries:
+            self.nbytes -= self.entries.pop(checkpoint.key).nbytes
         if checkpoint.nbytes > self.max_bytes:
             self._spill(checkpoint)
             return
-        self.entries[checkpoint.tokens] = checkpoint
+        self.entries[checkpoint.key] = checkpoint
         self.nbytes += checkpoint.nbytes
         while self.nbytes > self.max_bytes:
             _, evicted = self.entries.popitem(last=False)
@@ -161,7 +173,8 @@ class PrefixStore:
             self._spill(evicted)
 
     def longest_prefix(self, tokens: list[int], model=None) -> Checkpoint | None:
-        """The checkpoint of the longest saved prefix of `tokens` (all of them included)."""
+        """The checkpoint of the longest saved prefix of `tokens` (all of them included; a
+        prompt with images: its `ImagePrompt.key`)."""
         tokens = tuple(tokens)
         fingerprint = model_fingerprint(model) if model is not None else None
 
@@ -185,12 +198,12 @@ class PrefixStore:
         return self.entries[best]
 
     def _spill(self, checkpoint: Checkpoint):
-        if self.directory is None or checkpoint.tokens in self.on_disk:
+        if self.directory is None or checkpoint.key in self.on_disk:
             return
-        name = hashlib.sha256(json.dumps(checkpoint.tokens).encode()).hexdigest()[:32]
+        name = hashlib.sha256(json.dumps(checkpoint.key).encode()).hexdigest()[:32]
         path = self.directory / f"{name}.safetensors"
         save_checkpoint(path, checkpoint)
-        self.on_disk[checkpoint.tokens] = path
+        self.on_disk[checkpoint.key] = path
         if self.max_disk_bytes is not None:
             sizes = {key: p.stat().st_size for key, p in self.on_disk.items() if p.exists()}
             for key in list(self.on_disk):  # oldest first

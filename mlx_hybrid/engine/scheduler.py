@@ -30,10 +30,10 @@ from itertools import accumulate
 import mlx.core as mx
 
 from .. import ops
-from ..cache import marks, packed, record_snapshots, rewind
+from ..cache import marks, packed, record_snapshots, rewind, set_positions
 from ..drafting import draft_rows
 from ..errors import GenerationError
-from ..prompt import PREFILL_STEP, request_ids
+from ..prompt import PREFILL_STEP, check_context, request_ids
 from ..sampling import SamplingParams
 from ..speculative import (
     SpeculativeDecoder,
@@ -42,6 +42,7 @@ from ..speculative import (
     check_num_draft_tokens,
 )
 from .prefix_store import PrefixStore, capture, restore
+from .prompt_images import PromptImages, join_inserted
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
 
@@ -120,8 +121,11 @@ class _Ahead:
 class _Row:
     """The engine's side of a sequence: caches, sampler, drafter and decoder."""
 
-    def __init__(self, sequence: Sequence, decoder: SpeculativeDecoder, stop_tokens, checkpoint_at, processor=None):
+    def __init__(
+        self, sequence: Sequence, decoder: SpeculativeDecoder, stop_tokens, checkpoint_at, processor=None, images=None
+    ):
         self.sequence = sequence
+        self.images: PromptImages | None = images
         self.decoder = decoder
         self.processor = processor  # the request's `processors.LogitsProcessor`, or None
         self.drafts: list[int] = []  # with a processor: the drafts this pass verifies
@@ -138,6 +142,10 @@ class _Row:
     @property
     def drafter(self):
         return self.decoder.drafter
+
+    def checkpoint_key(self, tokens: list[int]) -> list[int] | None:
+        """What finds a checkpoint of this row after `tokens` (None: the tokens themselves)."""
+        return self.images.key_of(tokens) if self.images is not None else None
 
 
 class Engine:
@@ -194,6 +202,8 @@ class Engine:
         checkpoint_at=(),
         drafter=None,
         events=None,
+        images=None,
+        allow_remote_images: bool = False,
         **settings,
     ) -> Sequence:
         """Queue a request; its tokens arrive on the returned Sequence.
@@ -203,24 +213,39 @@ class Engine:
         prompt positions (token counts) to save checkpoints at; one is always saved at the
         end. drafter: this sequence's own drafter instead of a fork of the engine's (for
         measurements). events: where the events go, anything with a thread-safe `put`
-        (default: a new `queue.Queue`).
+        (default: a new `queue.Queue`). images: paths, bytes, PIL images or data / file URLs
+        (http ones with allow_remote_images), one per `<|image_pad|>` of the prompt, in
+        order (a chat template renders one per image part); checkpoint_at counts the
+        prompt's tokens before the images' are put in.
         """
-        row = self._new_row(prompt, request_params(params, max_tokens, settings), checkpoint_at, drafter, events)
+        row = self._new_row(
+            prompt, request_params(params, max_tokens, settings), checkpoint_at, drafter, events,
+            images, allow_remote_images,
+        )  # fmt: skip
         self._enqueue(row)
         return row.sequence
 
-    def _new_row(self, prompt, params: SamplingParams, checkpoint_at, drafter, events) -> _Row:
+    def _new_row(self, prompt, params: SamplingParams, checkpoint_at, drafter, events, images, allow_remote) -> _Row:
         ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, params.max_tokens)
+        prompt_images = None
+        if images:
+            prompt_images = PromptImages(self.model, self.tokenizer, ids, list(images), allow_remote)
+            checkpoint_at = [prompt_images.prompt.moved(p) for p in checkpoint_at if 0 <= p <= len(ids)]
+            ids = prompt_images.prompt.ids
+            max_tokens = min(params.max_tokens, check_context(self.model, len(ids)))
         drafter = drafter if drafter is not None else (self.drafter.fork() if self.drafter is not None else None)
-        decoder = SpeculativeDecoder(
-            self.model, drafter, params.sampler(), self.num_draft_tokens, self.model.make_cache(), self.adaptive
-        )
+        cache = self.model.make_cache()
+        if prompt_images is not None:
+            set_positions(cache, prompt_images.positions)
+            if drafter is not None:
+                drafter.use_positions(prompt_images.positions)
+        decoder = SpeculativeDecoder(self.model, drafter, params.sampler(), self.num_draft_tokens, cache, self.adaptive)
         sequence = Sequence(ids, max_tokens, params.logprobs, stats=decoder.stats if drafter is not None else None)
         if events is not None:
             sequence.events = events
         stops = set(self.tokenizer.eos_token_ids if params.stop_tokens is None else params.stop_tokens)
         processor = params.processor(ids, self.model.args.vocab_size, self.tokenizer)
-        return _Row(sequence, decoder, stops, checkpoint_at, processor)
+        return _Row(sequence, decoder, stops, checkpoint_at, processor, prompt_images)
 
     def _enqueue(self, row: _Row):
         self.waiting.put(row)
@@ -313,7 +338,8 @@ class Engine:
 
     def _resume(self, row: _Row) -> bool:
         """Start from the longest checkpoint that is a prefix of the prompt; whether that ended the row."""
-        checkpoint = self.store.longest_prefix(row.sequence.prompt, self.model)
+        prompt = row.sequence.prompt
+        checkpoint = self.store.longest_prefix(row.checkpoint_key(prompt) or prompt, self.model)
         if checkpoint is None:
             return False
         restore(checkpoint, row.decoder.cache, row.drafter)
@@ -346,12 +372,16 @@ class Engine:
         for row, n in zip(rows, lengths):
             record_snapshots(row.decoder.cache, not row.prefilling and n > 1)
         ids = mx.concatenate([mx.array(x) if isinstance(x, list) else x for x in feeds])[None]
+        starts = [0, *accumulate(lengths)]
+        inserted = join_inserted([
+            row.images.inserted(self.model, len(row.fed), len(row.fed) + n, at)
+            for row, n, at in zip(rows, lengths, starts) if row.images is not None and row.prefilling
+        ])  # fmt: skip
         try:
-            hidden = self.model.hidden_states(ids, packed([row.decoder.cache for row in rows], lengths))
+            hidden = self.model.hidden_states(ids, packed([row.decoder.cache for row in rows], lengths), inserted)
         finally:
             for row in rows:
                 record_snapshots(row.decoder.cache, False)
-        starts = [0, *accumulate(lengths)]
         spans = list(zip(starts, starts[1:]))
 
         # logits where a token is chosen: every position of a decoding row, a prompt's last
@@ -540,7 +570,8 @@ class Engine:
 
     def _save(self, row: _Row):
         self._take_back(row)  # a checkpoint holds what the row has read, not a pass queued past it
-        self.store.save(capture(self.model, row.decoder.cache, row.fed, row.last_hidden, row.drafter))
+        key = row.checkpoint_key(row.fed)
+        self.store.save(capture(self.model, row.decoder.cache, row.fed, row.last_hidden, row.drafter, key))
 
     def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None, logprobs=None, drafted=0):
         sequence = row.sequence

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
+from ..images import ImageProcessor
 from ..models import architecture
 from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
@@ -108,7 +109,10 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization:
         tensors = hf.group_quantized(tensors, quantization)
-    args = make_args(config, module, has_mtp=any(name.startswith("mtp.") for name in tensors))
+    args = make_args(
+        config, module, has_mtp=any(name.startswith("mtp.") for name in tensors),
+        has_vision=hf.has_vision_tower(tensors),
+    )  # fmt: skip
     model = _build(module, args)
     part = split.apply(model)
     total = sum(f.stat().st_size for f in files)
@@ -118,7 +122,13 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
         weights, unmatched = rename(read, rules, args, bar, part)
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
-    return model, Tokenizer.from_hf_dir(path, config)
+    tokenizer = Tokenizer.from_hf_dir(path, config)
+    if model.has_vision:
+        try:
+            tokenizer.image_processor = ImageProcessor.from_hf_dir(path)
+        except (ValueError, TypeError, OSError) as e:
+            raise ModelLoadError(f"{path}/preprocessor_config.json: {e}") from None
+    return model, tokenizer
 
 
 def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool):

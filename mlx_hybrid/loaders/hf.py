@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import mlx.core as mx
 
 from ..errors import ModelLoadError
 from ..models.layers import FULL, LINEAR
+from ..models.vision import VisionArgs
 from ..quantized_tensor import QuantizedTensor
 from .common import (
     Rule,
@@ -49,7 +51,10 @@ LAYOUTS = ("hf", "mlx")
 def qwen_rules(layout: str = "hf"):
     norm = plus_one if layout == "hf" else None
     return [
-        Rule(r"(?:model\.)?visual\..*", ""),  # vision tower of multimodal checkpoints: unused
+        Rule(_VISION + r"patch_embed\.proj\.weight", "vision.patch_embed.weight", _flatten_patch_kernel),
+        Rule(_VISION + r"patch_embed\.proj\.bias", "vision.patch_embed.bias"),
+        Rule(_VISION + r"pos_embed\.weight", "vision.pos_embed"),
+        Rule(_VISION + r"(?P<rest>.+)", "vision.{rest}"),
         Rule(_PREFIX + r"embed_tokens\.weight", "embed_tokens.weight"),
         Rule(_PREFIX + r"norm\.weight", "norm.weight", norm),
         Rule(r"(?:language_model\.)?lm_head\.weight", "lm_head.weight"),
@@ -82,6 +87,14 @@ def qwen_rules(layout: str = "hf"):
         ),
         Rule(_BLOCK + r"(?P<rest>.+)", "{blk}.{rest}"),
     ]
+
+
+_VISION = r"(?:model\.)?visual\."
+
+
+def _flatten_patch_kernel(w, _args):
+    """Conv3d kernel [E, C, T, P, P] with stride = kernel -> the linear map of a flattened patch [E, C T P P]."""
+    return w.reshape(w.shape[0], -1)
 
 
 _DECODER_NORMS = r"(?P<norm>input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm)\.weight"
@@ -194,7 +207,37 @@ KIMI_RULES = [
 # -- hyper-parameters ------------------------------------------------------------
 
 
-def _qwen_args(config: dict, module, has_mtp: bool):
+def has_vision_tower(tensor_names) -> bool:
+    return any(re.match(_VISION, name) for name in tensor_names)
+
+
+def _vision_args(config: dict) -> VisionArgs:
+    """The vision tower's settings from `vision_config`; what this tower does not compute is refused."""
+    if config.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"vision towers with hidden_act {config['hidden_act']!r} are not supported")
+    if config.get("deepstack_visual_indexes"):
+        raise ModelLoadError("vision towers with deepstack mergers (Qwen3-VL) are not supported")
+    try:
+        return VisionArgs(
+            depth=config["depth"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+            num_heads=config["num_heads"], out_hidden_size=config["out_hidden_size"],
+            num_position_embeddings=config["num_position_embeddings"], patch_size=config.get("patch_size", 16),
+            temporal_patch_size=config.get("temporal_patch_size", 2),
+            spatial_merge_size=config.get("spatial_merge_size", 2), in_channels=config.get("in_channels", 3),
+            rope_theta=(config.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        )  # fmt: skip
+    except KeyError as e:
+        raise ModelLoadError(f"config.json's vision_config lacks {e.args[0]!r}") from None
+
+
+def _mrope_section(rope: dict) -> list[int] | None:
+    section = rope.get("mrope_section")
+    if section and not rope.get("mrope_interleaved", False):
+        raise ModelLoadError("MRoPE with contiguous sections (mrope_interleaved false) is not supported")
+    return list(section) if section else None
+
+
+def _qwen_args(config: dict, module, has_mtp: bool, has_vision: bool = False):
     # multimodal configs keep the text model's settings under text_config
     text = {**config, **config.get("text_config", {})}
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -209,6 +252,9 @@ def _qwen_args(config: dict, module, has_mtp: bool):
         n = _require(text, "num_hidden_layers")
         values["layer_types"] = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
     values["mtp_num_hidden_layers"] = text.get("mtp_num_hidden_layers", 1) if has_mtp else 0
+    values["mrope_section"] = _mrope_section(rope)
+    if has_vision:
+        values["vision"] = _vision_args(_require(config, "vision_config"))
     try:
         return module.ModelArgs(**values)
     except TypeError as e:
@@ -221,7 +267,7 @@ def _require(config, key):
     return config[key]
 
 
-def _kimi_args(config: dict, module, has_mtp: bool):
+def _kimi_args(config: dict, module, has_mtp: bool, has_vision: bool = False):
     linear = config.get("linear_attn_config") or {}
     n = _require(config, "num_hidden_layers")
     kda_layers = set(linear.get("kda_layers", []))  # 1-based layer numbers

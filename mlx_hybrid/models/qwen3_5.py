@@ -32,6 +32,7 @@ from .layers import (
 from .linear_attention import delta_rule_attention, for_each_row
 from .sharding import prefixed
 from .trunk import HybridModel
+from .vision import VisionArgs, VisionTower
 
 # The hidden state an MTP head reads. The released Qwen3.5 / Qwen3-Next heads were trained
 # (Megatron-LM's MTP) on the trunk's output after the final norm, each chained draft on the
@@ -73,6 +74,10 @@ class ModelArgs:
     mtp_num_hidden_layers: int = 0
     # which trunk state the MTP head was trained to read (see `MTPHead`)
     mtp_hidden: str = POST_NORM
+    # MRoPE: how many rotary frequencies turn with the (temporal, row, column) positions of
+    # image tokens, interleaved; None for a text-only model
+    mrope_section: list[int] | None = None
+    vision: VisionArgs | None = None  # the vision tower, where the checkpoint has one
 
     def is_sparse(self, layer: int) -> bool:
         return (
@@ -158,6 +163,7 @@ class GatedAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.rope_dims = int(self.head_dim * args.partial_rotary_factor)
         self.rope_theta = args.rope_theta
+        self.mrope_section = args.mrope_section
         E, H, D, bias = args.hidden_size, self.num_heads, self.head_dim, args.attention_bias
         # per head: [query (D) | gate (D)]
         self.q_proj = Linear(E, 2 * H * D, bias=bias)
@@ -191,8 +197,13 @@ class GatedAttention(nn.Module):
         self.group = group
         return specs
 
-    def _rope(self, x, offset):
-        return ops.rope(x, self.rope_dims, self.rope_theta, offset)
+    def _rope(self, x, position):
+        """position: where the first token sits (int), or every token's 3-D position [3, T]."""
+        if isinstance(position, int):
+            return ops.rope(x, self.rope_dims, self.rope_theta, position)
+        if self.mrope_section is None:
+            raise ValueError("image positions for a model without MRoPE sections")
+        return ops.mrope(x, self.rope_dims, self.rope_theta, position, self.mrope_section)
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -206,8 +217,8 @@ class GatedAttention(nn.Module):
     def _attend(self, q, k, v, cache):
         """Positioned attention of one sequence over its cache; q, k, v and the result [B, T, H, D]."""
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-        offset = cache.offset if cache is not None else 0
-        q, k = self._rope(q, offset), self._rope(k, offset)
+        position = cache.rotary_span(q.shape[2]) if cache is not None else 0
+        q, k = self._rope(q, position), self._rope(k, position)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask_for(q.shape[2]))
@@ -303,6 +314,8 @@ class Model(HybridModel):
         )
         if args.mtp_num_hidden_layers:
             self.mtp = MTPHead(args)
+        if args.vision is not None:
+            self.vision = VisionTower(args.vision)
 
     def mtp_input(self, hidden: mx.array) -> mx.array:
         """The trunk's hidden states (`hidden_states`) as the MTP head reads them."""

@@ -100,9 +100,22 @@ class HybridModel(nn.Module):
         rows = self.embed_tokens(mx.where(held, local, 0)).astype(dtype)
         return all_sum(mx.where(held[..., None], rows, 0), self.group)
 
-    def hidden_states(self, ids: mx.array, cache=None) -> mx.array:
-        """The trunk's hidden state before the final norm, [B, T, E]."""
+    @property
+    def has_vision(self) -> bool:
+        return "vision" in self
+
+    def image_features(self, images) -> mx.array:
+        """The tokens [n, E] of `images` (each with `patches` and `grid`), in order."""
+        return mx.concatenate([self.vision(mx.array(image.patches), image.grid) for image in images])
+
+    def hidden_states(self, ids: mx.array, cache=None, inserted=None) -> mx.array:
+        """The trunk's hidden state before the final norm, [B, T, E]. inserted: (at [n], rows
+        [n, E]), embeddings that replace those of the tokens at `at` of a one-row input (an
+        image's tokens, from `image_features`)."""
         h = self.embed(ids)
+        if inserted is not None:
+            at, rows = inserted
+            h[0, at] = rows.astype(h.dtype)
         pipeline = self.parallel if self.parallel is not None and self.parallel.mode == PIPELINE else None
         if pipeline is not None and pipeline.rank > 0:
             # the embedding's all-sum first, as on the ranks before: a receive does not depend on it

@@ -108,6 +108,14 @@ def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
     return reference.rope(x, dims, base, offset)
 
 
+def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:
+    """Rotary embedding of x [B, H, T, D] at 3-D positions [3, T] (temporal, row, column; numpy),
+    the frequencies interleaved over the axes by `sections` (Qwen3.5's MRoPE). Only the prompt's
+    image spans need it (text sits at equal positions on every axis, which `rope` computes): the
+    host-computed factors serve every backend."""
+    return reference.mrope(x, dims, base, positions, sections)
+
+
 def overlap_decode_steps() -> bool:
     """Whether decoding builds and queues step t+1 before handing out token t.
 

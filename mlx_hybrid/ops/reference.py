@@ -181,13 +181,31 @@ def _rope_factors(positions: range, head_dim: int, dims: int, base: float):
     Angles are computed in float64 on the host (the same for a position whichever call
     it comes in). Features past `dims` get c = 1, s = 0: they pass through unchanged.
     """
+    return _factors(np.asarray(positions, dtype=np.float64)[:, None] * _inverse_frequencies(dims, base), head_dim)
+
+
+def _inverse_frequencies(dims: int, base: float) -> np.ndarray:
     half = dims // 2
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * base ** (-np.arange(half) / half)
-    c = np.ones((len(positions), head_dim), np.float32)
-    s = np.zeros((len(positions), head_dim), np.float32)
-    c[:, :half] = c[:, half:dims] = np.cos(angles)
-    s[:, :half], s[:, half:dims] = -np.sin(angles), np.sin(angles)
+    return base ** (-np.arange(half) / half)
+
+
+def _factors(angles: np.ndarray, head_dim: int):
+    """c, s [T, head_dim] for angles [T, dims / 2] (see `_rope_factors`)."""
+    half = angles.shape[1]
+    c = np.ones((len(angles), head_dim), np.float32)
+    s = np.zeros((len(angles), head_dim), np.float32)
+    c[:, :half] = c[:, half : 2 * half] = np.cos(angles)
+    s[:, :half], s[:, half : 2 * half] = -np.sin(angles), np.sin(angles)
     return mx.array(c), mx.array(s)
+
+
+def _mrope_axes(half: int, sections: tuple[int, int, int]) -> np.ndarray:
+    """The axis (0 temporal, 1 row, 2 column) each frequency turns with, interleaved: T H W T H W ...,
+    rows and columns for as many frequencies as their sections give, the temporal axis the rest."""
+    axes = np.zeros(half, np.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * sections[axis] : 3] = axis
+    return axes
 
 
 @lru_cache(maxsize=None)
@@ -208,6 +226,15 @@ def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
     """Rotary embedding, rotate-half layout (x1, x2 halves of the first `dims` features:
     x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t."""
     c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
+    return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
+
+
+def mrope(x: mx.array, dims: int, base: float, positions: np.ndarray, sections) -> mx.array:
+    """Multimodal rotary embedding (interleaved sections) of x [B, H, T, D] at 3-D positions [3, T]:
+    frequency j turns with the axis `_mrope_axes` gives it."""
+    half = dims // 2
+    along = positions[_mrope_axes(half, tuple(sections))].T.astype(np.float64)  # [T, half]
+    c, s = _factors(along * _inverse_frequencies(dims, float(base)), x.shape[-1])
     return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
 
 

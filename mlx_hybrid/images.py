@@ -1,0 +1,233 @@
+"""Images in: reading what users bring (paths, bytes, PIL images, data and file URLs), the
+checkpoint's preprocessing (transformers' PIL image processor for Qwen3.5: resize within the
+pixel bounds to multiples of patch x merge, rescale, normalise, cut into patches), and the
+prompt's image tokens: each `<|image_pad|>` the chat template renders becomes as many as
+the image has merged patches.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+from .errors import GenerationError
+
+IMAGE_PAD = "<|image_pad|>"
+# An image larger than this (before resizing) is refused rather than decoded: 2.5x the
+# pixels of an 8K frame, far above what any checkpoint's bounds keep.
+MAX_SOURCE_PIXELS = 80_000_000
+
+
+class ImageError(GenerationError):
+    """An image that cannot be read or used."""
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """A checkpoint's `preprocessor_config.json` (Qwen3.5's values by default)."""
+
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+
+    @classmethod
+    def from_config(cls, config: dict) -> ImageProcessor:
+        size = config.get("size") or {}
+        values = {
+            "min_pixels": config.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
+            "max_pixels": config.get("max_pixels", size.get("longest_edge", cls.max_pixels)),
+        }
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor"):
+            if name in config:
+                values[name] = config[name]
+        for name in ("image_mean", "image_std"):
+            if name in config:
+                values[name] = tuple(config[name])
+        unsupported = [k for k in ("do_resize", "do_rescale", "do_normalize") if config.get(k) is False]
+        if unsupported:
+            raise ValueError(f"preprocessor settings not supported: {', '.join(f'{k}=false' for k in unsupported)}")
+        return cls(**values)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> ImageProcessor:
+        config_path = Path(path) / "preprocessor_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        return cls.from_config(config)
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' `smart_resize`: multiples of patch x merge, pixels within the bounds."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > 200:
+            raise ImageError(f"the image's aspect ratio ({width}x{height}) is beyond 200:1")
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h, w
+
+    def __call__(self, image) -> PromptImage:
+        """An RGB PIL image -> its patches [t h w, C T P P] on its grid (t, h, w)."""
+        from PIL import Image
+
+        h, w = self.resized_size(image.height, image.width)
+        if (w, h) != image.size:
+            image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
+        pixels = np.asarray(image, dtype=np.float32) * np.float32(self.rescale_factor)
+        pixels = (pixels - np.float32(self.image_mean)) / np.float32(self.image_std)
+        P, M, T = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = h // P, w // P
+        # channels first, 2 x 2 blocks of neighbouring patches consecutive, the frame repeated T times
+        blocks = pixels.transpose(2, 0, 1).reshape(3, gh // M, M, P, gw // M, M, P).transpose(1, 4, 2, 5, 0, 3, 6)
+        patches = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], T, P, P))
+        patches = np.ascontiguousarray(patches.reshape(gh * gw, 3 * T * P * P))
+        return PromptImage(patches, (1, gh, gw), merge=M)
+
+
+@dataclass
+class PromptImage:
+    patches: np.ndarray  # [t h w, C T P P] float32
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    merge: int = 2
+    digest: str = field(init=False)  # what a checkpoint key keeps of it
+
+    def __post_init__(self):
+        self.digest = hashlib.sha256(self.patches.tobytes() + repr(self.grid).encode()).hexdigest()
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid
+        return t * h * w // self.merge**2
+
+
+def read_image(source, allow_remote: bool = False):
+    """A PIL RGB image from a path, bytes, a PIL image, or a data / file (/ http, if allowed) URL."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        data = _image_bytes(source, allow_remote)
+        try:
+            Image.MAX_IMAGE_PIXELS = MAX_SOURCE_PIXELS
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except Image.DecompressionBombError:
+            raise ImageError(f"the image has too many pixels (more than {MAX_SOURCE_PIXELS})") from None
+        except UnidentifiedImageError:
+            raise ImageError("not an image (no format Pillow reads)") from None
+        except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
+            raise ImageError(f"the image cannot be decoded: {e}") from None
+    if image.width * image.height > MAX_SOURCE_PIXELS:
+        raise ImageError(f"the image has too many pixels ({image.width}x{image.height})")
+    if image.width < 1 or image.height < 1:
+        raise ImageError("the image is empty")
+    return image.convert("RGB")
+
+
+def _image_bytes(source, allow_remote: bool) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if not isinstance(source, (str, Path)):
+        raise ImageError(f"an image is a path, bytes, a PIL image or a URL, not {type(source).__name__}")
+    text = str(source)
+    if text.startswith("data:"):
+        header, _, payload = text.partition(",")
+        if not header.endswith(";base64"):
+            raise ImageError("a data URL image must be base64 encoded (data:image/...;base64,...)")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError("the data URL's base64 payload is malformed") from None
+    url = urlparse(text)
+    if url.scheme in ("http", "https"):
+        if not allow_remote:
+            raise ImageError("remote image URLs are off (allow them with --allow-remote-images)")
+        return _fetch(text)
+    path = Path(unquote(url.path)) if url.scheme == "file" else Path(text).expanduser()
+    if url.scheme not in ("", "file") and not Path(text).exists():
+        raise ImageError(f"unsupported image URL scheme {url.scheme!r}")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"cannot read the image {path}: {e.strerror or e}") from None
+
+
+def _fetch(url: str, limit: int = 32 << 20) -> bytes:
+    from urllib.request import urlopen
+
+    try:
+        with urlopen(url, timeout=20) as response:  # noqa: S310  (http(s) only, checked above)
+            data = response.read(limit + 1)
+    except OSError as e:
+        raise ImageError(f"cannot fetch the image {url}: {e}") from None
+    if len(data) > limit:
+        raise ImageError(f"the image at {url} is larger than {limit >> 20} MiB")
+    return data
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt's ids with each image's pad token expanded to its tokens."""
+
+    ids: list[int]
+    images: list[PromptImage]
+    starts: list[int]  # where each image's tokens begin
+    # per token of the prompt before expansion, and its end: how many tokens were added before it
+    inserted_before: list[int] = field(default_factory=list)
+
+    def moved(self, index: int) -> int:
+        """Where token `index` of the prompt before expansion (or its end) is now."""
+        return index + self.inserted_before[index]
+
+    @property
+    def slots(self) -> np.ndarray:
+        """The prompt positions of the image tokens, in order."""
+        return np.concatenate([np.arange(s, s + image.num_tokens) for s, image in zip(self.starts, self.images)])
+
+    def key(self) -> list[int]:
+        """The ids with each image's first token replaced by a negative marker of its pixels:
+        a checkpoint key that tells images apart."""
+        key = list(self.ids)
+        for start, image in zip(self.starts, self.images):
+            key[start] = -1 - int(image.digest[:15], 16)
+        return key
+
+
+def expand_image_pads(ids: list[int], images: list[PromptImage], pad_id: int) -> ImagePrompt:
+    """Put each image's tokens where the prompt has its `<|image_pad|>` (one per image, in order)."""
+    pads = [i for i, t in enumerate(ids) if t == pad_id]
+    if len(pads) != len(images):
+        raise ImageError(
+            f"the prompt has {len(pads)} image placeholders ({IMAGE_PAD}) for {len(images)} images: give the "
+            f"images as image parts of the chat messages, or put one <|vision_start|>{IMAGE_PAD}<|vision_end|> "
+            "per image in the prompt"
+        )
+    out, starts, inserted_before, added = [], [], [], 0
+    for i, token in enumerate(ids):
+        inserted_before.append(added)
+        if token == pad_id:
+            image = images[len(starts)]
+            starts.append(len(out))
+            out += [pad_id] * image.num_tokens
+            added += image.num_tokens - 1
+        else:
+            out.append(token)
+    return ImagePrompt(out, images, starts, inserted_before + [added])
