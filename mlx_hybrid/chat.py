@@ -27,11 +27,12 @@ generated (reasoning, where the model thinks, dimmed). The conversation's state 
 kept after every turn, so each turn reads only its new message: the line after each
 answer says how many prompt tokens were new.
 
-Commands: /reset starts over, /quit (or Ctrl-D) leaves, /help lists them. Ctrl-C
-stops an answer.
+Commands: /image FILE adds an image to the next message (models that read images),
+/reset starts over, /quit (or Ctrl-D) leaves, /help lists them. Ctrl-C stops an answer.
 """
 
 HELP = """\
+/image FILE   add an image to your next message (models that read images)
 /reset   forget the conversation (the system message stays)
 /quit    leave (Ctrl-D does too)
 /help    this list
@@ -59,10 +60,21 @@ class ChatSession:
         self.engine, self.tokenizer, self.args, self.out = engine, tokenizer, args, out
         self.system = [{"role": "system", "content": args.system}] if args.system else []
         self.messages = list(self.system)
+        self.images = []  # of the conversation's messages, in order
+        self.pending_images = []  # for the next message
         self.dim = out.isatty()
 
     def reset(self):
         self.messages = list(self.system)
+        self.images, self.pending_images = [], []
+
+    def add_image(self, path: str):
+        """Read an image for the next message now, so that a bad file is told at once (ImageError)."""
+        from .images import ImageError, read_image
+
+        if self.tokenizer.image_processor is None:
+            raise ImageError("this model takes no images")
+        self.pending_images.append(read_image(path))
 
     def turn(self, text: str) -> str:
         """Answer one user message (streamed to out); the statistics line."""
@@ -70,10 +82,12 @@ class ChatSession:
         from .prompt import chat_prompt
         from .tokenizer import StreamingDetokenizer
 
-        messages = self.messages + [{"role": "user", "content": text}]
+        content = [{"type": "image"} for _ in self.pending_images] + [{"type": "text", "text": text}]
+        messages = self.messages + [{"role": "user", "content": content if self.pending_images else text}]
+        images = self.images + self.pending_images
         rendered = chat_prompt(self.tokenizer, messages)
         sequence = self.engine.submit(
-            rendered.ids, params=sampling_params(self.args), checkpoint_at=rendered.boundaries
+            rendered.ids, params=sampling_params(self.args), checkpoint_at=rendered.boundaries, images=images
         )
         detokenizer = StreamingDetokenizer(self.tokenizer)
         parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text))
@@ -98,11 +112,12 @@ class ChatSession:
         if reasoning:
             answer["reasoning_content"] = "".join(reasoning)
         self.messages = messages + [answer]
+        self.images, self.pending_images = images, []
         end = time.perf_counter()
-        new = len(rendered.ids) - sequence.cached_tokens
+        new = len(sequence.prompt) - sequence.cached_tokens
         generated = len(sequence.tokens)
         return (
-            f"[prompt: {len(rendered.ids)} tokens, {new} new, {new / ((first_at or end) - start):.1f} tokens/s | "
+            f"[prompt: {len(sequence.prompt)} tokens, {new} new, {new / ((first_at or end) - start):.1f} tokens/s | "
             f"answer: {generated} tokens, {decode_rate(generated, first_at, end):.1f} tokens/s]"
         )
 
@@ -158,6 +173,13 @@ def _converse(session: ChatSession, args, described: str) -> int:
             if command == "/reset":
                 session.reset()
                 print("(the conversation starts over)", file=sys.stderr)
+            elif command == "/image":
+                path = line[len(command) :].strip()
+                try:
+                    session.add_image(path)
+                    print(f"(the next message shows {path})", file=sys.stderr)
+                except mlx_hybrid.MlxHybridError as e:
+                    print(f"error: /image {path}: {e}", file=sys.stderr)
             elif command == "/help":
                 print(HELP, file=sys.stderr)
             else:

@@ -44,6 +44,7 @@ examples:
   mlx_hybrid.generate --prompt "def parse_args(" --no-mtp     # plain decoding
   mlx_hybrid.generate --model model.gguf --prompt "def parse_args(" --draft ngram
   echo "Hello" | mlx_hybrid.generate --model ./Qwen3.5-0.8B --prompt - --chat
+  mlx_hybrid.generate --model ./Qwen3.5-0.8B --chat --image photo.jpg --prompt "What is in this picture?"
   mlx_hybrid.generate --chat --system "$(cat long_rules.md)" --prompt "first question" --prompt-cache-file rules.cache
   mlx.launch --hostfile macs.json -- -m mlx_hybrid.generate --model big.gguf --prompt "hi"  # split over Macs
 """
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(p)
     add_grammar_arguments(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image for a model that reads them (repeatable): with --chat the images come before the prompt's "
+        "text in its message; without, the prompt has one <|vision_start|><|image_pad|><|vision_end|> per image",
+    )
     p.add_argument("--system", default=None, help="system message for --chat")
     add_draft_arguments(p)
     p.add_argument(
@@ -85,6 +94,14 @@ def main(argv=None) -> int:
         return fail("the prompt is empty")
     if args.system is not None and not args.chat:
         return fail("--system needs --chat")
+    if args.image and not args.chat and "<|image_pad|>" not in prompt:
+        return fail("--image needs --chat (the chat template places the images), or one "
+                    "<|vision_start|><|image_pad|><|vision_end|> per image in the prompt")  # fmt: skip
+    if args.image and args.prompt_cache_file:
+        return fail("--prompt-cache-file keeps text prompts only; it cannot be used with --image")
+    missing = [path for path in args.image if not os.path.isfile(path)]
+    if missing:
+        return fail(f"--image {missing[0]}: no such file")
     try:
         sampling_params(args)  # the settings' ranges, before the model loads
     except mlx_hybrid.MlxHybridError as e:
@@ -123,7 +140,9 @@ class _Run:
             reusable = None  # the token count whose state --prompt-cache-file keeps
             if args.chat:
                 messages = [{"role": "system", "content": args.system}] if args.system else []
-                rendered = chat_prompt(self.tokenizer, messages + [{"role": "user", "content": prompt}])
+                images = [{"type": "image"} for _ in args.image]
+                content = images + [{"type": "text", "text": prompt}] if images else prompt
+                rendered = chat_prompt(self.tokenizer, messages + [{"role": "user", "content": content}])
                 prompt = rendered.ids
                 if args.system and rendered.boundaries:
                     reusable = rendered.boundaries[0]
@@ -152,8 +171,9 @@ class _Run:
         mx.reset_peak_memory()
         start = time.perf_counter()
         sequence = self.engine.submit(
-            ids, params=sampling_params(self.args), checkpoint_at=[boundary] if boundary else ()
-        )
+            ids, params=sampling_params(self.args), checkpoint_at=[boundary] if boundary else (),
+            images=self.args.image,
+        )  # fmt: skip
         detokenizer = StreamingDetokenizer(self.tokenizer)
         first_at = None
 
@@ -172,10 +192,10 @@ class _Run:
         if not sequence.tokens:
             return None, stopped
         end = time.perf_counter()
-        read = len(ids) - sequence.cached_tokens
+        read = len(sequence.prompt) - sequence.cached_tokens
         generated = len(sequence.tokens)
         lines = [
-            f"prompt: {len(ids)} tokens"
+            f"prompt: {len(sequence.prompt)} tokens"
             + (f" ({sequence.cached_tokens} from the prompt cache)" if sequence.cached_tokens else "")
             + f", {read / (first_at - start):.1f} tokens/s | generation: {generated} tokens, "
             f"{decode_rate(generated, first_at, end):.1f} tokens/s | "

@@ -46,6 +46,13 @@ def add_model_arguments(p: argparse.ArgumentParser):
         "6 bits); slightly lossy",
     )
     p.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="a GGUF model's vision projector (llama.cpp's mmproj file), which lets it read images (default: the "
+        "one mmproj*.gguf beside the model, if any)",
+    )
+    p.add_argument(
         "--pipeline",
         action="store_true",
         help="under mlx.launch: give each process consecutive layers (pipeline) instead of a share of every "
@@ -249,7 +256,7 @@ def load_for_generation(args):
         raise GenerationError("--pipeline splits a model over the processes of an mlx.launch run; this is one process")
     model, tokenizer = mlx_hybrid.load(
         args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
-        pipeline=args.pipeline,
+        pipeline=args.pipeline, mmproj=args.mmproj,
     )  # fmt: skip
     draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
     draft = resolve_draft(model, args.draft or AUTO, draft_model)
@@ -258,6 +265,7 @@ def load_for_generation(args):
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
         f"speculation: {describe_speculation(args, draft, draft_model or model)}"
+        + ("; reads images" if model.has_vision else "")
     )
     if model.parallel is not None:
         described += f"; {model.parallel.describe()}"

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -126,8 +127,10 @@ def read_image(source, allow_remote: bool = False):
     else:
         data = _image_bytes(source, allow_remote)
         try:
-            Image.MAX_IMAGE_PIXELS = MAX_SOURCE_PIXELS
-            image = Image.open(io.BytesIO(data))
+            with warnings.catch_warnings():  # the size is checked below, before decoding
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(data))
+            _check_size(image)
             image.load()
         except Image.DecompressionBombError:
             raise ImageError(f"the image has too many pixels (more than {MAX_SOURCE_PIXELS})") from None
@@ -135,11 +138,15 @@ def read_image(source, allow_remote: bool = False):
             raise ImageError("not an image (no format Pillow reads)") from None
         except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
             raise ImageError(f"the image cannot be decoded: {e}") from None
+    _check_size(image)
+    return image.convert("RGB")
+
+
+def _check_size(image):
     if image.width * image.height > MAX_SOURCE_PIXELS:
-        raise ImageError(f"the image has too many pixels ({image.width}x{image.height})")
+        raise ImageError(f"the image has too many pixels ({image.width}x{image.height}, at most {MAX_SOURCE_PIXELS})")
     if image.width < 1 or image.height < 1:
         raise ImageError("the image is empty")
-    return image.convert("RGB")
 
 
 def _image_bytes(source, allow_remote: bool) -> bytes:

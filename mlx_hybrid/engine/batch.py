@@ -25,6 +25,7 @@ def batch_generate(
     draft_p_min: float = DEFAULT_DRAFT_P_MIN,
     max_batch: int = 8,
     adaptive_drafting: bool | None = None,
+    images: list | None = None,
     **settings,
 ) -> list[str]:
     """The generated text for each prompt (strings or token ids), decoded together.
@@ -32,10 +33,13 @@ def batch_generate(
     Arguments as `stream_generate`'s (other `SamplingParams` fields and `response_format=`
     as keywords, each sequence with its own penalties and grammar); with a seed, sequence
     i samples from seed + i (each has its own stream). Up to `max_batch` sequences run at once; the rest join as
-    others finish. Greedy output is that of each prompt alone.
+    others finish. Greedy output is that of each prompt alone. images: per prompt, its
+    images (a list, or None), as `stream_generate` takes them.
     """
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise GenerationError("prompts must be a non-empty list of strings or token id lists")
+    if images is not None and (not isinstance(images, (list, tuple)) or len(images) != len(prompts)):
+        raise GenerationError("images must list each prompt's images (or None), one entry per prompt")
     params = SamplingParams().replace(
         max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, **settings
     )
@@ -45,7 +49,10 @@ def batch_generate(
         max_batch=max_batch, prefix_store=PrefixStore(0),
     )  # fmt: skip
     sequences = [
-        engine.submit(prompt, params=params if seed is None else params.replace(seed=(seed + i) % SEED_LIMIT))
+        engine.submit(
+            prompt, params=params if seed is None else params.replace(seed=(seed + i) % SEED_LIMIT),
+            images=images[i] if images is not None else None,
+        )  # fmt: skip
         for i, prompt in enumerate(prompts)
     ]
     engine.run()

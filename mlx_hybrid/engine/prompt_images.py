@@ -13,7 +13,7 @@ from ..models.vision import image_rope_positions
 
 class PromptImages:
     def __init__(self, model, tokenizer, ids: list[int], images: list, allow_remote: bool = False):
-        if not getattr(model, "has_vision", False):
+        if not model.has_vision:
             raise ImageError(
                 "this model takes no images: its checkpoint has no vision tower (for a GGUF model, give the "
                 "projector file beside it, mmproj-*.gguf, or --mmproj)"

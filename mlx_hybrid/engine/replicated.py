@@ -72,10 +72,12 @@ class ReplicatedEngine(Engine):
         self._stopped = False
 
     def submit(self, prompt, max_tokens=None, *, params=None, checkpoint_at=(), drafter=None, events=None,
-               **settings):  # fmt: skip
-        """As `Engine.submit`, on rank 0 only and with the engine's own drafter."""
+               images=None, **settings):  # fmt: skip
+        """As `Engine.submit`, on rank 0 only, with the engine's own drafter and no images."""
         if not self.leader:
             raise GenerationError("only rank 0 takes requests; the other ranks follow it")
+        if images:
+            raise GenerationError("a model split over processes takes no images")
         if drafter is not None:
             raise GenerationError("a split model's requests use the engine's drafter")
         params = request_params(params, max_tokens, settings)

@@ -225,7 +225,9 @@ class Engine:
         self._enqueue(row)
         return row.sequence
 
-    def _new_row(self, prompt, params: SamplingParams, checkpoint_at, drafter, events, images, allow_remote) -> _Row:
+    def _new_row(
+        self, prompt, params: SamplingParams, checkpoint_at, drafter, events, images=None, allow_remote=False
+    ) -> _Row:
         ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, params.max_tokens)
         prompt_images = None
         if images:

@@ -50,6 +50,7 @@ def load(
     compact: bool = False,
     group=None,
     pipeline: bool = False,
+    mmproj=None,
 ):
     """Load a model and its tokenizer from a `.gguf` file, an HF checkpoint directory, or a
     Hugging Face hub name (`org/repo`, `org/repo:file.gguf`; see `loaders.hub`).
@@ -74,12 +75,16 @@ def load(
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     if path.is_dir():
+        if mmproj:
+            raise ModelLoadError(f"{path}: mmproj applies to GGUF models (an HF checkpoint holds its vision tower)")
         if compact:
             raise ModelLoadError(f"{path}: compact loading applies to GGUF files, not Hugging Face directories")
         return _load_hf(path, dtype, progress, _Split(group, pipeline))
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-    return _load_gguf(path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact)
+    return _load_gguf(
+        path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact, mmproj=mmproj
+    )
 
 
 class _Split:
@@ -131,7 +136,7 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
     return model, tokenizer
 
 
-def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool):
+def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool, mmproj=None):
     # compact scales: bfloat16 for a bfloat16 model (products stay in it), else float16
     compact_scales = (mx.bfloat16 if dtype == mx.bfloat16 else mx.float16) if compact else None
     reader = gguf_file.open_gguf(path)
@@ -143,6 +148,9 @@ def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool,
     module = architecture(model_type)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     args = make_args(meta, module, shapes)
+    projector = _projector_path(path, mmproj, model_type)
+    if projector is not None:
+        args.vision, image_processor, vision_weights = gguf_file.read_mmproj(projector, args.hidden_size)
     model = _build(module, args)
     part = split.apply(model)
     with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
@@ -151,8 +159,29 @@ def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool,
             rules, args, bar, part,
         )  # fmt: skip
     _reject_unmatched(unmatched, path)
+    if projector is not None:
+        weights |= vision_weights
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
-    return model, Tokenizer.from_gguf(meta)
+    tokenizer = Tokenizer.from_gguf(meta)
+    if projector is not None:
+        tokenizer.image_processor = image_processor
+    return model, tokenizer
+
+
+def _projector_path(path: Path, mmproj, model_type: str) -> Path | None:
+    if mmproj is False:
+        return None
+    if mmproj is not None:
+        projector = Path(mmproj).expanduser()
+        if not projector.is_file():
+            raise ModelLoadError(f"{projector}: no such projector file")
+    else:
+        projector = gguf_file.find_mmproj(path)
+    if projector is not None and not hasattr(architecture(model_type).ModelArgs, "vision"):
+        if mmproj is None:
+            return None  # a projector beside a model that takes no images is another model's
+        raise ModelLoadError(f"{path}: {model_type} models take no images")
+    return projector
 
 
 def _build(module, args):

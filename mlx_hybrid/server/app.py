@@ -21,6 +21,7 @@ from ..errors import ContextOverflowError, GenerationError
 from ..parsers import (
     TOOL_CALL_STYLES, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar, tool_call_style,
 )  # fmt: skip
+from ..images import ImageError, read_image
 from ..prompt import chat_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
@@ -41,6 +42,7 @@ class ServedModel:
     # the checkpoint's recommendations; what neither gives is OpenAI's default
     sampling_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
+    allow_remote_images: bool = False  # image_url parts with http(s) URLs
 
 
 class ApiError(Exception):
@@ -121,12 +123,16 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
         options = dict(body.chat_template_kwargs)
         if tools:
             options["tools"] = tools
-        messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+        images = []  # the image_url parts' URLs, in order
+        messages = [_template_message(m.model_dump(exclude_none=True), images) for m in body.messages]
         rendered = await run_in_threadpool(_render, served.tokenizer, messages, options)
         reasoning_opened = prompt_opens_reasoning(rendered.text)
         grammar = _tool_choice_grammar(served.tokenizer, body, tools, reasoning_opened)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar)
+        if images:  # decoded off the event loop
+            images = await run_in_threadpool(_read_images, images, served.allow_remote_images)
+        run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar,
+                          images=images)  # fmt: skip
         parser = OutputParser(tools=tools, reasoning_opened=reasoning_opened)
         chat = _ChatOutput(run, parser)
         if body.stream:
@@ -166,12 +172,17 @@ def _check_model(served: ServedModel, name: str | None):
         )
 
 
-def _template_message(message: dict) -> dict:
-    """An OpenAI message as chat templates expect it: text content, tool-call arguments as
+def _template_message(message: dict, images: list) -> dict:
+    """An OpenAI message as chat templates expect it: text content (with images, a list of
+    text and `{"type": "image"}` parts, their URLs added to `images`), tool-call arguments as
     objects (the templates iterate them) rather than JSON strings."""
     content = message.setdefault("content", "")  # an assistant turn of tool calls only may have none
     if isinstance(content, list):
-        message["content"] = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        kinds = {part.get("type") for part in content}
+        if "image_url" in kinds:
+            message["content"] = [_template_part(part, images) for part in content]
+        else:
+            message["content"] = "".join(part.get("text", "") for part in content if part.get("type") == "text")
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         if isinstance(function.get("arguments"), str):
@@ -180,6 +191,29 @@ def _template_message(message: dict) -> dict:
             except ValueError:
                 raise ApiError(400, "tool call arguments must be a JSON object", param="messages") from None
     return message
+
+
+def _template_part(part: dict, images: list) -> dict:
+    if part.get("type") == "text":
+        return {"type": "text", "text": str(part.get("text", ""))}
+    if part.get("type") != "image_url":
+        raise ApiError(400, f"content parts of type {part.get('type')!r} are not supported", param="messages")
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, "an image_url part needs image_url.url", param="messages")
+    images.append(url)
+    return {"type": "image"}
+
+
+def _read_images(urls: list[str], allow_remote: bool) -> list:
+    images = []
+    for i, url in enumerate(urls):
+        try:
+            images.append(read_image(url, allow_remote))
+        except ImageError as e:
+            raise ApiError(400, f"image {i + 1}: {e}", param="messages") from None
+    return images
 
 
 def _render(tokenizer, messages, options):
@@ -256,7 +290,9 @@ class _Run:
         self.completion_tokens = 0
 
     @classmethod
-    def submit(cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=(), grammar=None) -> "_Run":
+    def submit(
+        cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=(), grammar=None, images=()
+    ) -> "_Run":
         events = _Events()
         asked = {PARAM_NAMES.get(name, name): getattr(body, name) for name in SAMPLING_FIELDS}
         sampling = served.sampling_defaults | {name: value for name, value in asked.items() if value is not None}
@@ -272,7 +308,9 @@ class _Run:
                 grammar=grammar,
                 **sampling,
             )
-            sequence = served.engine.submit(prompt, params=params, checkpoint_at=checkpoint_at, events=events)
+            sequence = served.engine.submit(
+                prompt, params=params, checkpoint_at=checkpoint_at, events=events, images=images
+            )
         except ContextOverflowError as e:
             raise ApiError(400, str(e), "context_length_exceeded", "messages") from None
         except GenerationError as e:

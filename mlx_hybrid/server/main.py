@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     add_draft_arguments(p)
     p.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch image_url parts with http(s) URLs (off: only data: URLs and local file: URLs are read)",
+    )
+    p.add_argument(
         "--max-batch", type=at_least(1), default=8, metavar="N", help="most requests generating at once (default: 8)"
     )
     p.add_argument(
@@ -147,7 +152,10 @@ def main(argv=None) -> int:
     engine = make_engine(model, tokenizer, drafter, args, max_batch=args.max_batch, prefix_store=store)
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
     defaults = recommended_defaults(tokenizer.generation_defaults) | flags
-    served = ServedModel(name, tokenizer, engine, default_max_tokens=args.max_tokens, sampling_defaults=defaults)
+    served = ServedModel(
+        name, tokenizer, engine, default_max_tokens=args.max_tokens, sampling_defaults=defaults,
+        allow_remote_images=args.allow_remote_images,
+    )  # fmt: skip
 
     def serve() -> int:
         print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

@@ -1,0 +1,222 @@
+"""Images for Qwen3.5 (dense and MoE): preprocessing, the vision tower, MRoPE positions and
+every way a prompt comes in, against the transformers references of the image fixtures
+(`fixtures/make_vision.py`: HF checkpoints, and llama.cpp's GGUF + mmproj of the same weights)."""
+
+import base64
+import io
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+import mlx_hybrid
+from conftest import FIXTURES, REFERENCE_TOL, load_fixture, reference
+from mlx_hybrid.cache import set_positions
+from mlx_hybrid.drafting import make_drafter
+from mlx_hybrid.engine import Engine, PrefixStore
+from mlx_hybrid.images import ImageError, expand_image_pads, read_image
+from mlx_hybrid.models.vision import image_rope_positions
+from mlx_hybrid.prompt import chat_prompt
+from test_server import Server
+
+VISION_FAMILIES = ["qwen35vl", "qwen35moevl"]
+SOURCES = ["hf", "model.gguf"]  # the GGUF finds mmproj.gguf beside it
+PROMPTS = {"one": 1, "two": 2}  # the references' prompts and how many images each shows
+
+# The vision tower against transformers' in float32: a few blocks of float32 products,
+# measured 2.5e-6 on outputs of scale ~2; 1e-4 (the issue's bound) still catches a wrong
+# position grid or rotary axis, which moves outputs by 1e-1.
+TOWER_TOL = 1e-4
+
+
+def images_of(family: str) -> list:
+    return [FIXTURES / family / "image_a.png", FIXTURES / family / "image_b.png"]
+
+
+def unexpanded(ids: list[int], pad: int) -> list[int]:
+    """The reference's prompt with each image's run of pad tokens back to one, as the chat template renders it."""
+    return [t for i, t in enumerate(ids) if not (t == pad and i > 0 and ids[i - 1] == pad)]
+
+
+def case(family: str, source: str, key: str):
+    model, tokenizer = load_fixture(family, source)
+    ref = reference(family)
+    ids = ref[f"ids_{key}"][0].tolist()
+    pad = tokenizer.token_to_id("<|image_pad|>")
+    return model, tokenizer, ref, unexpanded(ids, pad), images_of(family)[: PROMPTS[key]], ids
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("source", SOURCES)
+def test_preprocessing_matches_transformers(family, source):
+    """Patches and grids as transformers' PIL processor gives them (both resample the same uint8 image
+    with Pillow; rescale and normalise round at most one float32 ulp apart)."""
+    _, tokenizer = load_fixture(family, source)
+    ref = reference(family)
+    prepared = [tokenizer.image_processor(read_image(path)) for path in images_of(family)]
+    assert [list(p.grid) for p in prepared] == ref["grid_thw_two"].tolist()
+    np.testing.assert_allclose(np.concatenate([p.patches for p in prepared]), ref["pixel_values_two"], atol=1e-6)
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("source", SOURCES)
+def test_vision_tower_matches_transformers(family, source):
+    model, tokenizer = load_fixture(family, source)
+    ref = reference(family)
+    out = model.vision(mx.array(ref["pixel_values_one"]), tuple(ref["grid_thw_one"][0].tolist()))
+    np.testing.assert_allclose(np.array(out), ref["vision_one"], atol=TOWER_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("key", PROMPTS)
+def test_logits_with_images_match_transformers(family, source, key):
+    """One pass over a prompt with images: their tokens' embeddings and 3-D positions."""
+    model, tokenizer, ref, prompt, paths, ids = case(family, source, key)
+    prepared = [tokenizer.image_processor(read_image(p)) for p in paths]
+    expanded = expand_image_pads(prompt, prepared, tokenizer.token_to_id("<|image_pad|>"))
+    assert expanded.ids == ids
+    cache = model.make_cache()
+    set_positions(cache, image_rope_positions(len(ids), [(s, p.grid) for s, p in zip(expanded.starts, prepared)], 2))
+    inserted = (mx.array(expanded.slots), model.image_features(prepared))
+    logits = model.logits_from_hidden(model.hidden_states(mx.array(ids)[None], cache, inserted))
+    np.testing.assert_allclose(np.array(logits), ref[f"logits_{key}"], atol=REFERENCE_TOL, rtol=0)
+
+
+def test_rope_positions_follow_transformers():
+    """transformers' `get_rope_index` for text, an image of 4 x 6 merged tokens, text: the image at
+    (start, start + row, start + column), the text after it from start + max(4, 6)."""
+    positions = image_rope_positions(3 + 24 + 2, [(3, (1, 8, 12))], merge=2)
+    table = positions.table
+    assert table[:, :3].tolist() == [[0, 1, 2]] * 3
+    assert table[:, 3].tolist() == [3, 3, 3] and table[:, 3 + 23].tolist() == [3, 6, 8]
+    assert table[:, 27:].tolist() == [[9, 10]] * 3
+    assert positions.shift == 11 - 29
+    assert positions.span(29, 2) == 11  # decoding: plain positions from 11
+    assert positions.shifted(1).span(28, 1) == 11  # the MTP head's last prompt pair
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("key", PROMPTS)
+@pytest.mark.parametrize("draft", [None, "mtp", "ngram"])
+def test_greedy_with_images_matches_transformers(family, source, key, draft):
+    """Plain and speculative decoding (MTP drafting every round, n-grams) give transformers' 24 greedy tokens."""
+    model, tokenizer, ref, prompt, paths, ids = case(family, source, key)
+    tokens = [
+        r.token
+        for r in mlx_hybrid.stream_generate(
+            model, tokenizer, prompt, max_tokens=24, images=paths, draft=draft, draft_p_min=0.0
+        )
+    ]
+    assert tokens == ref[f"greedy_{key}"][0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_batch_mixing_images_and_text_equals_each_alone(family):
+    """Rows with images, without, packed into one pass with prefill chunks that split an image."""
+    model, tokenizer = load_fixture(family, "hf")
+    ref = reference(family)
+    pad = tokenizer.token_to_id("<|image_pad|>")
+    text = ref["ids_one"][0, -12:].tolist()
+    alone = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, text, max_tokens=24, draft="mtp")]
+    engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), prefill_chunk=20)
+    sequences = [
+        engine.submit(unexpanded(ref["ids_two"][0].tolist(), pad), 24, images=images_of(family)),
+        engine.submit(text, 24),
+        engine.submit(unexpanded(ref["ids_one"][0].tolist(), pad), 24, images=images_of(family)[:1]),
+    ]
+    engine.run()
+    assert sequences[0].tokens == ref["greedy_two"][0, ref["ids_two"].shape[1] :].tolist()
+    assert sequences[1].tokens == alone
+    assert sequences[2].tokens == ref["greedy_one"][0, ref["ids_one"].shape[1] :].tolist()
+
+
+def _turn(engine, tokenizer, messages, images):
+    rendered = chat_prompt(tokenizer, messages)
+    sequence = engine.submit(rendered.ids, 8, checkpoint_at=rendered.boundaries, images=images)
+    engine.run()
+    return sequence
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_second_turn_about_an_image_resumes_from_its_checkpoint(family):
+    model, tokenizer = load_fixture(family, "model.gguf")
+    image = images_of(family)[0]
+    engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"))
+    first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "def area(shape):"}]}]
+    one = _turn(engine, tokenizer, first, [image])
+    second = first + [
+        {"role": "assistant", "content": tokenizer.decode(one.tokens[:-1] if one.finish_reason == "stop" else one.tokens)},
+        {"role": "user", "content": "and the perimeter?"},
+    ]
+    two = _turn(engine, tokenizer, second, [image])
+    # the checkpoint at the end of the first message: the image's 30 tokens where its one pad was
+    # (the random answer's text does not encode back to the same tokens, so it is read again)
+    assert two.cached_tokens == chat_prompt(tokenizer, first).boundaries[-1] + 29
+    fresh = _turn(Engine(model, tokenizer, prefix_store=PrefixStore(0)), tokenizer, second, [image])
+    assert two.tokens == fresh.tokens and fresh.cached_tokens == 0
+    # another image at the same place: the checkpoint after the first image is not this one's
+    other = _turn(engine, tokenizer, second, [images_of(family)[1]])
+    start = other.prompt.index(tokenizer.token_to_id("<|image_pad|>"))
+    assert other.cached_tokens <= start
+
+
+def _png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_bad_images_are_one_clear_error():
+    model, tokenizer = load_fixture("qwen35vl", "hf")
+    prompt = chat_prompt(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}])
+    good = (FIXTURES / "qwen35vl" / "image_a.png").read_bytes()
+    huge = _png(Image.new("1", (10_000, 9_000)))  # 90 million pixels: refused before decoding
+    cases = {
+        b"not an image": "not an image",
+        good[: len(good) // 2]: "cannot be decoded",
+        huge: "too many pixels",
+        "data:image/png;base64,@@@": "malformed",
+        "http://127.0.0.1:1/x.png": "remote image URLs are off",
+        FIXTURES / "nothing.png": "cannot read",
+    }
+    for image, message in cases.items():
+        with pytest.raises(ImageError, match=message):
+            mlx_hybrid.generate(model, tokenizer, prompt.ids, max_tokens=2, images=[image])
+    with pytest.raises(ImageError, match="2 images"):
+        mlx_hybrid.generate(model, tokenizer, prompt.ids, max_tokens=2, images=[good, good])
+    text_model, text_tokenizer = load_fixture("qwen35", "hf")
+    with pytest.raises(ImageError, match="takes no images"):
+        mlx_hybrid.generate(text_model, text_tokenizer, "x", max_tokens=2, images=[good])
+
+
+def test_server_reads_image_urls():
+    """The official client: an image_url data URL, streamed and not, equals the run in this process."""
+    family = "qwen35vl"
+    model, tokenizer = load_fixture(family, "hf")
+    data = base64.b64encode(images_of(family)[0].read_bytes()).decode()
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+        {"type": "text", "text": "def main():"},
+    ]
+    rendered = chat_prompt(tokenizer, [{"role": "user", "content": [{"type": "image"}, content[1]]}])
+    want = mlx_hybrid.generate(model, tokenizer, rendered.ids, max_tokens=12, images=images_of(family)[:1])
+    name = str(FIXTURES / family / "hf")
+    server = Server("--model", name, "--no-mtp")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        messages = [{"role": "user", "content": content}]
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
+        assert reply.choices[0].message.content == want
+        assert reply.usage.prompt_tokens == len(rendered.ids) - 1 + 30  # the image's 30 tokens
+        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
+                                                stream=True)  # fmt: skip
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == want
+        broken = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        with pytest.raises(openai.BadRequestError, match="image 1"):
+            client.chat.completions.create(model=name, messages=broken, max_tokens=2)
+    finally:
+        assert server.stop()
