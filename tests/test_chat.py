@@ -7,6 +7,7 @@ import pexpect
 import pytest
 
 import mlx_hybrid
+from conftest import FIXTURES, load_fixture
 from mlx_hybrid.parsers import parse_output
 from mlx_hybrid.prompt import chat_prompt
 
@@ -108,3 +109,20 @@ def test_end_of_input_leaves_and_bad_options_are_usage_errors():
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 2
+
+
+def test_image_command_shows_an_image_to_the_next_message():
+    """/image FILE: the next message's prompt holds the image's tokens; a bad file is told and dropped."""
+    fixture = FIXTURES / "qwen35vl"
+    model, tokenizer = load_fixture("qwen35vl", "hf")
+    child = spawn("--model", str(fixture / "hf"), "--max-tokens", "4", "--no-mtp")
+    child.sendline(f"/image {fixture / 'missing.png'}")
+    child.expect("error: /image .*cannot read the image")
+    child.sendline(f"/image {fixture / 'image_a.png'}")
+    child.expect(r"\(the next message shows")
+    content = [{"type": "image"}, {"type": "text", "text": "def area():"}]
+    expected = len(chat_prompt(tokenizer, [{"role": "user", "content": content}]).ids) + 29  # 30 tokens for the pad
+    _, prompt, new = ask(child, "def area():")
+    assert prompt == new == expected
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)

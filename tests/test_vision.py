@@ -148,8 +148,9 @@ def test_second_turn_about_an_image_resumes_from_its_checkpoint(family):
     engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"))
     first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "def area(shape):"}]}]
     one = _turn(engine, tokenizer, first, [image])
+    answer = tokenizer.decode(one.tokens[:-1] if one.finish_reason == "stop" else one.tokens)
     second = first + [
-        {"role": "assistant", "content": tokenizer.decode(one.tokens[:-1] if one.finish_reason == "stop" else one.tokens)},
+        {"role": "assistant", "content": answer},
         {"role": "user", "content": "and the perimeter?"},
     ]
     two = _turn(engine, tokenizer, second, [image])
@@ -215,7 +216,8 @@ def test_server_reads_image_urls():
         stream = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
                                                 stream=True)  # fmt: skip
         assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == want
-        broken = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+        truncated = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        broken = [{"role": "user", "content": [truncated]}]
         with pytest.raises(openai.BadRequestError, match="image 1"):
             client.chat.completions.create(model=name, messages=broken, max_tokens=2)
     finally:
