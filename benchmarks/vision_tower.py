@@ -16,7 +16,7 @@ import io
 import statistics
 import time
 
-import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
+import mlx_hybrid  # noqa: F401  (first: on Linux it loads OpenBLAS before MLX's library)
 
 import mlx.core as mx  # noqa: I001
 import numpy as np

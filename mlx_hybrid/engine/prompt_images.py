@@ -19,8 +19,8 @@ class PromptImages:
                 "projector file beside it, mmproj-*.gguf, or --mmproj)"
             )
         pad = tokenizer.token_to_id(IMAGE_PAD)
-        if pad is None:
-            raise ImageError(f"the tokenizer has no {IMAGE_PAD} token")
+        if pad is None or tokenizer.image_processor is None:
+            raise ImageError(f"the tokenizer has no {IMAGE_PAD} token or no image processor for this model")
         prepared = []
         for i, image in enumerate(images):
             try:
