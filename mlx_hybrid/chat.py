@@ -79,11 +79,10 @@ class ChatSession:
     def turn(self, text: str) -> str:
         """Answer one user message (streamed to out); the statistics line."""
         from .parsers import OutputParser, prompt_opens_reasoning
-        from .prompt import chat_prompt
+        from .prompt import chat_prompt, user_message
         from .tokenizer import StreamingDetokenizer
 
-        content = [{"type": "image"} for _ in self.pending_images] + [{"type": "text", "text": text}]
-        messages = self.messages + [{"role": "user", "content": content if self.pending_images else text}]
+        messages = self.messages + [user_message(text, len(self.pending_images))]
         images = self.images + self.pending_images
         rendered = chat_prompt(self.tokenizer, messages)
         sequence = self.engine.submit(

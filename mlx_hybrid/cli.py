@@ -131,7 +131,7 @@ class _Run:
 
     def main(self, prompt, described: str) -> int:
         import mlx_hybrid
-        from mlx_hybrid.prompt import chat_prompt
+        from mlx_hybrid.prompt import chat_prompt, user_message
 
         args = self.args
         if args.verbose:
@@ -140,9 +140,7 @@ class _Run:
             reusable = None  # the token count whose state --prompt-cache-file keeps
             if args.chat:
                 messages = [{"role": "system", "content": args.system}] if args.system else []
-                images = [{"type": "image"} for _ in args.image]
-                content = images + [{"type": "text", "text": prompt}] if images else prompt
-                rendered = chat_prompt(self.tokenizer, messages + [{"role": "user", "content": content}])
+                rendered = chat_prompt(self.tokenizer, messages + [user_message(prompt, len(args.image))])
                 prompt = rendered.ids
                 if args.system and rendered.boundaries:
                     reusable = rendered.boundaries[0]

@@ -63,6 +63,14 @@ class ChatPrompt:
     boundaries: list[int]
 
 
+def user_message(text: str, num_images: int = 0) -> dict:
+    """A user message of `text`, after `num_images` image parts (which the template renders
+    as the model's image placeholders)."""
+    if not num_images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}
+
+
 def chat_prompt(tokenizer, messages: list[dict], **template_kwargs) -> ChatPrompt:
     """Render messages with the generation prompt; template errors raise GenerationError."""
     try:

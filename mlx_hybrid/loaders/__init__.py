@@ -146,7 +146,7 @@ def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool,
         raise UnsupportedArchitectureError(f"{path}: unsupported GGUF architecture {meta.arch!r} (supported: {known})")
     model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
     module = architecture(model_type)
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    shapes = gguf_file.tensor_shapes(reader)
     args = make_args(meta, module, shapes)
     projector = _projector_path(path, mmproj, model_type)
     if projector is not None:

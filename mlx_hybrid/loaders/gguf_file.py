@@ -350,8 +350,7 @@ def read_mmproj(path: Path, text_width: int):
         raise ModelLoadError(f"{path}: projector type {kind!r} is not supported (Qwen3.5's is 'qwen3vl_merger')")
     if any(meta.get("clip.vision.is_deepstack_layers") or []):
         raise ModelLoadError(f"{path}: deepstack projectors (Qwen3-VL) are not supported")
-    tensors = {t.name: t for t in reader.tensors}
-    shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
+    shapes = tensor_shapes(reader)
 
     def need(key):
         value = meta.get(f"clip.vision.{key}")
@@ -408,6 +407,11 @@ def open_gguf(path: Path):
     if end > size:
         raise ModelLoadError(f"{path}: truncated ({size} bytes, tensor data runs to {end})")
     return reader
+
+
+def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in numpy order (GGUF lists dimensions fastest first)."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
 
 
 def gguf_block_name(name: str, n_layer: int) -> str:
