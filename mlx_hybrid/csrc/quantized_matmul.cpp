@@ -1,0 +1,422 @@
+// Quantized products for MLX's CPU backend: x @ W^T with W in MLX's affine layout
+// (w = scale * q + bias per group of `group_size` values along a row, q an unsigned
+// `bits`-bit integer, packed as a little-endian bit stream), read as it is stored.
+//
+// MLX's own CPU quantized matmul is a reference loop (a Qwen3.5-0.8B Q4_K_M decode step
+// took 300 ms on 2 cores). This extension registers an MLX primitive with two paths:
+// - up to 8 rows (decode steps, speculative verify passes): one pass over W, each step of
+//   packed values unpacked once for all rows, over a small thread pool;
+// - more rows (prefill): tiles of W dequantized into a float buffer, then one BLAS sgemm a
+//   tile (the BLAS MLX itself calls: OpenBLAS where mlx_hybrid loaded it).
+// Values are visited in "lane order": a step of 8 * U values puts values l*U .. l*U+U-1
+// in lane l (U values per 32-bit lane), which AVX2 unpacks without crossing lanes. Both
+// paths permute x the same way; a dot product does not care about the order of its terms,
+// only its rounding does, and that order is fixed: each output is the same sequence of
+// FMAs into 8 lanes, reduced by a fixed tree, whatever rows come with it.
+//
+// For x86-64 with AVX2, FMA and F16C (`supported()`); the same body is compiled a second
+// time for AVX-512 machines and chosen at run time. Not loaded by the package yet: it is
+// built with the nanobind sources and MLX's headers (NB_DOMAIN=mlx, so that arrays pass
+// between this module and mlx.core) and checked against mx.quantized_matmul by hand.
+#include <dlfcn.h>
+#include <immintrin.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int SMALL_ROWS = 8;
+
+// ---------------------------------------------------------------------------------------
+// A pool: the calling thread and `helpers` threads each take a share of a job's parts.
+
+class Pool {
+   public:
+    static Pool& get() {
+        static Pool* pool = new Pool;  // never destroyed: its threads wait on it until the process ends
+        return *pool;
+    }
+
+    // run(part) for part in [0, parts): in parallel when `parallel`, else on this thread
+    void run(int parts, bool parallel, const std::function<void(int)>& work) {
+        if (!parallel || helpers_.empty() || parts < 2 || !busy_.try_lock()) {
+            for (int p = 0; p < parts; p++) work(p);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            work_ = &work;
+            parts_ = parts;
+            next_.store(0);
+            unfinished_ = (int)helpers_.size();
+            generation_++;
+        }
+        start_.notify_all();
+        take(work, parts);
+        std::unique_lock<std::mutex> lock(mutex_);
+        done_.wait(lock, [&] { return unfinished_ == 0; });
+        busy_.unlock();
+    }
+
+    int threads() const { return (int)helpers_.size() + 1; }
+
+   private:
+    Pool() {
+        int wanted = threads_wanted();
+        for (int i = 1; i < wanted; i++) helpers_.emplace_back([this] { helper(); });
+        for (auto& t : helpers_) t.detach();
+    }
+
+    static int threads_wanted() {
+        for (const char* name : {"MLX_HYBRID_GEMV_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"}) {
+            const char* value = getenv(name);
+            if (value != nullptr && atoi(value) > 0) return std::min(atoi(value), 16);
+        }
+        int count = (int)std::thread::hardware_concurrency();
+        cpu_set_t cpus;
+        if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) count = CPU_COUNT(&cpus);
+        return std::max(1, std::min(count, 16));
+    }
+
+    void take(const std::function<void(int)>& work, int parts) {
+        for (int p = next_.fetch_add(1); p < parts; p = next_.fetch_add(1)) work(p);
+    }
+
+    void helper() {
+        unsigned long seen = 0;
+        for (;;) {
+            const std::function<void(int)>* work;
+            int parts;
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                start_.wait(lock, [&] { return generation_ != seen; });
+                seen = generation_;
+                work = work_;
+                parts = parts_;
+            }
+            take(*work, parts);
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (--unfinished_ == 0) done_.notify_one();
+        }
+    }
+
+    std::vector<std::thread> helpers_;
+    std::mutex busy_, mutex_;
+    std::condition_variable start_, done_;
+    unsigned long generation_ = 0;
+    int unfinished_ = 0, parts_ = 0;
+    std::atomic<int> next_{0};
+    const std::function<void(int)>* work_ = nullptr;
+};
+
+// Products with fewer weights than this run on the calling thread: waking a helper costs
+// more than it saves.
+constexpr long PARALLEL_MIN_WEIGHTS = 1L << 18;
+
+// ---------------------------------------------------------------------------------------
+// The packed layout, per bit width.
+
+template <int BITS>
+struct Packing {
+    static constexpr int U = BITS == 4 ? 8 : 4;  // values per 32-bit lane
+    static constexpr int V = 8 * U;              // values per step
+    static constexpr int STEP_BYTES = V * BITS / 8;
+    static constexpr int MASK = (1 << BITS) - 1;
+    // a step read by load_lanes may touch this many bytes past its own
+    static constexpr int OVERREAD = BITS == 4 || BITS == 8 ? 0 : 2 * BITS + 16 - STEP_BYTES;
+};
+
+// float32 scales or biases from their stored dtype
+enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
+
+// A weight matrix [N, K] (or one expert's), with its row strides.
+struct Weights {
+    const uint8_t* q;  // packed values
+    const void* scales;
+    const void* biases;
+    long q_row_bytes, scale_row;  // strides between rows, in bytes and in scale entries
+    int n, k, group_size, scale_type;
+};
+
+// Where the rows of one product live: x rows (permuted into lane order, K padded to
+// whole steps), the sums of each lane's values of x (8 a step), and output rows.
+struct Rows {
+    int m;
+    const float* const* x;
+    const float* const* x_sums;
+    float* const* out;
+};
+
+}  // namespace
+
+// The body, compiled once per instruction set (AVX2 + FMA, and AVX-512).
+#define KERNEL_TARGET "avx2,fma,f16c"
+#define KERNEL_NS avx2
+#include "quantized_matmul_body.inc"
+#undef KERNEL_TARGET
+#undef KERNEL_NS
+#define KERNEL_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"
+#define KERNEL_NS avx512
+#include "quantized_matmul_body.inc"
+#undef KERNEL_TARGET
+#undef KERNEL_NS
+
+namespace {
+
+struct Isa {
+    void (*product)(const Weights&, const Rows&, int, int);
+    void (*dequantize)(const Weights&, int, int, float*, int);
+};
+
+template <int BITS>
+Isa isa_for() {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+        return {avx512::rows_product<BITS>, avx512::dequantize_rows<BITS>};
+    return {avx2::rows_product<BITS>, avx2::dequantize_rows<BITS>};
+}
+
+bool cpu_supported() {
+    static bool known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                        __builtin_cpu_supports("f16c");
+    return known;
+}
+
+Isa isa(int bits) {
+    static Isa four = isa_for<4>(), five = isa_for<5>(), six = isa_for<6>(), eight = isa_for<8>();
+    switch (bits) {
+        case 4: return four;
+        case 5: return five;
+        case 6: return six;
+        case 8: return eight;
+    }
+    throw std::invalid_argument("quantized_matmul: bits must be 4, 5, 6 or 8");
+}
+
+int step_values(int bits) { return bits == 4 ? 64 : 32; }
+
+// x [k] -> lane order over `padded` values: out[s*V + i*8 + l] = x[s*V + l*U + i], 0 past k;
+// sums[s*8 + l]: the sum of lane l's values of step s, over i in order
+void permute_row(const float* x, int k, int padded, int bits, float* out, float* sums) {
+    int u = bits == 4 ? 8 : 4, v = 8 * u;
+    for (int s = 0; s < padded; s += v)
+        for (int l = 0; l < 8; l++) {
+            float sum = 0.0f;
+            for (int i = 0; i < u; i++) {
+                int src = s + l * u + i;
+                float value = src < k ? x[src] : 0.0f;
+                out[s + i * 8 + l] = value;
+                sum += value;
+            }
+            sums[s / v * 8 + l] = sum;
+        }
+}
+
+// The BLAS sgemm MLX calls (resolved in the process's global scope).
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                          int);
+sgemm_fn blas_sgemm() {
+    static sgemm_fn fn = (sgemm_fn)dlsym(RTLD_DEFAULT, "cblas_sgemm");
+    if (fn == nullptr) throw std::runtime_error("quantized_matmul: no cblas_sgemm in the process");
+    return fn;
+}
+
+// One product: out rows = x rows @ W^T.
+void product(const Weights& w, const Rows& rows, int bits, int padded) {
+    Pool& pool = Pool::get();
+    Isa kernels = isa(bits);
+    bool parallel = (long)w.n * w.k >= PARALLEL_MIN_WEIGHTS;
+    if (rows.m <= SMALL_ROWS) {
+        int parts = parallel ? pool.threads() * 4 : 1;
+        pool.run(parts, parallel, [&](int part) {
+            int start = (int)((long)w.n * part / parts), end = (int)((long)w.n * (part + 1) / parts);
+            kernels.product(w, rows, start, end);
+        });
+        return;
+    }
+    // x rows gathered into one [m, padded] matrix for the BLAS
+    std::vector<float> x((size_t)rows.m * padded);
+    for (int r = 0; r < rows.m; r++) memcpy(&x[(size_t)r * padded], rows.x[r], sizeof(float) * padded);
+    int tile = std::max(64, (1 << 20) / padded);  // about 4 MB of float32 weights
+    tile = std::min(tile, w.n);
+    std::vector<float> dense((size_t)tile * padded), result((size_t)rows.m * tile);
+    for (int start = 0; start < w.n; start += tile) {
+        int count = std::min(tile, w.n - start);
+        int parts = parallel ? pool.threads() : 1;
+        pool.run(parts, parallel, [&](int part) {
+            int a = count * part / parts, b = count * (part + 1) / parts;
+            kernels.dequantize(w, start + a, start + b, &dense[(size_t)a * padded], padded);
+        });
+        // row major: result[m, count] = x[m, padded] @ dense[count, padded]^T
+        blas_sgemm()(101, 111, 112, rows.m, count, padded, 1.0f, x.data(), padded, dense.data(), padded, 0.0f,
+                     result.data(), count);
+        for (int r = 0; r < rows.m; r++)
+            memcpy(rows.out[r] + start, &result[(size_t)r * count], sizeof(float) * count);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The MLX primitive.
+
+class AffineQuantizedMatmul : public mx::Primitive {
+   public:
+    // pairs_per_x_row: with expert indices, product p takes x row p / pairs_per_x_row
+    AffineQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gathered, int pairs_per_x_row)
+        : mx::Primitive(stream),
+          group_size_(group_size),
+          bits_(bits),
+          gathered_(gathered),
+          pairs_per_x_row_(pairs_per_x_row) {}
+
+    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+        auto& out = outputs[0];
+        out.set_data(mx::allocator::malloc(out.nbytes()));
+        auto& encoder = mx::cpu::get_command_encoder(stream());
+        for (auto& input : inputs) encoder.set_input_array(input);
+        encoder.set_output_array(out);
+        std::vector<mx::array> held;
+        for (auto& input : inputs) held.push_back(mx::array::unsafe_weak_copy(input));
+        encoder.dispatch([held = std::move(held), out = mx::array::unsafe_weak_copy(out), group_size = group_size_,
+                          bits = bits_, gathered = gathered_, per_x = pairs_per_x_row_]() mutable {
+            compute(held, out, group_size, bits, gathered, per_x);
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("AffineQuantizedMatmul runs on the CPU only");
+    }
+
+    const char* name() const override { return "AffineQuantizedMatmul"; }
+
+    bool is_equivalent(const mx::Primitive& other) const override {
+        auto& o = static_cast<const AffineQuantizedMatmul&>(other);
+        return group_size_ == o.group_size_ && bits_ == o.bits_ && gathered_ == o.gathered_ &&
+               pairs_per_x_row_ == o.pairs_per_x_row_;
+    }
+
+   private:
+    static void compute(const std::vector<mx::array>& in, mx::array& out, int group_size, int bits, bool gathered,
+                        int per_x) {
+        const mx::array &x = in[0], &q = in[1], &scales = in[2], &biases = in[3];
+        int k = (int)x.shape(-1), n = (int)out.shape(-1);
+        int m = (int)(out.size() / n);
+        int v = step_values(bits), padded = (k + v - 1) / v * v;
+        int scale_type = scales.dtype() == mx::float32 ? F32 : scales.dtype() == mx::float16 ? F16 : BF16;
+        long q_row_bytes = (long)k * bits / 8, scale_row = k / group_size;
+        long q_matrix = q_row_bytes * n, scale_matrix = scale_row * n;
+        size_t scale_bytes = scales.itemsize();
+
+        float* result = out.data<float>();
+        // x rows in lane order
+        int x_rows = (int)(x.size() / k);
+        int sums_per_row = padded / v * 8;
+        std::vector<float> permuted((size_t)x_rows * padded), sums((size_t)x_rows * sums_per_row);
+        for (int r = 0; r < x_rows; r++)
+            permute_row(x.data<float>() + (long)r * k, k, padded, bits, &permuted[(size_t)r * padded],
+                        &sums[(size_t)r * sums_per_row]);
+        std::vector<const float*> xs, x_sums;
+        std::vector<float*> outs;
+        auto add_row = [&](int x_row, int out_row) {
+            xs.push_back(&permuted[(size_t)x_row * padded]);
+            x_sums.push_back(&sums[(size_t)x_row * sums_per_row]);
+            outs.push_back(result + (long)out_row * n);
+        };
+        auto weights_of = [&](long expert) {
+            return Weights{q.data<uint8_t>() + expert * q_matrix,
+                           scales.data<uint8_t>() + expert * scale_matrix * scale_bytes,
+                           biases.data<uint8_t>() + expert * scale_matrix * scale_bytes,
+                           q_row_bytes,
+                           scale_row,
+                           n,
+                           k,
+                           group_size,
+                           scale_type};
+        };
+        auto run = [&](long expert) {
+            product(weights_of(expert), Rows{(int)xs.size(), xs.data(), x_sums.data(), outs.data()}, bits, padded);
+            xs.clear(), x_sums.clear(), outs.clear();
+        };
+
+        if (!gathered) {
+            for (int r = 0; r < m; r++) add_row(r, r);
+            return run(0);
+        }
+        // each expert once, with every product that selected it (a token selects an expert
+        // at most once, so a verify pass of up to 8 tokens stays on the small-row path)
+        const mx::array& indices = in[4];
+        long experts = q.shape(0);
+        std::vector<std::vector<int>> chosen(experts);
+        const uint32_t* index = indices.data<uint32_t>();
+        for (int p = 0; p < m; p++) {
+            if (index[p] >= experts) throw std::out_of_range("quantized_matmul: expert index out of range");
+            chosen[index[p]].push_back(p);
+        }
+        for (long e = 0; e < experts; e++) {
+            if (chosen[e].empty()) continue;
+            for (int p : chosen[e]) add_row(p / per_x, p);
+            run(e);
+        }
+    }
+
+    int group_size_, bits_;
+    bool gathered_;
+    int pairs_per_x_row_;
+};
+
+// x [..., K] @ W^T; W [N, K*bits/32] uint32, scales/biases [N, K/group_size]. Float32 result [..., N].
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits) {
+    auto stream = mx::default_stream(mx::Device::cpu);
+    int n = (int)w.shape(-2);
+    auto shape = x.shape();
+    shape.back() = n;
+    auto inputs = std::vector<mx::array>{mx::contiguous(mx::astype(x, mx::float32, stream), false, stream),
+                                         mx::contiguous(w, false, stream), mx::contiguous(scales, false, stream),
+                                         mx::contiguous(biases, false, stream)};
+    return mx::array(shape, mx::float32,
+                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, false, 1), inputs);
+}
+
+// x [T, Kx, D] (Kx 1 or k), expert indices [T, k]; W [E, N, ...] -> float32 [T, k, N]
+mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const mx::array& biases, const mx::array& indices, int group_size, int bits) {
+    auto stream = mx::default_stream(mx::Device::cpu);
+    int t = (int)indices.shape(0), k = (int)indices.shape(1), n = (int)w.shape(-2);
+    int per_x = x.shape(1) == k ? 1 : k;
+    auto inputs = std::vector<mx::array>{
+        mx::contiguous(mx::astype(x, mx::float32, stream), false, stream), mx::contiguous(w, false, stream),
+        mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream),
+        mx::contiguous(mx::astype(indices, mx::uint32, stream), false, stream)};
+    return mx::array({t, k, n}, mx::float32,
+                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, true, per_x), inputs);
+}
+
+}  // namespace
+
+NB_MODULE(quantized_matmul_ext, m) {
+    m.doc() = "MLX affine-quantized products on the CPU (mlx_hybrid)";
+    m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+          nb::arg("group_size"), nb::arg("bits"));
+    m.def("gather_quantized_matmul", &gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+          nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"));
+    m.def("threads", [] { return Pool::get().threads(); });
+    m.def("supported", &cpu_supported, "whether this CPU runs the kernels (AVX2, FMA, F16C)");
+}
