@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
+
+from .native import BuildError, build_once, compiler
 
 _CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -49,31 +47,23 @@ def find_openblas() -> str | None:
 _GEMV_FORWARD_SOURCE = Path(__file__).parent / "csrc" / "gemv_forward.c"
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx_hybrid"
-
-
 def gemv_forward_library() -> str | None:
     """The gemv-forwarding library (to preload in front of OpenBLAS), built on first
     use; None without a C compiler."""
-    source = _GEMV_FORWARD_SOURCE.read_bytes()
-    target = _cache_dir() / f"gemv_forward-{hashlib.sha256(source).hexdigest()[:12]}.so"
-    if target.is_file():
-        return str(target)
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler("c")
+    if cc is None:
         return None
+    source = str(_GEMV_FORWARD_SOURCE)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as build:
-            built = Path(build) / target.name
-            source = str(_GEMV_FORWARD_SOURCE)
-            command = [compiler, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(built), source, "-ldl"]
-            subprocess.run(command, check=True, capture_output=True, timeout=60)
-            built.replace(target)  # atomic: concurrent first runs each build, one wins
-    except (OSError, subprocess.SubprocessError):
+        built = build_once(
+            "gemv_forward",
+            [_GEMV_FORWARD_SOURCE],
+            lambda out: [cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(out), source, "-ldl"],
+            timeout=60,
+        )
+    except BuildError:
         return None
-    return str(target)
+    return str(built)
 
 
 def active_blas() -> str:

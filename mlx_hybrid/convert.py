@@ -34,10 +34,14 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
         raise MlxHybridError(f"{mlx_path} already exists; remove it or give another --mlx-path")
     source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
     if source.is_dir():  # refuse early, before loading the weights
-        model_type = hf.read_config(source).get("model_type")
-        if model_type not in QWEN_TYPES:
-            raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model_type!r}")
-    model, tokenizer = load(source, dtype=dtype)
+        config = hf.read_config(source)
+        if config.get("model_type") not in QWEN_TYPES:
+            raise MlxHybridError(f"convert supports the Qwen hybrid families, not {config.get('model_type')!r}")
+        if config.get("quantization") or config.get("quantization_config"):
+            raise MlxHybridError(f"{source} is already quantized; convert its float checkpoint")
+    # a GGUF's blocks exactly dequantized, then quantized to this one layout (a directory
+    # with one `quantization` entry holds one layout)
+    model, tokenizer = load(source, dtype=dtype, dequantize=not source.is_dir())
     if model.model_type not in QWEN_TYPES:
         raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model.model_type!r}")
     nn.quantize(

@@ -39,6 +39,22 @@ def test_speculative_decoding_from_a_converted_checkpoint(tmp_path):
     assert [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=48, draft="mtp")] == plain
 
 
+def test_a_quantized_gguf_converts_from_its_exactly_dequantized_weights(tmp_path):
+    """Every module in the directory's one layout (its blocks are not carried over as they are),
+    and a directory already quantized is refused, not quantized twice."""
+    source = FIXTURES / "qwen35" / "model-Q4_K_M.gguf"
+    loaded, _ = mlx_hybrid.load(convert(source, tmp_path / "q", bits=8, group_size=32))
+    assert {(m.bits, m.group_size) for _, m in loaded.named_modules() if hasattr(m, "scales")} == {(8, 32)}
+    expected, _ = mlx_hybrid.load(source, dequantize=True)
+    nn.quantize(
+        expected, 32, 8, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+    )
+    ids = mx.array(reference("qwen35")["input_ids"])
+    assert_close_to_floor(loaded(ids), expected(ids))
+    with pytest.raises(mlx_hybrid.MlxHybridError, match="already quantized"):
+        convert(tmp_path / "q", tmp_path / "twice")
+
+
 def test_convert_command(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mlx_hybrid.convert", "--hf-path", str(FIXTURES / "qwen35" / "hf"),

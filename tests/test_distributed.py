@@ -40,9 +40,12 @@ RUNS = {
 # amplify rounding about 10x per layer: on logits of scale ~17, summing in another order
 # moves the single-process model itself by up to 1.6e-4 (two rows in a batch instead of one)
 # or 2.9e-4 (the reference BLAS instead of OpenBLAS). Tensor parallel sums each product in
-# parts, so its logits are held to that floor; a pipeline computes the same sums.
+# parts, so its logits are held to that floor; a pipeline computes the same sums. A quantized
+# file's prefill products go through the BLAS as well (dequantized tiles): there the
+# single-process model moves by up to 7.1e-4 between the two BLAS's, and split by 3.5e-4.
 LAYER_TOLERANCE = 1e-5
 LOGITS_TOLERANCE = {"tensor": 3e-4, "pipeline": 1e-4}
+QUANTIZED_LOGITS_TOLERANCE = 7.5e-4
 
 
 def launch(ranks: int, *args, timeout=600) -> subprocess.CompletedProcess:
@@ -69,12 +72,13 @@ def test_logits_match_the_single_process_model(results):
     if mode == "tensor":
         assert all(len(r["layer_diffs"]) >= 4 for per_rank in by_spec.values() for r in per_rank.values())
     for spec, per_rank in by_spec.items():
+        tolerance = QUANTIZED_LOGITS_TOLERANCE if "-Q" in spec else LOGITS_TOLERANCE[mode]
         for rank, r in per_rank.items():
             assert r["describe"] == f"{'tensor parallel' if mode == 'tensor' else 'pipeline'} over {ranks} ranks"
-            assert r["logits_diff"] <= LOGITS_TOLERANCE[mode], (spec, rank, r["logits_diff"])
+            assert r["logits_diff"] <= tolerance, (spec, rank, r["logits_diff"])
             assert max(r["layer_diffs"], default=0) <= LAYER_TOLERANCE, (spec, rank, r["layer_diffs"])
             if "mtp_diff" in r:
-                assert r["mtp_diff"] <= LOGITS_TOLERANCE[mode], (spec, rank, r["mtp_diff"])
+                assert r["mtp_diff"] <= tolerance, (spec, rank, r["mtp_diff"])
 
 
 def test_greedy_tokens_equal_plain_speculative_and_served(results):

@@ -8,9 +8,10 @@ import pytest
 from gguf.quants import dequantize
 
 import mlx_hybrid
-from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, reference
+from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, assert_close_to_floor, reference
+from mlx_hybrid import ops
 from mlx_hybrid.loaders.quantized import AFFINE_TYPES, from_gguf_blocks, pack
-from mlx_hybrid.models.layers import QuantizedSwitchLinear
+from mlx_hybrid.models.layers import Embedding, Linear, QuantizedSwitchLinear
 
 
 def quantized_modules(model):
@@ -70,7 +71,42 @@ def test_random_blocks_of_every_affine_type_unpack_exactly(type_name):
     """Random bytes with finite float16 scales, against gguf's own dequantization."""
     raw, qtype = random_raw(type_name, 6, 512, len(type_name))
     q = from_gguf_blocks(raw, type_name)
+    if q is None:  # Q6_K's groups of 16 where no product here takes them: the loader dequantizes
+        assert not ops.computes_quantized(*AFFINE_TYPES[type_name][:2])
+        return
     np.testing.assert_array_equal(np.array(q.dequantize()), dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("forced_reference", [False, True])
+def test_q6_k_products_in_groups_of_16_match_float64(forced_reference, monkeypatch):
+    """Q6_K kept as 6-bit groups of 16 (the LM head of a Q4_K_M file): linear layers, the
+    embedding's rows and experts, against gguf's dequantization in float64. Without our
+    kernels (forced reference) the products dequantize: MLX's op refuses groups of 16."""
+    raw, qtype = random_raw("Q6_K", 40, 512, 3)
+    q = from_gguf_blocks(raw, "Q6_K")
+    if q is None:
+        pytest.skip("no product here takes groups of 16")
+    assert (q.bits, q.group_size) == (6, 16)
+    dense = dequantize(raw, qtype).astype(np.float64)
+    if forced_reference:
+        monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
+    linear = Linear(512, 40, bias=False).to_quantized(group_size=16, bits=6)
+    embedding = Embedding(40, 512).to_quantized(group_size=16, bits=6)
+    for module in (linear, embedding):
+        module.load_weights([("weight", q.weight), ("scales", q.scales), ("biases", q.biases)])
+    x = mx.random.normal((9, 512), key=mx.random.key(0))
+    for rows in (x[:1], x):  # a decode step, a prefill
+        want = np.array(rows, np.float64) @ dense.T
+        assert_close_to_floor(linear(rows), want)
+        assert_close_to_floor(embedding.as_linear(rows), want)
+    np.testing.assert_array_equal(np.array(embedding(mx.array([3, 0, 39]))), dense[[3, 0, 39]].astype(np.float32))
+    experts = QuantizedSwitchLinear((2, 20, 512), 16, 6)
+    experts.load_weights([(name, part.reshape(2, 20, -1)) for name, part in
+                          (("weight", q.weight), ("scales", q.scales), ("biases", q.biases))])  # fmt: skip
+    indices = mx.array([[1, 0], [0, 1]], dtype=mx.uint32)
+    got = experts(x[:2, None, None], indices)
+    want = np.einsum("tk,tenk->ten", np.array(x[:2], np.float64), dense.reshape(2, 20, 512)[np.array(indices)])
+    assert_close_to_floor(got[:, :, 0], want)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])

@@ -18,7 +18,6 @@
 // time for AVX-512 machines and chosen at run time. Not loaded by the package yet: it is
 // built with the nanobind sources and MLX's headers (NB_DOMAIN=mlx, so that arrays pass
 // between this module and mlx.core) and checked against mx.quantized_matmul by hand.
-#include <dlfcn.h>
 #include <immintrin.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -37,6 +36,11 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+
+// The BLAS sgemm MLX calls, resolved as MLX's own is: OpenBLAS (behind the forwarding
+// library) where mlx_hybrid opened it into the global scope, else MLX's BLAS.
+extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                            int);
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -157,11 +161,10 @@ struct Weights {
 };
 
 // Where the rows of one product live: x rows (permuted into lane order, K padded to
-// whole steps), the sums of each lane's values of x (8 a step), and output rows.
+// whole steps) and output rows.
 struct Rows {
     int m;
     const float* const* x;
-    const float* const* x_sums;
     float* const* out;
 };
 
@@ -213,30 +216,15 @@ Isa isa(int bits) {
 
 int step_values(int bits) { return bits == 4 ? 64 : 32; }
 
-// x [k] -> lane order over `padded` values: out[s*V + i*8 + l] = x[s*V + l*U + i], 0 past k;
-// sums[s*8 + l]: the sum of lane l's values of step s, over i in order
-void permute_row(const float* x, int k, int padded, int bits, float* out, float* sums) {
+// x [k] -> lane order over `padded` values: out[s*V + i*8 + l] = x[s*V + l*U + i], 0 past k
+void permute_row(const float* x, int k, int padded, int bits, float* out) {
     int u = bits == 4 ? 8 : 4, v = 8 * u;
     for (int s = 0; s < padded; s += v)
-        for (int l = 0; l < 8; l++) {
-            float sum = 0.0f;
-            for (int i = 0; i < u; i++) {
+        for (int i = 0; i < u; i++)
+            for (int l = 0; l < 8; l++) {
                 int src = s + l * u + i;
-                float value = src < k ? x[src] : 0.0f;
-                out[s + i * 8 + l] = value;
-                sum += value;
+                out[s + i * 8 + l] = src < k ? x[src] : 0.0f;
             }
-            sums[s / v * 8 + l] = sum;
-        }
-}
-
-// The BLAS sgemm MLX calls (resolved in the process's global scope).
-using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
-                          int);
-sgemm_fn blas_sgemm() {
-    static sgemm_fn fn = (sgemm_fn)dlsym(RTLD_DEFAULT, "cblas_sgemm");
-    if (fn == nullptr) throw std::runtime_error("quantized_matmul: no cblas_sgemm in the process");
-    return fn;
 }
 
 // One product: out rows = x rows @ W^T.
@@ -266,7 +254,7 @@ void product(const Weights& w, const Rows& rows, int bits, int padded) {
             kernels.dequantize(w, start + a, start + b, &dense[(size_t)a * padded], padded);
         });
         // row major: result[m, count] = x[m, padded] @ dense[count, padded]^T
-        blas_sgemm()(101, 111, 112, rows.m, count, padded, 1.0f, x.data(), padded, dense.data(), padded, 0.0f,
+        cblas_sgemm(101, 111, 112, rows.m, count, padded, 1.0f, x.data(), padded, dense.data(), padded, 0.0f,
                      result.data(), count);
         for (int r = 0; r < rows.m; r++)
             memcpy(rows.out[r] + start, &result[(size_t)r * count], sizeof(float) * count);
@@ -327,16 +315,13 @@ class AffineQuantizedMatmul : public mx::Primitive {
         float* result = out.data<float>();
         // x rows in lane order
         int x_rows = (int)(x.size() / k);
-        int sums_per_row = padded / v * 8;
-        std::vector<float> permuted((size_t)x_rows * padded), sums((size_t)x_rows * sums_per_row);
+        std::vector<float> permuted((size_t)x_rows * padded);
         for (int r = 0; r < x_rows; r++)
-            permute_row(x.data<float>() + (long)r * k, k, padded, bits, &permuted[(size_t)r * padded],
-                        &sums[(size_t)r * sums_per_row]);
-        std::vector<const float*> xs, x_sums;
+            permute_row(x.data<float>() + (long)r * k, k, padded, bits, &permuted[(size_t)r * padded]);
+        std::vector<const float*> xs;
         std::vector<float*> outs;
         auto add_row = [&](int x_row, int out_row) {
             xs.push_back(&permuted[(size_t)x_row * padded]);
-            x_sums.push_back(&sums[(size_t)x_row * sums_per_row]);
             outs.push_back(result + (long)out_row * n);
         };
         auto weights_of = [&](long expert) {
@@ -351,8 +336,8 @@ class AffineQuantizedMatmul : public mx::Primitive {
                            scale_type};
         };
         auto run = [&](long expert) {
-            product(weights_of(expert), Rows{(int)xs.size(), xs.data(), x_sums.data(), outs.data()}, bits, padded);
-            xs.clear(), x_sums.clear(), outs.clear();
+            product(weights_of(expert), Rows{(int)xs.size(), xs.data(), outs.data()}, bits, padded);
+            xs.clear(), outs.clear();
         };
 
         if (!gathered) {

@@ -59,8 +59,8 @@ def load(
     mx.Dtype); float32 on the CPU and bfloat16 on a GPU by default. Linear-attention
     state is float32 whatever this is. progress: show a progress bar (default: for
     large files on a terminal). GGUF tensors whose blocks are exactly MLX affine
-    groups (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K) stay quantized and run on MLX's
-    quantized kernels, unless dequantize=True; other types are dequantized to dtype.
+    groups (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K; Q6_K's groups of 16 where our CPU kernels
+    run) stay quantized, unless dequantize=True; other types are dequantized to dtype.
     compact=True (GGUF only) trades exactness for memory: 16-bit scales, and Q6_K
     re-quantized to 6-bit groups instead of dequantized (see `loaders.quantized`).
 

@@ -2,7 +2,7 @@
 
 MLX's affine format: per group of `group_size` values along a row, w = scale * q + bias
 with q an unsigned `bits`-bit integer, q's packed as a little-endian bit stream into
-uint32 words. These GGUF block types are exactly that, per group of 32:
+uint32 words. These GGUF block types are exactly that, per group of 32 (Q6_K: 16):
 
 | type | bits | scale | bias |
 | --- | --- | --- | --- |
@@ -10,10 +10,12 @@ uint32 words. These GGUF block types are exactly that, per group of 32:
 | Q4_0 / Q5_0 | 4 / 5 | d | -8 d / -16 d |
 | Q4_1 / Q5_1 | 4 / 5 | d | m |
 | Q4_K / Q5_K | 4 / 5 | d * sc_j | -dmin * m_j (sub-block j of 32 in a super-block of 256) |
+| Q6_K | 6 | d * sc_j | -32 d * sc_j (sub-block j of 16, sc_j a signed 8-bit integer) |
 
 Scales and biases are kept in float32, where every one of them is exact (a float16
-times a 6-bit integer needs 17 significant bits). Other types (Q6_K and Q2_K/Q3_K
-with groups of 16, the IQ types, ...) have no exact affine form and are dequantized.
+times an 8-bit integer needs 19 significant bits). MLX's own products take groups of 32
+or more: Q6_K stays quantized where ours compute (`ops.computes_quantized`), else it is
+dequantized, as are the types with no exact affine form (Q2_K/Q3_K, the IQ types, ...).
 
 Compact loading trades exactness for memory: scales and biases in 16 bits (float16, a
 relative error of at most 2^-11 on each; bfloat16 when that is the compute dtype, so
@@ -27,6 +29,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from .. import ops
 from ..quantized_tensor import GROUP_SIZE, QuantizedTensor
 
 
@@ -99,15 +102,29 @@ def _q5_k(b):
     return low | (high << 4), scales, biases
 
 
-# GGML type name -> (bits, values per block, block parser)
+def _q6_k(b):
+    ql, qh = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32), b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210])
+    # each half of 128 values: four runs of 32, low nibbles of ql's two runs then high ones,
+    # with bit pairs 0-1, 2-3, 4-5, 6-7 of qh
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+    q = (low | (high << 4)).reshape(*b.shape[:-1], 16, 16)
+    scales = d[..., None] * sc
+    return q, scales, -32.0 * scales
+
+
+# GGML type name -> (bits, values per group, block parser)
 AFFINE_TYPES = {
     "Q8_0": (8, 32, _q8_0),
     "Q4_0": (4, 32, _q4_0),
     "Q4_1": (4, 32, _q4_1),
     "Q5_0": (5, 32, _q5_0),
     "Q5_1": (5, 32, _q5_1),
-    "Q4_K": (4, 256, _q4_k),
-    "Q5_K": (5, 256, _q5_k),
+    "Q4_K": (4, 32, _q4_k),
+    "Q5_K": (5, 32, _q5_k),
+    "Q6_K": (6, 16, _q6_k),
 }
 
 
@@ -117,10 +134,12 @@ REQUANTIZED_BITS = {"Q6_K": 6}
 
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Unsigned bits-bit integers [..., n] -> MLX's little-endian bit stream as uint32 [..., n * bits / 32]."""
-    stream = ((q[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
-    packed = np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little")
-    return np.ascontiguousarray(packed).view(np.uint32)
+    """Unsigned bits-bit integers [..., n] (n a multiple of 32) -> MLX's little-endian bit stream
+    as uint32 [..., n * bits / 32]: each 8 values fill `bits` bytes."""
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    words = np.bitwise_or.reduce(q.reshape(*q.shape[:-1], -1, 8).astype(np.uint64) << shifts, axis=-1)
+    packed = words[..., None].view(np.uint8)[..., :bits]  # little-endian words: their low bytes
+    return np.ascontiguousarray(packed).reshape(*q.shape[:-1], -1).view(np.uint32)
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, compact_scales=None) -> QuantizedTensor | None:
@@ -130,30 +149,38 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, compact_scales=None) -> Qu
     None where the type stays dense (dequantized by the caller).
     """
     compact = compact_scales is not None
-    if type_name in AFFINE_TYPES:
-        tensor = _exact_affine(raw, type_name)
-    elif compact and type_name in REQUANTIZED_BITS:
+    if compact and type_name in REQUANTIZED_BITS:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         dense = mx.array(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
         bits = REQUANTIZED_BITS[type_name]
         tensor = QuantizedTensor(*mx.quantize(dense, group_size=GROUP_SIZE, bits=bits), bits)
+    elif type_name in AFFINE_TYPES and ops.computes_quantized(*AFFINE_TYPES[type_name][:2]):
+        tensor = _exact_affine(raw, type_name)
     else:
         return None
     return tensor.with_scales_in(compact_scales) if compact else tensor
 
 
 def _exact_affine(raw: np.ndarray, type_name: str) -> QuantizedTensor:
-    bits, per_block, parse = AFFINE_TYPES[type_name]
-    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176}[type_name]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    bits, group_size, parse = AFFINE_TYPES[type_name]
+    per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     lead = raw.shape[:-1]
-    blocks = raw.reshape(*lead, -1, block_bytes)
-    q, scales, biases = parse(blocks)  # q [..., blocks, groups, 32]; scales [..., blocks, groups]
-    cols = blocks.shape[-2] * per_block
+    blocks = raw.reshape(-1, raw.shape[-1] // block_bytes, block_bytes)
+    cols = blocks.shape[1] * per_block
+    weight = np.empty((len(blocks), cols * bits // 32), np.uint32)
+    scales = np.empty((len(blocks), cols // group_size), np.float32)
+    biases = np.empty_like(scales)
+    # rows a few million values at a time: the unpacked values take 8 bytes each while packed
+    step = max(1, (1 << 22) // cols)
+    for start in range(0, len(blocks), step):
+        rows = slice(start, start + step)
+        q, scales_part, biases_part = parse(blocks[rows])  # q [rows, blocks, groups, group_size]
+        weight[rows] = pack(q.reshape(-1, cols), bits)
+        scales[rows], biases[rows] = scales_part.reshape(-1, scales.shape[1]), biases_part.reshape(-1, scales.shape[1])
     return QuantizedTensor(
-        mx.array(pack(q.reshape(*lead, cols), bits)),
-        mx.array(scales.reshape(*lead, cols // GROUP_SIZE).astype(np.float32)),
-        mx.array(biases.reshape(*lead, cols // GROUP_SIZE).astype(np.float32)),
-        bits,
+        *(mx.array(part.reshape(*lead, part.shape[-1])) for part in (weight, scales, biases)), bits, group_size
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import ops
 from ..parallel import (
     ROWS,
     Parallel,
@@ -35,6 +36,10 @@ class VocabularySubsetHead(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if not self.quantized:
             return x @ self.weight.T
+        if self.mode == "affine":
+            return ops.quantized_matmul(
+                x, self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
+            )
         return mx.quantized_matmul(
             x, self.weight, self.scales, self.biases, transpose=True,
             group_size=self.group_size, bits=self.bits, mode=self.mode,

@@ -76,17 +76,35 @@ class MLP(nn.Module):
         return {"gate_proj.weight": ROWS, "up_proj.weight": ROWS, "down_proj.weight": COLUMNS}
 
 
+def affine_product(x: mx.array, module) -> mx.array:
+    """x @ W^T for a module holding an affine-quantized W (weight, scales, biases), in x's dtype."""
+    return ops.quantized_matmul(
+        x, module["weight"], module["scales"], module["biases"], group_size=module.group_size, bits=module.bits
+    )
+
+
 class QuantizedLinear(nn.QuantizedLinear):
-    """Returns the input's dtype: exact GGUF scales are float32, and MLX would promote a
-    16-bit model's products, and everything after them, to float32."""
+    """Computes through `ops` (our CPU kernels where they run) in the input's dtype."""
 
     def __call__(self, x):
-        return super().__call__(x).astype(x.dtype)
+        if getattr(self, "mode", "affine") != "affine":
+            return super().__call__(x).astype(x.dtype)
+        out = affine_product(x, self)
+        return out + self["bias"].astype(out.dtype) if "bias" in self else out
+
+
+def _regrouped(module, group_size: int):
+    """A quantized module for groups MLX does not quantize in (GGUF's Q6_K: 16), made at 32:
+    the packed weight's shape does not depend on the groups; scales and biases get theirs."""
+    if module.group_size != group_size:
+        shape = (*module.scales.shape[:-1], module.scales.shape[-1] * module.group_size // group_size)
+        module.scales, module.biases, module.group_size = mx.zeros(shape), mx.zeros(shape), group_size
+    return module
 
 
 class Linear(nn.Linear):
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+        return _regrouped(QuantizedLinear.from_linear(self, max(group_size, 32), bits, mode), group_size)
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -97,12 +115,12 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x):
-        return super().as_linear(x).astype(x.dtype)
+        return affine_product(x, self)
 
 
 class Embedding(nn.Embedding):
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
+        return _regrouped(QuantizedEmbedding.from_embedding(self, max(group_size, 32), bits, mode), group_size)
 
 
 class SwitchLinear(nn.Module):
@@ -131,10 +149,9 @@ class QuantizedSwitchLinear(nn.Module):
         self.biases = mx.zeros((E, out, inp // group_size))
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return mx.gather_qmm(
-            x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
-            group_size=self.group_size, bits=self.bits,
-        ).astype(x.dtype)  # fmt: skip
+        return ops.gather_quantized_matmul(
+            x, self.weight, self.scales, self.biases, indices, group_size=self.group_size, bits=self.bits
+        )
 
 
 class SwitchGLU(nn.Module):

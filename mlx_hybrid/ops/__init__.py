@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import kernels, reference, selfcheck
+from . import cpu_quantized, kernels, reference, selfcheck
 from .activations import sigmoid, silu, swiglu  # noqa: F401  (the models' activations)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
@@ -165,6 +165,64 @@ def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.arra
         # MLX's CPU gather_mm is float32-only
         return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
     return mx.gather_mm(x, weight_t, rhs_indices=indices)
+
+
+_CPU_QUANTIZED = kernels.KernelSpec("mlx_hybrid_quantized_matmul", "quantized_matmul.cpp", (), ())
+
+
+def _cpu_quantized_kernels(bits: int, group_size: int, scales_dtype) -> bool:
+    """Whether our CPU kernels compute this quantized product (else MLX's op)."""
+    return (
+        not _gpu_computes()
+        and not force_reference()
+        and cpu_quantized.supports(bits, group_size)
+        and cpu_quantized.extension() is not None
+        and selfcheck.passed(_CPU_QUANTIZED, cpu_quantized.small_case, "cpu", bits, group_size, scales_dtype)
+    )
+
+
+# the group sizes MLX's quantized products take (its CPU op refuses groups of 16)
+MLX_GROUP_SIZES = (32, 64, 128)
+
+
+def computes_quantized(bits: int, group_size: int) -> bool:
+    """Whether products in this affine layout run here without dequantizing the matrix:
+    MLX's groups, and on the CPU also what our kernels take (groups of 16: GGUF's Q6_K)."""
+    return group_size in MLX_GROUP_SIZES or _cpu_quantized_kernels(bits, group_size, mx.float32)
+
+
+def _dequantized(w, scales, biases, group_size: int, bits: int) -> mx.array:
+    return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int):
+    """x [..., K] @ W^T for W [N, K] in MLX's affine layout, in x's dtype (exact GGUF scales are
+    float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
+    if _cpu_quantized_kernels(bits, group_size, scales.dtype):
+        out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits)
+    elif group_size in MLX_GROUP_SIZES:
+        out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    else:
+        out = x @ _dequantized(w, scales, biases, group_size, bits).T.astype(x.dtype)
+    return out.astype(x.dtype)
+
+
+def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int) -> mx.array:
+    """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
+    [..., k, 1, N], in x's dtype."""
+    if _cpu_quantized_kernels(bits, group_size, scales.dtype):
+        lead, k = indices.shape[:-1], indices.shape[-1]
+        rows = x.reshape(-1, x.shape[-3], x.shape[-1])
+        out = cpu_quantized.gather_quantized_matmul(rows, w, scales, biases, indices.reshape(-1, k), group_size, bits)
+        out = out.reshape(*lead, k, 1, w.shape[-2])
+    elif group_size in MLX_GROUP_SIZES:
+        out = mx.gather_qmm(
+            x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
+        )
+    else:
+        experts = _dequantized(w, scales, biases, group_size, bits).astype(x.dtype)
+        out = gather_matmul(x, experts.swapaxes(-1, -2), indices)
+    return out.astype(x.dtype)
 
 
 def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResult:

@@ -1,0 +1,53 @@
+"""Native code built on first use with the system's compiler, cached per source and toolchain
+in the user's cache directory (the forwarding BLAS, the CPU quantized kernels)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+class BuildError(RuntimeError):
+    """No compiler, or the compiler refused the source: the message says which."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx_hybrid"
+
+
+def compiler(kind: str = "c") -> str | None:
+    """The C (kind 'c') or C++ ('c++') compiler: $CC / $CXX, else cc / c++ or gcc / g++."""
+    if kind == "c":
+        return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def build_once(name: str, sources: list[Path], command, identity: str = "", timeout: float = 300) -> Path:
+    """The shared object `name-<hash>.so` built from `sources`, reusing an earlier build.
+
+    command(output_path) -> the compiler's argument list; identity: whatever else the build
+    depends on (toolchain and library versions), part of the hash.
+    """
+    digest = hashlib.sha256(identity.encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    target = cache_dir() / f"{name}-{digest.hexdigest()[:12]}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as build:
+            built = Path(build) / target.name
+            subprocess.run(command(built), check=True, capture_output=True, timeout=timeout, cwd=build)
+            built.replace(target)  # atomic: concurrent first runs each build, one wins
+    except subprocess.CalledProcessError as e:
+        lines = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        errors = [line for line in lines if "error" in line] or lines or [f"exit status {e.returncode}"]
+        raise BuildError(f"{name} did not compile: {errors[0]}")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"{name} could not be built: {e}") from None
+    return target

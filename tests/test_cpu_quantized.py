@@ -1,0 +1,100 @@
+"""The CPU quantized kernels (csrc/quantized_matmul.cpp) against MLX's own op and a float64
+product of the dequantized weights."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FIXTURES, assert_close_to_floor, reference
+
+import mlx_hybrid
+from mlx_hybrid import ops
+from mlx_hybrid.ops import cpu_quantized
+
+pytestmark = pytest.mark.skipif(cpu_quantized.extension() is None, reason="the CPU quantized kernels do not build here")
+
+
+def quantized(shape, bits, group_size, scales_dtype=mx.float32, seed=0):
+    w, scales, biases = cpu_quantized.random_weights(shape, bits, group_size, seed)
+    return w, scales.astype(scales_dtype), biases.astype(scales_dtype)
+
+
+LAYOUTS = [(b, g) for b in cpu_quantized.BITS for g in cpu_quantized.GROUP_SIZES if cpu_quantized.supports(b, g)]
+
+
+def float64_product(x, w, scales, biases, group_size, bits):
+    dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+    return np.array(x, np.float64) @ np.array(dense, np.float64).swapaxes(-1, -2)
+
+
+@pytest.mark.parametrize("scales_dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bits, group_size", LAYOUTS)
+def test_products_of_every_layout_match_float64(bits, group_size, scales_dtype):
+    # K = 416 is not a whole number of 64-value steps (the 4-bit kernel's): the padded tail is read too
+    K = 416 if group_size <= 32 else 384
+    w, scales, biases = quantized((37, K), bits, group_size, scales_dtype)
+    for rows in (1, 2, 3, 5, 8, 9, 33):  # the small-row kernel and the tiled one
+        x = mx.random.normal((rows, K), key=mx.random.key(rows))
+        got = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits)
+        assert_close_to_floor(got, float64_product(x, w, scales, biases, group_size, bits))
+
+
+@pytest.mark.parametrize("bits", cpu_quantized.BITS)
+def test_each_row_takes_the_same_sums_whatever_rows_come_with_it(bits):
+    """A verify pass of up to 8 rows gives each row the bits a decode step gives it alone."""
+    w, scales, biases = quantized((300, 1024), bits, 32)
+    x = mx.random.normal((8, 1024), key=mx.random.key(1))
+    alone = [np.array(cpu_quantized.quantized_matmul(x[i : i + 1], w, scales, biases, 32, bits)) for i in range(8)]
+    for rows in range(2, 9):
+        together = np.array(cpu_quantized.quantized_matmul(x[:rows], w, scales, biases, 32, bits))
+        np.testing.assert_array_equal(together, np.concatenate(alone[:rows]))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 20])
+def test_expert_products_match_mlx_gather_qmm(tokens):
+    w, scales, biases = quantized((6, 48, 256), 4, 64)
+    indices = mx.array(np.random.default_rng(tokens).permuted(np.tile(np.arange(6), (tokens, 1)), axis=1)[:, :3])
+    x = mx.random.normal((tokens, 1, 1, 256), key=mx.random.key(2))
+    want = mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=64, bits=4)
+    up = ops.gather_quantized_matmul(x, w, scales, biases, indices, group_size=64, bits=4)
+    assert_close_to_floor(up, want)
+    # the down projection's input has one row per selected expert
+    hidden = mx.random.normal((tokens, 3, 1, 256), key=mx.random.key(3))
+    want = mx.gather_qmm(hidden, w, scales, biases, rhs_indices=indices, transpose=True, group_size=64, bits=4)
+    assert_close_to_floor(ops.gather_quantized_matmul(hidden, w, scales, biases, indices, group_size=64, bits=4), want)
+
+
+def test_ops_keep_the_input_dtype():
+    w, scales, biases = quantized((16, 128), 8, 32)
+    x = mx.random.normal((2, 128)).astype(mx.bfloat16)
+    assert ops.quantized_matmul(x, w, scales, biases, group_size=32, bits=8).dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("family", ["qwen35", "qwen35moe"])
+def test_greedy_speculation_equals_plain_decoding_on_quantized_files(family, quant):
+    model, tok = mlx_hybrid.load(FIXTURES / family / f"model-{quant}.gguf")
+    prompt = reference(family)["prompt_ids"][0].tolist()
+    plain = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=24, draft=None)]
+    for k in (1, 2, 3, 4):
+        spec = mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=24, draft="mtp", num_draft_tokens=k)
+        assert [r.token for r in spec] == plain, k
+
+
+def test_without_a_compiler_one_warning_and_mlx_computes(tmp_path):
+    script = (
+        "import mlx_hybrid, mlx.core as mx\n"
+        "from mlx_hybrid import ops\n"
+        "w, s, b = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)\n"
+        "for _ in range(3): y = ops.quantized_matmul(mx.ones((1, 64)), w, s, b, group_size=32, bits=4)\n"
+        "print(float(y.sum()))\n"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout) == pytest.approx(8 * 64)
+    assert run.stderr.count("the CPU quantized kernels are not in use") == 1, run.stderr
+    assert "did not compile" in run.stderr or "could not be built" in run.stderr
