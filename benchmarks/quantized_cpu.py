@@ -101,6 +101,7 @@ def run_mlx_hybrid(path: Path, prompt: list[int], tokens: int, threads: int) -> 
 
 
 def run_mlx_lm(path: Path, prompt: list[int], tokens: int, threads: int) -> tuple[float, float]:
+    import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX: mlx-lm gets the BLAS we get)
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(path))

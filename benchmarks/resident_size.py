@@ -21,13 +21,13 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import mlx.core as mx
+import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
+
+import mlx.core as mx  # noqa: I001
 import numpy as np
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-import mlx_hybrid  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen35" / "hf"

@@ -191,3 +191,14 @@ def test_value_head_columns_move_as_whole_groups():
     narrow = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16)
     q = QuantizedTensor(*mx.quantize(dense[:, :64], group_size=32, bits=4), 4)
     assert not isinstance(apply_transform(value_columns, q, narrow), QuantizedTensor)  # heads split groups
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "affine"])
+def test_quantized_layers_compute_what_mlx_layers_compute(mode):
+    """Our quantized linear and embedding layers (affine: through ops) against MLX's own."""
+    group_size = 32 if mode == "mxfp4" else 64
+    linear = Linear(128, 24, bias=False).to_quantized(group_size=group_size, bits=4, mode=mode)
+    embedding = Embedding(24, 128).to_quantized(group_size=group_size, bits=4, mode=mode)
+    x = mx.random.normal((3, 128), key=mx.random.key(5))
+    assert_close_to_floor(linear(x), nn.QuantizedLinear.__call__(linear, x))
+    assert_close_to_floor(embedding.as_linear(x), nn.QuantizedEmbedding.as_linear(embedding, x))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import ops
 from ..parallel import (
     ROWS,
     Parallel,
     gather_last_axis,
 )
+from .layers import quantized_product
 
 
 class VocabularySubsetHead(nn.Module):
@@ -34,16 +34,7 @@ class VocabularySubsetHead(nn.Module):
         mx.eval(self.parameters())
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.quantized:
-            return x @ self.weight.T
-        if self.mode == "affine":
-            return ops.quantized_matmul(
-                x, self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
-            )
-        return mx.quantized_matmul(
-            x, self.weight, self.scales, self.biases, transpose=True,
-            group_size=self.group_size, bits=self.bits, mode=self.mode,
-        ).astype(x.dtype)  # fmt: skip
+        return quantized_product(x, self) if self.quantized else x @ self.weight.T
 
 
 class SplitVocabularySubsetHead(nn.Module):

@@ -76,20 +76,25 @@ class MLP(nn.Module):
         return {"gate_proj.weight": ROWS, "up_proj.weight": ROWS, "down_proj.weight": COLUMNS}
 
 
-def affine_product(x: mx.array, module) -> mx.array:
-    """x @ W^T for a module holding an affine-quantized W (weight, scales, biases), in x's dtype."""
-    return ops.quantized_matmul(
-        x, module["weight"], module["scales"], module["biases"], group_size=module.group_size, bits=module.bits
-    )
+def quantized_product(x: mx.array, module) -> mx.array:
+    """x @ W^T for a module holding a quantized W (weight, scales, biases unless a float mode
+    such as mxfp4), in x's dtype: affine layouts through `ops` (our CPU kernels where they run)."""
+    mode = getattr(module, "mode", "affine")
+    if mode == "affine":
+        return ops.quantized_matmul(
+            x, module["weight"], module["scales"], module["biases"], group_size=module.group_size, bits=module.bits
+        )
+    return mx.quantized_matmul(
+        x, module["weight"], module["scales"], module.get("biases"), transpose=True,
+        group_size=module.group_size, bits=module.bits, mode=mode,
+    ).astype(x.dtype)  # fmt: skip
 
 
 class QuantizedLinear(nn.QuantizedLinear):
-    """Computes through `ops` (our CPU kernels where they run) in the input's dtype."""
+    """Computes in the input's dtype (see `quantized_product`)."""
 
     def __call__(self, x):
-        if getattr(self, "mode", "affine") != "affine":
-            return super().__call__(x).astype(x.dtype)
-        out = affine_product(x, self)
+        out = quantized_product(x, self)
         return out + self["bias"].astype(out.dtype) if "bias" in self else out
 
 
@@ -115,7 +120,7 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x):
-        return affine_product(x, self)
+        return quantized_product(x, self)
 
 
 class Embedding(nn.Embedding):
