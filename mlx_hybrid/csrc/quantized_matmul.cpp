@@ -15,9 +15,9 @@
 // FMAs into 8 lanes, reduced by a fixed tree, whatever rows come with it.
 //
 // For x86-64 with AVX2, FMA and F16C (`supported()`); the same body is compiled a second
-// time for AVX-512 machines and chosen at run time. Not loaded by the package yet: it is
-// built with the nanobind sources and MLX's headers (NB_DOMAIN=mlx, so that arrays pass
-// between this module and mlx.core) and checked against mx.quantized_matmul by hand.
+// time for AVX-512 machines and chosen at run time. mlx_hybrid/ops/cpu_quantized.py builds
+// it on first use with the nanobind sources and MLX's headers (NB_DOMAIN=mlx, so that arrays
+// pass between this module and mlx.core), and each variant checks itself on its first call.
 #include <immintrin.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -144,8 +144,6 @@ struct Packing {
     static constexpr int V = 8 * U;              // values per step
     static constexpr int STEP_BYTES = V * BITS / 8;
     static constexpr int MASK = (1 << BITS) - 1;
-    // a step read by load_lanes may touch this many bytes past its own
-    static constexpr int OVERREAD = BITS == 4 || BITS == 8 ? 0 : 2 * BITS + 16 - STEP_BYTES;
 };
 
 // float32 scales or biases from their stored dtype

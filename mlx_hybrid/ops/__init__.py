@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from ..quantized_tensor import QuantizedTensor
 from . import cpu_quantized, kernels, reference, selfcheck
 from .activations import sigmoid, silu, swiglu  # noqa: F401  (the models' activations)
 
@@ -191,10 +192,6 @@ def computes_quantized(bits: int, group_size: int) -> bool:
     return group_size in MLX_GROUP_SIZES or _cpu_quantized_kernels(bits, group_size, mx.float32)
 
 
-def _dequantized(w, scales, biases, group_size: int, bits: int) -> mx.array:
-    return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
-
-
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int):
     """x [..., K] @ W^T for W [N, K] in MLX's affine layout, in x's dtype (exact GGUF scales are
     float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
@@ -203,7 +200,7 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     elif group_size in MLX_GROUP_SIZES:
         out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     else:
-        out = x @ _dequantized(w, scales, biases, group_size, bits).T.astype(x.dtype)
+        out = x @ QuantizedTensor(w, scales, biases, bits, group_size).dequantize().T.astype(x.dtype)
     return out.astype(x.dtype)
 
 
@@ -220,7 +217,7 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
             x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
         )
     else:
-        experts = _dequantized(w, scales, biases, group_size, bits).astype(x.dtype)
+        experts = QuantizedTensor(w, scales, biases, bits, group_size).dequantize().astype(x.dtype)
         out = gather_matmul(x, experts.swapaxes(-1, -2), indices)
     return out.astype(x.dtype)
 

@@ -22,6 +22,7 @@ import mlx
 import mlx.core as mx
 
 from ..native import BuildError, build_once, compiler
+from ..quantized_tensor import QuantizedTensor
 
 _SOURCES = [Path(__file__).resolve().parents[1] / "csrc" / name for name in ("quantized_matmul.cpp", "quantized_matmul_body.inc")]
 _MODULE = "quantized_matmul_ext"
@@ -128,7 +129,7 @@ def small_case(_platform, bits: int, group_size: int, scales_dtype):
         def mlx_product(rows, e):
             return mx.quantized_matmul(rows, w[e], scales[e], biases[e], group_size=group_size, bits=bits)
     else:
-        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+        dense = QuantizedTensor(w, scales, biases, bits, group_size).dequantize()
 
         def mlx_product(rows, e):
             return rows @ dense[e].T
