@@ -36,6 +36,13 @@ _CANDIDATES = [
 ]
 _RESTARTED = "MLX_HYBRID_BLAS_RESTARTED"
 
+# OpenBLAS's idle workers spin (sched_yield) for 2^28 cycles after each threaded call. In a
+# decode step they take the cores from our kernels' threads (Qwen3.5-0.8B on 2 cores: a
+# Q4_K_M step 55-84 ms against 55 ms, float32 137 against 125); at 2^4 cycles they sleep
+# at once, and waking them costs microseconds against the milliseconds of a prefill
+# product. Read when OpenBLAS loads; a value the user set stays.
+_OPENBLAS_IDLE = ("OPENBLAS_THREAD_TIMEOUT", "4")
+
 
 def find_openblas() -> str | None:
     for candidate in _CANDIDATES:
@@ -107,6 +114,7 @@ def load_optimized_blas() -> bool:
             stacklevel=3,
         )
         return False
+    os.environ.setdefault(*_OPENBLAS_IDLE)
     try:
         # privately first: a BLAS that fails to load must not leave the forwarding library
         # in the global scope with nothing behind it
@@ -133,6 +141,7 @@ def prefer_optimized_blas() -> None:
     if library is None:
         return
     env = dict(os.environ)
+    env.setdefault(*_OPENBLAS_IDLE)
     env["LD_PRELOAD"] = ":".join(filter(None, [gemv_forward_library(), library, env.get("LD_PRELOAD")]))
     env[_RESTARTED] = "1"
     sys.stdout.flush()
