@@ -39,19 +39,7 @@ def test_products_of_every_layout_match_float64(bits, group_size, scales_dtype):
     for rows in (1, 2, 3, 5, 8, 9, 33):  # the small-row kernel and the tiled one
         x = mx.random.normal((rows, K), key=mx.random.key(rows))
         got = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits)
-        # the small-row kernels round x to 2^-30 of each step's largest value (exact integer
-        # sums after it), the tiled path multiplies x itself: either way the float32 floor
         assert_close_to_floor(got, float64_product(x, w, scales, biases, group_size, bits))
-
-
-def test_non_finite_inputs_give_nan_not_numbers():
-    """A NaN or infinity in x must not vanish in the integer rounding."""
-    w, scales, biases = quantized((8, 128), 4, 32)
-    for bad in (np.nan, np.inf):
-        x = np.random.default_rng(0).standard_normal((1, 128)).astype(np.float32)
-        x[0, 70] = bad
-        got = np.array(cpu_quantized.quantized_matmul(mx.array(x), w, scales, biases, 32, 4))
-        assert np.isnan(got).all()
 
 
 @pytest.mark.parametrize("bits", cpu_quantized.BITS)

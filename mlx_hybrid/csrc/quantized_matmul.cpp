@@ -5,16 +5,14 @@
 // MLX's own CPU quantized matmul is a reference loop (a Qwen3.5-0.8B Q4_K_M decode step
 // took 300 ms on 2 cores). This extension registers an MLX primitive with two paths:
 // - up to 8 rows (decode steps, speculative verify passes): one pass over W, each step of
-//   packed values unpacked once for all rows, over a small thread pool. x is rounded to
-//   integers a step of values at a time (2^-30 of the step's largest magnitude: the float32
-//   floor), so that the products are exact integer sums (AVX2's madd) of the packed values
-//   and two int16 halves of x, scaled once a step;
+//   packed values unpacked once for all rows, over a small thread pool;
 // - more rows (prefill): tiles of W dequantized into a float buffer, then one BLAS sgemm a
 //   tile (the BLAS MLX itself calls: OpenBLAS where mlx_hybrid loaded it).
-// Values are visited in a fixed order per step ("lane order" for the tiles, `value_at` for
-// the integer path), and x is laid out the same way. The rounding of each output is fixed:
-// the same sequence of operations into 8 lanes, reduced by a fixed tree, whatever rows come
-// with it.
+// Values are visited in "lane order": a step of 8 * U values puts values l*U .. l*U+U-1
+// in lane l (U values per 32-bit lane), which AVX2 unpacks without crossing lanes. Both
+// paths permute x the same way; a dot product does not care about the order of its terms,
+// only its rounding does, and that order is fixed: each output is the same sequence of
+// FMAs into 8 lanes, reduced by a fixed tree, whatever rows come with it.
 //
 // For x86-64 with AVX2, FMA and F16C (`supported()`); the same body is compiled a second
 // time for AVX-512 machines and chosen at run time. mlx_hybrid/ops/cpu_quantized.py builds
@@ -24,9 +22,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -162,40 +158,21 @@ struct Weights {
     int n, k, group_size, scale_type;
 };
 
-// An x row for the small-row path: each step of values an integer multiple of a step scale,
-// held as two int16 halves (`quantize_row`).
-struct IntRow {
-    const int16_t* q;           // [steps][2][V]: the high then the low half of step s's integers, value
-                                // value_at(bits, e, p) at 16-bit position e*16 + p of each half
-    const float* step_scale;    // [steps]: x = step_scale * (32768 * high + low), to half a unit
-    const int32_t* lane_offset; // [steps][2][8]: 2^(bits-1) times the sum of each half over a lane's values
-    const float* group_sum;     // [padded_groups]: the sums of x itself per group, 0 past the row
-};
-
-// Where the rows of one product live: x rows (the tiled path: float32 permuted into lane
-// order, K padded to whole steps; the small-row path: IntRow) and output rows.
+// Where the rows of one product live: x rows (permuted into lane order, K padded to
+// whole steps) and output rows.
 struct Rows {
     int m;
     const float* const* x;
-    const IntRow* xi;
     float* const* out;
 };
 
 int step_values(int bits) { return bits == 4 ? 64 : 32; }
 
 // Scales and biases per row, as float32 buffers: whole steps, one group more (4-bit steps
-// span two groups of 32), a whole number of 8-lane vectors.
+// span two groups of 32).
 int padded_groups(int k, int bits, int group_size) {
     int v = step_values(bits), padded = (k + v - 1) / v * v;
-    return (padded / group_size + 1 + 7) / 8 * 8;
-}
-
-// The value (index within its step) that x's int16 layout puts at 16-bit position p of
-// extraction e: what the kernels' `step_values_int16` unpack there.
-constexpr int value_at(int bits, int e, int p) {
-    if (bits == 4) return 4 * p + e;
-    if (bits == 8) return 2 * p + e;
-    return 4 * (p / 2) + e + 2 * (p % 2);  // 5 and 6 bits: pairs (v0, v2), (v1, v3) of lane p / 2
+    return padded / group_size + 1;
 }
 
 }  // namespace
@@ -242,45 +219,6 @@ Isa isa(int bits) {
         case 8: return eight;
     }
     throw std::invalid_argument("quantized_matmul: bits must be 4, 5, 6 or 8");
-}
-
-// x [k] -> IntRow: each step of values rounded to a multiple of 2^-30 of its largest
-// magnitude (the float32 floor: the sums of products are exact integers, and two int16
-// halves hold 31 bits), the halves of each value at the same place of two blocks. A step
-// with a NaN or infinity gives NaN.
-void quantize_row(const float* x, int k, int padded, int bits, int group_size, int16_t* q, float* step_scale,
-                  int32_t* lane_offset, float* group_sum) {
-    constexpr double LARGEST = 32767.0 * 32768.0;
-    int v = step_values(bits), u = v / 8, center = 1 << (bits - 1);
-    int32_t rounded[64];
-    for (int s = 0; s < padded; s += v) {
-        int16_t* high = q + 2L * s;
-        int16_t* low = high + v;
-        int32_t* offsets = lane_offset + s / v * 16;
-        double largest = 0.0;
-        for (int i = s; i < std::min(k, s + v); i++) largest = std::max(largest, (double)std::fabs(x[i]));
-        bool finite = std::isfinite(largest);
-        double inverse = finite && largest > 0.0 ? LARGEST / largest : 0.0;
-        step_scale[s / v] = finite ? (float)(largest / LARGEST) : std::nanf("");
-        for (int i = 0; i < v; i++) rounded[i] = s + i < k ? (int32_t)std::llrint(x[s + i] * inverse) : 0;
-        for (int e = 0; e < v / 16; e++)
-            for (int p = 0; p < 16; p++) {
-                int32_t value = rounded[value_at(bits, e, p)];
-                high[e * 16 + p] = (int16_t)(value >> 15);  // floor: the low half is 0 .. 32767
-                low[e * 16 + p] = (int16_t)(value & 0x7FFF);
-            }
-        for (int l = 0; l < 8; l++) {
-            int32_t high_sum = 0, low_sum = 0;
-            for (int i = 0; i < u; i++) high_sum += rounded[l * u + i] >> 15, low_sum += rounded[l * u + i] & 0x7FFF;
-            offsets[l] = center * high_sum, offsets[8 + l] = center * low_sum;
-        }
-    }
-    int groups = padded_groups(k, bits, group_size);
-    for (int g = 0; g < groups; g++) {
-        float sum = 0.0f;
-        for (int i = g * group_size; i < std::min(k, (g + 1) * group_size); i++) sum += x[i];
-        group_sum[g] = sum;
-    }
 }
 
 // x [k] -> lane order over `padded` values: out[s*V + i*8 + l] = x[s*V + l*U + i], 0 past k
@@ -380,37 +318,15 @@ class AffineQuantizedMatmul : public mx::Primitive {
         size_t scale_bytes = scales.itemsize();
 
         float* result = out.data<float>();
-        // x rows as each path reads them, made for the products that take it: integers for
-        // the small-row path, float32 in lane order for the tiled one
-        int x_rows = (int)(x.size() / k), steps = padded / v, groups = padded_groups(k, bits, group_size);
-        std::vector<float> permuted;
-        std::vector<int16_t> rounded;
-        std::vector<float> step_scales, group_sums;
-        std::vector<int32_t> lane_offsets;
-        std::vector<IntRow> int_rows;
-        auto prepare = [&](bool small) {
-            if (small && int_rows.empty()) {
-                rounded.resize((size_t)x_rows * 2 * padded), step_scales.resize((size_t)x_rows * steps);
-                lane_offsets.resize((size_t)x_rows * steps * 16), group_sums.resize((size_t)x_rows * groups);
-                for (int r = 0; r < x_rows; r++) {
-                    int16_t* q = &rounded[(size_t)r * 2 * padded];
-                    float *scale = &step_scales[(size_t)r * steps], *sums = &group_sums[(size_t)r * groups];
-                    int32_t* offsets = &lane_offsets[(size_t)r * steps * 16];
-                    quantize_row(x.data<float>() + (long)r * k, k, padded, bits, group_size, q, scale, offsets, sums);
-                    int_rows.push_back({q, scale, offsets, sums});
-                }
-            } else if (!small && permuted.empty()) {
-                permuted.resize((size_t)x_rows * padded);
-                for (int r = 0; r < x_rows; r++)
-                    permute_row(x.data<float>() + (long)r * k, k, padded, bits, &permuted[(size_t)r * padded]);
-            }
-        };
+        // x rows in lane order
+        int x_rows = (int)(x.size() / k);
+        std::vector<float> permuted((size_t)x_rows * padded);
+        for (int r = 0; r < x_rows; r++)
+            permute_row(x.data<float>() + (long)r * k, k, padded, bits, &permuted[(size_t)r * padded]);
         std::vector<const float*> xs;
-        std::vector<IntRow> xis;
         std::vector<float*> outs;
-        std::vector<int> x_of;
         auto add_row = [&](int x_row, int out_row) {
-            x_of.push_back(x_row);
+            xs.push_back(&permuted[(size_t)x_row * padded]);
             outs.push_back(result + (long)out_row * n);
         };
         auto weights_of = [&](long expert) {
@@ -425,11 +341,8 @@ class AffineQuantizedMatmul : public mx::Primitive {
                            scale_type};
         };
         auto run = [&](long expert) {
-            bool small = (int)x_of.size() <= SMALL_ROWS;
-            prepare(small);
-            for (int r : x_of) small ? xis.push_back(int_rows[r]) : xs.push_back(&permuted[(size_t)r * padded]);
-            product(weights_of(expert), Rows{(int)x_of.size(), xs.data(), xis.data(), outs.data()}, bits, padded);
-            xs.clear(), xis.clear(), outs.clear(), x_of.clear();
+            product(weights_of(expert), Rows{(int)xs.size(), xs.data(), outs.data()}, bits, padded);
+            xs.clear(), outs.clear();
         };
 
         if (!gathered) {
