@@ -1,3 +1,4 @@
+import signal
 import socket
 from pathlib import Path
 
@@ -5,6 +6,12 @@ import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX, as for users
 
 import numpy as np
 import pytest
+
+# The processes tests start (CLIs, chat, mlx.launch) take Ctrl-C as in a terminal: a test
+# run started in the background without job control inherits SIGINT ignored, and would
+# pass that on to every process it starts (exec keeps an ignored signal, not a handler).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN_FAMILIES = ["qwen35", "qwen35moe", "qwen3next"]  # with MTP heads
