@@ -43,7 +43,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
         "--compact",
         action="store_true",
         help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
-        "6 bits); slightly lossy",
+        "6 bits); slightly lossy. Where the x86-64 CPU kernels run, loading is already that compact, exactly",
     )
     p.add_argument(
         "--mmproj",

@@ -88,25 +88,22 @@ class Split:
         return pieces
 
     def take(self, tensor, rank: int, size: int):
-        """The rank's part of an mx.array, or of a quantized tensor (anything with weight,
-        scales, biases, bits and group_size, as `quantized_tensor.QuantizedTensor`)."""
+        """The rank's part of an mx.array, or of a `quantized_tensor.QuantizedTensor`."""
         if not hasattr(tensor, "scales"):
             return self._take(tensor, self.axis, self.bounds(tensor.shape[self.axis], rank, size))
         if self.axis != -1:  # rows: every part of a quantized tensor has them
             parts = {k: self.take(getattr(tensor, k), rank, size) for k in ("weight", "scales", "biases")}
             return replace(tensor, **parts)
         group_size = tensor.group_size
-        columns = self.bounds(tensor.scales.shape[-1] * group_size, rank, size)
+        columns = self.bounds(tensor.shape[-1], rank, size)
         if any(b % group_size for piece in columns for b in piece):
             # the cut falls inside a quantization group
             return self._take(tensor.dequantize(), -1, columns)
+        if any(b % (group_size * tensor.groups_per_cut) for piece in columns for b in piece):
+            tensor = tensor.expanded()  # inside a block form's factor block: per-group scales
         groups = [(a // group_size, b // group_size) for a, b in columns]
-        words = tensor.bits * group_size // 32  # packed words per group
-        return replace(
-            tensor,
-            weight=self._take(tensor.weight, -1, [(a * words, b * words) for a, b in groups]),
-            scales=self._take(tensor.scales, -1, groups),
-            biases=self._take(tensor.biases, -1, groups),
+        return tensor.map_columns(
+            lambda part, entries: self._take(part, -1, [(entries(a), entries(b)) for a, b in groups])
         )
 
     @staticmethod

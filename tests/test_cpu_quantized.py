@@ -12,6 +12,7 @@ from conftest import FIXTURES, assert_close_to_floor, reference
 
 import mlx_hybrid
 from mlx_hybrid import ops
+from mlx_hybrid.loaders.quantized import AFFINE_TYPES
 from mlx_hybrid.ops import cpu_quantized
 
 pytestmark = pytest.mark.skipif(cpu_quantized.extension() is None, reason="the CPU quantized kernels do not build here")
@@ -40,6 +41,29 @@ def test_products_of_every_layout_match_float64(bits, group_size, scales_dtype):
         x = mx.random.normal((rows, K), key=mx.random.key(rows))
         got = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits)
         assert_close_to_floor(got, float64_product(x, w, scales, biases, group_size, bits))
+
+
+@pytest.mark.parametrize("type_name", sorted(AFFINE_TYPES))
+def test_block_form_products_match_float64(type_name):
+    """Scales as GGUF stores them (codes times float16 factors), each type's layout: products and
+    gathered experts against float64 products of the dequantized weights, and a row the same
+    bits alone as with up to 7 others."""
+    bits, group_size, _, block = AFFINE_TYPES[type_name]
+    q = cpu_quantized.random_block_weights((2, 37, 512), bits, group_size, block)
+    dense = np.array(q.dequantize(), np.float64)
+    one = (q.weight[1], q.scales[1], q.biases[1])
+    x = mx.random.normal((33, 512), key=mx.random.key(4))
+    alone = cpu_quantized.quantized_matmul(x[:1], *one, group_size, bits, block)
+    for rows in (1, 3, 8, 33):
+        got = cpu_quantized.quantized_matmul(x[:rows], *one, group_size, bits, block)
+        assert_close_to_floor(got, np.array(x[:rows], np.float64) @ dense[1].T)
+        if rows <= 8:  # the small-row path (a verify pass); more rows take the BLAS's order
+            np.testing.assert_array_equal(np.array(got[:1]), np.array(alone))
+    indices = mx.array([[1, 0], [0, 1], [1, 1]], dtype=mx.uint32)
+    got = ops.gather_quantized_matmul(x[:3, None, None], q.weight, q.scales, q.biases, indices,
+                                      group_size=group_size, bits=bits, block=block)  # fmt: skip
+    want = np.einsum("tk,tenk->ten", np.array(x[:3], np.float64), dense[np.array(indices)])
+    assert_close_to_floor(got[:, :, 0], want)
 
 
 @pytest.mark.parametrize("bits", cpu_quantized.BITS)

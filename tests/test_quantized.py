@@ -11,6 +11,8 @@ import mlx_hybrid
 from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, assert_close_to_floor, reference
 from mlx_hybrid import ops
 from mlx_hybrid.loaders.quantized import AFFINE_TYPES, from_gguf_blocks, pack
+from mlx_hybrid.ops.cpu_quantized import random_block_weights
+from mlx_hybrid.quantized_tensor import BlockScales
 from mlx_hybrid.models.layers import Embedding, Linear, QuantizedSwitchLinear
 
 
@@ -77,15 +79,23 @@ def test_random_blocks_of_every_affine_type_unpack_exactly(type_name):
     np.testing.assert_array_equal(np.array(q.dequantize()), dequantize(raw, qtype))
 
 
+def set_quantized(module, q):
+    """What the loader does: a module's parts (and a block form's layout) from a QuantizedTensor."""
+    module.weight, module.scales, module.biases, module.block = q.weight, q.scales, q.biases, q.block
+
+
 @pytest.mark.parametrize("forced_reference", [False, True])
-def test_q6_k_products_in_groups_of_16_match_float64(forced_reference, monkeypatch):
-    """Q6_K kept as 6-bit groups of 16 (the LM head of a Q4_K_M file): linear layers, the
-    embedding's rows and experts, against gguf's dequantization in float64. Without our
-    kernels (forced reference) the products dequantize: MLX's op refuses groups of 16."""
+@pytest.mark.parametrize("block_form", [True, False])
+def test_q6_k_products_in_groups_of_16_match_float64(block_form, forced_reference, monkeypatch):
+    """Q6_K kept as 6-bit groups of 16 (the LM head of a Q4_K_M file), its scales as stored (the
+    block form) or expanded to float32: linear layers, the embedding's rows and experts, against
+    gguf's dequantization in float64. Without our kernels (forced reference) the products
+    dequantize: MLX's op refuses groups of 16."""
     raw, qtype = random_raw("Q6_K", 40, 512, 3)
     q = from_gguf_blocks(raw, "Q6_K")
-    if q is None:
-        pytest.skip("no product here takes groups of 16")
+    if q is None or q.block is None:
+        pytest.skip("no product here takes Q6_K's scales as stored")
+    q = q if block_form else q.expanded()
     assert (q.bits, q.group_size) == (6, 16)
     dense = dequantize(raw, qtype).astype(np.float64)
     if forced_reference:
@@ -93,7 +103,7 @@ def test_q6_k_products_in_groups_of_16_match_float64(forced_reference, monkeypat
     linear = Linear(512, 40, bias=False).to_quantized(group_size=16, bits=6)
     embedding = Embedding(40, 512).to_quantized(group_size=16, bits=6)
     for module in (linear, embedding):
-        module.load_weights([("weight", q.weight), ("scales", q.scales), ("biases", q.biases)])
+        set_quantized(module, q)
     x = mx.random.normal((9, 512), key=mx.random.key(0))
     for rows in (x[:1], x):  # a decode step, a prefill
         want = np.array(rows, np.float64) @ dense.T
@@ -101,16 +111,31 @@ def test_q6_k_products_in_groups_of_16_match_float64(forced_reference, monkeypat
         assert_close_to_floor(embedding.as_linear(rows), want)
     np.testing.assert_array_equal(np.array(embedding(mx.array([3, 0, 39]))), dense[[3, 0, 39]].astype(np.float32))
     experts = QuantizedSwitchLinear((2, 20, 512), 16, 6)
-    experts.load_weights([(name, part.reshape(2, 20, -1)) for name, part in
-                          (("weight", q.weight), ("scales", q.scales), ("biases", q.biases))])  # fmt: skip
+    set_quantized(experts, q.map_columns(lambda part, _: part.reshape(2, 20, -1)))
     indices = mx.array([[1, 0], [0, 1]], dtype=mx.uint32)
     got = experts(x[:2, None, None], indices)
     want = np.einsum("tk,tenk->ten", np.array(x[:2], np.float64), dense.reshape(2, 20, 512)[np.array(indices)])
     assert_close_to_floor(got[:, :, 0], want)
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_block_form_is_exact_and_near_the_file_size(type_name):
+    """Where our kernels compute, the scales stay as stored, with or without compact loading."""
+    raw, qtype = random_raw(type_name, 8, 1024, 7)
+    for compact_scales in (None, mx.float16):
+        q = from_gguf_blocks(raw, type_name, compact_scales=compact_scales)
+        if q.block is None:
+            pytest.skip("our kernels do not compute here")
+        # Q8_0's code of 1 a group: 8.75 bits a weight against the file's 8.5; K-quants' codes
+        # take a byte each (the file packs them in 6 bits): Q4_K 4.63 against 4.5
+        assert q.weight.nbytes + q.scales.nbytes + q.biases.nbytes <= 1.03 * raw.nbytes
+        np.testing.assert_array_equal(np.array(q.dequantize()), dequantize(raw, qtype))
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name):
+def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name, monkeypatch):
+    """Compact loading where the scales are expanded (here: MLX's ops forced, as on a Mac)."""
+    monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
     raw, qtype = random_raw(type_name, 8, 1024, 7)
     q = from_gguf_blocks(raw, type_name, compact_scales=mx.float16)
     assert q.scales.dtype == q.biases.dtype == mx.float16 and q.group_size == 32
@@ -122,6 +147,7 @@ def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name):
         bound = spread / 63 + 2.0**-11 * (spread + np.abs(low))
     else:  # the exact scale s and bias b, each rounded to float16: 2^-11 (|s| q_max + |b|)
         exact_form = from_gguf_blocks(raw, type_name)
+        assert exact_form.block is None  # expanded: float32 scales and biases
         s, b = (np.array(part, dtype=np.float64)[..., None] for part in (exact_form.scales, exact_form.biases))
         bound = 2.0**-11 * (np.abs(s) * (2**q.bits - 1) + np.abs(b))
     assert (error <= bound).all(), float((error / np.maximum(bound, 1e-30)).max())
@@ -143,8 +169,9 @@ def test_bfloat16_models_on_quantized_modules_compute_in_bfloat16(family, compac
     """float32 scales (exact) would promote every product after the first to float32;
     compact loading keeps bfloat16 scales for a bfloat16 model."""
     model, _ = mlx_hybrid.load(FIXTURES / family / "model-Q4_K_M.gguf", dtype="bfloat16", compact=compact)
-    if compact:
-        assert {m.scales.dtype for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)} == {mx.bfloat16}
+    if compact:  # 16-bit scales where they are expanded; else as stored (float16 factors)
+        assert {m.block is None and m.scales.dtype for _, m in model.named_modules()
+                if isinstance(m, nn.QuantizedLinear)} in ({mx.bfloat16}, {False})  # fmt: skip
     hidden = model.hidden_states(mx.array(reference(family)["input_ids"]))
     assert hidden.dtype == mx.bfloat16 and model.logits_from_hidden(hidden).dtype == mx.bfloat16
 
@@ -187,6 +214,12 @@ def test_value_head_columns_move_as_whole_groups():
         q = QuantizedTensor(*mx.quantize(dense, group_size=32, bits=bits), bits)
         moved = apply_transform(value_columns, q, args)
         assert isinstance(moved, QuantizedTensor)
+        np.testing.assert_array_equal(np.array(moved.dequantize()), np.array(value_columns(q.dequantize(), args)))
+    # block forms: heads of whole factor blocks move as they are, others with expanded scales
+    for groups_per_factor in (2, 4):
+        q = random_block_weights((16, 6 * 64), 4, 32, BlockScales(groups_per_factor, 2, 2))
+        moved = apply_transform(value_columns, q, args)
+        assert isinstance(moved, QuantizedTensor) and (moved.block is None) == (groups_per_factor == 4)
         np.testing.assert_array_equal(np.array(moved.dequantize()), np.array(value_columns(q.dequantize(), args)))
     narrow = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16)
     q = QuantizedTensor(*mx.quantize(dense[:, :64], group_size=32, bits=4), 4)

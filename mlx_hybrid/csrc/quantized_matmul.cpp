@@ -149,13 +149,23 @@ struct Packing {
 // float32 scales or biases from their stored dtype
 enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
 
+// GGUF's two-level scales (mlx_hybrid.quantized_tensor.BlockScales): group g's scale is
+// factor[g / groups_per_factor][0] * code[g][0]; its bias factor[..][1] * code[g][last]
+// with two factors, else bias_ratio * scale. groups_per_factor 0: plain per-group scales.
+struct BlockLayout {
+    int groups_per_factor = 0, factor_count = 0, code_count = 0;
+    float bias_ratio = 0.0f;
+    bool operator==(const BlockLayout&) const = default;
+};
+
 // A weight matrix [N, K] (or one expert's), with its row strides.
 struct Weights {
-    const uint8_t* q;  // packed values
-    const void* scales;
-    const void* biases;
-    long q_row_bytes, scale_row;  // strides between rows, in bytes and in scale entries
+    const uint8_t* q;       // packed values
+    const uint8_t* scales;  // per group in scale_type; block form: float16 factors
+    const uint8_t* biases;  // per group in scale_type; block form: int8 codes
+    long q_row_bytes, scale_row_bytes, bias_row_bytes;  // strides between rows
     int n, k, group_size, scale_type;
+    BlockLayout blocks;
 };
 
 // Where the rows of one product live: x rows (permuted into lane order, K padded to
@@ -272,10 +282,12 @@ void product(const Weights& w, const Rows& rows, int bits, int padded) {
 class AffineQuantizedMatmul : public mx::Primitive {
    public:
     // pairs_per_x_row: with expert indices, product p takes x row p / pairs_per_x_row
-    AffineQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gathered, int pairs_per_x_row)
+    AffineQuantizedMatmul(mx::Stream stream, int group_size, int bits, BlockLayout blocks, bool gathered,
+                          int pairs_per_x_row)
         : mx::Primitive(stream),
           group_size_(group_size),
           bits_(bits),
+          blocks_(blocks),
           gathered_(gathered),
           pairs_per_x_row_(pairs_per_x_row) {}
 
@@ -288,8 +300,8 @@ class AffineQuantizedMatmul : public mx::Primitive {
         std::vector<mx::array> held;
         for (auto& input : inputs) held.push_back(mx::array::unsafe_weak_copy(input));
         encoder.dispatch([held = std::move(held), out = mx::array::unsafe_weak_copy(out), group_size = group_size_,
-                          bits = bits_, gathered = gathered_, per_x = pairs_per_x_row_]() mutable {
-            compute(held, out, group_size, bits, gathered, per_x);
+                          bits = bits_, blocks = blocks_, gathered = gathered_, per_x = pairs_per_x_row_]() mutable {
+            compute(held, out, group_size, bits, blocks, gathered, per_x);
         });
     }
 
@@ -301,21 +313,21 @@ class AffineQuantizedMatmul : public mx::Primitive {
 
     bool is_equivalent(const mx::Primitive& other) const override {
         auto& o = static_cast<const AffineQuantizedMatmul&>(other);
-        return group_size_ == o.group_size_ && bits_ == o.bits_ && gathered_ == o.gathered_ &&
+        return group_size_ == o.group_size_ && bits_ == o.bits_ && blocks_ == o.blocks_ && gathered_ == o.gathered_ &&
                pairs_per_x_row_ == o.pairs_per_x_row_;
     }
 
    private:
-    static void compute(const std::vector<mx::array>& in, mx::array& out, int group_size, int bits, bool gathered,
-                        int per_x) {
+    static void compute(const std::vector<mx::array>& in, mx::array& out, int group_size, int bits,
+                        BlockLayout blocks, bool gathered, int per_x) {
         const mx::array &x = in[0], &q = in[1], &scales = in[2], &biases = in[3];
         int k = (int)x.shape(-1), n = (int)out.shape(-1);
         int m = (int)(out.size() / n);
         int v = step_values(bits), padded = (k + v - 1) / v * v;
         int scale_type = scales.dtype() == mx::float32 ? F32 : scales.dtype() == mx::float16 ? F16 : BF16;
-        long q_row_bytes = (long)k * bits / 8, scale_row = k / group_size;
-        long q_matrix = q_row_bytes * n, scale_matrix = scale_row * n;
-        size_t scale_bytes = scales.itemsize();
+        long q_row_bytes = (long)k * bits / 8;
+        long scale_row_bytes = scales.shape(-1) * (long)scales.itemsize();
+        long bias_row_bytes = biases.shape(-1) * (long)biases.itemsize();
 
         float* result = out.data<float>();
         // x rows in lane order
@@ -330,15 +342,18 @@ class AffineQuantizedMatmul : public mx::Primitive {
             outs.push_back(result + (long)out_row * n);
         };
         auto weights_of = [&](long expert) {
-            return Weights{q.data<uint8_t>() + expert * q_matrix,
-                           scales.data<uint8_t>() + expert * scale_matrix * scale_bytes,
-                           biases.data<uint8_t>() + expert * scale_matrix * scale_bytes,
+            long row = expert * n;
+            return Weights{q.data<uint8_t>() + row * q_row_bytes,
+                           scales.data<uint8_t>() + row * scale_row_bytes,
+                           biases.data<uint8_t>() + row * bias_row_bytes,
                            q_row_bytes,
-                           scale_row,
+                           scale_row_bytes,
+                           bias_row_bytes,
                            n,
                            k,
                            group_size,
-                           scale_type};
+                           scale_type,
+                           blocks};
         };
         auto run = [&](long expert) {
             product(weights_of(expert), Rows{(int)xs.size(), xs.data(), outs.data()}, bits, padded);
@@ -367,36 +382,57 @@ class AffineQuantizedMatmul : public mx::Primitive {
     }
 
     int group_size_, bits_;
+    BlockLayout blocks_;
     bool gathered_;
     int pairs_per_x_row_;
 };
 
-// x [..., K] @ W^T; W [N, K*bits/32] uint32, scales/biases [N, K/group_size]. Float32 result [..., N].
+// The layout of a block form's factors (float16) and codes (int8), checked against their shapes.
+BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                         int bits, int groups_per_factor, int factor_count, int code_count, float bias_ratio) {
+    if (groups_per_factor == 0) return {};
+    long groups = w.shape(-1) * 32L / bits / group_size;
+    if (groups_per_factor < 0 || groups % groups_per_factor || factor_count < 1 || factor_count > 2 ||
+        code_count < 1 || code_count > 2 || scales.dtype() != mx::float16 || biases.dtype() != mx::int8 ||
+        scales.shape(-1) != groups / groups_per_factor * factor_count || biases.shape(-1) != groups * code_count)
+        throw std::invalid_argument("quantized_matmul: factors and codes that do not fit the block layout");
+    return {groups_per_factor, factor_count, code_count, bias_ratio};
+}
+
+std::vector<mx::array> contiguous_inputs(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                         const mx::array& biases, mx::Stream stream) {
+    return {mx::contiguous(mx::astype(x, mx::float32, stream), false, stream), mx::contiguous(w, false, stream),
+            mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)};
+}
+
+// x [..., K] @ W^T; W [N, K*bits/32] uint32, scales/biases [N, K/group_size] (block form: factors
+// and codes, see BlockLayout). Float32 result [..., N].
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits) {
+                           int group_size, int bits, int groups_per_factor, int factor_count, int code_count,
+                           float bias_ratio) {
     auto stream = mx::default_stream(mx::Device::cpu);
-    int n = (int)w.shape(-2);
+    auto blocks =
+        block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count, bias_ratio);
     auto shape = x.shape();
-    shape.back() = n;
-    auto inputs = std::vector<mx::array>{mx::contiguous(mx::astype(x, mx::float32, stream), false, stream),
-                                         mx::contiguous(w, false, stream), mx::contiguous(scales, false, stream),
-                                         mx::contiguous(biases, false, stream)};
+    shape.back() = (int)w.shape(-2);
     return mx::array(shape, mx::float32,
-                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, false, 1), inputs);
+                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, blocks, false, 1),
+                     contiguous_inputs(x, w, scales, biases, stream));
 }
 
 // x [T, Kx, D] (Kx 1 or k), expert indices [T, k]; W [E, N, ...] -> float32 [T, k, N]
 mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                  const mx::array& biases, const mx::array& indices, int group_size, int bits) {
+                                  const mx::array& biases, const mx::array& indices, int group_size, int bits,
+                                  int groups_per_factor, int factor_count, int code_count, float bias_ratio) {
     auto stream = mx::default_stream(mx::Device::cpu);
+    auto blocks =
+        block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count, bias_ratio);
     int t = (int)indices.shape(0), k = (int)indices.shape(1), n = (int)w.shape(-2);
     int per_x = x.shape(1) == k ? 1 : k;
-    auto inputs = std::vector<mx::array>{
-        mx::contiguous(mx::astype(x, mx::float32, stream), false, stream), mx::contiguous(w, false, stream),
-        mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream),
-        mx::contiguous(mx::astype(indices, mx::uint32, stream), false, stream)};
+    auto inputs = contiguous_inputs(x, w, scales, biases, stream);
+    inputs.push_back(mx::contiguous(mx::astype(indices, mx::uint32, stream), false, stream));
     return mx::array({t, k, n}, mx::float32,
-                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, true, per_x), inputs);
+                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, blocks, true, per_x), inputs);
 }
 
 }  // namespace
@@ -404,9 +440,12 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
 NB_MODULE(quantized_matmul_ext, m) {
     m.doc() = "MLX affine-quantized products on the CPU (mlx_hybrid)";
     m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-          nb::arg("group_size"), nb::arg("bits"));
+          nb::arg("group_size"), nb::arg("bits"), nb::arg("groups_per_factor") = 0, nb::arg("factor_count") = 0,
+          nb::arg("code_count") = 0, nb::arg("bias_ratio") = 0.0f);
     m.def("gather_quantized_matmul", &gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-          nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"));
+          nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"),
+          nb::arg("groups_per_factor") = 0, nb::arg("factor_count") = 0, nb::arg("code_count") = 0,
+          nb::arg("bias_ratio") = 0.0f);
     m.def("threads", [] { return Pool::get().threads(); });
     m.def("supported", &cpu_supported, "whether this CPU runs the kernels (AVX2, FMA, F16C)");
 }

@@ -61,8 +61,10 @@ def load(
     large files on a terminal). GGUF tensors whose blocks are exactly MLX affine
     groups (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K; Q6_K's groups of 16 where our CPU kernels
     run) stay quantized, unless dequantize=True; other types are dequantized to dtype.
-    compact=True (GGUF only) trades exactness for memory: 16-bit scales, and Q6_K
-    re-quantized to 6-bit groups instead of dequantized (see `loaders.quantized`).
+    Where our CPU kernels run, the scales stay as the file stores them (exact, about the
+    file's size). compact=True (GGUF only) trades exactness for memory where they would be
+    expanded to float32: 16-bit scales, and Q6_K re-quantized to 6-bit groups instead of
+    dequantized (see `loaders.quantized`).
 
     group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
     `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank

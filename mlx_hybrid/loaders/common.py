@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import mlx.core as mx
@@ -63,8 +63,8 @@ def rowwise(transform):
     def on_quantized(tensor, args):
         parts = [transform(part, args) for part in (tensor.weight, tensor.scales, tensor.biases)]
         if isinstance(parts[0], tuple):
-            return tuple(QuantizedTensor(w, s, b, tensor.bits, tensor.group_size) for w, s, b in zip(*parts))
-        return QuantizedTensor(*parts, tensor.bits, tensor.group_size)
+            return tuple(replace(tensor, weight=w, scales=s, biases=b) for w, s, b in zip(*parts))
+        return replace(tensor, weight=parts[0], scales=parts[1], biases=parts[2])
 
     transform.on_quantized = on_quantized
     return transform
@@ -191,6 +191,9 @@ def _quantize_modules(model, weights: dict):
                 {"group_size": parts[path].group_size, "bits": parts[path].bits} if path in parts else False
             ),
         )
+        for path, module in model.named_modules():
+            if path in parts and parts[path].block:  # a block form's factors and codes, as they come
+                module.scales, module.biases, module.block = parts[path].scales, parts[path].biases, parts[path].block
     return {f"{path}.{part}" for path in parts for part in ("weight", "scales", "biases")}
 
 

@@ -8,6 +8,7 @@ forms already, so they load as they are.
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -17,7 +18,6 @@ import numpy as np
 from ..errors import ModelLoadError
 from ..models.layers import FULL, LINEAR
 from ..models.qwen3_5 import POST_NORM
-from ..quantized_tensor import QuantizedTensor
 from .common import Rule, rowwise, split_fused_ba
 from .quantized import from_gguf_blocks
 
@@ -143,13 +143,11 @@ def _head_transforms(to_gguf: bool):
         head = args.linear_value_head_dim
         if head % q.group_size:
             return None
-
-        def move(part, per_head):
-            return _permute_heads(part, args, order(args), axis=-1, head_size=per_head)
-
+        if head % (q.group_size * q.groups_per_cut):
+            q = q.expanded()  # a head within a block form's factor block: per-group scales
         groups = head // q.group_size
-        return QuantizedTensor(
-            move(q.weight, head * q.bits // 32), move(q.scales, groups), move(q.biases, groups), q.bits, q.group_size
+        return q.map_columns(
+            lambda part, entries: _permute_heads(part, args, order(args), axis=-1, head_size=entries(groups))
         )
 
     value_columns.on_quantized = value_columns_of_blocks
@@ -447,5 +445,23 @@ def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scale
         block = f"layers.{i}" if i < n_layer else f"mtp.layers.{i - n_layer}"
         return block + name[m.end() - 1 :]
 
+    def loaded_and_released(t):
+        tensor = loader(t)  # a copy: the file's pages it read are no longer needed
+        release_pages(reader, t.data_offset, t.n_bytes)
+        return tensor
+
     for t in reader.tensors:
-        yield renamed(t.name), (lambda t=t: loader(t))
+        yield renamed(t.name), (lambda t=t: loaded_and_released(t))
+
+
+def release_pages(reader, offset: int, length: int):
+    """Let the kernel drop the file's pages a tensor was read from: they count as the process's
+    resident memory until then (a whole file's worth by the end of a load)."""
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    # whole pages only: the next tensor's may start in the last one
+    end = min(offset + length, len(mapping)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)

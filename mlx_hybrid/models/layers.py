@@ -82,8 +82,9 @@ def quantized_product(x: mx.array, module) -> mx.array:
     mode = getattr(module, "mode", "affine")
     if mode == "affine":
         return ops.quantized_matmul(
-            x, module["weight"], module["scales"], module["biases"], group_size=module.group_size, bits=module.bits
-        )
+            x, module["weight"], module["scales"], module["biases"],
+            group_size=module.group_size, bits=module.bits, block=module.block,
+        )  # fmt: skip
     return mx.quantized_matmul(
         x, module["weight"], module["scales"], module.get("biases"), transpose=True,
         group_size=module.group_size, bits=module.bits, mode=mode,
@@ -92,6 +93,8 @@ def quantized_product(x: mx.array, module) -> mx.array:
 
 class QuantizedLinear(nn.QuantizedLinear):
     """Computes in the input's dtype (see `quantized_product`)."""
+
+    block = None  # a BlockScales where scales and biases are a block form's factors and codes
 
     def __call__(self, x):
         out = quantized_product(x, self)
@@ -115,8 +118,13 @@ class Linear(nn.Linear):
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     """Looks rows up in float32: MLX's own gives its scales' dtype (16 bits when loaded compact)."""
 
+    block = None  # as QuantizedLinear's
+
     def __call__(self, x):
-        scales, biases = self["scales"][x].astype(F32), self["biases"][x].astype(F32)
+        scales, biases = self["scales"][x], self["biases"][x]
+        if self.block:
+            scales, biases = self.block.expand(scales, biases)
+        scales, biases = scales.astype(F32), biases.astype(F32)
         return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x):
@@ -145,6 +153,8 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """SwitchLinear with MLX affine-quantized experts (gathered quantized matmul)."""
 
+    block = None  # as QuantizedLinear's
+
     def __init__(self, shape, group_size: int, bits: int):
         super().__init__()
         E, out, inp = shape
@@ -155,8 +165,9 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return ops.gather_quantized_matmul(
-            x, self.weight, self.scales, self.biases, indices, group_size=self.group_size, bits=self.bits
-        )
+            x, self.weight, self.scales, self.biases, indices, group_size=self.group_size, bits=self.bits,
+            block=self.block,
+        )  # fmt: skip
 
 
 class SwitchGLU(nn.Module):

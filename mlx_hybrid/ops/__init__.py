@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..quantized_tensor import QuantizedTensor
+from ..quantized_tensor import BlockScales, QuantizedTensor
 from . import cpu_quantized, kernels, reference, selfcheck
 from .activations import sigmoid, silu, swiglu  # noqa: F401  (the models' activations)
 
@@ -171,14 +171,15 @@ def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.arra
 _CPU_QUANTIZED = kernels.KernelSpec("mlx_hybrid_quantized_matmul", "quantized_matmul.cpp", (), ())
 
 
-def _cpu_quantized_kernels(bits: int, group_size: int, scales_dtype) -> bool:
-    """Whether our CPU kernels compute this quantized product (else MLX's op)."""
+def _cpu_quantized_kernels(bits: int, group_size: int, scales_form) -> bool:
+    """Whether our CPU kernels compute this quantized product (else MLX's op). scales_form:
+    the scales' dtype, or the BlockScales of a block form."""
     return (
         not _gpu_computes()
         and not force_reference()
         and cpu_quantized.supports(bits, group_size)
         and cpu_quantized.extension() is not None
-        and selfcheck.passed(_CPU_QUANTIZED, cpu_quantized.small_case, "cpu", bits, group_size, scales_dtype)
+        and selfcheck.passed(_CPU_QUANTIZED, cpu_quantized.small_case, "cpu", bits, group_size, scales_form)
     )
 
 
@@ -192,32 +193,39 @@ def computes_quantized(bits: int, group_size: int) -> bool:
     return group_size in MLX_GROUP_SIZES or _cpu_quantized_kernels(bits, group_size, mx.float32)
 
 
-def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int):
-    """x [..., K] @ W^T for W [N, K] in MLX's affine layout, in x's dtype (exact GGUF scales are
-    float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
-    if _cpu_quantized_kernels(bits, group_size, scales.dtype):
-        out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits)
-    elif group_size in MLX_GROUP_SIZES:
+def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> bool:
+    """Whether products with these block-form scales run here as they are stored (our CPU kernels)."""
+    return _cpu_quantized_kernels(bits, group_size, block)
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
+    """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
+    form's factors and codes), in x's dtype (exact GGUF scales are float32, and MLX would
+    promote a 16-bit model's products, and everything after, to float32)."""
+    if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
+        out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits, block)
+    elif group_size in MLX_GROUP_SIZES and block is None:
         out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     else:
-        out = x @ QuantizedTensor(w, scales, biases, bits, group_size).dequantize().T.astype(x.dtype)
+        out = x @ QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().T.astype(x.dtype)
     return out.astype(x.dtype)
 
 
-def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int) -> mx.array:
+def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype."""
-    if _cpu_quantized_kernels(bits, group_size, scales.dtype):
+    if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
         lead, k = indices.shape[:-1], indices.shape[-1]
         rows = x.reshape(-1, x.shape[-3], x.shape[-1])
-        out = cpu_quantized.gather_quantized_matmul(rows, w, scales, biases, indices.reshape(-1, k), group_size, bits)
+        flat = indices.reshape(-1, k)
+        out = cpu_quantized.gather_quantized_matmul(rows, w, scales, biases, flat, group_size, bits, block)
         out = out.reshape(*lead, k, 1, w.shape[-2])
-    elif group_size in MLX_GROUP_SIZES:
+    elif group_size in MLX_GROUP_SIZES and block is None:
         out = mx.gather_qmm(
             x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
         )
     else:
-        experts = QuantizedTensor(w, scales, biases, bits, group_size).dequantize().astype(x.dtype)
+        experts = QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().astype(x.dtype)
         out = gather_matmul(x, experts.swapaxes(-1, -2), indices)
     return out.astype(x.dtype)
 

@@ -22,7 +22,7 @@ import mlx
 import mlx.core as mx
 
 from ..native import BuildError, build_once, compiler
-from ..quantized_tensor import QuantizedTensor
+from ..quantized_tensor import BlockScales, QuantizedTensor
 
 _SOURCES = [Path(__file__).resolve().parents[1] / "csrc" / name for name in ("quantized_matmul.cpp", "quantized_matmul_body.inc")]
 _MODULE = "quantized_matmul_ext"
@@ -106,37 +106,63 @@ def random_weights(shape, bits: int, group_size: int, seed: int = 0):
     return w, split(scales), split(biases)
 
 
-def quantized_matmul(x, w, scales, biases, group_size: int, bits: int) -> mx.array:
-    """x [..., K] @ W^T for W [N, K] in MLX's affine layout: float32 [..., N]."""
-    return extension().quantized_matmul(x, w, scales, biases, group_size, bits)
+def random_block_weights(shape, bits: int, group_size: int, block: BlockScales, seed: int = 0) -> QuantizedTensor:
+    """A random block-form tensor [..., N, K] (see BlockScales): float16 factors of both signs,
+    codes over the whole int8 range GGUF uses (Q6_K's are signed, the k-quants' 0..63)."""
+    *lead, N, K = shape
+    keys = mx.random.split(mx.random.key(seed), 3)
+    w = mx.random.randint(0, 256, (*lead, N, K * bits // 8), key=keys[0]).astype(mx.uint8).view(mx.uint32)
+    groups = K // group_size
+    factors = (mx.random.normal((*lead, N, groups // block.groups_per_factor * block.factor_count), key=keys[1]) / 64)
+    codes = mx.random.randint(-64, 64, (*lead, N, groups * block.code_count), key=keys[2]).astype(mx.int8)
+    return QuantizedTensor(w, factors.astype(mx.float16), codes, bits, group_size, block)
 
 
-def gather_quantized_matmul(x, w, scales, biases, indices, group_size: int, bits: int) -> mx.array:
+def _layout(block: BlockScales | None) -> dict:
+    if block is None:
+        return {}
+    return {"groups_per_factor": block.groups_per_factor, "factor_count": block.factor_count,
+            "code_count": block.code_count, "bias_ratio": block.bias_ratio}  # fmt: skip
+
+
+def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, block: BlockScales | None = None) -> mx.array:
+    """x [..., K] @ W^T for W [N, K] in MLX's affine layout (or a block form): float32 [..., N]."""
+    return extension().quantized_matmul(x, w, scales, biases, group_size, bits, **_layout(block))
+
+
+def gather_quantized_matmul(x, w, scales, biases, indices, group_size: int, bits: int, block=None) -> mx.array:
     """x [T, 1 or k, K] against experts w [E, N, ...] chosen by indices [T, k]: float32 [T, k, N]."""
-    return extension().gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits)
+    return extension().gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits, **_layout(block))
 
 
-def small_case(_platform, bits: int, group_size: int, scales_dtype):
-    """A first-use check of a variant: 1 row (the small-row path), 9 rows (the tiled path) and
-    gathered experts, against MLX's op on the same weights (its dequantized weights for the
-    groups its op refuses)."""
+def small_case(_platform, bits: int, group_size: int, scales_form):
+    """A first-use check of a variant (scales_form: the scales' dtype, or a BlockScales): 1 row
+    (the small-row path), 9 rows (the tiled path) and gathered experts, against MLX's op on the
+    same weights (its dequantized weights for the groups or forms its op refuses)."""
     K = max(64, 2 * group_size)
-    w, scales, biases = random_weights((3, 24, K), bits, group_size)
-    scales, biases = scales.astype(scales_dtype), biases.astype(scales_dtype)
+    if isinstance(scales_form, BlockScales):
+        K = max(K, 2 * group_size * scales_form.groups_per_factor)
+        tensor = random_block_weights((3, 24, K), bits, group_size, scales_form)
+    else:
+        w, scales, biases = random_weights((3, 24, K), bits, group_size)
+        tensor = QuantizedTensor(w, scales.astype(scales_form), biases.astype(scales_form), bits, group_size)
     x = mx.random.normal((9, K), key=mx.random.key(1))
     indices = mx.array([[2, 0], [1, 2]], dtype=mx.uint32)
-    if group_size >= 32:
+    if group_size >= 32 and tensor.block is None:
         def mlx_product(rows, e):
-            return mx.quantized_matmul(rows, w[e], scales[e], biases[e], group_size=group_size, bits=bits)
+            w, scales, biases = tensor.weight[e], tensor.scales[e], tensor.biases[e]
+            return mx.quantized_matmul(rows, w, scales, biases, group_size=group_size, bits=bits)
     else:
-        dense = QuantizedTensor(w, scales, biases, bits, group_size).dequantize()
+        dense = tensor.dequantize()
 
         def mlx_product(rows, e):
             return rows @ dense[e].T
 
-    got = [quantized_matmul(rows, w[1], scales[1], biases[1], group_size, bits) for rows in (x[:1], x)]
+    parts = (tensor.weight, tensor.scales, tensor.biases)
+    one = [part[1] for part in parts]
+    got = [quantized_matmul(rows, *one, group_size, bits, tensor.block) for rows in (x[:1], x)]
     want = [mlx_product(rows, 1) for rows in (x[:1], x)]
-    got.append(gather_quantized_matmul(x[:2, None], w, scales, biases, indices, group_size, bits))
+    got.append(gather_quantized_matmul(x[:2, None], *parts, indices, group_size, bits, tensor.block))
     want.append(mx.stack([mx.concatenate([mlx_product(x[t : t + 1], e) for e in row]) for t, row in
                           enumerate(indices.tolist())]))  # fmt: skip
     return got, want
