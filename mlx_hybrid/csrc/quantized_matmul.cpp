@@ -399,10 +399,17 @@ BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::
     return {groups_per_factor, factor_count, code_count, bias_ratio};
 }
 
+// a as the kernels read it: row-contiguous. Evaluated row-contiguous arrays (loaded weights) as
+// they are: a Contiguous node costs microseconds a call, and a decode step makes hundreds.
+mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
+    if (a.is_available() && a.flags().row_contiguous) return a;
+    return mx::contiguous(a, false, stream);
+}
+
 std::vector<mx::array> contiguous_inputs(const mx::array& x, const mx::array& w, const mx::array& scales,
                                          const mx::array& biases, mx::Stream stream) {
-    return {mx::contiguous(mx::astype(x, mx::float32, stream), false, stream), mx::contiguous(w, false, stream),
-            mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)};
+    return {row_contiguous(mx::astype(x, mx::float32, stream), stream), row_contiguous(w, stream),
+            row_contiguous(scales, stream), row_contiguous(biases, stream)};
 }
 
 // x [..., K] @ W^T; W [N, K*bits/32] uint32, scales/biases [N, K/group_size] (block form: factors
@@ -430,7 +437,7 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
     int t = (int)indices.shape(0), k = (int)indices.shape(1), n = (int)w.shape(-2);
     int per_x = x.shape(1) == k ? 1 : k;
     auto inputs = contiguous_inputs(x, w, scales, biases, stream);
-    inputs.push_back(mx::contiguous(mx::astype(indices, mx::uint32, stream), false, stream));
+    inputs.push_back(row_contiguous(mx::astype(indices, mx::uint32, stream), stream));
     return mx::array({t, k, n}, mx::float32,
                      std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, blocks, true, per_x), inputs);
 }
