@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
@@ -205,19 +206,45 @@ static void share(const struct rows_product *job, int part, int parts) {
     rows_product_columns(job, (int)(n * part / parts), (int)(n * (part + 1) / parts));
 }
 
+/* A decode step's products come a hundred microseconds or so apart, and waking a sleeping
+   thread takes tens: waiters spin this long (with pauses) before they sleep. */
+static const double SPIN_SECONDS = 200e-6;
+
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec + now.tv_nsec * 1e-9;
+}
+
+static int generation_is_not(unsigned long seen) { return __atomic_load_n(&generation, __ATOMIC_ACQUIRE) != seen; }
+static int all_finished(unsigned long ignored) { return (void)ignored, __atomic_load_n(&unfinished, __ATOMIC_ACQUIRE) == 0; }
+
+/* 1 once done(arg) holds, 0 if it did not within SPIN_SECONDS */
+static int spin_until(int (*done)(unsigned long), unsigned long arg) {
+    double until = seconds_now() + SPIN_SECONDS;
+    for (int i = 1;; i++) {
+        if (done(arg)) return 1;
+        __builtin_ia32_pause();
+        if (i % 64 == 0 && seconds_now() > until) return 0;
+    }
+}
+
 static void *helper_main(void *arg) {
     int part = (int)(intptr_t)arg;
     unsigned long seen = 0;
     for (;;) {
-        pthread_mutex_lock(&pool_lock);
-        while (generation == seen) pthread_cond_wait(&pool_start, &pool_lock);
-        seen = generation;
-        const struct rows_product *job = pool_job;
-        pthread_mutex_unlock(&pool_lock);
-        share(job, part, helpers + 1);
-        pthread_mutex_lock(&pool_lock);
-        if (--unfinished == 0) pthread_cond_signal(&pool_done);
-        pthread_mutex_unlock(&pool_lock);
+        if (!spin_until(generation_is_not, seen)) {
+            pthread_mutex_lock(&pool_lock);
+            while (!generation_is_not(seen)) pthread_cond_wait(&pool_start, &pool_lock);
+            pthread_mutex_unlock(&pool_lock);
+        }
+        seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+        share(pool_job, part, helpers + 1); /* the job stays until every helper has counted itself finished */
+        if (__atomic_sub_fetch(&unfinished, 1, __ATOMIC_ACQ_REL) == 0) {
+            pthread_mutex_lock(&pool_lock);
+            pthread_cond_signal(&pool_done);
+            pthread_mutex_unlock(&pool_lock);
+        }
     }
     return 0;
 }
@@ -257,14 +284,16 @@ static void rows_product(const struct rows_product *job) {
     } else {
         pthread_mutex_lock(&pool_lock);
         pool_job = job;
-        unfinished = helpers;
-        generation++;
+        __atomic_store_n(&unfinished, helpers, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&generation, 1, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&pool_start);
         pthread_mutex_unlock(&pool_lock);
         share(job, 0, helpers + 1);
-        pthread_mutex_lock(&pool_lock);
-        while (unfinished > 0) pthread_cond_wait(&pool_done, &pool_lock);
-        pthread_mutex_unlock(&pool_lock);
+        if (!spin_until(all_finished, 0)) {
+            pthread_mutex_lock(&pool_lock);
+            while (!all_finished(0)) pthread_cond_wait(&pool_done, &pool_lock);
+            pthread_mutex_unlock(&pool_lock);
+        }
     }
     pthread_mutex_unlock(&pool_busy);
 }

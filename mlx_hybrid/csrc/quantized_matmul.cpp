@@ -23,6 +23,7 @@
 #include <nanobind/stl/optional.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -70,13 +71,16 @@ class Pool {
             work_ = &work;
             parts_ = parts;
             next_.store(0);
-            unfinished_ = (int)helpers_.size();
-            generation_++;
+            unfinished_.store((int)helpers_.size());
+            generation_.fetch_add(1, std::memory_order_release);
         }
         start_.notify_all();
         take(work, parts);
-        std::unique_lock<std::mutex> lock(mutex_);
-        done_.wait(lock, [&] { return unfinished_ == 0; });
+        auto finished = [&] { return unfinished_.load(std::memory_order_acquire) == 0; };
+        if (!spin_until(finished)) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            done_.wait(lock, finished);
+        }
         busy_.unlock();
     }
 
@@ -104,29 +108,44 @@ class Pool {
         for (int p = next_.fetch_add(1); p < parts; p = next_.fetch_add(1)) work(p);
     }
 
+    // A decode step's products come a hundred microseconds or so apart, and waking a sleeping
+    // thread takes tens: waiters spin this long before they sleep.
+    static constexpr auto SPIN = std::chrono::microseconds(200);
+
+    template <class Done>
+    static bool spin_until(const Done& done) {
+        auto until = std::chrono::steady_clock::now() + SPIN;
+        for (int i = 1;; i++) {
+            if (done()) return true;
+            _mm_pause();
+            if (i % 64 == 0 && std::chrono::steady_clock::now() > until) return false;
+        }
+    }
+
     void helper() {
         unsigned long seen = 0;
+        auto started = [&] { return generation_.load(std::memory_order_acquire) != seen; };
         for (;;) {
-            const std::function<void(int)>* work;
-            int parts;
-            {
+            if (!spin_until(started)) {
                 std::unique_lock<std::mutex> lock(mutex_);
-                start_.wait(lock, [&] { return generation_ != seen; });
-                seen = generation_;
-                work = work_;
-                parts = parts_;
+                start_.wait(lock, started);
             }
-            take(*work, parts);
-            std::lock_guard<std::mutex> lock(mutex_);
-            if (--unfinished_ == 0) done_.notify_one();
+            seen = generation_.load(std::memory_order_acquire);
+            // the job stays until every helper has counted itself finished
+            take(*work_, parts_);
+            if (unfinished_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                std::lock_guard<std::mutex> lock(mutex_);
+                done_.notify_one();
+            }
         }
     }
 
     std::vector<std::thread> helpers_;
     std::mutex busy_, mutex_;
     std::condition_variable start_, done_;
-    unsigned long generation_ = 0;
-    int unfinished_ = 0, parts_ = 0;
+    std::atomic<unsigned long> generation_{0};
+    std::atomic<int> unfinished_{0};
+    int parts_ = 0;
     std::atomic<int> next_{0};
     const std::function<void(int)>* work_ = nullptr;
 };
