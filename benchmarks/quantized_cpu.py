@@ -14,9 +14,11 @@ ratio of mlx-hybrid to llama.cpp. mlx-lm runs the float32 directory (it reads no
 MLX's quantized CPU kernels a 512-token prefill takes minutes, so its quantized runs are
 left out).
 
-Needs llama-cpp-python, built from source with explicit instruction sets:
+Needs llama-cpp-python, built from source with explicit instruction sets (a CPU that
+reports AMX a virtual machine cannot run would break a native build):
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \\
         pip install llama-cpp-python --no-binary llama-cpp-python
+adding -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON on AVX-512 CPUs,
 and mlx-lm for its column.
 """
 

@@ -435,7 +435,8 @@ def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scale
             quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name, compact_scales)
             if quantized is not None:
                 return quantized
-        return mx.array(dequantize(t.data, t.tensor_type).astype(np.float32))
+        # as float32 without a numpy copy where it is one (mx.array copies it from the file's pages)
+        return mx.array(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
 
     def renamed(name):
         m = re.match(r"blk\.(\d+)\.", name)

@@ -56,8 +56,9 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
 # [..., factor_count], codes int8 [..., groups, code_count]), one factor block per GGUF block.
 
 
-def _ones(b, groups=1):
-    return np.ones((*b.shape[:-1], groups, 1), np.int8)
+def _ones(b):
+    """A code of 1 for the one group of each block (its scale and bias are float16 as stored)."""
+    return np.ones((*b.shape[:-1], 1, 1), np.int8)
 
 
 def _q8_0(b):
