@@ -235,3 +235,18 @@ def test_quantized_layers_compute_what_mlx_layers_compute(mode):
     x = mx.random.normal((3, 128), key=mx.random.key(5))
     assert_close_to_floor(linear(x), nn.QuantizedLinear.__call__(linear, x))
     assert_close_to_floor(embedding.as_linear(x), nn.QuantizedEmbedding.as_linear(embedding, x))
+
+
+def test_column_splits_of_a_block_form_keep_or_expand_its_scales():
+    """A rank's columns of a block form: cuts on factor blocks keep it, cuts inside them expand
+    its scales to float32, each equal to the same columns of the dequantized matrix."""
+    from mlx_hybrid.parallel import Split
+
+    q = random_block_weights((6, 1024), 4, 32, BlockScales(8, 2, 2))
+    dense = np.array(q.dequantize())
+    for size, kept in ((2, True), (4, True), (8, False)):  # 512, 256, 128 columns a rank: blocks of 256
+        for rank in range(size):
+            part = Split(-1).take(q, rank, size)
+            assert (part.block is not None) == kept
+            width = 1024 // size
+            np.testing.assert_array_equal(np.array(part.dequantize()), dense[:, rank * width : (rank + 1) * width])
