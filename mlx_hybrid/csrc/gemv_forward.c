@@ -217,7 +217,10 @@ static double seconds_now(void) {
 }
 
 static int generation_is_not(unsigned long seen) { return __atomic_load_n(&generation, __ATOMIC_ACQUIRE) != seen; }
-static int all_finished(unsigned long ignored) { return (void)ignored, __atomic_load_n(&unfinished, __ATOMIC_ACQUIRE) == 0; }
+static int all_finished(unsigned long unused) {
+    (void)unused;
+    return __atomic_load_n(&unfinished, __ATOMIC_ACQUIRE) == 0;
+}
 
 /* 1 once done(arg) holds, 0 if it did not within SPIN_SECONDS */
 static int spin_until(int (*done)(unsigned long), unsigned long arg) {
