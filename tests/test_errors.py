@@ -80,7 +80,7 @@ def missing_tensor(tensors):
 
 BAD_MODELS = {
     "missing path": (lambda tmp: tmp / "nowhere.gguf", "no such file"),
-    "truncated gguf": (lambda tmp: truncated_gguf(tmp, 0.5), "truncated or corrupt GGUF file"),
+    "truncated gguf": (lambda tmp: truncated_gguf(tmp, 0.5), "bytes, tensor data runs to"),
     "truncated gguf header": (lambda tmp: truncated_gguf(tmp, 0.001), "truncated or corrupt GGUF file"),
     "truncated gguf tail": (lambda tmp: truncated_gguf(tmp, 0.999), "truncated"),
     "not a gguf": (lambda tmp: (tmp / "x.gguf").write_text("hello") and tmp / "x.gguf", "not a GGUF file"),

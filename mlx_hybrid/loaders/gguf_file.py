@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mmap
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,15 +33,12 @@ MTP_HIDDEN_KEY = "mlx_hybrid.mtp_hidden"
 class Metadata:
     """Typed access to a GGUF file's key-value fields."""
 
-    def __init__(self, reader):
+    def __init__(self, reader: GGUFFile):
         self.reader = reader
         self.arch = self.get("general.architecture")
 
     def get(self, key, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        return self.reader.metadata.get(key, default)
 
     def arch_value(self, key, default=None):
         return self.get(f"{self.arch}.{key}", default)
@@ -390,15 +389,114 @@ def read_mmproj(path: Path, text_width: int):
     return args, processor, weights
 
 
-def open_gguf(path: Path):
-    import gguf
+# -- the file ------------------------------------------------------------------
+# GGUF's own reader (gguf.GGUFReader) keeps two numpy views per string of a string array: for
+# a 248k-token vocabulary, 13 s and 0.5 GB before the first weight. This one reads the header
+# into Python values and maps the tensor data.
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Header:
+    """Reads GGUF's little-endian header values (struct formats) from a buffer; struct.error
+    or IndexError past its end."""
+
+    def __init__(self, buffer, at: int):
+        self.buffer, self.at = buffer, at
+
+    def number(self, form: str):
+        (value,) = struct.unpack_from(form, self.buffer, self.at)
+        self.at += struct.calcsize(form)
+        return value
+
+    def string(self) -> str:
+        size = self.number("<Q")
+        if self.at + size > len(self.buffer):
+            raise IndexError("a string runs past the end of the file")
+        text = str(self.buffer[self.at : self.at + size], "utf-8")
+        self.at += size
+        return text
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            return self.number(_SCALARS[kind])
+        item, count = self.number("<I"), self.number("<Q")
+        if item == _STRING:
+            return [self.string() for _ in range(count)]
+        dtype = np.dtype(_SCALARS[item])
+        if self.at + count * dtype.itemsize > len(self.buffer):
+            raise IndexError("an array runs past the end of the file")
+        values = np.frombuffer(self.buffer, dtype, count, self.at).tolist()
+        self.at += count * dtype.itemsize
+        return values
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # GGUF's order: fastest dimension first
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data_offset: int
+    n_bytes: int
+    mapping: mmap.mmap
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensor's bytes in the file's pages, shaped as gguf.quants.dequantize takes them."""
+        from gguf import GGMLQuantizationType as T
+        from gguf.quants import quant_shape_to_byte_shape
+
+        plain = {T.F32: np.float32, T.F16: np.float16, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
+                 T.I32: np.int32, T.I64: np.int64}  # fmt: skip
+        shape, dtype = tuple(reversed(self.shape)), plain.get(self.tensor_type)
+        if dtype is None:  # blocks: bytes, a row's blocks along the last axis
+            shape, dtype = quant_shape_to_byte_shape(shape, self.tensor_type), np.uint8
+        count = self.n_bytes // np.dtype(dtype).itemsize
+        return np.frombuffer(self.mapping, dtype, count, self.data_offset).reshape(shape)
+
+
+class GGUFFile:
+    """A GGUF file's key-value metadata (Python values) and its tensors (views of its pages)."""
+
+    def __init__(self, path: Path):
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        with open(path, "rb") as f:
+            self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        header = _Header(self.mapping, 4)  # after the magic number
+        version = header.number("<I")
+        if version not in (2, 3):
+            swapped = "a big-endian file, which this reader does not take" if version & 0xFFFF == 0 else "unknown"
+            raise ModelLoadError(f"{path}: GGUF version {version} ({swapped}; versions 2 and 3 are read)")
+        tensor_count, field_count = header.number("<Q"), header.number("<Q")
+        self.metadata = {}
+        for _ in range(field_count):
+            key = header.string()
+            self.metadata[key] = header.value(header.number("<I"))
+        table = []
+        for _ in range(tensor_count):
+            name = header.string()
+            shape = tuple(header.number("<Q") for _ in range(header.number("<I")))
+            table.append((name, shape, GGMLQuantizationType(header.number("<I")), header.number("<Q")))
+        alignment = self.metadata.get("general.alignment", 32)
+        start = -(-header.at // alignment) * alignment
+        self.tensors = []
+        for name, shape, kind, offset in table:
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+            n_bytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+            self.tensors.append(GGUFTensor(name, shape, kind, start + offset, n_bytes, self.mapping))
+
+
+def open_gguf(path: Path) -> GGUFFile:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic number)")
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/IndexError on short files
+        reader = GGUFFile(path)
+    except (struct.error, IndexError, ValueError, KeyError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({e})") from None
     size = path.stat().st_size
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
@@ -458,8 +556,8 @@ def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scale
 def release_pages(reader, offset: int, length: int):
     """Let the kernel drop the file's pages a tensor was read from: they count as the process's
     resident memory until then (a whole file's worth by the end of a load)."""
-    mapping = getattr(reader.data, "_mmap", None)
-    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+    mapping = reader.mapping
+    if not hasattr(mmap, "MADV_DONTNEED"):
         return
     start = offset // mmap.PAGESIZE * mmap.PAGESIZE
     # whole pages only: the next tensor's may start in the last one
