@@ -46,9 +46,13 @@ def delta_rule_attention(
         k = l2_normalize(k.reshape(B, T, key_heads, key_dim))
         v = v.reshape(B, T, value_heads, value_dim)
         rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
-        if cache is not None:
-            cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
-        return rule.out
+        if cache is None:
+            return rule.out
+        cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
+        # the new state computed with the output: left for the next call, its lazy graph would keep
+        # this call's inputs alive (a prefill chunk's worth a layer)
+        (out,) = mx.depends([rule.out], [conv.tail, rule.state])
+        return out
 
     if isinstance(cache, RowCaches):
         return _rows_in_groups(one_sequence, cache, mixed_qkv, g, beta)
