@@ -162,6 +162,7 @@ struct Packing {
     static constexpr int U = BITS == 4 ? 8 : 4;  // values per 32-bit lane
     static constexpr int V = 8 * U;              // values per step
     static constexpr int STEP_BYTES = V * BITS / 8;
+    static constexpr int READ_BYTES = BITS == 4 || BITS == 8 ? 32 : 2 * BITS + 16;  // what load_lanes reads
     static constexpr int MASK = (1 << BITS) - 1;
 };
 
@@ -192,16 +193,17 @@ struct Weights {
 struct Rows {
     int m;
     const float* const* x;
+    const float* const* group_sums;  // per row: the sum of x over each group (padded_groups)
     float* const* out;
 };
 
 int step_values(int bits) { return bits == 4 ? 64 : 32; }
 
-// Scales and biases per row, as float32 buffers: whole steps, one group more (4-bit steps
-// span two groups of 32).
+// Scales, biases and group sums per row, as float32 buffers: whole steps, one group more
+// (4-bit steps span two groups of 32), whole vectors of 8.
 int padded_groups(int k, int bits, int group_size) {
     int v = step_values(bits), padded = (k + v - 1) / v * v;
-    return padded / group_size + 1;
+    return (padded / group_size + 1 + 7) / 8 * 8;
 }
 
 }  // namespace
@@ -351,13 +353,18 @@ class AffineQuantizedMatmul : public mx::Primitive {
         float* result = out.data<float>();
         // x rows in lane order
         int x_rows = (int)(x.size() / k);
-        std::vector<float> permuted((size_t)x_rows * padded);
-        for (int r = 0; r < x_rows; r++)
-            permute_row(x.data<float>() + (long)r * k, k, padded, bits, &permuted[(size_t)r * padded]);
-        std::vector<const float*> xs;
+        int groups_padded = padded_groups(k, bits, group_size);
+        std::vector<float> permuted((size_t)x_rows * padded), group_sums((size_t)x_rows * groups_padded);
+        for (int r = 0; r < x_rows; r++) {
+            const float* row = x.data<float>() + (long)r * k;
+            permute_row(row, k, padded, bits, &permuted[(size_t)r * padded]);
+            for (int i = 0; i < k; i++) group_sums[(size_t)r * groups_padded + i / group_size] += row[i];
+        }
+        std::vector<const float*> xs, sums;
         std::vector<float*> outs;
         auto add_row = [&](int x_row, int out_row) {
             xs.push_back(&permuted[(size_t)x_row * padded]);
+            sums.push_back(&group_sums[(size_t)x_row * groups_padded]);
             outs.push_back(result + (long)out_row * n);
         };
         auto weights_of = [&](long expert) {
@@ -375,8 +382,8 @@ class AffineQuantizedMatmul : public mx::Primitive {
                            blocks};
         };
         auto run = [&](long expert) {
-            product(weights_of(expert), Rows{(int)xs.size(), xs.data(), outs.data()}, bits, padded);
-            xs.clear(), outs.clear();
+            product(weights_of(expert), Rows{(int)xs.size(), xs.data(), sums.data(), outs.data()}, bits, padded);
+            xs.clear(), sums.clear(), outs.clear();
         };
 
         if (!gathered) {
