@@ -339,22 +339,26 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind, proc
         moved = sum(abs(exact.get(o, 0.0) - unprocessed.get(o, 0.0)) for o in exact.keys() | unprocessed.keys())
         assert moved > 0.5, moved  # the processors change the law
         settings |= processing
-    # every draw resumes from the prompt's checkpoint, which the first one saves
-    engine = one_row_engine(model, 2, store=PrefixStore(1 << 30))
+    # draws 50 rows at a time (each row's law is its own); later rows resume from the prompt's checkpoint
+    rows = 50
+    engine = Engine(model, None, None, 2, max_batch=rows, prefix_store=PrefixStore(1 << 30))
     support = sorted({t for outcome in exact for t in outcome})
     counts = {}
     draws = 3000
-    for i in range(draws):
-        if drafter_kind == "uniform":
-            drafter = UniformDrafter(support[:2] + [7], model.args.vocab_size, seed=i)
-        else:
-            drafter = OracleDrafter([support[0]] * 4, 0.5, model.args.vocab_size, seed=i)
-        # 4 tokens: the first, then a round of 2 drafts (the limit shortens no earlier round)
-        params = SamplingParams(max_tokens=4, seed=i, stop_tokens=(), **settings)
-        sequence = engine.submit(prompt, params=params, drafter=drafter, checkpoint_at=[len(prompt)])
+    for start in range(0, draws, rows):
+        sequences = []
+        for i in range(start, start + rows):
+            if drafter_kind == "uniform":
+                drafter = UniformDrafter(support[:2] + [7], model.args.vocab_size, seed=i)
+            else:
+                drafter = OracleDrafter([support[0]] * 4, 0.5, model.args.vocab_size, seed=i)
+            # 4 tokens: the first, then a round of 2 drafts (the limit shortens no earlier round)
+            params = SamplingParams(max_tokens=4, seed=i, stop_tokens=(), **settings)
+            sequences.append(engine.submit(prompt, params=params, drafter=drafter, checkpoint_at=[len(prompt)]))
         engine.run()
-        outcome = tuple(sequence.tokens[:3])
-        counts[outcome] = counts.get(outcome, 0) + 1
+        for sequence in sequences:
+            outcome = tuple(sequence.tokens[:3])
+            counts[outcome] = counts.get(outcome, 0) + 1
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts.get(o, 0) / draws - p) for o, p in exact.items())
     print(f"total variation {tv:.4f}")
