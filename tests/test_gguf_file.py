@@ -34,3 +34,22 @@ def test_a_big_endian_file_is_refused_by_name(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="big-endian"):
         gguf_file.open_gguf(path)
+
+
+def test_every_value_type_reads_back_as_gguf_writer_wrote_it(tmp_path):
+    """Scalars of each type, strings, and arrays of numbers, strings and arrays (gguf's own
+    reader flattens the last: its contents() of [[1, 2], [3]] is [1, 2, 3])."""
+    values = {"x.u8": (1, "uint8"), "x.i16": (-2, "int16"), "x.u64": (2**40, "uint64"), "x.f64": (0.25, "float64"),
+              "x.bool": (True, "bool"), "x.text": ("bé", "string"), "x.floats": ([0.5, -1.0], "array"),
+              "x.words": (["a", "<|im_end|>"], "array"), "x.nested": ([[1, 2], [3]], "array")}  # fmt: skip
+    writer = gguf.GGUFWriter(str(tmp_path / "values.gguf"), "qwen35")
+    for key, (value, kind) in values.items():
+        getattr(writer, f"add_{kind}")(key, value)
+    writer.add_tensor("t", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = gguf_file.open_gguf(tmp_path / "values.gguf")
+    assert {k: v for k, v in ours.metadata.items() if k.startswith("x.")} == {k: v for k, (v, _) in values.items()}
+    np.testing.assert_array_equal(ours.tensors[0].data, np.arange(6, dtype=np.float32).reshape(2, 3))

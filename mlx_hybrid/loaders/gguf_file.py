@@ -424,8 +424,8 @@ class _Header:
         if kind != _ARRAY:
             return self.number(_SCALARS[kind])
         item, count = self.number("<I"), self.number("<Q")
-        if item == _STRING:
-            return [self.string() for _ in range(count)]
+        if item in (_STRING, _ARRAY):
+            return [self.value(item) for _ in range(count)]
         dtype = np.dtype(_SCALARS[item])
         if self.at + count * dtype.itemsize > len(self.buffer):
             raise IndexError("an array runs past the end of the file")
