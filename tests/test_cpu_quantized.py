@@ -77,6 +77,32 @@ def test_each_row_takes_the_same_sums_whatever_rows_come_with_it(bits):
         np.testing.assert_array_equal(together, np.concatenate(alone[:rows]))
 
 
+@pytest.mark.skipif(len(cpu_quantized.extension().instruction_sets()) < 2, reason="this CPU runs one build only")
+@pytest.mark.parametrize("type_name", sorted(AFFINE_TYPES))
+def test_every_instruction_set_gives_the_same_bits(type_name):
+    """The kernels are compiled once per instruction set (AVX2; AVX-512 where the CPU has it) and
+    promise the same sequence of operations: a model gives the same tokens on either CPU."""
+    bits, group_size, _, block = AFFINE_TYPES[type_name]
+    q = cpu_quantized.random_block_weights((37, 512), bits, group_size, block)
+    w, scales, biases = quantized((37, 512), bits, 32)
+    x = mx.random.normal((9, 512), key=mx.random.key(5))
+    extension = cpu_quantized.extension()
+    results = {}
+    try:
+        for name in extension.instruction_sets():
+            extension.use_instruction_set(name)
+            results[name] = [np.array(cpu_quantized.quantized_matmul(x[:rows], *parts, layout))
+                             for rows in (1, 5, 9)  # the small-row kernel and the tiled one
+                             for *parts, layout in ((q.weight, q.scales, q.biases, group_size, bits, block),
+                                                    (w, scales, biases, 32, bits, None))]  # fmt: skip
+    finally:
+        extension.use_instruction_set(None)
+    first, *others = results.values()
+    for other in others:
+        for a, b in zip(first, other):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("tokens", [1, 4, 20])
 def test_expert_products_match_mlx_gather_qmm(tokens):
     w, scales, biases = quantized((6, 48, 256), 4, 64)

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <chrono>
@@ -227,11 +229,25 @@ struct Isa {
     void (*dequantize)(const Weights&, int, int, float*, int);
 };
 
+// The instruction sets of the builds, each including the ones before it.
+enum Level { AVX2 = 0, AVX512 = 1 };
+const char* const LEVEL_NAMES[] = {"avx2", "avx512"};
+
+Level cpu_level() {
+    static const Level level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
+                                   ? AVX512
+                                   : AVX2;
+    return level;
+}
+
+// The build in use: the CPU's best, or one below it that use_instruction_set chose (tests
+// compare the builds on one machine).
+std::atomic<int> chosen_level{-1};
+
 template <int BITS>
-Isa isa_for() {
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-        return {avx512::rows_product<BITS>, avx512::dequantize_rows<BITS>};
+Isa isa_for(Level level) {
+    if (level == AVX512) return {avx512::rows_product<BITS>, avx512::dequantize_rows<BITS>};
     return {avx2::rows_product<BITS>, avx2::dequantize_rows<BITS>};
 }
 
@@ -242,12 +258,13 @@ bool cpu_supported() {
 }
 
 Isa isa(int bits) {
-    static Isa four = isa_for<4>(), five = isa_for<5>(), six = isa_for<6>(), eight = isa_for<8>();
+    int chosen = chosen_level.load(std::memory_order_relaxed);
+    Level level = chosen < 0 ? cpu_level() : (Level)chosen;
     switch (bits) {
-        case 4: return four;
-        case 5: return five;
-        case 6: return six;
-        case 8: return eight;
+        case 4: return isa_for<4>(level);
+        case 5: return isa_for<5>(level);
+        case 6: return isa_for<6>(level);
+        case 8: return isa_for<8>(level);
     }
     throw std::invalid_argument("quantized_matmul: bits must be 4, 5, 6 or 8");
 }
@@ -481,4 +498,18 @@ NB_MODULE(quantized_matmul_ext, m) {
           nb::arg("bias_ratio") = 0.0f);
     m.def("threads", [] { return Pool::get().threads(); });
     m.def("supported", &cpu_supported, "whether this CPU runs the kernels (AVX2, FMA, F16C)");
+    m.def(
+        "instruction_sets",
+        [] { return std::vector<std::string>(LEVEL_NAMES, LEVEL_NAMES + cpu_level() + 1); },
+        "the builds this CPU runs, the best last (the one in use unless use_instruction_set chose)");
+    m.def(
+        "use_instruction_set",
+        [](std::optional<std::string> name) {
+            int level = -1;
+            for (int i = 0; name && i <= cpu_level(); i++)
+                if (*name == LEVEL_NAMES[i]) level = i;
+            if (name && level < 0) throw std::invalid_argument("this CPU does not run the " + *name + " build");
+            chosen_level.store(level);
+        },
+        nb::arg("name").none(), "the build to use from now on (None: the CPU's best)");
 }
