@@ -1,5 +1,5 @@
 """Native code built on first use with the system's compiler, cached per source and toolchain
-in the user's cache directory (the forwarding BLAS, the CPU quantized kernels)."""
+in the user's cache directory (the forwarding BLAS, the CPU kernels)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -26,11 +27,15 @@ def compiler(kind: str = "c") -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
-def build_once(name: str, sources: list[Path], command, identity: str = "", timeout: float = 300) -> Path:
+def build_once(
+    name: str, sources: list[Path], command, identity: str = "", timeout: float = 300, compile_steps=()
+) -> Path:
     """The shared object `name-<hash>.so` built from `sources`, reusing an earlier build.
 
     command(output_path) -> the compiler's argument list; identity: whatever else the build
-    depends on (toolchain and library versions), part of the hash.
+    depends on (toolchain and library versions), part of the hash. compile_steps: argument
+    lists run first, side by side on the machine's cores (translation units compiled to
+    object files in the build directory, which `command` then links).
     """
     digest = hashlib.sha256(identity.encode())
     for source in sources:
@@ -42,7 +47,13 @@ def build_once(name: str, sources: list[Path], command, identity: str = "", time
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as build:
             built = Path(build) / target.name
-            subprocess.run(command(built), check=True, capture_output=True, timeout=timeout, cwd=build)
+
+            def run(arguments):
+                subprocess.run(arguments, check=True, capture_output=True, timeout=timeout, cwd=build)
+
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                list(pool.map(run, compile_steps))  # the first failure raises here
+            run(command(built))
             built.replace(target)  # atomic: concurrent first runs each build, one wins
     except subprocess.CalledProcessError as e:
         lines = (e.stderr or b"").decode(errors="replace").strip().splitlines()

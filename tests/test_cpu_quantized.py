@@ -140,11 +140,17 @@ def test_without_a_compiler_one_warning_and_mlx_computes(tmp_path):
         "from mlx_hybrid import ops\n"
         "w, s, b = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)\n"
         "for _ in range(3): y = ops.quantized_matmul(mx.ones((1, 64)), w, s, b, group_size=32, bits=4)\n"
-        "print(float(y.sum()))\n"
+        "q = mx.ones((1, 2, 1, 8)) / 8 ** 0.5\n"
+        "rule = ops.gated_delta_update(q, q, mx.ones((1, 2, 1, 8)), -mx.ones((1, 2, 1)), mx.ones((1, 2, 1)))\n"
+        "print(float(y.sum()), float(rule.out.sum()))\n"
     )
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert float(run.stdout) == pytest.approx(8 * 64)
-    assert run.stderr.count("the CPU quantized kernels are not in use") == 1, run.stderr
+    product, rule = map(float, run.stdout.split())
+    assert product == pytest.approx(8 * 64)
+    # unit q = k, v = 1, beta = 1 from a zero state: token 1 writes k (x) 1 and reads q . k = 1 a
+    # column; token 2 decays that by e^-1 and delta = 1 - e^-1 restores it: 1 a column again
+    assert rule == pytest.approx(8 * 2 * 1.0)
+    assert run.stderr.count("our CPU kernels are not in use") == 1, run.stderr
     assert "did not compile" in run.stderr or "could not be built" in run.stderr

@@ -36,14 +36,16 @@ RUNS = {
 }  # fmt: skip
 
 # Each split layer, fed the same input, is within float32 rounding of the whole one (measured
-# at most 4.4e-6 on outputs of scale 3 to 10). Across the 4 layers the random-weight fixtures
-# amplify rounding about 10x per layer: on logits of scale ~17, summing in another order
-# moves the single-process model itself by up to 1.6e-4 (two rows in a batch instead of one)
-# or 2.9e-4 (the reference BLAS instead of OpenBLAS). Tensor parallel sums each product in
-# parts, so its logits are held to that floor; a pipeline computes the same sums. A quantized
-# file's prefill products go through the BLAS as well (dequantized tiles): there the
+# at most 1.0e-5 on outputs of scale 3 to 10, in a gated delta layer, whose recurrence carries
+# the split products' rounding through 48 tokens; two float32 forms of such a layer on the same
+# input, our CPU kernel and MLX's ops, differ by up to 5.5e-6). Across the 4 layers the
+# random-weight fixtures amplify rounding about 10x per layer: on logits of scale ~17, summing
+# in another order moves the single-process model itself by up to 1.6e-4 (two rows in a batch
+# instead of one) or 2.9e-4 (the reference BLAS instead of OpenBLAS). Tensor parallel sums each
+# product in parts, so its logits are held to that floor; a pipeline computes the same sums. A
+# quantized file's prefill products go through the BLAS as well (dequantized tiles): there the
 # single-process model moves by up to 7.1e-4 between the two BLAS's, and split by 3.5e-4.
-LAYER_TOLERANCE = 1e-5
+LAYER_TOLERANCE = 2e-5
 LOGITS_TOLERANCE = {"tensor": 3e-4, "pipeline": 1e-4}
 QUANTIZED_LOGITS_TOLERANCE = 7.5e-4
 

@@ -15,29 +15,19 @@
 // FMAs into 8 lanes, reduced by a fixed tree, whatever rows come with it.
 //
 // For x86-64 with AVX2, FMA and F16C (`supported()`); the same body is compiled a second
-// time for AVX-512 machines and chosen at run time. mlx_hybrid/ops/cpu_quantized.py builds
-// it on first use with the nanobind sources and MLX's headers (NB_DOMAIN=mlx, so that arrays
-// pass between this module and mlx.core), and each variant checks itself on its first call.
-#include <immintrin.h>
-#include <nanobind/nanobind.h>
+// time for AVX-512 machines and chosen at run time. Part of the CPU kernels' module (see
+// cpu_kernels.h); each variant checks itself on its first call.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <optional>
 #include <stdexcept>
-#include <thread>
-#include <vector>
 
+#include "cpu_kernels.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
 // The BLAS sgemm MLX calls, resolved as MLX's own is: OpenBLAS (behind the forwarding
@@ -47,110 +37,11 @@ extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, i
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
+using mlx_hybrid::Pool, mlx_hybrid::row_contiguous;
 
 namespace {
 
 constexpr int SMALL_ROWS = 8;
-
-// ---------------------------------------------------------------------------------------
-// A pool: the calling thread and `helpers` threads each take a share of a job's parts.
-
-class Pool {
-   public:
-    static Pool& get() {
-        static Pool* pool = new Pool;  // never destroyed: its threads wait on it until the process ends
-        return *pool;
-    }
-
-    // run(part) for part in [0, parts): in parallel when `parallel`, else on this thread
-    void run(int parts, bool parallel, const std::function<void(int)>& work) {
-        if (!parallel || helpers_.empty() || parts < 2 || !busy_.try_lock()) {
-            for (int p = 0; p < parts; p++) work(p);
-            return;
-        }
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            work_ = &work;
-            parts_ = parts;
-            next_.store(0);
-            unfinished_.store((int)helpers_.size());
-            generation_.fetch_add(1, std::memory_order_release);
-        }
-        start_.notify_all();
-        take(work, parts);
-        auto finished = [&] { return unfinished_.load(std::memory_order_acquire) == 0; };
-        if (!spin_until(finished)) {
-            std::unique_lock<std::mutex> lock(mutex_);
-            done_.wait(lock, finished);
-        }
-        busy_.unlock();
-    }
-
-    int threads() const { return (int)helpers_.size() + 1; }
-
-   private:
-    Pool() {
-        int wanted = threads_wanted();
-        for (int i = 1; i < wanted; i++) helpers_.emplace_back([this] { helper(); });
-        for (auto& t : helpers_) t.detach();
-    }
-
-    static int threads_wanted() {
-        for (const char* name : {"MLX_HYBRID_GEMV_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"}) {
-            const char* value = getenv(name);
-            if (value != nullptr && atoi(value) > 0) return std::min(atoi(value), 16);
-        }
-        int count = (int)std::thread::hardware_concurrency();
-        cpu_set_t cpus;
-        if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) count = CPU_COUNT(&cpus);
-        return std::max(1, std::min(count, 16));
-    }
-
-    void take(const std::function<void(int)>& work, int parts) {
-        for (int p = next_.fetch_add(1); p < parts; p = next_.fetch_add(1)) work(p);
-    }
-
-    // A decode step's products come a hundred microseconds or so apart, and waking a sleeping
-    // thread takes tens: waiters spin this long before they sleep.
-    static constexpr auto SPIN = std::chrono::microseconds(200);
-
-    template <class Done>
-    static bool spin_until(const Done& done) {
-        auto until = std::chrono::steady_clock::now() + SPIN;
-        for (int i = 1;; i++) {
-            if (done()) return true;
-            _mm_pause();
-            if (i % 64 == 0 && std::chrono::steady_clock::now() > until) return false;
-        }
-    }
-
-    void helper() {
-        unsigned long seen = 0;
-        auto started = [&] { return generation_.load(std::memory_order_acquire) != seen; };
-        for (;;) {
-            if (!spin_until(started)) {
-                std::unique_lock<std::mutex> lock(mutex_);
-                start_.wait(lock, started);
-            }
-            seen = generation_.load(std::memory_order_acquire);
-            // the job stays until every helper has counted itself finished
-            take(*work_, parts_);
-            if (unfinished_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-                std::lock_guard<std::mutex> lock(mutex_);
-                done_.notify_one();
-            }
-        }
-    }
-
-    std::vector<std::thread> helpers_;
-    std::mutex busy_, mutex_;
-    std::condition_variable start_, done_;
-    std::atomic<unsigned long> generation_{0};
-    std::atomic<int> unfinished_{0};
-    int parts_ = 0;
-    std::atomic<int> next_{0};
-    const std::function<void(int)>* work_ = nullptr;
-};
 
 // Products with fewer weights than this run on the calling thread: waking a helper costs
 // more than it saves.
@@ -249,12 +140,6 @@ template <int BITS>
 Isa isa_for(Level level) {
     if (level == AVX512) return {avx512::rows_product<BITS>, avx512::dequantize_rows<BITS>};
     return {avx2::rows_product<BITS>, avx2::dequantize_rows<BITS>};
-}
-
-bool cpu_supported() {
-    static bool known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                        __builtin_cpu_supports("f16c");
-    return known;
 }
 
 Isa isa(int bits) {
@@ -442,15 +327,8 @@ BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::
     return {groups_per_factor, factor_count, code_count, bias_ratio};
 }
 
-// a as the kernels read it: row-contiguous. Evaluated row-contiguous arrays (loaded weights) as
-// they are: a Contiguous node costs microseconds a call, and a decode step makes hundreds. x
-// keeps its node (reading a view by its strides instead saved ~0.5 ms a decode step, but MLX
-// then ordered a 512-token prefill so that its peak memory rose ~12 MB).
-mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
-    if (a.is_available() && a.flags().row_contiguous) return a;
-    return mx::contiguous(a, false, stream);
-}
-
+// x keeps its Contiguous node (reading a view by its strides instead saved ~0.5 ms a decode step,
+// but MLX then ordered a 512-token prefill so that its peak memory rose ~12 MB).
 std::vector<mx::array> contiguous_inputs(const mx::array& x, const mx::array& w, const mx::array& scales,
                                          const mx::array& biases, mx::Stream stream) {
     return {row_contiguous(mx::astype(x, mx::float32, stream), stream), row_contiguous(w, stream),
@@ -489,8 +367,7 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
 
 }  // namespace
 
-NB_MODULE(quantized_matmul_ext, m) {
-    m.doc() = "MLX affine-quantized products on the CPU (mlx_hybrid)";
+void mlx_hybrid::bind_quantized_matmul(nb::module_& m) {
     m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
           nb::arg("group_size"), nb::arg("bits"), nb::arg("groups_per_factor") = 0, nb::arg("factor_count") = 0,
           nb::arg("code_count") = 0, nb::arg("bias_ratio") = 0.0f);
@@ -498,8 +375,6 @@ NB_MODULE(quantized_matmul_ext, m) {
           nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"),
           nb::arg("groups_per_factor") = 0, nb::arg("factor_count") = 0, nb::arg("code_count") = 0,
           nb::arg("bias_ratio") = 0.0f);
-    m.def("threads", [] { return Pool::get().threads(); });
-    m.def("supported", &cpu_supported, "whether this CPU runs the kernels (AVX2, FMA, F16C)");
     m.def(
         "instruction_sets",
         [] { return std::vector<std::string>(LEVEL_NAMES, LEVEL_NAMES + cpu_level() + 1); },

@@ -1,89 +1,19 @@
 """MLX affine-quantized products on x86-64 CPUs through our extension
-(csrc/quantized_matmul.cpp: an MLX primitive, built on first use with the system's C++
-compiler against MLX's headers and the nanobind sources).
+(csrc/quantized_matmul.cpp: an MLX primitive in the CPU kernels' module, see `cpu_extension`).
 
 MLX's own CPU quantized matmul is a reference loop, about 13x slower for a decode step.
-Where the extension cannot be built (no compiler, no nanobind, a CPU without AVX2/FMA/F16C)
-one warning names why, and MLX's op computes.
+Where the extension cannot be built, MLX's op computes.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import logging
-import platform
-import sys
-import sysconfig
-from functools import lru_cache
-from pathlib import Path
-
-import mlx
 import mlx.core as mx
 
-from ..native import BuildError, build_once, compiler
 from ..quantized_tensor import BlockScales, QuantizedTensor
+from .cpu_extension import extension
 
-_SOURCES = [Path(__file__).resolve().parents[1] / "csrc" / name for name in ("quantized_matmul.cpp", "quantized_matmul_body.inc")]
-_MODULE = "quantized_matmul_ext"
 BITS = (4, 5, 6, 8)
 GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF's Q6_K
-
-_log = logging.getLogger("mlx_hybrid")
-
-
-class Unavailable(RuntimeError):
-    pass
-
-
-def _build() -> Path:
-    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
-        raise Unavailable("they are built for x86-64 Linux only")
-    cxx = compiler("c++")
-    if cxx is None:
-        raise Unavailable("no C++ compiler was found (set CXX)")
-    try:
-        import nanobind
-    except ImportError:
-        raise Unavailable("the nanobind package is not installed") from None
-    mlx_dir = Path(mlx.__path__[0])
-    nb_include = Path(nanobind.include_dir())
-    includes = [mlx_dir / "include", nb_include, nb_include.parent / "ext" / "robin_map" / "include"]
-    includes.append(Path(sysconfig.get_paths()["include"]))
-    if not (includes[-1] / "Python.h").is_file():
-        raise Unavailable(f"Python's headers are missing ({includes[-1]}; Debian: apt install python3-dev)")
-    sources = [str(_SOURCES[0]), str(Path(nanobind.source_dir()) / "nb_combined.cpp")]
-
-    def command(out):
-        return [
-            cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
-            "-DNB_DOMAIN=mlx",  # mlx.core's nanobind domain: arrays pass between the modules
-            *[f"-I{d}" for d in includes], *sources,
-            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out),
-        ]  # fmt: skip
-
-    identity = f"{mx.__version__} {nanobind.__version__} {sysconfig.get_config_var('EXT_SUFFIX')} {cxx}"
-    try:
-        return build_once(_MODULE, _SOURCES, command, identity)
-    except BuildError as e:
-        raise Unavailable(str(e)) from None
-
-
-@lru_cache(maxsize=None)
-def extension():
-    """The extension module, or None (after one warning saying why)."""
-    try:
-        path = _build()
-        loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
-        spec = importlib.util.spec_from_file_location(_MODULE, str(path), loader=loader)
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-        if not module.supported():
-            raise Unavailable("this CPU lacks AVX2, FMA or F16C")
-    except (Unavailable, ImportError, OSError) as e:
-        _log.warning("mlx_hybrid: the CPU quantized kernels are not in use (%s); MLX's slower op computes", e)
-        return None
-    return module
 
 
 def supports(bits: int, group_size: int) -> bool:

@@ -11,7 +11,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import kernels, reference
+from . import cpu_gated_delta, kernels, reference
 
 class KernelError(RuntimeError):
     """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
@@ -52,9 +52,10 @@ def passed(spec, small_case: Callable[..., tuple], platform: str, *variant) -> b
 
 
 def small_gated_delta_case(platform, dtype, key_dim: int, vector_gate: bool, snapshots: bool):
-    """Three tokens, one key head, two value heads: the kernel against the recurrence."""
+    """Three tokens, one key head, two value heads: the kernel (platform 'cpu': ours for MLX's CPU
+    backend) against the recurrence."""
     rng = np.random.default_rng(0)
-    B, T, Hk, Hv, Dv = 1, 3, 1, 2, 8
+    B, T, Hk, Hv, Dv = 1, 3, 1, 2, 44  # 44 columns: blocks of 32 and of 8, and a partial vector
     q = rng.standard_normal((B, T, Hk, key_dim))
     k = rng.standard_normal((B, T, Hk, key_dim))
     q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
@@ -62,9 +63,12 @@ def small_gated_delta_case(platform, dtype, key_dim: int, vector_gate: bool, sna
     inputs = [mx.array(x.astype(np.float32)).astype(dtype) for x in (q, k, rng.standard_normal((B, T, Hv, Dv)), g)]
     inputs += [mx.array(rng.uniform(0.1, 0.9, (B, T, Hv)).astype(np.float32)).astype(dtype)]
     state = mx.array(rng.standard_normal((B, Hv, key_dim, Dv)).astype(np.float32))
-    out, final, states = kernels.run(
-        kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, state, snapshots), platform
-    )
+    if platform == "cpu":
+        out, final, states = cpu_gated_delta.gated_delta_recurrent(*inputs, state, snapshots=snapshots)
+        states = mx.stack(states, axis=1) if snapshots else None
+    else:
+        launch = kernels.gated_delta_launch(*inputs, state, snapshots)
+        out, final, states = kernels.run(kernels.GATED_DELTA, launch, platform)
     want_out, want_final, want_states = reference.gated_delta_recurrent(*inputs, state, snapshots=snapshots)
     got, want = [out, final], [want_out, want_final]
     if snapshots:

@@ -1,0 +1,13 @@
+// The CPU kernels' Python module for MLX's CPU backend on x86-64 (AVX2, FMA, F16C): quantized
+// products (quantized_matmul.cpp) and the gated delta rule token by token (gated_delta.cpp), each
+// an MLX primitive. mlx_hybrid/ops/cpu_extension.py builds it on first use with the nanobind
+// sources and MLX's headers (NB_DOMAIN=mlx, so that arrays pass between this module and mlx.core).
+#include "cpu_kernels.h"
+
+NB_MODULE(cpu_kernels_ext, m) {
+    m.doc() = "mlx_hybrid's kernels for MLX's CPU backend";
+    m.def("supported", &mlx_hybrid::cpu_supported, "whether this CPU runs the kernels (AVX2, FMA, F16C)");
+    m.def("threads", [] { return mlx_hybrid::Pool::get().threads(); });
+    mlx_hybrid::bind_quantized_matmul(m);
+    mlx_hybrid::bind_gated_delta(m);
+}

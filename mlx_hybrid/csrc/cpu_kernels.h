@@ -1,0 +1,140 @@
+// What the translation units of the CPU kernels' module share (mlx_hybrid/ops/cpu_extension.py
+// builds cpu_kernels.cpp, quantized_matmul.cpp and gated_delta.cpp into one module): the thread
+// pool, the binders each unit gives the module, and how an input becomes what the kernels read.
+#pragma once
+
+#include <immintrin.h>
+#include <nanobind/nanobind.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mlx/mlx.h"
+
+namespace mlx_hybrid {
+
+void bind_quantized_matmul(nanobind::module_& m);
+void bind_gated_delta(nanobind::module_& m);
+
+// whether this CPU runs the kernels: AVX2, FMA and F16C
+inline bool cpu_supported() {
+    static bool known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                        __builtin_cpu_supports("f16c");
+    return known;
+}
+
+// a as the kernels read it: row-contiguous. Evaluated row-contiguous arrays (loaded weights) as
+// they are: a Contiguous node costs microseconds a call, and a decode step makes hundreds.
+inline mlx::core::array row_contiguous(const mlx::core::array& a, mlx::core::Stream stream) {
+    if (a.is_available() && a.flags().row_contiguous) return a;
+    return mlx::core::contiguous(a, false, stream);
+}
+
+// A pool: the calling thread and `helpers` threads each take a share of a job's parts. One
+// for the module (an inline function's static: the same object in every unit).
+
+class Pool {
+   public:
+    static Pool& get() {
+        static Pool* pool = new Pool;  // never destroyed: its threads wait on it until the process ends
+        return *pool;
+    }
+
+    // run(part) for part in [0, parts): in parallel when `parallel`, else on this thread
+    void run(int parts, bool parallel, const std::function<void(int)>& work) {
+        if (!parallel || helpers_.empty() || parts < 2 || !busy_.try_lock()) {
+            for (int p = 0; p < parts; p++) work(p);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            work_ = &work;
+            parts_ = parts;
+            next_.store(0);
+            unfinished_.store((int)helpers_.size());
+            generation_.fetch_add(1, std::memory_order_release);
+        }
+        start_.notify_all();
+        take(work, parts);
+        auto finished = [&] { return unfinished_.load(std::memory_order_acquire) == 0; };
+        if (!spin_until(finished)) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            done_.wait(lock, finished);
+        }
+        busy_.unlock();
+    }
+
+    int threads() const { return (int)helpers_.size() + 1; }
+
+   private:
+    Pool() {
+        int wanted = threads_wanted();
+        for (int i = 1; i < wanted; i++) helpers_.emplace_back([this] { helper(); });
+        for (auto& t : helpers_) t.detach();
+    }
+
+    static int threads_wanted() {
+        for (const char* name : {"MLX_HYBRID_GEMV_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"}) {
+            const char* value = getenv(name);
+            if (value != nullptr && atoi(value) > 0) return std::min(atoi(value), 16);
+        }
+        int count = (int)std::thread::hardware_concurrency();
+        cpu_set_t cpus;
+        if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0) count = CPU_COUNT(&cpus);
+        return std::max(1, std::min(count, 16));
+    }
+
+    void take(const std::function<void(int)>& work, int parts) {
+        for (int p = next_.fetch_add(1); p < parts; p = next_.fetch_add(1)) work(p);
+    }
+
+    // A decode step's products come a hundred microseconds or so apart, and waking a sleeping
+    // thread takes tens: waiters spin this long before they sleep.
+    static constexpr auto SPIN = std::chrono::microseconds(200);
+
+    template <class Done>
+    static bool spin_until(const Done& done) {
+        auto until = std::chrono::steady_clock::now() + SPIN;
+        for (int i = 1;; i++) {
+            if (done()) return true;
+            _mm_pause();
+            if (i % 64 == 0 && std::chrono::steady_clock::now() > until) return false;
+        }
+    }
+
+    void helper() {
+        unsigned long seen = 0;
+        auto started = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+        for (;;) {
+            if (!spin_until(started)) {
+                std::unique_lock<std::mutex> lock(mutex_);
+                start_.wait(lock, started);
+            }
+            seen = generation_.load(std::memory_order_acquire);
+            // the job stays until every helper has counted itself finished
+            take(*work_, parts_);
+            if (unfinished_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                std::lock_guard<std::mutex> lock(mutex_);
+                done_.notify_one();
+            }
+        }
+    }
+
+    std::vector<std::thread> helpers_;
+    std::mutex busy_, mutex_;
+    std::condition_variable start_, done_;
+    std::atomic<unsigned long> generation_{0};
+    std::atomic<int> unfinished_{0};
+    int parts_ = 0;
+    std::atomic<int> next_{0};
+    const std::function<void(int)>* work_ = nullptr;
+};
+
+}  // namespace mlx_hybrid

@@ -1,0 +1,88 @@
+"""Our kernels for MLX's CPU backend on x86-64 (csrc/cpu_kernels.cpp: quantized products and the
+gated delta rule, each an MLX primitive), built on first use with the system's C++ compiler
+against MLX's headers and the nanobind sources, cached per source and toolchain.
+
+Where the module cannot be built (no compiler, no nanobind, a CPU without AVX2/FMA/F16C) one
+warning names why, and MLX's ops compute.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+import platform
+import sys
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..native import BuildError, build_once, compiler
+
+_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+_UNITS = [_CSRC / name for name in ("quantized_matmul.cpp", "gated_delta.cpp", "cpu_kernels.cpp")]
+_SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]
+_MODULE = "cpu_kernels_ext"
+
+_log = logging.getLogger("mlx_hybrid")
+
+
+class Unavailable(RuntimeError):
+    pass
+
+
+def _build() -> Path:
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        raise Unavailable("they are built for x86-64 Linux only")
+    cxx = compiler("c++")
+    if cxx is None:
+        raise Unavailable("no C++ compiler was found (set CXX)")
+    try:
+        import nanobind
+    except ImportError:
+        raise Unavailable("the nanobind package is not installed") from None
+    mlx_dir = Path(mx.__file__).parent  # not mlx.__path__[0], which may be any directory named mlx
+    nb_include = Path(nanobind.include_dir())
+    includes = [mlx_dir / "include", nb_include, nb_include.parent / "ext" / "robin_map" / "include"]
+    includes.append(Path(sysconfig.get_paths()["include"]))
+    if not (includes[-1] / "Python.h").is_file():
+        raise Unavailable(f"Python's headers are missing ({includes[-1]}; Debian: apt install python3-dev)")
+    # compiled side by side, the longest first: the quantized products' two instruction-set builds,
+    # then nanobind's sources (2 cores: 20 s in all, against 35 s one after another)
+    units = [_UNITS[0], Path(nanobind.source_dir()) / "nb_combined.cpp", *_UNITS[1:]]
+    flags = [
+        "-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
+        "-DNB_DOMAIN=mlx",  # mlx.core's nanobind domain: arrays pass between the modules
+        *[f"-I{d}" for d in includes],
+    ]  # fmt: skip
+    compile_steps = [[cxx, *flags, "-c", str(unit), "-o", f"{i}.o"] for i, unit in enumerate(units)]
+
+    def command(out):
+        objects = [f"{i}.o" for i in range(len(units))]
+        lib = mlx_dir / "lib"
+        return [cxx, "-shared", *objects, f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-o", str(out)]
+
+    identity = f"{mx.__version__} {nanobind.__version__} {sysconfig.get_config_var('EXT_SUFFIX')} {cxx}"
+    try:
+        return build_once(_MODULE, _SOURCES, command, identity, compile_steps=compile_steps)
+    except BuildError as e:
+        raise Unavailable(str(e)) from None
+
+
+@lru_cache(maxsize=None)
+def extension():
+    """The extension module, or None (after one warning saying why)."""
+    try:
+        path = _build()
+        loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
+        spec = importlib.util.spec_from_file_location(_MODULE, str(path), loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        if not module.supported():
+            raise Unavailable("this CPU lacks AVX2, FMA or F16C")
+    except (Unavailable, ImportError, OSError) as e:
+        _log.warning("mlx_hybrid: our CPU kernels are not in use (%s); MLX's slower ops compute", e)
+        return None
+    return module

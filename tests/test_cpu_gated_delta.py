@@ -1,0 +1,75 @@
+"""The gated delta rule's CPU kernel (csrc/gated_delta.cpp) against the rule written the slow,
+obvious way in float64, and against itself token by token: a verify pass must reproduce the
+decode steps' bits."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_hybrid import ops
+from mlx_hybrid.ops import cpu_extension, cpu_gated_delta
+from test_ops import OP_TOL, make_inputs, numpy_gated_delta
+
+pytestmark = pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here")
+
+# value sizes: blocks of 32 columns, of 8, and a last partial vector (12, 44, 5)
+SHAPES = [
+    (B, T, Hk, Hk * ratio, Dk, Dv, vector_gate)
+    for (B, T), (Dk, Dv), (Hk, ratio), vector_gate in itertools.product(
+        [(1, 1), (2, 5), (1, 70)], [(16, 16), (32, 44), (128, 128), (8, 5), (64, 12)], [(1, 1), (2, 3)], [False, True]
+    )
+]
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv,vector_gate", SHAPES)
+def test_kernel_equals_the_float64_rule(B, T, Hk, Hv, Dk, Dv, vector_gate):
+    inputs = make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate, seed=B + T + Dk + Dv)
+    want_out, want_state, want_states = numpy_gated_delta(*inputs)
+    for snapshots in (False, True):
+        out, state, states = cpu_gated_delta.gated_delta_recurrent(*map(mx.array, inputs), snapshots=snapshots)
+        # float32 against float64: the rule's own rounding, as for the pure-MLX recurrence
+        np.testing.assert_allclose(np.array(out), want_out, atol=OP_TOL, rtol=0)
+        np.testing.assert_allclose(np.array(state), want_state, atol=OP_TOL, rtol=0)
+        if snapshots:
+            np.testing.assert_allclose(np.array(mx.stack(states, axis=1)), want_states, atol=OP_TOL, rtol=0)
+        else:
+            assert states is None
+
+
+@pytest.mark.parametrize("vector_gate", [False, True])
+def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
+    """k tokens at once (a verify pass) against k calls of one token (decode steps), and each
+    batch row alone: equal to the bit."""
+    inputs = [mx.array(x) for x in make_inputs(3, 6, 2, 4, 128, 128, vector_gate, seed=7)]
+    out, final, states = cpu_gated_delta.gated_delta_recurrent(*inputs, snapshots=True)
+    for row in range(3):
+        state = inputs[5][row : row + 1]
+        for t in range(6):
+            token = [x[row : row + 1, t : t + 1] for x in inputs[:5]]
+            step_out, state, _ = cpu_gated_delta.gated_delta_recurrent(*token, state)
+            assert mx.array_equal(step_out[:, 0], out[row : row + 1, t])
+            assert mx.array_equal(state, states[t][row : row + 1])
+    assert mx.array_equal(final, states[-1])
+
+
+def test_the_op_runs_the_kernel_on_the_cpu():
+    inputs = [mx.array(x) for x in make_inputs(1, 4, 2, 4, 32, 32, True, seed=3)]
+    got = ops.gated_delta_update(*inputs, snapshots=True)
+    want = cpu_gated_delta.gated_delta_recurrent(*inputs, snapshots=True)
+    assert mx.array_equal(got.out, want[0]) and mx.array_equal(got.state, want[1])
+    assert all(mx.array_equal(a, b) for a, b in zip(got.snapshots, want[2]))
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    q, k, v, g, beta, state = (mx.array(x) for x in make_inputs(1, 2, 2, 4, 16, 16, False))
+    module = cpu_extension.extension()
+    for bad in [
+        (q, k, v, g, beta, state[:, :3]),  # state heads
+        (q, k[:, :1], v, g, beta, state),  # k tokens
+        (q, k, v[:, :, :3], g, beta, state),  # value heads not a multiple of key heads
+        (q, k, v, g[..., None], beta, state),  # a vector gate of the wrong width
+    ]:
+        with pytest.raises(ValueError, match="gated_delta"):
+            module.gated_delta(*bad, False)
