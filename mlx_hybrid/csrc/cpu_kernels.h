@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 
 namespace mlx_hybrid {
@@ -35,6 +36,28 @@ inline bool cpu_supported() {
 inline mlx::core::array row_contiguous(const mlx::core::array& a, mlx::core::Stream stream) {
     if (a.is_available() && a.flags().row_contiguous) return a;
     return mlx::core::contiguous(a, false, stream);
+}
+
+// A primitive's eval_cpu: its outputs allocated, then compute(inputs, outputs) queued on the
+// stream's encoder (over views that do not hold the buffers: the encoder keeps them alive).
+template <class Compute>
+void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
+                     std::vector<mlx::core::array>& outputs, Compute compute) {
+    namespace mx = mlx::core;
+    auto& encoder = mx::cpu::get_command_encoder(stream);
+    std::vector<mx::array> held, written;
+    for (auto& input : inputs) {
+        encoder.set_input_array(input);
+        held.push_back(mx::array::unsafe_weak_copy(input));
+    }
+    for (auto& output : outputs) {
+        output.set_data(mx::allocator::malloc(output.nbytes()));
+        encoder.set_output_array(output);
+        written.push_back(mx::array::unsafe_weak_copy(output));
+    }
+    encoder.dispatch([held = std::move(held), written = std::move(written), compute]() mutable {
+        compute(held, written);
+    });
 }
 
 // A pool: the calling thread and `helpers` threads each take a share of a job's parts. One

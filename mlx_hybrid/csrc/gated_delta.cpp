@@ -16,11 +16,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
-#include <cstring>
 #include <stdexcept>
 
 #include "cpu_kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 namespace nb = nanobind;
@@ -34,6 +32,7 @@ namespace {
 struct Shape {
     int batch, tokens, key_heads, value_heads, key_dim, value_dim;
     bool vector_gate;
+    bool operator==(const Shape&) const = default;
 };
 
 // The scratch of one head's token: decayed q and k rows, the two reads, delta.
@@ -71,7 +70,8 @@ GDN_FN void head_token(const Shape& shape, const float* s_in, float* s_out, cons
                        const float* v, const float* g, float beta, float* out, Scratch& t) {
     int dk = shape.key_dim, dv = shape.value_dim;
     float* decay = t.decay.data();
-    for (int i = 0; i < dk; i++) decay[i] = shape.vector_gate ? std::exp(g[i]) : i ? decay[0] : std::exp(g[0]);
+    float head_decay = shape.vector_gate ? 0.0f : std::exp(g[0]);
+    for (int i = 0; i < dk; i++) decay[i] = shape.vector_gate ? std::exp(g[i]) : head_decay;
     float qk = 0.0f;
     for (int i = 0; i < dk; i++) {
         qk = std::fma(q[i], k[i], qk);
@@ -144,18 +144,8 @@ class GatedDeltaRecurrence : public mx::Primitive {
     GatedDeltaRecurrence(mx::Stream stream, Shape shape) : mx::Primitive(stream), shape_(shape) {}
 
     void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-        auto& encoder = mx::cpu::get_command_encoder(stream());
-        for (auto& input : inputs) encoder.set_input_array(input);
-        std::vector<mx::array> held, written;
-        for (auto& input : inputs) held.push_back(mx::array::unsafe_weak_copy(input));
-        for (auto& output : outputs) {
-            output.set_data(mx::allocator::malloc(output.nbytes()));
-            encoder.set_output_array(output);
-            written.push_back(mx::array::unsafe_weak_copy(output));
-        }
-        encoder.dispatch([held = std::move(held), written = std::move(written), shape = shape_]() mutable {
-            compute(shape, held, written);
-        });
+        mlx_hybrid::dispatch_on_cpu(stream(), inputs, outputs,
+                                    [shape = shape_](auto& held, auto& written) { compute(shape, held, written); });
     }
 
     void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -165,11 +155,7 @@ class GatedDeltaRecurrence : public mx::Primitive {
     const char* name() const override { return "GatedDeltaRecurrence"; }
 
     bool is_equivalent(const mx::Primitive& other) const override {
-        auto& o = static_cast<const GatedDeltaRecurrence&>(other).shape_;
-        auto& s = shape_;
-        return s.batch == o.batch && s.tokens == o.tokens && s.key_heads == o.key_heads &&
-               s.value_heads == o.value_heads && s.key_dim == o.key_dim && s.value_dim == o.value_dim &&
-               s.vector_gate == o.vector_gate;
+        return shape_ == static_cast<const GatedDeltaRecurrence&>(other).shape_;
     }
 
    private:

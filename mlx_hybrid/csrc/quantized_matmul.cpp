@@ -27,7 +27,6 @@
 #include <stdexcept>
 
 #include "cpu_kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 // The BLAS sgemm MLX calls, resolved as MLX's own is: OpenBLAS (behind the forwarding
@@ -215,17 +214,11 @@ class AffineQuantizedMatmul : public mx::Primitive {
           pairs_per_x_row_(pairs_per_x_row) {}
 
     void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-        auto& out = outputs[0];
-        out.set_data(mx::allocator::malloc(out.nbytes()));
-        auto& encoder = mx::cpu::get_command_encoder(stream());
-        for (auto& input : inputs) encoder.set_input_array(input);
-        encoder.set_output_array(out);
-        std::vector<mx::array> held;
-        for (auto& input : inputs) held.push_back(mx::array::unsafe_weak_copy(input));
-        encoder.dispatch([held = std::move(held), out = mx::array::unsafe_weak_copy(out), group_size = group_size_,
-                          bits = bits_, blocks = blocks_, gathered = gathered_, per_x = pairs_per_x_row_]() mutable {
-            compute(held, out, group_size, bits, blocks, gathered, per_x);
-        });
+        mlx_hybrid::dispatch_on_cpu(stream(), inputs, outputs,
+                                    [group_size = group_size_, bits = bits_, blocks = blocks_, gathered = gathered_,
+                                     per_x = pairs_per_x_row_](auto& held, auto& written) {
+                                        compute(held, written[0], group_size, bits, blocks, gathered, per_x);
+                                    });
     }
 
     void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {

@@ -69,7 +69,7 @@ def backend_name() -> str:
     platform = kernel_platform()
     if platform:
         return f"{platform} kernels"
-    if not _gpu_computes() and not force_reference() and cpu_extension.extension() is not None:
+    if _cpu_kernels_built():
         return "cpu kernels"  # the gated delta rule's; the convolution stays pure MLX
     return "mlx-reference"
 
@@ -183,14 +183,14 @@ _CPU_QUANTIZED = kernels.KernelSpec("mlx_hybrid_quantized_matmul", "quantized_ma
 _CPU_GATED_DELTA = kernels.KernelSpec("mlx_hybrid_gated_delta_cpu", "gated_delta.cpp", (), ())
 
 
+def _cpu_kernels_built() -> bool:
+    """Whether the CPU computes, with our CPU kernels allowed and built."""
+    return not _gpu_computes() and not force_reference() and cpu_extension.extension() is not None
+
+
 def _cpu_kernel_passed(spec, small_case, *variant) -> bool:
     """Whether our CPU kernel `spec` computes this variant (else MLX's ops)."""
-    return (
-        not _gpu_computes()
-        and not force_reference()
-        and cpu_extension.extension() is not None
-        and selfcheck.passed(spec, small_case, "cpu", *variant)
-    )
+    return _cpu_kernels_built() and selfcheck.passed(spec, small_case, "cpu", *variant)
 
 
 def _cpu_quantized_kernels(bits: int, group_size: int, scales_form) -> bool:
