@@ -108,9 +108,11 @@ int padded_groups(int k, int bits, int group_size) {
 #undef KERNEL_NS
 #define KERNEL_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"
 #define KERNEL_NS avx512
+#define KERNEL_WIDE
 #include "quantized_matmul_body.inc"
 #undef KERNEL_TARGET
 #undef KERNEL_NS
+#undef KERNEL_WIDE
 
 namespace {
 
