@@ -15,7 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import mlx.core as mx
+import mlx_hybrid  # noqa: F401  (first: on Linux it loads OpenBLAS before MLX's library)
+
+import mlx.core as mx  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).parent))
 
