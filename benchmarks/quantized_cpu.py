@@ -153,7 +153,12 @@ def main():
         runner, path = args.child
         prefill_tps, decode_tps = RUNNERS[runner](Path(path), PROMPT, args.tokens, args.threads)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-        print(json.dumps({"prefill": prefill_tps, "decode": decode_tps, "peak_gib": peak}))
+        result = {"prefill": prefill_tps, "decode": decode_tps, "peak_gib": peak}
+        if runner != "llama.cpp":  # MLX's products: without OpenBLAS, prefill and f32 run far slower
+            from mlx_hybrid.blas import active_blas
+
+            result["blas"] = active_blas()
+        print(json.dumps(result))
         return
     results: dict[tuple[str, str], list[dict]] = {}
     for round_index in range(args.rounds):
@@ -165,7 +170,9 @@ def main():
                 r = measure_in_child(runner, path, args)
                 results.setdefault((name, runner), []).append(r)
                 print(f"round {round_index + 1} {name:7s} {runner:10s} {r}", file=sys.stderr, flush=True)
-    print(f"\n{args.prompt_tokens}-token prompt, {args.tokens} tokens, {args.threads} threads; medians of {args.rounds}")
+    blas = sorted({r["blas"] for runs in results.values() for r in runs if "blas" in r})
+    print(f"\n{args.prompt_tokens}-token prompt, {args.tokens} tokens, {args.threads} threads; medians of {args.rounds}; "
+          f"MLX's BLAS: {', '.join(blas) or '-'}")  # fmt: skip
     print(f"{'file':7s} {'runner':10s} {'prefill t/s':>12s} {'decode t/s':>11s} {'peak GiB':>8s} {'file GiB':>8s}")
     for name in args.files:
         size = (args.dir / FILES[name]).stat().st_size / 2**30
