@@ -1,6 +1,7 @@
 // What the translation units of the CPU kernels' module share (mlx_hybrid/ops/cpu_extension.py
-// builds cpu_kernels.cpp, quantized_matmul.cpp and gated_delta.cpp into one module): the thread
-// pool, the binders each unit gives the module, and how an input becomes what the kernels read.
+// builds cpu_kernels.cpp, quantized_matmul.cpp, gated_delta.cpp and conv1d_silu.cpp into one
+// module): the thread pool, the binders each unit gives the module, and how an input becomes what
+// the kernels read.
 #pragma once
 
 #include <immintrin.h>
@@ -13,16 +14,20 @@
 #include <cstdlib>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
+#include "mlx/primitives.h"
 
 namespace mlx_hybrid {
 
 void bind_quantized_matmul(nanobind::module_& m);
 void bind_gated_delta(nanobind::module_& m);
+void bind_conv1d_silu(nanobind::module_& m);
 
 // whether this CPU runs the kernels: AVX2, FMA and F16C
 inline bool cpu_supported() {
@@ -59,6 +64,35 @@ void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::arra
         compute(held, written);
     });
 }
+
+// An MLX primitive whose outputs compute(params, inputs, outputs) writes on the CPU stream;
+// equivalent to another (for mx.compile) when their params are equal.
+template <class Params, void (*compute)(const Params&, const std::vector<mlx::core::array>&,
+                                        std::vector<mlx::core::array>&)>
+class CpuPrimitive : public mlx::core::Primitive {
+   public:
+    CpuPrimitive(mlx::core::Stream stream, Params params, const char* name)
+        : mlx::core::Primitive(stream), params_(params), name_(name) {}
+
+    void eval_cpu(const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs) override {
+        dispatch_on_cpu(stream(), inputs, outputs,
+                        [params = params_](auto& held, auto& written) { compute(params, held, written); });
+    }
+
+    void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {
+        throw std::runtime_error(std::string(name_) + " runs on the CPU only");
+    }
+
+    const char* name() const override { return name_; }
+
+    bool is_equivalent(const mlx::core::Primitive& other) const override {
+        return params_ == static_cast<const CpuPrimitive&>(other).params_;
+    }
+
+   private:
+    Params params_;
+    const char* name_;
+};
 
 // A pool: the calling thread and `helpers` threads each take a share of a job's parts. One
 // for the module (an inline function's static: the same object in every unit).

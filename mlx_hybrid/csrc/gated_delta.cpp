@@ -19,7 +19,6 @@
 #include <stdexcept>
 
 #include "cpu_kernels.h"
-#include "mlx/primitives.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -139,28 +138,7 @@ void compute(const Shape& s, const std::vector<mx::array>& in, std::vector<mx::a
     });
 }
 
-class GatedDeltaRecurrence : public mx::Primitive {
-   public:
-    GatedDeltaRecurrence(mx::Stream stream, Shape shape) : mx::Primitive(stream), shape_(shape) {}
-
-    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-        mlx_hybrid::dispatch_on_cpu(stream(), inputs, outputs,
-                                    [shape = shape_](auto& held, auto& written) { compute(shape, held, written); });
-    }
-
-    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-        throw std::runtime_error("GatedDeltaRecurrence runs on the CPU only");
-    }
-
-    const char* name() const override { return "GatedDeltaRecurrence"; }
-
-    bool is_equivalent(const mx::Primitive& other) const override {
-        return shape_ == static_cast<const GatedDeltaRecurrence&>(other).shape_;
-    }
-
-   private:
-    Shape shape_;
-};
+using GatedDeltaRecurrence = mlx_hybrid::CpuPrimitive<Shape, compute>;
 
 // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g [B, T, Hv] or [B, T, Hv, Dk]; beta [B, T, Hv];
 // state [B, Hv, Dk, Dv]. -> [out [B, T, Hv, Dv], the state after each token (snapshots) or
@@ -183,8 +161,8 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
     std::vector<mx::Shape> shapes{v.shape()};
     shapes.insert(shapes.end(), snapshots ? s.tokens : 1, state_shape);
     std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-    return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<GatedDeltaRecurrence>(stream, s),
-                                  inputs);
+    auto primitive = std::make_shared<GatedDeltaRecurrence>(stream, s, "GatedDeltaRecurrence");
+    return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
 }
 
 }  // namespace

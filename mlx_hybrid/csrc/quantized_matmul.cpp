@@ -27,7 +27,6 @@
 #include <stdexcept>
 
 #include "cpu_kernels.h"
-#include "mlx/primitives.h"
 
 // The BLAS sgemm MLX calls, resolved as MLX's own is: OpenBLAS (behind the forwarding
 // library) where mlx_hybrid opened it into the global scope, else MLX's BLAS.

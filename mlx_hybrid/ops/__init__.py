@@ -4,7 +4,7 @@ Models and the speculative loop call `gated_delta_update` and `conv1d_update`
 and nothing below them. This module is the one place that decides which
 implementation runs a call: a custom kernel (Metal, or CUDA through the same
 bodies) where the platform has one and the shape is supported; on the CPU our C++
-kernels (`cpu_extension`: the gated delta rule, quantized products) where they build;
+kernels (`cpu_extension`: the gated delta rule, the conv, quantized products) where they build;
 else the pure-MLX reference. MLX_HYBRID_FORCE_REFERENCE=1 forces the pure-MLX path.
 Nothing else in the package asks which device it runs on.
 
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ..quantized_tensor import BlockScales, QuantizedTensor
-from . import cpu_extension, cpu_gated_delta, cpu_quantized, kernels, reference, selfcheck
+from . import cpu_conv1d, cpu_extension, cpu_gated_delta, cpu_quantized, kernels, reference, selfcheck
 from .activations import sigmoid, silu, swiglu  # noqa: F401  (the models' activations)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
@@ -70,7 +70,7 @@ def backend_name() -> str:
     if platform:
         return f"{platform} kernels"
     if _cpu_kernels_built():
-        return "cpu kernels"  # the gated delta rule's; the convolution stays pure MLX
+        return "cpu kernels"
     return "mlx-reference"
 
 
@@ -181,6 +181,8 @@ def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.arra
 
 _CPU_QUANTIZED = kernels.KernelSpec("mlx_hybrid_quantized_matmul", "quantized_matmul.cpp", (), ())
 _CPU_GATED_DELTA = kernels.KernelSpec("mlx_hybrid_gated_delta_cpu", "gated_delta.cpp", (), ())
+_CPU_CONV1D = kernels.KernelSpec("mlx_hybrid_conv1d_silu_cpu", "conv1d_silu.cpp", (), ())
+CPU_CONV_MAX_WIDTH = 8  # the widest conv csrc/conv1d_silu.cpp takes (its MAX_WIDTH)
 
 
 def _cpu_kernels_built() -> bool:
@@ -262,4 +264,11 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
             kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
         )
         return ConvResult(y, new_tail, _per_token(tails) if snapshots else None)
+    if (
+        platform is None
+        and x.dtype == mx.float32
+        and 2 <= width <= CPU_CONV_MAX_WIDTH
+        and _cpu_kernel_passed(_CPU_CONV1D, selfcheck.small_conv_case, x.dtype, width, snapshots)
+    ):
+        return ConvResult(*cpu_conv1d.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))
     return ConvResult(*reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))

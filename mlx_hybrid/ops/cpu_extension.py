@@ -1,6 +1,7 @@
-"""Our kernels for MLX's CPU backend on x86-64 (csrc/cpu_kernels.cpp: quantized products and the
-gated delta rule, each an MLX primitive), built on first use with the system's C++ compiler
-against MLX's headers and the nanobind sources, cached per source and toolchain.
+"""Our kernels for MLX's CPU backend on x86-64 (csrc/cpu_kernels.cpp: quantized products, the
+gated delta rule and the conv before it, each an MLX primitive), built on first use with the
+system's C++ compiler against MLX's headers and the nanobind sources, cached per source and
+toolchain.
 
 Where the module cannot be built (no compiler, no nanobind, a CPU without AVX2/FMA/F16C) one
 warning names why, and MLX's ops compute.
@@ -22,7 +23,7 @@ import mlx.core as mx
 from ..native import BuildError, build_once, compiler
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_UNITS = [_CSRC / name for name in ("quantized_matmul.cpp", "gated_delta.cpp", "cpu_kernels.cpp")]
+_UNITS = [_CSRC / name for name in ("quantized_matmul.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "cpu_kernels.cpp")]
 _SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]
 _MODULE = "cpu_kernels_ext"
 

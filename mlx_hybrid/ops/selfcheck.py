@@ -11,7 +11,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import cpu_gated_delta, kernels, reference
+from . import cpu_conv1d, cpu_gated_delta, kernels, reference
 
 class KernelError(RuntimeError):
     """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
@@ -78,15 +78,19 @@ def small_gated_delta_case(platform, dtype, key_dim: int, vector_gate: bool, sna
 
 
 def small_conv_case(platform, dtype, width: int, snapshots: bool):
+    """Three tokens of 12 channels (platform 'cpu': a vector of 8 and a partial one)."""
     rng = np.random.default_rng(0)
     x, tail = (
         mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-        for shape in [(1, 3, 8), (1, width - 1, 8)]
+        for shape in [(1, 3, 12), (1, width - 1, 12)]
     )
-    weight = mx.array(rng.standard_normal((8, width)).astype(np.float32))
-    y, new_tail, tails = kernels.run(
-        kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
-    )
+    weight = mx.array(rng.standard_normal((12, width)).astype(np.float32))
+    if platform == "cpu":
+        y, new_tail, tails = cpu_conv1d.causal_conv1d_silu(x, weight, tail, snapshots=snapshots)
+        tails = mx.stack(tails, axis=1) if snapshots else None
+    else:
+        launch = kernels.conv1d_silu_launch(x, weight, tail, snapshots)
+        y, new_tail, tails = kernels.run(kernels.CONV1D_SILU, launch, platform)
     want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots)
     got, want = [y, new_tail], [want_y, want_tail]
     if snapshots:
