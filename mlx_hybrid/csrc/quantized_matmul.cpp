@@ -202,112 +202,90 @@ void product(const Weights& w, const Rows& rows, int bits, int padded) {
 // ---------------------------------------------------------------------------------------
 // The MLX primitive.
 
-class AffineQuantizedMatmul : public mx::Primitive {
-   public:
-    // pairs_per_x_row: with expert indices, product p takes x row p / pairs_per_x_row
-    AffineQuantizedMatmul(mx::Stream stream, int group_size, int bits, BlockLayout blocks, bool gathered,
-                          int pairs_per_x_row)
-        : mx::Primitive(stream),
-          group_size_(group_size),
-          bits_(bits),
-          blocks_(blocks),
-          gathered_(gathered),
-          pairs_per_x_row_(pairs_per_x_row) {}
-
-    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-        mlx_hybrid::dispatch_on_cpu(stream(), inputs, outputs,
-                                    [group_size = group_size_, bits = bits_, blocks = blocks_, gathered = gathered_,
-                                     per_x = pairs_per_x_row_](auto& held, auto& written) {
-                                        compute(held, written[0], group_size, bits, blocks, gathered, per_x);
-                                    });
-    }
-
-    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-        throw std::runtime_error("AffineQuantizedMatmul runs on the CPU only");
-    }
-
-    const char* name() const override { return "AffineQuantizedMatmul"; }
-
-    bool is_equivalent(const mx::Primitive& other) const override {
-        auto& o = static_cast<const AffineQuantizedMatmul&>(other);
-        return group_size_ == o.group_size_ && bits_ == o.bits_ && blocks_ == o.blocks_ && gathered_ == o.gathered_ &&
-               pairs_per_x_row_ == o.pairs_per_x_row_;
-    }
-
-   private:
-    static void compute(const std::vector<mx::array>& in, mx::array& out, int group_size, int bits,
-                        BlockLayout blocks, bool gathered, int per_x) {
-        const mx::array &x = in[0], &q = in[1], &scales = in[2], &biases = in[3];
-        int k = (int)x.shape(-1), n = (int)out.shape(-1);
-        int m = (int)(out.size() / n);
-        int v = step_values(bits), padded = (k + v - 1) / v * v;
-        int scale_type = scales.dtype() == mx::float32 ? F32 : scales.dtype() == mx::float16 ? F16 : BF16;
-        long q_row_bytes = (long)k * bits / 8;
-        long scale_row_bytes = scales.shape(-1) * (long)scales.itemsize();
-        long bias_row_bytes = biases.shape(-1) * (long)biases.itemsize();
-
-        float* result = out.data<float>();
-        // x rows in lane order
-        int x_rows = (int)(x.size() / k);
-        int groups_padded = padded_groups(k, bits, group_size);
-        std::vector<float> permuted((size_t)x_rows * padded), group_sums((size_t)x_rows * groups_padded);
-        for (int r = 0; r < x_rows; r++) {
-            const float* row = x.data<float>() + (long)r * k;
-            permute_row(row, k, padded, bits, &permuted[(size_t)r * padded]);
-            for (int i = 0; i < k; i++) group_sums[(size_t)r * groups_padded + i / group_size] += row[i];
-        }
-        std::vector<const float*> xs, sums;
-        std::vector<float*> outs;
-        auto add_row = [&](int x_row, int out_row) {
-            xs.push_back(&permuted[(size_t)x_row * padded]);
-            sums.push_back(&group_sums[(size_t)x_row * groups_padded]);
-            outs.push_back(result + (long)out_row * n);
-        };
-        auto weights_of = [&](long expert) {
-            long row = expert * n;
-            return Weights{q.data<uint8_t>() + row * q_row_bytes,
-                           scales.data<uint8_t>() + row * scale_row_bytes,
-                           biases.data<uint8_t>() + row * bias_row_bytes,
-                           q_row_bytes,
-                           scale_row_bytes,
-                           bias_row_bytes,
-                           n,
-                           k,
-                           group_size,
-                           scale_type,
-                           blocks};
-        };
-        auto run = [&](long expert) {
-            product(weights_of(expert), Rows{(int)xs.size(), xs.data(), sums.data(), outs.data()}, bits, padded);
-            xs.clear(), sums.clear(), outs.clear();
-        };
-
-        if (!gathered) {
-            for (int r = 0; r < m; r++) add_row(r, r);
-            return run(0);
-        }
-        // each expert once, with every product that selected it (a token selects an expert
-        // at most once, so a verify pass of up to 8 tokens stays on the small-row path)
-        const mx::array& indices = in[4];
-        long experts = q.shape(0);
-        std::vector<std::vector<int>> chosen(experts);
-        const uint32_t* index = indices.data<uint32_t>();
-        for (int p = 0; p < m; p++) {
-            if (index[p] >= experts) throw std::out_of_range("quantized_matmul: expert index out of range");
-            chosen[index[p]].push_back(p);
-        }
-        for (long e = 0; e < experts; e++) {
-            if (chosen[e].empty()) continue;
-            for (int p : chosen[e]) add_row(p / per_x, p);
-            run(e);
-        }
-    }
-
-    int group_size_, bits_;
-    BlockLayout blocks_;
-    bool gathered_;
-    int pairs_per_x_row_;
+// A product's parameters; pairs_per_x_row: with expert indices, product p takes x row
+// p / pairs_per_x_row.
+struct Product {
+    int group_size, bits;
+    BlockLayout blocks;
+    bool gathered;
+    int pairs_per_x_row;
+    bool operator==(const Product&) const = default;
 };
+
+void compute(const Product& params, const std::vector<mx::array>& in, std::vector<mx::array>& outputs) {
+    auto [group_size, bits, blocks, gathered, per_x] = params;
+    mx::array& out = outputs[0];
+    const mx::array &x = in[0], &q = in[1], &scales = in[2], &biases = in[3];
+    int k = (int)x.shape(-1), n = (int)out.shape(-1);
+    int m = (int)(out.size() / n);
+    int v = step_values(bits), padded = (k + v - 1) / v * v;
+    int scale_type = scales.dtype() == mx::float32 ? F32 : scales.dtype() == mx::float16 ? F16 : BF16;
+    long q_row_bytes = (long)k * bits / 8;
+    long scale_row_bytes = scales.shape(-1) * (long)scales.itemsize();
+    long bias_row_bytes = biases.shape(-1) * (long)biases.itemsize();
+
+    float* result = out.data<float>();
+    // x rows in lane order
+    int x_rows = (int)(x.size() / k);
+    int groups_padded = padded_groups(k, bits, group_size);
+    std::vector<float> permuted((size_t)x_rows * padded), group_sums((size_t)x_rows * groups_padded);
+    for (int r = 0; r < x_rows; r++) {
+        const float* row = x.data<float>() + (long)r * k;
+        permute_row(row, k, padded, bits, &permuted[(size_t)r * padded]);
+        for (int i = 0; i < k; i++) group_sums[(size_t)r * groups_padded + i / group_size] += row[i];
+    }
+    std::vector<const float*> xs, sums;
+    std::vector<float*> outs;
+    auto add_row = [&](int x_row, int out_row) {
+        xs.push_back(&permuted[(size_t)x_row * padded]);
+        sums.push_back(&group_sums[(size_t)x_row * groups_padded]);
+        outs.push_back(result + (long)out_row * n);
+    };
+    auto weights_of = [&](long expert) {
+        long row = expert * n;
+        return Weights{q.data<uint8_t>() + row * q_row_bytes,
+                       scales.data<uint8_t>() + row * scale_row_bytes,
+                       biases.data<uint8_t>() + row * bias_row_bytes,
+                       q_row_bytes,
+                       scale_row_bytes,
+                       bias_row_bytes,
+                       n,
+                       k,
+                       group_size,
+                       scale_type,
+                       blocks};
+    };
+    auto run = [&](long expert) {
+        product(weights_of(expert), Rows{(int)xs.size(), xs.data(), sums.data(), outs.data()}, bits, padded);
+        xs.clear(), sums.clear(), outs.clear();
+    };
+
+    if (!gathered) {
+        for (int r = 0; r < m; r++) add_row(r, r);
+        return run(0);
+    }
+    // each expert once, with every product that selected it (a token selects an expert
+    // at most once, so a verify pass of up to 8 tokens stays on the small-row path)
+    const mx::array& indices = in[4];
+    long experts = q.shape(0);
+    std::vector<std::vector<int>> chosen(experts);
+    const uint32_t* index = indices.data<uint32_t>();
+    for (int p = 0; p < m; p++) {
+        if (index[p] >= experts) throw std::out_of_range("quantized_matmul: expert index out of range");
+        chosen[index[p]].push_back(p);
+    }
+    for (long e = 0; e < experts; e++) {
+        if (chosen[e].empty()) continue;
+        for (int p : chosen[e]) add_row(p / per_x, p);
+        run(e);
+    }
+}
+
+using AffineQuantizedMatmul = mlx_hybrid::CpuPrimitive<Product, compute>;
+
+std::shared_ptr<AffineQuantizedMatmul> primitive(mx::Stream stream, Product product) {
+    return std::make_shared<AffineQuantizedMatmul>(stream, product, "AffineQuantizedMatmul");
+}
 
 // The layout of a block form's factors (float16) and codes (int8), checked against their shapes.
 BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
@@ -339,8 +317,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
         block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count, bias_ratio);
     auto shape = x.shape();
     shape.back() = (int)w.shape(-2);
-    return mx::array(shape, mx::float32,
-                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, blocks, false, 1),
+    return mx::array(shape, mx::float32, primitive(stream, {group_size, bits, blocks, false, 1}),
                      contiguous_inputs(x, w, scales, biases, stream));
 }
 
@@ -355,8 +332,7 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
     int per_x = x.shape(1) == k ? 1 : k;
     auto inputs = contiguous_inputs(x, w, scales, biases, stream);
     inputs.push_back(row_contiguous(mx::astype(indices, mx::uint32, stream), stream));
-    return mx::array({t, k, n}, mx::float32,
-                     std::make_shared<AffineQuantizedMatmul>(stream, group_size, bits, blocks, true, per_x), inputs);
+    return mx::array({t, k, n}, mx::float32, primitive(stream, {group_size, bits, blocks, true, per_x}), inputs);
 }
 
 }  // namespace
