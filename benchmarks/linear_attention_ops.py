@@ -1,0 +1,134 @@
+"""The linear-attention layers' two ops as this machine runs them, against the pure-MLX forms
+measured in the same run, run by hand:
+
+    python benchmarks/linear_attention_ops.py            # Qwen3.5-0.8B's shapes, its 18 layers
+    python benchmarks/linear_attention_ops.py --tokens 1 4 64
+
+For each token count: the causal conv1d + SiLU and the gated delta rule (token by token, as a
+decode step or a verify pass runs it; past ops.CHUNKED_MIN_TOKENS the pure-MLX side is the
+chunked form, as a prompt runs it), over one call per layer, every layer's inputs its own, all
+evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
+allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds per step of all layers, medians of --repeats, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx_hybrid  # noqa: F401  (first: on Linux it loads OpenBLAS before MLX's library)
+
+import mlx.core as mx  # noqa: I001
+
+from mlx_hybrid import ops
+from mlx_hybrid.cache import RecurrentCache
+from mlx_hybrid.models.qwen3_5 import LINEAR
+from mlx_hybrid.ops import reference
+from mlx_hybrid.speculative import keep_snapshot_buffers
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import SHAPES  # noqa: E402
+
+VERIFY_TOKENS = range(2, 9)
+
+
+def layer_inputs(args, tokens: int, seed: int) -> dict:
+    """One layer's conv and rule inputs at the model's shapes, of the scale the model feeds them."""
+    mx.random.seed(seed)
+    Hk, Hv = args.linear_num_key_heads, args.linear_num_value_heads
+    Dk, Dv, K = args.linear_key_head_dim, args.linear_value_head_dim, args.linear_conv_kernel_dim
+    channels = 2 * Hk * Dk + Hv * Dv
+
+    def unit(*shape):
+        x = mx.random.normal(shape)
+        return x / mx.linalg.norm(x, axis=-1, keepdims=True)
+
+    inputs = {
+        "x": mx.random.normal((1, tokens, channels)),
+        "weight": 0.5 * mx.random.normal((channels, K)),
+        "tail": mx.random.normal((1, K - 1, channels)),
+        "q": unit(1, tokens, Hk, Dk) * Dk**-0.5,
+        "k": unit(1, tokens, Hk, Dk),
+        "v": mx.random.normal((1, tokens, Hv, Dv)),
+        "g": -mx.random.uniform(0.01, 0.5, (1, tokens, Hv)),
+        "beta": mx.random.uniform(0.1, 0.9, (1, tokens, Hv)),
+        "state": 0.1 * mx.random.normal((1, Hv, Dk, Dv)),
+    }
+    mx.eval(inputs)
+    return inputs
+
+
+def recurrent_cache(inputs) -> RecurrentCache:
+    cache = RecurrentCache()
+    cache.update(inputs["tail"], inputs["state"])
+    return cache
+
+
+def conv_ours(i, snapshots):
+    return ops.conv1d_update(i["x"], i["weight"], i["tail"], snapshots=snapshots)
+
+
+def conv_mlx(i, snapshots):
+    return reference.causal_conv1d_silu(i["x"], i["weight"], i["tail"], snapshots=snapshots)
+
+
+def rule_ours(i, snapshots):
+    return ops.gated_delta_update(i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"], snapshots=snapshots)
+
+
+def rule_mlx(i, snapshots):
+    rule_inputs = (i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"])
+    if snapshots or i["q"].shape[1] < ops.CHUNKED_MIN_TOKENS:
+        return reference.gated_delta_recurrent(*rule_inputs, snapshots=snapshots)
+    return reference.gated_delta_chunked(*rule_inputs)
+
+
+def outputs(result) -> list:
+    """Every array a result holds (snapshot lists included), for mx.eval."""
+    flat = []
+    for part in result:
+        if isinstance(part, list):
+            flat.extend(part)
+        elif part is not None:
+            flat.append(part)
+    return flat
+
+
+def median_ms(fn, layers, snapshots: bool, repeats: int) -> float:
+    mx.eval([outputs(fn(i, snapshots)) for i in layers])  # warm up: builds, first-call checks
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval([outputs(fn(i, snapshots)) for i in layers])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3.5-0.8b", choices=list(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 512], help="tokens a call (default: 1 4 512)")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    if any(t < 1 for t in args.tokens) or args.repeats < 1:
+        p.error("--tokens and --repeats take positive numbers")
+    model_args = SHAPES[args.shape]()
+    n_layers = model_args.layer_types.count(LINEAR)
+    print(f"{args.shape}: {n_layers} linear-attention layers; ops {ops.backend_name()}; device {mx.default_device()}")
+    print(f"{'tokens':>6s} {'op':12s} {'ours ms':>9s} {'pure MLX ms':>12s} {'ratio':>7s}")
+    for tokens in args.tokens:
+        layers = [layer_inputs(model_args, tokens, seed) for seed in range(n_layers)]
+        snapshots = tokens in VERIFY_TOKENS
+        if snapshots:  # MLX's allocator keeps the snapshot buffers for reuse, as the decoder has it
+            keep_snapshot_buffers([recurrent_cache(i) for i in layers], tokens - 1)
+        repeats = args.repeats if tokens < 64 else max(1, args.repeats // 10)
+        for name, ours, mlx_form in [("conv + SiLU", conv_ours, conv_mlx), ("delta rule", rule_ours, rule_mlx)]:
+            a, b = median_ms(ours, layers, snapshots, repeats), median_ms(mlx_form, layers, snapshots, repeats)
+            print(f"{tokens:6d} {name:12s} {a:9.2f} {b:12.2f} {b / a:6.1f}x")
+
+
+if __name__ == "__main__":
+    main()
