@@ -8,12 +8,14 @@ For each token count: the causal conv1d + SiLU and the gated delta rule (token b
 decode step or a verify pass runs it; past ops.CHUNKED_MIN_TOKENS the pure-MLX side is the
 chunked form, as a prompt runs it), over one call per layer, every layer's inputs its own, all
 evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
-allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds per step of all layers, medians of --repeats, and the ratio.
+allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds
+for all layers, medians of --repeats, and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -26,7 +28,6 @@ import mlx.core as mx  # noqa: I001
 from mlx_hybrid import ops
 from mlx_hybrid.cache import RecurrentCache
 from mlx_hybrid.models.qwen3_5 import LINEAR
-from mlx_hybrid.ops import reference
 from mlx_hybrid.speculative import keep_snapshot_buffers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,23 +68,12 @@ def recurrent_cache(inputs) -> RecurrentCache:
     return cache
 
 
-def conv_ours(i, snapshots):
+def conv(i, snapshots):
     return ops.conv1d_update(i["x"], i["weight"], i["tail"], snapshots=snapshots)
 
 
-def conv_mlx(i, snapshots):
-    return reference.causal_conv1d_silu(i["x"], i["weight"], i["tail"], snapshots=snapshots)
-
-
-def rule_ours(i, snapshots):
+def rule(i, snapshots):
     return ops.gated_delta_update(i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"], snapshots=snapshots)
-
-
-def rule_mlx(i, snapshots):
-    rule_inputs = (i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"])
-    if snapshots or i["q"].shape[1] < ops.CHUNKED_MIN_TOKENS:
-        return reference.gated_delta_recurrent(*rule_inputs, snapshots=snapshots)
-    return reference.gated_delta_chunked(*rule_inputs)
 
 
 def outputs(result) -> list:
@@ -107,6 +97,21 @@ def median_ms(fn, layers, snapshots: bool, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def pure_mlx_ms(fn, layers, snapshots: bool, repeats: int) -> float:
+    """median_ms with the ops on their pure-MLX forms (the package's own switch, so that the ops
+    choose the form a call takes, the chunked rule for a prompt, as they do)."""
+    switch = "MLX_HYBRID_FORCE_REFERENCE"
+    before = os.environ.get(switch)
+    os.environ[switch] = "1"
+    try:
+        return median_ms(fn, layers, snapshots, repeats)
+    finally:
+        if before is None:
+            del os.environ[switch]
+        else:
+            os.environ[switch] = before
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3.5-0.8b", choices=list(SHAPES))
@@ -125,8 +130,8 @@ def main():
         if snapshots:  # MLX's allocator keeps the snapshot buffers for reuse, as the decoder has it
             keep_snapshot_buffers([recurrent_cache(i) for i in layers], tokens - 1)
         repeats = args.repeats if tokens < 64 else max(1, args.repeats // 10)
-        for name, ours, mlx_form in [("conv + SiLU", conv_ours, conv_mlx), ("delta rule", rule_ours, rule_mlx)]:
-            a, b = median_ms(ours, layers, snapshots, repeats), median_ms(mlx_form, layers, snapshots, repeats)
+        for name, op in [("conv + SiLU", conv), ("delta rule", rule)]:
+            a, b = median_ms(op, layers, snapshots, repeats), pure_mlx_ms(op, layers, snapshots, repeats)
             print(f"{tokens:6d} {name:12s} {a:9.2f} {b:12.2f} {b / a:6.1f}x")
 
 
