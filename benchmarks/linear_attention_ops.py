@@ -1,12 +1,13 @@
-"""The linear-attention layers' two ops as this machine runs them, against the pure-MLX forms
+"""The linear-attention layers' ops as this machine runs them, against the pure-MLX forms
 measured in the same run, run by hand:
 
     python benchmarks/linear_attention_ops.py            # Qwen3.5-0.8B's shapes, its 18 layers
     python benchmarks/linear_attention_ops.py --tokens 1 4 64
 
-For each token count: the causal conv1d + SiLU and the gated delta rule (token by token, as a
+For each token count: the causal conv1d + SiLU, the gated delta rule (token by token, as a
 decode step or a verify pass runs it; past ops.CHUNKED_MIN_TOKENS the pure-MLX side is the
-chunked form, as a prompt runs it), over one call per layer, every layer's inputs its own, all
+chunked form, as a prompt runs it) and the norms (q's and k's L2 normalization, the RMSNorm of
+the output), over one call per layer, every layer's inputs its own, all
 evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
 allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds
 for all layers, medians of --repeats, and the ratio.
@@ -57,6 +58,7 @@ def layer_inputs(args, tokens: int, seed: int) -> dict:
         "g": -mx.random.uniform(0.01, 0.5, (1, tokens, Hv)),
         "beta": mx.random.uniform(0.1, 0.9, (1, tokens, Hv)),
         "state": 0.1 * mx.random.normal((1, Hv, Dk, Dv)),
+        "norm_weight": 1 + 0.1 * mx.random.normal((Dv,)),
     }
     mx.eval(inputs)
     return inputs
@@ -74,6 +76,10 @@ def conv(i, snapshots):
 
 def rule(i, snapshots):
     return ops.gated_delta_update(i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"], snapshots=snapshots)
+
+
+def norms(i, snapshots):
+    return [ops.l2_normalize(i["q"]), ops.l2_normalize(i["k"]), ops.rms_norm(i["v"], i["norm_weight"], 1e-6)]
 
 
 def outputs(result) -> list:
@@ -130,7 +136,7 @@ def main():
         if snapshots:  # MLX's allocator keeps the snapshot buffers for reuse, as the decoder has it
             keep_snapshot_buffers([recurrent_cache(i) for i in layers], tokens - 1)
         repeats = args.repeats if tokens < 64 else max(1, args.repeats // 10)
-        for name, op in [("conv + SiLU", conv), ("delta rule", rule)]:
+        for name, op in [("conv + SiLU", conv), ("delta rule", rule), ("norms", norms)]:
             a, b = median_ms(op, layers, snapshots, repeats), pure_mlx_ms(op, layers, snapshots, repeats)
             print(f"{tokens:6d} {name:12s} {a:9.2f} {b:12.2f} {b / a:6.1f}x")
 

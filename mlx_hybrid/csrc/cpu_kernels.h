@@ -1,5 +1,5 @@
 // What the translation units of the CPU kernels' module share (mlx_hybrid/ops/cpu_extension.py
-// builds cpu_kernels.cpp, quantized_matmul.cpp, gated_delta.cpp and conv1d_silu.cpp into one
+// builds cpu_kernels.cpp, quantized_matmul.cpp, gated_delta.cpp, conv1d_silu.cpp and rms_norm.cpp into one
 // module): the thread pool, the binders each unit gives the module, and how an input becomes what
 // the kernels read.
 #pragma once
@@ -28,6 +28,7 @@ namespace mlx_hybrid {
 void bind_quantized_matmul(nanobind::module_& m);
 void bind_gated_delta(nanobind::module_& m);
 void bind_conv1d_silu(nanobind::module_& m);
+void bind_norms(nanobind::module_& m);
 
 // whether this CPU runs the kernels: AVX2, FMA and F16C
 inline bool cpu_supported() {

@@ -3,8 +3,6 @@ layers (float and quantized), the layer kinds of the hybrid models."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -38,13 +36,6 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x):
         return ops.rms_norm(x, self.weight, self.eps)
-
-
-@partial(mx.compile, shapeless=True)
-def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
-    """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (as FLA and transformers)."""
-    x = x.astype(F32)
-    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
 def gated_rms_norm(x: mx.array, weight: mx.array, gate: mx.array, eps: float) -> mx.array:

@@ -9,7 +9,6 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import RecurrentCache, RowCaches
-from .layers import l2_normalize
 
 
 def _row_pieces(cache: RowCaches, arrays) -> list[list[mx.array]]:
@@ -42,8 +41,8 @@ def delta_rule_attention(
         record = cache is not None and cache.record_snapshots
         conv = ops.conv1d_update(mixed_qkv, conv_weight, cache.conv_tail if cache else None, snapshots=record)
         q, k, v = mx.split(conv.out, [key_heads * key_dim, 2 * key_heads * key_dim], axis=-1)
-        q = l2_normalize(q.reshape(B, T, key_heads, key_dim)) * key_dim**-0.5
-        k = l2_normalize(k.reshape(B, T, key_heads, key_dim))
+        q = ops.l2_normalize(q.reshape(B, T, key_heads, key_dim)) * key_dim**-0.5
+        k = ops.l2_normalize(k.reshape(B, T, key_heads, key_dim))
         v = v.reshape(B, T, value_heads, value_dim)
         rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
         if cache is None:

@@ -4,7 +4,8 @@ Models and the speculative loop call `gated_delta_update` and `conv1d_update`
 and nothing below them. This module is the one place that decides which
 implementation runs a call: a custom kernel (Metal, or CUDA through the same
 bodies) where the platform has one and the shape is supported; on the CPU our C++
-kernels (`cpu_extension`: the gated delta rule, the conv, quantized products) where they build;
+kernels (`cpu_extension`: the gated delta rule, the conv, quantized products, the norms) where
+they build;
 else the pure-MLX reference. MLX_HYBRID_FORCE_REFERENCE=1 forces the pure-MLX path.
 Nothing else in the package asks which device it runs on.
 
@@ -18,7 +19,7 @@ MLX_HYBRID_STRICT_KERNELS=1 makes it an error instead (see `selfcheck`).
 from __future__ import annotations
 
 import os
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -83,22 +84,25 @@ def default_dtype():
     return mx.bfloat16 if _gpu_computes() else mx.float32
 
 
-@partial(mx.compile, shapeless=True)
-def _rms_norm_compiled(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    normed = x.astype(mx.float32)
-    normed = normed * mx.rsqrt((normed * normed).mean(axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
-
-
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """x / sqrt(mean(x^2) + eps) * weight, accumulated in float32, in x's dtype.
 
-    mx.fast.rms_norm is one kernel on a GPU; on the CPU it runs as ten separate ops,
-    and the same arithmetic compiled runs about 5x faster (45 vs 8 us for 1024 values).
+    mx.fast.rms_norm is one kernel on a GPU; on the CPU it runs as ten separate ops, compiled as
+    three, our CPU kernel as one (benchmarks/linear_attention_ops.py times the norms).
     """
     if _gpu_computes():
         return mx.fast.rms_norm(x, weight, eps)
-    return _rms_norm_compiled(x, weight, eps)
+    if x.dtype == weight.dtype == mx.float32 and _cpu_kernel_passed(_CPU_NORMS, selfcheck.small_norm_case, "rms"):
+        return cpu_extension.extension().rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (as FLA and transformers)."""
+    x = x.astype(mx.float32)
+    if _cpu_kernel_passed(_CPU_NORMS, selfcheck.small_norm_case, "l2"):
+        return cpu_extension.extension().l2_normalize(x, eps)
+    return reference.l2_normalize(x, eps)
 
 
 def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
@@ -182,6 +186,7 @@ def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.arra
 _CPU_QUANTIZED = kernels.KernelSpec("mlx_hybrid_quantized_matmul", "quantized_matmul.cpp", (), ())
 _CPU_GATED_DELTA = kernels.KernelSpec("mlx_hybrid_gated_delta_cpu", "gated_delta.cpp", (), ())
 _CPU_CONV1D = kernels.KernelSpec("mlx_hybrid_conv1d_silu_cpu", "conv1d_silu.cpp", (), ())
+_CPU_NORMS = kernels.KernelSpec("mlx_hybrid_norms_cpu", "rms_norm.cpp", (), ())
 CPU_CONV_MAX_WIDTH = 8  # the widest conv csrc/conv1d_silu.cpp takes (its MAX_WIDTH)
 
 

@@ -1,5 +1,5 @@
 """Our kernels for MLX's CPU backend on x86-64 (csrc/cpu_kernels.cpp: quantized products, the
-gated delta rule and the conv before it, each an MLX primitive), built on first use with the
+gated delta rule and the conv before it, the norms, each an MLX primitive), built on first use with the
 system's C++ compiler against MLX's headers and the nanobind sources, cached per source and
 toolchain.
 
@@ -23,7 +23,7 @@ import mlx.core as mx
 from ..native import BuildError, build_once, compiler
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_UNITS = [_CSRC / name for name in ("quantized_matmul.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "cpu_kernels.cpp")]
+_UNITS = [_CSRC / name for name in ("quantized_matmul.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "rms_norm.cpp", "cpu_kernels.cpp")]
 _SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]
 _MODULE = "cpu_kernels_ext"
 

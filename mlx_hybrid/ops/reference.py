@@ -1,4 +1,4 @@
-"""Pure-MLX forms of the linear-attention ops.
+"""Pure-MLX forms of the linear-attention ops and the norms.
 
 These run on every backend and are the reference the custom kernels are checked
 against. Shapes, for one layer:
@@ -15,7 +15,7 @@ Everything is computed in float32 whatever the input dtype.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import numpy as np
@@ -23,6 +23,21 @@ import numpy as np
 from .activations import silu
 
 F32 = mx.float32
+
+
+@partial(mx.compile, shapeless=True)
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis, accumulated in float32, in x's dtype."""
+    normed = x.astype(F32)
+    normed = normed * mx.rsqrt((normed * normed).mean(axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def l2_normalize(x: mx.array, eps: float) -> mx.array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in float32."""
+    x = x.astype(F32)
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
 def _expand_key_heads(x: mx.array, num_value_heads: int) -> mx.array:

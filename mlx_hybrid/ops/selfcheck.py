@@ -11,7 +11,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import cpu_conv1d, cpu_gated_delta, kernels, reference
+from . import cpu_conv1d, cpu_extension, cpu_gated_delta, kernels, reference
 
 class KernelError(RuntimeError):
     """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
@@ -97,3 +97,15 @@ def small_conv_case(platform, dtype, width: int, snapshots: bool):
         got.append(tails)
         want.append(mx.stack(want_tails, axis=1))
     return got, want
+
+
+def small_norm_case(platform, kind: str):
+    """Two rows of 28 values (a block of 16, one of 8 and a tail of 4): our CPU kernel
+    (kind 'rms' or 'l2') against the compiled MLX form."""
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((2, 1, 28)).astype(np.float32))
+    weight = mx.array(rng.standard_normal(28).astype(np.float32))
+    extension = cpu_extension.extension()
+    if kind == "rms":
+        return [extension.rms_norm(x, weight, 1e-6)], [reference.rms_norm(x, weight, 1e-6)]
+    return [extension.l2_normalize(x, 1e-6)], [reference.l2_normalize(x, 1e-6)]
