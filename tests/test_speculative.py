@@ -379,7 +379,7 @@ def test_kimi_has_no_mtp_but_drafts_with_a_draft_model():
 
 
 def test_snapshot_memory_does_not_grow_with_rounds():
-    """Snapshot buffers are sized by k once: active memory is flat from round to round."""
+    """Snapshot buffers are sized by k once: active memory does not grow from round to round."""
     model, _ = load_fixture("qwen35", "model.gguf")
     prompt = reference("qwen35")["prompt_ids"][0].tolist()
     greedy = plain_greedy("qwen35", "model.gguf")
@@ -391,14 +391,20 @@ def test_snapshot_memory_does_not_grow_with_rounds():
     cache = engine.rows[0].decoder.cache
     gc.collect()  # arrays left by earlier tests must not be freed mid-measurement
     used = []
-    for _ in range(30):
+    for _ in range(40):
         engine.step()
         # what the next round reads: every layer's cache and the MTP head's
         mx.eval(_layer_arrays(cache), mtp.cache.arrays, mtp.pending_hidden)
         used.append(mx.get_active_memory())
-    # one round's snapshots are ~60 KB here; what varies is the few hundred bytes that
-    # depend on how many drafts a round accepted
-    assert max(used[5:]) - min(used[5:]) < 4096, used
+    assert engine.rows, "the sequence ended before the last round measured"
+    # Compare the floors of an early and a late window of rounds. Above its floor a round's
+    # active memory varies by up to ~10 KB from run to run (measured here, with and without
+    # the CPU kernels): MLX's CPU stream decides whether an op reuses its input's buffer
+    # while queued work may still hold that buffer, so which buffers outlive a round is a
+    # matter of timing. The floor recurs every few rounds (measured floors differ by 0 or
+    # -512 bytes); a leak raises it: one fixture hidden row (256 bytes) a round lifts it by
+    # ~6 KB across the ~24 rounds between the windows, a round's snapshots (~60 KB) by far more.
+    assert min(used[-12:]) - min(used[4:16]) < 2048, used
 
 
 def test_adaptive_drafting_backs_off_after_misses_and_keeps_k_while_accepting():
