@@ -46,7 +46,7 @@ def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
     tokens = mx.array(ids)[None]
     hidden = []
     for start in range(0, len(ids), step):
-        hidden.append(model.hidden_states(tokens[:, start : start + step], cache))
+        hidden.append(model.hidden_states(tokens[:, start : start + step], cache, evaluate_each_layer=True))
         mx.eval(hidden[-1])
     return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
 

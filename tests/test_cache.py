@@ -76,3 +76,20 @@ def test_a_long_call_leaves_its_caches_holding_only_their_state(family):
     # a chunk's inputs a layer are 512 rows; the states a few: 10% over covers MLX's rounding of
     # small buffers, not one layer's 512-row input
     assert held <= 1.1 * own + 64 * 1024, (held, own)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pass_evaluated_layer_by_layer_gives_the_same_bits(family):
+    """`evaluate_each_layer` (prefill chunks) changes when the work is evaluated, not what it
+    computes: the hidden states and every cache array after a prompt in two chunks are equal."""
+    model, _ = load_fixture(family, "model.gguf")
+    ids = _prompt(family)
+    half = ids.shape[1] // 2
+    results = []
+    for each in (False, True):
+        cache = mlx_hybrid.make_cache(model)
+        chunks = [model.hidden_states(ids[:, :half], cache, evaluate_each_layer=each)]
+        chunks.append(model.hidden_states(ids[:, half:], cache, evaluate_each_layer=each))
+        results.append([mx.concatenate(chunks, axis=1)] + [a for c in cache for a in c.arrays])
+    for whole, layer_by_layer in zip(*results):
+        assert mx.array_equal(whole, layer_by_layer).item()

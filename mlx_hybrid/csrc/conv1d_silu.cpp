@@ -19,7 +19,7 @@
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
-using mlx_hybrid::Pool, mlx_hybrid::row_contiguous;
+using mlx_hybrid::Pool;
 
 namespace {
 
@@ -141,9 +141,7 @@ std::vector<mx::array> conv1d_silu(const mx::array& x, const mx::array& weight, 
     if (x.dtype() != mx::float32 || tail.dtype() != mx::float32)
         throw std::invalid_argument("conv1d_silu: x and tail in float32");
     auto stream = mx::default_stream(mx::Device::cpu);
-    std::vector<mx::array> inputs{row_contiguous(x, stream),
-                                  row_contiguous(mx::astype(weight, mx::float32, stream), stream),
-                                  row_contiguous(tail, stream)};
+    std::vector<mx::array> inputs{x, mx::astype(weight, mx::float32, stream), tail};
     std::vector<mx::Shape> shapes{x.shape(), tail.shape()};
     if (snapshots) shapes.push_back({s.batch, s.tokens, s.width - 1, s.channels});
     std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <stdexcept>
@@ -37,31 +38,58 @@ inline bool cpu_supported() {
     return known;
 }
 
-// a as the kernels read it: row-contiguous. Evaluated row-contiguous arrays (loaded weights) as
-// they are: a Contiguous node costs microseconds a call, and a decode step makes hundreds.
-inline mlx::core::array row_contiguous(const mlx::core::array& a, mlx::core::Stream stream) {
-    if (a.is_available() && a.flags().row_contiguous) return a;
-    return mlx::core::contiguous(a, false, stream);
+// dst, row-contiguous, from src's elements read by its strides (a slice, a transpose, a broadcast)
+inline void copy_by_strides(const mlx::core::array& src, mlx::core::array& dst) {
+    size_t item = src.itemsize(), inner = src.ndim() ? src.shape(-1) : 1;
+    int64_t step = src.ndim() ? src.strides().back() : 0;
+    const char* from = src.data<char>();
+    char* to = dst.data<char>();
+    std::vector<int> index(src.ndim() > 1 ? src.ndim() - 1 : 0, 0);
+    for (size_t row = 0, rows = inner ? src.size() / inner : 0; row < rows; row++) {
+        int64_t offset = 0;
+        for (size_t d = 0; d < index.size(); d++) offset += index[d] * src.strides()[d];
+        if (step == 1) {
+            std::memcpy(to, from + offset * item, inner * item);
+        } else {
+            for (size_t i = 0; i < inner; i++) std::memcpy(to + i * item, from + (offset + (int64_t)i * step) * item, item);
+        }
+        to += inner * item;
+        for (int d = (int)index.size() - 1; d >= 0 && ++index[d] == src.shape(d); d--) index[d] = 0;
+    }
 }
 
 // A primitive's eval_cpu: its outputs allocated, then compute(inputs, outputs) queued on the
-// stream's encoder (over views that do not hold the buffers: the encoder keeps them alive).
+// stream's encoder (over views that do not hold the buffers: the encoder keeps them alive). The
+// kernels read their inputs row-contiguous: an input that is not gets a copy made in the same
+// task, so that MLX needs no Contiguous node for every lazy input (a few microseconds each,
+// hundreds in a decode step).
 template <class Compute>
 void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
                      std::vector<mlx::core::array>& outputs, Compute compute) {
     namespace mx = mlx::core;
     auto& encoder = mx::cpu::get_command_encoder(stream);
-    std::vector<mx::array> held, written;
+    std::vector<mx::array> held, written, copied_from, copied_to;
     for (auto& input : inputs) {
         encoder.set_input_array(input);
-        held.push_back(mx::array::unsafe_weak_copy(input));
+        if (input.flags().row_contiguous) {
+            held.push_back(mx::array::unsafe_weak_copy(input));
+            continue;
+        }
+        mx::array copy(input.shape(), input.dtype(), nullptr, {});
+        copy.set_data(mx::allocator::malloc(copy.nbytes()));
+        encoder.add_temporary(copy);
+        copied_from.push_back(mx::array::unsafe_weak_copy(input));
+        copied_to.push_back(mx::array::unsafe_weak_copy(copy));
+        held.push_back(mx::array::unsafe_weak_copy(copy));
     }
     for (auto& output : outputs) {
         output.set_data(mx::allocator::malloc(output.nbytes()));
         encoder.set_output_array(output);
         written.push_back(mx::array::unsafe_weak_copy(output));
     }
-    encoder.dispatch([held = std::move(held), written = std::move(written), compute]() mutable {
+    encoder.dispatch([held = std::move(held), written = std::move(written), copied_from = std::move(copied_from),
+                      copied_to = std::move(copied_to), compute]() mutable {
+        for (size_t i = 0; i < copied_from.size(); i++) copy_by_strides(copied_from[i], copied_to[i]);
         compute(held, written);
     });
 }

@@ -23,7 +23,7 @@
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
-using mlx_hybrid::Pool, mlx_hybrid::row_contiguous;
+using mlx_hybrid::Pool;
 
 namespace {
 
@@ -158,7 +158,7 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
     auto stream = mx::default_stream(mx::Device::cpu);
     std::vector<mx::array> inputs;
     for (auto* a : {&q, &k, &v, &g, &beta, &state})
-        inputs.push_back(row_contiguous(mx::astype(*a, mx::float32, stream), stream));
+        inputs.push_back(mx::astype(*a, mx::float32, stream));
     std::vector<mx::Shape> shapes{v.shape()};
     shapes.insert(shapes.end(), snapshots ? s.tokens : 1, state_shape);
     std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);

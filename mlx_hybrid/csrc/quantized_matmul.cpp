@@ -35,7 +35,7 @@ extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, i
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
-using mlx_hybrid::Pool, mlx_hybrid::row_contiguous;
+using mlx_hybrid::Pool;
 
 namespace {
 
@@ -299,13 +299,6 @@ BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::
     return {groups_per_factor, factor_count, code_count, bias_ratio};
 }
 
-// x keeps its Contiguous node (reading a view by its strides instead saved ~0.5 ms a decode step,
-// but MLX then ordered a 512-token prefill so that its peak memory rose ~12 MB).
-std::vector<mx::array> contiguous_inputs(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                         const mx::array& biases, mx::Stream stream) {
-    return {row_contiguous(mx::astype(x, mx::float32, stream), stream), row_contiguous(w, stream),
-            row_contiguous(scales, stream), row_contiguous(biases, stream)};
-}
 
 // x [..., K] @ W^T; W [N, K*bits/32] uint32, scales/biases [N, K/group_size] (block form: factors
 // and codes, see BlockLayout). Float32 result [..., N].
@@ -318,7 +311,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
     auto shape = x.shape();
     shape.back() = (int)w.shape(-2);
     return mx::array(shape, mx::float32, primitive(stream, {group_size, bits, blocks, false, 1}),
-                     contiguous_inputs(x, w, scales, biases, stream));
+                     {mx::astype(x, mx::float32, stream), w, scales, biases});
 }
 
 // x [T, Kx, D] (Kx 1 or k), expert indices [T, k]; W [E, N, ...] -> float32 [T, k, N]
@@ -330,9 +323,8 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
         block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count, bias_ratio);
     int t = (int)indices.shape(0), k = (int)indices.shape(1), n = (int)w.shape(-2);
     int per_x = x.shape(1) == k ? 1 : k;
-    auto inputs = contiguous_inputs(x, w, scales, biases, stream);
-    inputs.push_back(row_contiguous(mx::astype(indices, mx::uint32, stream), stream));
-    return mx::array({t, k, n}, mx::float32, primitive(stream, {group_size, bits, blocks, true, per_x}), inputs);
+    return mx::array({t, k, n}, mx::float32, primitive(stream, {group_size, bits, blocks, true, per_x}),
+                     {mx::astype(x, mx::float32, stream), w, scales, biases, mx::astype(indices, mx::uint32, stream)});
 }
 
 }  // namespace

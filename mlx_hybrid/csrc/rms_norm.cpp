@@ -17,7 +17,7 @@
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
-using mlx_hybrid::Pool, mlx_hybrid::row_contiguous;
+using mlx_hybrid::Pool;
 
 namespace {
 
@@ -90,8 +90,8 @@ mx::array normalized(const mx::array& x, const std::optional<mx::array>& weight,
     if (weight && (weight->ndim() != 1 || weight->shape(0) != dim || weight->dtype() != mx::float32))
         throw std::invalid_argument("norm: a float32 weight [D] for x [..., D]");
     auto stream = mx::default_stream(mx::Device::cpu);
-    std::vector<mx::array> inputs{row_contiguous(x, stream)};
-    if (weight) inputs.push_back(row_contiguous(*weight, stream));
+    std::vector<mx::array> inputs{x};
+    if (weight) inputs.push_back(*weight);
     auto primitive = std::make_shared<Normalize>(stream, Norm{dim, eps, mean, weight.has_value()},
                                                  mean ? "RmsNorm" : "L2Normalize");
     return mx::array(x.shape(), mx::float32, primitive, inputs);

@@ -380,7 +380,10 @@ class Engine:
             for row, n, at in zip(rows, lengths, starts) if row.images is not None and row.prefilling
         ])  # fmt: skip
         try:
-            hidden = self.model.hidden_states(ids, packed([row.decoder.cache for row in rows], lengths), inserted)
+            hidden = self.model.hidden_states(
+                ids, packed([row.decoder.cache for row in rows], lengths), inserted,
+                evaluate_each_layer=any(row.prefilling for row in rows),
+            )  # fmt: skip
         finally:
             for row in rows:
                 record_snapshots(row.decoder.cache, False)
