@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import ops
 from .errors import ContextOverflowError, GenerationError
 
 # Prompts are prefilled this many tokens at a time, to bound activation memory.
@@ -46,7 +47,8 @@ def prefill(model, ids: list[int], cache, step: int = PREFILL_STEP) -> mx.array:
     tokens = mx.array(ids)[None]
     hidden = []
     for start in range(0, len(ids), step):
-        hidden.append(model.hidden_states(tokens[:, start : start + step], cache, evaluate_each_layer=True))
+        chunk = tokens[:, start : start + step]
+        hidden.append(model.hidden_states(chunk, cache, evaluate_each_layer=ops.prefill_layer_by_layer()))
         mx.eval(hidden[-1])
     return mx.concatenate(hidden, axis=1) if len(hidden) > 1 else hidden[0]
 

@@ -184,6 +184,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(DEFAULT_PREFIX_CACHE_BYTES)
         self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
+        self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
         self.speculation = SpeculativeStats()  # the figures of every finished sequence that drafted
         self.waiting: queue.Queue = queue.Queue()
         self.rows: list[_Row] = []
@@ -382,7 +383,7 @@ class Engine:
         try:
             hidden = self.model.hidden_states(
                 ids, packed([row.decoder.cache for row in rows], lengths), inserted,
-                evaluate_each_layer=any(row.prefilling for row in rows),
+                evaluate_each_layer=self.prefill_layer_by_layer and any(row.prefilling for row in rows),
             )  # fmt: skip
         finally:
             for row in rows:

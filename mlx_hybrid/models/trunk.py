@@ -112,10 +112,8 @@ class HybridModel(nn.Module):
         """The trunk's hidden state before the final norm, [B, T, E]. inserted: (at [n], rows
         [n, E]), embeddings that replace those of the tokens at `at` of a one-row input (an
         image's tokens, from `image_features`). evaluate_each_layer: each layer's output
-        evaluated before the next layer is built, for long passes (a prompt's chunk): MLX
-        allocates the outputs of the work it has queued, so a pass built whole holds the
-        intermediates of several layers at once (a 512-token prefill of Qwen3.5-0.8B on the
-        CPU: ~200 MB over the weights at its peak, ~110 MB layer by layer)."""
+        evaluated before the next layer is built, so that a long pass holds one layer's
+        intermediates at a time (see `ops.prefill_layer_by_layer`)."""
         h = self.embed(ids)
         if inserted is not None:
             at, rows = inserted

@@ -136,6 +136,19 @@ def overlap_decode_steps() -> bool:
     return _gpu_computes()
 
 
+def prefill_layer_by_layer() -> bool:
+    """Whether a prompt chunk is evaluated one layer at a time (the trunk's
+    `hidden_states(evaluate_each_layer=True)`).
+
+    Yes on the CPU: MLX allocates the outputs of the work it has queued ahead of the threads
+    computing it, so a chunk built whole holds the intermediates of several layers (a
+    512-token chunk of Qwen3.5-0.8B: ~200 MB over the weights at the peak, ~110 MB layer by
+    layer, at the same speed). Where a GPU computes each layer would wait for the GPU: not
+    measured there, so not done.
+    """
+    return not _gpu_computes()
+
+
 # the kernels keep a column of S in registers: Dk / 32 floats per lane
 KERNEL_MAX_KEY_DIM = 256
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
