@@ -51,7 +51,8 @@ inline void copy_by_strides(const mlx::core::array& src, mlx::core::array& dst) 
         if (step == 1) {
             std::memcpy(to, from + offset * item, inner * item);
         } else {
-            for (size_t i = 0; i < inner; i++) std::memcpy(to + i * item, from + (offset + (int64_t)i * step) * item, item);
+            for (size_t i = 0; i < inner; i++)
+                std::memcpy(to + i * item, from + (offset + (int64_t)i * step) * item, item);
         }
         to += inner * item;
         for (int d = (int)index.size() - 1; d >= 0 && ++index[d] == src.shape(d); d--) index[d] = 0;

@@ -299,7 +299,6 @@ BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::
     return {groups_per_factor, factor_count, code_count, bias_ratio};
 }
 
-
 // x [..., K] @ W^T; W [N, K*bits/32] uint32, scales/biases [N, K/group_size] (block form: factors
 // and codes, see BlockLayout). Float32 result [..., N].
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,

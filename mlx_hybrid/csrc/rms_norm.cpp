@@ -101,7 +101,8 @@ mx::array normalized(const mx::array& x, const std::optional<mx::array>& weight,
 
 void mlx_hybrid::bind_norms(nb::module_& m) {
     m.def(
-        "rms_norm", [](const mx::array& x, const mx::array& weight, float eps) { return normalized(x, weight, eps, true); },
+        "rms_norm",
+        [](const mx::array& x, const mx::array& weight, float eps) { return normalized(x, weight, eps, true); },
         nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "x / sqrt(mean(x^2) + eps) * weight over the last axis");
     m.def(
         "l2_normalize", [](const mx::array& x, float eps) { return normalized(x, std::nullopt, eps, false); },
