@@ -12,13 +12,15 @@ from test_ops import make_inputs
 
 pytestmark = pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here")
 
-# each: a view with the values of a [B >= 2, T >= 2, ..., D] array whose strides are not its
-# row-contiguous ones (an offset slice starts mid-buffer, a broadcast repeats the first row)
+# each: a view of a's shape ([B >= 2, T >= 2, ..., D]) whose strides are not its row-contiguous
+# ones (an offset slice starts mid-buffer, a broadcast repeats the first row, a reversed one
+# reads its last axis backwards)
 VIEWS = {
     "transpose": lambda a: mx.contiguous(a.swapaxes(0, 1)).swapaxes(0, 1),
     "stepped slice": lambda a: mx.repeat(a, 2, axis=-1)[..., ::2],
     "offset slice": lambda a: mx.concatenate([a, a], axis=-1)[..., a.shape[-1] :],
     "broadcast": lambda a: mx.broadcast_to(a[:1], a.shape),
+    "reversed": lambda a: a[..., ::-1],
 }
 
 
