@@ -56,7 +56,7 @@ def test_the_ops_run_the_kernels_on_the_cpu():
     weight = mx.array(rng.standard_normal(64).astype(np.float32))
     assert mx.array_equal(ops.rms_norm(x, weight, 1e-6), kernel("rms", x, weight, 1e-6))
     assert mx.array_equal(ops.l2_normalize(x), kernel("l2", x, weight, 1e-6))
-    # a view read in its logical order (the kernel reads rows: the op makes them contiguous)
+    # a view read in its logical order (the kernel copies a view to rows itself)
     view = x.transpose(0, 2, 1, 3)
     assert mx.array_equal(ops.rms_norm(view, weight, 1e-6), kernel("rms", mx.contiguous(view), weight, 1e-6))
     # other dtypes: the compiled MLX form, in x's dtype

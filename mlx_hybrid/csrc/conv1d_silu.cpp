@@ -23,8 +23,6 @@ using mlx_hybrid::Pool;
 
 namespace {
 
-#define CONV_FN __attribute__((target("avx2,fma")))
-
 constexpr int MAX_WIDTH = 8;  // the kernel widths it takes (Qwen3.5, Qwen3-Next, Kimi Linear: 4)
 
 // Channel-tokens below this run on the calling thread (a decode step's 6144 channels take
@@ -41,7 +39,7 @@ struct Shape {
 // e^u as 2^n e^r, n = round(u / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to degree 7
 // (truncation below 3e-9 relative; the result within 2 ulp of e^u). u is clamped to [-87, 88],
 // where 2^n is a normal float: SiLU is saturated long before (1 + e^-87 rounds to 1).
-CONV_FN inline __m256 exp_ps(__m256 u) {
+AVX2_FN inline __m256 exp_ps(__m256 u) {
     u = _mm256_min_ps(_mm256_max_ps(u, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(u, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -55,21 +53,21 @@ CONV_FN inline __m256 exp_ps(__m256 u) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
-CONV_FN inline __m256 silu_ps(__m256 x) {
+AVX2_FN inline __m256 silu_ps(__m256 x) {
     __m256 one = _mm256_set1_ps(1.0f);
     return _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
 
-CONV_FN inline __m256i lane_mask(int lanes) {
+AVX2_FN inline __m256i lane_mask(int lanes) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // the first `lanes` (<= 8) floats at p; loads and stores of 8 unmasked (AMD's masked stores are slow)
-CONV_FN inline __m256 load(const float* p, int lanes) {
+AVX2_FN inline __m256 load(const float* p, int lanes) {
     return lanes == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(lanes));
 }
 
-CONV_FN inline void store(float* p, __m256 v, int lanes) {
+AVX2_FN inline void store(float* p, __m256 v, int lanes) {
     if (lanes == 8)
         _mm256_storeu_ps(p, v);
     else
@@ -78,7 +76,7 @@ CONV_FN inline void store(float* p, __m256 v, int lanes) {
 
 // Sequence b's channels [first, end) over all its tokens, token by token along the rows of its
 // padded input (the carried tail's K-1 rows, then x's), so that every pass reads along rows.
-CONV_FN void channel_range(const Shape& s, int b, int first, int end, const float* x, const float* weight,
+AVX2_FN void channel_range(const Shape& s, int b, int first, int end, const float* x, const float* weight,
                            const float* tail_in, float* y, float* tail_out, float* snapshots) {
     const int C = s.channels, tail = s.width - 1, count = end - first;
     auto padded = [&](int row) {

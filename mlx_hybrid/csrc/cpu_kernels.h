@@ -31,6 +31,10 @@ void bind_gated_delta(nanobind::module_& m);
 void bind_conv1d_silu(nanobind::module_& m);
 void bind_norms(nanobind::module_& m);
 
+// The target of the units' AVX2 functions (within what cpu_supported() checks; the quantized
+// products' body, compiled per instruction set, names its own).
+#define AVX2_FN __attribute__((target("avx2,fma")))
+
 // whether this CPU runs the kernels: AVX2, FMA and F16C
 inline bool cpu_supported() {
     static bool known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&

@@ -27,8 +27,6 @@ using mlx_hybrid::Pool;
 
 namespace {
 
-#define GDN_FN __attribute__((target("avx2,fma")))
-
 struct Shape {
     int batch, tokens, key_heads, value_heads, key_dim, value_dim;
     bool vector_gate;
@@ -46,7 +44,7 @@ struct Scratch {
 
 // reads over columns [j0, j0 + 8 W) of S: W vectors of each read in registers
 template <int W>
-GDN_FN void read_columns(const float* s, int dk, int dv, int j0, const float* a, const float* b, float* read_a,
+AVX2_FN void read_columns(const float* s, int dk, int dv, int j0, const float* a, const float* b, float* read_a,
                          float* read_b) {
     __m256 ra[W], rb[W];
     for (int w = 0; w < W; w++) ra[w] = rb[w] = _mm256_setzero_ps();
@@ -66,7 +64,7 @@ GDN_FN void read_columns(const float* s, int dk, int dv, int j0, const float* a,
 }
 
 // One token of one head: s_in -> s_out (the same buffer, or another), out [Dv].
-GDN_FN void head_token(const Shape& shape, const float* s_in, float* s_out, const float* q, const float* k,
+AVX2_FN void head_token(const Shape& shape, const float* s_in, float* s_out, const float* q, const float* k,
                        const float* v, const float* g, float beta, float* out, Scratch& t) {
     int dk = shape.key_dim, dv = shape.value_dim;
     float* decay = t.decay.data();

@@ -21,8 +21,6 @@ using mlx_hybrid::Pool;
 
 namespace {
 
-#define NORM_FN __attribute__((target("avx2,fma")))
-
 // Values below this run on the calling thread (a decode step's row takes well under a
 // microsecond, less than waking a helper).
 constexpr long PARALLEL_MIN_VALUES = 1L << 16;
@@ -36,7 +34,7 @@ struct Norm {
     bool operator==(const Norm&) const = default;
 };
 
-NORM_FN float sum_of_squares(const float* x, int d) {
+AVX2_FN float sum_of_squares(const float* x, int d) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= d; i += 16) {
@@ -57,7 +55,7 @@ NORM_FN float sum_of_squares(const float* x, int d) {
     return total;
 }
 
-NORM_FN void normalize_row(const Norm& n, const float* x, const float* weight, float* y) {
+AVX2_FN void normalize_row(const Norm& n, const float* x, const float* weight, float* y) {
     float squares = sum_of_squares(x, n.dim);
     float scale = 1.0f / std::sqrt((n.mean ? squares / (float)n.dim : squares) + n.eps);
     const __m256 s = _mm256_set1_ps(scale);

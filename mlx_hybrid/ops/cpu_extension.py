@@ -23,7 +23,10 @@ import mlx.core as mx
 from ..native import BuildError, build_once, compiler
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_UNITS = [_CSRC / name for name in ("quantized_matmul.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "rms_norm.cpp", "cpu_kernels.cpp")]
+_UNITS = [
+    _CSRC / name
+    for name in ("quantized_matmul.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "rms_norm.cpp", "cpu_kernels.cpp")
+]
 _SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]
 _MODULE = "cpu_kernels_ext"
 
