@@ -6,9 +6,9 @@ measured in the same run, run by hand:
 
 For each token count: the causal conv1d + SiLU, the gated delta rule (token by token, as a
 decode step or a verify pass runs it; past ops.CHUNKED_MIN_TOKENS the pure-MLX side is the
-chunked form, as a prompt runs it) and the norms (q's and k's L2 normalization, the RMSNorm of
-the output), over one call per layer, every layer's inputs its own, all
-evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
+chunked form, as a prompt runs it, and on a GPU both sides are) and the norms (q's and k's L2
+normalization, the RMSNorm of the output), over one call per layer, every layer's inputs its
+own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
 allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds
 for all layers, medians of --repeats, and the ratio.
 """

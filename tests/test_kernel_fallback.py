@@ -107,3 +107,23 @@ def test_strict_mode_makes_a_broken_kernel_an_error(emulated, monkeypatch, tmp_p
     monkeypatch.setenv("MLX_HYBRID_STRICT_KERNELS", "1")
     with pytest.raises(selfcheck.KernelError, match="gated_delta.metal"):
         ops.gated_delta_update(*gated_delta_inputs())
+
+
+def test_check_compares_bfloat16_outputs_to_one_rounding_step(monkeypatch, caplog):
+    """A GPU's default dtype: a bfloat16 output is a float32 result rounded, so a result a hair
+    off the reference's may round one bfloat16 step away and passes; ten percent off does not."""
+    monkeypatch.setattr(selfcheck, "kernel_usable", {})
+    monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)
+    exact = mx.array(np.linspace(-3, 3, 37, dtype=np.float32))
+    want = exact.astype(mx.bfloat16)
+
+    def scaled_by(factor):
+        return lambda platform, *variant: ([(exact * factor).astype(mx.bfloat16)], [want])
+
+    hair = (exact * (1 + 2.0**-9)).astype(mx.bfloat16)
+    assert not mx.array_equal(hair, want)  # some values do round a step away
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        assert selfcheck.passed(kernels.CONV1D_SILU, scaled_by(1 + 2.0**-9), "emulated", mx.bfloat16, "hair")
+        assert not caplog.records
+        assert not selfcheck.passed(kernels.CONV1D_SILU, scaled_by(1.1), "emulated", mx.bfloat16, "ten percent")
+    assert "differs from the pure-MLX op" in caplog.records[0].getMessage()

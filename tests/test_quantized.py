@@ -124,7 +124,7 @@ def test_block_form_is_exact_and_near_the_file_size(type_name):
     raw, qtype = random_raw(type_name, 8, 1024, 7)
     for compact_scales in (None, mx.float16):
         q = from_gguf_blocks(raw, type_name, compact_scales=compact_scales)
-        if q.block is None:
+        if q is None or q.block is None:  # None: MLX's ops compute, and they take no Q6_K
             pytest.skip("our kernels do not compute here")
         # Q8_0's code of 1 a group: 8.75 bits a weight against the file's 8.5; K-quants' codes
         # take a byte each (the file packs them in 6 bits): Q4_K 4.63 against 4.5

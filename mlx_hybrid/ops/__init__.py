@@ -46,6 +46,14 @@ class ConvResult(NamedTuple):
     snapshots: list | None  # T arrays [B, K-1, C]: the tail after each token
 
 
+# Float32 matrix products in float32. By default MLX rounds their inputs to TF32 (a 10-bit
+# mantissa) where the hardware has it (NVIDIA GPUs; Apple's newest): the chunked delta rule's
+# float32 products, a float32 model's prefill and verify passes would then drift from its decode
+# steps and from the checkpoint's reference (bfloat16 products are unaffected). MLX reads the
+# variable at its first such product; a user's own setting stands.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+
 def force_reference() -> bool:
     return os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
 
