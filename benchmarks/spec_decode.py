@@ -164,7 +164,8 @@ def main():
     for k in args.draft_tokens:
         for rate in args.rates:
             table[k, rate] = report(f"oracle {rate:4.2f}, adaptive off", k, oracle(rate, 0.0))
-        table[k, "default"] = report("oracle 0.00, default settings", k, oracle(0.0, DEFAULT_DRAFT_P_MIN), adaptive=True)
+        default = oracle(0.0, DEFAULT_DRAFT_P_MIN)
+        table[k, "default"] = report("oracle 0.00, default settings", k, default, adaptive=True)
     columns = [*args.rates, "default"]
     print("\nspeed ratio to plain decoding (oracle acceptance; 'default': 0% with adaptive drafting):")
     print("  k  " + "".join(f"{c if isinstance(c, str) else f'{c:.0%}':>9}" for c in columns))
