@@ -24,9 +24,10 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ f
 @pytest.fixture
 def emulated(monkeypatch):
     """Kernels run on the 'emulated' platform; checks start afresh."""
-    monkeypatch.setitem(
-        kernels.RUNNERS, "emulated", lambda spec, launch: [mx.array(o) for o in emulate(spec, launch)[0]]
-    )
+    def run(spec, launch):  # outputs in their dtypes, as a GPU's runner gives them
+        return [mx.array(o).astype(d) for o, d in zip(emulate(spec, launch)[0], launch.output_dtypes)]
+
+    monkeypatch.setitem(kernels.RUNNERS, "emulated", run)
     monkeypatch.setattr(ops, "kernel_platform", lambda: "emulated")
     monkeypatch.setattr(selfcheck, "kernel_usable", {})
     monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)
@@ -76,6 +77,26 @@ def test_sound_kernels_pass_their_check_and_run(emulated, caplog):
     assert all(selfcheck.kernel_usable.values()) and len(selfcheck.kernel_usable) == 2
     assert_equal_results(rule, want_rule, OP_TOL)  # the kernel against pure MLX: two float32 orders
     assert_equal_results(conv, want_conv, OP_TOL)
+
+
+def test_sound_kernels_pass_their_check_in_bfloat16(emulated, caplog):
+    """A GPU's default dtype: the check reads the kernels' bfloat16 outputs (the conv's) and lets
+    sound kernels run; their results are the pure-MLX forms' within a bfloat16 rounding step."""
+    *rule_inputs, state = gated_delta_inputs()
+    rule_inputs = [x.astype(mx.bfloat16) for x in rule_inputs] + [state]
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((1, 4, 24)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((24, 4)).astype(np.float32))
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        rule = ops.gated_delta_update(*rule_inputs, snapshots=True)
+        conv = ops.conv1d_update(x, w, snapshots=True)
+    assert not caplog.records
+    assert len(selfcheck.kernel_usable) == 2 and all(selfcheck.kernel_usable.values())
+    want_rule = reference.gated_delta_recurrent(*rule_inputs, snapshots=True)
+    assert_equal_results(rule, want_rule, OP_TOL)
+    assert conv.out.dtype == mx.bfloat16
+    got, want = (np.array(y.astype(mx.float32)) for y in (conv.out, reference.causal_conv1d_silu(x, w)[0]))
+    assert (np.abs(got - want) <= 2.0**-7 * np.abs(want)).all()  # one bfloat16 step
 
 
 @pytest.mark.parametrize(

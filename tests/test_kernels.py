@@ -64,6 +64,40 @@ def test_conv_kernel_grid(K, snapshots):
             np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1)))
 
 
+# A 16-bit output is a float32 result rounded to the dtype: the kernel's and the reference's
+# float32 values (SiLU written two ways, exp from two libraries) may round to neighbouring
+# values, one step of the dtype's precision (relative) apart. Here all 20,448 conv outputs of
+# either dtype came out bit-equal; a GPU's exp is another.
+ROUNDING_STEP = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bfloat16", "float16"])
+def test_kernels_take_16_bit_inputs(dtype):
+    """A GPU's default dtypes: inputs in 16 bits, sums in float32; the rule's output and states
+    float32, the conv's output and tails in the input's dtype."""
+    for T, B, K, snapshots in itertools.product([1, 5, 65], [1, 2], [2, 4], [False, True]):
+        rng = np.random.default_rng(T * 7 + B + K)
+        shapes = [(B, T, 24), (B, K - 1, 24), (24, K)]
+        x, tail, w = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in shapes)
+        x, tail = x.astype(dtype), tail.astype(dtype)
+        (y, new_tail, tails), _ = emulate(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots))
+        want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, w, tail, snapshots=snapshots)
+        want_y = np.array(want_y.astype(mx.float32))
+        assert (np.abs(y - want_y) <= TOL + ROUNDING_STEP[dtype] * np.abs(want_y)).all()
+        np.testing.assert_array_equal(new_tail, np.array(want_tail.astype(mx.float32)))  # copies of inputs: exact
+        if snapshots:
+            np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1).astype(mx.float32)))
+    for T, vector_gate, snapshots in itertools.product([1, 5], [False, True], [False, True]):
+        inputs = [mx.array(a) for a in make_inputs(2, T, 1, 2, 32, 16, vector_gate, seed=T)]
+        inputs = [a.astype(dtype) for a in inputs[:5]] + inputs[5:]  # the state stays float32
+        (out, state, states), _ = emulate(kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, snapshots))
+        want_out, want_state, want_states = reference.gated_delta_recurrent(*inputs, snapshots=snapshots)
+        np.testing.assert_allclose(out, np.array(want_out), atol=TOL, rtol=0)
+        np.testing.assert_allclose(state, np.array(want_state), atol=TOL, rtol=0)
+        if snapshots:
+            np.testing.assert_allclose(states, np.array(mx.stack(want_states, axis=1)), atol=TOL, rtol=0)
+
+
 def _gcov_unexecuted(build: Path, source_name: str) -> list[str]:
     """Executable lines of a kernel body that no emulated run reached (gcov's '#####')."""
     subprocess.run(

@@ -29,7 +29,14 @@ import numpy as np
 
 HERE = Path(__file__).parent
 BUILD = Path(tempfile.gettempdir()) / "mlx_hybrid_kernel_emulation"
-C_TYPES = {mx.float32: ("float", np.float32), mx.int32: ("int", np.int32)}
+# MLX dtype -> (the Metal type, the numpy type its elements travel as); 16-bit floats travel as
+# their bits
+C_TYPES = {
+    mx.float32: ("float", np.float32),
+    mx.int32: ("int", np.int32),
+    mx.bfloat16: ("bfloat", np.uint16),
+    mx.float16: ("half", np.uint16),
+}
 
 
 def render(spec, launch) -> str:
@@ -87,12 +94,14 @@ def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
 
 
 def emulate(spec, launch, coverage_dir: Path | None = None):
-    """Outputs as numpy arrays, and the number of simd_sum barriers the run went through."""
+    """Outputs as numpy arrays (16-bit ones as float32), and the number of simd_sum barriers
+    the run went through."""
     library = compile_source(render(spec, launch), coverage_dir)
     source = spec.source
     args, keep = [], []
     for name, array in zip(spec.input_names, launch.inputs):
-        data = np.ascontiguousarray(np.array(array), dtype=C_TYPES[array.dtype][1])
+        data = np.ascontiguousarray(np.array(array.view(mx.uint16) if array.itemsize == 2 else array))
+        assert data.dtype == C_TYPES[array.dtype][1]
         keep.append(data)
         args.append(data.ctypes.data_as(ctypes.c_void_p))
         if f"{name}_shape" in source:
@@ -107,4 +116,11 @@ def emulate(spec, launch, coverage_dir: Path | None = None):
     barriers = library.run(*args, *map(ctypes.c_uint, launch.grid), *map(ctypes.c_uint, launch.threadgroup))
     if coverage_dir:
         library.dump_coverage()
-    return outputs, barriers
+    return [_values(out, dtype) for out, dtype in zip(outputs, launch.output_dtypes)], barriers
+
+
+def _values(out: np.ndarray, dtype) -> np.ndarray:
+    """An output as numpy reads it: a 16-bit float's bits as float32 (every value exact)."""
+    if out.dtype != np.uint16:
+        return out
+    return np.array(mx.array(out).view(dtype).astype(mx.float32))

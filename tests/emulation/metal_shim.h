@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <ucontext.h>
 
@@ -25,6 +26,57 @@ struct uint3 {
 namespace metal {
 inline float exp(float x) { return std::exp(x); }
 }  // namespace metal
+
+// Metal's 16-bit floats, converted from float32 rounding to nearest even, as MLX and the GPUs
+// do (a NaN stays a NaN). bfloat: the top half of a float32.
+struct bfloat {
+    uint16_t bits;
+    bfloat() = default;
+    bfloat(float value) {
+        uint32_t u;
+        std::memcpy(&u, &value, sizeof u);
+        bits = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    operator float() const {
+        uint32_t u = uint32_t(bits) << 16;
+        float value;
+        std::memcpy(&value, &u, sizeof value);
+        return value;
+    }
+};
+// half: IEEE binary16 (written out: compilers before GCC 12 have no _Float16 on x86-64).
+struct half {
+    uint16_t bits;
+    half() = default;
+    half(float value) {
+        uint32_t u;
+        std::memcpy(&u, &value, sizeof u);
+        const uint32_t sign = (u >> 16) & 0x8000u, magnitude = u & 0x7fffffffu;
+        if (magnitude > 0x7f800000u) {
+            bits = uint16_t(sign | 0x7e00u);  // NaN
+        } else if (magnitude >= 0x477ff000u) {
+            bits = uint16_t(sign | 0x7c00u);  // 65520 and up round to infinity
+        } else if (magnitude < 0x38800000u) {
+            // below 2^-14: a multiple of 2^-24 (scaling by 2^24 is exact; nearbyint rounds to even)
+            bits = uint16_t(sign | uint32_t(std::nearbyint(std::fabs(value) * 16777216.0f)));
+        } else {
+            // 23 mantissa bits to 10, to nearest even (a carry moves into the exponent), and
+            // the exponent's bias from 127 to 15
+            bits = uint16_t(sign | ((magnitude + 0xfffu + ((magnitude >> 13) & 1u) - (112u << 23)) >> 13));
+        }
+    }
+    operator float() const {
+        const uint32_t exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+        float value;
+        if (exponent == 0) {
+            value = std::ldexp(float(mantissa), -24);
+        } else {
+            uint32_t u = exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112u) << 23) | (mantissa << 13);
+            std::memcpy(&value, &u, sizeof value);
+        }
+        return bits & 0x8000u ? -value : value;
+    }
+};
 
 namespace emu {
 
