@@ -24,8 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = OP_TOL  # a kernel's sums against the reference recurrence's: two float32 orders
 
 
-def check_gated_delta(B, T, Hk, Hv, Dk, Dv, vector_gate, snapshots, run):
+def check_gated_delta(B, T, Hk, Hv, Dk, Dv, vector_gate, snapshots, run, dtype=mx.float32):
+    """The kernel against the reference recurrence, q, k, v, g and beta in `dtype` (the state,
+    the output and the snapshots float32 either way)."""
     inputs = [mx.array(x) for x in make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate, seed=B + T + Dk + Dv + Hv)]
+    inputs = [x.astype(dtype) for x in inputs[:5]] + inputs[5:]
     (out, state, states), barriers = run(kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, snapshots))
     want_out, want_state, want_states = reference.gated_delta_recurrent(*inputs, snapshots=snapshots)
     np.testing.assert_allclose(out, np.array(want_out), atol=TOL, rtol=0)
@@ -88,14 +91,7 @@ def test_kernels_take_16_bit_inputs(dtype):
         if snapshots:
             np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1).astype(mx.float32)))
     for T, vector_gate, snapshots in itertools.product([1, 5], [False, True], [False, True]):
-        inputs = [mx.array(a) for a in make_inputs(2, T, 1, 2, 32, 16, vector_gate, seed=T)]
-        inputs = [a.astype(dtype) for a in inputs[:5]] + inputs[5:]  # the state stays float32
-        (out, state, states), _ = emulate(kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, snapshots))
-        want_out, want_state, want_states = reference.gated_delta_recurrent(*inputs, snapshots=snapshots)
-        np.testing.assert_allclose(out, np.array(want_out), atol=TOL, rtol=0)
-        np.testing.assert_allclose(state, np.array(want_state), atol=TOL, rtol=0)
-        if snapshots:
-            np.testing.assert_allclose(states, np.array(mx.stack(want_states, axis=1)), atol=TOL, rtol=0)
+        check_gated_delta(2, T, 1, 2, 32, 16, vector_gate, snapshots, emulate, dtype)
 
 
 def _gcov_unexecuted(build: Path, source_name: str) -> list[str]:

@@ -28,30 +28,33 @@ inline float exp(float x) { return std::exp(x); }
 }  // namespace metal
 
 // Metal's 16-bit floats, converted from float32 rounding to nearest even, as MLX and the GPUs
-// do (a NaN stays a NaN). bfloat: the top half of a float32.
+// do (a NaN stays a NaN).
+inline uint32_t bits_of(float value) {
+    uint32_t u;
+    std::memcpy(&u, &value, sizeof u);
+    return u;
+}
+inline float float_of(uint32_t u) {
+    float value;
+    std::memcpy(&value, &u, sizeof value);
+    return value;
+}
+// bfloat: the top half of a float32.
 struct bfloat {
     uint16_t bits;
     bfloat() = default;
     bfloat(float value) {
-        uint32_t u;
-        std::memcpy(&u, &value, sizeof u);
+        const uint32_t u = bits_of(value);
         bits = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
-    operator float() const {
-        uint32_t u = uint32_t(bits) << 16;
-        float value;
-        std::memcpy(&value, &u, sizeof value);
-        return value;
-    }
+    operator float() const { return float_of(uint32_t(bits) << 16); }
 };
 // half: IEEE binary16 (written out: compilers before GCC 12 have no _Float16 on x86-64).
 struct half {
     uint16_t bits;
     half() = default;
     half(float value) {
-        uint32_t u;
-        std::memcpy(&u, &value, sizeof u);
-        const uint32_t sign = (u >> 16) & 0x8000u, magnitude = u & 0x7fffffffu;
+        const uint32_t sign = (bits_of(value) >> 16) & 0x8000u, magnitude = bits_of(value) & 0x7fffffffu;
         if (magnitude > 0x7f800000u) {
             bits = uint16_t(sign | 0x7e00u);  // NaN
         } else if (magnitude >= 0x477ff000u) {
@@ -67,13 +70,9 @@ struct half {
     }
     operator float() const {
         const uint32_t exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
-        float value;
-        if (exponent == 0) {
-            value = std::ldexp(float(mantissa), -24);
-        } else {
-            uint32_t u = exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112u) << 23) | (mantissa << 13);
-            std::memcpy(&value, &u, sizeof value);
-        }
+        const float value = exponent == 0    ? std::ldexp(float(mantissa), -24)
+                            : exponent == 31 ? float_of(0x7f800000u | (mantissa << 13))
+                                             : float_of(((exponent + 112u) << 23) | (mantissa << 13));
         return bits & 0x8000u ? -value : value;
     }
 };
