@@ -38,6 +38,28 @@ def check_gated_delta(B, T, Hk, Hv, Dk, Dv, vector_gate, snapshots, run, dtype=m
     return barriers
 
 
+# A 16-bit output is a float32 result rounded to the dtype: the kernel's and the reference's
+# float32 values (SiLU written two ways, exp from two libraries) may round to neighbouring
+# values, one step of the dtype's precision (relative) apart. Emulated, all 20,448 conv outputs
+# of test_kernels_take_16_bit_inputs came out bit-equal in either dtype; a GPU's exp is another.
+ROUNDING_STEP = {mx.float32: 0.0, mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10}
+
+
+def check_conv(B, T, C, K, snapshots, run, dtype=mx.float32):
+    """The kernel against the pure-MLX form, x and the tail in `dtype` (the weights float32): the
+    output within TOL and a rounding step of the dtype, the tails exact (copies of inputs)."""
+    rng = np.random.default_rng(T * 7 + B + C)
+    x, w, tail = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in [(B, T, C), (C, K), (B, K - 1, C)])
+    x, tail = x.astype(dtype), tail.astype(dtype)
+    (y, new_tail, tails), _ = run(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots))
+    want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, w, tail, snapshots=snapshots)
+    want_y = np.array(want_y.astype(mx.float32))
+    assert (np.abs(y - want_y) <= TOL + ROUNDING_STEP[dtype] * np.abs(want_y)).all(), np.abs(y - want_y).max()
+    np.testing.assert_array_equal(new_tail, np.array(want_tail.astype(mx.float32)))
+    if snapshots:
+        np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1).astype(mx.float32)))
+
+
 @pytest.mark.parametrize(
     "Dk,vector_gate,snapshots", list(itertools.product([16, 32, 64, 128], [False, True], [False, True]))
 )
@@ -57,21 +79,7 @@ def test_gated_delta_kernel_maps_value_heads_to_key_heads(Hk, Hv):
 @pytest.mark.parametrize("K,snapshots", list(itertools.product([2, 4], [False, True])))
 def test_conv_kernel_grid(K, snapshots):
     for T, B, C in itertools.product([1, 2, 4, 5, 64, 65], [1, 2], [24, 264]):
-        rng = np.random.default_rng(T * 7 + B + C)
-        x, w, tail = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in [(B, T, C), (C, K), (B, K - 1, C)])
-        (y, new_tail, tails), _ = emulate(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots))
-        want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, w, tail, snapshots=snapshots)
-        np.testing.assert_allclose(y, np.array(want_y), atol=TOL, rtol=0)
-        np.testing.assert_array_equal(new_tail, np.array(want_tail))
-        if snapshots:
-            np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1)))
-
-
-# A 16-bit output is a float32 result rounded to the dtype: the kernel's and the reference's
-# float32 values (SiLU written two ways, exp from two libraries) may round to neighbouring
-# values, one step of the dtype's precision (relative) apart. Here all 20,448 conv outputs of
-# either dtype came out bit-equal; a GPU's exp is another.
-ROUNDING_STEP = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10}
+        check_conv(B, T, C, K, snapshots, emulate)
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bfloat16", "float16"])
@@ -79,17 +87,7 @@ def test_kernels_take_16_bit_inputs(dtype):
     """A GPU's default dtypes: inputs in 16 bits, sums in float32; the rule's output and states
     float32, the conv's output and tails in the input's dtype."""
     for T, B, K, snapshots in itertools.product([1, 5, 65], [1, 2], [2, 4], [False, True]):
-        rng = np.random.default_rng(T * 7 + B + K)
-        shapes = [(B, T, 24), (B, K - 1, 24), (24, K)]
-        x, tail, w = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in shapes)
-        x, tail = x.astype(dtype), tail.astype(dtype)
-        (y, new_tail, tails), _ = emulate(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots))
-        want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, w, tail, snapshots=snapshots)
-        want_y = np.array(want_y.astype(mx.float32))
-        assert (np.abs(y - want_y) <= TOL + ROUNDING_STEP[dtype] * np.abs(want_y)).all()
-        np.testing.assert_array_equal(new_tail, np.array(want_tail.astype(mx.float32)))  # copies of inputs: exact
-        if snapshots:
-            np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1).astype(mx.float32)))
+        check_conv(B, T, 24, K, snapshots, emulate, dtype)
     for T, vector_gate, snapshots in itertools.product([1, 5], [False, True], [False, True]):
         check_gated_delta(2, T, 1, 2, 32, 16, vector_gate, snapshots, emulate, dtype)
 
@@ -157,12 +155,15 @@ def test_cuda_twin_compiles(spec, tmp_path):
 
 
 @pytest.mark.skipif(ops.kernel_platform() is None, reason="no Metal or CUDA device here")
-def test_kernels_on_gpu():
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["float32", "bfloat16", "float16"])
+def test_kernels_on_gpu(dtype):
     def on_gpu(spec, launch):
-        return [np.array(o) for o in kernels.run(spec, launch, ops.kernel_platform())], None
+        return [np.array(o.astype(mx.float32)) for o in kernels.run(spec, launch, ops.kernel_platform())], None
 
     for Dk, Dv, ratio, T, vector_gate in itertools.product([16, 128], [16, 128], [1, 4], [1, 5, 65], [False, True]):
-        check_gated_delta(2, T, 1, ratio, Dk, Dv, vector_gate, True, on_gpu)
+        check_gated_delta(2, T, 1, ratio, Dk, Dv, vector_gate, True, on_gpu, dtype)
+    for K, snapshots, T, B in itertools.product([2, 4], [False, True], [1, 5, 65], [1, 2]):
+        check_conv(B, T, 264, K, snapshots, on_gpu, dtype)
 
 
 def test_only_the_ops_module_asks_which_device_runs():
