@@ -4,6 +4,7 @@ from pathlib import Path
 
 import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX, as for users
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -58,6 +59,16 @@ def free_port() -> int:
 
 def reference(family: str, name: str = "ref.npz"):
     return np.load(FIXTURES / family / name)
+
+
+@pytest.fixture
+def on_the_cpu():
+    """The CPU as the default device for the test: our CPU kernels' tests run there on a machine
+    with a GPU too (where ops send a GPU's work to its own kernels)."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
 
 
 @pytest.fixture(params=FAMILIES)

@@ -12,7 +12,10 @@ from mlx_hybrid import ops
 from mlx_hybrid.ops import cpu_conv1d, cpu_extension
 from test_ops import OP_TOL, numpy_conv_silu
 
-pytestmark = pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
+    pytest.mark.usefixtures("on_the_cpu"),
+]
 
 # channels: one vector, one and a partial one, ranges of 256 (the kernel's parts) and a partial
 # range, Qwen3.5-0.8B's 6144

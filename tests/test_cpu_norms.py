@@ -9,7 +9,10 @@ from mlx_hybrid import ops
 from mlx_hybrid.ops import cpu_extension, reference
 from test_ops import OP_TOL
 
-pytestmark = pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
+    pytest.mark.usefixtures("on_the_cpu"),
+]
 
 
 def float64_norm(x, weight, eps, kind):

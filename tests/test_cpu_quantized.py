@@ -15,7 +15,10 @@ from mlx_hybrid import ops
 from mlx_hybrid.loaders.quantized import AFFINE_TYPES
 from mlx_hybrid.ops import cpu_quantized
 
-pytestmark = pytest.mark.skipif(cpu_quantized.extension() is None, reason="the CPU quantized kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(cpu_quantized.extension() is None, reason="the CPU quantized kernels do not build here"),
+    pytest.mark.usefixtures("on_the_cpu"),
+]
 
 
 def quantized(shape, bits, group_size, scales_dtype=mx.float32, seed=0):
@@ -138,6 +141,7 @@ def test_without_a_compiler_one_warning_and_mlx_computes(tmp_path):
     script = (
         "import mlx_hybrid, mlx.core as mx\n"
         "from mlx_hybrid import ops\n"
+        "mx.set_default_device(mx.cpu)\n"
         "w, s, b = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)\n"
         "for _ in range(3): y = ops.quantized_matmul(mx.ones((1, 64)), w, s, b, group_size=32, bits=4)\n"
         "q = mx.ones((1, 2, 1, 8)) / 8 ** 0.5\n"

@@ -10,7 +10,10 @@ from mlx_hybrid.ops import cpu_extension, cpu_quantized
 from test_cpu_conv1d import conv_inputs
 from test_ops import make_inputs
 
-pytestmark = pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
+    pytest.mark.usefixtures("on_the_cpu"),
+]
 
 # each: a view of a's shape ([B >= 2, T >= 2, ..., D]) whose strides are not its row-contiguous
 # ones (an offset slice starts mid-buffer, a broadcast repeats the first row, a reversed one

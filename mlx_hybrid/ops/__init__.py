@@ -69,8 +69,9 @@ def _gpu_platform() -> str | None:
 
 
 def kernel_platform() -> str | None:
-    """'metal' or 'cuda' when custom kernels run the linear-attention ops, else None."""
-    return None if force_reference() else _gpu_platform()
+    """'metal' or 'cuda' when custom kernels run the linear-attention ops, else None: also where
+    the process made the CPU its default device on a machine with a GPU."""
+    return None if force_reference() or not _gpu_computes() else _gpu_platform()
 
 
 def backend_name() -> str:
