@@ -28,7 +28,7 @@ def test_exports_load_back_to_the_same_model(tmp_path):
     save_hf(model, tokenizer, tmp_path / "hf")
     text = "def parse_args(argv):\n    return {'é': 1}  # ünïcode\n"
     for path in (tmp_path / "out.gguf", tmp_path / "hf"):
-        loaded, loaded_tokenizer = mlx_hybrid.load(path)
+        loaded, loaded_tokenizer = mlx_hybrid.load(path, dtype="float32")
         # GGUF: the same float32 weights (measured 0). HF stores norms as w where GGUF stores
         # 1 + w, an ulp per weight (measured 4.5e-5 on logits of scale 16.5): the float32 floor
         assert_close_to_floor(loaded(ids), model(ids))

@@ -41,14 +41,16 @@ def offline_hub(tmp_path, monkeypatch):
 
 
 def test_repository_name_loads_the_cached_checkpoint(offline_hub):
-    args = ["--prompt", "def parse_args(", "--max-tokens", "10", "--no-mtp"]
+    # greedy_text computes in float32, where a GPU's default is bfloat16
+    args = ["--prompt", "def parse_args(", "--max-tokens", "10", "--no-mtp", "--dtype", "float32"]
     result = run_cli("--model", "test-org/Qwen35-Tiny", *args)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == greedy_text("qwen35", "hf", "def parse_args(", 10).rstrip("\n")
 
 
 def test_gguf_file_of_a_repository(offline_hub):
-    result = run_cli("--model", "test-org/Qwen35-Tiny-GGUF:model-Q8_0.gguf", "--prompt", "def f(", "--max-tokens", "6")
+    args = ["--prompt", "def f(", "--max-tokens", "6", "--dtype", "float32"]
+    result = run_cli("--model", "test-org/Qwen35-Tiny-GGUF:model-Q8_0.gguf", *args)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == greedy_text("qwen35", "model-Q8_0.gguf", "def f(", 6).rstrip("\n")
 
@@ -64,6 +66,7 @@ def test_a_local_path_wins_over_a_hub_name(offline_hub, tmp_path, monkeypatch):
     local = tmp_path / "test-org" / "Qwen35-Tiny"
     shutil.copytree(FIXTURES / "qwen35moe" / "hf", local)
     monkeypatch.chdir(tmp_path)
-    result = run_cli("--model", "test-org/Qwen35-Tiny", "--prompt", "class A:", "--max-tokens", "6", "--no-mtp")
+    args = ["--prompt", "class A:", "--max-tokens", "6", "--no-mtp", "--dtype", "float32"]
+    result = run_cli("--model", "test-org/Qwen35-Tiny", *args)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == greedy_text("qwen35moe", "hf", "class A:", 6).rstrip("\n")
