@@ -28,20 +28,26 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     """Quantize every linear, embedding and expert layer whose input size the group size divides.
 
     source: an HF checkpoint directory or a GGUF file (its tokenizer is written as tokenizer.json).
+    dtype: of the scales and what stays unquantized (default: the checkpoint's own, see `_config_dtype`;
+    float32 from a GGUF).
     """
     mlx_path = Path(mlx_path)
     if mlx_path.exists():  # as mlx-lm: never write over what is there
         raise MlxHybridError(f"{mlx_path} already exists; remove it or give another --mlx-path")
     source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
+    # A GGUF's blocks exactly dequantized (float32), then quantized to this one layout (a
+    # directory with one `quantization` entry holds one layout).
+    checkpoint_dtype = "float32"
     if source.is_dir():  # refuse early, before loading the weights
         config = hf.read_config(source)
         if config.get("model_type") not in QWEN_TYPES:
             raise MlxHybridError(f"convert supports the Qwen hybrid families, not {config.get('model_type')!r}")
         if config.get("quantization") or config.get("quantization_config"):
             raise MlxHybridError(f"{source} is already quantized; convert its float checkpoint")
-    # a GGUF's blocks exactly dequantized, then quantized to this one layout (a directory
-    # with one `quantization` entry holds one layout)
-    model, tokenizer = load(source, dtype=dtype, dequantize=not source.is_dir())
+        checkpoint_dtype = _config_dtype(config)
+    # by default the checkpoint's dtype, not the machine's compute dtype (bfloat16 on a GPU):
+    # the same source gives the same directory on every machine
+    model, tokenizer = load(source, dtype=dtype or checkpoint_dtype, dequantize=not source.is_dir())
     if model.model_type not in QWEN_TYPES:
         raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model.model_type!r}")
     nn.quantize(
@@ -53,6 +59,16 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
     save_mlx(model, tokenizer, mlx_path, source_dir=source if source.is_dir() else None, quantization=quantization)
     return mlx_path
+
+
+def _config_dtype(config: dict) -> str:
+    """An HF checkpoint's own dtype, as mlx-lm's convert takes it: its config's `dtype` (formerly
+    `torch_dtype`), at the top or in `text_config`; float32 where it names none we write."""
+    for entry in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if entry.get(key) in ("float32", "bfloat16", "float16"):
+                return entry[key]
+    return "float32"
 
 
 def main(argv=None) -> int:
@@ -75,7 +91,13 @@ def main(argv=None) -> int:
     p.add_argument("--mlx-path", required=True, help="where to write the quantized model")
     p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per weight (default: 4)")
     p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128], help="group size (default: 64)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="dtype of the rest")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of the scales and of what stays unquantized, and of the weights the quantization "
+        "starts from (default: an HF checkpoint's own, from its config; float32 from a GGUF)",
+    )
     args = p.parse_args(argv)
     try:
         out = convert(args.model or bundled_model_path(), args.mlx_path, args.q_bits, args.q_group_size, args.dtype)

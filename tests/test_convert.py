@@ -1,5 +1,7 @@
 """MLX-community quantized checkpoints: ours from mlx_hybrid.convert, and mlx-lm's own."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import pytest
 
 import mlx_hybrid
 from conftest import FIXTURES, QWEN_FAMILIES, assert_close_to_floor, reference
+from mlx_hybrid import ops
 from mlx_hybrid.convert import convert
 from test_quantized import quantized_modules
 
@@ -21,15 +24,32 @@ def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, t
     log and exp once (an ulp), which the random fixtures amplify to ~1e-4.
     """
     out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
-    loaded, _ = mlx_hybrid.load(out)
+    loaded, _ = mlx_hybrid.load(out, dtype="float32")  # a GPU's default is bfloat16
     assert loaded.has_mtp and quantized_modules(loaded)
-    expected, _ = mlx_hybrid.load(FIXTURES / family / "hf")
+    expected, _ = mlx_hybrid.load(FIXTURES / family / "hf", dtype="float32")
     nn.quantize(
         expected, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
     )
     ids = mx.array(reference(family)["input_ids"])
     assert_close_to_floor(loaded(ids), expected(ids))
     assert_close_to_floor(loaded.mtp_logits(ids), expected.mtp_logits(ids))
+
+
+@pytest.mark.parametrize("config_dtype", ["float32", "bfloat16"])
+def test_the_checkpoint_dtype_is_written_whatever_the_machine_computes_in(config_dtype, tmp_path, monkeypatch):
+    """A conversion keeps the checkpoint's dtype (its config's, as mlx-lm's convert), not the
+    machine's compute dtype: a GPU's bfloat16 would round a float32 checkpoint before quantizing."""
+    source = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "qwen35" / "hf", source)
+    config = json.loads((source / "config.json").read_text())
+    config["dtype"] = config_dtype
+    (source / "config.json").write_text(json.dumps(config))
+    machine_dtype = mx.float32 if config_dtype == "bfloat16" else mx.bfloat16
+    monkeypatch.setattr(ops, "default_dtype", lambda: machine_dtype)
+    written = mx.load(str(convert(source, tmp_path / "q", bits=4, group_size=32) / "model.safetensors"))
+    assert {str(v.dtype) for k, v in written.items() if k.endswith((".scales", "norm.weight"))} == {
+        f"mlx.core.{config_dtype}"
+    }
 
 
 def test_speculative_decoding_from_a_converted_checkpoint(tmp_path):
