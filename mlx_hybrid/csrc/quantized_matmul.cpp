@@ -228,7 +228,10 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
     // x rows in lane order
     int x_rows = (int)(x.size() / k);
     int groups_padded = padded_groups(k, bits, group_size);
-    std::vector<float> permuted((size_t)x_rows * padded), group_sums((size_t)x_rows * groups_padded);
+    // aligned (rows of whole steps and of whole vectors stay so), zeros
+    std::vector<float> buffer;
+    float* permuted = mlx_hybrid::aligned_floats(buffer, (size_t)x_rows * (padded + groups_padded));
+    float* group_sums = permuted + (size_t)x_rows * padded;
     for (int r = 0; r < x_rows; r++) {
         const float* row = x.data<float>() + (long)r * k;
         permute_row(row, k, padded, bits, &permuted[(size_t)r * padded]);
