@@ -63,9 +63,9 @@ def test_a_quantized_gguf_converts_from_its_exactly_dequantized_weights(tmp_path
     """Every module in the directory's one layout (its blocks are not carried over as they are),
     and a directory already quantized is refused, not quantized twice."""
     source = FIXTURES / "qwen35" / "model-Q4_K_M.gguf"
-    loaded, _ = mlx_hybrid.load(convert(source, tmp_path / "q", bits=8, group_size=32))
+    loaded, _ = mlx_hybrid.load(convert(source, tmp_path / "q", bits=8, group_size=32), dtype="float32")
     assert {(m.bits, m.group_size) for _, m in loaded.named_modules() if hasattr(m, "scales")} == {(8, 32)}
-    expected, _ = mlx_hybrid.load(source, dequantize=True)
+    expected, _ = mlx_hybrid.load(source, dequantize=True, dtype="float32")  # a GPU's default: bfloat16
     nn.quantize(
         expected, 32, 8, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
     )

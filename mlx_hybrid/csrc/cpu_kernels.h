@@ -35,7 +35,6 @@ void bind_norms(nanobind::module_& m);
 // products' body, compiled per instruction set, names its own).
 #define AVX2_FN __attribute__((target("avx2,fma")))
 
-// whether this CPU runs the kernels: AVX2, FMA and F16C
 // `count` floats from `buffer`, the first at a 64-byte boundary: the kernels' 32-byte loads then
 // stay within cache lines (malloc aligns to 16 bytes, which splits half of them: a product 1.3x
 // slower). The buffer grows as needed and is kept.
@@ -44,6 +43,7 @@ inline float* aligned_floats(std::vector<float>& buffer, size_t count) {
     return buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64 / sizeof(float);
 }
 
+// whether this CPU runs the kernels: AVX2, FMA and F16C
 inline bool cpu_supported() {
     static bool known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                         __builtin_cpu_supports("f16c");
