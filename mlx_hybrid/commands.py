@@ -19,6 +19,7 @@ from mlx_hybrid.drafting import (
     resolve_draft,
 )
 from mlx_hybrid.errors import GenerationError
+from mlx_hybrid.loaders import DTYPES
 from mlx_hybrid.processors import Grammar
 from mlx_hybrid.sampling import SEED_LIMIT, SamplingParams
 
@@ -35,7 +36,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
     )
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=list(DTYPES),
         default=None,
         help="weight dtype (default: float32 on CPU, bfloat16 on GPU)",
     )

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from .commands import ArgumentParser
 from .errors import MlxHybridError
 from .export import save_mlx
-from .loaders import bundled_model_path, hf, hub, load
+from .loaders import DTYPES, bundled_model_path, hf, hub, load
 
 
 QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -35,9 +35,7 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     if mlx_path.exists():  # as mlx-lm: never write over what is there
         raise MlxHybridError(f"{mlx_path} already exists; remove it or give another --mlx-path")
     source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
-    # A GGUF's blocks exactly dequantized (float32), then quantized to this one layout (a
-    # directory with one `quantization` entry holds one layout).
-    checkpoint_dtype = "float32"
+    checkpoint_dtype = "float32"  # a GGUF's blocks dequantize exactly to float32
     if source.is_dir():  # refuse early, before loading the weights
         config = hf.read_config(source)
         if config.get("model_type") not in QWEN_TYPES:
@@ -46,7 +44,8 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
             raise MlxHybridError(f"{source} is already quantized; convert its float checkpoint")
         checkpoint_dtype = _config_dtype(config)
     # by default the checkpoint's dtype, not the machine's compute dtype (bfloat16 on a GPU):
-    # the same source gives the same directory on every machine
+    # the same source gives the same directory on every machine. A GGUF's blocks are dequantized,
+    # then quantized to this one layout (a directory with one `quantization` entry holds one layout).
     model, tokenizer = load(source, dtype=dtype or checkpoint_dtype, dequantize=not source.is_dir())
     if model.model_type not in QWEN_TYPES:
         raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model.model_type!r}")
@@ -66,7 +65,7 @@ def _config_dtype(config: dict) -> str:
     `torch_dtype`), at the top or in `text_config`; float32 where it names none we write."""
     for entry in (config, config.get("text_config") or {}):
         for key in ("dtype", "torch_dtype"):
-            if entry.get(key) in ("float32", "bfloat16", "float16"):
+            if entry.get(key) in DTYPES:
                 return entry[key]
     return "float32"
 
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128], help="group size (default: 64)")
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=list(DTYPES),
         default=None,
         help="dtype of the scales and of what stays unquantized, and of the weights the quantization "
         "starts from (default: an HF checkpoint's own, from its config; float32 from a GGUF)",

@@ -22,16 +22,17 @@ BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen35.gguf
 # Files at least this large get a progress bar while their tensors load.
 PROGRESS_MIN_BYTES = 256 << 20
 
-_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# the weights' dtypes by name (`load`'s dtype=, the commands' --dtype)
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def resolve_dtype(dtype):
     if dtype is None:
         return ops.default_dtype()
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(_DTYPES)})")
-        return _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        return DTYPES[dtype]
     return dtype
 
 
