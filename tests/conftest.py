@@ -8,6 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_hybrid.ops import cpu_extension
+
 # The processes tests start (CLIs, chat, mlx.launch) take Ctrl-C as in a terminal: a test
 # run started in the background without job control inherits SIGINT ignored, and would
 # pass that on to every process it starts (exec keeps an ignored signal, not a handler).
@@ -69,6 +71,15 @@ def on_the_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(device)
+
+
+def cpu_kernel_tests():
+    """The marks of our CPU kernels' test modules: skipped where the kernels do not build, run on
+    the CPU (`on_the_cpu`). Called at a module's import, so that only those modules build them."""
+    return [
+        pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
+        pytest.mark.usefixtures("on_the_cpu"),
+    ]
 
 
 @pytest.fixture(params=FAMILIES)

@@ -7,15 +7,13 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
 from mlx_hybrid.ops import cpu_conv1d, cpu_extension
 from test_ops import OP_TOL, numpy_conv_silu
 
-pytestmark = [
-    pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
-    pytest.mark.usefixtures("on_the_cpu"),
-]
+pytestmark = cpu_kernel_tests()
 
 # channels: one vector, one and a partial one, ranges of 256 (the kernel's parts) and a partial
 # range, Qwen3.5-0.8B's 6144

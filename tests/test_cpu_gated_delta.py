@@ -7,15 +7,13 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
 from mlx_hybrid.ops import cpu_extension, cpu_gated_delta
 from test_ops import OP_TOL, make_inputs, numpy_gated_delta
 
-pytestmark = [
-    pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
-    pytest.mark.usefixtures("on_the_cpu"),
-]
+pytestmark = cpu_kernel_tests()
 
 # value sizes: blocks of 32 columns, of 8, and a last partial vector (12, 44, 5)
 SHAPES = [

@@ -4,15 +4,13 @@ written the obvious way in float64, and against themselves row by row."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
 from mlx_hybrid.ops import cpu_extension, reference
 from test_ops import OP_TOL
 
-pytestmark = [
-    pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
-    pytest.mark.usefixtures("on_the_cpu"),
-]
+pytestmark = cpu_kernel_tests()
 
 
 def float64_norm(x, weight, eps, kind):

@@ -8,17 +8,14 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, assert_close_to_floor, reference
+from conftest import FIXTURES, assert_close_to_floor, cpu_kernel_tests, reference
 
 import mlx_hybrid
 from mlx_hybrid import ops
 from mlx_hybrid.loaders.quantized import AFFINE_TYPES
 from mlx_hybrid.ops import cpu_quantized
 
-pytestmark = [
-    pytest.mark.skipif(cpu_quantized.extension() is None, reason="the CPU quantized kernels do not build here"),
-    pytest.mark.usefixtures("on_the_cpu"),
-]
+pytestmark = cpu_kernel_tests()
 
 
 def quantized(shape, bits, group_size, scales_dtype=mx.float32, seed=0):

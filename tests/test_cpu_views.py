@@ -5,15 +5,13 @@ contiguous copy made by MLX before the call."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cpu_kernel_tests
 
 from mlx_hybrid.ops import cpu_extension, cpu_quantized
 from test_cpu_conv1d import conv_inputs
 from test_ops import make_inputs
 
-pytestmark = [
-    pytest.mark.skipif(cpu_extension.extension() is None, reason="the CPU kernels do not build here"),
-    pytest.mark.usefixtures("on_the_cpu"),
-]
+pytestmark = cpu_kernel_tests()
 
 # each: a view of a's shape ([B >= 2, T >= 2, ..., D]) whose strides are not its row-contiguous
 # ones (an offset slice starts mid-buffer, a broadcast repeats the first row, a reversed one
