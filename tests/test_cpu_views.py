@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import cpu_kernel_tests
 
-from mlx_hybrid.ops import cpu_extension, cpu_quantized
+from mlx_hybrid.ops import cpu_extension, cpu_quantized, reference
 from test_cpu_conv1d import conv_inputs
-from test_ops import make_inputs
+from test_ops import layer_inputs, make_inputs
 
 pytestmark = cpu_kernel_tests()
 
@@ -60,6 +60,16 @@ def test_conv(which):
     inputs = [mx.array(x) for x in conv_inputs(2, 5, 40, 4, seed=which)]
     module = cpu_extension.extension()
     assert_views_read_as_copies(lambda *a: module.conv1d_silu(*a, True), inputs, which)
+
+
+@pytest.mark.parametrize("which", [0, 2, 3, 5, 7])  # x, the tail, g, the gate, the state
+def test_linear_attention(which):
+    heads = reference.HeadShape(2, 4, 16, 24)
+    inputs = [mx.array(x) for x in layer_inputs(2, 3, heads, 4, True, seed=which)]
+    module = cpu_extension.extension()
+    assert_views_read_as_copies(
+        lambda *a: module.linear_attention(*a, heads.key_heads, 0.25, 1e-6, 1e-6, False, True), inputs, which
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])  # the small-row path and the tiled one

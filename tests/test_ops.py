@@ -103,6 +103,57 @@ def numpy_conv_silu(x, weight, tail):
     return y / (1 + np.exp(-y)), full[:, T:], tails
 
 
+def layer_inputs(B, T, heads, K, vector_gate, seed=0):
+    """A linear-attention layer's inputs (reference.linear_attention's order but the norm, its
+    weight in its place), float32, of the scale a model feeds them."""
+    rng = np.random.default_rng(seed)
+    Hk, Hv, Dk, Dv = heads
+    C = 2 * Hk * Dk + Hv * Dv
+    g = -rng.uniform(0.01, 1.0, (B, T, Hv, Dk) if vector_gate else (B, T, Hv))
+    arrays = [rng.standard_normal((B, T, C)), 0.5 * rng.standard_normal((C, K)), rng.standard_normal((B, K - 1, C)),
+              g, rng.uniform(0.0, 1.0, (B, T, Hv)), rng.standard_normal((B, T, Hv * Dv)),
+              1 + 0.1 * rng.standard_normal(Dv), 0.1 * rng.standard_normal((B, Hv, Dk, Dv))]  # fmt: skip
+    return [a.astype(np.float32) for a in arrays]
+
+
+def numpy_linear_attention(x, weight, tail, g, beta, gate, norm_weight, state, heads, activation, eps=1e-6):
+    """The layer as docs/MODELS.md writes it, in float64: (out, tail, state, the tails and the
+    states after each token)."""
+    B, T, _ = x.shape
+    Hk, Hv, Dk, Dv = heads
+    y, new_tail, tails = numpy_conv_silu(x, weight, tail)
+    q, k, v = np.split(y, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+
+    def l2(a):
+        return a / np.sqrt((a * a).sum(axis=-1, keepdims=True) + 1e-6)
+
+    q, k = l2(q.reshape(B, T, Hk, Dk)) * Dk**-0.5, l2(k.reshape(B, T, Hk, Dk))
+    out, new_state, states = numpy_gated_delta(q, k, v.reshape(B, T, Hv, Dv), g, beta, state)
+    out = out / np.sqrt((out * out).mean(axis=-1, keepdims=True) + eps) * norm_weight.astype(np.float64)
+    z = gate.reshape(B, T, Hv, Dv).astype(np.float64)
+    activated = z / (1 + np.exp(-z)) if activation == "silu" else 1 / (1 + np.exp(-z))
+    return (out * activated).reshape(B, T, Hv * Dv), new_tail, new_state, tails, states
+
+
+@pytest.mark.parametrize("T,vector_gate,activation", [(1, False, "silu"), (5, True, "sigmoid"), (70, False, "silu")])
+def test_linear_attention_against_numpy(T, vector_gate, activation):
+    """The pure-MLX composition (what a GPU and MLX_HYBRID_FORCE_REFERENCE run)."""
+    heads = reference.HeadShape(2, 4, 32, 24)
+    x, weight, tail, g, beta, gate, norm_weight, state = layer_inputs(2, T, heads, 4, vector_gate, seed=T)
+    norm = reference.OutputNorm(mx.array(norm_weight), 1e-6, activation)
+    got = reference.linear_attention(
+        *map(mx.array, (x, weight, g, beta, gate)), norm, heads, mx.array(tail), mx.array(state), snapshots=True
+    )
+    want = numpy_linear_attention(x, weight, tail, g, beta, gate, norm_weight, state, heads, activation)
+    # float32 against float64 through an RMS-normalised output times the gate: see
+    # test_cpu_linear_attention.LAYER_TOL
+    np.testing.assert_allclose(np.array(got.out), want[0], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(np.array(got.tail), want[1])
+    np.testing.assert_allclose(np.array(got.state), want[2], atol=OP_TOL, rtol=0)
+    np.testing.assert_array_equal(np.array(mx.stack(got.tail_snapshots, axis=1)), want[3])
+    np.testing.assert_allclose(np.array(mx.stack(got.state_snapshots, axis=1)), want[4], atol=OP_TOL, rtol=0)
+
+
 @pytest.mark.parametrize("K,T", [(2, 1), (2, 9), (4, 1), (4, 3), (4, 70)])
 def test_conv_against_numpy(K, T):
     rng = np.random.default_rng(K * 100 + T)

@@ -6,7 +6,7 @@
 // of Qwen3.5-0.8B's 18 layers on 2 cores, 6.4x for a 512-token prompt).
 //
 // Each output is a fixed sequence of float32 operations, per channel: the taps summed oldest
-// first by FMA, then x / (1 + e^-x) with `exp_ps` below. Channels past the last full vector run
+// first by FMA, then x / (1 + e^-x) with `exp_ps` (cpu_kernels.h). Channels past the last full vector run
 // the same vector code under a mask, so a token gives the same bits whatever batch or tokens
 // come with it, and a verify pass reproduces the decode steps.
 #include <nanobind/stl/vector.h>
@@ -19,71 +19,19 @@
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
-using mlx_hybrid::Pool;
+using namespace mlx_hybrid;
 
-namespace {
-
-constexpr int MAX_WIDTH = 8;  // the kernel widths it takes (Qwen3.5, Qwen3-Next, Kimi Linear: 4)
-
-// Channel-tokens below this run on the calling thread (a decode step's 6144 channels take
-// microseconds, less than waking a helper).
-constexpr long PARALLEL_MIN_VALUES = 1L << 16;
-constexpr int CHANNELS_PER_PART = 256;  // a multiple of 8
-
-struct Shape {
-    int batch, tokens, channels, width;
-    bool snapshots;
-    bool operator==(const Shape&) const = default;
-};
-
-// e^u as 2^n e^r, n = round(u / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to degree 7
-// (truncation below 3e-9 relative; the result within 2 ulp of e^u). u is clamped to [-87, 88],
-// where 2^n is a normal float: SiLU is saturated long before (1 + e^-87 rounds to 1).
-AVX2_FN inline __m256 exp_ps(__m256 u) {
-    u = _mm256_min_ps(_mm256_max_ps(u, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(u, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    // ln 2 in two parts, the first with few enough bits that n times it is exact
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), u);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
-    constexpr float inverse_factorials[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    __m256 p = _mm256_set1_ps(inverse_factorials[0]);
-    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(inverse_factorials[i]));
-    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
-AVX2_FN inline __m256 silu_ps(__m256 x) {
-    __m256 one = _mm256_set1_ps(1.0f);
-    return _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-AVX2_FN inline __m256i lane_mask(int lanes) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-// the first `lanes` (<= 8) floats at p; loads and stores of 8 unmasked (AMD's masked stores are slow)
-AVX2_FN inline __m256 load(const float* p, int lanes) {
-    return lanes == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(lanes));
-}
-
-AVX2_FN inline void store(float* p, __m256 v, int lanes) {
-    if (lanes == 8)
-        _mm256_storeu_ps(p, v);
-    else
-        _mm256_maskstore_ps(p, lane_mask(lanes), v);
-}
-
-// Sequence b's channels [first, end) over all its tokens, token by token along the rows of its
-// padded input (the carried tail's K-1 rows, then x's), so that every pass reads along rows.
-AVX2_FN void channel_range(const Shape& s, int b, int first, int end, const float* x, const float* weight,
-                           const float* tail_in, float* y, float* tail_out, float* snapshots) {
+// Token by token along the rows of the padded input (the carried tail's K-1 rows, then x's), so
+// that every pass reads along rows.
+AVX2_FN void mlx_hybrid::conv_silu_channels(const ConvShape& s, int b, int first, int end, const float* x,
+                                            const float* weight, const float* tail_in, float* y, long y_stride,
+                                            float* tail_out, float* snapshots) {
     const int C = s.channels, tail = s.width - 1, count = end - first;
     auto padded = [&](int row) {
         return (row < tail ? tail_in + ((long)b * tail + row) * C : x + ((long)b * s.tokens + row - tail) * C) + first;
     };
     // the range's taps, tap-major: taps[j][i] = weight[first + i][j]
-    alignas(32) float taps[MAX_WIDTH][CHANNELS_PER_PART];
+    alignas(32) float taps[CONV_MAX_WIDTH][CONV_MAX_RANGE];
     __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(s.width));
     for (int i = 0; i < count; i += 8) {
         __m256 lanes = _mm256_castsi256_ps(lane_mask(count - i));
@@ -93,14 +41,14 @@ AVX2_FN void channel_range(const Shape& s, int b, int first, int end, const floa
                                                                    lanes, 4));
     }
     for (int t = 0; t < s.tokens; t++) {
-        float* out = y + ((long)b * s.tokens + t) * C + first;
+        float* out = y + t * y_stride;
         for (int i = 0; i < count; i += 8) {
             int lanes = std::min(8, count - i);
             // oldest input first, as the reference sums
-            __m256 acc = _mm256_mul_ps(load(padded(t) + i, lanes), _mm256_load_ps(taps[0] + i));
+            __m256 acc = _mm256_mul_ps(load_lanes(padded(t) + i, lanes), _mm256_load_ps(taps[0] + i));
             for (int j = 1; j < s.width; j++)
-                acc = _mm256_fmadd_ps(load(padded(t + j) + i, lanes), _mm256_load_ps(taps[j] + i), acc);
-            store(out + i, silu_ps(acc), lanes);
+                acc = _mm256_fmadd_ps(load_lanes(padded(t + j) + i, lanes), _mm256_load_ps(taps[j] + i), acc);
+            store_lanes(out + i, silu_ps(acc), lanes);
         }
         if (snapshots != nullptr)  // the tail after token t: padded rows t + 1 .. t + K - 1
             for (int j = 0; j < tail; j++)
@@ -111,20 +59,26 @@ AVX2_FN void channel_range(const Shape& s, int b, int first, int end, const floa
         std::memcpy(tail_out + ((long)b * tail + j) * C + first, padded(s.tokens + j), count * sizeof(float));
 }
 
-void compute(const Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+namespace {
+
+// Channel-tokens below this run on the calling thread (a decode step's 6144 channels take
+// microseconds, less than waking a helper).
+constexpr long PARALLEL_MIN_VALUES = 1L << 16;
+
+void compute(const ConvShape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     const float *x = in[0].data<float>(), *weight = in[1].data<float>(), *tail_in = in[2].data<float>();
     float *y = outs[0].data<float>(), *tail_out = outs[1].data<float>();
     float* snapshots = s.snapshots ? outs[2].data<float>() : nullptr;
-    int per_sequence = (s.channels + CHANNELS_PER_PART - 1) / CHANNELS_PER_PART;
+    int per_sequence = (s.channels + CONV_MAX_RANGE - 1) / CONV_MAX_RANGE;
     bool parallel = (long)s.batch * s.tokens * s.channels >= PARALLEL_MIN_VALUES;
     Pool::get().run(s.batch * per_sequence, parallel, [&](int part) {
-        int b = part / per_sequence, first = part % per_sequence * CHANNELS_PER_PART;
-        channel_range(s, b, first, std::min(s.channels, first + CHANNELS_PER_PART), x, weight, tail_in, y, tail_out,
-                      snapshots);
+        int b = part / per_sequence, first = part % per_sequence * CONV_MAX_RANGE;
+        conv_silu_channels(s, b, first, std::min(s.channels, first + CONV_MAX_RANGE), x, weight, tail_in,
+                           y + (long)b * s.tokens * s.channels + first, s.channels, tail_out, snapshots);
     });
 }
 
-using CausalConv1dSilu = mlx_hybrid::CpuPrimitive<Shape, compute>;
+using CausalConv1dSilu = mlx_hybrid::CpuPrimitive<ConvShape, compute>;
 
 // x [B, T, C], weight [C, K], tail [B, K-1, C], float32 -> [y [B, T, C], tail after the last
 // token [B, K-1, C], and with snapshots the tail after each token [B, T, K-1, C]].
@@ -132,8 +86,8 @@ std::vector<mx::array> conv1d_silu(const mx::array& x, const mx::array& weight, 
                                    bool snapshots) {
     if (x.ndim() != 3 || weight.ndim() != 2 || tail.ndim() != 3)
         throw std::invalid_argument("conv1d_silu: x [B, T, C], weight [C, K], tail [B, K-1, C]");
-    Shape s{x.shape(0), x.shape(1), x.shape(2), weight.shape(1), snapshots};
-    if (s.tokens < 1 || s.width < 2 || s.width > MAX_WIDTH || weight.shape(0) != s.channels ||
+    ConvShape s{x.shape(0), x.shape(1), x.shape(2), weight.shape(1), snapshots};
+    if (s.tokens < 1 || s.width < 2 || s.width > CONV_MAX_WIDTH || weight.shape(0) != s.channels ||
         tail.shape() != mx::Shape{s.batch, s.width - 1, s.channels})
         throw std::invalid_argument("conv1d_silu: shapes that do not fit (kernel widths 2 to 8)");
     if (x.dtype() != mx::float32 || tail.dtype() != mx::float32)

@@ -30,6 +30,7 @@ void bind_quantized_matmul(nanobind::module_& m);
 void bind_gated_delta(nanobind::module_& m);
 void bind_conv1d_silu(nanobind::module_& m);
 void bind_norms(nanobind::module_& m);
+void bind_linear_attention(nanobind::module_& m);
 
 // The target of the units' AVX2 functions (within what cpu_supported() checks; the quantized
 // products' body, compiled per instruction set, names its own).
@@ -49,6 +50,95 @@ inline bool cpu_supported() {
                         __builtin_cpu_supports("f16c");
     return known;
 }
+
+// e^u as 2^n e^r, n = round(u / ln 2) and |r| <= ln 2 / 2, e^r by its Taylor series to degree 7
+// (truncation below 3e-9 relative; the result within 2 ulp of e^u). u is clamped to [-87, 88],
+// where 2^n is a normal float: SiLU and the sigmoid are saturated long before (1 + e^-87 rounds to 1).
+AVX2_FN inline __m256 exp_ps(__m256 u) {
+    u = _mm256_min_ps(_mm256_max_ps(u, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(u, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // ln 2 in two parts, the first with few enough bits that n times it is exact
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), u);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+    constexpr float inverse_factorials[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(inverse_factorials[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(inverse_factorials[i]));
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// 1 / (1 + e^-x)
+AVX2_FN inline __m256 sigmoid_ps(__m256 x) {
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+// x / (1 + e^-x)
+AVX2_FN inline __m256 silu_ps(__m256 x) {
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+AVX2_FN inline __m256i lane_mask(int lanes) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// the first `lanes` (<= 8) floats at p; loads and stores of 8 unmasked (AMD's masked stores are slow)
+AVX2_FN inline __m256 load_lanes(const float* p, int lanes) {
+    return lanes == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(lanes));
+}
+
+AVX2_FN inline void store_lanes(float* p, __m256 v, int lanes) {
+    if (lanes == 8)
+        _mm256_storeu_ps(p, v);
+    else
+        _mm256_maskstore_ps(p, lane_mask(lanes), v);
+}
+
+// The steps of a linear-attention layer, each defined with the kernel that runs it alone and
+// shared with linear_attention.cpp, which runs them all in one primitive: the same code, the
+// same bits.
+
+// The causal conv + SiLU (conv1d_silu.cpp) over x [B, T, C] behind its tail [B, K-1, C].
+struct ConvShape {
+    int batch, tokens, channels, width;
+    bool snapshots;
+    bool operator==(const ConvShape&) const = default;
+};
+constexpr int CONV_MAX_WIDTH = 8;            // the kernel widths it takes (Qwen3.5, Qwen3-Next, Kimi Linear: 4)
+constexpr int CONV_MAX_RANGE = 256;          // channels a call of conv_silu_channels takes, a multiple of 8
+// Sequence b's channels [first, end) over all its tokens: y row t at y + t * y_stride (from
+// channel first), the tail after the last token into tail_out [B, K-1, C], the tail after
+// each token into snapshots [B, T, K-1, C] (or nullptr).
+void conv_silu_channels(const ConvShape& s, int b, int first, int end, const float* x, const float* weight,
+                        const float* tail_in, float* y, long y_stride, float* tail_out, float* snapshots);
+
+// One token of one head of the gated delta rule (gated_delta.cpp): s_in -> s_out (the same
+// buffer, or another), out [Dv].
+struct DeltaRuleHead {
+    int key_dim, value_dim;
+    bool vector_gate;  // g per key row (Kimi), else one per head
+};
+struct DeltaRuleScratch {
+    std::vector<float> q_decayed, k_decayed, read_q, read_k, delta, decay;
+    void fit(const DeltaRuleHead& h) {
+        for (auto* v : {&q_decayed, &k_decayed, &decay}) v->resize(h.key_dim);
+        for (auto* v : {&read_q, &read_k, &delta}) v->resize(h.value_dim);
+    }
+};
+void delta_rule_token(const DeltaRuleHead& h, const float* s_in, float* s_out, const float* q, const float* k,
+                      const float* v, const float* g, float beta, float* out, DeltaRuleScratch& scratch);
+
+// RMSNorm or L2 normalization of a row (rms_norm.cpp).
+struct Norm {
+    int dim;
+    float eps;
+    bool mean;      // RMSNorm: the mean of the squares; else (L2) their sum
+    bool weighted;  // a weight [dim] multiplies the result
+    bool operator==(const Norm&) const = default;
+};
+void normalize_row(const Norm& n, const float* x, const float* weight, float* y);
 
 // dst, row-contiguous, from src's elements read by its strides (a slice, a transpose, a broadcast)
 inline void copy_by_strides(const mlx::core::array& src, mlx::core::array& dst) {

@@ -23,7 +23,7 @@
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
-using mlx_hybrid::Pool;
+using namespace mlx_hybrid;
 
 namespace {
 
@@ -31,15 +31,6 @@ struct Shape {
     int batch, tokens, key_heads, value_heads, key_dim, value_dim;
     bool vector_gate;
     bool operator==(const Shape&) const = default;
-};
-
-// The scratch of one head's token: decayed q and k rows, the two reads, delta.
-struct Scratch {
-    std::vector<float> q_decayed, k_decayed, read_q, read_k, delta, decay;
-    void fit(const Shape& s) {
-        for (auto* v : {&q_decayed, &k_decayed, &decay}) v->resize(s.key_dim);
-        for (auto* v : {&read_q, &read_k, &delta}) v->resize(s.value_dim);
-    }
 };
 
 // reads over columns [j0, j0 + 8 W) of S: W vectors of each read in registers
@@ -63,9 +54,11 @@ AVX2_FN void read_columns(const float* s, int dk, int dv, int j0, const float* a
     }
 }
 
-// One token of one head: s_in -> s_out (the same buffer, or another), out [Dv].
-AVX2_FN void head_token(const Shape& shape, const float* s_in, float* s_out, const float* q, const float* k,
-                       const float* v, const float* g, float beta, float* out, Scratch& t) {
+}  // namespace
+
+AVX2_FN void mlx_hybrid::delta_rule_token(const DeltaRuleHead& shape, const float* s_in, float* s_out, const float* q,
+                                          const float* k, const float* v, const float* g, float beta, float* out,
+                                          DeltaRuleScratch& t) {
     int dk = shape.key_dim, dv = shape.value_dim;
     float* decay = t.decay.data();
     float head_decay = shape.vector_gate ? 0.0f : std::exp(g[0]);
@@ -108,6 +101,8 @@ AVX2_FN void head_token(const Shape& shape, const float* s_in, float* s_out, con
     }
 }
 
+namespace {
+
 // Heads with fewer state values than this (over all tokens) run on the calling thread.
 constexpr long PARALLEL_MIN_VALUES = 1L << 17;
 
@@ -120,8 +115,9 @@ void compute(const Shape& s, const std::vector<mx::array>& in, std::vector<mx::a
     int ratio = s.value_heads / s.key_heads, heads = s.batch * s.value_heads;
     bool parallel = heads > 1 && (long)heads * s.tokens * state_size >= PARALLEL_MIN_VALUES;
     Pool::get().run(heads, parallel, [&](int head) {
-        thread_local Scratch scratch;
-        scratch.fit(s);
+        thread_local DeltaRuleScratch scratch;
+        DeltaRuleHead head_shape{s.key_dim, s.value_dim, s.vector_gate};
+        scratch.fit(head_shape);
         int b = head / s.value_heads, h = head % s.value_heads;
         const float* s_in = state + head * state_size;
         for (int t = 0; t < s.tokens; t++) {
@@ -129,7 +125,7 @@ void compute(const Shape& s, const std::vector<mx::array>& in, std::vector<mx::a
             long key_row = (token * s.key_heads + h / ratio) * s.key_dim;
             long value_head = token * s.value_heads + h;
             float* s_out = outs[snapshots ? 1 + t : 1].data<float>() + head * state_size;
-            head_token(s, s_in, s_out, q + key_row, k + key_row, v + value_head * s.value_dim,
+            delta_rule_token(head_shape, s_in, s_out, q + key_row, k + key_row, v + value_head * s.value_dim,
                        g + value_head * (s.vector_gate ? s.key_dim : 1), beta[value_head],
                        out + value_head * s.value_dim, scratch);
             s_in = s_out;

@@ -17,7 +17,7 @@
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
-using mlx_hybrid::Pool;
+using namespace mlx_hybrid;
 
 namespace {
 
@@ -25,14 +25,6 @@ namespace {
 // microsecond, less than waking a helper).
 constexpr long PARALLEL_MIN_VALUES = 1L << 16;
 constexpr int ROWS_PER_PART = 16;
-
-struct Norm {
-    int dim;
-    float eps;
-    bool mean;      // RMSNorm: the mean of the squares; else (L2) their sum
-    bool weighted;  // a weight [dim] multiplies the result
-    bool operator==(const Norm&) const = default;
-};
 
 AVX2_FN float sum_of_squares(const float* x, int d) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
@@ -55,7 +47,9 @@ AVX2_FN float sum_of_squares(const float* x, int d) {
     return total;
 }
 
-AVX2_FN void normalize_row(const Norm& n, const float* x, const float* weight, float* y) {
+}  // namespace
+
+AVX2_FN void mlx_hybrid::normalize_row(const Norm& n, const float* x, const float* weight, float* y) {
     float squares = sum_of_squares(x, n.dim);
     float scale = 1.0f / std::sqrt((n.mean ? squares / (float)n.dim : squares) + n.eps);
     const __m256 s = _mm256_set1_ps(scale);
@@ -66,6 +60,8 @@ AVX2_FN void normalize_row(const Norm& n, const float* x, const float* weight, f
     }
     for (; i < n.dim; i++) y[i] = n.weighted ? x[i] * scale * weight[i] : x[i] * scale;
 }
+
+namespace {
 
 void compute(const Norm& n, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     const float *x = in[0].data<float>(), *weight = n.weighted ? in[1].data<float>() : nullptr;

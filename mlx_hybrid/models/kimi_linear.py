@@ -25,10 +25,9 @@ from .layers import (
     causal_mask_for,
     check_heads,
     check_layer_types,
-    gated_rms_norm,
     top_k_indices,
 )
-from .linear_attention import delta_rule_attention, for_each_row
+from .linear_attention import for_each_row, linear_attention
 from .sharding import prefixed
 from .trunk import HybridModel
 
@@ -119,10 +118,10 @@ class KimiDeltaAttention(nn.Module):
         gate_in = self.f_b_proj(self.f_a_proj(x)).astype(F32) + self.dt_bias
         g = self.A[:, None] * nn.softplus(gate_in.reshape(B, T, H, D))  # per head and channel
         beta = ops.sigmoid(self.b_proj(x).astype(F32))
-        out = delta_rule_attention(mixed, conv_weight, g, beta, cache, H, H, D, D)
-        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
-        out = gated_rms_norm(out, self.o_norm.weight, ops.sigmoid(gate.astype(F32)), self.eps)
-        return all_sum(self.o_proj(out.reshape(B, T, -1).astype(x.dtype)), self.group)
+        gate = self.g_b_proj(self.g_a_proj(x))
+        norm = ops.OutputNorm(self.o_norm.weight, self.eps, "sigmoid")
+        out = linear_attention(mixed, conv_weight, g, beta, gate, norm, cache, ops.HeadShape(H, H, D, D))
+        return all_sum(self.o_proj(out.astype(x.dtype)), self.group)
 
 
 class LatentAttention(nn.Module):

@@ -38,11 +38,6 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-def gated_rms_norm(x: mx.array, weight: mx.array, gate: mx.array, eps: float) -> mx.array:
-    """RMSNorm(x) * weight * gate, in float32 (the output norm of linear attention)."""
-    return ops.rms_norm(x.astype(F32), weight.astype(F32), eps) * gate.astype(F32)
-
-
 def check_heads(heads: int, size: int, what: str):
     require(heads % size == 0, f"{heads} {what} cannot be split evenly over {size} ranks")
 

@@ -1,5 +1,5 @@
 """Linear attention over packed rows: several sequences packed along the token axis, each on
-its own cache (`cache.RowCaches`), and the delta rule's shared core (GDN and KDA)."""
+its own cache (`cache.RowCaches`), and the layer's work shared by GDN and KDA."""
 
 from __future__ import annotations
 
@@ -27,35 +27,27 @@ def for_each_row(fn, cache, *arrays: mx.array) -> mx.array:
     return mx.concatenate(outs, axis=1)
 
 
-def delta_rule_attention(
-    mixed_qkv, conv_weight, g, beta, cache, key_heads: int, value_heads: int, key_dim: int, value_dim: int
-):
-    """The shared core of GDN and KDA layers: causal conv + SiLU over q|k|v, L2-normalised
-    q and k, then the gated delta rule; reads and updates the layer's recurrent cache.
+def linear_attention(
+    mixed_qkv, conv_weight, g, beta, gate, norm: ops.OutputNorm, cache, heads: ops.HeadShape
+) -> mx.array:
+    """The work of a GDN or KDA layer between its projections (`ops.linear_attention`: causal
+    conv + SiLU over q|k|v, L2-normalised q and k, the gated delta rule, the gated output norm),
+    reading and updating the layer's recurrent cache.
 
-    Returns the rule's output [B, T, value_heads, value_dim] in float32.
+    Returns [B, T, value_heads * value_dim] in float32.
     """
 
-    def one_sequence(mixed_qkv, g, beta, cache):
-        B, T, _ = mixed_qkv.shape
+    def one_sequence(mixed_qkv, g, beta, gate, cache):
         record = cache is not None and cache.record_snapshots
-        conv = ops.conv1d_update(mixed_qkv, conv_weight, cache.conv_tail if cache else None, snapshots=record)
-        q, k, v = mx.split(conv.out, [key_heads * key_dim, 2 * key_heads * key_dim], axis=-1)
-        q = ops.l2_normalize(q.reshape(B, T, key_heads, key_dim)) * key_dim**-0.5
-        k = ops.l2_normalize(k.reshape(B, T, key_heads, key_dim))
-        v = v.reshape(B, T, value_heads, value_dim)
-        rule = ops.gated_delta_update(q, k, v, g, beta, cache.state if cache else None, snapshots=record)
-        if cache is None:
-            return rule.out
-        cache.update(conv.tail, rule.state, conv.snapshots, rule.snapshots)
-        # the new state computed with the output: left for the next call, its lazy graph would keep
-        # this call's inputs alive (a prefill chunk's worth a layer)
-        (out,) = mx.depends([rule.out], [conv.tail, rule.state])
-        return out
+        tail, state = (cache.conv_tail, cache.state) if cache is not None else (None, None)
+        layer = ops.linear_attention(mixed_qkv, conv_weight, g, beta, gate, norm, heads, tail, state, snapshots=record)
+        if cache is not None:
+            cache.update(layer.tail, layer.state, layer.tail_snapshots, layer.state_snapshots)
+        return layer.out
 
     if isinstance(cache, RowCaches):
-        return _rows_in_groups(one_sequence, cache, mixed_qkv, g, beta)
-    return one_sequence(mixed_qkv, g, beta, cache)
+        return _rows_in_groups(one_sequence, cache, mixed_qkv, g, beta, gate)
+    return one_sequence(mixed_qkv, g, beta, gate, cache)
 
 
 def _rows_in_groups(one_sequence, cache: RowCaches, *arrays: mx.array) -> mx.array:

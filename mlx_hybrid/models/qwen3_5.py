@@ -26,10 +26,9 @@ from .layers import (
     causal_mask_for,
     check_heads,
     check_layer_types,
-    gated_rms_norm,
     top_k_indices,
 )
-from .linear_attention import delta_rule_attention, for_each_row
+from .linear_attention import for_each_row, linear_attention
 from .sharding import prefixed
 from .trunk import HybridModel
 from .vision import VisionArgs, VisionTower
@@ -141,15 +140,13 @@ class GatedDeltaNet(nn.Module):
         }  # fmt: skip
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
-        B, T, _ = x.shape
         g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A, self.dt_bias)
-        out = delta_rule_attention(
-            self.in_proj_qkv(x), self.conv1d_weight, g, beta, cache,
-            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-        )  # fmt: skip
-        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-        out = gated_rms_norm(out, self.norm.weight, ops.silu(z.astype(F32)), self.eps)
-        return all_sum(self.out_proj(out.reshape(B, T, -1).astype(x.dtype)), self.group)
+        heads = ops.HeadShape(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        norm = ops.OutputNorm(self.norm.weight, self.eps, "silu")  # gated by SiLU(z)
+        out = linear_attention(
+            self.in_proj_qkv(x), self.conv1d_weight, g, beta, self.in_proj_z(x), norm, cache, heads
+        )
+        return all_sum(self.out_proj(out.astype(x.dtype)), self.group)
 
 
 class GatedAttention(nn.Module):

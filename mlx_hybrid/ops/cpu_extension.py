@@ -1,7 +1,7 @@
 """Our kernels for MLX's CPU backend on x86-64 (csrc/cpu_kernels.cpp: quantized products, the
-gated delta rule and the conv before it, the norms, each an MLX primitive), built on first use with the
-system's C++ compiler against MLX's headers and the nanobind sources, cached per source and
-toolchain.
+gated delta rule and the conv before it, the norms, a linear-attention layer's steps fused, each an
+MLX primitive), built on first use with the system's C++ compiler against MLX's headers and the
+nanobind sources, cached per source and toolchain.
 
 Where the module cannot be built (no compiler, no nanobind, a CPU without AVX2/FMA/F16C) one
 warning names why, and MLX's ops compute.
@@ -25,7 +25,10 @@ from ..native import BuildError, build_once, compiler
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
 _UNITS = [
     _CSRC / name
-    for name in ("quantized_matmul.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "rms_norm.cpp", "cpu_kernels.cpp")
+    for name in (
+        "quantized_matmul.cpp", "linear_attention.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "rms_norm.cpp",
+        "cpu_kernels.cpp",
+    )  # fmt: skip
 ]
 _SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]
 _MODULE = "cpu_kernels_ext"

@@ -10,17 +10,19 @@ against. Shapes, for one layer:
     beta   [B, T, Hv]
     state  [B, Hv, Dk, Dv]  float32
 
-Everything is computed in float32 whatever the input dtype.
+Everything is computed in float32 whatever the input dtype. `linear_attention` composes the
+ops into a layer's work between its projections.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from .activations import silu
+from .activations import sigmoid, silu
 
 F32 = mx.float32
 
@@ -284,3 +286,52 @@ def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
     # cache, a prefill chunk a layer (0.2 GB for 512 tokens of Qwen3.5-0.8B)
     new_tail = padded[:, T:] if T < K else mx.take(padded, mx.arange(T, T + K - 1), axis=1)
     return _conv_silu(padded, weight), new_tail, tails
+
+
+L2_EPS = 1e-6  # q's and k's L2 normalization (as FLA and transformers)
+
+
+class HeadShape(NamedTuple):
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+
+class OutputNorm(NamedTuple):
+    """A linear-attention layer's output: RMSNorm(out) * weight * activation(gate)."""
+
+    weight: mx.array  # [Dv]
+    eps: float
+    activation: str  # "silu" (Qwen's GDN) or "sigmoid" (Kimi's KDA)
+
+
+class LayerResult(NamedTuple):
+    out: mx.array  # [B, T, Hv Dv] float32
+    tail: mx.array  # the conv's tail after the last token [B, K-1, C]
+    state: mx.array  # [B, Hv, Dk, Dv] float32, after the last token
+    tail_snapshots: list | None  # T arrays [B, K-1, C]: the tail after each token
+    state_snapshots: list | None  # T arrays [B, Hv, Dk, Dv]: the state after each token
+
+
+def linear_attention(
+    x, conv_weight, g, beta, gate, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
+    snapshots: bool = False, conv=causal_conv1d_silu, rule=gated_delta_recurrent, l2=l2_normalize, rms=rms_norm,
+) -> LayerResult:  # fmt: skip
+    """A linear-attention layer's work between its projections: the causal conv + SiLU over
+    x = q|k|v [B, T, 2 Hk Dk + Hv Dv], q and k L2-normalised (q scaled by Dk**-0.5), the gated
+    delta rule from `state`, then the output norm with gate [B, T, Hv Dv]. conv, rule, l2 and
+    rms: the ops it composes (these pure-MLX forms, or `ops`' choices)."""
+    B, T, _ = x.shape
+    Hk, Hv, Dk, Dv = heads
+    y, new_tail, tails = conv(x, conv_weight, tail, snapshots=snapshots)
+    q, k, v = mx.split(y, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    q = l2(q.reshape(B, T, Hk, Dk), L2_EPS) * Dk**-0.5
+    k = l2(k.reshape(B, T, Hk, Dk), L2_EPS)
+    out, new_state, states = rule(q, k, v.reshape(B, T, Hv, Dv), g, beta, state, snapshots=snapshots)
+    activation = {"silu": silu, "sigmoid": sigmoid}[norm.activation]
+    out = rms(out, norm.weight.astype(F32), norm.eps) * activation(gate.reshape(B, T, Hv, Dv).astype(F32))
+    # the new tail and state computed with the output: left for a next call, their lazy graphs
+    # would keep this call's inputs alive (a prefill chunk's worth a layer)
+    (out,) = mx.depends([out.reshape(B, T, Hv * Dv)], [new_tail, new_state])
+    return LayerResult(out, new_tail, new_state, tails, states)

@@ -11,7 +11,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import cpu_conv1d, cpu_extension, cpu_gated_delta, kernels, reference
+from . import cpu_conv1d, cpu_extension, cpu_gated_delta, cpu_linear_attention, kernels, reference
 
 class KernelError(RuntimeError):
     """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
@@ -120,3 +120,30 @@ def small_norm_case(platform, kind: str):
     if kind == "rms":
         return [extension.rms_norm(x, weight, 1e-6)], [reference.rms_norm(x, weight, 1e-6)]
     return [extension.l2_normalize(x, 1e-6)], [reference.l2_normalize(x, 1e-6)]
+
+
+def small_linear_attention_case(platform, vector_gate: bool, activation: str, snapshots: bool):
+    """Three tokens, one key head of 20 channels (a vector and a partial one), two value heads of
+    44, a conv of width 4: our CPU kernel (platform 'cpu') against the pure-MLX composition."""
+    rng = np.random.default_rng(0)
+    B, T, heads, K = 1, 3, reference.HeadShape(1, 2, 20, 44), 4
+    C = 2 * heads.key_dim + heads.value_heads * heads.value_dim
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    g_shape = (B, T, heads.value_heads, heads.key_dim) if vector_gate else (B, T, heads.value_heads)
+    g = mx.array(-rng.uniform(0.01, 0.5, g_shape).astype(np.float32))
+    beta = mx.array(rng.uniform(0.1, 0.9, (B, T, heads.value_heads)).astype(np.float32))
+    norm = reference.OutputNorm(1 + 0.1 * normal(heads.value_dim), 1e-6, activation)
+    args = (normal(B, T, C), 0.5 * normal(C, K), g, beta, normal(B, T, heads.value_heads * heads.value_dim), norm,
+            heads, normal(B, K - 1, C), normal(B, heads.value_heads, heads.key_dim, heads.value_dim))  # fmt: skip
+    results = [
+        cpu_linear_attention.linear_attention(*args, snapshots=snapshots),
+        reference.linear_attention(*args, snapshots=snapshots),
+    ]
+    got, want = ([r.out, r.tail, r.state] for r in results)
+    if snapshots:
+        for parts, r in zip((got, want), results):
+            parts += [mx.stack(r.tail_snapshots, axis=1), mx.stack(r.state_snapshots, axis=1)]
+    return got, want
