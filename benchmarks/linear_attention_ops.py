@@ -6,9 +6,10 @@ measured in the same run, run by hand:
 
 For each token count: the causal conv1d + SiLU, the gated delta rule (token by token, as a
 decode step or a verify pass runs it; past ops.CHUNKED_MIN_TOKENS the pure-MLX side is the
-chunked form, as a prompt runs it, and on a GPU both sides are) and the norms (q's and k's L2
-normalization, the RMSNorm of the output), over one call per layer, every layer's inputs its
-own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
+chunked form, as a prompt runs it, and on a GPU both sides are), the norms (q's and k's L2
+normalization, the RMSNorm of the output) and the whole layer between its projections as the
+models call it (ops.linear_attention: on the CPU one fused kernel), over one call per layer,
+every layer's inputs its own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
 allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds
 for all layers, medians of --repeats, and the ratio.
 """
@@ -59,8 +60,13 @@ def layer_inputs(args, tokens: int, seed: int) -> dict:
         "beta": mx.random.uniform(0.1, 0.9, (1, tokens, Hv)),
         "state": 0.1 * mx.random.normal((1, Hv, Dk, Dv)),
         "norm_weight": 1 + 0.1 * mx.random.normal((Dv,)),
+        "a": 0.5 * mx.random.normal((1, tokens, Hv)),
+        "b": mx.random.normal((1, tokens, Hv)),
+        "decay": ops.Decay(-mx.random.uniform(1, 8, (Hv,)), mx.random.uniform(-4, -1, (Hv,))),
+        "z": mx.random.normal((1, tokens, Hv * Dv)),
+        "heads": ops.HeadShape(Hk, Hv, Dk, Dv),
     }
-    mx.eval(inputs)
+    mx.eval({name: value for name, value in inputs.items() if name != "heads"})
     return inputs
 
 
@@ -80,6 +86,12 @@ def rule(i, snapshots):
 
 def norms(i, snapshots):
     return [ops.l2_normalize(i["q"]), ops.l2_normalize(i["k"]), ops.rms_norm(i["v"], i["norm_weight"], 1e-6)]
+
+
+def layer(i, snapshots):
+    norm = ops.OutputNorm(i["norm_weight"], 1e-6, "silu")
+    return ops.linear_attention(i["x"], i["weight"], i["a"], i["b"], i["z"], i["decay"], norm, i["heads"], i["tail"],
+                                i["state"], snapshots=snapshots)  # fmt: skip
 
 
 def outputs(result) -> list:
@@ -136,7 +148,7 @@ def main():
         if snapshots:  # MLX's allocator keeps the snapshot buffers for reuse, as the decoder has it
             keep_snapshot_buffers([recurrent_cache(i) for i in layers], tokens - 1)
         repeats = args.repeats if tokens < 64 else max(1, args.repeats // 10)
-        for name, op in [("conv + SiLU", conv), ("delta rule", rule), ("norms", norms)]:
+        for name, op in [("conv + SiLU", conv), ("delta rule", rule), ("norms", norms), ("whole layer", layer)]:
             a, b = median_ms(op, layers, snapshots, repeats), pure_mlx_ms(op, layers, snapshots, repeats)
             print(f"{tokens:6d} {name:12s} {a:9.2f} {b:12.2f} {b / a:6.1f}x")
 

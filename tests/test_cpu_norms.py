@@ -1,5 +1,6 @@
-"""The CPU norm kernels (csrc/rms_norm.cpp: RMSNorm and L2 normalization) against the norms
-written the obvious way in float64, and against themselves row by row."""
+"""The CPU norm kernels (csrc/rms_norm.cpp: RMSNorm, with the residual sum before it, and L2
+normalization) against the norms written the obvious way in float64, and against themselves row by
+row."""
 
 import mlx.core as mx
 import numpy as np
@@ -81,3 +82,17 @@ def test_inputs_that_do_not_fit_are_refused():
             module.rms_norm(bad_x, bad_weight, 1e-6)
     with pytest.raises(ValueError):
         module.l2_normalize(mx.zeros((2, 0)), 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 70])
+def test_the_residual_sum_and_its_norm_give_the_two_ops_bits(rows):
+    """add_rms_norm against x + y and the RMSNorm kernel on it: equal to the bit (MLX's add is
+    one float32 add a value, as the kernel's)."""
+    rng = np.random.default_rng(rows)
+    x, y = (mx.array(rng.standard_normal((rows, 1, 1024)).astype(np.float32)) for _ in range(2))
+    weight = mx.array(rng.standard_normal(1024).astype(np.float32))
+    total, normed = ops.add_rms_norm(x, y, weight, 1e-6)
+    assert mx.array_equal(total, x + y)
+    assert mx.array_equal(normed, kernel("rms", x + y, weight, 1e-6))
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        cpu_extension.extension().add_rms_norm(x, y[:, :, :8], weight, 1e-6)

@@ -62,7 +62,7 @@ def test_conv(which):
     assert_views_read_as_copies(lambda *a: module.conv1d_silu(*a, True), inputs, which)
 
 
-@pytest.mark.parametrize("which", [0, 2, 3, 5, 7])  # x, the tail, g, the gate, the state
+@pytest.mark.parametrize("which", [0, 2, 3, 4, 7, 9])  # x, the tail, a, b, the gate, the state
 def test_linear_attention(which):
     heads = reference.HeadShape(2, 4, 16, 24)
     inputs = [mx.array(x) for x in layer_inputs(2, 3, heads, 4, True, seed=which)]
@@ -70,6 +70,33 @@ def test_linear_attention(which):
     assert_views_read_as_copies(
         lambda *a: module.linear_attention(*a, heads.key_heads, 0.25, 1e-6, 1e-6, False, True), inputs, which
     )
+
+
+@pytest.mark.parametrize("which", range(2))  # x, y
+def test_add_rms_norm(which):
+    inputs = [random((2, 3, 4, 40), 0), random((2, 3, 4, 40), 1), random((40,), 2)]
+    module = cpu_extension.extension()
+    assert_views_read_as_copies(lambda *a: module.add_rms_norm(*a, 1e-6), inputs, which)
+
+
+@pytest.mark.parametrize("which", range(2))  # x, the gate
+def test_gated_product(which):
+    inputs = [random((2, 3, 40), 0), random((2, 3, 40), 1)]
+    module = cpu_extension.extension()
+    assert_views_read_as_copies(lambda *a: module.gated_product(*a, False), inputs, which)
+
+
+def test_rope():
+    c, s = random((3, 24), 1), random((3, 24), 2)
+    module = cpu_extension.extension()
+    assert_views_read_as_copies(lambda x: module.rope(x, c, s, 16), [random((2, 4, 3, 24), 0)], 0)
+
+
+@pytest.mark.parametrize("which", range(3))  # q, k, v
+def test_attention(which):
+    inputs = [random(shape, which) for shape in [(2, 4, 3, 24), (2, 2, 9, 24), (2, 2, 9, 16)]]
+    module = cpu_extension.extension()
+    assert_views_read_as_copies(lambda *a: module.attention(*a, 0.2, True), inputs, which)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])  # the small-row path and the tiled one

@@ -104,28 +104,35 @@ def numpy_conv_silu(x, weight, tail):
 
 
 def layer_inputs(B, T, heads, K, vector_gate, seed=0):
-    """A linear-attention layer's inputs (reference.linear_attention's order but the norm, its
-    weight in its place), float32, of the scale a model feeds them."""
+    """A linear-attention layer's inputs in the CPU kernel's order (x, conv weight, tail, a, b, A,
+    dt_bias, gate, norm weight, state), float32, of the scale a model feeds them (decays
+    A softplus(a + dt_bias) from about -0.02 to -3)."""
     rng = np.random.default_rng(seed)
     Hk, Hv, Dk, Dv = heads
     C = 2 * Hk * Dk + Hv * Dv
-    g = -rng.uniform(0.01, 1.0, (B, T, Hv, Dk) if vector_gate else (B, T, Hv))
+    a = 0.5 * rng.standard_normal((B, T, Hv, Dk) if vector_gate else (B, T, Hv))
     arrays = [rng.standard_normal((B, T, C)), 0.5 * rng.standard_normal((C, K)), rng.standard_normal((B, K - 1, C)),
-              g, rng.uniform(0.0, 1.0, (B, T, Hv)), rng.standard_normal((B, T, Hv * Dv)),
-              1 + 0.1 * rng.standard_normal(Dv), 0.1 * rng.standard_normal((B, Hv, Dk, Dv))]  # fmt: skip
-    return [a.astype(np.float32) for a in arrays]
+              a, rng.standard_normal((B, T, Hv)), -rng.uniform(1, 8, Hv), rng.uniform(-4, -1, a[0, 0].size),
+              rng.standard_normal((B, T, Hv * Dv)), 1 + 0.1 * rng.standard_normal(Dv),
+              0.1 * rng.standard_normal((B, Hv, Dk, Dv))]  # fmt: skip
+    return [x.astype(np.float32) for x in arrays]
 
 
-def numpy_linear_attention(x, weight, tail, g, beta, gate, norm_weight, state, heads, activation, eps=1e-6):
+def numpy_linear_attention(x, weight, tail, a, b, A, dt_bias, gate, norm_weight, state, heads, activation, eps=1e-6):
     """The layer as docs/MODELS.md writes it, in float64: (out, tail, state, the tails and the
     states after each token)."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = heads
+    a, A = a.astype(np.float64), A.astype(np.float64)
+    if a.ndim == 4:
+        A = A[:, None]
+    g = A * np.logaddexp(a + dt_bias.astype(np.float64).reshape(a.shape[2:]), 0)
+    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
     y, new_tail, tails = numpy_conv_silu(x, weight, tail)
     q, k, v = np.split(y, [Hk * Dk, 2 * Hk * Dk], axis=-1)
 
-    def l2(a):
-        return a / np.sqrt((a * a).sum(axis=-1, keepdims=True) + 1e-6)
+    def l2(u):
+        return u / np.sqrt((u * u).sum(axis=-1, keepdims=True) + 1e-6)
 
     q, k = l2(q.reshape(B, T, Hk, Dk)) * Dk**-0.5, l2(k.reshape(B, T, Hk, Dk))
     out, new_state, states = numpy_gated_delta(q, k, v.reshape(B, T, Hv, Dv), g, beta, state)
@@ -135,16 +142,20 @@ def numpy_linear_attention(x, weight, tail, g, beta, gate, norm_weight, state, h
     return (out * activated).reshape(B, T, Hv * Dv), new_tail, new_state, tails, states
 
 
+def run_layer(inputs, heads, activation, snapshots, layer=reference.linear_attention):
+    """layer (reference.linear_attention's signature) on layer_inputs' arrays."""
+    x, weight, tail, a, b, A, dt_bias, gate, norm_weight, state = map(mx.array, inputs)
+    decay, norm = reference.Decay(A, dt_bias), reference.OutputNorm(norm_weight, 1e-6, activation)
+    return layer(x, weight, a, b, gate, decay, norm, heads, tail, state, snapshots=snapshots)
+
+
 @pytest.mark.parametrize("T,vector_gate,activation", [(1, False, "silu"), (5, True, "sigmoid"), (70, False, "silu")])
 def test_linear_attention_against_numpy(T, vector_gate, activation):
     """The pure-MLX composition (what a GPU and MLX_HYBRID_FORCE_REFERENCE run)."""
     heads = reference.HeadShape(2, 4, 32, 24)
-    x, weight, tail, g, beta, gate, norm_weight, state = layer_inputs(2, T, heads, 4, vector_gate, seed=T)
-    norm = reference.OutputNorm(mx.array(norm_weight), 1e-6, activation)
-    got = reference.linear_attention(
-        *map(mx.array, (x, weight, g, beta, gate)), norm, heads, mx.array(tail), mx.array(state), snapshots=True
-    )
-    want = numpy_linear_attention(x, weight, tail, g, beta, gate, norm_weight, state, heads, activation)
+    inputs = layer_inputs(2, T, heads, 4, vector_gate, seed=T)
+    got = run_layer(inputs, heads, activation, True)
+    want = numpy_linear_attention(*inputs, heads, activation)
     # float32 against float64 through an RMS-normalised output times the gate: see
     # test_cpu_linear_attention.LAYER_TOL
     np.testing.assert_allclose(np.array(got.out), want[0], atol=2e-5, rtol=0)
@@ -214,7 +225,8 @@ def test_rope_one_token_equals_its_row_of_a_longer_call():
 
 
 def test_activations_against_numpy():
-    """sigmoid, SiLU and SwiGLU through 2^x: as accurate as MLX's own, in float32 and bfloat16."""
+    """sigmoid, SiLU, SwiGLU and the sigmoid gate (through 2^x, or on the CPU our kernel's e^x for
+    the gates): as accurate as MLX's own, in float32 and bfloat16."""
     x = mx.array(np.linspace(-100, 100, 200_001).astype(np.float32))
     up = mx.array(np.random.default_rng(0).standard_normal(x.shape).astype(np.float32))
     # bfloat16: the inputs are rounded first, the output's own rounding is the tolerance
@@ -226,6 +238,7 @@ def test_activations_against_numpy():
             ("sigmoid", ops.sigmoid(xs), exact_sigmoid),
             ("silu", ops.silu(xs), x64 * exact_sigmoid),
             ("swiglu", ops.swiglu(xs, ups), x64 * exact_sigmoid * up64),
+            ("sigmoid_gated", ops.sigmoid_gated(ups, xs), up64 * exact_sigmoid),
         ]
         for name, out, want in cases:
             assert out.dtype == dtype, name

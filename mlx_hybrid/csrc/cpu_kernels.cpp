@@ -1,8 +1,9 @@
 // The CPU kernels' Python module for MLX's CPU backend on x86-64 (AVX2, FMA, F16C): quantized
 // products (quantized_matmul.cpp), the gated delta rule token by token (gated_delta.cpp) and the
 // causal conv1d + SiLU before it (conv1d_silu.cpp), RMSNorm and L2 normalization (rms_norm.cpp),
-// and all of a linear-attention layer's steps between its projections at once (linear_attention.cpp),
-// each an MLX primitive.
+// all of a linear-attention layer's steps between its projections at once (linear_attention.cpp),
+// attention of a few query tokens over a KV cache and the rotary embedding (attention.cpp), SwiGLU's
+// and the attention output's gates (gated_product.cpp), each an MLX primitive.
 // mlx_hybrid/ops/cpu_extension.py builds it on first use with the nanobind sources and MLX's
 // headers (NB_DOMAIN=mlx, so that arrays pass between this module and mlx.core).
 #include "cpu_kernels.h"
@@ -16,4 +17,6 @@ NB_MODULE(cpu_kernels_ext, m) {
     mlx_hybrid::bind_conv1d_silu(m);
     mlx_hybrid::bind_norms(m);
     mlx_hybrid::bind_linear_attention(m);
+    mlx_hybrid::bind_attention(m);
+    mlx_hybrid::bind_gated_product(m);
 }

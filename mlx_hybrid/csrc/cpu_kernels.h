@@ -31,6 +31,8 @@ void bind_gated_delta(nanobind::module_& m);
 void bind_conv1d_silu(nanobind::module_& m);
 void bind_norms(nanobind::module_& m);
 void bind_linear_attention(nanobind::module_& m);
+void bind_attention(nanobind::module_& m);
+void bind_gated_product(nanobind::module_& m);
 
 // The target of the units' AVX2 functions (within what cpu_supported() checks; the quantized
 // products' body, compiled per instruction set, names its own).
@@ -140,6 +142,9 @@ struct Norm {
 };
 void normalize_row(const Norm& n, const float* x, const float* weight, float* y);
 
+// y [n] = x * SiLU(gate) or x * sigmoid(gate) (gated_product.cpp); y may be x.
+void gate_values(const float* x, const float* gate, float* y, long n, bool sigmoid);
+
 // dst, row-contiguous, from src's elements read by its strides (a slice, a transpose, a broadcast)
 inline void copy_by_strides(const mlx::core::array& src, mlx::core::array& dst) {
     size_t item = src.itemsize(), inner = src.ndim() ? src.shape(-1) : 1;
@@ -165,16 +170,20 @@ inline void copy_by_strides(const mlx::core::array& src, mlx::core::array& dst) 
 // stream's encoder (over views that do not hold the buffers: the encoder keeps them alive). The
 // kernels read their inputs row-contiguous: an input that is not gets a copy made in the same
 // task, so that MLX needs no Contiguous node for every lazy input (a few microseconds each,
-// hundreds in a decode step).
+// hundreds in a decode step). Inputs in the `strided` mask (bit i: input i) whose last axis is
+// contiguous come as they are, for a kernel that reads them by their strides (a KV cache's
+// slice of its grown buffer, which a copy would read whole every step).
 template <class Compute>
 void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
-                     std::vector<mlx::core::array>& outputs, Compute compute) {
+                     std::vector<mlx::core::array>& outputs, Compute compute, unsigned strided = 0) {
     namespace mx = mlx::core;
     auto& encoder = mx::cpu::get_command_encoder(stream);
     std::vector<mx::array> held, written, copied_from, copied_to;
-    for (auto& input : inputs) {
+    for (size_t i = 0; i < inputs.size(); i++) {
+        auto& input = inputs[i];
         encoder.set_input_array(input);
-        if (input.flags().row_contiguous) {
+        bool as_strided = (strided >> i & 1) && input.ndim() > 0 && (input.strides().back() == 1 || input.shape(-1) == 1);
+        if (input.flags().row_contiguous || as_strided) {
             held.push_back(mx::array::unsafe_weak_copy(input));
             continue;
         }
@@ -198,17 +207,20 @@ void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::arra
 }
 
 // An MLX primitive whose outputs compute(params, inputs, outputs) writes on the CPU stream;
-// equivalent to another (for mx.compile) when their params are equal.
-template <class Params, void (*compute)(const Params&, const std::vector<mlx::core::array>&,
-                                        std::vector<mlx::core::array>&)>
+// equivalent to another (for mx.compile) when their params are equal. strided: the inputs it
+// reads by their strides (see dispatch_on_cpu).
+template <class Params,
+          void (*compute)(const Params&, const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&),
+          unsigned strided = 0>
 class CpuPrimitive : public mlx::core::Primitive {
    public:
     CpuPrimitive(mlx::core::Stream stream, Params params, const char* name)
         : mlx::core::Primitive(stream), params_(params), name_(name) {}
 
     void eval_cpu(const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs) override {
-        dispatch_on_cpu(stream(), inputs, outputs,
-                        [params = params_](auto& held, auto& written) { compute(params, held, written); });
+        dispatch_on_cpu(
+            stream(), inputs, outputs, [params = params_](auto& held, auto& written) { compute(params, held, written); },
+            strided);
     }
 
     void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {

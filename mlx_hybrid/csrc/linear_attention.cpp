@@ -1,10 +1,11 @@
 // A linear-attention layer's work between its projections, one MLX primitive for MLX's CPU
-// backend: the causal conv + SiLU over q|k|v, q and k L2-normalised (q scaled), the gated delta
-// rule, then the output RMSNorm times the activated gate (SiLU: Qwen's GDN; sigmoid: Kimi's KDA).
-// Run as single ops these make 16 nodes a layer (the conv, a split, views, the two norms, a
-// scale, the rule, the output norm, the activation, a product), each costing microseconds to
-// schedule on MLX's one CPU stream; 18 layers of a Qwen3.5-0.8B decode step: about 300 nodes,
-// 4 ms of a 50 ms Q4_K_M step (benchmarks/linear_attention_ops.py times both).
+// backend: the causal conv + SiLU over q|k|v, q and k L2-normalised (q scaled), the rule's decay
+// g = A softplus(a + dt_bias) and write strength beta = sigmoid(b), the gated delta rule, then the
+// output RMSNorm times the activated gate (SiLU: Qwen's GDN; sigmoid: Kimi's KDA).
+// Run as single ops these make 17 nodes a layer (the gates, the conv, a split, views, the two
+// norms, a scale, the rule, the output norm, the activation, a product), each costing
+// microseconds to schedule on MLX's one CPU stream: 306 of the 951 nodes of a Qwen3.5-0.8B
+// decode step (18 layers), about 3 ms of a 51 ms Q4_K_M step on 2 cores.
 //
 // Each step is the code the step's own kernel runs (cpu_kernels.h), so the conv's tail, the state
 // and the rule's output have the bits the single kernels give; the gate's activation is
@@ -16,6 +17,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 #include "cpu_kernels.h"
@@ -37,17 +39,8 @@ struct Layer {
 // kernel does.
 constexpr long PARALLEL_MIN_VALUES = 1L << 17;
 
-// y [n] *= silu(z) or sigmoid(z)
-AVX2_FN void gate_row(float* y, const float* z, int n, bool sigmoid) {
-    for (int i = 0; i < n; i += 8) {
-        int lanes = std::min(8, n - i);
-        __m256 zi = load_lanes(z + i, lanes);
-        store_lanes(y + i, _mm256_mul_ps(load_lanes(y + i, lanes), sigmoid ? sigmoid_ps(zi) : silu_ps(zi)), lanes);
-    }
-}
-
 struct Buffers {
-    const float *x, *conv_weight, *tail_in, *g, *beta, *gate, *norm_weight, *state;
+    const float *x, *conv_weight, *tail_in, *a, *b, *A, *dt_bias, *gate, *norm_weight, *state;
     float *out, *tail_out, *tail_snapshots;
     std::vector<float*> states;  // the state after each token (snapshots), or after the last
 };
@@ -70,8 +63,9 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
                                io.tail_out, io.tail_snapshots);
     DeltaRuleHead head{Dk, Dv, s.vector_gate};
     scratch.fit(head);
-    float* q = aligned_floats(row_buffer, 2 * Dk + Dv);
-    float *k = q + Dk, *rule_out = k + Dk;
+    float* q = aligned_floats(row_buffer, 3 * Dk + Dv);
+    float *k = q + Dk, *g = k + Dk, *rule_out = g + Dk;
+    const int gates = s.vector_gate ? Dk : 1;  // g's values a head
     const Norm l2{Dk, s.l2_eps, false, false}, rms{Dv, s.norm_eps, true, true};
     for (int t = 0; t < s.tokens; t++) {
         const float* row = mixed + (long)t * unit_channels;
@@ -82,12 +76,17 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
         for (int r = 0; r < ratio; r++) {
             int h = kh * ratio + r;
             long value_head = token * s.value_heads + h, state_at = ((long)b * s.value_heads + h) * state_size;
+            for (int i = 0; i < gates; i++) {  // softplus as MLX's logaddexp(u, 0) computes it
+                float u = io.a[value_head * gates + i] + io.dt_bias[h * gates + i];
+                g[i] = io.A[h] * (std::max(u, 0.0f) + std::log1p(std::exp(-std::fabs(u))));
+            }
+            float beta = 1.0f / (1.0f + std::exp(-io.b[value_head]));
             const float* s_in = t == 0 ? io.state + state_at : io.states[s.snapshots ? t - 1 : 0] + state_at;
-            delta_rule_token(head, s_in, io.states[s.snapshots ? t : 0] + state_at, q, k, row + 2 * Dk + r * Dv,
-                             io.g + value_head * (s.vector_gate ? Dk : 1), io.beta[value_head], rule_out, scratch);
+            delta_rule_token(head, s_in, io.states[s.snapshots ? t : 0] + state_at, q, k, row + 2 * Dk + r * Dv, g,
+                             beta, rule_out, scratch);
             float* y = io.out + value_head * Dv;
             normalize_row(rms, rule_out, io.norm_weight, y);
-            gate_row(y, io.gate + value_head * Dv, Dv, s.sigmoid_gate);
+            gate_values(y, io.gate + value_head * Dv, y, Dv, s.sigmoid_gate);
         }
     }
 }
@@ -95,6 +94,7 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
 void compute(const Layer& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     Buffers io{in[0].data<float>(), in[1].data<float>(), in[2].data<float>(), in[3].data<float>(),
                in[4].data<float>(), in[5].data<float>(), in[6].data<float>(), in[7].data<float>(),
+               in[8].data<float>(), in[9].data<float>(),
                outs[0].data<float>(), outs[1].data<float>(), s.snapshots ? outs[2].data<float>() : nullptr, {}};
     for (size_t i = s.snapshots ? 3 : 2; i < outs.size(); i++) io.states.push_back(outs[i].data<float>());
     int units = s.batch * s.key_heads;
@@ -106,12 +106,13 @@ void compute(const Layer& s, const std::vector<mx::array>& in, std::vector<mx::a
 using LinearAttentionLayer = mlx_hybrid::CpuPrimitive<Layer, compute>;
 
 // x [B, T, 2 Hk Dk + Hv Dv] (q|k|v before the conv), conv_weight [C, K], tail [B, K-1, C];
-// g [B, T, Hv] or [B, T, Hv, Dk]; beta [B, T, Hv]; gate [B, T, Hv Dv]; norm_weight [Dv];
-// state [B, Hv, Dk, Dv]. -> [out [B, T, Hv Dv], the conv's tail after the last token, with
+// a [B, T, Hv] or [B, T, Hv, Dk] and dt_bias [Hv] or [Hv Dk] (the decay's, per head or key
+// channel), A [Hv]; b [B, T, Hv]; gate [B, T, Hv Dv]; norm_weight [Dv]; state [B, Hv, Dk, Dv]. -> [out [B, T, Hv Dv], the conv's tail after the last token, with
 // snapshots its tail after each token [B, T, K-1, C], then the state after each token
 // (snapshots) or after the last], all float32.
 std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& conv_weight, const mx::array& tail,
-                                        const mx::array& g, const mx::array& beta, const mx::array& gate,
+                                        const mx::array& a, const mx::array& b, const mx::array& A,
+                                        const mx::array& dt_bias, const mx::array& gate,
                                         const mx::array& norm_weight, const mx::array& state, int key_heads,
                                         float q_scale, float l2_eps, float norm_eps, bool sigmoid_gate,
                                         bool snapshots) {
@@ -120,14 +121,15 @@ std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& con
             "linear_attention: x [B, T, C], conv_weight [C, K], tail [B, K-1, C], state [B, Hv, Dk, Dv], "
             "norm_weight [Dv]");
     Layer s{x.shape(0), x.shape(1), key_heads, state.shape(1), state.shape(2), state.shape(3), conv_weight.shape(1),
-            g.ndim() == 4, sigmoid_gate, snapshots, q_scale, l2_eps, norm_eps};
+            a.ndim() == 4, sigmoid_gate, snapshots, q_scale, l2_eps, norm_eps};
     int channels = 2 * s.key_heads * s.key_dim + s.value_heads * s.value_dim;
     mx::Shape per_head{s.batch, s.tokens, s.value_heads}, gate_shape = per_head;
     if (s.vector_gate) gate_shape.push_back(s.key_dim);
     if (s.tokens < 1 || s.key_heads < 1 || s.value_heads % s.key_heads || x.shape(2) != channels ||
         s.width < 2 || s.width > CONV_MAX_WIDTH || conv_weight.shape(0) != channels ||
         tail.shape() != mx::Shape{s.batch, s.width - 1, channels} || state.shape(0) != s.batch ||
-        g.shape() != gate_shape || beta.shape() != per_head ||
+        a.shape() != gate_shape || b.shape() != per_head || A.shape() != mx::Shape{s.value_heads} ||
+        dt_bias.shape() != mx::Shape{s.value_heads * (s.vector_gate ? s.key_dim : 1)} ||
         gate.shape() != mx::Shape{s.batch, s.tokens, s.value_heads * s.value_dim} ||
         norm_weight.shape(0) != s.value_dim)
         throw std::invalid_argument("linear_attention: shapes that do not fit the layer (see ops/reference.py)");
@@ -135,8 +137,8 @@ std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& con
         throw std::invalid_argument("linear_attention: x and tail in float32");
     auto stream = mx::default_stream(mx::Device::cpu);
     std::vector<mx::array> inputs;
-    for (auto* a : {&x, &conv_weight, &tail, &g, &beta, &gate, &norm_weight, &state})
-        inputs.push_back(mx::astype(*a, mx::float32, stream));
+    for (auto* input : {&x, &conv_weight, &tail, &a, &b, &A, &dt_bias, &gate, &norm_weight, &state})
+        inputs.push_back(mx::astype(*input, mx::float32, stream));
     std::vector<mx::Shape> shapes{gate.shape(), tail.shape()};
     if (snapshots) shapes.push_back({s.batch, s.tokens, s.width - 1, channels});
     shapes.insert(shapes.end(), snapshots ? s.tokens : 1, state.shape());
@@ -148,8 +150,8 @@ std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& con
 }  // namespace
 
 void mlx_hybrid::bind_linear_attention(nb::module_& m) {
-    m.def("linear_attention", &linear_attention, nb::arg("x"), nb::arg("conv_weight"), nb::arg("tail"), nb::arg("g"),
-          nb::arg("beta"), nb::arg("gate"), nb::arg("norm_weight"), nb::arg("state"), nb::arg("key_heads"),
+    m.def("linear_attention", &linear_attention, nb::arg("x"), nb::arg("conv_weight"), nb::arg("tail"), nb::arg("a"),
+          nb::arg("b"), nb::arg("A"), nb::arg("dt_bias"), nb::arg("gate"), nb::arg("norm_weight"), nb::arg("state"), nb::arg("key_heads"),
           nb::arg("q_scale"), nb::arg("l2_eps"), nb::arg("norm_eps"), nb::arg("sigmoid_gate"), nb::arg("snapshots"),
           "a linear-attention layer between its projections: [out, the conv's tail after the last token, with "
           "snapshots its tail after each token, then the state after each token (snapshots) or the last]");

@@ -1,4 +1,5 @@
-// RMSNorm and L2 normalization over the last axis for MLX's CPU backend, one MLX primitive a call.
+// RMSNorm and L2 normalization over the last axis for MLX's CPU backend, one MLX primitive a call
+// (RMSNorm also with the residual sum before it).
 // MLX computes either as a reduction plus an elementwise kernel (and, compiled shapeless, a node
 // that counts the elements), and each node costs microseconds to schedule: a Qwen3.5-0.8B decode
 // step makes 79 RMSNorms and 36 L2 normalizations (benchmarks/linear_attention_ops.py: 3.1x MLX's
@@ -8,6 +9,8 @@
 // (two accumulators, even and odd blocks of 8), the lanes reduced by a fixed tree, the tail past
 // the last whole vector added in order; then y = x * (1 / sqrt(sum / D + eps)) * weight (sum + eps
 // for the L2 form, no weight). So a row's bits are the same whatever rows come with it.
+#include <nanobind/stl/vector.h>
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -91,9 +94,41 @@ mx::array normalized(const mx::array& x, const std::optional<mx::array>& weight,
     return mx::array(x.shape(), mx::float32, primitive, inputs);
 }
 
+// A residual sum and its RMSNorm at once (a decoder layer's x + attention(x) and the norm before
+// its MLP): one node where two were, the same bits (the sum is one float32 add a value).
+void add_then_normalize(const Norm& n, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const float *x = in[0].data<float>(), *y = in[1].data<float>(), *weight = in[2].data<float>();
+    float *sum = outs[0].data<float>(), *normed = outs[1].data<float>();
+    long rows = (long)(outs[0].size() / n.dim);
+    int parts = (int)((rows + ROWS_PER_PART - 1) / ROWS_PER_PART);
+    Pool::get().run(parts, rows * n.dim >= PARALLEL_MIN_VALUES, [&](int part) {
+        long end = std::min(rows, (long)(part + 1) * ROWS_PER_PART);
+        for (long r = (long)part * ROWS_PER_PART; r < end; r++) {
+            long at = r * n.dim;
+            for (int i = 0; i < n.dim; i++) sum[at + i] = x[at + i] + y[at + i];
+            normalize_row(n, sum + at, weight, normed + at);
+        }
+    });
+}
+
+using AddRmsNorm = mlx_hybrid::CpuPrimitive<Norm, add_then_normalize>;
+
+std::vector<mx::array> add_rms_norm(const mx::array& x, const mx::array& y, const mx::array& weight, float eps) {
+    if (x.ndim() < 1 || x.shape() != y.shape() || x.dtype() != mx::float32 || y.dtype() != mx::float32)
+        throw std::invalid_argument("add_rms_norm: x and y [..., D] of one shape, float32");
+    int dim = x.shape(-1);
+    if (weight.ndim() != 1 || weight.shape(0) != dim || weight.dtype() != mx::float32)
+        throw std::invalid_argument("add_rms_norm: a float32 weight [D] for x [..., D]");
+    auto stream = mx::default_stream(mx::Device::cpu);
+    auto primitive = std::make_shared<AddRmsNorm>(stream, Norm{dim, eps, true, true}, "AddRmsNorm");
+    return mx::array::make_arrays({x.shape(), x.shape()}, {mx::float32, mx::float32}, primitive, {x, y, weight});
+}
+
 }  // namespace
 
 void mlx_hybrid::bind_norms(nb::module_& m) {
+    m.def("add_rms_norm", &add_rms_norm, nb::arg("x"), nb::arg("y"), nb::arg("weight"), nb::arg("eps"),
+          "[x + y, RMSNorm(x + y) * weight] over the last axis");
     m.def(
         "rms_norm",
         [](const mx::array& x, const mx::array& weight, float eps) { return normalized(x, weight, eps, true); },

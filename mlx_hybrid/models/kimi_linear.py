@@ -115,12 +115,13 @@ class KimiDeltaAttention(nn.Module):
         # the three depthwise convs are one conv over the concatenated channels
         mixed = mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
         conv_weight = mx.concatenate([self.q_conv1d_weight, self.k_conv1d_weight, self.v_conv1d_weight], axis=0)
-        gate_in = self.f_b_proj(self.f_a_proj(x)).astype(F32) + self.dt_bias
-        g = self.A[:, None] * nn.softplus(gate_in.reshape(B, T, H, D))  # per head and channel
-        beta = ops.sigmoid(self.b_proj(x).astype(F32))
+        decay_in = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)  # the decay per head and channel
         gate = self.g_b_proj(self.g_a_proj(x))
         norm = ops.OutputNorm(self.o_norm.weight, self.eps, "sigmoid")
-        out = linear_attention(mixed, conv_weight, g, beta, gate, norm, cache, ops.HeadShape(H, H, D, D))
+        out = linear_attention(
+            mixed, conv_weight, decay_in, self.b_proj(x), gate, ops.Decay(self.A, self.dt_bias), norm, cache,
+            ops.HeadShape(H, H, D, D),
+        )  # fmt: skip
         return all_sum(self.o_proj(out.astype(x.dtype)), self.group)
 
 
@@ -171,7 +172,7 @@ class LatentAttention(nn.Module):
             (keys,) = cache.update_and_fetch(keys)
         values = keys[..., : self.latent_dim]
         mask = causal_mask_for(queries.shape[2])
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = ops.scaled_dot_product_attention(queries, keys, values, self.scale, mask)
         return out.transpose(0, 2, 1, 3)
 
 
@@ -217,8 +218,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, x, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        h, normed = ops.add_rms_norm(x, self.self_attn(self.input_layernorm(x), cache), norm.weight, norm.eps)
+        return h + self.mlp(normed)
 
     def split_heads(self, group) -> dict[str, Split]:
         return prefixed("self_attn", self.self_attn.split_heads(group)) | prefixed("mlp", self.mlp.split_heads(group))

@@ -28,26 +28,28 @@ def for_each_row(fn, cache, *arrays: mx.array) -> mx.array:
 
 
 def linear_attention(
-    mixed_qkv, conv_weight, g, beta, gate, norm: ops.OutputNorm, cache, heads: ops.HeadShape
+    mixed_qkv, conv_weight, a, b, gate, decay: ops.Decay, norm: ops.OutputNorm, cache, heads: ops.HeadShape
 ) -> mx.array:
     """The work of a GDN or KDA layer between its projections (`ops.linear_attention`: causal
-    conv + SiLU over q|k|v, L2-normalised q and k, the gated delta rule, the gated output norm),
-    reading and updating the layer's recurrent cache.
+    conv + SiLU over q|k|v, L2-normalised q and k, the rule's gates from a and b, the gated delta
+    rule, the gated output norm), reading and updating the layer's recurrent cache.
 
     Returns [B, T, value_heads * value_dim] in float32.
     """
 
-    def one_sequence(mixed_qkv, g, beta, gate, cache):
+    def one_sequence(mixed_qkv, a, b, gate, cache):
         record = cache is not None and cache.record_snapshots
         tail, state = (cache.conv_tail, cache.state) if cache is not None else (None, None)
-        layer = ops.linear_attention(mixed_qkv, conv_weight, g, beta, gate, norm, heads, tail, state, snapshots=record)
+        layer = ops.linear_attention(
+            mixed_qkv, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots=record
+        )
         if cache is not None:
             cache.update(layer.tail, layer.state, layer.tail_snapshots, layer.state_snapshots)
         return layer.out
 
     if isinstance(cache, RowCaches):
-        return _rows_in_groups(one_sequence, cache, mixed_qkv, g, beta, gate)
-    return one_sequence(mixed_qkv, g, beta, gate, cache)
+        return _rows_in_groups(one_sequence, cache, mixed_qkv, a, b, gate)
+    return one_sequence(mixed_qkv, a, b, gate, cache)
 
 
 def _rows_in_groups(one_sequence, cache: RowCaches, *arrays: mx.array) -> mx.array:

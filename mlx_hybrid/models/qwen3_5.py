@@ -7,7 +7,6 @@ the loaders' tables) and in which layers use experts (`ModelArgs.is_sparse`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,12 +94,6 @@ class ModelArgs:
 FLOAT32_PARAMS = ("A", "dt_bias")
 
 
-@partial(mx.compile, shapeless=True)
-def gdn_gates(a: mx.array, b: mx.array, A: mx.array, dt_bias: mx.array):
-    """Log decay g = A softplus(a + dt_bias) (A = -exp(A_log)) and write strength beta = sigmoid(b)."""
-    return A * nn.softplus(a.astype(F32) + dt_bias), ops.sigmoid(b.astype(F32))
-
-
 class GatedDeltaNet(nn.Module):
     """Linear attention with the gated delta rule (Qwen3.5 / Qwen3-Next layout)."""
 
@@ -140,12 +133,12 @@ class GatedDeltaNet(nn.Module):
         }  # fmt: skip
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
-        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A, self.dt_bias)
         heads = ops.HeadShape(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
         norm = ops.OutputNorm(self.norm.weight, self.eps, "silu")  # gated by SiLU(z)
         out = linear_attention(
-            self.in_proj_qkv(x), self.conv1d_weight, g, beta, self.in_proj_z(x), norm, cache, heads
-        )
+            self.in_proj_qkv(x), self.conv1d_weight, self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x),
+            ops.Decay(self.A, self.dt_bias), norm, cache, heads,
+        )  # fmt: skip
         return all_sum(self.out_proj(out.astype(x.dtype)), self.group)
 
 
@@ -209,7 +202,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1))
         v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
         out = for_each_row(self._attend, cache, q, k, v)
-        return all_sum(self.o_proj(out.reshape(B, T, -1) * ops.sigmoid(gate.reshape(B, T, -1))), self.group)
+        return all_sum(self.o_proj(ops.sigmoid_gated(out.reshape(B, T, -1), gate.reshape(B, T, -1))), self.group)
 
     def _attend(self, q, k, v, cache):
         """Positioned attention of one sequence over its cache; q, k, v and the result [B, T, H, D]."""
@@ -218,7 +211,7 @@ class GatedAttention(nn.Module):
         q, k = self._rope(q, position), self._rope(k, position)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=causal_mask_for(q.shape[2]))
+        out = ops.scaled_dot_product_attention(q, k, v, self.scale, causal_mask_for(q.shape[2]))
         return out.transpose(0, 2, 1, 3)
 
 
@@ -266,8 +259,9 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, cache=None):
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
-        h = x + mixer(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        h, normed = ops.add_rms_norm(x, mixer(self.input_layernorm(x), cache), norm.weight, norm.eps)
+        return h + self.mlp(normed)
 
     def split_heads(self, group) -> dict[str, Split]:
         mixer = "linear_attn" if self.layer_type == LINEAR else "self_attn"

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from ..quantized_tensor import BlockScales, QuantizedTensor
 from . import (
+    activations,
     cpu_conv1d,
     cpu_extension,
     cpu_gated_delta,
@@ -35,8 +36,8 @@ from . import (
     reference,
     selfcheck,
 )
-from .activations import sigmoid, silu, swiglu  # noqa: F401  (the models' activations)
-from .reference import HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
+from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
+from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
 # chunked form's matrices (measured on a 2-core x86 CPU, Qwen3.5-0.8B head shapes:
@@ -116,6 +117,18 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return reference.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """(x + y, rms_norm(x + y, weight, eps)): a residual sum and the norm after it, on the CPU one
+    node of ours (the same bits as the two)."""
+    if x.dtype == y.dtype == weight.dtype == mx.float32 and x.shape == y.shape and _cpu_kernel_passed(
+        _CPU_NORMS, selfcheck.small_norm_case, "add-rms"
+    ):
+        total, normed = cpu_extension.extension().add_rms_norm(x, y, weight, eps)
+        return total, normed
+    total = x + y
+    return total, rms_norm(total, weight, eps)
+
+
 def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (as FLA and transformers)."""
     x = x.astype(mx.float32)
@@ -129,12 +142,12 @@ def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
     for positions offset .. offset + T - 1.
 
     mx.fast.rope is one kernel on a GPU; on the CPU it runs as about 25 separate ops,
-    where angles computed on the host (cached for the call's positions) and one fused
-    pass do (1 ms of a 130 ms decode step).
+    where angles computed on the host (cached for the call's positions) and one pass do: our
+    kernel, or MLX's gather and fused products.
     """
     if _gpu_computes():
         return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
-    return reference.rope(x, dims, base, offset)
+    return reference.rope(x, dims, base, offset, rotate=_rotate)
 
 
 def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:
@@ -142,7 +155,57 @@ def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:
     the frequencies interleaved over the axes by `sections` (Qwen3.5's MRoPE). Only the prompt's
     image spans need it (text sits at equal positions on every axis, which `rope` computes): the
     host-computed factors serve every backend."""
-    return reference.mrope(x, dims, base, positions, sections)
+    return reference.mrope(x, dims, base, positions, sections, rotate=_rotate)
+
+
+def _rotate(x, c, s, dims: int) -> mx.array:
+    """The rotary factors applied (see `reference.rotate`): one node of ours on the CPU, four of MLX's."""
+    if x.dtype == mx.float32 and _cpu_kernel_passed(_CPU_ATTENTION, selfcheck.small_rope_case):
+        return cpu_extension.extension().rope(x, c, s, dims)
+    return reference.rotate(x, c, s, dims)
+
+
+# Attention of up to this many query tokens (decode steps, verify passes) runs on our CPU kernel,
+# where MLX's op would make about 15 nodes of it; a prompt's goes to MLX's op, whose matmuls the
+# BLAS runs faster for many rows.
+CPU_ATTENTION_MAX_TOKENS = 16
+
+
+def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None) -> mx.array:
+    """mx.fast.scaled_dot_product_attention with mask None or "causal": q [B, H, T, Dk] over
+    k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, H, T, Dv]. On the CPU, for a few query tokens, our
+    kernel: each query row's bits the same whatever rows come with it (a verify pass reproduces
+    its decode steps)."""
+    if (
+        q.shape[2] <= CPU_ATTENTION_MAX_TOKENS
+        and q.dtype == k.dtype == v.dtype == mx.float32
+        and _cpu_kernel_passed(_CPU_ATTENTION, selfcheck.small_attention_case)
+    ):
+        return cpu_extension.extension().attention(q, k, v, scale, mask == "causal")
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """SiLU(gate) * up, in up's dtype: the SwiGLU feed-forward's hidden layer (on the CPU one node
+    of ours where MLX's compiled form makes three)."""
+    if _gated_product_runs(up, gate):
+        return cpu_extension.extension().gated_product(up, gate, False)
+    return activations.swiglu(gate, up)
+
+
+def sigmoid_gated(x: mx.array, gate: mx.array) -> mx.array:
+    """x * sigmoid(gate), in x's dtype (as `swiglu`)."""
+    if _gated_product_runs(x, gate):
+        return cpu_extension.extension().gated_product(x, gate, True)
+    return activations.sigmoid_gated(x, gate)
+
+
+def _gated_product_runs(x, gate) -> bool:
+    return (
+        x.dtype == gate.dtype == mx.float32
+        and x.shape == gate.shape
+        and _cpu_kernel_passed(_CPU_GATED_PRODUCT, selfcheck.small_gated_product_case)
+    )
 
 
 def overlap_decode_steps() -> bool:
@@ -220,6 +283,8 @@ _CPU_GATED_DELTA = kernels.KernelSpec("mlx_hybrid_gated_delta_cpu", "gated_delta
 _CPU_CONV1D = kernels.KernelSpec("mlx_hybrid_conv1d_silu_cpu", "conv1d_silu.cpp", (), ())
 _CPU_NORMS = kernels.KernelSpec("mlx_hybrid_norms_cpu", "rms_norm.cpp", (), ())
 _CPU_LINEAR_ATTENTION = kernels.KernelSpec("mlx_hybrid_linear_attention_cpu", "linear_attention.cpp", (), ())
+_CPU_ATTENTION = kernels.KernelSpec("mlx_hybrid_attention_cpu", "attention.cpp", (), ())  # and rope
+_CPU_GATED_PRODUCT = kernels.KernelSpec("mlx_hybrid_gated_product_cpu", "gated_product.cpp", (), ())
 CPU_CONV_MAX_WIDTH = 8  # the widest conv csrc/conv1d_silu.cpp takes (its MAX_WIDTH)
 
 
@@ -313,8 +378,9 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
 
 
 def linear_attention(
-    x, conv_weight, g, beta, gate, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *, snapshots=False
-) -> LayerResult:
+    x, conv_weight, a, b, gate, decay: Decay, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
+    snapshots=False,
+) -> LayerResult:  # fmt: skip
     """A linear-attention layer's work between its projections (see `reference.linear_attention`):
     on the CPU one primitive of ours where it runs (a decode step's ~300 nodes fewer on
     Qwen3.5-0.8B, each microseconds on MLX's CPU stream), else the single ops above, each on
@@ -324,13 +390,13 @@ def linear_attention(
         and x.dtype == mx.float32
         and 2 <= conv_weight.shape[-1] <= CPU_CONV_MAX_WIDTH
         and _cpu_kernel_passed(
-            _CPU_LINEAR_ATTENTION, selfcheck.small_linear_attention_case, g.ndim == 4, norm.activation, snapshots
+            _CPU_LINEAR_ATTENTION, selfcheck.small_linear_attention_case, a.ndim == 4, norm.activation, snapshots
         )
     ):
         return cpu_linear_attention.linear_attention(
-            x, conv_weight, g, beta, gate, norm, heads, tail, state, snapshots=snapshots
+            x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots=snapshots
         )
     return reference.linear_attention(
-        x, conv_weight, g, beta, gate, norm, heads, tail, state, snapshots=snapshots,
+        x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots=snapshots,
         conv=conv1d_update, rule=gated_delta_update, l2=l2_normalize, rms=rms_norm,
     )  # fmt: skip

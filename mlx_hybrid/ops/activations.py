@@ -40,3 +40,9 @@ def silu(x: mx.array) -> mx.array:
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up, in up's dtype: the SwiGLU feed-forward's hidden layer."""
     return (gate.astype(F32) * _sigmoid_f32(gate) * up.astype(F32)).astype(up.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def sigmoid_gated(x: mx.array, gate: mx.array) -> mx.array:
+    """x * sigmoid(gate), in x's dtype: an attention output's gate."""
+    return (x.astype(F32) * _sigmoid_f32(gate)).astype(x.dtype)

@@ -1,6 +1,6 @@
 """Our kernels for MLX's CPU backend on x86-64 (csrc/cpu_kernels.cpp: quantized products, the
-gated delta rule and the conv before it, the norms, a linear-attention layer's steps fused, each an
-MLX primitive), built on first use with the system's C++ compiler against MLX's headers and the
+gated delta rule and the conv before it, the norms, a linear-attention layer's steps fused, attention
+of a few tokens, SiLU and sigmoid gates, each an MLX primitive), built on first use with the system's C++ compiler against MLX's headers and the
 nanobind sources, cached per source and toolchain.
 
 Where the module cannot be built (no compiler, no nanobind, a CPU without AVX2/FMA/F16C) one
@@ -27,7 +27,7 @@ _UNITS = [
     _CSRC / name
     for name in (
         "quantized_matmul.cpp", "linear_attention.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "rms_norm.cpp",
-        "cpu_kernels.cpp",
+        "attention.cpp", "gated_product.cpp", "cpu_kernels.cpp",
     )  # fmt: skip
 ]
 _SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]

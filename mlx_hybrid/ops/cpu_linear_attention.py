@@ -7,12 +7,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cpu_extension import extension
-from .reference import L2_EPS, HeadShape, LayerResult, OutputNorm
+from .reference import L2_EPS, Decay, HeadShape, LayerResult, OutputNorm
 
 
 def linear_attention(
-    x, conv_weight, g, beta, gate, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *, snapshots=False
-) -> LayerResult:
+    x, conv_weight, a, b, gate, decay: Decay, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
+    snapshots=False,
+) -> LayerResult:  # fmt: skip
     """Shapes as in `reference.linear_attention`; x and tail float32. Each token's bits are the same
     whatever tokens or rows come with it."""
     B, T, C = x.shape
@@ -22,7 +23,7 @@ def linear_attention(
     if state is None:
         state = mx.zeros((B, Hv, Dk, Dv), dtype=mx.float32)
     out, new_tail, *rest = extension().linear_attention(
-        x, conv_weight, tail, g, beta, gate, norm.weight, state, Hk, Dk**-0.5, L2_EPS, norm.eps,
+        x, conv_weight, tail, a, b, decay.A, decay.dt_bias, gate, norm.weight, state, Hk, Dk**-0.5, L2_EPS, norm.eps,
         norm.activation == "sigmoid", snapshots,
     )  # fmt: skip
     if not snapshots:

@@ -239,20 +239,27 @@ def _rotate(x, partner, c, s):
     return (x.astype(F32) * c + partner.astype(F32) * s).astype(x.dtype)
 
 
-def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
-    """Rotary embedding, rotate-half layout (x1, x2 halves of the first `dims` features:
-    x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t."""
-    c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
+def rotate(x: mx.array, c: mx.array, s: mx.array, dims: int) -> mx.array:
+    """x c + x[partner] s for factors c, s [T, D] (see `_rope_factors`), partners as
+    `_rope_partners` gives them."""
     return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
 
 
-def mrope(x: mx.array, dims: int, base: float, positions: np.ndarray, sections) -> mx.array:
+def rope(x: mx.array, dims: int, base: float, offset: int, *, rotate=rotate) -> mx.array:
+    """Rotary embedding, rotate-half layout (x1, x2 halves of the first `dims` features:
+    x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t. rotate: the op
+    that applies the factors (this pure-MLX form, or `ops`' choice)."""
+    c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
+    return rotate(x, c, s, dims)
+
+
+def mrope(x: mx.array, dims: int, base: float, positions: np.ndarray, sections, *, rotate=rotate) -> mx.array:
     """Multimodal rotary embedding (interleaved sections) of x [B, H, T, D] at 3-D positions [3, T]:
     frequency j turns with the axis `_mrope_axes` gives it."""
     half = dims // 2
     along = positions[_mrope_axes(half, tuple(sections))].T.astype(np.float64)  # [T, half]
     c, s = _factors(along * _inverse_frequencies(dims, float(base)), x.shape[-1])
-    return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
+    return rotate(x, c, s, dims)
 
 
 @mx.compile
@@ -298,6 +305,28 @@ class HeadShape(NamedTuple):
     value_dim: int
 
 
+class Decay(NamedTuple):
+    """The rule's log decay, g = A softplus(a + dt_bias): per head (Qwen's GDN: dt_bias [Hv]) or
+    per head and key channel (Kimi's KDA: a [B, T, Hv, Dk], dt_bias [Hv Dk])."""
+
+    A: mx.array  # [Hv]: -exp(A_log)
+    dt_bias: mx.array
+
+
+@partial(mx.compile, shapeless=True)
+def _gates(a, b, A, dt_bias):
+    return A * mx.logaddexp(a.astype(F32) + dt_bias, 0.0), sigmoid(b.astype(F32))
+
+
+def gates(a: mx.array, b: mx.array, decay: Decay) -> tuple[mx.array, mx.array]:
+    """(g, beta) in float32 for a [B, T, Hv] or [B, T, Hv, Dk] and b [B, T, Hv]: the log decay
+    A softplus(a + dt_bias) and the write strength sigmoid(b)."""
+    A, dt_bias = decay
+    if a.ndim == 4:
+        A, dt_bias = A[:, None], dt_bias.reshape(a.shape[-2:])
+    return _gates(a, b, A, dt_bias)
+
+
 class OutputNorm(NamedTuple):
     """A linear-attention layer's output: RMSNorm(out) * weight * activation(gate)."""
 
@@ -315,15 +344,17 @@ class LayerResult(NamedTuple):
 
 
 def linear_attention(
-    x, conv_weight, g, beta, gate, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
+    x, conv_weight, a, b, gate, decay: Decay, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
     snapshots: bool = False, conv=causal_conv1d_silu, rule=gated_delta_recurrent, l2=l2_normalize, rms=rms_norm,
 ) -> LayerResult:  # fmt: skip
     """A linear-attention layer's work between its projections: the causal conv + SiLU over
     x = q|k|v [B, T, 2 Hk Dk + Hv Dv], q and k L2-normalised (q scaled by Dk**-0.5), the gated
-    delta rule from `state`, then the output norm with gate [B, T, Hv Dv]. conv, rule, l2 and
-    rms: the ops it composes (these pure-MLX forms, or `ops`' choices)."""
+    delta rule from `state` with the `gates` of a and b, then the output norm with gate
+    [B, T, Hv Dv]. conv, rule, l2 and rms: the ops it composes (these pure-MLX forms, or `ops`'
+    choices)."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = heads
+    g, beta = gates(a, b, decay)
     y, new_tail, tails = conv(x, conv_weight, tail, snapshots=snapshots)
     q, k, v = mx.split(y, [Hk * Dk, 2 * Hk * Dk], axis=-1)
     q = l2(q.reshape(B, T, Hk, Dk), L2_EPS) * Dk**-0.5

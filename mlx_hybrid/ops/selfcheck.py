@@ -11,7 +11,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import cpu_conv1d, cpu_extension, cpu_gated_delta, cpu_linear_attention, kernels, reference
+from . import activations, cpu_conv1d, cpu_extension, cpu_gated_delta, cpu_linear_attention, kernels, reference
 
 class KernelError(RuntimeError):
     """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
@@ -112,13 +112,15 @@ def small_conv_case(platform, dtype, width: int, snapshots: bool):
 
 def small_norm_case(platform, kind: str):
     """Two rows of 28 values (a block of 16, one of 8 and a tail of 4): our CPU kernel
-    (kind 'rms' or 'l2') against the compiled MLX form."""
+    (kind 'rms', 'add-rms' or 'l2') against the compiled MLX form."""
     rng = np.random.default_rng(0)
-    x = mx.array(rng.standard_normal((2, 1, 28)).astype(np.float32))
+    x, y = (mx.array(rng.standard_normal((2, 1, 28)).astype(np.float32)) for _ in range(2))
     weight = mx.array(rng.standard_normal(28).astype(np.float32))
     extension = cpu_extension.extension()
     if kind == "rms":
         return [extension.rms_norm(x, weight, 1e-6)], [reference.rms_norm(x, weight, 1e-6)]
+    if kind == "add-rms":
+        return extension.add_rms_norm(x, y, weight, 1e-6), [x + y, reference.rms_norm(x + y, weight, 1e-6)]
     return [extension.l2_normalize(x, 1e-6)], [reference.l2_normalize(x, 1e-6)]
 
 
@@ -128,16 +130,19 @@ def small_linear_attention_case(platform, vector_gate: bool, activation: str, sn
     rng = np.random.default_rng(0)
     B, T, heads, K = 1, 3, reference.HeadShape(1, 2, 20, 44), 4
     C = 2 * heads.key_dim + heads.value_heads * heads.value_dim
+    gates = heads.value_heads * (heads.key_dim if vector_gate else 1)
 
-    def normal(*shape):
-        return mx.array(rng.standard_normal(shape).astype(np.float32))
+    def array(x):
+        return mx.array(np.asarray(x, dtype=np.float32))
 
-    g_shape = (B, T, heads.value_heads, heads.key_dim) if vector_gate else (B, T, heads.value_heads)
-    g = mx.array(-rng.uniform(0.01, 0.5, g_shape).astype(np.float32))
-    beta = mx.array(rng.uniform(0.1, 0.9, (B, T, heads.value_heads)).astype(np.float32))
-    norm = reference.OutputNorm(1 + 0.1 * normal(heads.value_dim), 1e-6, activation)
-    args = (normal(B, T, C), 0.5 * normal(C, K), g, beta, normal(B, T, heads.value_heads * heads.value_dim), norm,
-            heads, normal(B, K - 1, C), normal(B, heads.value_heads, heads.key_dim, heads.value_dim))  # fmt: skip
+    a = array(rng.standard_normal((B, T, heads.value_heads, heads.key_dim)[: 4 if vector_gate else 3]))
+    decay = reference.Decay(array(-rng.uniform(1, 8, heads.value_heads)), array(rng.uniform(-4, -1, gates)))
+    norm = reference.OutputNorm(array(1 + 0.1 * rng.standard_normal(heads.value_dim)), 1e-6, activation)
+    args = (array(rng.standard_normal((B, T, C))), array(0.5 * rng.standard_normal((C, K))), a,
+            array(rng.standard_normal((B, T, heads.value_heads))),
+            array(rng.standard_normal((B, T, heads.value_heads * heads.value_dim))), decay, norm, heads,
+            array(rng.standard_normal((B, K - 1, C))),
+            array(rng.standard_normal((B, heads.value_heads, heads.key_dim, heads.value_dim))))  # fmt: skip
     results = [
         cpu_linear_attention.linear_attention(*args, snapshots=snapshots),
         reference.linear_attention(*args, snapshots=snapshots),
@@ -147,3 +152,33 @@ def small_linear_attention_case(platform, vector_gate: bool, activation: str, sn
         for parts, r in zip((got, want), results):
             parts += [mx.stack(r.tail_snapshots, axis=1), mx.stack(r.state_snapshots, axis=1)]
     return got, want
+
+
+def small_attention_case(_platform):
+    """Four heads over two KV heads, 3 query tokens over 7 keys of 20 features (values 12), with and
+    without the causal mask: our CPU kernel against MLX's op."""
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in
+               [(1, 4, 3, 20), (1, 2, 7, 20), (1, 2, 7, 12)])  # fmt: skip
+    extension = cpu_extension.extension()
+    got = [extension.attention(q, k, v, 0.3, causal) for causal in (False, True)]
+    want = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask) for mask in (None, "causal")]
+    return got, want
+
+
+def small_rope_case(_platform):
+    """Two heads, 3 tokens of 20 features, 12 of them rotary: our CPU kernel against the pure-MLX form."""
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((1, 2, 3, 20)).astype(np.float32))
+    c, s = reference._rope_factors(range(5, 8), 20, 12, 10000.0)
+    return [cpu_extension.extension().rope(x, c, s, 12)], [reference.rotate(x, c, s, 12)]
+
+
+def small_gated_product_case(_platform):
+    """Two rows of 37 values (vectors and a partial one): our CPU kernel's SiLU and sigmoid gates
+    against MLX's compiled forms."""
+    rng = np.random.default_rng(0)
+    x, gate = (mx.array(4 * rng.standard_normal((2, 37)).astype(np.float32)) for _ in range(2))
+    extension = cpu_extension.extension()
+    got = [extension.gated_product(x, gate, False), extension.gated_product(x, gate, True)]
+    return got, [activations.swiglu(gate, x), activations.sigmoid_gated(x, gate)]

@@ -1,0 +1,184 @@
+// Scaled dot-product attention of a few query tokens (decode steps, verify passes) over a KV
+// cache, and the rotary embedding before it, each one MLX primitive for MLX's CPU backend: mx.fast.scaled_dot_product_attention's contract
+// (grouped heads, a causal mask aligned to the last key). On the CPU MLX runs it as about 15 ops
+// (the scale, views for the grouped heads, two matmuls, the softmax); each costs microseconds to
+// schedule, and the matmuls of a verify pass have more rows than a decode step's, so that they
+// take another BLAS kernel and other bits. Here each query row is a fixed sequence of float32
+// operations whatever rows come with it, and the cache's keys and values are read where they lie
+// (a slice of the cache's grown buffer, by its strides).
+//
+// Per query row: q scaled (as MLX scales it), each key's score the dot product by FMA into 8 lanes
+// reduced by a fixed tree; the softmax over the keys the mask leaves, e^(score - max) with
+// `exp_ps`, normalised by 1 / sum; the output the values summed in key order by FMA.
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "cpu_kernels.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace mlx_hybrid;
+
+namespace {
+
+struct Attention {
+    int batch, heads, kv_heads, tokens, keys, key_dim, value_dim;
+    float scale;
+    bool causal;
+    bool operator==(const Attention&) const = default;
+};
+
+// Multiply-adds below this run on the calling thread.
+constexpr long PARALLEL_MIN_VALUES = 1L << 16;
+
+AVX2_FN float dot(const float* a, const float* b, int n) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
+        odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
+    }
+    if (i < n) {
+        int lanes = std::min(8, n - i);
+        even = _mm256_fmadd_ps(load_lanes(a + i, lanes), load_lanes(b + i, lanes), even);
+        i += 8;
+    }
+    if (i < n) {
+        int lanes = n - i;
+        odd = _mm256_fmadd_ps(load_lanes(a + i, lanes), load_lanes(b + i, lanes), odd);
+    }
+    __m256 both = _mm256_add_ps(even, odd);
+    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+    __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+    return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2)));
+}
+
+// scores[0..n) -> e^(score - max) / sum
+AVX2_FN void softmax(float* scores, int n) {
+    float top = scores[0];
+    for (int s = 1; s < n; s++) top = std::max(top, scores[s]);
+    __m256 sum8 = _mm256_setzero_ps(), minus_top = _mm256_set1_ps(-top);
+    for (int s = 0; s < n; s += 8) {
+        int lanes = std::min(8, n - s);
+        __m256 e = exp_ps(_mm256_add_ps(load_lanes(scores + s, lanes), minus_top));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(lanes)));  // lanes past n add nothing
+        store_lanes(scores + s, e, lanes);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+    __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+    __m256 inverse = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2))));
+    for (int s = 0; s < n; s += 8) {
+        int lanes = std::min(8, n - s);
+        store_lanes(scores + s, _mm256_mul_ps(load_lanes(scores + s, lanes), inverse), lanes);
+    }
+}
+
+// out [Dv] = sum over s of p[s] v[s], in key order
+AVX2_FN void weighted_values(const float* p, int n, const float* v, long v_stride, int dv, float* out) {
+    for (int j = 0; j < dv; j += 8) store_lanes(out + j, _mm256_setzero_ps(), std::min(8, dv - j));
+    for (int s = 0; s < n; s++) {
+        __m256 ps = _mm256_set1_ps(p[s]);
+        const float* row = v + s * v_stride;
+        for (int j = 0; j < dv; j += 8) {
+            int lanes = std::min(8, dv - j);
+            store_lanes(out + j, _mm256_fmadd_ps(ps, load_lanes(row + j, lanes), load_lanes(out + j, lanes)), lanes);
+        }
+    }
+}
+
+void head(const Attention& a, const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, float* out,
+          int b, int h) {
+    thread_local std::vector<float> buffer;
+    const int group = a.heads / a.kv_heads, kvh = h / group;
+    const float* k = k_in.data<float>() + b * k_in.strides()[0] + kvh * k_in.strides()[1];
+    const float* v = v_in.data<float>() + b * v_in.strides()[0] + kvh * v_in.strides()[1];
+    long k_stride = k_in.strides()[2], v_stride = v_in.strides()[2];
+    float* scores = aligned_floats(buffer, a.keys + a.key_dim);
+    float* q = scores + a.keys;
+    for (int t = 0; t < a.tokens; t++) {
+        const float* q_row = q_in.data<float>() + (((long)b * a.heads + h) * a.tokens + t) * a.key_dim;
+        for (int i = 0; i < a.key_dim; i++) q[i] = a.scale * q_row[i];
+        int seen = a.causal ? a.keys - a.tokens + t + 1 : a.keys;  // bottom-right aligned, as MLX's
+        for (int s = 0; s < seen; s++) scores[s] = dot(q, k + s * k_stride, a.key_dim);
+        softmax(scores, seen);
+        weighted_values(scores, seen, v, v_stride, a.value_dim,
+                        out + (((long)b * a.heads + h) * a.tokens + t) * a.value_dim);
+    }
+}
+
+void compute(const Attention& a, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    float* out = outs[0].data<float>();
+    int units = a.batch * a.heads;
+    long work = (long)units * a.tokens * a.keys * (a.key_dim + a.value_dim);
+    Pool::get().run(units, work >= PARALLEL_MIN_VALUES,
+                    [&](int unit) { head(a, in[0], in[1], in[2], out, unit / a.heads, unit % a.heads); });
+}
+
+// the keys and values read by their strides
+using ScaledDotProductAttention = mlx_hybrid::CpuPrimitive<Attention, compute, 0b110>;
+
+// q [B, H, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv], float32 -> [B, H, T, Dv]
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+    if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+        throw std::invalid_argument("attention: q [B, H, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]");
+    Attention a{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3), scale, causal};
+    if (a.tokens < 1 || a.keys < 1 || a.kv_heads < 1 || a.heads % a.kv_heads || k.shape(0) != a.batch ||
+        k.shape(3) != a.key_dim || v.shape(0) != a.batch || v.shape(1) != a.kv_heads || v.shape(2) != a.keys ||
+        (causal && a.tokens > a.keys))
+        throw std::invalid_argument("attention: shapes that do not fit (heads a multiple of the KV heads)");
+    if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
+        throw std::invalid_argument("attention: q, k and v in float32");
+    auto stream = mx::default_stream(mx::Device::cpu);
+    auto primitive = std::make_shared<ScaledDotProductAttention>(stream, a, "ScaledDotProductAttention");
+    return mx::array({a.batch, a.heads, a.tokens, a.value_dim}, mx::float32, primitive, {q, k, v});
+}
+
+// Rotary embedding, rotate-half layout, from factors computed on the host: y = x c + x[partner] s
+// with c, s [T, D] (reference.py's form: partner i + D'/2 for the first half of the rotary
+// features D', i - D'/2 for the second, itself past them, where c = 1 and s = 0). MLX's form takes
+// four ops (a gather and its views, the fused products); each row here its D values in order.
+struct Rope {
+    int tokens, dim, rotary_dims;
+    bool operator==(const Rope&) const = default;
+};
+
+void rotate(const Rope& r, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const float *x = in[0].data<float>(), *c = in[1].data<float>(), *s = in[2].data<float>();
+    float* y = outs[0].data<float>();
+    const int half = r.rotary_dims / 2;
+    for (long row = 0, rows = (long)(outs[0].size() / r.dim); row < rows; row++) {
+        const float *xr = x + row * r.dim, *cr = c + row % r.tokens * r.dim, *sr = s + row % r.tokens * r.dim;
+        float* yr = y + row * r.dim;
+        for (int i = 0; i < r.dim; i++) {
+            int partner = i < half ? i + half : i < r.rotary_dims ? i - half : i;
+            yr[i] = xr[i] * cr[i] + xr[partner] * sr[i];
+        }
+    }
+}
+
+using RotaryEmbedding = mlx_hybrid::CpuPrimitive<Rope, rotate>;
+
+// x [..., T, D], c and s [T, D], float32 -> [..., T, D]
+mx::array rope(const mx::array& x, const mx::array& c, const mx::array& s, int rotary_dims) {
+    if (x.ndim() < 2 || x.dtype() != mx::float32 || c.dtype() != mx::float32 || s.dtype() != mx::float32)
+        throw std::invalid_argument("rope: x [..., T, D], c and s [T, D], float32");
+    Rope r{x.shape(-2), x.shape(-1), rotary_dims};
+    if (c.shape() != mx::Shape{r.tokens, r.dim} || s.shape() != c.shape() || rotary_dims < 0 || rotary_dims % 2 ||
+        rotary_dims > r.dim)
+        throw std::invalid_argument("rope: factors [T, D] for x [..., T, D], an even rotary width up to D");
+    auto stream = mx::default_stream(mx::Device::cpu);
+    return mx::array(x.shape(), mx::float32, std::make_shared<RotaryEmbedding>(stream, r, "RotaryEmbedding"),
+                     {x, c, s});
+}
+
+}  // namespace
+
+void mlx_hybrid::bind_attention(nb::module_& m) {
+    m.def("rope", &rope, nb::arg("x"), nb::arg("c"), nb::arg("s"), nb::arg("rotary_dims"),
+          "x c + x[partner] s over the last axis, rotate-half partners within the first rotary_dims");
+    m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
+          "softmax(q k^T scale) v over grouped heads; causal: the mask aligned to the last key");
+}

@@ -1,0 +1,135 @@
+"""Attention of a few query tokens over a KV cache on the CPU (csrc/attention.cpp) against
+attention written the slow, obvious way in float64, and against itself: a verify pass must
+reproduce the decode steps' bits, whatever the cache's buffer around its keys. The rotary
+embedding's kernel beside it likewise."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import cpu_kernel_tests
+
+from mlx_hybrid import ops
+from mlx_hybrid.ops import cpu_extension, reference
+from test_ops import numpy_rope
+
+pytestmark = cpu_kernel_tests()
+
+# (B, H, Hkv, T, S, Dk, Dv): grouped heads and not, one query token and a verify pass's, feature
+# counts with partial vectors, Qwen3.5's head (256) over a long cache
+SHAPES = [
+    (1, 4, 2, 1, 7, 20, 12), (2, 3, 3, 5, 9, 8, 5), (1, 8, 2, 4, 600, 256, 256), (1, 2, 1, 16, 16, 64, 64),
+    (2, 16, 1, 3, 33, 72, 40),
+]  # fmt: skip
+
+# float32 against float64: scores of a few units (unit inputs: sums of Dk products scaled by
+# 1/sqrt(Dk)) through e^x, a weighted sum of values of scale 1: at most 3.5e-7 over SHAPES (MLX's
+# op: 6.3e-7). A wrong mask, head group or scale moves outputs by 1e-2 or more.
+ATTENTION_TOL = 1e-5
+
+
+def numpy_attention(q, k, v, scale, causal):
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = q @ k.swapaxes(-1, -2) * scale
+    T, S = scores.shape[-2:]
+    if causal:
+        scores = np.where(np.arange(S)[None] <= np.arange(T)[:, None] + S - T, scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ v
+
+
+def attention_inputs(B, H, Hkv, T, S, Dk, Dv, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(np.float32) for shape in [(B, H, T, Dk), (B, Hkv, S, Dk), (B, Hkv, S, Dv)]]
+
+
+def cached(x, capacity):
+    """x [B, H, S, D] as a KV cache holds it: the first S entries of a buffer of `capacity`."""
+    B, H, S, D = x.shape
+    buffer = mx.zeros((B, H, capacity, D))
+    buffer[..., :S, :] = x
+    return buffer[..., :S, :]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_equals_the_float64_attention(shape, causal):
+    B, H, Hkv, T, S, Dk, Dv = shape
+    q, k, v = attention_inputs(*shape, seed=sum(shape))
+    scale = Dk**-0.5
+    got = cpu_extension.extension().attention(mx.array(q), cached(mx.array(k), S + 9), cached(mx.array(v), S + 9),
+                                              scale, causal)  # fmt: skip
+    np.testing.assert_allclose(np.array(got), numpy_attention(q, k, v, scale, causal), atol=ATTENTION_TOL, rtol=0)
+
+
+def test_a_verify_pass_reproduces_the_decode_steps():
+    """T query tokens at once against T calls of one token over the keys each sees: equal to the bit."""
+    q, k, v = (mx.array(x) for x in attention_inputs(2, 8, 2, 6, 40, 256, 256, seed=5))
+    module = cpu_extension.extension()
+    whole = module.attention(q, cached(k, 64), cached(v, 64), 0.0625, True)
+    for t in range(6):
+        seen = 40 - 6 + t + 1
+        step = module.attention(q[:, :, t : t + 1], cached(k[:, :, :seen], 64), cached(v[:, :, :seen], 64), 0.0625,
+                                False)  # fmt: skip
+        assert mx.array_equal(step, whole[:, :, t : t + 1])
+
+
+@pytest.mark.parametrize("T", [1, 4, ops.CPU_ATTENTION_MAX_TOKENS, ops.CPU_ATTENTION_MAX_TOKENS + 1])
+def test_the_op_runs_the_kernel_for_few_tokens_and_mlx_for_more(T):
+    q, k, v = (mx.array(x) for x in attention_inputs(1, 4, 2, T, 24, 32, 32, seed=T))
+    got = ops.scaled_dot_product_attention(q, k, v, 0.2, "causal")
+    kernel = cpu_extension.extension().attention(q, k, v, 0.2, True)
+    mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    assert mx.array_equal(got, kernel if T <= ops.CPU_ATTENTION_MAX_TOKENS else mlx)
+    np.testing.assert_allclose(np.array(kernel), np.array(mlx), atol=ATTENTION_TOL, rtol=0)
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    q, k, v = (mx.array(x) for x in attention_inputs(1, 4, 2, 3, 5, 16, 8, seed=0))
+    module = cpu_extension.extension()
+    for bad, causal in [
+        ((q, k[:, :, :, :8], v), False),  # key features
+        ((q, k, v[:, :, :4]), False),  # values for fewer keys
+        ((q[:, :3], k, v), False),  # heads not a multiple of the KV heads
+        ((q, k[:, :, :2], v[:, :, :2]), True),  # a causal pass of more tokens than keys
+        ((q.astype(mx.float16), k, v), False),
+    ]:
+        with pytest.raises(ValueError, match="attention"):
+            module.attention(*bad, 0.25, causal)
+
+
+@pytest.mark.parametrize(
+    "shape,dims,offset",
+    [((1, 8, 1, 256), 64, 0), ((1, 8, 1, 256), 64, 511), ((2, 2, 37, 128), 128, 5), ((1, 3, 5, 64), 32, 100_000)],
+)
+def test_rope_kernel_equals_the_float64_rope(shape, dims, offset):
+    x = mx.array(np.random.default_rng(offset).standard_normal(shape).astype(np.float32))
+    got = ops.rope(x, dims, 1e7, offset)
+    c, s = reference._rope_factors(range(offset, offset + shape[-2]), shape[-1], dims, 1e7)
+    assert mx.array_equal(got, cpu_extension.extension().rope(x, c, s, dims))  # the op runs the kernel
+    # an ulp of outputs up to 4, as for the pure-MLX form (test_ops.test_rope_against_numpy)
+    np.testing.assert_allclose(np.array(got), numpy_rope(np.array(x), dims, 1e7, offset), atol=1e-6, rtol=0)
+
+
+def test_rope_kernel_one_token_equals_its_row_of_a_longer_call():
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 4, 6, 128)).astype(np.float32))
+    together = ops.rope(x, 64, 1e4, 10)
+    for t in range(6):
+        assert mx.array_equal(ops.rope(x[:, :, t : t + 1], 64, 1e4, 10 + t)[:, :, 0], together[:, :, t])
+
+
+def test_mrope_runs_the_kernel_with_the_pure_mlx_factors():
+    x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 5, 64)).astype(np.float32))
+    positions = np.array([[3, 3, 3, 3, 4], [3, 3, 4, 4, 5], [3, 4, 3, 4, 6]])
+    got, want = ops.mrope(x, 32, 1e4, positions, [2, 3, 3]), reference.mrope(x, 32, 1e4, positions, [2, 3, 3])
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6, rtol=0)  # two float32 forms: an ulp
+
+
+def test_rope_shapes_that_do_not_fit_are_refused():
+    x = mx.zeros((1, 2, 3, 16))
+    c = s = mx.zeros((3, 16))
+    module = cpu_extension.extension()
+    for bad in [(x, c[:2], s[:2], 8), (x, c, s, 7), (x, c, s, 18), (x.astype(mx.float16), c, s, 8)]:
+        with pytest.raises(ValueError, match="rope"):
+            module.rope(*bad)
