@@ -9,8 +9,9 @@ decode step or a verify pass runs it; past ops.CHUNKED_MIN_TOKENS the pure-MLX s
 chunked form, as a prompt runs it, and on a GPU both sides are), the norms (q's and k's L2
 normalization, the RMSNorm of the output) and the whole layer between its projections as the
 models call it (ops.linear_attention: on the CPU one fused kernel), over one call per layer,
-every layer's inputs its own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep the state after every token, and MLX's
-allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds
+every layer's inputs its own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep the state
+after every token, and MLX's allocator keeps their buffers for reuse, as speculative decoding
+has it. Prints milliseconds
 for all layers, medians of --repeats, and the ratio.
 """
 

@@ -41,7 +41,8 @@ def numpy_attention(q, k, v, scale, causal):
 
 def attention_inputs(B, H, Hkv, T, S, Dk, Dv, seed):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(shape).astype(np.float32) for shape in [(B, H, T, Dk), (B, Hkv, S, Dk), (B, Hkv, S, Dv)]]
+    shapes = [(B, H, T, Dk), (B, Hkv, S, Dk), (B, Hkv, S, Dv)]
+    return [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
 
 
 def cached(x, capacity):

@@ -93,7 +93,9 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
         row_tail, row_state = tail[row : row + 1], state[row : row + 1]
         for t in range(6):
             xt, at, bt, zt = (u[row : row + 1, t : t + 1] for u in (x, a, b, gate))
-            step = cpu_linear_attention.linear_attention(xt, weight, at, bt, zt, decay, norm, heads, row_tail, row_state)
+            step = cpu_linear_attention.linear_attention(
+                xt, weight, at, bt, zt, decay, norm, heads, row_tail, row_state
+            )
             row_tail, row_state = step.tail, step.state
             assert mx.array_equal(step.out[:, 0], whole.out[row : row + 1, t])
             assert mx.array_equal(row_tail, whole.tail_snapshots[t][row : row + 1])

@@ -1,6 +1,7 @@
 // Scaled dot-product attention of a few query tokens (decode steps, verify passes) over a KV
-// cache, and the rotary embedding before it, each one MLX primitive for MLX's CPU backend: mx.fast.scaled_dot_product_attention's contract
-// (grouped heads, a causal mask aligned to the last key). On the CPU MLX runs it as about 15 ops
+// cache, and the rotary embedding before it, each one MLX primitive for MLX's CPU backend. The
+// attention has mx.fast.scaled_dot_product_attention's contract (grouped heads, a causal mask
+// aligned to the last key). On the CPU MLX runs it as about 15 ops
 // (the scale, views for the grouped heads, two matmuls, the softmax); each costs microseconds to
 // schedule, and the matmuls of a verify pass have more rows than a decode step's, so that they
 // take another BLAS kernel and other bits. Here each query row is a fixed sequence of float32
@@ -49,10 +50,7 @@ AVX2_FN float dot(const float* a, const float* b, int n) {
         int lanes = n - i;
         odd = _mm256_fmadd_ps(load_lanes(a + i, lanes), load_lanes(b + i, lanes), odd);
     }
-    __m256 both = _mm256_add_ps(even, odd);
-    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-    __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
-    return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2)));
+    return sum_lanes(_mm256_add_ps(even, odd));
 }
 
 // scores[0..n) -> e^(score - max) / sum
@@ -67,9 +65,7 @@ AVX2_FN void softmax(float* scores, int n) {
         store_lanes(scores + s, e, lanes);
         sum8 = _mm256_add_ps(sum8, e);
     }
-    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
-    __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
-    __m256 inverse = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2))));
+    __m256 inverse = _mm256_set1_ps(1.0f / sum_lanes(sum8));
     for (int s = 0; s < n; s += 8) {
         int lanes = std::min(8, n - s);
         store_lanes(scores + s, _mm256_mul_ps(load_lanes(scores + s, lanes), inverse), lanes);

@@ -82,6 +82,13 @@ AVX2_FN inline __m256 silu_ps(__m256 x) {
     return _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
 
+// the 8 lanes' sum by a fixed tree: lane i + lane i+4, then i + i+2, then the last two
+AVX2_FN inline float sum_lanes(__m256 v) {
+    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+    return _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2)));
+}
+
 AVX2_FN inline __m256i lane_mask(int lanes) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -182,7 +189,8 @@ void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::arra
     for (size_t i = 0; i < inputs.size(); i++) {
         auto& input = inputs[i];
         encoder.set_input_array(input);
-        bool as_strided = (strided >> i & 1) && input.ndim() > 0 && (input.strides().back() == 1 || input.shape(-1) == 1);
+        bool as_strided =
+            (strided >> i & 1) && input.ndim() > 0 && (input.strides().back() == 1 || input.shape(-1) == 1);
         if (input.flags().row_contiguous || as_strided) {
             held.push_back(mx::array::unsafe_weak_copy(input));
             continue;
@@ -218,9 +226,8 @@ class CpuPrimitive : public mlx::core::Primitive {
         : mlx::core::Primitive(stream), params_(params), name_(name) {}
 
     void eval_cpu(const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs) override {
-        dispatch_on_cpu(
-            stream(), inputs, outputs, [params = params_](auto& held, auto& written) { compute(params, held, written); },
-            strided);
+        auto run = [params = params_](auto& held, auto& written) { compute(params, held, written); };
+        dispatch_on_cpu(stream(), inputs, outputs, run, strided);
     }
 
     void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {

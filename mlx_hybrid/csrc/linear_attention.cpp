@@ -7,10 +7,10 @@
 // microseconds to schedule on MLX's one CPU stream: 306 of the 951 nodes of a Qwen3.5-0.8B
 // decode step (18 layers), about 3 ms of a 51 ms Q4_K_M step on 2 cores.
 //
-// Each step is the code the step's own kernel runs (cpu_kernels.h), so the conv's tail, the state
-// and the rule's output have the bits the single kernels give; the gate's activation is
-// `exp_ps`'s, a few ulp from MLX's. A token gives the same bits whatever batch or tokens come
-// with it: a verify pass reproduces the decode steps.
+// The conv, the norms and the rule are the code their own kernels run (cpu_kernels.h): the conv's
+// tail has the single kernel's bits; the gates come from the C library's e^x and log1p and the
+// output's activation from `exp_ps`, each a few ulp from MLX's. A token gives the same bits
+// whatever batch or tokens come with it: a verify pass reproduces the decode steps.
 //
 // The work is shared out by key head: a key head's q and k channels, and the channels of the
 // value heads reading it, through every token.
@@ -107,9 +107,10 @@ using LinearAttentionLayer = mlx_hybrid::CpuPrimitive<Layer, compute>;
 
 // x [B, T, 2 Hk Dk + Hv Dv] (q|k|v before the conv), conv_weight [C, K], tail [B, K-1, C];
 // a [B, T, Hv] or [B, T, Hv, Dk] and dt_bias [Hv] or [Hv Dk] (the decay's, per head or key
-// channel), A [Hv]; b [B, T, Hv]; gate [B, T, Hv Dv]; norm_weight [Dv]; state [B, Hv, Dk, Dv]. -> [out [B, T, Hv Dv], the conv's tail after the last token, with
-// snapshots its tail after each token [B, T, K-1, C], then the state after each token
-// (snapshots) or after the last], all float32.
+// channel), A [Hv]; b [B, T, Hv]; gate [B, T, Hv Dv]; norm_weight [Dv]; state [B, Hv, Dk, Dv].
+// -> [out [B, T, Hv Dv], the conv's tail after the last token, with snapshots its tail after each
+// token [B, T, K-1, C], then the state after each token (snapshots) or after the last], all
+// float32.
 std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& conv_weight, const mx::array& tail,
                                         const mx::array& a, const mx::array& b, const mx::array& A,
                                         const mx::array& dt_bias, const mx::array& gate,
@@ -151,7 +152,8 @@ std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& con
 
 void mlx_hybrid::bind_linear_attention(nb::module_& m) {
     m.def("linear_attention", &linear_attention, nb::arg("x"), nb::arg("conv_weight"), nb::arg("tail"), nb::arg("a"),
-          nb::arg("b"), nb::arg("A"), nb::arg("dt_bias"), nb::arg("gate"), nb::arg("norm_weight"), nb::arg("state"), nb::arg("key_heads"),
+          nb::arg("b"), nb::arg("A"), nb::arg("dt_bias"), nb::arg("gate"), nb::arg("norm_weight"), nb::arg("state"),
+          nb::arg("key_heads"),
           nb::arg("q_scale"), nb::arg("l2_eps"), nb::arg("norm_eps"), nb::arg("sigmoid_gate"), nb::arg("snapshots"),
           "a linear-attention layer between its projections: [out, the conv's tail after the last token, with "
           "snapshots its tail after each token, then the state after each token (snapshots) or the last]");

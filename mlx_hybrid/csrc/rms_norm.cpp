@@ -42,10 +42,7 @@ AVX2_FN float sum_of_squares(const float* x, int d) {
         even = _mm256_fmadd_ps(a, a, even);
         i += 8;
     }
-    __m256 both = _mm256_add_ps(even, odd);
-    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-    __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
-    float total = _mm_cvtss_f32(_mm_add_ss(sum2, _mm_movehdup_ps(sum2)));
+    float total = sum_lanes(_mm256_add_ps(even, odd));
     for (; i < d; i++) total = std::fma(x[i], x[i], total);
     return total;
 }

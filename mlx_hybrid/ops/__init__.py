@@ -1,13 +1,14 @@
-"""The op boundary of the linear-attention layers.
+"""The op boundary of the model layers' compute.
 
 Models and the speculative loop call `linear_attention` (a layer's work between its
-projections), `gated_delta_update` and `conv1d_update` and nothing below them. This module is the one place that decides which
-implementation runs a call: a custom kernel (Metal, or CUDA through the same
-bodies) where the platform has one and the shape is supported; on the CPU our C++
-kernels (`cpu_extension`: the gated delta rule, the conv, quantized products, the norms, the
-linear-attention layer's steps fused) where they build;
-else the pure-MLX reference. MLX_HYBRID_FORCE_REFERENCE=1 forces the pure-MLX path.
-Nothing else in the package asks which device it runs on.
+projections), `gated_delta_update`, `conv1d_update`, the norms, attention, the gates and the
+quantized products here and nothing below them. This module is the one place that decides
+which implementation runs a call: a custom kernel (Metal, or CUDA through the same bodies)
+where the platform has one and the shape is supported; on the CPU our C++ kernels
+(`cpu_extension`: the gated delta rule, the conv, quantized products, the norms, the
+linear-attention layer's steps fused, attention of a few tokens, the rotary embedding, the
+gates) where they build; else the pure-MLX reference. MLX_HYBRID_FORCE_REFERENCE=1 forces the
+pure-MLX path. Nothing else in the package asks which device it runs on.
 
 A safety net for kernels no compiler on the user's machine has seen before: the first
 call of each kernel variant (its template arguments) runs it on a small case against

@@ -1,6 +1,7 @@
 """Our kernels for MLX's CPU backend on x86-64 (csrc/cpu_kernels.cpp: quantized products, the
-gated delta rule and the conv before it, the norms, a linear-attention layer's steps fused, attention
-of a few tokens, SiLU and sigmoid gates, each an MLX primitive), built on first use with the system's C++ compiler against MLX's headers and the
+gated delta rule and the conv before it, the norms, a linear-attention layer's steps fused,
+attention of a few tokens and the rotary embedding, SiLU and sigmoid gates, each an MLX
+primitive), built on first use with the system's C++ compiler against MLX's headers and the
 nanobind sources, cached per source and toolchain.
 
 Where the module cannot be built (no compiler, no nanobind, a CPU without AVX2/FMA/F16C) one
