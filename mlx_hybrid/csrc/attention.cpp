@@ -1,12 +1,11 @@
 // Scaled dot-product attention of a few query tokens (decode steps, verify passes) over a KV
 // cache, and the rotary embedding before it, each one MLX primitive for MLX's CPU backend. The
 // attention has mx.fast.scaled_dot_product_attention's contract (grouped heads, a causal mask
-// aligned to the last key). On the CPU MLX runs it as about 15 ops
-// (the scale, views for the grouped heads, two matmuls, the softmax); each costs microseconds to
-// schedule, and the matmuls of a verify pass have more rows than a decode step's, so that they
-// take another BLAS kernel and other bits. Here each query row is a fixed sequence of float32
-// operations whatever rows come with it, and the cache's keys and values are read where they lie
-// (a slice of the cache's grown buffer, by its strides).
+// aligned to the last key). On the CPU MLX runs it as about 15 ops (the scale, views for the
+// grouped heads, two matmuls, the softmax), each costing microseconds to schedule. Here each
+// query row is a fixed sequence of float32 operations whatever rows come with it (a verify pass
+// reproduces its decode steps), and the cache's keys and values are read where they lie (a slice
+// of the cache's grown buffer, by its strides).
 //
 // Per query row: q scaled (as MLX scales it), each key's score the dot product by FMA into 8 lanes
 // reduced by a fixed tree; the softmax over the keys the mask leaves, e^(score - max) with
