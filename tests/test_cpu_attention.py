@@ -9,7 +9,7 @@ import pytest
 from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_extension, reference
+from mlx_hybrid.ops import cpu_extension, reference, selfcheck
 from test_ops import numpy_rope
 
 pytestmark = cpu_kernel_tests()
@@ -134,3 +134,11 @@ def test_rope_shapes_that_do_not_fit_are_refused():
     for bad in [(x, c[:2], s[:2], 8), (x, c, s, 7), (x, c, s, 18), (x.astype(mx.float16), c, s, 8)]:
         with pytest.raises(ValueError, match="rope"):
             module.rope(*bad)
+
+
+def test_attention_and_rope_each_pass_their_own_first_call_check(monkeypatch):
+    """Two kernels of one source: each checked on its first call, neither standing in for the other."""
+    monkeypatch.setattr(selfcheck, "kernel_usable", {})
+    q = mx.array(np.random.default_rng(2).standard_normal((1, 2, 1, 16)).astype(np.float32))
+    ops.scaled_dot_product_attention(ops.rope(q, 8, 1e4, 3), q, q, 0.25)
+    assert sorted(key[0] for key in selfcheck.kernel_usable) == ["mlx_hybrid_attention_cpu", "mlx_hybrid_rope_cpu"]

@@ -115,8 +115,8 @@ struct ConvShape {
     bool snapshots;
     bool operator==(const ConvShape&) const = default;
 };
-constexpr int CONV_MAX_WIDTH = 8;            // the kernel widths it takes (Qwen3.5, Qwen3-Next, Kimi Linear: 4)
-constexpr int CONV_MAX_RANGE = 256;          // channels a call of conv_silu_channels takes, a multiple of 8
+constexpr int CONV_MAX_WIDTH = 8;    // the widest kernel it takes (Qwen3.5, Qwen3-Next, Kimi Linear: 4)
+constexpr int CONV_MAX_RANGE = 256;  // channels a call of conv_silu_channels takes, a multiple of 8
 // Sequence b's channels [first, end) over all its tokens: y row t at y + t * y_stride (from
 // channel first), the tail after the last token into tail_out [B, K-1, C], the tail after
 // each token into snapshots [B, T, K-1, C] (or nullptr).

@@ -161,7 +161,7 @@ def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:
 
 def _rotate(x, c, s, dims: int) -> mx.array:
     """The rotary factors applied (see `reference.rotate`): one node of ours on the CPU, four of MLX's."""
-    if x.dtype == mx.float32 and _cpu_kernel_passed(_CPU_ATTENTION, selfcheck.small_rope_case):
+    if x.dtype == mx.float32 and _cpu_kernel_passed(_CPU_ROPE, selfcheck.small_rope_case):
         return cpu_extension.extension().rope(x, c, s, dims)
     return reference.rotate(x, c, s, dims)
 
@@ -284,9 +284,10 @@ _CPU_GATED_DELTA = kernels.KernelSpec("mlx_hybrid_gated_delta_cpu", "gated_delta
 _CPU_CONV1D = kernels.KernelSpec("mlx_hybrid_conv1d_silu_cpu", "conv1d_silu.cpp", (), ())
 _CPU_NORMS = kernels.KernelSpec("mlx_hybrid_norms_cpu", "rms_norm.cpp", (), ())
 _CPU_LINEAR_ATTENTION = kernels.KernelSpec("mlx_hybrid_linear_attention_cpu", "linear_attention.cpp", (), ())
-_CPU_ATTENTION = kernels.KernelSpec("mlx_hybrid_attention_cpu", "attention.cpp", (), ())  # and rope
+_CPU_ATTENTION = kernels.KernelSpec("mlx_hybrid_attention_cpu", "attention.cpp", (), ())
+_CPU_ROPE = kernels.KernelSpec("mlx_hybrid_rope_cpu", "attention.cpp", (), ())  # its own first-call check
 _CPU_GATED_PRODUCT = kernels.KernelSpec("mlx_hybrid_gated_product_cpu", "gated_product.cpp", (), ())
-CPU_CONV_MAX_WIDTH = 8  # the widest conv csrc/conv1d_silu.cpp takes (its MAX_WIDTH)
+CPU_CONV_MAX_WIDTH = 8  # the widest conv our CPU kernels take (csrc/cpu_kernels.h: CONV_MAX_WIDTH)
 
 
 def _cpu_kernels_built() -> bool:
