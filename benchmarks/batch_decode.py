@@ -58,14 +58,18 @@ def engine_decode(model, tokenizer, batch, prompt_len, tokens, drafters=None, k=
     return (sum(len(s.tokens) for s in sequences) - before) / elapsed, [s.tokens for s in sequences]
 
 
-def mlx_lm_decode(checkpoint, batch, prompt_len, tokens, vocab):
-    import mlx_lm
-    from mlx_lm.generate import batch_generate
+def mlx_lm_decode(model, batch, prompt_len, tokens, vocab):
+    """mlx-lm's aggregate generation tokens/s (its own figure) with `batch` sequences at once, none
+    stopping early (random weights: no end token), from its BatchGenerator, which batch_generate drives."""
+    from mlx_lm.generate import BatchGenerator
 
-    model, tokenizer = mlx_lm.load(checkpoint)
-    tokenizer._eos_token_ids = set()  # random weights: never stop early, as ours
-    response = batch_generate(model, tokenizer, prompts(batch, prompt_len, vocab), max_tokens=tokens)
-    return response.stats.generation_tps
+    generator = BatchGenerator(model, max_tokens=tokens)
+    generator.insert(prompts(batch, prompt_len, vocab))
+    with generator.stats() as stats:
+        while generator.next_generated():
+            pass
+    generator.close()
+    return stats.generation_tps
 
 
 def time_to_first_token(engine, prompt):
@@ -109,8 +113,11 @@ def main():
 
     if not args.skip_mlx_lm:
         print("\nmlx-lm batch_generate, same checkpoint (its generation tokens/s):")
+        import mlx_lm
+
+        lm_model = mlx_lm.load(args.checkpoint)[0]
         for batch in args.batches:
-            tps = mlx_lm_decode(args.checkpoint, batch, args.prompt_tokens, args.tokens, vocab)
+            tps = mlx_lm_decode(lm_model, batch, args.prompt_tokens, args.tokens, vocab)
             print(f"{batch:>9}  {tps:>11.2f}  {tps / base:>5.2f}x of our 1-sequence plain")
 
     history = prompts(1, args.history_tokens, vocab, seed=1)[0]

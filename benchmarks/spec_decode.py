@@ -94,6 +94,18 @@ def verify_cost(model, prompt, k):
     return timed(verify_pass), timed(decode_step)
 
 
+def against_plain(model, prompt, reference, n, k, make_drafter, adaptive=False):
+    """Speculative decoding with a fresh `make_drafter()` against plain decoding run just before it:
+    (tokens/s, plain tokens/s, its SpeculativeStats, the index where its greedy tokens leave
+    `reference`, plain decoding's, or None)."""
+    # a short untimed run first: a GPU compiles each new kernel and shape on its first use
+    speculative_decode(model, prompt, min(n, 2 * (k + 1)), k, make_drafter(), adaptive)
+    _, baseline = plain_decode(model, prompt, n)
+    tokens, tps, stats = speculative_decode(model, prompt, n, k, make_drafter(), adaptive)
+    departs = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    return tps, baseline, stats, departs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a checkpoint to load instead of a random-weight shape")
@@ -139,11 +151,7 @@ def main():
         return
 
     def report(label, k, make_drafter, adaptive=False):
-        # a short untimed run first: a GPU compiles each new kernel and shape on its first use
-        speculative_decode(model, prompt, min(args.tokens, 2 * (k + 1)), k, make_drafter(), adaptive)
-        _, baseline = plain_decode(model, prompt, args.tokens)
-        tokens, tps, stats = speculative_decode(model, prompt, args.tokens, k, make_drafter(), adaptive)
-        departs = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+        tps, baseline, stats, departs = against_plain(model, prompt, reference, args.tokens, k, make_drafter, adaptive)
         print(
             f"  {label:<29} k={k}: {tps:6.2f} vs {baseline:5.2f} tokens/s  {tps / baseline:5.2f}x  "
             f"(acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass)"

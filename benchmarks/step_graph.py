@@ -1,0 +1,102 @@
+"""What one decode step asks of MLX: the nodes of its graph, and of those the ones that launch work.
+
+    python benchmarks/step_graph.py                          # Qwen3.5-0.8B shape, random weights
+    python benchmarks/step_graph.py --model DIR --mlx-lm     # a checkpoint, mlx-lm's step beside ours
+
+How it counts: one greedy decode step is built (not evaluated) on a cache that holds a prompt,
+its outputs are the next token and every array the caches keep, and MLX writes that graph out
+(`mx.export_to_dot`). Every primitive node is counted; the views (reshape, slice, transpose,
+broadcast, ...) are counted apart, as they move no data on a GPU, so the rest approximates the
+kernels a GPU launches for the step (a node of MLX's own may launch more than one: a matrix product
+through cuBLAS, a sort). The graph depends on the device it is built for: on the CPU MLX builds
+mx.fast's norms, rotary embedding and attention as their compositions and our CPU primitives
+replace others, so the GPU path's count is read where a GPU computes (`gpu_check.py` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+# primitives that make a view of their input where it is contiguous: no kernel on a GPU
+VIEWS = frozenset(
+    {"Reshape", "Broadcast", "Slice", "Transpose", "AsStrided", "ExpandDims", "Squeeze", "Split", "Flatten",
+     "Unflatten", "StopGradient", "Depends"}
+)  # fmt: skip
+_NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
+
+
+def graph_nodes(outputs) -> Counter:
+    """Primitive nodes (by name) of the graph that computes `outputs`; evaluated arrays end it."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
+        mx.export_to_dot(f, *outputs)
+        f.seek(0)
+        return Counter(_NODE.findall(f.read()))
+
+
+def summary(nodes: Counter) -> dict:
+    views = sum(n for name, n in nodes.items() if name in VIEWS)
+    return {"nodes": sum(nodes.values()), "views": views, "launches": sum(nodes.values()) - views}
+
+
+def mlx_hybrid_step(model, prompt: list[int]) -> Counter:
+    """One greedy decode step of ours, as the engine's plain step builds it."""
+    from mlx_hybrid.prompt import prefill
+
+    cache = model.make_cache()
+    prefill(model, prompt, cache)
+    mx.eval([c.arrays for c in cache])
+    logits = model(mx.array([[prompt[-1]]]), cache)
+    return graph_nodes([logits[:, -1].argmax(-1), *[a for c in cache for a in c.arrays]])
+
+
+def mlx_lm_step(model, prompt: list[int]) -> Counter:
+    """One greedy decode step of an mlx-lm model, as its generate_step builds it."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    logits = model(mx.array([[prompt[-1]]]), cache=cache)
+    states = [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
+    return graph_nodes([logits[:, -1].argmax(-1), *states])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a checkpoint (default: the Qwen3.5-0.8B shape, random weights)")
+    p.add_argument("--mlx-lm", action="store_true", help="count mlx-lm's step on the same checkpoint too")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--top", type=int, default=12, help="list the most frequent primitives")
+    args = p.parse_args()
+    import mlx_hybrid
+    from mlx_hybrid import ops
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    if args.model:
+        model, _ = mlx_hybrid.load(args.model)
+    else:
+        from shapes import SHAPES, random_model
+
+        model = random_model(SHAPES["qwen3.5-0.8b"](), ops.default_dtype())
+    prompt = list(range(3, 3 + args.prompt_tokens))
+    counts = {"mlx-hybrid": mlx_hybrid_step(model, prompt)}
+    if args.mlx_lm:
+        import mlx_lm
+
+        counts["mlx-lm"] = mlx_lm_step(mlx_lm.load(args.model)[0], prompt)
+    print(f"device {mx.default_device()}, ops {ops.backend_name()}")
+    for name, nodes in counts.items():
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in summary(nodes).items()))
+        print("  " + ", ".join(f"{k} {v}" for k, v in nodes.most_common(args.top)))
+
+
+if __name__ == "__main__":
+    main()
