@@ -46,6 +46,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_hybrid import ops
 from mlx_hybrid.export import save_gguf, save_hf
 from mlx_hybrid.models.init import initialise
 from mlx_hybrid.models.qwen3_5 import FULL, LINEAR, Model, ModelArgs
@@ -274,7 +275,8 @@ def train(model, optimizer, tokens, step, args, out, tqdm):
     bar = tqdm(initial=step, total=args.steps, desc="training", unit="step")
     while step < args.steps and time.time() < deadline:
         optimizer.learning_rate = learning_rate(step, args, deadline - time.time(), total_time)
-        trunk, mtp = train_step(batch(tokens, step, args.batch, args.length, args.seed))
+        with ops.differentiable():  # the ops MLX differentiates, not our kernels (no backward pass)
+            trunk, mtp = train_step(batch(tokens, step, args.batch, args.length, args.seed))
         mx.eval(state, trunk, mtp)
         step += 1
         bar.update(1)

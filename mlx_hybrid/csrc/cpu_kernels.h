@@ -236,11 +236,28 @@ class CpuPrimitive : public mlx::core::Primitive {
 
     const char* name() const override { return name_; }
 
+    // No backward pass: gradients go through the pure-MLX ops (mlx_hybrid.ops.differentiable)
+    std::vector<mlx::core::array> vjp(const std::vector<mlx::core::array>&, const std::vector<mlx::core::array>&,
+                                      const std::vector<int>&, const std::vector<mlx::core::array>&) override {
+        throw std::invalid_argument(no_gradient());
+    }
+
+    std::vector<mlx::core::array> jvp(const std::vector<mlx::core::array>&, const std::vector<mlx::core::array>&,
+                                      const std::vector<int>&) override {
+        throw std::invalid_argument(no_gradient());
+    }
+
     bool is_equivalent(const mlx::core::Primitive& other) const override {
         return params_ == static_cast<const CpuPrimitive&>(other).params_;
     }
 
    private:
+    std::string no_gradient() const {
+        return std::string("mlx_hybrid's CPU kernel ") + name_ +
+               " has no gradient: compute gradients inside `with mlx_hybrid.ops.differentiable():` "
+               "(the pure-MLX ops, which MLX differentiates)";
+    }
+
     Params params_;
     const char* name_;
 };

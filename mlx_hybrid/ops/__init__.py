@@ -20,6 +20,8 @@ MLX_HYBRID_STRICT_KERNELS=1 makes it an error instead (see `selfcheck`).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -66,8 +68,25 @@ class ConvResult(NamedTuple):
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
+_DIFFERENTIABLE = ContextVar("mlx_hybrid_differentiable", default=False)
+
+
+@contextmanager
+def differentiable():
+    """Inside this block every op takes its pure-MLX form, which MLX differentiates (mx.grad,
+    nn.value_and_grad, and mx.compile tracing them): our CPU and GPU kernels have no backward pass.
+    Build the graph to differentiate inside it: call the gradient function there (a compiled
+    training step, on its first call)."""
+    token = _DIFFERENTIABLE.set(True)
+    try:
+        yield
+    finally:
+        _DIFFERENTIABLE.reset(token)
+
+
 def force_reference() -> bool:
-    return os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
+    """The pure-MLX ops for every call: MLX_HYBRID_FORCE_REFERENCE=1, or inside `differentiable()`."""
+    return _DIFFERENTIABLE.get() or os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
 
 
 @lru_cache(maxsize=None)
