@@ -10,6 +10,7 @@ quantized modules as .weight/.scales/.biases, and `quantization` in config.json.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -49,15 +50,26 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     model, tokenizer = load(source, dtype=dtype or checkpoint_dtype, dequantize=not source.is_dir())
     if model.model_type not in QWEN_TYPES:
         raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model.model_type!r}")
-    nn.quantize(
-        model,
-        group_size,
-        bits,
-        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
-    )
+    nn.quantize(model, group_size, bits, class_predicate=lambda path, m: _quantizable(path, m, group_size))
     quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    save_mlx(model, tokenizer, mlx_path, source_dir=source if source.is_dir() else None, quantization=quantization)
+    # written beside the target and renamed into place: a failed conversion leaves nothing behind
+    partial = mlx_path.with_name(f".{mlx_path.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save_mlx(model, tokenizer, partial, source_dir=source if source.is_dir() else None, quantization=quantization)
+        partial.rename(mlx_path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return mlx_path
+
+
+def _quantizable(path: str, module, group_size: int) -> bool:
+    """Linear, embedding and expert layers whose input size the group size divides; not the vision
+    tower's patch embedding, a conv3d kernel in the published layout (as MLX community conversions
+    keep it)."""
+    if path == "vision.patch_embed":
+        return False
+    return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
 
 
 def _config_dtype(config: dict) -> str:

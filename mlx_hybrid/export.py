@@ -7,6 +7,7 @@ same parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -122,24 +123,31 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
 
 def hf_config(args, eos_token_id: int) -> dict:
     """config.json for a model's arguments: nested under text_config for the multimodal families."""
-    text = {k: v for k, v in vars(args).items() if k not in ("model_type", "rope_theta", "partial_rotary_factor")}
-    text.update(
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": args.rope_theta,
-            "partial_rotary_factor": args.partial_rotary_factor,
-        },
-        eos_token_id=eos_token_id,
-    )
+    written_apart = ("model_type", "rope_theta", "partial_rotary_factor", "mrope_section", "vision")
+    text = {k: v for k, v in vars(args).items() if k not in written_apart}
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor}
+    if getattr(args, "mrope_section", None):
+        rope.update(mrope_section=list(args.mrope_section), mrope_interleaved=True)
+    text.update(rope_parameters=rope, eos_token_id=eos_token_id)
     if args.model_type not in hf.MULTIMODAL:
         return {"architectures": ["Qwen3NextForCausalLM"], "model_type": args.model_type, **text}
     architecture = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-    return {
+    config = {
         "architectures": [architecture[args.model_type]],
         "model_type": args.model_type,
         "tie_word_embeddings": args.tie_word_embeddings,
         "text_config": {**text, "model_type": args.model_type + "_text"},
     }
+    if getattr(args, "vision", None) is not None:
+        config["vision_config"] = vision_config(args.vision)
+    return config
+
+
+def vision_config(vision) -> dict:
+    """A vision tower's `vision_config` as the published Qwen3.5 checkpoints write it (what the HF loader reads)."""
+    values = {k: v for k, v in dataclasses.asdict(vision).items() if k not in ("rope_theta", "layer_norm_eps")}
+    rope = {"rope_theta": vision.rope_theta, "rope_type": "axial"}
+    return {"model_type": "qwen3_5_vision", "hidden_act": "gelu_pytorch_tanh", **values, "rope_parameters": rope}
 
 
 def _write_directory(directory: Path, tensors: dict, config: dict, tokenizer, source_dir=None):
@@ -147,7 +155,10 @@ def _write_directory(directory: Path, tensors: dict, config: dict, tokenizer, so
     mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if source_dir is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        for name in (
+            "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+            "preprocessor_config.json",
+        ):  # fmt: skip
             if (Path(source_dir) / name).is_file():
                 shutil.copy(Path(source_dir) / name, directory / name)
         return

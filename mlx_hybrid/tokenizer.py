@@ -190,13 +190,16 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         file = path / "tokenizer.json"
-        if not file.is_file():
-            raise ModelLoadError(f"{path}: no tokenizer.json")
-        try:
-            tokenizer = HFTokenizer.from_file(str(file))
-        except Exception as e:
-            raise ModelLoadError(f"{file}: unreadable tokenizer ({e})") from None
         settings = _read_json(path / "tokenizer_config.json")
+        if file.is_file():
+            try:
+                tokenizer = HFTokenizer.from_file(str(file))
+            except Exception as e:
+                raise ModelLoadError(f"{file}: unreadable tokenizer ({e})") from None
+        elif (path / "tiktoken.model").is_file():  # Kimi's, as Moonshot publishes it
+            tokenizer = _tiktoken_bpe(path / "tiktoken.model", settings)
+        else:
+            raise ModelLoadError(f"{path}: no tokenizer.json (nor a tiktoken.model)")
         template = settings.get("chat_template")
         template_file = path / "chat_template.jinja"
         if template is None and template_file.is_file():
@@ -224,9 +227,6 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, meta) -> "Tokenizer":
-        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
         if meta.get("tokenizer.ggml.model") != "gpt2":
             raise ModelLoadError(
                 f"unsupported GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} (only byte-level BPE, 'gpt2')"
@@ -237,29 +237,13 @@ class Tokenizer:
                 f"unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
             )
         tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges") or []
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        bpe = models.BPE(
-            vocab={token: i for i, token in enumerate(tokens)},
-            merges=[tuple(m.split(" ", 1)) for m in merges],
-            ignore_merges=False,
-        )
-        tokenizer = HFTokenizer(bpe)
-        if pre in PRE_TOKENIZER_NORMALIZERS:
-            tokenizer.normalizer = getattr(normalizers, PRE_TOKENIZER_NORMALIZERS[pre])()
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tokenizer.decoder = decoders.ByteLevel()
-        tokenizer.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-        )
-        tokenizer.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-        )
+        tokenizer = _byte_level_bpe(
+            tokens, merges, pre,
+            special=[t for t, k in zip(tokens, types) if k == _CONTROL],
+            user_defined=[t for t, k in zip(tokens, types) if k == _USER_DEFINED],
+        )  # fmt: skip
         eos = _as_list(meta.get("tokenizer.ggml.eos_token_id")) + _as_list(meta.get("tokenizer.ggml.eot_token_id"))
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
@@ -272,6 +256,64 @@ class Tokenizer:
                 ours: meta.get(key) for key, ours in GGUF_SAMPLING_DEFAULTS.items() if meta.get(key) is not None
             },
         )
+
+
+def _byte_level_bpe(tokens, merges, pre: str, special=(), user_defined=(), whole_pieces: bool = False):
+    """A `tokenizers` byte-level BPE: tokens by id (byte-level strings), merges in priority order,
+    the split of llama.cpp's `pre` name behind its family's normalizer. whole_pieces: a piece that is
+    one token is that token before any merge (tiktoken's rule; `ignore_merges`)."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    bpe = models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, ignore_merges=whole_pieces)
+    tokenizer = HFTokenizer(bpe)
+    if pre in PRE_TOKENIZER_NORMALIZERS:
+        tokenizer.normalizer = getattr(normalizers, PRE_TOKENIZER_NORMALIZERS[pre])()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
+    return tokenizer
+
+
+# Kimi's tiktoken tokenizer (its `tokenization_kimi.py`): 256 special-token ids after the ranks
+# of `tiktoken.model`, named by tokenizer_config.json's added_tokens_decoder, the rest reserved
+TIKTOKEN_SPECIAL_IDS = 256
+
+
+def _tiktoken_bpe(path: Path, settings: dict):
+    """A `tokenizers` BPE that encodes as tiktoken does with `path` (one `base64(bytes) rank` line a
+    token) and Kimi's split, special tokens allowed in text: ranks become ids, each token's merges
+    are every split of it into two tokens, in the order of the merged token's rank (tiktoken merges
+    the adjacent pair whose concatenation ranks lowest)."""
+    import base64
+
+    char_of_byte = {b: c for c, b in _BYTE_OF_CHAR.items()}
+    try:
+        ranks = {}
+        for line in path.read_text().splitlines():
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not a tiktoken file ({e})") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ModelLoadError(f"{path}: the ranks are not 0 .. {len(ranks) - 1}")
+    text = {piece: "".join(char_of_byte[b] for b in piece) for piece in ranks}
+    merges = []
+    for piece, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in ranks and piece[i:] in ranks]
+        merges += [(text[a], text[b]) for a, b in sorted(splits, key=lambda ab: (ranks[ab[0]], ranks[ab[1]]))]
+    named = {int(i): _token_text(t) for i, t in (settings.get("added_tokens_decoder") or {}).items()}
+    base = len(ranks)
+    special = [named.get(i, f"<|reserved_token_{i}|>") for i in range(base, base + TIKTOKEN_SPECIAL_IDS)]
+    tokens = [text[piece] for piece in sorted(ranks, key=ranks.get)] + special
+    return _byte_level_bpe(tokens, merges, "kimi-k2", special=special, whole_pieces=True)
 
 
 _PROBE_NAME = "probe_tool_x7"

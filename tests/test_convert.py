@@ -10,9 +10,11 @@ import mlx.nn as nn
 import pytest
 
 import mlx_hybrid
-from conftest import FIXTURES, QWEN_FAMILIES, assert_close_to_floor, reference
+from conftest import FAMILIES, FIXTURES, QWEN_FAMILIES, assert_close_to_floor, reference
 from mlx_hybrid import ops
+from mlx_hybrid.convert import _quantizable as quantized_by_convert
 from mlx_hybrid.convert import convert
+from mlx_hybrid.prompt import chat_prompt
 from test_quantized import quantized_modules
 
 
@@ -33,6 +35,44 @@ def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, t
     ids = mx.array(reference(family)["input_ids"])
     assert_close_to_floor(loaded(ids), expected(ids))
     assert_close_to_floor(loaded.mtp_logits(ids), expected.mtp_logits(ids))
+
+
+@pytest.mark.parametrize("family", ["qwen35vl", "qwen35moevl"])
+def test_converted_vision_checkpoint_sees_images_as_the_quantized_model(family, tmp_path):
+    """A checkpoint with a vision tower converts with it (its patch embedding kept a float conv3d
+    kernel, its other linear layers quantized): the tower's output and greedy decoding about two
+    images are the in-memory quantized model's."""
+    out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
+    loaded, tokenizer = mlx_hybrid.load(out, dtype="float32")
+    expected, _ = mlx_hybrid.load(FIXTURES / family / "hf", dtype="float32")
+    nn.quantize(expected, 32, 4, class_predicate=lambda path, m: quantized_by_convert(path, m, 32))
+    assert loaded.has_vision and any("vision" in path for path in quantized_modules(loaded))
+    ref = reference(family)
+    pixels, grid = mx.array(ref["pixel_values_one"]), tuple(ref["grid_thw_one"][0].tolist())
+    assert_close_to_floor(loaded.vision(pixels, grid), expected.vision(pixels, grid))
+    images = [FIXTURES / family / "image_a.png", FIXTURES / family / "image_b.png"]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "def"}]}]
+
+    def greedy(model):
+        prompt = chat_prompt(tokenizer, messages).ids
+        responses = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=12, images=images, draft=None)
+        return [r.token for r in responses]
+
+    assert greedy(loaded) == greedy(expected)
+
+
+def test_a_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    """A conversion that fails while writing leaves neither its directory nor a partial one."""
+    write = mlx_hybrid.convert.save_mlx
+
+    def write_then_fail(*args, **kwargs):
+        write(*args, **kwargs)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(mlx_hybrid.convert, "save_mlx", write_then_fail)
+    with pytest.raises(OSError):
+        convert(FIXTURES / "qwen35" / "hf", tmp_path / "q", bits=4, group_size=32)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("config_dtype", ["float32", "bfloat16"])
@@ -113,6 +153,25 @@ def test_checkpoints_converted_by_mlx_lm_load_identically(family, tmp_path):
     ids = mx.array(reference(family)["input_ids"])
     # the two order the delta rule's products differently (observed 1.3e-4, 1.7e-4): the float32 floor
     assert_close_to_floor(ours(ids), theirs(ids))
+
+
+# directories as mlx-lm's convert wrote them (tests/fixtures/make_mlx_lm_conversions.py)
+MLX_LM_CONVERSIONS = [("kimilinear", "mlx-lm")] + [(family, "mlx-lm-4bit") for family in FAMILIES]
+
+
+@pytest.mark.parametrize("family,layout", MLX_LM_CONVERSIONS)
+def test_mlx_lm_conversions_decode_as_mlx_lm_does(family, layout):
+    """mlx-lm's conversions load and decode, greedy, the tokens mlx-lm itself decoded on the same
+    directory when it made them (`mlx_lm_greedy.json`); the unquantized one also transformers' tokens."""
+    directory = FIXTURES / family / layout
+    record = json.loads((directory / "mlx_lm_greedy.json").read_text())
+    model, tokenizer = mlx_hybrid.load(directory, dtype="float32")
+    prompt, expected = record["prompt_ids"], record["greedy_ids"]
+    responses = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=len(expected), draft=None)
+    tokens = [response.token for response in responses]
+    assert tokens == expected
+    if "4bit" not in layout:
+        assert tokens == reference(family)["greedy_ids"][0, len(prompt) :].tolist()
 
 
 def test_help_example_converts_the_bundled_model(tmp_path):

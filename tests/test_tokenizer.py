@@ -1,14 +1,18 @@
-"""Tokenizers built from GGUF metadata against the checkpoints' tokenizer.json."""
+"""Tokenizers built from GGUF metadata against the checkpoints' tokenizer.json, and Kimi's tiktoken
+files against tiktoken."""
+
+import json
+import shutil
+import unicodedata
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+import mlx_hybrid
 from conftest import FIXTURES
 from mlx_hybrid.loaders import gguf_file
-from mlx_hybrid.tokenizer import Tokenizer
-
-import json
-import unicodedata
+from mlx_hybrid.prompt import chat_prompt
+from mlx_hybrid.tokenizer import StreamingDetokenizer, Tokenizer
 
 # code, prose, CJK, emoji and ZWJ sequences, decomposed accents, special-token strings
 # inside text, runs of whitespace, other scripts and symbols
@@ -167,3 +171,82 @@ def test_chat_template_from_gguf_and_hf_agree():
     }
     expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert rendered["model.gguf"] == rendered["hf"] == expected
+
+
+# -- Kimi's tiktoken tokenizer (tiktoken.model + tokenizer_config.json, no tokenizer.json) -------
+
+# the split of Kimi's tokenization_kimi.py, as published (not read from the package)
+KIMI_PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)  # fmt: skip
+KIMI_TEXTS = [
+    "[BOS]<|im_user|>user<|im_middle|>hi<|im_end|>[EOS] and <|reserved_token_300|>",
+    "not special: [EOS ] <|im_middle |> [bos]",
+    "digit groups 1 12 123 1234 12345 1234567890",
+    "long whitespace" + " " * 40 + "\n" * 5 + "\t" * 7 + "end",
+    "HTTPServer XMLHttpRequest iPhone McDonald's DON'T we'll",
+]
+TIKTOKEN = FIXTURES / "kimilinear" / "tiktoken"
+
+
+@pytest.fixture
+def kimi_tiktoken_checkpoint(tmp_path):
+    """Kimi Linear as Moonshot publishes it: the fixture's weights beside tiktoken.model and its
+    tokenizer_config.json, no tokenizer.json."""
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(FIXTURES / "kimilinear" / "hf" / name, tmp_path / name)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(TIKTOKEN / name, tmp_path / name)
+    return tmp_path
+
+
+def tiktoken_encoding():
+    """tiktoken's own Encoding of the same files, as tokenization_kimi.py builds it."""
+    tiktoken = pytest.importorskip("tiktoken")
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(TIKTOKEN / "tiktoken.model"))
+    named = json.loads((TIKTOKEN / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    named = {int(i): token["content"] for i, token in named.items()}
+    special = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(len(ranks), len(ranks) + 256)}
+    return tiktoken.Encoding("kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+
+
+def test_kimi_tiktoken_encodes_as_tiktoken_and_decodes_back(kimi_tiktoken_checkpoint):
+    """Every text of the corpus (Han runs, digit groups, cased words, contractions, emoji, CRLF, long
+    whitespace, special-token texts) to tiktoken's ids with allowed_special="all", back to the same
+    text, and streamed token by token to the same text less the end tokens."""
+    config = json.loads((kimi_tiktoken_checkpoint / "config.json").read_text())
+    ours = Tokenizer.from_hf_dir(kimi_tiktoken_checkpoint, config)
+    theirs = tiktoken_encoding()
+    for text in TEXTS + KIMI_TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, allowed_special="all"), text
+        assert ours.decode(ids) == text
+        stream = StreamingDetokenizer(ours)
+        streamed = "".join(stream.add(t) for t in ids) + stream.finalize()
+        assert streamed == ours.decode([t for t in ids if t not in ours.eos_token_ids])  # end tokens add no text
+
+
+def test_kimi_tiktoken_checkpoint_loads_and_chats(kimi_tiktoken_checkpoint):
+    """The checkpoint loads; a chat renders from tokenizer_config.json's template to tiktoken's ids of
+    the same rendering; [EOS] (config) and <|im_end|> end a generation."""
+    from jinja2 import Template
+
+    model, tokenizer = mlx_hybrid.load(kimi_tiktoken_checkpoint, dtype="float32")
+    messages = [{"role": "user", "content": "def 你好 1234"}, {"role": "assistant", "content": "ok"}]
+    template = json.loads((TIKTOKEN / "tokenizer_config.json").read_text())["chat_template"]
+    rendered = Template(template).render(messages=messages, add_generation_prompt=True)
+    ids = chat_prompt(tokenizer, messages).ids
+    assert ids == tiktoken_encoding().encode(rendered, allowed_special="all")
+    assert {tokenizer.token_to_id("[EOS]"), tokenizer.token_to_id("<|im_end|>")} <= set(tokenizer.eos_token_ids)
+    assert len(mlx_hybrid.generate(model, tokenizer, ids, max_tokens=4, draft=None)) >= 0

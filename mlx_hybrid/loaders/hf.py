@@ -100,6 +100,13 @@ def _flatten_patch_kernel(w, _args):
 _DECODER_NORMS = r"(?P<norm>input_layernorm|post_attention_layernorm|self_attn\.q_norm|self_attn\.k_norm)\.weight"
 
 
+def _patch_kernel(w, args):
+    """The linear map of a flattened patch [E, C T P P] -> the conv3d kernel [E, C, T, P, P]
+    (`_flatten_patch_kernel`'s inverse)."""
+    v = args.vision
+    return w.reshape(w.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+
+
 def _minus_one(w, _args):
     return w.astype(mx.float32) - 1.0
 
@@ -123,6 +130,12 @@ def qwen_export_rules(layout: str = "hf"):
     norm = _minus_one if layout == "hf" else None
     block = r"(?P<blk>(?:mtp\.)?layers\.\d+)\."
     return [
+        # the vision tower as published (`visual.`, which export_name places): the patch embedding
+        # a conv3d kernel again, every other tensor under its own name
+        Rule(r"vision\.patch_embed\.weight", "visual.patch_embed.proj.weight", _patch_kernel),
+        Rule(r"vision\.patch_embed\.bias", "visual.patch_embed.proj.bias"),
+        Rule(r"vision\.pos_embed", "visual.pos_embed.weight"),
+        Rule(r"vision\.(?P<rest>.+)", "visual.{rest}"),
         Rule(r"norm\.weight", "norm.weight", norm),
         Rule(r"mtp\.enorm\.weight", "mtp.pre_fc_norm_embedding.weight", norm),
         Rule(r"mtp\.hnorm\.weight", "mtp.pre_fc_norm_hidden.weight", norm),
@@ -138,9 +151,12 @@ MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # published with a vision tower; text u
 
 
 def export_name(name: str, layout: str = "hf", model_type: str = "qwen3_5") -> str:
-    """Where a canonical tensor goes in a layout; MTP tensors stay at the top."""
+    """Where a canonical tensor goes in a layout; MTP tensors stay at the top, the vision tower
+    (`visual.`, see qwen_export_rules) goes where the published checkpoints keep it."""
     if name.startswith("mtp."):
         return name
+    if name.startswith("visual."):
+        return "model." + name
     if model_type not in MULTIMODAL:
         return name if name.startswith("lm_head.") else "model." + name
     if layout == "mlx":
@@ -149,9 +165,10 @@ def export_name(name: str, layout: str = "hf", model_type: str = "qwen3_5") -> s
 
 
 def detect_layout(tensors: dict) -> str:
-    """MLX conversions store depthwise conv weights as [C, K, 1]."""
+    """MLX conversions store depthwise conv weights as [C, K, 1], published checkpoints as [C, 1, K]
+    (`conv1d.weight` in Qwen's, `q_conv1d.weight` in Kimi's, `q_conv.conv.weight` in mlx-lm's Kimi)."""
     for name, t in tensors.items():
-        if "conv1d" in name and name.endswith(".weight") and t.ndim == 3:
+        if "conv" in name and name.endswith(".weight") and t.ndim == 3:
             return "mlx" if t.shape[-1] == 1 and t.shape[1] != 1 else "hf"
     return "hf"
 
@@ -183,6 +200,26 @@ def _split_kv_b(w, args):
 
 _KIMI_BLOCK = r"model\.(?P<blk>layers\.\d+)\."
 _EXPERT = _KIMI_BLOCK + r"block_sparse_moe\.experts\.(?P<e>\d+)\."
+
+
+def kimi_rules(layout: str = "hf"):
+    """Kimi Linear as Moonshot publishes it, or as mlx-lm converts it: short convolutions as MLX
+    conv layers ([C, K, 1] under `{p}_conv.conv`), kv_b_proj already split per head into
+    `embed_q` [H, L, nope] and `unembed_out` [H, v, L] (our k_b_proj and v_b_proj), experts stacked
+    under `mlp.switch_mlp` (our own names)."""
+    if layout == "hf":
+        return KIMI_RULES
+    return [
+        Rule(
+            _KIMI_BLOCK + r"self_attn\.(?P<p>q|k|v)_conv\.conv\.weight",
+            "{blk}.self_attn.{p}_conv1d_weight",
+            squeeze_conv,
+        ),
+        Rule(_KIMI_BLOCK + r"self_attn\.embed_q\.weight", "{blk}.self_attn.k_b_proj"),
+        Rule(_KIMI_BLOCK + r"self_attn\.unembed_out\.weight", "{blk}.self_attn.v_b_proj"),
+        *KIMI_RULES,
+    ]
+
 
 KIMI_RULES = [
     Rule(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
@@ -311,7 +348,7 @@ FAMILIES = {
     "qwen3_5": (_qwen_args, qwen_rules),
     "qwen3_5_moe": (_qwen_args, qwen_rules),
     "qwen3_next": (_qwen_args, qwen_rules),
-    "kimi_linear": (_kimi_args, lambda layout: KIMI_RULES),  # plain norms in every layout
+    "kimi_linear": (_kimi_args, kimi_rules),  # plain norms in every layout
 }
 
 
