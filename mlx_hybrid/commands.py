@@ -54,6 +54,14 @@ def add_model_arguments(p: argparse.ArgumentParser):
         "one mmproj*.gguf beside the model, if any)",
     )
     p.add_argument(
+        "--mtp-from",
+        default=None,
+        metavar="PATH",
+        help="take the MTP head from the checkpoint the --model was converted from (its Hugging Face directory "
+        "or GGUF file): mlx-lm's and mlx-vlm's conversions drop it. Only its mtp.* tensors are read; the head "
+        "is quantized as the model is",
+    )
+    p.add_argument(
         "--pipeline",
         action="store_true",
         help="under mlx.launch: give each process consecutive layers (pipeline) instead of a share of every "
@@ -257,7 +265,7 @@ def load_for_generation(args):
         raise GenerationError("--pipeline splits a model over the processes of an mlx.launch run; this is one process")
     model, tokenizer = mlx_hybrid.load(
         args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
-        pipeline=args.pipeline, mmproj=args.mmproj,
+        pipeline=args.pipeline, mmproj=args.mmproj, mtp=args.mtp_from,
     )  # fmt: skip
     draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
     draft = resolve_draft(model, args.draft or AUTO, draft_model)

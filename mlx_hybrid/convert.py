@@ -23,6 +23,8 @@ from .loaders import DTYPES, bundled_model_path, hf, hub, load
 
 
 QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Kimi Linear is written with its own config.json, so from its Hugging Face directory only
+FROM_DIRECTORIES_ONLY = ("kimi_linear",)
 
 
 def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -> Path:
@@ -39,8 +41,10 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     checkpoint_dtype = "float32"  # a GGUF's blocks dequantize exactly to float32
     if source.is_dir():  # refuse early, before loading the weights
         config = hf.read_config(source)
-        if config.get("model_type") not in QWEN_TYPES:
-            raise MlxHybridError(f"convert supports the Qwen hybrid families, not {config.get('model_type')!r}")
+        if config.get("model_type") not in QWEN_TYPES + FROM_DIRECTORIES_ONLY:
+            raise MlxHybridError(
+                f"convert supports the Qwen hybrid families and Kimi Linear, not {config.get('model_type')!r}"
+            )
         if config.get("quantization") or config.get("quantization_config"):
             raise MlxHybridError(f"{source} is already quantized; convert its float checkpoint")
         checkpoint_dtype = _config_dtype(config)
@@ -48,10 +52,15 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     # the same source gives the same directory on every machine. A GGUF's blocks are dequantized,
     # then quantized to this one layout (a directory with one `quantization` entry holds one layout).
     model, tokenizer = load(source, dtype=dtype or checkpoint_dtype, dequantize=not source.is_dir())
-    if model.model_type not in QWEN_TYPES:
-        raise MlxHybridError(f"convert supports the Qwen hybrid families, not {model.model_type!r}")
+    if model.model_type in FROM_DIRECTORIES_ONLY and not source.is_dir():
+        raise MlxHybridError(f"convert writes {model.model_type} from its Hugging Face directory, not from a GGUF file")
     nn.quantize(model, group_size, bits, class_predicate=lambda path, m: _quantizable(path, m, group_size))
     quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    quantization |= {  # the modules quantized otherwise, by their paths (as mlx-lm writes them)
+        path: {"group_size": m.group_size, "bits": m.bits}
+        for path, m in model.named_modules()
+        if hasattr(m, "bits") and (m.bits, m.group_size) != (bits, group_size)
+    }
     # written beside the target and renamed into place: a failed conversion leaves nothing behind
     partial = mlx_path.with_name(f".{mlx_path.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -63,13 +72,21 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     return mlx_path
 
 
-def _quantizable(path: str, module, group_size: int) -> bool:
-    """Linear, embedding and expert layers whose input size the group size divides; not the vision
-    tower's patch embedding, a conv3d kernel in the published layout (as MLX community conversions
-    keep it)."""
-    if path == "vision.patch_embed":
+# MoE routers (and the shared expert's gate) in 8 bits, groups of 64, as mlx-lm's conversions keep
+# them: a router's few outputs choose the experts, where 4-bit rounding flips choices
+ROUTER_QUANTIZATION = {"group_size": 64, "bits": 8}
+ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
+
+
+def _quantizable(path: str, module, group_size: int):
+    """Linear, embedding and expert layers whose input size the group size divides (routers as
+    ROUTER_QUANTIZATION says); not the vision tower's patch embedding, a conv3d kernel in the
+    published layout (as MLX community conversions keep it)."""
+    if path == "vision.patch_embed" or not hasattr(module, "to_quantized"):
         return False
-    return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
+    if path.endswith(ROUTERS):
+        return ROUTER_QUANTIZATION if module.weight.shape[-1] % ROUTER_QUANTIZATION["group_size"] == 0 else False
+    return module.weight.shape[-1] % group_size == 0
 
 
 def _config_dtype(config: dict) -> str:

@@ -129,8 +129,9 @@ def hf_config(args, eos_token_id: int) -> dict:
     if getattr(args, "mrope_section", None):
         rope.update(mrope_section=list(args.mrope_section), mrope_interleaved=True)
     text.update(rope_parameters=rope, eos_token_id=eos_token_id)
-    if args.model_type not in hf.MULTIMODAL:
-        return {"architectures": ["Qwen3NextForCausalLM"], "model_type": args.model_type, **text}
+    if args.model_type not in hf.MULTIMODAL:  # Qwen3-Next's config also names its rope settings at the top
+        rope_settings = {"rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor}
+        return {"architectures": ["Qwen3NextForCausalLM"], "model_type": args.model_type, **text, **rope_settings}
     architecture = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
     config = {
         "architectures": [architecture[args.model_type]],
@@ -186,12 +187,34 @@ def save_hf(model, tokenizer, directory, source_dir=None):
 
 
 def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | None = None):
-    """The MLX-community layout (what mlx-lm writes), MTP tensors included; `quantization`
-    ({"group_size", "bits", "mode"}) describes a model already quantized in memory."""
+    """The MLX-community layout (what mlx-lm writes), the MTP head in `mtp.safetensors`; `quantization`
+    ({"group_size", "bits", "mode"}, and {"group_size", "bits"} by module path where a module differs)
+    describes a model already quantized in memory."""
     args = model.args
-    weights, _ = rename(_canonical(model), hf.qwen_export_rules("mlx"), args)
+    weights, _ = rename(_canonical(model), hf.EXPORT_RULES[args.model_type]("mlx"), args)
+    if args.model_type == "qwen3_next":
+        weights = hf.fuse_qwen3_next_projections(weights, args)
     tensors = {hf.export_name(k, "mlx", args.model_type): v for k, v in weights.items()}
-    config = hf_config(args, tokenizer.eos_token_ids[0])
-    if quantization:
+    if args.model_type == "kimi_linear":  # its config.json is the checkpoint's own, as mlx-lm's convert copies it
+        if source_dir is None:
+            raise ValueError(f"writing {args.model_type} takes its Hugging Face directory's config.json")
+        config = hf.read_config(Path(source_dir))
+    else:
+        config = hf_config(args, tokenizer.eos_token_ids[0])
+    if quantization:  # a module quantized otherwise is named as its tensors are written
+        quantization = {
+            (
+                hf.export_name(f"{key}.weight", "mlx", args.model_type)[: -len(".weight")]
+                if isinstance(v, dict)
+                else key
+            ): v
+            for key, v in quantization.items()
+        }
         config.update(quantization=quantization, quantization_config=quantization)
-    _write_directory(Path(directory), tensors, config, tokenizer, source_dir)
+    # the MTP head in a file of its own: mlx-lm reads model*.safetensors only (its Qwen3-Next refuses
+    # mtp.* tensors there); our loader reads every .safetensors file of the directory
+    head = {name: tensor for name, tensor in tensors.items() if name.startswith("mtp.")}
+    trunk = {name: tensor for name, tensor in tensors.items() if name not in head}
+    _write_directory(Path(directory), trunk, config, tokenizer, source_dir)
+    if head:
+        mx.save_safetensors(str(Path(directory) / "mtp.safetensors"), head, metadata={"format": "pt"})

@@ -69,10 +69,21 @@ def test_cli_help_explains_the_options():
     assert result.returncode == 0
     for option in (
         "--model", "--prompt", "--draft", "--no-mtp", "--draft-model", "--num-draft-tokens", "--draft-vocab",
-        "--draft-p-min", "--chat", "--temp",
+        "--draft-p-min", "--chat", "--temp", "--mtp-from",
     ):  # fmt: skip
         assert option in result.stdout
     assert "Kimi Linear" in result.stdout
+
+
+def test_cli_takes_the_mtp_head_from_the_original_checkpoint():
+    """mlx-lm's conversion has no head: --mtp-from the original gives it one (drafts are made and
+    verified, the text is plain decoding's); a checkpoint without a head is a usage error."""
+    conversion = ["--model", str(FIXTURES / "qwen35" / "mlx-lm-4bit"), "--prompt", "class A:", "--max-tokens", "12"]
+    plain, drafted = run_cli(*conversion), run_cli(*conversion, "--mtp-from", str(FIXTURES / "qwen35" / "hf"))
+    assert plain.returncode == drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout
+    assert "of drafts accepted" in drafted.stderr and "of drafts accepted" not in plain.stderr
+    assert_usage_error(run_cli(*conversion, "--mtp-from", str(FIXTURES / "kimilinear" / "hf")), "has no MTP head")
 
 
 def test_cli_speculates_by_default_where_there_is_a_head_and_drafts_ngrams_for_kimi():

@@ -29,9 +29,7 @@ def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, t
     loaded, _ = mlx_hybrid.load(out, dtype="float32")  # a GPU's default is bfloat16
     assert loaded.has_mtp and quantized_modules(loaded)
     expected, _ = mlx_hybrid.load(FIXTURES / family / "hf", dtype="float32")
-    nn.quantize(
-        expected, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
-    )
+    nn.quantize(expected, 32, 4, class_predicate=lambda path, m: quantized_by_convert(path, m, 32))
     ids = mx.array(reference(family)["input_ids"])
     assert_close_to_floor(loaded(ids), expected(ids))
     assert_close_to_floor(loaded.mtp_logits(ids), expected.mtp_logits(ids))
@@ -59,6 +57,63 @@ def test_converted_vision_checkpoint_sees_images_as_the_quantized_model(family, 
         return [r.token for r in responses]
 
     assert greedy(loaded) == greedy(expected)
+
+
+# what mlx-lm quantizes and convert leaves in float: Kimi's unembed_out (a per-head product of
+# mlx-lm's own, QuantizedMultiLinear, where ours is a plain array)
+MLX_LM_ONLY_QUANTIZED = ("self_attn.unembed_out",)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conversions_are_in_mlx_lms_layout(family, tmp_path):
+    """convert writes model.safetensors as mlx-lm's own convert does (the fixtures it made): the same
+    tensors, names and shapes (MoE routers in 8 bits as mlx-lm keeps them), but what MLX_LM_ONLY_QUANTIZED
+    names; the MTP head beside them in mtp.safetensors, which mlx-lm does not read."""
+    out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
+    ours = {name: t.shape for name, t in mx.load(str(out / "model.safetensors")).items()}
+    theirs = {
+        name: t.shape for name, t in mx.load(str(FIXTURES / family / "mlx-lm-4bit" / "model.safetensors")).items()
+    }
+    differ = {name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name)}
+    assert all(any(part in name for part in MLX_LM_ONLY_QUANTIZED) for name in differ), sorted(differ)
+    head = mx.load(str(out / "mtp.safetensors")) if (out / "mtp.safetensors").exists() else {}
+    assert all(name.startswith("mtp.") for name in head) and bool(head) == (family in QWEN_FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlx_lm_loads_our_conversions(family, tmp_path):
+    """mlx-lm loads what convert writes, every family, and computes our numbers (the MoE's random
+    routing flips experts at near-ties between the two summation orders: its tokens are compared)."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from mlx_lm.generate import generate_step
+
+    out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
+    ours, tokenizer = mlx_hybrid.load(out, dtype="float32")
+    theirs, _ = mlx_lm.load(str(out))
+    ref = reference(family)
+    if family != "qwen35moe":
+        ids = mx.array(ref["input_ids"])
+        assert_close_to_floor(ours(ids), theirs(ids))
+    prompt = ref["prompt_ids"][0].tolist()
+    expected = [token for token, _ in generate_step(mx.array(prompt), theirs, max_tokens=12)]
+    tokens = [r.token for r in mlx_hybrid.stream_generate(ours, tokenizer, prompt, max_tokens=12, draft=None)]
+    assert tokens == expected[: len(tokens)]  # generate_step does not stop at an end token
+    assert len(tokens) == len(expected) or tokens[-1] in tokenizer.eos_token_ids
+
+
+def test_kimi_linear_converts_to_the_quantized_model(tmp_path):
+    """Kimi Linear converts (from its Hugging Face directory, whose config.json it keeps): the result is
+    the in-memory quantized model; from a GGUF file it is refused by name."""
+    out = convert(FIXTURES / "kimilinear" / "hf", tmp_path / "q", bits=4, group_size=32)
+    loaded, _ = mlx_hybrid.load(out, dtype="float32")
+    expected, _ = mlx_hybrid.load(FIXTURES / "kimilinear" / "hf", dtype="float32")
+    nn.quantize(expected, 32, 4, class_predicate=lambda path, m: quantized_by_convert(path, m, 32))
+    assert quantized_modules(loaded)
+    ids = mx.array(reference("kimilinear")["input_ids"])
+    assert_close_to_floor(loaded(ids), expected(ids))
+    with pytest.raises(mlx_hybrid.MlxHybridError, match="kimi_linear from its Hugging Face directory"):
+        convert(FIXTURES / "kimilinear" / "model.gguf", tmp_path / "g", bits=4, group_size=32)
+    assert not (tmp_path / "g").exists()
 
 
 def test_a_failed_conversion_leaves_nothing(tmp_path, monkeypatch):

@@ -255,6 +255,44 @@ def test_draft_model_rolls_back_after_accepts():
     assert responses[-1].acceptance_rate == 1.0 and responses[-1].tokens_per_pass > 3.5
 
 
+@pytest.mark.parametrize("head_source", ["hf", "model.gguf"])
+def test_a_head_from_the_original_checkpoint_drafts_as_the_original(head_source, tmp_path):
+    """A checkpoint that lost its MTP head (as mlx-lm's conversions do), given the head from the one it
+    came from (`load(..., mtp=)`, the HF directory or the GGUF file): the original's tokens with MTP
+    drafting, at the original's acceptance, having read only the head's tensors of it."""
+    target = tmp_path / "headless"
+    shutil.copytree(FIXTURES / "qwen35" / "hf", target)
+    tensors = {k: v for k, v in mx.load(str(target / "model.safetensors")).items() if not k.startswith("mtp.")}
+    mx.save_safetensors(str(target / "model.safetensors"), tensors)
+    model, tok = mlx_hybrid.load(target, dtype="float32", mtp=FIXTURES / "qwen35" / head_source)
+    original, _ = mlx_hybrid.load(FIXTURES / "qwen35" / "hf", dtype="float32")
+    prompt = reference("qwen35")["prompt_ids"][0].tolist()
+
+    def drafted(m):
+        responses = list(mlx_hybrid.stream_generate(m, tok, prompt, max_tokens=24, draft="mtp", draft_p_min=0.0))
+        return [r.token for r in responses], responses[-1].acceptance_rate
+
+    assert model.has_mtp and drafted(model) == drafted(original)
+
+
+def test_a_head_for_another_model_is_refused(tmp_path):
+    """A head of another shape or family, a checkpoint without one, a model with its own: one clear error."""
+    headless = tmp_path / "headless"
+    shutil.copytree(FIXTURES / "qwen35" / "hf", headless)
+    tensors = {k: v for k, v in mx.load(str(headless / "model.safetensors")).items() if not k.startswith("mtp.")}
+    mx.save_safetensors(str(headless / "model.safetensors"), tensors)
+    cases = {
+        FIXTURES / "qwen35moe" / "hf": "for another model: model_type 'qwen3_5_moe'",
+        FIXTURES / "kimilinear" / "hf": "has no MTP head",
+        tmp_path / "missing": "no such file or directory",
+    }
+    for source, message in cases.items():
+        with pytest.raises(mlx_hybrid.ModelLoadError, match=message):
+            mlx_hybrid.load(headless, dtype="float32", mtp=source)
+    with pytest.raises(mlx_hybrid.ModelLoadError, match="has an MTP head of its own"):
+        mlx_hybrid.load(FIXTURES / "qwen35" / "hf", dtype="float32", mtp=FIXTURES / "qwen35" / "hf")
+
+
 def test_model_without_mtp_tensors_loads_and_says_so(tmp_path):
     target = tmp_path / "hf"
     shutil.copytree(FIXTURES / "qwen35" / "hf", target)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
@@ -52,6 +55,7 @@ def load(
     group=None,
     pipeline: bool = False,
     mmproj=None,
+    mtp=None,
 ):
     """Load a model and its tokenizer from a `.gguf` file, an HF checkpoint directory, or a
     Hugging Face hub name (`org/repo`, `org/repo:file.gguf`; see `loaders.hub`).
@@ -66,6 +70,10 @@ def load(
     file's size). compact=True (GGUF only) trades exactness for memory where they would be
     expanded to float32: 16-bit scales, and Q6_K re-quantized to 6-bit groups instead of
     dequantized (see `loaders.quantized`).
+
+    mtp: the checkpoint the model was converted from (an HF directory or a GGUF file), to take the
+    MTP head from where the model has none (mlx-lm's and mlx-vlm's conversions drop it): only its
+    `mtp.*` tensors are read; the head is quantized as the model is. A head of another shape is refused.
 
     group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
     `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank
@@ -82,12 +90,19 @@ def load(
             raise ModelLoadError(f"{path}: mmproj applies to GGUF models (an HF checkpoint holds its vision tower)")
         if compact:
             raise ModelLoadError(f"{path}: compact loading applies to GGUF files, not Hugging Face directories")
-        return _load_hf(path, dtype, progress, _Split(group, pipeline))
-    if path.suffix.lower() != ".gguf":
+        model, tokenizer = _load_hf(path, dtype, progress, _Split(group, pipeline))
+    elif path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-    return _load_gguf(
-        path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact, mmproj=mmproj
-    )
+    else:
+        model, tokenizer = _load_gguf(
+            path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact,
+            mmproj=mmproj,
+        )  # fmt: skip
+    if mtp is not None:
+        if group is not None and group.size() > 1:
+            raise ModelLoadError("an MTP head from another checkpoint is not taken by a split model")
+        _attach_mtp_head(model, Path(mtp).expanduser(), dtype)
+    return model, tokenizer
 
 
 class _Split:
@@ -169,6 +184,88 @@ def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool,
     if projector is not None:
         tokenizer.image_processor = image_processor
     return model, tokenizer
+
+
+class _Prefix:
+    """What `rename` reads of a checkpoint: the tensors under one prefix, whole (others are not read)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def wants(self, name: str) -> bool:
+        return name.startswith(self.prefix)
+
+    def cut(self, name: str, tensor):
+        return tensor
+
+
+# settings an MTP head may differ in from the model that takes it
+_HEAD_OWN_SETTINGS = ("mtp_num_hidden_layers", "mtp_hidden", "vision")
+
+
+def _attach_mtp_head(model, source: Path, dtype):
+    """`model.mtp` from `source`'s `mtp.*` tensors, quantized as the model's layers are."""
+    if not source.exists():
+        raise ModelLoadError(f"{source}: no such file or directory (the MTP head's checkpoint)")
+    if model.has_mtp:
+        raise ModelLoadError(f"the model has an MTP head of its own; it takes none from {source}")
+    if not hasattr(model.args, "mtp_num_hidden_layers"):
+        raise ModelLoadError(f"{model.model_type} models have no MTP head to take from {source}")
+    if source.is_dir():
+        config = hf.read_config(source)
+        make_args, rules_for = hf.FAMILIES.get(hf.model_type_of(config), (None, None))
+        if make_args is None:
+            raise ModelLoadError(f"{source}: no MTP head (a {config['model_type']} checkpoint)")
+        tensors = hf.read_tensors(hf.safetensor_files(source))
+        rules = rules_for(hf.detect_layout(tensors))
+        quantization = config.get("quantization") or config.get("quantization_config")
+        if quantization:
+            tensors = hf.group_quantized(tensors, quantization)
+        module = architecture(hf.model_type_of(config))
+        args = make_args(config, module, has_mtp=any(n.startswith("mtp.") for n in tensors))
+        named = ((name, (lambda name=name: tensors[name])) for name in list(tensors))
+    elif source.suffix.lower() == ".gguf":
+        reader = gguf_file.open_gguf(source)
+        meta = gguf_file.Metadata(reader)
+        if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
+            raise ModelLoadError(f"{source}: no MTP head (GGUF architecture {meta.arch!r})")
+        model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
+        module = architecture(model_type)
+        args = make_args(meta, module, gguf_file.tensor_shapes(reader))
+        named = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized=True)
+    else:
+        raise ModelLoadError(f"{source}: expected a .gguf file or a Hugging Face model directory (the MTP head's)")
+    if not getattr(args, "mtp_num_hidden_layers", 0):
+        raise ModelLoadError(f"{source}: this checkpoint has no MTP head (no mtp.* tensors)")
+    differ = [
+        f"{name} {getattr(args, name)!r} against the model's {value!r}"
+        for name, value in vars(model.args).items()
+        if name not in _HEAD_OWN_SETTINGS and not _same_setting(getattr(args, name, None), value)
+    ]
+    if differ:
+        raise ModelLoadError(f"{source}: its MTP head is for another model: " + "; ".join(differ))
+    with_head = dataclasses.replace(
+        model.args, mtp_num_hidden_layers=args.mtp_num_hidden_layers, mtp_hidden=args.mtp_hidden
+    )
+    head = module.MTPHead(with_head)
+    weights, _ = rename(named, rules, args, part=_Prefix("mtp."))
+    head_weights = {name[len("mtp.") :]: tensor for name, tensor in weights.items()}
+    fill_model(head, head_weights, dtype, module.FLOAT32_PARAMS, source=str(source))
+    quantized = next((m for _, m in model.layers[0].named_modules() if hasattr(m, "bits")), None)
+    if quantized is not None:  # as the model's layers: what divides the group size, not already quantized
+        nn.quantize(
+            head, quantized.group_size, quantized.bits,
+            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % quantized.group_size == 0,
+        )  # fmt: skip
+        mx.eval(head.parameters())  # here, not lazily on whichever thread generates first
+    model.args, model.mtp = with_head, head
+
+
+def _same_setting(a, b) -> bool:
+    """Equal settings; floats as GGUF stores them (float32: 1e-6 reads back as 9.999999974752427e-07)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    return a == b
 
 
 def _projector_path(path: Path, mmproj, model_type: str) -> Path | None:

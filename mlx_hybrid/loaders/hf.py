@@ -41,6 +41,29 @@ def _split_qkvz(w, args):
     return mx.concatenate(flat[:3], axis=0), flat[3]
 
 
+def fuse_qwen3_next_projections(weights: dict, args) -> dict:
+    """Qwen3-Next's projections fused again as its checkpoints (and mlx-lm) keep them: in_proj_qkv and
+    in_proj_z -> in_proj_qkvz, in_proj_b and in_proj_a -> in_proj_ba, per key head (`_split_qkvz`'s and
+    `split_fused_ba`'s inverse). Rows only move, so a quantized matrix's weight, scales and biases fuse
+    alike."""
+    Hk, Dk, Dv = args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim
+    R = args.linear_num_value_heads // Hk
+    fused = dict(weights)
+    for name in [n for n in weights if ".linear_attn.in_proj_qkv." in n]:
+        z_name, suffix = name.replace("in_proj_qkv.", "in_proj_z."), name.rsplit(".", 1)[1]
+        qkv, z = fused.pop(name), fused.pop(z_name)
+        q, k, v = mx.split(qkv, [Hk * Dk, 2 * Hk * Dk], axis=0)
+        heads = [q.reshape(Hk, Dk, -1), k.reshape(Hk, Dk, -1), v.reshape(Hk, R * Dv, -1), z.reshape(Hk, R * Dv, -1)]
+        fused[name.replace(f"in_proj_qkv.{suffix}", f"in_proj_qkvz.{suffix}")] = mx.concatenate(heads, 1).reshape(
+            -1, qkv.shape[-1]
+        )
+    for name in [n for n in weights if ".linear_attn.in_proj_b." in n]:
+        b, a = fused.pop(name), fused.pop(name.replace("in_proj_b.", "in_proj_a."))
+        ba = mx.concatenate([b.reshape(Hk, R, -1), a.reshape(Hk, R, -1)], axis=1).reshape(-1, b.shape[-1])
+        fused[name.replace("in_proj_b.", "in_proj_ba.")] = ba
+    return fused
+
+
 # Two layouts of the same tensors: "hf" as published (zero-centred norms, conv [C, 1, K],
 # text trunk under `model.language_model.`) and "mlx" as MLX-community conversions
 # write them (plain norms, conv [C, K, 1], trunk under `language_model.model.`,
@@ -146,6 +169,38 @@ def qwen_export_rules(layout: str = "hf"):
         Rule(r"(?P<name>.+)", "{name}"),
     ]
 
+
+def kimi_export_rules(layout: str = "mlx"):
+    """Canonical names -> mlx-lm's Kimi Linear layout (`kimi_rules("mlx")` read back), before the
+    `model.` prefix export_name adds."""
+    if layout != "mlx":
+        raise ValueError("Kimi Linear is written in mlx-lm's layout only")
+    block = r"(?P<blk>layers\.\d+)\."
+    return [
+        Rule(
+            block + r"self_attn\.(?P<p>q|k|v)_conv1d_weight",
+            "{blk}.self_attn.{p}_conv.conv.weight",
+            _conv_layout("mlx"),
+        ),
+        Rule(block + r"self_attn\.k_b_proj", "{blk}.self_attn.embed_q.weight"),
+        Rule(block + r"self_attn\.v_b_proj", "{blk}.self_attn.unembed_out.weight"),
+        Rule(block + r"self_attn\.A", "{blk}.self_attn.A_log", _kimi_a_log),
+        Rule(r"(?P<name>.+)", "{name}"),
+    ]
+
+
+def _kimi_a_log(a, _args):
+    """A [H] -> A_log as Kimi's checkpoints store it, [1, 1, H, 1]."""
+    return mx.log(-a.astype(mx.float32)).reshape(1, 1, -1, 1)
+
+
+# model_type -> the tensor table that writes a layout (see export.save_mlx)
+EXPORT_RULES = {
+    "qwen3_5": qwen_export_rules,
+    "qwen3_5_moe": qwen_export_rules,
+    "qwen3_next": qwen_export_rules,
+    "kimi_linear": kimi_export_rules,
+}
 
 MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # published with a vision tower; text under a prefix
 
