@@ -3,6 +3,7 @@ every way a prompt comes in, against the transformers references of the image fi
 (`fixtures/make_vision.py`: HF checkpoints, and llama.cpp's GGUF + mmproj of the same weights)."""
 
 import base64
+import json
 import io
 
 import mlx.core as mx
@@ -222,3 +223,23 @@ def test_server_reads_image_urls():
             client.chat.completions.create(model=name, messages=broken, max_tokens=2)
     finally:
         assert server.stop()
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("layout", ["mlx-vlm", "mlx-vlm-4bit"])
+def test_mlx_vlm_conversions_see_images_as_mlx_vlm_does(family, layout):
+    """Directories as mlx-vlm's convert wrote them (the tower under `vision_tower.`, its patch kernel
+    in MLX's conv3d layout; tests/fixtures/make_mlx_vlm_conversions.py): the tower's output is
+    transformers' (mlx-vlm leaves it unquantized here), and greedy decoding about two images gives
+    the tokens mlx-vlm decoded on the same directory (`mlx_vlm_greedy.json`)."""
+    directory = FIXTURES / family / layout
+    record = json.loads((directory / "mlx_vlm_greedy.json").read_text())
+    model, tokenizer = mlx_hybrid.load(directory, dtype="float32")
+    ref = reference(family)
+    out = model.vision(mx.array(ref["pixel_values_one"]), tuple(ref["grid_thw_one"][0].tolist()))
+    np.testing.assert_allclose(np.array(out), ref["vision_one"], atol=TOWER_TOL, rtol=0)
+    responses = mlx_hybrid.stream_generate(
+        model, tokenizer, tokenizer.encode(record["prompt"]), max_tokens=len(record["greedy_ids"]),
+        images=images_of(family), draft=None,
+    )  # fmt: skip
+    assert [r.token for r in responses] == record["greedy_ids"]

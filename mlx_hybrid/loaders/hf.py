@@ -74,6 +74,11 @@ LAYOUTS = ("hf", "mlx")
 def qwen_rules(layout: str = "hf"):
     norm = plus_one if layout == "hf" else None
     return [
+        # mlx-vlm's conversions: the tower under `vision_tower.`, the patch kernel in MLX's conv3d layout
+        Rule(_VISION_TOWER + r"patch_embed\.proj\.weight", "vision.patch_embed.weight", _flatten_mlx_patch_kernel),
+        Rule(_VISION_TOWER + r"patch_embed\.proj\.bias", "vision.patch_embed.bias"),
+        Rule(_VISION_TOWER + r"pos_embed\.weight", "vision.pos_embed"),
+        Rule(_VISION_TOWER + r"(?P<rest>.+)", "vision.{rest}"),
         Rule(_VISION + r"patch_embed\.proj\.weight", "vision.patch_embed.weight", _flatten_patch_kernel),
         Rule(_VISION + r"patch_embed\.proj\.bias", "vision.patch_embed.bias"),
         Rule(_VISION + r"pos_embed\.weight", "vision.pos_embed"),
@@ -113,6 +118,12 @@ def qwen_rules(layout: str = "hf"):
 
 
 _VISION = r"(?:model\.)?visual\."
+_VISION_TOWER = r"vision_tower\."
+
+
+def _flatten_mlx_patch_kernel(w, _args):
+    """MLX's conv3d kernel [E, T, P, P, C] -> the linear map of a flattened patch [E, C T P P]."""
+    return w.transpose(0, 4, 1, 2, 3).reshape(w.shape[0], -1)
 
 
 def _flatten_patch_kernel(w, _args):
@@ -300,7 +311,7 @@ KIMI_RULES = [
 
 
 def has_vision_tower(tensor_names) -> bool:
-    return any(re.match(_VISION, name) for name in tensor_names)
+    return any(re.match(_VISION, name) or re.match(_VISION_TOWER, name) for name in tensor_names)
 
 
 def _vision_args(config: dict) -> VisionArgs:
