@@ -79,10 +79,10 @@ ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
 
 
 def _quantizable(path: str, module, group_size: int):
-    """Linear, embedding and expert layers whose input size the group size divides (routers as
-    ROUTER_QUANTIZATION says); not the vision tower's patch embedding, a conv3d kernel in the
-    published layout (as MLX community conversions keep it)."""
-    if path == "vision.patch_embed" or not hasattr(module, "to_quantized"):
+    """Linear, embedding and expert layers of the language model whose input size the group size
+    divides (routers as ROUTER_QUANTIZATION says). The vision tower stays as it is, as mlx-vlm's
+    conversions keep it (mlx-vlm reads a quantized tower of ours otherwise than we do)."""
+    if path.startswith("vision.") or not hasattr(module, "to_quantized"):
         return False
     if path.endswith(ROUTERS):
         return ROUTER_QUANTIZATION if module.weight.shape[-1] % ROUTER_QUANTIZATION["group_size"] == 0 else False

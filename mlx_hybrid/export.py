@@ -121,14 +121,14 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     writer.close()
 
 
-def hf_config(args, eos_token_id: int) -> dict:
+def hf_config(args, tokenizer) -> dict:
     """config.json for a model's arguments: nested under text_config for the multimodal families."""
     written_apart = ("model_type", "rope_theta", "partial_rotary_factor", "mrope_section", "vision")
     text = {k: v for k, v in vars(args).items() if k not in written_apart}
     rope = {"rope_type": "default", "rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor}
     if getattr(args, "mrope_section", None):
         rope.update(mrope_section=list(args.mrope_section), mrope_interleaved=True)
-    text.update(rope_parameters=rope, eos_token_id=eos_token_id)
+    text.update(rope_parameters=rope, eos_token_id=tokenizer.eos_token_ids[0])
     if args.model_type not in hf.MULTIMODAL:  # Qwen3-Next's config also names its rope settings at the top
         rope_settings = {"rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor}
         return {"architectures": ["Qwen3NextForCausalLM"], "model_type": args.model_type, **text, **rope_settings}
@@ -141,7 +141,19 @@ def hf_config(args, eos_token_id: int) -> dict:
     }
     if getattr(args, "vision", None) is not None:
         config["vision_config"] = vision_config(args.vision)
+        # the image tokens' ids, which mlx-vlm and transformers read from here
+        for key, text in IMAGE_TOKEN_IDS.items():
+            if tokenizer.token_to_id(text) is not None:
+                config[key] = tokenizer.token_to_id(text)
     return config
+
+
+IMAGE_TOKEN_IDS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
 
 
 def vision_config(vision) -> dict:
@@ -183,7 +195,7 @@ def save_hf(model, tokenizer, directory, source_dir=None):
         raise ValueError(f"HF export supports dense qwen3_5 models, not {args.model_type!r}")
     weights, _ = rename(_canonical(model), hf.qwen_export_rules("hf"), args)
     tensors = {hf.export_name(k, "hf", args.model_type): v for k, v in weights.items()}
-    _write_directory(Path(directory), tensors, hf_config(args, tokenizer.eos_token_ids[0]), tokenizer, source_dir)
+    _write_directory(Path(directory), tensors, hf_config(args, tokenizer), tokenizer, source_dir)
 
 
 def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | None = None):
@@ -200,7 +212,7 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
             raise ValueError(f"writing {args.model_type} takes its Hugging Face directory's config.json")
         config = hf.read_config(Path(source_dir))
     else:
-        config = hf_config(args, tokenizer.eos_token_ids[0])
+        config = hf_config(args, tokenizer)
     if quantization:  # a module quantized otherwise is named as its tensors are written
         quantization = {
             (

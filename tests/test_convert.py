@@ -37,14 +37,14 @@ def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, t
 
 @pytest.mark.parametrize("family", ["qwen35vl", "qwen35moevl"])
 def test_converted_vision_checkpoint_sees_images_as_the_quantized_model(family, tmp_path):
-    """A checkpoint with a vision tower converts with it (its patch embedding kept a float conv3d
-    kernel, its other linear layers quantized): the tower's output and greedy decoding about two
-    images are the in-memory quantized model's."""
+    """A checkpoint with a vision tower converts with it (unquantized, under mlx-vlm's names): the
+    tower's output and greedy decoding about two images are the in-memory quantized model's."""
     out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
     loaded, tokenizer = mlx_hybrid.load(out, dtype="float32")
     expected, _ = mlx_hybrid.load(FIXTURES / family / "hf", dtype="float32")
     nn.quantize(expected, 32, 4, class_predicate=lambda path, m: quantized_by_convert(path, m, 32))
-    assert loaded.has_vision and any("vision" in path for path in quantized_modules(loaded))
+    assert loaded.has_vision and quantized_modules(loaded)
+    assert not any(path.startswith("vision.") for path in quantized_modules(loaded))
     ref = reference(family)
     pixels, grid = mx.array(ref["pixel_values_one"]), tuple(ref["grid_thw_one"][0].tolist())
     assert_close_to_floor(loaded.vision(pixels, grid), expected.vision(pixels, grid))
@@ -64,20 +64,25 @@ def test_converted_vision_checkpoint_sees_images_as_the_quantized_model(family, 
 MLX_LM_ONLY_QUANTIZED = ("self_attn.unembed_out",)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_conversions_are_in_mlx_lms_layout(family, tmp_path):
-    """convert writes model.safetensors as mlx-lm's own convert does (the fixtures it made): the same
-    tensors, names and shapes (MoE routers in 8 bits as mlx-lm keeps them), but what MLX_LM_ONLY_QUANTIZED
-    names; the MTP head beside them in mtp.safetensors, which mlx-lm does not read."""
+# each family's conversion by the tool MLX community repositories of it are made with
+PEER_CONVERSIONS = [(family, "mlx-lm-4bit") for family in FAMILIES] + [
+    (family, "mlx-vlm-4bit") for family in ("qwen35vl", "qwen35moevl")
+]
+
+
+@pytest.mark.parametrize("family,peer", PEER_CONVERSIONS)
+def test_conversions_are_in_the_peers_layout(family, peer, tmp_path):
+    """convert writes model.safetensors as mlx-lm's own convert does (mlx-vlm's for a checkpoint with a
+    vision tower; the fixtures they made): the same tensors, names and shapes (MoE routers in 8 bits,
+    the tower unquantized, as they keep them), but what MLX_LM_ONLY_QUANTIZED names; the MTP head
+    beside them in mtp.safetensors, which mlx-lm does not read."""
     out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
     ours = {name: t.shape for name, t in mx.load(str(out / "model.safetensors")).items()}
-    theirs = {
-        name: t.shape for name, t in mx.load(str(FIXTURES / family / "mlx-lm-4bit" / "model.safetensors")).items()
-    }
+    theirs = {name: t.shape for name, t in mx.load(str(FIXTURES / family / peer / "model.safetensors")).items()}
     differ = {name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name)}
     assert all(any(part in name for part in MLX_LM_ONLY_QUANTIZED) for name in differ), sorted(differ)
     head = mx.load(str(out / "mtp.safetensors")) if (out / "mtp.safetensors").exists() else {}
-    assert all(name.startswith("mtp.") for name in head) and bool(head) == (family in QWEN_FAMILIES)
+    assert all(name.startswith("mtp.") for name in head) and bool(head) == (family != "kimilinear")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

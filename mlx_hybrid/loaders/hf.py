@@ -141,6 +141,11 @@ def _patch_kernel(w, args):
     return w.reshape(w.shape[0], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
 
 
+def _mlx_patch_kernel(w, args):
+    """The same in MLX's conv3d layout [E, T, P, P, C] (`_flatten_mlx_patch_kernel`'s inverse)."""
+    return _patch_kernel(w, args).transpose(0, 2, 3, 4, 1)
+
+
 def _minus_one(w, _args):
     return w.astype(mx.float32) - 1.0
 
@@ -163,13 +168,14 @@ def qwen_export_rules(layout: str = "hf"):
     """
     norm = _minus_one if layout == "hf" else None
     block = r"(?P<blk>(?:mtp\.)?layers\.\d+)\."
+    tower, patch_kernel = ("visual", _patch_kernel) if layout == "hf" else ("vision_tower", _mlx_patch_kernel)
     return [
-        # the vision tower as published (`visual.`, which export_name places): the patch embedding
-        # a conv3d kernel again, every other tensor under its own name
-        Rule(r"vision\.patch_embed\.weight", "visual.patch_embed.proj.weight", _patch_kernel),
-        Rule(r"vision\.patch_embed\.bias", "visual.patch_embed.proj.bias"),
-        Rule(r"vision\.pos_embed", "visual.pos_embed.weight"),
-        Rule(r"vision\.(?P<rest>.+)", "visual.{rest}"),
+        # the vision tower as published (`visual.`, placed by export_name) or as mlx-vlm's conversions
+        # keep it (`vision_tower.`): the patch embedding a conv3d kernel again, in that layout
+        Rule(r"vision\.patch_embed\.weight", f"{tower}.patch_embed.proj.weight", patch_kernel),
+        Rule(r"vision\.patch_embed\.bias", f"{tower}.patch_embed.proj.bias"),
+        Rule(r"vision\.pos_embed", f"{tower}.pos_embed.weight"),
+        Rule(r"vision\.(?P<rest>.+)", tower + ".{rest}"),
         Rule(r"norm\.weight", "norm.weight", norm),
         Rule(r"mtp\.enorm\.weight", "mtp.pre_fc_norm_embedding.weight", norm),
         Rule(r"mtp\.hnorm\.weight", "mtp.pre_fc_norm_hidden.weight", norm),
@@ -217,9 +223,11 @@ MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # published with a vision tower; text u
 
 
 def export_name(name: str, layout: str = "hf", model_type: str = "qwen3_5") -> str:
-    """Where a canonical tensor goes in a layout; MTP tensors stay at the top, the vision tower
-    (`visual.`, see qwen_export_rules) goes where the published checkpoints keep it."""
+    """Where a canonical tensor goes in a layout; MTP tensors and mlx-vlm's `vision_tower.` stay at the
+    top, the published `visual.` goes under `model.` (see qwen_export_rules)."""
     if name.startswith("mtp."):
+        return name
+    if name.startswith("vision_tower."):
         return name
     if name.startswith("visual."):
         return "model." + name
