@@ -6,6 +6,7 @@ import dataclasses
 import math
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -119,7 +120,19 @@ class _Split:
         return RankPart(model, model.shard(self.group, self.mode))
 
 
-def _load_hf(path: Path, dtype, progress, split: _Split):
+class _Checkpoint(NamedTuple):
+    """What a loader reads of a checkpoint before building a model: its architecture's module, its
+    model arguments, its tensor table, and its tensors as (name, read) pairs, read when called."""
+
+    module: object
+    args: object
+    rules: list
+    tensors: object
+    count: int
+
+
+def _read_hf(path: Path) -> tuple[_Checkpoint, dict, list]:
+    """An HF directory's checkpoint, its config and its safetensors files."""
     config = hf.read_config(path)
     model_type = hf.model_type_of(config)
     module = architecture(model_type)
@@ -136,13 +149,19 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
         config, module, has_mtp=any(name.startswith("mtp.") for name in tensors),
         has_vision=hf.has_vision_tower(tensors),
     )  # fmt: skip
+    # popped as read: a split model keeps only its parts, so the whole tensors must go
+    read = ((name, (lambda name=name: tensors.pop(name))) for name in list(tensors))
+    return _Checkpoint(module, args, rules, read, len(tensors)), config, files
+
+
+def _load_hf(path: Path, dtype, progress, split: _Split):
+    checkpoint, config, files = _read_hf(path)
+    module, args = checkpoint.module, checkpoint.args
     model = _build(module, args)
     part = split.apply(model)
     total = sum(f.stat().st_size for f in files)
-    with _progress_bar(len(tensors), total, progress, path.name) as bar:
-        # popped as read: a split model keeps only its parts, so the whole tensors must go
-        read = ((name, (lambda name=name: tensors.pop(name))) for name in list(tensors))
-        weights, unmatched = rename(read, rules, args, bar, part)
+    with _progress_bar(checkpoint.count, total, progress, path.name) as bar:
+        weights, unmatched = rename(checkpoint.tensors, checkpoint.rules, args, bar, part)
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
     tokenizer = Tokenizer.from_hf_dir(path, config)
@@ -157,25 +176,15 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
 def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool, mmproj=None):
     # compact scales: bfloat16 for a bfloat16 model (products stay in it), else float16
     compact_scales = (mx.bfloat16 if dtype == mx.bfloat16 else mx.float16) if compact else None
-    reader = gguf_file.open_gguf(path)
-    meta = gguf_file.Metadata(reader)
-    if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
-        known = ", ".join(sorted(gguf_file.GGUF_ARCHITECTURES))
-        raise UnsupportedArchitectureError(f"{path}: unsupported GGUF architecture {meta.arch!r} (supported: {known})")
-    model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
-    module = architecture(model_type)
-    shapes = gguf_file.tensor_shapes(reader)
-    args = make_args(meta, module, shapes)
-    projector = _projector_path(path, mmproj, model_type)
+    checkpoint, meta = _read_gguf(path, keep_quantized, compact_scales)
+    module, args = checkpoint.module, checkpoint.args
+    projector = _projector_path(path, mmproj, args.model_type)
     if projector is not None:
         args.vision, image_processor, vision_weights = gguf_file.read_mmproj(projector, args.hidden_size)
     model = _build(module, args)
     part = split.apply(model)
-    with _progress_bar(len(shapes), path.stat().st_size, progress, path.name) as bar:
-        weights, unmatched = rename(
-            gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales),
-            rules, args, bar, part,
-        )  # fmt: skip
+    with _progress_bar(checkpoint.count, path.stat().st_size, progress, path.name) as bar:
+        weights, unmatched = rename(checkpoint.tensors, checkpoint.rules, args, bar, part)
     _reject_unmatched(unmatched, path)
     if projector is not None:
         weights |= vision_weights
@@ -212,29 +221,12 @@ def _attach_mtp_head(model, source: Path, dtype):
     if not hasattr(model.args, "mtp_num_hidden_layers"):
         raise ModelLoadError(f"{model.model_type} models have no MTP head to take from {source}")
     if source.is_dir():
-        config = hf.read_config(source)
-        make_args, rules_for = hf.FAMILIES.get(hf.model_type_of(config), (None, None))
-        if make_args is None:
-            raise ModelLoadError(f"{source}: no MTP head (a {config['model_type']} checkpoint)")
-        tensors = hf.read_tensors(hf.safetensor_files(source))
-        rules = rules_for(hf.detect_layout(tensors))
-        quantization = config.get("quantization") or config.get("quantization_config")
-        if quantization:
-            tensors = hf.group_quantized(tensors, quantization)
-        module = architecture(hf.model_type_of(config))
-        args = make_args(config, module, has_mtp=any(n.startswith("mtp.") for n in tensors))
-        named = ((name, (lambda name=name: tensors[name])) for name in list(tensors))
+        checkpoint = _read_hf(source)[0]
     elif source.suffix.lower() == ".gguf":
-        reader = gguf_file.open_gguf(source)
-        meta = gguf_file.Metadata(reader)
-        if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
-            raise ModelLoadError(f"{source}: no MTP head (GGUF architecture {meta.arch!r})")
-        model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
-        module = architecture(model_type)
-        args = make_args(meta, module, gguf_file.tensor_shapes(reader))
-        named = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized=True)
+        checkpoint = _read_gguf(source)[0]
     else:
         raise ModelLoadError(f"{source}: expected a .gguf file or a Hugging Face model directory (the MTP head's)")
+    module, args = checkpoint.module, checkpoint.args
     if not getattr(args, "mtp_num_hidden_layers", 0):
         raise ModelLoadError(f"{source}: this checkpoint has no MTP head (no mtp.* tensors)")
     differ = [
@@ -248,7 +240,7 @@ def _attach_mtp_head(model, source: Path, dtype):
         model.args, mtp_num_hidden_layers=args.mtp_num_hidden_layers, mtp_hidden=args.mtp_hidden
     )
     head = module.MTPHead(with_head)
-    weights, _ = rename(named, rules, args, part=_Prefix("mtp."))
+    weights, _ = rename(checkpoint.tensors, checkpoint.rules, args, part=_Prefix("mtp."))
     head_weights = {name[len("mtp.") :]: tensor for name, tensor in weights.items()}
     fill_model(head, head_weights, dtype, module.FLOAT32_PARAMS, source=str(source))
     quantized = next((m for _, m in model.layers[0].named_modules() if hasattr(m, "bits")), None)
@@ -266,6 +258,21 @@ def _same_setting(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-6)
     return a == b
+
+
+def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None) -> tuple[_Checkpoint, object]:
+    """A GGUF file's checkpoint and its metadata."""
+    reader = gguf_file.open_gguf(path)
+    meta = gguf_file.Metadata(reader)
+    if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
+        known = ", ".join(sorted(gguf_file.GGUF_ARCHITECTURES))
+        raise UnsupportedArchitectureError(f"{path}: unsupported GGUF architecture {meta.arch!r} (supported: {known})")
+    model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
+    module = architecture(model_type)
+    shapes = gguf_file.tensor_shapes(reader)
+    args = make_args(meta, module, shapes)
+    tensors = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales)
+    return _Checkpoint(module, args, rules, tensors, len(shapes)), meta
 
 
 def _projector_path(path: Path, mmproj, model_type: str) -> Path | None:
