@@ -11,8 +11,10 @@ import base64
 import binascii
 import hashlib
 import io
+import ipaddress
 import json
 import math
+import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,14 +120,40 @@ class PromptImage:
         return t * h * w // self.merge**2
 
 
-def read_image(source, allow_remote: bool = False):
-    """A PIL RGB image from a path, bytes, a PIL image, or a data / file (/ http, if allowed) URL."""
+@dataclass(frozen=True)
+class ImageAccess:
+    """What an image named by a path or URL may reach; data URLs, bytes and PIL images are always read.
+
+    local: True, any file (the Python API and the commands: their caller is the user); a directory,
+    files that resolve inside it only (symlinks and `..` followed first: a server's
+    --allowed-local-media-path); None, no file. remote: http(s) URLs are fetched, but not from
+    loopback, private, link-local or reserved addresses (cloud metadata services among them), nor
+    redirected there, unless the host is one of `private_hosts`.
+    """
+
+    local: bool | Path | None = True
+    remote: bool = False
+    private_hosts: tuple[str, ...] = ()
+
+
+# one message whether or not the file exists: a client learns nothing of the server's disk
+LOCAL_FILES_REFUSED = (
+    "local image files are not read here: send the image as a data: URL (a server's operator can allow "
+    "one directory with --allowed-local-media-path DIR)"
+)
+
+
+def read_image(source, access: ImageAccess | bool = ImageAccess()):
+    """A PIL RGB image from a path, bytes, a PIL image, or a data / file / http(s) URL, as `access`
+    allows (a bool: whether http(s) URLs are fetched, any file read)."""
     from PIL import Image, UnidentifiedImageError
 
+    if isinstance(access, bool):
+        access = ImageAccess(remote=access)
     if isinstance(source, Image.Image):
         image = source
     else:
-        data = _image_bytes(source, allow_remote)
+        data = _image_bytes(source, access)
         try:
             with warnings.catch_warnings():  # the size is checked below, before decoding
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -149,7 +177,7 @@ def _check_size(image):
         raise ImageError("the image is empty")
 
 
-def _image_bytes(source, allow_remote: bool) -> bytes:
+def _image_bytes(source, access: ImageAccess) -> bytes:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source)
     if not isinstance(source, (str, Path)):
@@ -165,29 +193,74 @@ def _image_bytes(source, allow_remote: bool) -> bytes:
             raise ImageError("the data URL's base64 payload is malformed") from None
     url = urlparse(text)
     if url.scheme in ("http", "https"):
-        if not allow_remote:
+        if not access.remote:
             raise ImageError("remote image URLs are off (allow them with --allow-remote-images)")
-        return _fetch(text)
-    path = Path(unquote(url.path)) if url.scheme == "file" else Path(text).expanduser()
-    if url.scheme not in ("", "file") and not Path(text).exists():
+        return _fetch(text, access)
+    if url.scheme not in ("", "file") and (access.local is not True or not Path(text).exists()):
         raise ImageError(f"unsupported image URL scheme {url.scheme!r}")
+    path = _local_path(Path(unquote(url.path)) if url.scheme == "file" else Path(text).expanduser(), access)
     try:
         return path.read_bytes()
     except OSError as e:
         raise ImageError(f"cannot read the image {path}: {e.strerror or e}") from None
 
 
-def _fetch(url: str, limit: int = 32 << 20) -> bytes:
-    from urllib.request import urlopen
+def _local_path(path: Path, access: ImageAccess) -> Path:
+    """The file to read, if `access` allows it; else one message, whether or not it exists."""
+    if access.local is True:
+        return path
+    if not access.local:
+        raise ImageError(LOCAL_FILES_REFUSED)
+    root, resolved = Path(access.local).resolve(), path.resolve()
+    if not resolved.is_relative_to(root):
+        raise ImageError(f"image files are read from {root} only (--allowed-local-media-path)")
+    return resolved
 
+
+def _fetch(url: str, access: ImageAccess, limit: int = 32 << 20) -> bytes:
+    from urllib.request import HTTPRedirectHandler, build_opener
+
+    class CheckedRedirects(HTTPRedirectHandler):
+        def redirect_request(self, request, fp, code, message, headers, new_url):
+            _check_host(new_url, access)
+            return super().redirect_request(request, fp, code, message, headers, new_url)
+
+    _check_host(url, access)
     try:
-        with urlopen(url, timeout=20) as response:  # noqa: S310  (http(s) only, checked above)
+        with build_opener(CheckedRedirects).open(url, timeout=20) as response:
             data = response.read(limit + 1)
     except OSError as e:
         raise ImageError(f"cannot fetch the image {url}: {e}") from None
     if len(data) > limit:
         raise ImageError(f"the image at {url} is larger than {limit >> 20} MiB")
     return data
+
+
+def _check_host(url: str, access: ImageAccess):
+    """Refuse an http(s) URL whose host resolves to a loopback, private, link-local or reserved address."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ImageError(f"not an http(s) image URL: {url}")
+    if parsed.hostname in access.private_hosts:
+        return
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(parsed.hostname, parsed.port or 443)}
+    except (OSError, UnicodeError):
+        raise ImageError(f"cannot resolve the image's host {parsed.hostname}") from None
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        if (
+            ip.is_loopback
+            or ip.is_private
+            or ip.is_link_local
+            or ip.is_reserved
+            or ip.is_multicast
+            or ip.is_unspecified
+        ):
+            raise ImageError(
+                f"image URLs to local or private addresses are refused ({parsed.hostname}); "
+                "a server's operator can allow a host with --allowed-image-hosts"
+            )
 
 
 @dataclass

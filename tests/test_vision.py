@@ -3,8 +3,10 @@ every way a prompt comes in, against the transformers references of the image fi
 (`fixtures/make_vision.py`: HF checkpoints, and llama.cpp's GGUF + mmproj of the same weights)."""
 
 import base64
-import json
 import io
+import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -243,3 +245,67 @@ def test_mlx_vlm_conversions_see_images_as_mlx_vlm_does(family, layout):
         images=images_of(family), draft=None,
     )  # fmt: skip
     assert [r.token for r in responses] == record["greedy_ids"]
+
+
+def test_server_reads_only_the_images_its_operator_allows(tmp_path):
+    """By default the server reads images from data URLs only: a file: URL or a bare path is one 400,
+    the same whether the file exists (an image, a secret) or not, and nothing is read. With
+    --allowed-local-media-path DIR it reads files inside DIR, not `..` or a symlink out of it; with
+    --allow-remote-images it still fetches nothing from this machine's own addresses."""
+    family = "qwen35vl"
+    name = str(FIXTURES / family / "hf")
+    image = images_of(family)[0]
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(image.read_bytes())
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "a.png").write_bytes(image.read_bytes())
+    (allowed / "link.png").symlink_to(secret)
+
+    def ask(client, url):
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "def"}]
+        messages = [{"role": "user", "content": content}]
+        return client.chat.completions.create(model=name, messages=messages, max_tokens=4, temperature=0)
+
+    def refusal(client, url) -> str:
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(client, url)
+        return refused.value.body["message"]
+
+    server = Server("--model", name, "--no-mtp")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        refusals = {refusal(client, url) for url in (f"file://{secret}", "file:///nonexistent.png", str(secret))}
+        assert len(refusals) == 1 and "local image files are not read here" in refusals.pop()
+        assert "remote image URLs are off" in refusal(client, f"{server.url}/health")
+        data = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+        from_data = ask(client, data).choices[0].message.content
+    finally:
+        assert server.stop()
+    server = Server("--model", name, "--no-mtp", "--allowed-local-media-path", str(allowed), "--allow-remote-images")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        assert ask(client, f"file://{allowed / 'a.png'}").choices[0].message.content == from_data
+        assert ask(client, str(allowed / "a.png")).choices[0].message.content == from_data
+        for outside in (f"file://{allowed}/../secret.png", str(allowed / "link.png"), str(secret)):
+            assert "--allowed-local-media-path" in refusal(client, outside)
+        for own in (f"{server.url}/health", f"http://localhost:{server.port}/x.png", "http://169.254.169.254/x"):
+            assert "local or private addresses are refused" in refusal(client, own)
+        assert server.health()["status"] == "ok"
+    finally:
+        assert server.stop()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--allowed-local-media-path", "/nonexistent-dir"], "is not a directory"),
+        (["--allowed-image-hosts", "intranet"], "needs --allow-remote-images"),
+    ],
+)
+def test_image_intake_flags_are_checked(flags, message):
+    """A wrong image-intake flag is a usage error before the model loads."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_hybrid.server", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -21,7 +21,7 @@ from ..errors import ContextOverflowError, GenerationError
 from ..parsers import (
     TOOL_CALL_STYLES, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar, tool_call_style,
 )  # fmt: skip
-from ..images import ImageError, read_image
+from ..images import ImageAccess, ImageError, read_image
 from ..prompt import chat_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
@@ -42,7 +42,7 @@ class ServedModel:
     # the checkpoint's recommendations; what neither gives is OpenAI's default
     sampling_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
-    allow_remote_images: bool = False  # image_url parts with http(s) URLs
+    image_access: ImageAccess = ImageAccess(local=None)  # what image_url parts may reach: data URLs only
 
 
 class ApiError(Exception):
@@ -130,7 +130,7 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
         grammar = _tool_choice_grammar(served.tokenizer, body, tools, reasoning_opened)
         top = (body.top_logprobs or 0) if body.logprobs else None
         if images:  # decoded off the event loop
-            images = await run_in_threadpool(_read_images, images, served.allow_remote_images)
+            images = await run_in_threadpool(_read_images, images, served.image_access)
         run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar,
                           images=images)  # fmt: skip
         parser = OutputParser(tools=tools, reasoning_opened=reasoning_opened)
@@ -206,11 +206,11 @@ def _template_part(part: dict, images: list) -> dict:
     return {"type": "image"}
 
 
-def _read_images(urls: list[str], allow_remote: bool) -> list:
+def _read_images(urls: list[str], access: ImageAccess) -> list:
     images = []
     for i, url in enumerate(urls):
         try:
-            images.append(read_image(url, allow_remote))
+            images.append(read_image(url, access))
         except ImageError as e:
             raise ApiError(400, f"image {i + 1}: {e}", param="messages") from None
     return images

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from ..commands import (
     ArgumentParser,
@@ -59,9 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     add_draft_arguments(p)
     p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="read image_url parts naming files (file: URLs, paths) inside DIR only, after following symlinks "
+        "and '..' (default: no files are read; images come as data: URLs)",
+    )
+    p.add_argument(
         "--allow-remote-images",
         action="store_true",
-        help="fetch image_url parts with http(s) URLs (off: only data: URLs and local file: URLs are read)",
+        help="fetch image_url parts with http(s) URLs, except from loopback, private, link-local and reserved "
+        "addresses (cloud metadata services among them), also after a redirect (default: off)",
+    )
+    p.add_argument(
+        "--allowed-image-hosts",
+        nargs="+",
+        default=(),
+        metavar="HOST",
+        help="with --allow-remote-images: hosts fetched even though their addresses are local or private",
     )
     p.add_argument(
         "--max-batch", type=at_least(1), default=8, metavar="N", help="most requests generating at once (default: 8)"
@@ -114,6 +130,20 @@ def flag_defaults(args) -> dict:
     return defaults
 
 
+def image_access_of(args):
+    """What image_url parts may reach (see `images.ImageAccess`), from the flags, checked."""
+    from mlx_hybrid.images import ImageAccess
+
+    local = None
+    if args.allowed_local_media_path is not None:
+        local = Path(args.allowed_local_media_path).expanduser()
+        if not local.is_dir():
+            raise ValueError(f"--allowed-local-media-path: {local} is not a directory")
+    if args.allowed_image_hosts and not args.allow_remote_images:
+        raise ValueError("--allowed-image-hosts names hosts to fetch from: it needs --allow-remote-images")
+    return ImageAccess(local=local, remote=args.allow_remote_images, private_hosts=tuple(args.allowed_image_hosts))
+
+
 def recommended_defaults(recommended: dict) -> dict:
     """The checkpoint's recommendations; one out of range is left out, with a warning."""
     defaults = {}
@@ -137,6 +167,7 @@ def main(argv=None) -> int:
 
     try:
         flags = flag_defaults(args)
+        image_access = image_access_of(args)
     except ValueError as e:
         return fail(str(e))
     problem = _cannot_listen(args.host, args.port) if launched_rank() == 0 else None
@@ -154,7 +185,7 @@ def main(argv=None) -> int:
     defaults = recommended_defaults(tokenizer.generation_defaults) | flags
     served = ServedModel(
         name, tokenizer, engine, default_max_tokens=args.max_tokens, sampling_defaults=defaults,
-        allow_remote_images=args.allow_remote_images,
+        image_access=image_access,
     )  # fmt: skip
 
     def serve() -> int:
