@@ -27,6 +27,18 @@ def prompt_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
     return ids
 
 
+def check_text_fits(tokenizer, text: str, context: int):
+    """Refuse a text that cannot fit a context of `context` tokens without tokenizing it: no token
+    covers more than the tokenizer's longest token, so a text of n bytes is at least n / longest
+    tokens (tokenizing megabytes takes minutes)."""
+    fewest = len(text.encode("utf-8", "surrogatepass")) // tokenizer.longest_token_bytes
+    if fewest >= context:
+        raise ContextOverflowError(
+            f"the prompt has at least {fewest} tokens ({len(text)} characters) but the model's context is "
+            f"{context} tokens"
+        )
+
+
 def check_context(model, num_prompt: int) -> int:
     """Raise if the prompt does not fit; return how many tokens may follow it."""
     context = model.args.max_position_embeddings
@@ -73,12 +85,15 @@ def user_message(text: str, num_images: int = 0) -> dict:
     return {"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}
 
 
-def chat_prompt(tokenizer, messages: list[dict], **template_kwargs) -> ChatPrompt:
-    """Render messages with the generation prompt; template errors raise GenerationError."""
+def chat_prompt(tokenizer, messages: list[dict], context: int | None = None, **template_kwargs) -> ChatPrompt:
+    """Render messages with the generation prompt; template errors raise GenerationError. context:
+    refuse (ContextOverflowError) a rendering that cannot fit that many tokens before tokenizing it."""
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
     except Exception as e:  # jinja2's errors, raise_exception in a template, a model without one
         raise GenerationError(f"chat template: {e}") from None
+    if context is not None:
+        check_text_fits(tokenizer, text, context)
     ids = tokenizer.encode(text)
     boundaries = []
     for end in range(1, len(messages) + 1):

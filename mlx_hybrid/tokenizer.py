@@ -148,6 +148,11 @@ class Tokenizer:
         except KeyError:  # an added token, stored as plain text
             return piece.encode()
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token stands for, added tokens' texts included (computed once)."""
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")

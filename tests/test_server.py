@@ -5,10 +5,12 @@ with the model run alone in this process."""
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
 
 import openai
 import pytest
@@ -648,3 +650,54 @@ def test_omitted_sampling_fields_come_from_the_checkpoint_then_the_flags(tmp_pat
         assert status == 200 and response["choices"][0]["text"] == alone(local, ids, 16)[1]
     finally:
         assert running.stop()
+
+
+def test_a_request_bounded_and_refused_before_its_work_leaves_the_server_answering():
+    """A body over --max-request-mib is a 413, more images than --max-images a 400, each naming its
+    limit; a 20 MiB prompt (under the body limit, over the context) is refused without being
+    tokenized, and while it is, /health and a small request answer within a second."""
+    server = Server("--model", MODEL, "--no-mtp", "--max-request-mib", "24", "--max-images", "1")
+    try:
+        url = server.url + "/v1/completions"
+        # a body declared over the limit: refused once its headers are in (a client still sending is
+        # cut off, as servers do; this one sends a little and reads the answer)
+        connection = HTTPConnection("127.0.0.1", server.port, timeout=30)
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(25 << 20))
+        connection.endheaders(b'{"model": "x", "prompt": "' + b"x" * 1024)
+        response = connection.getresponse()
+        message = json.loads(response.read())["error"]["message"]
+        connection.close()
+        assert response.status == 413 and "24 MiB" in message and "--max-request-mib" in message
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        messages = [{"role": "user", "content": [image, image, {"type": "text", "text": "hi"}]}]
+        status, body = http(
+            "POST", server.url + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": messages}).encode()
+        )
+        assert status == 400 and "a request may have 1" in body["error"]["message"]
+
+        refused = {}
+        huge = json.dumps({"model": MODEL, "prompt": "def f(x):\n    return x\n" * (20 << 20 >> 5), "max_tokens": 1})
+
+        def send_huge():
+            start = time.time()
+            refused["reply"], refused["seconds"] = http("POST", url, huge.encode()), time.time() - start
+
+        sender = threading.Thread(target=send_huge)
+        sender.start()
+        waits = []
+        while sender.is_alive():
+            start = time.time()
+            assert server.health()["status"] == "ok"
+            small = http("POST", url, json.dumps({"model": MODEL, "prompt": "def", "max_tokens": 2}).encode())
+            assert small[0] == 200
+            waits.append(time.time() - start)
+        sender.join()
+        (status, body), seconds = refused["reply"], refused["seconds"]
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        # the refusal takes what parsing 20 MiB of JSON takes, no tokenizing (minutes for 20 MiB)
+        assert seconds < 30 and max(waits, default=0) < 1.0, (seconds, waits)
+        assert http("POST", url, json.dumps({"model": MODEL, "prompt": "def", "max_tokens": 2}).encode())[0] == 200
+    finally:
+        assert server.stop()

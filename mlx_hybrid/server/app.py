@@ -22,7 +22,7 @@ from ..parsers import (
     TOOL_CALL_STYLES, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar, tool_call_style,
 )  # fmt: skip
 from ..images import ImageAccess, ImageError, read_image
-from ..prompt import chat_prompt
+from ..prompt import chat_prompt, check_text_fits
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
 from .protocol import SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest
@@ -43,6 +43,8 @@ class ServedModel:
     sampling_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     image_access: ImageAccess = ImageAccess(local=None)  # what image_url parts may reach: data URLs only
+    max_images: int = 16  # image parts a request may have (main.MAX_IMAGES)
+    context: int | None = None  # the model's context in tokens: longer prompts are refused before tokenizing
 
 
 class ApiError(Exception):
@@ -60,8 +62,35 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
-def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
-    """The ASGI app; it starts and stops the engine's thread with its own lifespan."""
+class _BodyLimit:
+    """ASGI middleware: a request body past `limit` bytes is a 413 when the route reads it, before any
+    work on it (a declared Content-Length at once, a chunked body as it passes the limit)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        received = int(declared) if declared.isdigit() else 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b"")) if declared == b"0" else 0
+            if received > self.limit:  # an HTTPException: FastAPI passes those on from reading a body
+                raise HTTPException(
+                    413, f"the request body is over {self.limit >> 20} MiB (the server's --max-request-mib)"
+                )
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+def create_app(served: ServedModel, api_key: str | None = None, max_request_bytes: int = 32 << 20):
+    """The ASGI app; it starts and stops the engine's thread with its own lifespan. A request body over
+    max_request_bytes is refused (413)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -73,6 +102,7 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
             served.engine.stop()
 
     app = FastAPI(title="mlx-hybrid", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, limit=max_request_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
@@ -125,7 +155,12 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
             options["tools"] = tools
         images = []  # the image_url parts' URLs, in order
         messages = [_template_message(m.model_dump(exclude_none=True), images) for m in body.messages]
-        rendered = await run_in_threadpool(_render, served.tokenizer, messages, options)
+        if len(images) > served.max_images:
+            raise ApiError(
+                400, f"{len(images)} images: a request may have {served.max_images} (the server's --max-images)",
+                param="messages",
+            )  # fmt: skip
+        rendered = await run_in_threadpool(_render, served.tokenizer, messages, options, served.context)
         reasoning_opened = prompt_opens_reasoning(rendered.text)
         grammar = _tool_choice_grammar(served.tokenizer, body, tools, reasoning_opened)
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -142,7 +177,8 @@ def create_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(served, body.model)
-        run = _Run.submit(served, body, body.prompt, body.logprobs)
+        prompt = await run_in_threadpool(_prompt_ids, served, body.prompt)  # tokenized off the event loop
+        run = _Run.submit(served, body, prompt, body.logprobs)
         completion = _CompletionOutput(run)
         if body.stream:
             return _event_stream(completion.chunks(body.include_usage))
@@ -216,14 +252,28 @@ def _read_images(urls: list[str], access: ImageAccess) -> list:
     return images
 
 
-def _render(tokenizer, messages, options):
+def _render(tokenizer, messages, options, context):
     try:
         if options.get("tools") and not tokenizer.renders_tools:
             raise ApiError(400, "this model's chat template does not render tools: it would never see them",
                            param="tools")  # fmt: skip
-        return chat_prompt(tokenizer, messages, **options)
+        return chat_prompt(tokenizer, messages, context=context, **options)
+    except ContextOverflowError as e:
+        raise ApiError(400, str(e), "context_length_exceeded", "messages") from None
     except GenerationError as e:
         raise ApiError(400, str(e), param="messages") from None
+
+
+def _prompt_ids(served: ServedModel, prompt):
+    """A completion's prompt as token ids (a text refused first where it cannot fit the context)."""
+    if not isinstance(prompt, str):
+        return prompt
+    try:
+        if served.context is not None:
+            check_text_fits(served.tokenizer, prompt, served.context)
+        return served.tokenizer.encode(prompt)
+    except ContextOverflowError as e:
+        raise ApiError(400, str(e), "context_length_exceeded", "prompt") from None
 
 
 def _tool_choice_grammar(tokenizer, body, tools: list[dict], reasoning_opened: bool):

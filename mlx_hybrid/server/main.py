@@ -23,6 +23,10 @@ from ..commands import (
 from ..errors import GenerationError
 from ..sampling import SamplingParams
 
+# what one request may bring: its body in MiB, its images
+MAX_REQUEST_MIB = 32
+MAX_IMAGES = 16
+
 DESCRIPTION = """\
 Serve a hybrid-attention model over an OpenAI-compatible HTTP API:
 POST /v1/chat/completions and /v1/completions (streaming as server-sent events),
@@ -59,6 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     add_draft_arguments(p)
+    p.add_argument(
+        "--max-request-mib",
+        type=at_least(1),
+        default=MAX_REQUEST_MIB,
+        metavar="N",
+        help=f"refuse (413) a request body over N MiB, as it arrives (default: {MAX_REQUEST_MIB})",
+    )
+    p.add_argument(
+        "--max-images",
+        type=at_least(0),
+        default=MAX_IMAGES,
+        metavar="N",
+        help=f"most images a request may have (default: {MAX_IMAGES})",
+    )
     p.add_argument(
         "--allowed-local-media-path",
         default=None,
@@ -185,12 +203,17 @@ def main(argv=None) -> int:
     defaults = recommended_defaults(tokenizer.generation_defaults) | flags
     served = ServedModel(
         name, tokenizer, engine, default_max_tokens=args.max_tokens, sampling_defaults=defaults,
-        image_access=image_access,
+        image_access=image_access, max_images=args.max_images, context=model.args.max_position_embeddings,
     )  # fmt: skip
 
     def serve() -> int:
         print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        uvicorn.run(create_app(served, args.api_key), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            create_app(served, args.api_key, args.max_request_mib << 20),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+        )
         return 0
 
     return on_every_rank(engine, serve)  # under mlx.launch rank 0 serves; the others follow its engine
