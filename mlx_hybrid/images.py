@@ -128,11 +128,13 @@ class ImageAccess:
     files that resolve inside it only (symlinks and `..` followed first: a server's
     --allowed-local-media-path); None, no file. remote: http(s) URLs are fetched, but not from
     loopback, private, link-local or reserved addresses (cloud metadata services among them), nor
-    redirected there, unless the host is one of `private_hosts`.
+    redirected there, unless private_addresses (the user's own call) or the host is one of
+    `private_hosts` (a server's --allowed-image-hosts).
     """
 
     local: bool | Path | None = True
     remote: bool = False
+    private_addresses: bool = False
     private_hosts: tuple[str, ...] = ()
 
 
@@ -145,11 +147,11 @@ LOCAL_FILES_REFUSED = (
 
 def read_image(source, access: ImageAccess | bool = ImageAccess()):
     """A PIL RGB image from a path, bytes, a PIL image, or a data / file / http(s) URL, as `access`
-    allows (a bool: whether http(s) URLs are fetched, any file read)."""
+    allows (a bool, the Python API's: whether http(s) URLs are fetched, from any address; any file read)."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(access, bool):
-        access = ImageAccess(remote=access)
+        access = ImageAccess(remote=access, private_addresses=True)
     if isinstance(source, Image.Image):
         image = source
     else:
@@ -241,7 +243,7 @@ def _check_host(url: str, access: ImageAccess):
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ImageError(f"not an http(s) image URL: {url}")
-    if parsed.hostname in access.private_hosts:
+    if access.private_addresses or parsed.hostname in access.private_hosts:
         return
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(parsed.hostname, parsed.port or 443)}
