@@ -142,9 +142,9 @@ def hf_config(args, tokenizer) -> dict:
     if getattr(args, "vision", None) is not None:
         config["vision_config"] = vision_config(args.vision)
         # the image tokens' ids, which mlx-vlm and transformers read from here
-        for key, text in IMAGE_TOKEN_IDS.items():
-            if tokenizer.token_to_id(text) is not None:
-                config[key] = tokenizer.token_to_id(text)
+        for key, token in IMAGE_TOKEN_IDS.items():
+            if tokenizer.token_to_id(token) is not None:
+                config[key] = tokenizer.token_to_id(token)
     return config
 
 
