@@ -58,6 +58,20 @@ def engine_decode(model, tokenizer, batch, prompt_len, tokens, drafters=None, k=
     return (sum(len(s.tokens) for s in sequences) - before) / elapsed, [s.tokens for s in sequences]
 
 
+def draft_head(model):
+    """The MTP head over the first DEFAULT_DRAFT_VOCAB ids (random weights rank no tokens), built once
+    and shared by the drafters of every row."""
+    return MTPDrafter(model, vocabulary=list(range(min(DEFAULT_DRAFT_VOCAB, model.args.vocab_size)))).head
+
+
+def oracle_drafters(model, outputs, acceptance: float, head):
+    """A drafter a row: the MTP head drafting, its tokens replaced by that row's plain output at `acceptance`."""
+    return [
+        OracleDrafter(out, acceptance, model.args.vocab_size, inner=MTPDrafter(model, head=head), seed=i)
+        for i, out in enumerate(outputs)
+    ]
+
+
 def mlx_lm_decode(model, batch, prompt_len, tokens, vocab):
     """mlx-lm's aggregate generation tokens/s (its own figure) with `batch` sequences at once, none
     stopping early (random weights: no end token), from its BatchGenerator, which batch_generate drives."""
@@ -94,17 +108,14 @@ def main():
     model, tokenizer = mlx_hybrid.load(args.checkpoint, dtype=mx.float32)
     vocab = model.args.vocab_size
     print(f"model: {args.checkpoint}, float32, BLAS {active_blas()}, device {mx.default_device()}")
-    head = MTPDrafter(model, vocabulary=list(range(min(DEFAULT_DRAFT_VOCAB, vocab)))).head
+    head = draft_head(model)
 
     base = None
     print(f"\n{'sequences':>9}  {'plain tok/s':>11}  {'vs 1':>6}  {'MTP+oracle tok/s':>16}  {'vs 1 plain':>10}")
     for batch in args.batches:
         plain, outputs = engine_decode(model, tokenizer, batch, args.prompt_tokens, args.tokens)
         base = base or plain
-        drafters = [
-            OracleDrafter(out, args.acceptance, vocab, inner=MTPDrafter(model, head=head), seed=i)
-            for i, out in enumerate(outputs)
-        ]
+        drafters = oracle_drafters(model, outputs, args.acceptance, head)
         spec, spec_outputs = engine_decode(
             model, tokenizer, batch, args.prompt_tokens, args.tokens, drafters, args.draft_tokens
         )

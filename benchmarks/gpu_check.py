@@ -36,7 +36,7 @@ import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
 import mlx.core as mx  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batch_decode import engine_decode, mlx_lm_decode  # noqa: E402
+from batch_decode import draft_head, engine_decode, mlx_lm_decode, oracle_drafters  # noqa: E402
 from bench_generate import measure  # noqa: E402
 from mlx_hybrid import ops  # noqa: E402
 from mlx_hybrid.convert import convert  # noqa: E402
@@ -51,7 +51,6 @@ from step_graph import mlx_hybrid_step, mlx_lm_step, summary  # noqa: E402
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen35moe" / "hf"
 PRECISIONS = ("bfloat16", "4-bit")
 DRAFT_TOKENS = 3
-DRAFT_VOCAB = 32768  # the MTP head's reduced vocabulary (the first ids: random weights rank none)
 COLUMNS = (
     "model", "weights", "prefill tok/s: ours / mlx-lm", "decode tok/s: ours / mlx-lm", "launches / step: ours / mlx-lm",
     "MTP k=3, 80%", "MTP k=3, 0%", "batch 8 / 1: ours, mlx-lm", "greedy spec = plain",
@@ -102,8 +101,7 @@ def speculation(model, prompt, tokens: int, rate: float):
     MTP head drafting k=3 with its tokens replaced by an oracle at `rate` acceptance. The oracle replays
     plain decoding's tokens: once speculative output departs from them, its drafts miss."""
     reference, _ = plain_decode(model, prompt, tokens)
-    vocabulary = list(range(min(DRAFT_VOCAB, model.args.vocab_size)))
-    head = MTPDrafter(model, draft_p_min=0.0, vocabulary=vocabulary).head
+    head = draft_head(model)
 
     def drafter():
         return OracleDrafter(
@@ -123,8 +121,7 @@ def batches(model, tokenizer, lm_model, tokens: int):
         mlx_lm_decode(lm_model, batch, 32, 2, vocab)
     one, _ = engine_decode(model, tokenizer, 1, 32, tokens)
     eight, outputs = engine_decode(model, tokenizer, 8, 32, tokens)
-    head = MTPDrafter(model, vocabulary=list(range(min(DRAFT_VOCAB, vocab)))).head
-    drafters = [OracleDrafter(o, 0.8, vocab, inner=MTPDrafter(model, head=head), seed=i) for i, o in enumerate(outputs)]
+    drafters = oracle_drafters(model, outputs, 0.8, draft_head(model))
     _, spec_outputs = engine_decode(model, tokenizer, 8, 32, tokens, drafters, DRAFT_TOKENS)
     lm_one = mlx_lm_decode(lm_model, 1, 32, tokens, vocab)
     lm_eight = mlx_lm_decode(lm_model, 8, 32, tokens, vocab)

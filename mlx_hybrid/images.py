@@ -198,6 +198,8 @@ def _image_bytes(source, access: ImageAccess) -> bytes:
         if not access.remote:
             raise ImageError("remote image URLs are off (allow them with --allow-remote-images)")
         return _fetch(text, access)
+    # another scheme is refused; the user's own call (any file) may still name a path that looks like
+    # one; where files are restricted, not even whether it exists is told
     if url.scheme not in ("", "file") and (access.local is not True or not Path(text).exists()):
         raise ImageError(f"unsupported image URL scheme {url.scheme!r}")
     path = _local_path(Path(unquote(url.path)) if url.scheme == "file" else Path(text).expanduser(), access)

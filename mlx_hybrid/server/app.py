@@ -25,7 +25,7 @@ from ..images import ImageAccess, ImageError, read_image
 from ..prompt import chat_prompt, check_text_fits
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
-from .protocol import SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest
+from .protocol import MAX_IMAGES, MAX_REQUEST_MIB, SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest
 
 PARAM_NAMES = {"temperature": "temp"}  # request field -> SamplingParams field, where they differ
 
@@ -43,7 +43,7 @@ class ServedModel:
     sampling_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     image_access: ImageAccess = ImageAccess(local=None)  # what image_url parts may reach: data URLs only
-    max_images: int = 16  # image parts a request may have (main.MAX_IMAGES)
+    max_images: int = MAX_IMAGES  # image parts a request may have
     context: int | None = None  # the model's context in tokens: longer prompts are refused before tokenizing
 
 
@@ -72,13 +72,15 @@ class _BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
-        received = int(declared) if declared.isdigit() else 0
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        # a declared length counts whole from the first read; a chunked body as its parts come
+        received = int(declared) if declared is not None and declared.isdigit() else 0
 
         async def limited_receive():
             nonlocal received
             message = await receive()
-            received += len(message.get("body", b"")) if declared == b"0" else 0
+            if declared is None:
+                received += len(message.get("body", b""))
             if received > self.limit:  # an HTTPException: FastAPI passes those on from reading a body
                 raise HTTPException(
                     413, f"the request body is over {self.limit >> 20} MiB (the server's --max-request-mib)"
@@ -88,7 +90,7 @@ class _BodyLimit:
         return await self.app(scope, limited_receive, send)
 
 
-def create_app(served: ServedModel, api_key: str | None = None, max_request_bytes: int = 32 << 20):
+def create_app(served: ServedModel, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_MIB << 20):
     """The ASGI app; it starts and stops the engine's thread with its own lifespan. A request body over
     max_request_bytes is refused (413)."""
     from contextlib import asynccontextmanager

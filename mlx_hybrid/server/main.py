@@ -22,10 +22,7 @@ from ..commands import (
 )
 from ..errors import GenerationError
 from ..sampling import SamplingParams
-
-# what one request may bring: its body in MiB, its images
-MAX_REQUEST_MIB = 32
-MAX_IMAGES = 16
+from .protocol import MAX_IMAGES, MAX_REQUEST_MIB
 
 DESCRIPTION = """\
 Serve a hybrid-attention model over an OpenAI-compatible HTTP API:

@@ -18,6 +18,9 @@ from ..errors import GenerationError
 from ..sampling import SEED_LIMIT, SamplingParams
 
 MAX_STOP_STRINGS = 16
+# what one request may bring by default (the server's --max-request-mib, --max-images)
+MAX_REQUEST_MIB = 32
+MAX_IMAGES = 16
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 
 
