@@ -11,6 +11,8 @@ kernels a GPU launches for the step (a node of MLX's own may launch more than on
 through cuBLAS, a sort). The graph depends on the device it is built for: on the CPU MLX builds
 mx.fast's norms, rotary embedding and attention as their compositions and our CPU primitives
 replace others, so the GPU path's count is read where a GPU computes (`gpu_check.py` does).
+Beside the count, the host's time to build the step's graph (the model's call, nothing evaluated):
+where it approaches a step's time, decoding waits on Python rather than on the device.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import re
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -46,27 +49,32 @@ def summary(nodes: Counter) -> dict:
     return {"nodes": sum(nodes.values()), "views": views, "launches": sum(nodes.values()) - views}
 
 
-def mlx_hybrid_step(model, prompt: list[int]) -> Counter:
-    """One greedy decode step of ours, as the engine's plain step builds it."""
+def mlx_hybrid_step(model, prompt: list[int]) -> tuple[Counter, float]:
+    """One greedy decode step of ours, as the engine's plain step builds it: its nodes, and the
+    seconds the host took to build it."""
     from mlx_hybrid.prompt import prefill
 
     cache = model.make_cache()
     prefill(model, prompt, cache)
     mx.eval([c.arrays for c in cache])
+    started = time.perf_counter()
     logits = model(mx.array([[prompt[-1]]]), cache)
-    return graph_nodes([logits[:, -1].argmax(-1), *[a for c in cache for a in c.arrays]])
+    built = time.perf_counter() - started
+    return graph_nodes([logits[:, -1].argmax(-1), *[a for c in cache for a in c.arrays]]), built
 
 
-def mlx_lm_step(model, prompt: list[int]) -> Counter:
-    """One greedy decode step of an mlx-lm model, as its generate_step builds it."""
+def mlx_lm_step(model, prompt: list[int]) -> tuple[Counter, float]:
+    """One greedy decode step of an mlx-lm model, as its generate_step builds it (as `mlx_hybrid_step`)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     model(mx.array(prompt)[None], cache=cache)
     mx.eval([c.state for c in cache])
+    started = time.perf_counter()
     logits = model(mx.array([[prompt[-1]]]), cache=cache)
+    built = time.perf_counter() - started
     states = [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
-    return graph_nodes([logits[:, -1].argmax(-1), *states])
+    return graph_nodes([logits[:, -1].argmax(-1), *states]), built
 
 
 def main():
@@ -87,15 +95,22 @@ def main():
 
         model = random_model(SHAPES["qwen3.5-0.8b"](), ops.default_dtype())
     prompt = list(range(3, 3 + args.prompt_tokens))
-    counts = {"mlx-hybrid": mlx_hybrid_step(model, prompt)}
+    steps = {"mlx-hybrid": mlx_hybrid_step(model, prompt)}
     if args.mlx_lm:
         import mlx_lm
 
-        counts["mlx-lm"] = mlx_lm_step(mlx_lm.load(args.model)[0], prompt)
+        steps["mlx-lm"] = mlx_lm_step(mlx_lm.load(args.model)[0], prompt)
     print(f"device {mx.default_device()}, ops {ops.backend_name()}")
-    for name, nodes in counts.items():
-        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in summary(nodes).items()))
-        print("  " + ", ".join(f"{k} {v}" for k, v in nodes.most_common(args.top)))
+    for name, (nodes, built) in steps.items():
+        print(describe(name, nodes, built, args.top))
+
+
+def describe(name: str, nodes: Counter, built: float, top: int = 12) -> str:
+    """The counts of one step, its build time and its most frequent primitives, in two lines."""
+    counts = ", ".join(f"{k} {v}" for k, v in summary(nodes).items())
+    return f"{name}: {counts}, built in {built * 1e3:.1f} ms\n  " + ", ".join(
+        f"{k} {v}" for k, v in nodes.most_common(top)
+    )
 
 
 if __name__ == "__main__":
