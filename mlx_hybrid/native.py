@@ -7,7 +7,9 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,14 +30,17 @@ def compiler(kind: str = "c") -> str | None:
 
 
 def build_once(
-    name: str, sources: list[Path], command, identity: str = "", timeout: float = 300, compile_steps=()
-) -> Path:
+    name: str, sources: list[Path], command, identity: str = "", timeout: float = 300, compile_steps=(),
+    announce: str | None = None,
+) -> Path:  # fmt: skip
     """The shared object `name-<hash>.so` built from `sources`, reusing an earlier build.
 
     command(output_path) -> the compiler's argument list; identity: whatever else the build
     depends on (toolchain and library versions), part of the hash. compile_steps: argument
     lists run first, side by side on the machine's cores (translation units compiled to
-    object files in the build directory, which `command` then links).
+    object files in the build directory, which `command` then links). announce: a line written
+    to stderr when a build starts (and how long it took when it ends): a first run is otherwise
+    silent for as long as the compiler takes.
     """
     digest = hashlib.sha256(identity.encode())
     for source in sources:
@@ -43,6 +48,9 @@ def build_once(
     target = cache_dir() / f"{name}-{digest.hexdigest()[:12]}.so"
     if target.is_file():
         return target
+    started = time.perf_counter()
+    if announce:
+        print(announce, file=sys.stderr, flush=True)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as build:
@@ -61,4 +69,6 @@ def build_once(
         raise BuildError(f"{name} did not compile: {errors[0]}")
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{name} could not be built: {e}") from None
+    if announce:
+        print(f"  built in {time.perf_counter() - started:.0f} s, kept in {target.parent}", file=sys.stderr, flush=True)
     return target

@@ -275,16 +275,18 @@ class StopStrings:
     def __init__(self, stops):
         self.stops = [s for s in stops if s]
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         self._held = ""
 
     def feed(self, text: str) -> str:
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         text = self._held + text
-        found = [at for stop in self.stops if (at := text.find(stop)) >= 0]
+        found = [(at, stop) for stop in self.stops if (at := text.find(stop)) >= 0]
         if found:
+            at, self.matched = min(found)
             self.stopped, self._held = True, ""
-            return text[: min(found)]
+            return text[:at]
         keep = _partial_marker(text, self.stops) if text else 0
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
@@ -292,7 +294,6 @@ class StopStrings:
     def finish(self) -> str:
         rest, self._held = self._held, ""
         return "" if self.stopped else rest
-
 
 
 # -- output held to tool calls (tool_choice "required" or a named function) --------------

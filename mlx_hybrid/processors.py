@@ -9,7 +9,9 @@ of a verify pass), in this order, in float32:
    multiplied by it where negative;
 3. presence and frequency penalties over the output so far (OpenAI): a token generated
    c times has frequency_penalty * c + presence_penalty (when c > 0) subtracted;
-4. the grammar: tokens it forbids next get -inf.
+4. the grammar: tokens it forbids next get -inf;
+5. reasoning_budget: once that many tokens have been generated inside `<think>` (opened by the
+   prompt, or by the output), the tokens of `</think>` are the only ones allowed, in turn.
 The sampler (temperature, top-k, top-p, min-p) or greedy argmax then reads the result.
 
 Under speculation, verify position j sees the output with that round's first j drafts in
@@ -144,6 +146,7 @@ class LogitsProcessor:
         self.generated: list[int] = []
         self.matcher, self.end_tokens = None, set()
         self.vocab_size = vocab_size
+        self.budget = _ReasoningBudget(params.reasoning_budget, prompt, tokenizer) if params.reasoning_budget else None
         if params.grammar is not None:
             self.end_tokens = set(tokenizer.eos_token_ids)
             from llguidance import LLMatcher
@@ -161,6 +164,7 @@ class LogitsProcessor:
             or params.frequency_penalty
             or params.repetition_penalty != 1.0
             or params.grammar is not None
+            or params.reasoning_budget is not None
         )
 
     def allowed_drafts(self, drafts: list[int]) -> int:
@@ -185,6 +189,14 @@ class LogitsProcessor:
                 logits = logits.at[mx.array(rows), mx.array(cols)].subtract(mx.array(penalty))
         if self.matcher is not None:
             logits = mx.where(self._allowed(drafts, positions, logits.shape[1]), logits, -mx.inf)
+        if self.budget is not None:
+            forced = self.budget.forced(drafts, positions)
+            if forced:
+                rows, only = np.zeros((positions, 1), dtype=np.bool_), np.zeros((positions, 1), dtype=np.int64)
+                for j, token in forced:
+                    rows[j], only[j] = True, token
+                others = mx.arange(logits.shape[1])[None] != mx.array(only)
+                logits = mx.where(mx.array(rows) & others, -mx.inf, logits)
         return logits
 
     def _window_tokens(self, drafts, positions):
@@ -238,9 +250,52 @@ class LogitsProcessor:
     def accept(self, tokens: list[int]) -> bool:
         """The tokens the request emitted; whether the grammar took them."""
         self.generated += tokens
+        if self.budget is not None:
+            self.budget.advance(tokens)
         return self.matcher is None or self.matcher.consume_tokens(tokens)
 
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (not even an end token)."""
         return self.matcher is not None and self.matcher.is_stopped()
+
+
+class _ReasoningBudget:
+    """Counts the tokens generated inside `<think>`, to end the reasoning once `limit` have been
+    spent: from then on the tokens of `</think>` (as the tokenizer writes the tag) are the only
+    ones allowed, one by one, until the output ends with it."""
+
+    def __init__(self, limit: int, prompt: list[int], tokenizer):
+        self.open, self.close = (tuple(tokenizer.encode(tag)) for tag in ("<think>", "</think>"))
+        if not self.open or not self.close:
+            raise GenerationError("reasoning_budget: this model's tokenizer does not write <think> and </think>")
+        self.limit, self.keep = limit, max(len(self.open), len(self.close))
+        self.state = self._after(prompt, (False, 0, ()))
+        self.state = (self.state[0], 0, self.state[2])  # only the output's reasoning counts
+
+    def _after(self, tokens, state):
+        inside, spent, tail = state
+        for token in tokens:
+            tail = (*tail, token)[-self.keep :]
+            if tail[-len(self.close) :] == self.close:
+                inside = False
+            elif inside:
+                spent += 1
+            elif tail[-len(self.open) :] == self.open:
+                inside, spent = True, 0
+        return inside, spent, tail
+
+    def advance(self, tokens: list[int]):
+        self.state = self._after(tokens, self.state)
+
+    def forced(self, drafts: list[int], positions: int) -> list[tuple[int, int]]:
+        """(position j, the only token allowed there) for the positions j < positions where, after the
+        output and drafts[:j], the budget is spent: the next token of `</think>`."""
+        forced = []
+        for j in range(positions):
+            inside, spent, tail = self._after(drafts[:j], self.state)
+            if inside and spent >= self.limit:
+                # how much of the tag the output already ends with (what was forced so far, or written)
+                done = max(k for k in range(len(self.close)) if k == 0 or tail[-k:] == self.close[:k])
+                forced.append((j, self.close[done]))
+        return forced

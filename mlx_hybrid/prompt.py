@@ -71,9 +71,9 @@ class ChatPrompt:
 
     text: str
     ids: list[int]
-    # token counts at which a message ends and the rendering of the messages so far is a
-    # prefix of this one (templates that drop earlier reasoning break it): where a
-    # checkpoint can serve the conversation's next turn
+    # token counts at which the first message or one of the last few ends and the rendering of
+    # the messages so far is a prefix of this one (templates that drop earlier reasoning break
+    # it): where a checkpoint can serve the conversation's next turn
     boundaries: list[int]
 
 
@@ -85,6 +85,9 @@ def user_message(text: str, num_images: int = 0) -> dict:
     return {"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}
 
 
+RECENT_BOUNDARIES = 4  # message ends near the conversation's end that may serve its next turn
+
+
 def chat_prompt(tokenizer, messages: list[dict], context: int | None = None, **template_kwargs) -> ChatPrompt:
     """Render messages with the generation prompt; template errors raise GenerationError. context:
     refuse (ContextOverflowError) a rendering that cannot fit that many tokens before tokenizing it."""
@@ -94,15 +97,21 @@ def chat_prompt(tokenizer, messages: list[dict], context: int | None = None, **t
         raise GenerationError(f"chat template: {e}") from None
     if context is not None:
         check_text_fits(tokenizer, text, context)
-    ids = tokenizer.encode(text)
-    boundaries = []
-    for end in range(1, len(messages) + 1):
+    ids, token_ends = tokenizer.encode_with_ends(text)
+    # a boundary: where the rendering of the first messages ends, if that is a prefix of this
+    # text and a token of it ends there (one encoding of the whole text, not one per prefix: a
+    # long session's request would otherwise tokenize its history once per message)
+    tokens_before = {end: i + 1 for i, end in enumerate(token_ends)}
+    boundaries = set()
+    # after the first message (a system prompt other conversations share) and the last few: the
+    # earlier ends were the last few of the requests that came before in this conversation
+    ends = sorted({1, *range(max(1, len(messages) - RECENT_BOUNDARIES + 1), len(messages) + 1)})
+    for end in ends:
         try:
             prefix = tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **template_kwargs)
         except Exception:  # noqa: BLE001  (some templates refuse a partial conversation)
             continue
-        if prefix and text.startswith(prefix):
-            prefix_ids = tokenizer.encode(prefix)
-            if ids[: len(prefix_ids)] == prefix_ids and len(prefix_ids) < len(ids):
-                boundaries.append(len(prefix_ids))
-    return ChatPrompt(text, ids, sorted(set(boundaries)))
+        count = tokens_before.get(len(prefix)) if prefix and text.startswith(prefix) else None
+        if count is not None and count < len(ids):
+            boundaries.add(count)
+    return ChatPrompt(text, ids, sorted(boundaries))

@@ -38,7 +38,9 @@ class SamplingParams:
         of prompt and output are divided by it where positive, multiplied where negative; 1: off.
     grammar: a `processors.Grammar` the output must match (JSON schema, any JSON object,
         regular expression, Lark or GBNF), or None.
-    The order and exact formulas of these four are in `processors`.
+    reasoning_budget: None, or n >= 1: after n tokens inside `<think>` (opened by the prompt or
+        by the output), `</think>` is forced.
+    The order and exact formulas of these five are in `processors`.
     """
 
     max_tokens: int = 256
@@ -55,6 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_context_size: int = 20
     grammar: Grammar | None = None
+    reasoning_budget: int | None = None
 
     def __post_init__(self):
         _check(self, "max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 0, "an integer >= 0")
@@ -81,6 +84,8 @@ class SamplingParams:
         if isinstance(self.grammar, dict):  # as `asdict` writes it (a request sent to other ranks)
             object.__setattr__(self, "grammar", Grammar(**self.grammar))
         _check(self, "grammar", self.grammar is None or isinstance(self.grammar, Grammar), "a Grammar or None")
+        budget = self.reasoning_budget
+        _check(self, "reasoning_budget", budget is None or (_is_int(budget) and budget >= 1), "None or an integer >= 1")
 
     def replace(self, response_format=None, **changes) -> SamplingParams:
         """These settings with some changed, as keyword arguments: any field, or OpenAI's

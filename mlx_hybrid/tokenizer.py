@@ -133,6 +133,14 @@ class Tokenizer:
             ids = [self._bos_id] + ids
         return ids
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """`encode(text)`, and for each token the offset in text where it ends."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        ids, ends = encoding.ids, [end for _, end in encoding.offsets]
+        if self.add_bos_token and self._bos_id is not None:
+            ids, ends = [self._bos_id] + ids, [0] + ends
+        return ids, ends
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

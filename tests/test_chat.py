@@ -126,3 +126,32 @@ def test_image_command_shows_an_image_to_the_next_message():
     assert prompt == new == expected
     child.sendline("/quit")
     child.expect(pexpect.EOF)
+
+
+@pytest.mark.parametrize("checkpoint", ["assistant", "bundled"])
+def test_chat_prompt_boundaries_equal_the_prefix_by_prefix_reference(checkpoint):
+    """Where checkpoints go: the first message's end and the last four's, each where the rendering
+    of the messages so far is a prefix of the prompt, text and tokens alike (the slow obvious way:
+    each prefix rendered and tokenized on its own). The history holds reasoning, which Qwen3.5's
+    template drops before the last user message: those ends are not boundaries."""
+    import json
+
+    path = FIXTURES / "assistant" if checkpoint == "assistant" else mlx_hybrid.bundled_model_path()
+    _, tokenizer = mlx_hybrid.load(path)
+    conversations = json.loads((FIXTURES / "assistant" / "conversations.json").read_text())
+    messages = [{"role": "system", "content": "You write Python."}]
+    for i in range(6):
+        messages.append({"role": "user", "content": f"Question {i}: " + "why " * i})
+        messages.append({"role": "assistant", "content": f"Answer {i}.", "reasoning_content": f"Thought {i}."})
+    messages.append({"role": "user", "content": "Thanks."})
+    options = {"tools": conversations["tools"]} if checkpoint == "assistant" else {}
+    rendered = chat_prompt(tokenizer, messages, **options)
+
+    expected = []
+    for end in [1, *range(len(messages) - 3, len(messages) + 1)]:
+        prefix = tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **options)
+        prefix_ids = tokenizer.encode(prefix)
+        if rendered.text.startswith(prefix) and rendered.ids[: len(prefix_ids)] == prefix_ids:
+            expected.append(len(prefix_ids))
+    assert rendered.ids == tokenizer.encode(rendered.text)
+    assert rendered.boundaries == sorted(set(expected)) and len(expected) >= 2

@@ -174,7 +174,9 @@ def test_the_mtp_head_drafts_from_what_the_grammar_allows(temp):
         drafter.start(prompt, hidden, 7)  # "7" as the first token: the grammar took it
         processor = params.processor(prompt, model.args.vocab_size, tok)
         assert processor.accept(tok.encode("7"))
-        [(tokens, logprobs)] = draft_rows([drafter], [4], [params.sampler()], [processor.draft_mask if masked else None])
+        [(tokens, logprobs)] = draft_rows(
+            [drafter], [4], [params.sampler()], [processor.draft_mask if masked else None]
+        )
         return [int(t) for t in tokens], logprobs
 
     digits = {t for t in range(model.args.vocab_size) if re.fullmatch("[0-9]+", tok.decode([t]))}
@@ -211,3 +213,24 @@ def test_bad_settings_are_refused_by_name(settings, message):
         if isinstance(settings.get("grammar"), tuple):
             settings = settings | {"grammar": Grammar(*settings["grammar"])}
         mlx_hybrid.generate(model, tok, "x", max_tokens=4, **settings)
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_a_reasoning_budget_closes_the_reasoning_and_speculation_keeps_it(family):
+    """A prompt that opens <think>: the first `budget` tokens are what the model writes unbounded,
+    then `</think>` as the tokenizer writes it, token by token; drafts verified against it alike."""
+    model, tok = load_fixture(family, "hf")
+    prompt = prompt_for(family) + tok.encode("<think>")
+    budget, close = 5, tok.encode("</think>")
+
+    def run(draft=None, **settings):
+        responses = mlx_hybrid.stream_generate(
+            model, tok, prompt, max_tokens=16, draft=draft, stop_tokens=(), **settings
+        )
+        return [r.token for r in responses]
+
+    plain, bounded = run(), run(reasoning_budget=budget)
+    assert bounded[:budget] == plain[:budget]
+    assert bounded[budget : budget + len(close)] == close and plain[budget : budget + len(close)] != close
+    for draft in ("ngram", "mtp"):
+        assert run(draft, reasoning_budget=budget) == bounded, draft

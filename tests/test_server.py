@@ -345,18 +345,22 @@ def bundled():
     assert running.stop()
 
 
-def test_second_turn_reads_only_the_new_message(bundled):
+# the first turn ends at max_tokens, or with the model's end token (<|endoftext|>, where the template
+# closes the turn with <|im_end|>), in both cases inside a round of MTP drafts
+@pytest.mark.parametrize("question, max_tokens, finish", [("def parse_args(", 24, "length"), ("hi", 100, "stop")])
+def test_second_turn_reads_only_the_new_message(bundled, question, max_tokens, finish):
     client = openai.OpenAI(base_url=bundled.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model, tokenizer = mlx_hybrid.load(mlx_hybrid.bundled_model_path())
     name = mlx_hybrid.bundled_model_path().stem
-    first = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse_args("}]
-    reply = client.chat.completions.create(model=name, messages=first, max_tokens=24, temperature=0)
-    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    first = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": question}]
+    reply = client.chat.completions.create(model=name, messages=first, max_tokens=max_tokens, temperature=0)
+    assert reply.choices[0].finish_reason == finish
     answer = reply.choices[0].message.content
     second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "class Config:"}]
     turn_1, turn_2 = chat_prompt(tokenizer, first).ids, chat_prompt(tokenizer, second).ids
-    generated = alone((model, tokenizer), turn_1, 24)[0]
-    assert turn_2[: len(turn_1) + len(generated)] == turn_1 + generated  # the history repeats turn 1 token for token
+    generated = alone((model, tokenizer), turn_1, max_tokens)[0]
+    # the history repeats turn 1 token for token, but for an end token the template writes its own way
+    assert turn_2[: len(turn_1) + len(generated) - 1] == turn_1 + generated[:-1]
 
     response = client.chat.completions.create(model=name, messages=second, max_tokens=24, temperature=0)
     # turn 1 was checkpointed at its end (its last token not fed yet): turn 2 reads the rest
@@ -461,12 +465,24 @@ def test_tool_choice_required_or_named_always_gives_valid_calls(assistant, conve
     for choice, extra, param in [
         ({"type": "function", "function": {"name": "nope"}}, {}, "tool_choice"),
         ("required", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("auto", {"parallel_tool_calls": False}, "parallel_tool_calls"),  # kept only where a grammar holds it
     ]:
         body = dict(model="assistant", messages=weather, tools=tools, tool_choice=choice, **extra)
         status, response = http("POST", assistant.url + "/v1/chat/completions", json.dumps(body).encode(),
                                 {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
         assert status == 400 and response["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_with_auto_ends_the_output_at_its_call(assistant, conversations, stream):
+    """No grammar holds an "auto" output to one call: the server ends the run at the first call
+    (Codex sends parallel_tool_calls false with tool_choice auto)."""
+    client = openai.OpenAI(base_url=assistant.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    request = dict(model="assistant", messages=conversations["turn_1"]["messages"], tools=conversations["tools"],
+                   temperature=0, tool_choice="auto", parallel_tool_calls=False)  # fmt: skip
+    message, finish = _answer(client, request, stream)
+    free, _ = _answer(client, {**request, "parallel_tool_calls": True}, stream)
+    assert finish == "tool_calls" and len(message["tool_calls"]) == 1
+    assert message["tool_calls"][0]["function"] == free["tool_calls"][0]["function"]
 
 
 @pytest.mark.parametrize("style", ["json", "kimi"])

@@ -425,6 +425,7 @@ class Engine:
                     drafts = feed[1:].tolist()
                     sampler = row.decoder.sampler
                     accepted = row.decoder.accept_sampled(drafts, draft_logprobs, sampler.log_probs(scores))
+                accepted = self._until_end(row, accepted)
                 previous = row.decoder.token
                 row.decoder.finish(row_hidden, accepted, len(drafts), k)
                 row.fed += [previous] + accepted[:-1]
@@ -432,6 +433,18 @@ class Engine:
                 ended = self._emit(row, accepted, row_logit)
             if ended:
                 self.rows.remove(row)
+
+    @staticmethod
+    def _until_end(row: _Row, accepted: list[int]) -> list[int]:
+        """The accepted tokens up to the first that ends the row (a stop token, max_tokens), so that
+        the caches keep, as after plain decoding, everything before that last token and nothing past
+        it: the row's checkpoint is then a prefix of the conversation's next turn, whatever end token
+        the chat template writes there instead."""
+        room = row.sequence.max_tokens - len(row.sequence.tokens)
+        for i, token in enumerate(accepted):
+            if token in row.stop_tokens or i + 1 >= room:
+                return accepted[: i + 1]
+        return accepted
 
     def _overlapped_pass(self):
         """Plain decoding with the next pass queued before this one's tokens are read. Each

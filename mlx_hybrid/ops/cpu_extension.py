@@ -74,7 +74,8 @@ def _build() -> Path:
 
     identity = f"{mx.__version__} {nanobind.__version__} {sysconfig.get_config_var('EXT_SUFFIX')} {cxx}"
     try:
-        return build_once(_MODULE, _SOURCES, command, identity, compile_steps=compile_steps)
+        announce = "mlx_hybrid: building its CPU kernels for this machine (once, about a minute)..."
+        return build_once(_MODULE, _SOURCES, command, identity, compile_steps=compile_steps, announce=announce)
     except BuildError as e:
         raise Unavailable(str(e)) from None
 

@@ -1,6 +1,8 @@
-"""The OpenAI-compatible HTTP API over one engine: requests in, engine sequences out as JSON
-or server-sent events. It translates and holds no generation logic: the engine schedules,
-`prompt.chat_prompt` renders, `parsers` split reasoning and tool calls."""
+"""The HTTP API over one engine: OpenAI's Chat Completions and Completions, and, translated onto
+the same chat path, Anthropic's Messages (`anthropic`) and OpenAI's Responses (`responses`).
+Requests in, engine sequences out as JSON or server-sent events. It translates and holds no
+generation logic: the engine schedules, `prompt.chat_prompt` renders, `parsers` split reasoning
+and tool calls."""
 
 from __future__ import annotations
 
@@ -13,19 +15,22 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import ContextOverflowError, GenerationError
 from ..parsers import (
-    TOOL_CALL_STYLES, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar, tool_call_style,
+    TOOL_CALL_STYLES, Delta, OutputParser, StopStrings, prompt_opens_reasoning, tool_call_grammar, tool_call_style,
 )  # fmt: skip
 from ..images import ImageAccess, ImageError, read_image
 from ..prompt import chat_prompt, check_text_fits
 from ..sampling import SamplingParams
 from ..tokenizer import StreamingDetokenizer
-from .protocol import MAX_IMAGES, MAX_REQUEST_MIB, SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest
+from . import anthropic, responses
+from .protocol import (
+    MAX_IMAGES, MAX_REQUEST_MIB, SAMPLING_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, Ending,
+)  # fmt: skip
 
 PARAM_NAMES = {"temperature": "temp"}  # request field -> SamplingParams field, where they differ
 
@@ -45,21 +50,6 @@ class ServedModel:
     image_access: ImageAccess = ImageAccess(local=None)  # what image_url parts may reach: data URLs only
     max_images: int = MAX_IMAGES  # image parts a request may have
     context: int | None = None  # the model's context in tokens: longer prompts are refused before tokenizing
-
-
-class ApiError(Exception):
-    """An OpenAI-style error response."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        if self.status == 401:
-            kind = "authentication_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
 
 
 class _BodyLimit:
@@ -108,28 +98,28 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
-        return error.response()
+        return error.response(_anthropic_route(request))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, error: RequestValidationError):
-        return _validation_error(error).response()
+        return _validation_error(error).response(_anthropic_route(request))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
-        return ApiError(error.status_code, str(error.detail)).response()
+        return ApiError(error.status_code, str(error.detail)).response(_anthropic_route(request))
 
     @app.exception_handler(Exception)
     async def internal_error(request, error: Exception):
-        return ApiError(500, f"internal error: {type(error).__name__}: {error}").response()
+        return ApiError(500, f"internal error: {type(error).__name__}: {error}").response(_anthropic_route(request))
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         if api_key is not None and request.url.path.startswith("/v1/"):
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
-                return ApiError(
-                    401, "a valid API key is needed: Authorization: Bearer KEY", "invalid_api_key"
-                ).response()
+            scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+            given = bearer.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+            if not secrets.compare_digest(given.encode(), api_key.encode()):
+                message = "a valid API key is needed: Authorization: Bearer KEY (or x-api-key: KEY)"
+                return ApiError(401, message, "invalid_api_key").response(_anthropic_route(request))
         return await call_next(request)
 
     @app.get("/health")
@@ -150,31 +140,29 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(served, body.model)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
-        options = dict(body.chat_template_kwargs)
-        if tools:
-            options["tools"] = tools
-        images = []  # the image_url parts' URLs, in order
-        messages = [_template_message(m.model_dump(exclude_none=True), images) for m in body.messages]
-        if len(images) > served.max_images:
-            raise ApiError(
-                400, f"{len(images)} images: a request may have {served.max_images} (the server's --max-images)",
-                param="messages",
-            )  # fmt: skip
-        rendered = await run_in_threadpool(_render, served.tokenizer, messages, options, served.context)
-        reasoning_opened = prompt_opens_reasoning(rendered.text)
-        grammar = _tool_choice_grammar(served.tokenizer, body, tools, reasoning_opened)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        if images:  # decoded off the event loop
-            images = await run_in_threadpool(_read_images, images, served.image_access)
-        run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar,
-                          images=images)  # fmt: skip
-        parser = OutputParser(tools=tools, reasoning_opened=reasoning_opened)
-        chat = _ChatOutput(run, parser)
+        chat = await _start_chat(served, body)
         if body.stream:
             return _event_stream(chat.chunks(body.include_usage))
         return await chat.response(request)
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic.MessagesRequest, request: Request):
+        chat = await _start_chat(served, *anthropic.chat_request(body, served.tokenizer))
+        if body.stream:
+            return _event_stream(anthropic.events(chat, body), named=True)
+        return await anthropic.message(chat, body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: anthropic.CountTokensRequest):
+        chat_body, _ = anthropic.chat_request(body, served.tokenizer)
+        return {"input_tokens": len((await _render_chat(served, chat_body))[0].ids)}
+
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest, request: Request):
+        chat = await _start_chat(served, *responses.chat_request(body, served.tokenizer))
+        if body.stream:
+            return _event_stream(responses.events(chat, body), named=True)
+        return await responses.response(chat, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -208,6 +196,43 @@ def _check_model(served: ServedModel, name: str | None):
         raise ApiError(
             404, f"the model {name!r} is not served here; this server serves {served.id!r}", "model_not_found"
         )
+
+
+def _anthropic_route(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+async def _render_chat(served: ServedModel, body: ChatCompletionRequest):
+    """The request's prompt, rendered off the event loop: (ChatPrompt, tools, image URLs)."""
+    _check_model(served, body.model)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+    options = dict(body.chat_template_kwargs)
+    if tools:
+        options["tools"] = tools
+    images = []  # the image_url parts' URLs, in order
+    messages = [_template_message(m.model_dump(exclude_none=True), images) for m in body.messages]
+    if len(images) > served.max_images:
+        raise ApiError(
+            400, f"{len(images)} images: a request may have {served.max_images} (the server's --max-images)",
+            param="messages",
+        )  # fmt: skip
+    rendered = await run_in_threadpool(_render, served.tokenizer, messages, options, served.context)
+    return rendered, tools, images
+
+
+async def _start_chat(served: ServedModel, body: ChatCompletionRequest, reasoning_budget: int | None = None):
+    """A chat request's run (every chat-shaped route's): rendered, constrained where tool_choice asks,
+    submitted; its output to be read through the returned `_ChatOutput`."""
+    rendered, tools, images = await _render_chat(served, body)
+    reasoning_opened = prompt_opens_reasoning(rendered.text)
+    grammar = _tool_choice_grammar(served.tokenizer, body, tools, reasoning_opened)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    if images:  # decoded off the event loop
+        images = await run_in_threadpool(_read_images, images, served.image_access)
+    run = _Run.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar,
+                      images=images, reasoning_budget=reasoning_budget)  # fmt: skip
+    one_call = bool(tools) and not body.parallel_tool_calls and grammar is None
+    return _ChatOutput(run, OutputParser(tools=tools, reasoning_opened=reasoning_opened), one_call)
 
 
 def _template_message(message: dict, images: list) -> dict:
@@ -283,10 +308,7 @@ def _tool_choice_grammar(tokenizer, body, tools: list[dict], reasoning_opened: b
     calls (of that function) in the model's own tool-call format; else None."""
     choice = body.tool_choice
     if choice in (None, "auto", "none"):
-        if tools and not body.parallel_tool_calls:
-            message = "parallel_tool_calls: false is kept with tool_choice 'required' or a named function (the output "
-            raise ApiError(400, message + "is then held to one call), not with 'auto'", param="parallel_tool_calls")
-        return None
+        return None  # parallel_tool_calls false: the output ends at its first call (`_ChatOutput`)
     if not tools:
         raise ApiError(400, "tool_choice asks for a tool call, but the request gives no tools", param="tool_choice")
     if choice != "required":
@@ -343,8 +365,9 @@ class _Run:
 
     @classmethod
     def submit(
-        cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=(), grammar=None, images=()
-    ) -> "_Run":
+        cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=(), grammar=None, images=(),
+        reasoning_budget=None,
+    ) -> "_Run":  # fmt: skip
         events = _Events()
         asked = {PARAM_NAMES.get(name, name): getattr(body, name) for name in SAMPLING_FIELDS}
         sampling = served.sampling_defaults | {name: value for name, value in asked.items() if value is not None}
@@ -358,6 +381,7 @@ class _Run:
                 logit_bias=body.logit_bias,  # SamplingParams reads JSON's string token ids
                 response_format=body.response_format,
                 grammar=grammar,
+                reasoning_budget=reasoning_budget,
                 **sampling,
             )
             sequence = served.engine.submit(
@@ -405,6 +429,9 @@ class _Run:
             return _Piece(text, logprobs, "stop")
         return _Piece(text + self.stops.finish(), logprobs, event.finish_reason)
 
+    def ending(self, finish_reason: str) -> Ending:
+        return Ending(finish_reason, self.stops.matched)
+
     def usage(self) -> dict:
         prompt = len(self.sequence.prompt)
         return {
@@ -427,10 +454,11 @@ class _Run:
 
 
 class _ChatOutput:
-    """A run as chat completion(s): reasoning, content and tool calls apart."""
+    """A run as chat completion(s): reasoning, content and tool calls apart. one_call: the output
+    ends with its first tool call (parallel_tool_calls false, where no grammar holds it to one)."""
 
-    def __init__(self, run: _Run, parser: OutputParser):
-        self.run, self.parser = run, parser
+    def __init__(self, run: _Run, parser: OutputParser, one_call: bool = False):
+        self.run, self.parser, self.one_call = run, parser, one_call
         self.calls = 0
 
     async def response(self, request: Request) -> dict:
@@ -473,11 +501,42 @@ class _ChatOutput:
         if include_usage:
             yield {**self.run.envelope(kind, []), "usage": self.run.usage()}
 
+    async def parts(self, request: Request | None = None):
+        """(Delta, Ending or None) as the output comes: a piece's reasoning, content and complete tool
+        calls, the last one with why the output ended (for the routes that format it their own way)."""
+        async for piece in self.run.pieces(request):
+            merged = Delta()
+            for delta in self._deltas(piece):
+                merged.reasoning += delta.reasoning
+                merged.content += delta.content
+                merged.tool_calls += delta.tool_calls
+            ending = None if piece.finish_reason is None else self.run.ending(piece.finish_reason)
+            if merged or ending is not None:
+                yield merged, ending
+
+    def usage(self) -> dict:
+        return self.run.usage()
+
+    @property
+    def model(self) -> str:
+        return self.run.served.id
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.run.served.tokenizer.encode(text))
+
     def _deltas(self, piece: _Piece):
         deltas = [self.parser.feed(piece.text)]
         if piece.finish_reason is not None:
             deltas.append(self.parser.finish())
-        return [d for d in deltas if d]
+        deltas = [d for d in deltas if d]
+        if self.one_call and any(d.tool_calls for d in deltas):
+            # the first call ends the output: what follows it is dropped, and the run stops
+            # (`pieces` returns after a piece with a finish reason, cancelling the sequence)
+            first = next(i for i, d in enumerate(deltas) if d.tool_calls)
+            deltas[first].tool_calls = deltas[first].tool_calls[:1]
+            deltas = deltas[: first + 1]
+            piece.finish_reason = "stop"
+        return deltas
 
     def _choice(self, delta: dict, logprobs=(), finish_reason=None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
@@ -539,17 +598,28 @@ class _CompletionOutput:
         }
 
 
-def _event_stream(chunks) -> StreamingResponse:
-    """Server-sent events: one `data:` line per chunk, then `[DONE]`. An error after the
-    stream has started can only be told in the stream."""
+def _event_stream(chunks, named: bool = False) -> StreamingResponse:
+    """Server-sent events: one `data:` line per chunk, then `[DONE]` (OpenAI's chat and completions);
+    named: chunks are (event, data), each sent with its `event:` line and no `[DONE]` (Anthropic's
+    and the Responses API's events). An error after the stream has started can only be told in the
+    stream."""
 
     async def lines():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                if named:
+                    event, chunk = chunk
+                    yield f"event: {event}\ndata: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                else:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         except ApiError as e:
+            if named:
+                body = {"type": "error", "error": {"type": "api_error", "message": e.message}}
+                yield f"event: error\ndata: {json.dumps(body)}\n\n"
+                return
             body = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
             yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+        if not named:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

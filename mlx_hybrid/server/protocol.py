@@ -1,18 +1,22 @@
-"""The OpenAI request bodies the server accepts, validated by pydantic.
+"""The OpenAI request bodies the server accepts, validated by pydantic, and the errors it answers.
 
 Every field that changes the output does what OpenAI documents, or is a 400 that names it
-(`UNSUPPORTED`). Fields that change nothing a model computes (`user`, `metadata`, `store`,
-`service_tier`, ...) are allowed and ignored, as clients send them unasked. Values out of
-range are 400s. Sampling fields a request omits are None here: the server fills them from
-the model's defaults (`ServedModel.sampling_defaults`).
+(`UNSUPPORTED`). Fields that change nothing a model computes (`IGNORED_FIELDS`: `user`,
+`metadata`, `store`, `service_tier`, ...) are allowed and ignored, as clients send them unasked;
+any other field is a 400 that names it, as OpenAI's own API answers ("Unrecognized request
+argument supplied"), so that a misspelt setting is not silently dropped. Values out of range are
+400s. Sampling fields a request omits are None here: the server fills them from the model's
+defaults (`ServedModel.sampling_defaults`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..errors import GenerationError
 from ..sampling import SEED_LIMIT, SamplingParams
@@ -22,6 +26,58 @@ MAX_STOP_STRINGS = 16
 MAX_REQUEST_MIB = 32
 MAX_IMAGES = 16
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+
+
+# fields clients send that change nothing the server computes: accepted on every route and ignored.
+# `cache_prompt` (llama.cpp's): prompts are always resumed from the longest checkpoint that matches
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+     "cache_prompt"}
+)  # fmt: skip
+
+
+class ApiError(Exception):
+    """An error answer: OpenAI's shape, or Anthropic's on its routes."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        if anthropic:
+            kind = _ANTHROPIC_ERRORS.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+            return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}}, self.status)
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+_ANTHROPIC_ERRORS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                     413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}  # fmt: skip
+
+
+class Strict(BaseModel):
+    """A request body: its declared fields, IGNORED_FIELDS, and nothing else."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self):
+        unknown = sorted(set(self.model_extra or ()) - IGNORED_FIELDS)
+        if unknown:
+            raise ValueError(f"Unrecognized request argument supplied: {', '.join(unknown)}")
+        return self
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Why an output ended: finish_reason as OpenAI's ("stop", "length", ...), and the stop
+    string that ended it (None: an end token or a limit)."""
+
+    finish_reason: str
+    stop_sequence: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -47,10 +103,8 @@ SAMPLING_FIELDS = (
 )  # fmt: skip
 
 
-class _Sampling(BaseModel):
+class _Sampling(Strict):
     """What both endpoints share: sampling, length, stops, streaming, processors."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -194,3 +248,16 @@ class CompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+def translated_chat_request(chat: dict, field_names: dict[str, str]) -> ChatCompletionRequest:
+    """The Chat Completions request another API's request translates to (`anthropic`, `responses`),
+    checked as one; a field it refuses is named as that API names it (field_names: ours -> theirs)."""
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = [str(part) for part in error.get("loc", ())]
+        name = ".".join([field_names.get(where[0], where[0]), *where[1:]]) if where else None
+        message = error.get("msg", "invalid request").removeprefix("Value error, ")
+        raise ApiError(400, f"{name}: {message}" if name else message, param=name) from None
