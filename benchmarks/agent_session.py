@@ -123,11 +123,12 @@ class Runner:
 def session(runner: Runner, args, system: str, tools: list[dict], results: list[str]) -> list[dict]:
     import anthropic
 
-    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{runner.port}", api_key="unused", max_retries=0,
-                                 timeout=3600)  # fmt: skip
     messages = [{"role": "user", "content": "Fix the failing test in the repository."}]
     rows = []
     for turn in range(args.turns):
+        # a client a turn: no kept-alive connection the server may have closed during a long turn
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{runner.port}", api_key="unused", max_retries=0,
+                                     timeout=3600)  # fmt: skip
         start = time.perf_counter()
         first = None
         with client.messages.stream(
@@ -161,6 +162,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, default=Path("bench_models/agent_session"))
     p.add_argument("--llama-server", help="llama-server's executable, to run the same session against it")
+    p.add_argument("--servers", nargs="+", default=["mlx-hybrid", "llama-server"], choices=["mlx-hybrid", "llama-server"],
+                   help="which of the two to run (llama-server: with --llama-server)")  # fmt: skip
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--system-tokens", type=int, default=12000)
     p.add_argument("--tools", type=int, default=15)
@@ -182,14 +185,20 @@ def main():
         commands["llama-server"] = lambda port: [args.llama_server, "-m", str(gguf), "--port", str(port), "--jinja",
                                                  "-c", str(args.context), "-np", "1", "--log-disable"]  # fmt: skip
     table = {}
-    for name, command in commands.items():
+    for name, command in [(name, command) for name, command in commands.items() if name in args.servers]:
         port = free_port()
-        runner = Runner(name, command(port), port)
+        try:
+            runner = Runner(name, command(port), port)
+        except RuntimeError as e:  # one server that fails leaves the other's table
+            print(f"  {name}: {e}", flush=True)
+            continue
         try:
             table[name] = session(runner, args, system, tools, results)
         finally:
             runner.stop()
     names = list(table)
+    if not names:
+        return
     header = ["turn", "prompt tokens"] + [
         f"{n}: {c}" for n in names for c in ("from checkpoint", "share", "first token s", "RSS / peak MiB")
     ]

@@ -21,7 +21,7 @@ this script's defaults run for 50 minutes on a 2-core x86-64 machine with OpenBL
 preloaded: 8.35 M parameters, 473 steps of 16 x 256 tokens (about 1.9 M tokens, 5.6 s
 a step), plus about a minute for the tokenizer; final training losses 3.4 (next token)
 and 2.8 (MTP, token after next). Its head was then retrained in the post-norm wiring
-with the last command above (see the README for its acceptance). Outputs:
+with the last command above (docs/speculative.md gives its acceptance). Outputs:
 `tiny-qwen35.gguf` (llama.cpp's qwen35 layout, with the MTP `nextn` block) and
 `hf/` (published Qwen3.5 layout); --install copies the GGUF into the package as the
 default model.

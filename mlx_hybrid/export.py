@@ -107,7 +107,8 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     for canonical_name, tensor in weights.items():
         array = np.array(tensor.astype(mx.float32))
         tensor_name = gguf_file.gguf_block_name(canonical_name, n_layer)
-        if array.ndim >= 2 and not canonical_name.endswith("conv1d_weight") and min(array.shape) > 1:
+        # the conv's weight stays float32, as llama.cpp's converter keeps it (its ssm_conv op takes no other)
+        if array.ndim >= 2 and not tensor_name.endswith("ssm_conv1d.weight") and min(array.shape) > 1:
             encoded = encode_matrix(tensor_name, array) if encode_matrix else None
             if encoded is not None:
                 writer.add_tensor(tensor_name, encoded[0], raw_dtype=encoded[1])

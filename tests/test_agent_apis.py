@@ -66,7 +66,7 @@ def blocks_of(claude, stream: bool, **request) -> tuple[list[dict], str, dict]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_messages_tool_round_trip_equals_chat_completions(claude, oai, conversations, stream):
+def test_messages_tool_round_trip_equals_chat_completions(claude, oai, conversations, stream, assistant):
     tools, expected = conversations["tools"], conversations["expected"]
     system, question = (m["content"] for m in conversations["turn_1"]["messages"])
     request = dict(model="assistant", max_tokens=200, system=[{"type": "text", "text": system,
@@ -109,6 +109,8 @@ def test_messages_tool_round_trip_equals_chat_completions(claude, oai, conversat
     assert (
         chat.choices[0].message.content == blocks[1]["text"] and usage["output_tokens"] == chat.usage.completion_tokens
     )
+    held = assistant.health()["prefix_cache"]  # what serves the session, as /health shows it
+    assert held["checkpoints"] >= 2 and 0 < held["bytes"] <= held["budget_bytes"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

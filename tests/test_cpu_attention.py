@@ -15,10 +15,11 @@ from test_ops import numpy_rope
 pytestmark = cpu_kernel_tests()
 
 # (B, H, Hkv, T, S, Dk, Dv): grouped heads and not, one query token and a verify pass's, feature
-# counts with partial vectors, Qwen3.5's head (256) over a long cache
+# counts with partial vectors, Qwen3.5's head (256) over a long cache, a prompt chunk over a cache
+# and a whole prompt (query rows in blocks of 4 and a partial block)
 SHAPES = [
     (1, 4, 2, 1, 7, 20, 12), (2, 3, 3, 5, 9, 8, 5), (1, 8, 2, 4, 600, 256, 256), (1, 2, 1, 16, 16, 64, 64),
-    (2, 16, 1, 3, 33, 72, 40),
+    (2, 16, 1, 3, 33, 72, 40), (1, 4, 2, 37, 300, 64, 48), (1, 2, 1, 53, 53, 256, 256),
 ]  # fmt: skip
 
 # float32 against float64: scores of a few units (unit inputs: sums of Dk products scaled by
@@ -64,13 +65,14 @@ def test_kernel_equals_the_float64_attention(shape, causal):
     np.testing.assert_allclose(np.array(got), numpy_attention(q, k, v, scale, causal), atol=ATTENTION_TOL, rtol=0)
 
 
-def test_a_verify_pass_reproduces_the_decode_steps():
+@pytest.mark.parametrize("T", [6, 11])
+def test_a_verify_pass_reproduces_the_decode_steps(T):
     """T query tokens at once against T calls of one token over the keys each sees: equal to the bit."""
-    q, k, v = (mx.array(x) for x in attention_inputs(2, 8, 2, 6, 40, 256, 256, seed=5))
+    q, k, v = (mx.array(x) for x in attention_inputs(2, 8, 2, T, 40, 256, 256, seed=5))
     module = cpu_extension.extension()
     whole = module.attention(q, cached(k, 64), cached(v, 64), 0.0625, True)
-    for t in range(6):
-        seen = 40 - 6 + t + 1
+    for t in range(T):
+        seen = 40 - T + t + 1
         step = module.attention(q[:, :, t : t + 1], cached(k[:, :, :seen], 64), cached(v[:, :, :seen], 64), 0.0625,
                                 False)  # fmt: skip
         assert mx.array_equal(step, whole[:, :, t : t + 1])

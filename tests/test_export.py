@@ -21,6 +21,17 @@ def test_gguf_export_matches_llama_cpp_converter(tmp_path):
         np.testing.assert_allclose(ours[name].reshape(theirs[name].shape), theirs[name], atol=1e-6, err_msg=name)
 
 
+def test_gguf_export_in_float16_keeps_what_llama_cpp_computes_in_float32(tmp_path):
+    """Matrices in float16, but the conv's weight, norms and decay parameters in float32, as llama.cpp's
+    converter writes them: its ssm_conv op refuses a float16 weight (it aborted loading such a file)."""
+    model, tokenizer = load_fixture("qwen35", "hf")
+    save_gguf(model, tokenizer, tmp_path / "out.gguf")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "out.gguf")).tensors}
+    kept = {name for name, kind in types.items() if kind == gguf.GGMLQuantizationType.F32}
+    assert {name for name in types if name.endswith(("ssm_conv1d.weight", "norm.weight", "ssm_a"))} <= kept
+    assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.F16
+
+
 def test_exports_load_back_to_the_same_model(tmp_path):
     model, tokenizer = load_fixture("qwen35", "model.gguf")
     ids = mx.array(reference("qwen35")["input_ids"])

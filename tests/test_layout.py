@@ -1,5 +1,5 @@
 """The package's floors: every import goes to the same floor or one below, and none goes round
-in a circle (the README's Layout section, checked on every `import` in the package)."""
+in a circle (docs/architecture.md's Layout section, checked on every `import` in the package)."""
 
 import ast
 import collections

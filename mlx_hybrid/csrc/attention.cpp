@@ -9,7 +9,9 @@
 //
 // Per query row: q scaled (as MLX scales it), each key's score the dot product by FMA into 8 lanes
 // reduced by a fixed tree; the softmax over the keys the mask leaves, e^(score - max) with
-// `exp_ps`, normalised by 1 / sum; the output the values summed in key order by FMA.
+// `exp_ps`, normalised by 1 / sum; the output the values summed in key order by FMA. Rows are
+// taken a few at a time (each key and value read once for them) and the blocks shared among
+// threads: a prompt's rows over a long cache, too.
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -33,23 +35,50 @@ struct Attention {
 // Multiply-adds below this run on the calling thread.
 constexpr long PARALLEL_MIN_VALUES = 1L << 16;
 
-AVX2_FN float dot(const float* a, const float* b, int n) {
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
-        odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
+// Query rows are taken ROWS at a time, so that each key and value row read from memory serves
+// them all (a prompt's rows over a long cache would otherwise each stream the whole cache); every
+// row's arithmetic is the one it does alone: the same FMAs into the same lanes in the same order.
+constexpr int ROWS = 4;
+
+// scores[r][s] = q_r . k_s for the block's R rows, keys s < keys: per row, 16 features a step
+// into two accumulators (even and odd 8-lane halves), the tail into even then odd, reduced by
+// sum_lanes(even + odd). R is a template argument so that the accumulators stay in registers.
+template <int R>
+AVX2_FN void dots(const float* const* q, const float* k, long k_stride, int keys, int n, float* const* scores) {
+    for (int s = 0; s < keys; s++) {
+        const float* key = k + s * k_stride;
+        __m256 even[R], odd[R];
+        for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= n; i += 16) {
+            __m256 k0 = _mm256_loadu_ps(key + i), k1 = _mm256_loadu_ps(key + i + 8);
+            for (int r = 0; r < R; r++) {
+                even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), k0, even[r]);
+                odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i + 8), k1, odd[r]);
+            }
+        }
+        if (i < n) {
+            int lanes = std::min(8, n - i);
+            __m256 k0 = load_lanes(key + i, lanes);
+            for (int r = 0; r < R; r++) even[r] = _mm256_fmadd_ps(load_lanes(q[r] + i, lanes), k0, even[r]);
+            i += 8;
+        }
+        if (i < n) {
+            int lanes = n - i;
+            __m256 k1 = load_lanes(key + i, lanes);
+            for (int r = 0; r < R; r++) odd[r] = _mm256_fmadd_ps(load_lanes(q[r] + i, lanes), k1, odd[r]);
+        }
+        for (int r = 0; r < R; r++) scores[r][s] = sum_lanes(_mm256_add_ps(even[r], odd[r]));
     }
-    if (i < n) {
-        int lanes = std::min(8, n - i);
-        even = _mm256_fmadd_ps(load_lanes(a + i, lanes), load_lanes(b + i, lanes), even);
-        i += 8;
+}
+
+void dots(const float* const* q, int rows, const float* k, long k_stride, int keys, int n, float* const* scores) {
+    switch (rows) {
+        case 1: return dots<1>(q, k, k_stride, keys, n, scores);
+        case 2: return dots<2>(q, k, k_stride, keys, n, scores);
+        case 3: return dots<3>(q, k, k_stride, keys, n, scores);
+        default: return dots<ROWS>(q, k, k_stride, keys, n, scores);
     }
-    if (i < n) {
-        int lanes = n - i;
-        odd = _mm256_fmadd_ps(load_lanes(a + i, lanes), load_lanes(b + i, lanes), odd);
-    }
-    return sum_lanes(_mm256_add_ps(even, odd));
 }
 
 // scores[0..n) -> e^(score - max) / sum
@@ -71,45 +100,79 @@ AVX2_FN void softmax(float* scores, int n) {
     }
 }
 
-// out [Dv] = sum over s of p[s] v[s], in key order
-AVX2_FN void weighted_values(const float* p, int n, const float* v, long v_stride, int dv, float* out) {
-    for (int j = 0; j < dv; j += 8) store_lanes(out + j, _mm256_setzero_ps(), std::min(8, dv - j));
-    for (int s = 0; s < n; s++) {
-        __m256 ps = _mm256_set1_ps(p[s]);
+// out_r [Dv] = sum over s < seen[r] of p_r[s] v[s], in key order, for the block's R rows (seen
+// rises with r: a causal block's last row sees the most keys)
+template <int R>
+AVX2_FN void weighted_values(const float* const* p, const int* seen, const float* v, long v_stride, int dv,
+                             float* const* out) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < dv; j += 8) store_lanes(out[r] + j, _mm256_setzero_ps(), std::min(8, dv - j));
+    int first = 0;  // the rows from `first` on see key s
+    for (int s = 0; s < seen[R - 1]; s++) {
+        while (seen[first] <= s) first++;
         const float* row = v + s * v_stride;
+        __m256 weight[R];
+        for (int r = first; r < R; r++) weight[r] = _mm256_set1_ps(p[r][s]);
         for (int j = 0; j < dv; j += 8) {
             int lanes = std::min(8, dv - j);
-            store_lanes(out + j, _mm256_fmadd_ps(ps, load_lanes(row + j, lanes), load_lanes(out + j, lanes)), lanes);
+            __m256 values = load_lanes(row + j, lanes);
+            for (int r = first; r < R; r++) {
+                __m256 acc = load_lanes(out[r] + j, lanes);
+                store_lanes(out[r] + j, _mm256_fmadd_ps(weight[r], values, acc), lanes);
+            }
         }
     }
 }
 
-void head(const Attention& a, const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, float* out,
-          int b, int h) {
+void weighted_values(const float* const* p, const int* seen, int rows, const float* v, long v_stride, int dv,
+                     float* const* out) {
+    switch (rows) {
+        case 1: return weighted_values<1>(p, seen, v, v_stride, dv, out);
+        case 2: return weighted_values<2>(p, seen, v, v_stride, dv, out);
+        case 3: return weighted_values<3>(p, seen, v, v_stride, dv, out);
+        default: return weighted_values<ROWS>(p, seen, v, v_stride, dv, out);
+    }
+}
+
+// query rows t0 .. t0 + ROWS (within the tokens) of head h in batch b
+void block(const Attention& a, const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, float* out,
+           int b, int h, int t0) {
     thread_local std::vector<float> buffer;
-    const int group = a.heads / a.kv_heads, kvh = h / group;
+    const int group = a.heads / a.kv_heads, kvh = h / group, rows = std::min(ROWS, a.tokens - t0);
     const float* k = k_in.data<float>() + b * k_in.strides()[0] + kvh * k_in.strides()[1];
     const float* v = v_in.data<float>() + b * v_in.strides()[0] + kvh * v_in.strides()[1];
     long k_stride = k_in.strides()[2], v_stride = v_in.strides()[2];
-    float* scores = aligned_floats(buffer, a.keys + a.key_dim);
-    float* q = scores + a.keys;
-    for (int t = 0; t < a.tokens; t++) {
+    long row_floats = (a.keys + 7) / 8 * 8;  // each row's scores start on a 32-byte boundary
+    float* scratch = aligned_floats(buffer, ROWS * (row_floats + a.key_dim + 8));
+    const float* q[ROWS];
+    float* scores[ROWS];
+    float* outs[ROWS];
+    int seen[ROWS];
+    int keys = 0;
+    for (int r = 0; r < rows; r++) {
+        int t = t0 + r;
         const float* q_row = q_in.data<float>() + (((long)b * a.heads + h) * a.tokens + t) * a.key_dim;
-        for (int i = 0; i < a.key_dim; i++) q[i] = a.scale * q_row[i];
-        int seen = a.causal ? a.keys - a.tokens + t + 1 : a.keys;  // bottom-right aligned, as MLX's
-        for (int s = 0; s < seen; s++) scores[s] = dot(q, k + s * k_stride, a.key_dim);
-        softmax(scores, seen);
-        weighted_values(scores, seen, v, v_stride, a.value_dim,
-                        out + (((long)b * a.heads + h) * a.tokens + t) * a.value_dim);
+        float* scaled = scratch + ROWS * row_floats + r * (a.key_dim + 8);
+        for (int i = 0; i < a.key_dim; i++) scaled[i] = a.scale * q_row[i];
+        q[r] = scaled;
+        scores[r] = scratch + r * row_floats;
+        outs[r] = out + (((long)b * a.heads + h) * a.tokens + t) * a.value_dim;
+        seen[r] = a.causal ? a.keys - a.tokens + t + 1 : a.keys;  // bottom-right aligned, as MLX's
+        keys = std::max(keys, seen[r]);
     }
+    dots(q, rows, k, k_stride, keys, a.key_dim, scores);  // a row's scores past its seen keys go unread
+    for (int r = 0; r < rows; r++) softmax(scores[r], seen[r]);
+    weighted_values(scores, seen, rows, v, v_stride, a.value_dim, outs);
 }
 
 void compute(const Attention& a, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     float* out = outs[0].data<float>();
-    int units = a.batch * a.heads;
-    long work = (long)units * a.tokens * a.keys * (a.key_dim + a.value_dim);
-    Pool::get().run(units, work >= PARALLEL_MIN_VALUES,
-                    [&](int unit) { head(a, in[0], in[1], in[2], out, unit / a.heads, unit % a.heads); });
+    int blocks = (a.tokens + ROWS - 1) / ROWS, units = a.batch * a.heads * blocks;
+    long work = (long)a.batch * a.heads * a.tokens * a.keys * (a.key_dim + a.value_dim);
+    Pool::get().run(units, work >= PARALLEL_MIN_VALUES, [&](int unit) {
+        int bh = unit / blocks;
+        block(a, in[0], in[1], in[2], out, bh / a.heads, bh % a.heads, unit % blocks * ROWS);
+    });
 }
 
 // the keys and values read by their strides

@@ -262,6 +262,13 @@ class Engine:
         """How many sequences are generating and how many wait for a slot."""
         return {"running": len(self.rows), "waiting": self.waiting.qsize()}
 
+    @property
+    def checkpoints(self) -> dict:
+        """What the prefix store holds: checkpoints and their bytes in memory, its budget, files on disk."""
+        store = self.store
+        return {"checkpoints": len(store), "bytes": store.nbytes, "budget_bytes": store.max_bytes,
+                "on_disk": len(store.on_disk)}  # fmt: skip
+
     # -- the loop
 
     def step(self) -> bool:

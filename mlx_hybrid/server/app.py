@@ -124,7 +124,7 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.get("/health")
     async def health():
-        health = {"status": "ok", **served.engine.load}
+        health = {"status": "ok", **served.engine.load, "prefix_cache": served.engine.checkpoints}
         if served.engine.drafter is not None:  # over the requests finished so far
             health["speculation"] = served.engine.speculation.summary()
         return health
