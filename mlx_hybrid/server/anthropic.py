@@ -288,7 +288,7 @@ def _envelope(chat) -> dict:
             "content": []}  # fmt: skip
 
 
-async def message(chat, body: MessagesRequest, request) -> dict:
+async def reply(chat, body: MessagesRequest, request) -> dict:
     """The whole reply: content blocks in the order the output gave them."""
     blocks, ending = [], None
     async for delta, end in chat.parts(request):

@@ -147,10 +147,7 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.post("/v1/messages")
     async def messages(body: anthropic.MessagesRequest, request: Request):
-        chat = await _start_chat(served, *anthropic.chat_request(body, served.tokenizer))
-        if body.stream:
-            return _event_stream(anthropic.events(chat, body), named=True)
-        return await anthropic.message(chat, body, request)
+        return await _translated(served, anthropic, body, request)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: anthropic.CountTokensRequest):
@@ -159,10 +156,7 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, request: Request):
-        chat = await _start_chat(served, *responses.chat_request(body, served.tokenizer))
-        if body.stream:
-            return _event_stream(responses.events(chat, body), named=True)
-        return await responses.response(chat, body, request)
+        return await _translated(served, responses, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -233,6 +227,15 @@ async def _start_chat(served: ServedModel, body: ChatCompletionRequest, reasonin
                       images=images, reasoning_budget=reasoning_budget)  # fmt: skip
     one_call = bool(tools) and not body.parallel_tool_calls and grammar is None
     return _ChatOutput(run, OutputParser(tools=tools, reasoning_opened=reasoning_opened), one_call)
+
+
+async def _translated(served: ServedModel, api, body, request: Request):
+    """A request of another API (`anthropic`, `responses`: each with chat_request, events, reply) run on
+    the chat path: its events streamed, or its whole reply."""
+    chat = await _start_chat(served, *api.chat_request(body, served.tokenizer))
+    if body.stream:
+        return _event_stream(api.events(chat, body), named=True)
+    return await api.reply(chat, body, request)
 
 
 def _template_message(message: dict, images: list) -> dict:

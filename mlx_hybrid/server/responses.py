@@ -261,7 +261,7 @@ class _Envelope:
         return _usage(self.chat, reasoning_tokens=self.chat.count_tokens(reasoning) if reasoning else 0)
 
 
-async def response(chat, body: ResponsesRequest, request) -> dict:
+async def reply(chat, body: ResponsesRequest, request) -> dict:
     """The whole response: reasoning, message and function-call items in the order the output gave them."""
     output, ending = [], None
     async for delta, end in chat.parts(request):
