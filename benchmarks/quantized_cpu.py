@@ -124,10 +124,15 @@ PROMPT: list[int] = []
 
 
 def measure_in_child(runner: str, path: Path, args) -> dict:
-    command = [sys.executable, __file__, "--child", runner, str(path), "--prompt-tokens", str(args.prompt_tokens),
-               "--tokens", str(args.tokens), "--threads", str(args.threads)]  # fmt: skip
+    return json_of_child([__file__, "--child", runner, str(path), "--prompt-tokens", str(args.prompt_tokens),
+                          "--tokens", str(args.tokens), "--threads", str(args.threads)], args)  # fmt: skip
+
+
+def json_of_child(arguments: list[str], args) -> dict:
+    """The last line a Python child printed (a JSON object), with args.threads threads and
+    args.timeout seconds; {"error": its last line of stderr} where it failed."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads))
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+    done = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, env=env, timeout=args.timeout)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["exit status %d" % done.returncode])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])

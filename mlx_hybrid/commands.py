@@ -43,8 +43,9 @@ def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--compact",
         action="store_true",
-        help="a --model GGUF takes about its file's size in memory (16-bit scales, Q6_K re-quantized to "
-        "6 bits); slightly lossy. Where the x86-64 CPU kernels run, loading is already that compact, exactly",
+        help="a --model GGUF takes about its file's size in memory where its types are not held as stored "
+        "(16-bit scales; Q6_K, Q3_K, Q2_K, IQ types re-quantized to MLX's groups); slightly lossy. Where the "
+        "x86-64 CPU kernels run, most types are already held as stored, exactly",
     )
     p.add_argument(
         "--mmproj",

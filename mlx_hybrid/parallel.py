@@ -96,13 +96,11 @@ class Split:
             return replace(tensor, **parts)
         group_size = tensor.group_size
         columns = self.bounds(tensor.shape[-1], rank, size)
-        if any(b % group_size for piece in columns for b in piece):
-            # the cut falls inside a quantization group
+        cuttable = tensor.cut_at([b for piece in columns for b in piece])
+        if cuttable is None:  # the cut falls inside a quantization group
             return self._take(tensor.dequantize(), -1, columns)
-        if any(b % (group_size * tensor.groups_per_cut) for piece in columns for b in piece):
-            tensor = tensor.expanded()  # inside a block form's factor block: per-group scales
         groups = [(a // group_size, b // group_size) for a, b in columns]
-        return tensor.map_columns(
+        return cuttable.map_columns(
             lambda part, entries: self._take(part, -1, [(entries(a), entries(b)) for a, b in groups])
         )
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -22,18 +23,39 @@ class BlockScales:
         scale = factor[f, 0] * c[0]
         bias  = factor[f, 1] * c[code_count - 1]    with two factors
               = bias_ratio * scale                  with one
+
+    With `code_bits` 4, a group's two codes are the unsigned nibbles of one byte (low first), as
+    Q2_K stores them. With a `table` (16 unsigned bytes), a 4-bit value q stands for table[q]
+    instead of q: w = scale * table[q] + bias (IQ4_NL's values plus 128, with bias = -128 scale,
+    are affine in the table's entries though not in q).
     """
 
     groups_per_factor: int
     factor_count: int  # 1 or 2
     code_count: int  # 1 or 2
     bias_ratio: float = 0.0
+    table: tuple[int, ...] = ()
+    factor_scale: float = 1.0  # a power of two the factors are multiplied by (exact)
+    code_bits: int = 8  # 8, or 4 with two codes
+
+    @property
+    def nonlinear(self) -> bool:
+        return bool(self.table)
+
+    @property
+    def code_bytes(self) -> float:
+        """Bytes of codes a group."""
+        return self.code_count * self.code_bits / 8
 
     def expand(self, factors: mx.array, codes: mx.array) -> tuple[mx.array, mx.array]:
         """float32 scales and biases [..., rows, groups]."""
         lead = factors.shape[:-1]
         factors = factors.astype(mx.float32).reshape(*lead, -1, 1, self.factor_count)
+        if self.code_bits == 4:
+            nibbles = codes.view(mx.uint8)[..., None]
+            codes = mx.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
         codes = codes.astype(mx.float32).reshape(*lead, factors.shape[-3], self.groups_per_factor, self.code_count)
+        factors = factors * self.factor_scale
         scales = factors[..., 0] * codes[..., 0]
         if self.factor_count == 2:
             biases = factors[..., 1] * codes[..., -1]
@@ -59,20 +81,45 @@ class QuantizedTensor:
 
     @property
     def groups_per_cut(self) -> int:
-        """The fewest whole groups a cut along the columns may take (a block form's factor blocks)."""
-        return self.block.groups_per_factor if self.block else 1
+        """The fewest whole groups a cut along the columns may take: whole packed words (3-bit
+        groups of 16 fill one and a half), and a block form's whole factor blocks."""
+        word = 32 // math.gcd(self.bits * self.group_size, 32)
+        return math.lcm(word, self.block.groups_per_factor if self.block else 1)
+
+    def cut_at(self, columns) -> "QuantizedTensor | None":
+        """The tensor in a form that `map_columns` can cut at these column offsets: itself, else
+        its `per_group` form; None where a cut falls inside a group or a packed word."""
+        for form in (self, self.per_group()):
+            if all(c % (self.group_size * form.groups_per_cut) == 0 for c in columns):
+                return form
+        return None
+
+    @property
+    def affine(self) -> bool:
+        """Whether MLX's affine layout holds it once its scales are expanded (not a nonlinear form)."""
+        return not (self.block and self.block.nonlinear)
 
     def expanded(self) -> "QuantizedTensor":
-        """The plain form: float32 scales and biases per group."""
+        """The plain form: float32 scales and biases per group (an affine tensor's only)."""
         if self.block is None:
             return self
+        if not self.affine:
+            raise ValueError("a nonlinear form has no plain form: dequantize it")
         return QuantizedTensor(self.weight, *self.block.expand(self.scales, self.biases), self.bits, self.group_size)
+
+    def per_group(self) -> "QuantizedTensor":
+        """The tensor in a form whose groups can be cut apart: the plain form of an affine one; a
+        nonlinear one (no plain form) with its factors repeated for each group, still exact."""
+        if self.affine:
+            return self.expanded()
+        block = self.block
+        repeated = self.scales.reshape(*self.scales.shape[:-1], -1, 1, block.factor_count)
+        repeated = mx.repeat(repeated, block.groups_per_factor, axis=-2).reshape(*self.scales.shape[:-1], -1)
+        return replace(self, scales=repeated, block=replace(block, groups_per_factor=1))
 
     def dequantize(self) -> mx.array:
         """The dense float32 matrix (float16 scales would round it to float16)."""
-        plain = self.expanded()
-        scales, biases = plain.scales.astype(mx.float32), plain.biases.astype(mx.float32)
-        return mx.dequantize(self.weight, scales, biases, group_size=self.group_size, bits=self.bits)
+        return dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size, self.block)
 
     def map_columns(self, transform) -> "QuantizedTensor":
         """The tensor with transform(part, entries) applied to each part along its last axis, where
@@ -82,10 +129,10 @@ class QuantizedTensor:
         def counter(per_group):
             return lambda groups: round(groups * per_group)
 
-        per_group = {"weight": self.bits * self.group_size // 32}  # packed words
+        per_group = {"weight": self.bits * self.group_size / 32}  # packed words
         if self.block:
             per_group["scales"] = self.block.factor_count / self.block.groups_per_factor
-            per_group["biases"] = self.block.code_count
+            per_group["biases"] = self.block.code_bytes
         else:
             per_group["scales"] = per_group["biases"] = 1
         return replace(self, **{name: transform(getattr(self, name), counter(n)) for name, n in per_group.items()})
@@ -99,3 +146,17 @@ class QuantizedTensor:
         if not all(mx.isfinite(part).all().item() for part in narrow):
             return self
         return QuantizedTensor(self.weight, *narrow, self.bits, self.group_size)
+
+
+def dequantize(weight, scales, biases, bits: int, group_size: int, block: BlockScales | None = None) -> mx.array:
+    """The dense float32 matrix of a quantized tensor's parts (any form)."""
+    if block:
+        scales, biases = block.expand(scales, biases)
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    if not (block and block.nonlinear):
+        return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
+    ones = mx.ones(scales.shape, mx.float32)
+    indices = mx.dequantize(weight, ones, mx.zeros_like(ones), group_size=group_size, bits=bits).astype(mx.uint32)
+    values = mx.array(block.table, mx.float32)[indices]
+    grouped = values.reshape(*scales.shape, group_size)
+    return (grouped * scales[..., None] + biases[..., None]).reshape(values.shape)

@@ -12,7 +12,7 @@ from conftest import FIXTURES, assert_close_to_floor, cpu_kernel_tests, referenc
 
 import mlx_hybrid
 from mlx_hybrid import ops
-from mlx_hybrid.loaders.quantized import AFFINE_TYPES
+from mlx_hybrid.loaders.quantized import BLOCK_TYPES
 from mlx_hybrid.ops import cpu_quantized
 
 pytestmark = cpu_kernel_tests()
@@ -43,12 +43,12 @@ def test_products_of_every_layout_match_float64(bits, group_size, scales_dtype):
         assert_close_to_floor(got, float64_product(x, w, scales, biases, group_size, bits))
 
 
-@pytest.mark.parametrize("type_name", sorted(AFFINE_TYPES))
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
 def test_block_form_products_match_float64(type_name):
     """Scales as GGUF stores them (codes times float16 factors), each type's layout: products and
     gathered experts against float64 products of the dequantized weights, and a row the same
     bits alone as with up to 7 others."""
-    bits, group_size, _, block = AFFINE_TYPES[type_name]
+    bits, group_size, _, block = BLOCK_TYPES[type_name]
     q = cpu_quantized.random_block_weights((2, 37, 512), bits, group_size, block)
     dense = np.array(q.dequantize(), np.float64)
     one = (q.weight[1], q.scales[1], q.biases[1])
@@ -78,23 +78,30 @@ def test_each_row_takes_the_same_sums_whatever_rows_come_with_it(bits):
 
 
 @pytest.mark.skipif(len(cpu_quantized.extension().instruction_sets()) < 2, reason="this CPU runs one build only")
-@pytest.mark.parametrize("type_name", sorted(AFFINE_TYPES))
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
 def test_every_instruction_set_gives_the_same_bits(type_name):
     """The kernels are compiled once per instruction set (AVX2; AVX-512 where the CPU has it) and
     promise the same sequence of operations: a model gives the same tokens on either CPU."""
-    bits, group_size, _, block = AFFINE_TYPES[type_name]
+    bits, group_size, _, block = BLOCK_TYPES[type_name]
     q = cpu_quantized.random_block_weights((37, 512), bits, group_size, block)
     w, scales, biases = quantized((37, 512), bits, 32)
     x = mx.random.normal((9, 512), key=mx.random.key(5))
+    assert_every_instruction_set_agrees(
+        lambda: [cpu_quantized.quantized_matmul(x[:rows], *parts, layout)
+                 for rows in (1, 3, 8, 9)  # the small-row kernel and the tiled one
+                 for *parts, layout in ((q.weight, q.scales, q.biases, group_size, bits, block),
+                                        (w, scales, biases, 32, bits, None))]
+    )  # fmt: skip
+
+
+def assert_every_instruction_set_agrees(products):
+    """products() -> arrays: the same bits from each build this CPU runs."""
     extension = cpu_quantized.extension()
     results = {}
     try:
         for name in extension.instruction_sets():
             extension.use_instruction_set(name)
-            results[name] = [np.array(cpu_quantized.quantized_matmul(x[:rows], *parts, layout))
-                             for rows in (1, 3, 8, 9)  # the small-row kernel and the tiled one
-                             for *parts, layout in ((q.weight, q.scales, q.biases, group_size, bits, block),
-                                                    (w, scales, biases, 32, bits, None))]  # fmt: skip
+            results[name] = [np.array(product) for product in products()]
     finally:
         extension.use_instruction_set(None)
     first, *others = results.values()
@@ -155,3 +162,45 @@ def test_without_a_compiler_one_warning_and_mlx_computes(tmp_path):
     assert rule == pytest.approx(8 * 2 * 1.0)
     assert run.stderr.count("our CPU kernels are not in use") == 1, run.stderr
     assert "did not compile" in run.stderr or "could not be built" in run.stderr
+
+
+SIXTEEN_BITS = [mx.bfloat16, mx.float16]
+
+
+def float16_weights(shape, dtype, seed=0):
+    """Random 16-bit weights, with float16's subnormals (below 6.1e-5) in one row."""
+    w = mx.random.normal(shape, key=mx.random.key(seed)) / 8
+    w = mx.concatenate([w[..., :-1, :], w[..., -1:, :] * 1e-4], axis=-2)
+    return w.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS)
+def test_16bit_products_match_float64(dtype):
+    """bfloat16 and float16 weights as stored, float32 products and sums: 1 to 8 rows (the
+    small-row kernel) and 9 or 33 (dequantized tiles through the BLAS), odd widths, a view of
+    the weights, and a row the same bits alone as with up to 7 others."""
+    for K in (37, 100, 416):
+        w = float16_weights((2, 29, K), dtype)
+        dense = np.array(w.astype(mx.float32), np.float64)
+        x = mx.random.normal((33, K), key=mx.random.key(K))
+        alone = cpu_quantized.matmul_16bit(x[:1], w[1])
+        for rows in (1, 2, 3, 5, 8, 9, 33):
+            got = cpu_quantized.matmul_16bit(x[:rows], w[1])
+            assert_close_to_floor(got, np.array(x[:rows], np.float64) @ dense[1].T)
+            if rows <= 8:
+                np.testing.assert_array_equal(np.array(got[:1]), np.array(alone))
+        view = w[1, ::2, 1:]  # strided rows, columns from 1: copied row-contiguous for the kernel
+        got = cpu_quantized.matmul_16bit(x[:3, 1:], view)
+        assert_close_to_floor(got, np.array(x[:3, 1:], np.float64) @ dense[1, ::2, 1:].T)
+        indices = mx.array([[1, 0], [0, 1], [1, 1]], dtype=mx.uint32)
+        got = ops.gather_matmul(x[:3, None, None], w.swapaxes(-1, -2), indices)
+        want = np.einsum("tk,tenk->ten", np.array(x[:3], np.float64), dense[np.array(indices)])
+        assert_close_to_floor(got[:, :, 0], want)
+
+
+@pytest.mark.skipif(len(cpu_quantized.extension().instruction_sets()) < 2, reason="this CPU runs one build only")
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS)
+def test_every_instruction_set_gives_the_same_bits_for_16bit_weights(dtype):
+    w = float16_weights((37, 416), dtype)
+    x = mx.random.normal((9, 416), key=mx.random.key(5))
+    assert_every_instruction_set_agrees(lambda: [cpu_quantized.matmul_16bit(x[:rows], w) for rows in (1, 3, 8, 9)])

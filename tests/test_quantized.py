@@ -10,7 +10,7 @@ from gguf.quants import dequantize
 import mlx_hybrid
 from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, assert_close_to_floor, reference
 from mlx_hybrid import ops
-from mlx_hybrid.loaders.quantized import AFFINE_TYPES, from_gguf_blocks, pack
+from mlx_hybrid.loaders.quantized import BLOCK_TYPES, from_gguf_blocks, pack
 from mlx_hybrid.ops.cpu_quantized import random_block_weights
 from mlx_hybrid.quantized_tensor import BlockScales
 from mlx_hybrid.models.layers import Embedding, Linear, QuantizedSwitchLinear
@@ -59,8 +59,8 @@ def random_raw(type_name, rows, cols, seed):
     rng = np.random.default_rng(seed)
     blocks = cols // block_values
     raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
-    if type_name == "Q6_K":
-        scale_fields = slice(block_bytes - 2, block_bytes)  # d comes last
+    if type_name in ("Q6_K", "Q3_K", "Q2_K"):  # d (and dmin) come last
+        scale_fields = slice(block_bytes - (4 if type_name == "Q2_K" else 2), block_bytes)
     else:
         scale_fields = slice(0, 4 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 2)  # d (and m or dmin)
     count = (scale_fields.stop - scale_fields.start) // 2
@@ -68,13 +68,13 @@ def random_raw(type_name, rows, cols, seed):
     return raw.reshape(rows, -1), qtype
 
 
-@pytest.mark.parametrize("type_name", sorted(AFFINE_TYPES))
+@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
 def test_random_blocks_of_every_affine_type_unpack_exactly(type_name):
     """Random bytes with finite float16 scales, against gguf's own dequantization."""
     raw, qtype = random_raw(type_name, 6, 512, len(type_name))
     q = from_gguf_blocks(raw, type_name)
     if q is None:  # Q6_K's groups of 16 where no product here takes them: the loader dequantizes
-        assert not ops.computes_quantized(*AFFINE_TYPES[type_name][:2])
+        assert not ops.computes_quantized(*BLOCK_TYPES[type_name][:2])
         return
     np.testing.assert_array_equal(np.array(q.dequantize()), dequantize(raw, qtype))
 
@@ -85,23 +85,27 @@ def set_quantized(module, q):
 
 
 @pytest.mark.parametrize("forced_reference", [False, True])
-@pytest.mark.parametrize("block_form", [True, False])
-def test_q6_k_products_in_groups_of_16_match_float64(block_form, forced_reference, monkeypatch):
-    """Q6_K kept as 6-bit groups of 16 (the LM head of a Q4_K_M file), its scales as stored (the
-    block form) or expanded to float32: linear layers, the embedding's rows and experts, against
-    gguf's dequantization in float64. Without our kernels (forced reference) the products
-    dequantize: MLX's op refuses groups of 16."""
-    raw, qtype = random_raw("Q6_K", 40, 512, 3)
-    q = from_gguf_blocks(raw, "Q6_K")
+@pytest.mark.parametrize(
+    "type_name, block_form",
+    [("Q6_K", True), ("Q6_K", False), ("Q2_K", True), ("Q3_K", False), ("IQ4_NL", True), ("IQ4_XS", True)],
+)
+def test_kernel_only_types_in_modules_match_float64(type_name, block_form, forced_reference, monkeypatch):
+    """Types MLX's products do not take (groups of 16: Q6_K, the LM head of a Q4_K_M file, and
+    Q2_K, Q3_K; IQ4's nonlinear values), their scales as stored (the block form) or expanded to
+    float32: linear layers, the embedding's rows and experts, against gguf's dequantization in
+    float64. Without our kernels (forced reference) the products dequantize."""
+    raw, qtype = random_raw(type_name, 40, 512, 3)
+    q = from_gguf_blocks(raw, type_name)
     if q is None or q.block is None:
-        pytest.skip("no product here takes Q6_K's scales as stored")
+        pytest.skip(f"no product here takes {type_name}'s scales as stored")
     q = q if block_form else q.expanded()
-    assert (q.bits, q.group_size) == (6, 16)
+    bits, group_size = BLOCK_TYPES[type_name][:2]
+    assert (q.bits, q.group_size) == (bits, group_size)
     dense = dequantize(raw, qtype).astype(np.float64)
     if forced_reference:
         monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
-    linear = Linear(512, 40, bias=False).to_quantized(group_size=16, bits=6)
-    embedding = Embedding(40, 512).to_quantized(group_size=16, bits=6)
+    linear = Linear(512, 40, bias=False).to_quantized(group_size=group_size, bits=bits)
+    embedding = Embedding(40, 512).to_quantized(group_size=group_size, bits=bits)
     for module in (linear, embedding):
         set_quantized(module, q)
     x = mx.random.normal((9, 512), key=mx.random.key(0))
@@ -110,7 +114,7 @@ def test_q6_k_products_in_groups_of_16_match_float64(block_form, forced_referenc
         assert_close_to_floor(linear(rows), want)
         assert_close_to_floor(embedding.as_linear(rows), want)
     np.testing.assert_array_equal(np.array(embedding(mx.array([3, 0, 39]))), dense[[3, 0, 39]].astype(np.float32))
-    experts = QuantizedSwitchLinear((2, 20, 512), 16, 6)
+    experts = QuantizedSwitchLinear((2, 20, 512), group_size, bits)
     set_quantized(experts, q.map_columns(lambda part, _: part.reshape(2, 20, -1)))
     indices = mx.array([[1, 0], [0, 1]], dtype=mx.uint32)
     got = experts(x[:2, None, None], indices)

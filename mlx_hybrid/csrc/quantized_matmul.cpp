@@ -1,6 +1,8 @@
 // Quantized products for MLX's CPU backend: x @ W^T with W in MLX's affine layout
 // (w = scale * q + bias per group of `group_size` values along a row, q an unsigned
-// `bits`-bit integer, packed as a little-endian bit stream), read as it is stored.
+// `bits`-bit integer, 2 to 8 bits, packed as a little-endian bit stream), read as it is
+// stored; or q a 4-bit index into a table of 16 values (IQ4_NL's, IQ3_XXS's, ...); or W
+// bfloat16 or float16, read as 16 bits, its products and sums float32.
 //
 // MLX's own CPU quantized matmul is a reference loop (a Qwen3.5-0.8B Q4_K_M decode step
 // took 300 ms on 2 cores). This extension registers an MLX primitive with two paths:
@@ -21,6 +23,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -48,14 +52,21 @@ constexpr long PARALLEL_MIN_WEIGHTS = 1L << 18;
 // ---------------------------------------------------------------------------------------
 // The packed layout, per bit width.
 
+constexpr int values_per_lane(int bits) { return bits == 4 ? 8 : bits == 16 ? 2 : 4; }
+
 template <int BITS>
 struct Packing {
-    static constexpr int U = BITS == 4 ? 8 : 4;  // values per 32-bit lane
-    static constexpr int V = 8 * U;              // values per step
+    static constexpr int U = values_per_lane(BITS);  // values per 32-bit lane
+    static constexpr int V = 8 * U;                  // values per step
     static constexpr int STEP_BYTES = V * BITS / 8;
-    static constexpr int READ_BYTES = BITS == 4 || BITS == 8 ? 32 : 2 * BITS + 16;  // what load_lanes reads
+    static constexpr int READ_BYTES = BITS == 4 || BITS == 8 || BITS == 16 ? 32 : 2 * BITS + 16;  // what load_lanes reads
     static constexpr int MASK = (1 << BITS) - 1;
 };
+
+// What a packed value stands for: an unsigned integer (times its group's scale, plus its bias),
+// a 4-bit index into the layout's table of 16 unsigned bytes (likewise: IQ4_NL's values plus
+// 128, with a bias of -128 times the scale), or (16 bits) a bfloat16 or float16 weight.
+enum Values { INTEGERS = 0, TABLE = 1, BFLOAT16 = 2, FLOAT16 = 3 };
 
 // float32 scales or biases from their stored dtype
 enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
@@ -63,9 +74,13 @@ enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
 // GGUF's two-level scales (mlx_hybrid.quantized_tensor.BlockScales): group g's scale is
 // factor[g / groups_per_factor][0] * code[g][0]; its bias factor[..][1] * code[g][last]
 // with two factors, else bias_ratio * scale. groups_per_factor 0: plain per-group scales.
+// code_bits 4: a group's two codes are unsigned nibbles of one byte, low nibble first.
+// factor_scale: a power of two the factors are multiplied by. table: the values 4-bit indices
+// stand for (Values TABLE).
 struct BlockLayout {
-    int groups_per_factor = 0, factor_count = 0, code_count = 0;
-    float bias_ratio = 0.0f;
+    int groups_per_factor = 0, factor_count = 0, code_count = 0, code_bits = 8;
+    float bias_ratio = 0.0f, factor_scale = 1.0f;
+    std::array<uint8_t, 16> table{};
     bool operator==(const BlockLayout&) const = default;
 };
 
@@ -88,7 +103,7 @@ struct Rows {
     float* const* out;
 };
 
-int step_values(int bits) { return bits == 4 ? 64 : 32; }
+int step_values(int bits) { return 8 * values_per_lane(bits); }
 
 // Scales, biases and group sums per row, as float32 buffers: whole steps, one group more
 // (4-bit steps span two groups of 32), whole vectors of 8.
@@ -136,27 +151,34 @@ Level cpu_level() {
 // compare the builds on one machine).
 std::atomic<int> chosen_level{-1};
 
-template <int BITS>
+template <int BITS, int VALUES = INTEGERS>
 Isa isa_for(Level level) {
-    if (level == AVX512) return {avx512::rows_product<BITS>, avx512::dequantize_rows<BITS>};
-    return {avx2::rows_product<BITS>, avx2::dequantize_rows<BITS>};
+    if (level == AVX512) return {avx512::rows_product<BITS, VALUES>, avx512::dequantize_rows<BITS, VALUES>};
+    return {avx2::rows_product<BITS, VALUES>, avx2::dequantize_rows<BITS, VALUES>};
 }
 
-Isa isa(int bits) {
+// The kernels for `bits`-bit values standing for `values`.
+Isa isa(int bits, Values values) {
     int chosen = chosen_level.load(std::memory_order_relaxed);
     Level level = chosen < 0 ? cpu_level() : (Level)chosen;
+    if (values == TABLE && bits == 4) return isa_for<4, TABLE>(level);
+    if (values == BFLOAT16 && bits == 16) return isa_for<16, BFLOAT16>(level);
+    if (values == FLOAT16 && bits == 16) return isa_for<16, FLOAT16>(level);
+    if (values != INTEGERS) throw std::invalid_argument("quantized_matmul: values that do not fit the bits");
     switch (bits) {
+        case 2: return isa_for<2>(level);
+        case 3: return isa_for<3>(level);
         case 4: return isa_for<4>(level);
         case 5: return isa_for<5>(level);
         case 6: return isa_for<6>(level);
         case 8: return isa_for<8>(level);
     }
-    throw std::invalid_argument("quantized_matmul: bits must be 4, 5, 6 or 8");
+    throw std::invalid_argument("quantized_matmul: bits must be 2, 3, 4, 5, 6 or 8");
 }
 
 // x [k] -> lane order over `padded` values: out[s*V + i*8 + l] = x[s*V + l*U + i], 0 past k
 void permute_row(const float* x, int k, int padded, int bits, float* out) {
-    int u = bits == 4 ? 8 : 4, v = 8 * u;
+    int u = values_per_lane(bits), v = 8 * u;
     for (int s = 0; s < padded; s += v)
         for (int i = 0; i < u; i++)
             for (int l = 0; l < 8; l++) {
@@ -166,9 +188,9 @@ void permute_row(const float* x, int k, int padded, int bits, float* out) {
 }
 
 // One product: out rows = x rows @ W^T.
-void product(const Weights& w, const Rows& rows, int bits, int padded) {
+void product(const Weights& w, const Rows& rows, int bits, Values values, int padded) {
     Pool& pool = Pool::get();
-    Isa kernels = isa(bits);
+    Isa kernels = isa(bits, values);
     bool parallel = (long)w.n * w.k >= PARALLEL_MIN_WEIGHTS;
     if (rows.m <= SMALL_ROWS) {
         int parts = parallel ? pool.threads() * 4 : 1;
@@ -206,6 +228,7 @@ void product(const Weights& w, const Rows& rows, int bits, int padded) {
 // p / pairs_per_x_row.
 struct Product {
     int group_size, bits;
+    Values values;
     BlockLayout blocks;
     bool gathered;
     int pairs_per_x_row;
@@ -213,7 +236,7 @@ struct Product {
 };
 
 void compute(const Product& params, const std::vector<mx::array>& in, std::vector<mx::array>& outputs) {
-    auto [group_size, bits, blocks, gathered, per_x] = params;
+    auto [group_size, bits, values, blocks, gathered, per_x] = params;
     mx::array& out = outputs[0];
     const mx::array &x = in[0], &q = in[1], &scales = in[2], &biases = in[3];
     int k = (int)x.shape(-1), n = (int)out.shape(-1);
@@ -235,7 +258,8 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
     for (int r = 0; r < x_rows; r++) {
         const float* row = x.data<float>() + (long)r * k;
         permute_row(row, k, padded, bits, &permuted[(size_t)r * padded]);
-        for (int i = 0; i < k; i++) group_sums[(size_t)r * groups_padded + i / group_size] += row[i];
+        if (bits != 16)  // (16-bit weights have no biases)
+            for (int i = 0; i < k; i++) group_sums[(size_t)r * groups_padded + i / group_size] += row[i];
     }
     std::vector<const float*> xs, sums;
     std::vector<float*> outs;
@@ -259,7 +283,8 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
                        blocks};
     };
     auto run = [&](long expert) {
-        product(weights_of(expert), Rows{(int)xs.size(), xs.data(), sums.data(), outs.data()}, bits, padded);
+        product(weights_of(expert), Rows{(int)xs.size(), xs.data(), sums.data(), outs.data()}, bits,
+                values, padded);
         xs.clear(), sums.clear(), outs.clear();
     };
 
@@ -292,41 +317,93 @@ std::shared_ptr<AffineQuantizedMatmul> primitive(mx::Stream stream, Product prod
 
 // The layout of a block form's factors (float16) and codes (int8), checked against their shapes.
 BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
-                         int bits, int groups_per_factor, int factor_count, int code_count, float bias_ratio) {
+                         int bits, int groups_per_factor, int factor_count, int code_count, int code_bits,
+                         float bias_ratio, float factor_scale, const std::vector<uint8_t>& table) {
+    if (!table.empty() && (groups_per_factor == 0 || bits != 4 || table.size() != 16))
+        throw std::invalid_argument("quantized_matmul: a table of 16 values comes with 4-bit values in a block form");
     if (groups_per_factor == 0) return {};
     long groups = w.shape(-1) * 32L / bits / group_size;
     if (groups_per_factor < 0 || groups % groups_per_factor || factor_count < 1 || factor_count > 2 ||
-        code_count < 1 || code_count > 2 || scales.dtype() != mx::float16 || biases.dtype() != mx::int8 ||
-        scales.shape(-1) != groups / groups_per_factor * factor_count || biases.shape(-1) != groups * code_count)
+        code_count < 1 || code_count > 2 || (code_bits != 8 && !(code_bits == 4 && code_count == 2)) || scales.dtype() != mx::float16 ||
+        biases.dtype() != mx::int8 || scales.shape(-1) != groups / groups_per_factor * factor_count ||
+        biases.shape(-1) != groups * code_count * code_bits / 8)
         throw std::invalid_argument("quantized_matmul: factors and codes that do not fit the block layout");
-    return {groups_per_factor, factor_count, code_count, bias_ratio};
+    int exponent;
+    if (factor_scale <= 0 || std::frexp(factor_scale, &exponent) != 0.5f)
+        throw std::invalid_argument("quantized_matmul: factor_scale must be a power of two");
+    BlockLayout layout{groups_per_factor, factor_count, code_count, code_bits, bias_ratio, factor_scale};
+    std::copy(table.begin(), table.end(), layout.table.begin());
+    return layout;
 }
 
-// x [..., K] @ W^T; W [N, K*bits/32] uint32, scales/biases [N, K/group_size] (block form: factors
-// and codes, see BlockLayout). Float32 result [..., N].
-mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, int groups_per_factor, int factor_count, int code_count,
-                           float bias_ratio) {
+
+// The 16-bit weights' values; no scales or biases (empty inputs).
+Values float_values(const mx::array& w) {
+    if (w.dtype() == mx::bfloat16) return BFLOAT16;
+    if (w.dtype() == mx::float16) return FLOAT16;
+    throw std::invalid_argument("matmul_16bit: weights must be bfloat16 or float16");
+}
+constexpr int FLOAT_GROUP = 64;  // 16-bit weights have no groups; the kernel's arithmetic wants one
+
+// x's width against W's (bits-bit values packed into uint32 words, or 16-bit values)
+void check_width(const mx::array& x, const mx::array& w, int bits) {
+    long columns = bits == 16 ? w.shape(-1) : w.shape(-1) * 32L / bits;
+    if (x.shape(-1) != columns)
+        throw std::invalid_argument("quantized_matmul: x has " + std::to_string(x.shape(-1)) +
+                                    " columns, the weights " + std::to_string(columns));
+}
+
+// x [..., K] @ W^T. Float32 result [..., N].
+mx::array product_of(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int group_size, int bits, Values values, BlockLayout blocks) {
+    check_width(x, w, bits);
     auto stream = mx::default_stream(mx::Device::cpu);
-    auto blocks =
-        block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count, bias_ratio);
     auto shape = x.shape();
     shape.back() = (int)w.shape(-2);
-    return mx::array(shape, mx::float32, primitive(stream, {group_size, bits, blocks, false, 1}),
+    return mx::array(shape, mx::float32, primitive(stream, {group_size, bits, values, blocks, false, 1}),
                      {mx::astype(x, mx::float32, stream), w, scales, biases});
 }
 
 // x [T, Kx, D] (Kx 1 or k), expert indices [T, k]; W [E, N, ...] -> float32 [T, k, N]
-mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                  const mx::array& biases, const mx::array& indices, int group_size, int bits,
-                                  int groups_per_factor, int factor_count, int code_count, float bias_ratio) {
+mx::array gathered_product_of(const mx::array& x, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, const mx::array& indices, int group_size, int bits,
+                              Values values, BlockLayout blocks) {
+    check_width(x, w, bits);
     auto stream = mx::default_stream(mx::Device::cpu);
-    auto blocks =
-        block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count, bias_ratio);
     int t = (int)indices.shape(0), k = (int)indices.shape(1), n = (int)w.shape(-2);
     int per_x = x.shape(1) == k ? 1 : k;
-    return mx::array({t, k, n}, mx::float32, primitive(stream, {group_size, bits, blocks, true, per_x}),
+    return mx::array({t, k, n}, mx::float32, primitive(stream, {group_size, bits, values, blocks, true, per_x}),
                      {mx::astype(x, mx::float32, stream), w, scales, biases, mx::astype(indices, mx::uint32, stream)});
+}
+
+// W [N, K*bits/32] uint32, scales/biases [N, K/group_size] (block form: factors and codes, see BlockLayout)
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, int groups_per_factor, int factor_count, int code_count,
+                           int code_bits, float bias_ratio, float factor_scale, const std::vector<uint8_t>& table) {
+    auto blocks = block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count,
+                               code_bits, bias_ratio, factor_scale, table);
+    return product_of(x, w, scales, biases, group_size, bits, table.empty() ? INTEGERS : TABLE, blocks);
+}
+
+mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const mx::array& biases, const mx::array& indices, int group_size, int bits,
+                                  int groups_per_factor, int factor_count, int code_count, int code_bits,
+                                  float bias_ratio, float factor_scale, const std::vector<uint8_t>& table) {
+    auto blocks = block_layout(w, scales, biases, group_size, bits, groups_per_factor, factor_count, code_count,
+                               code_bits, bias_ratio, factor_scale, table);
+    return gathered_product_of(x, w, scales, biases, indices, group_size, bits, table.empty() ? INTEGERS : TABLE,
+                               blocks);
+}
+
+mx::array no_scales() { return mx::zeros({0}, mx::float32); }
+
+// x [..., K] @ W^T for W [N, K] bfloat16 or float16: float32 products and sums
+mx::array matmul_16bit(const mx::array& x, const mx::array& w) {
+    return product_of(x, w, no_scales(), no_scales(), FLOAT_GROUP, 16, float_values(w), {});
+}
+
+mx::array gather_matmul_16bit(const mx::array& x, const mx::array& w, const mx::array& indices) {
+    return gathered_product_of(x, w, no_scales(), no_scales(), indices, FLOAT_GROUP, 16, float_values(w), {});
 }
 
 }  // namespace
@@ -334,11 +411,15 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
 void mlx_hybrid::bind_quantized_matmul(nb::module_& m) {
     m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
           nb::arg("group_size"), nb::arg("bits"), nb::arg("groups_per_factor") = 0, nb::arg("factor_count") = 0,
-          nb::arg("code_count") = 0, nb::arg("bias_ratio") = 0.0f);
+          nb::arg("code_count") = 0, nb::arg("code_bits") = 8, nb::arg("bias_ratio") = 0.0f,
+          nb::arg("factor_scale") = 1.0f, nb::arg("table") = std::vector<uint8_t>{});
     m.def("gather_quantized_matmul", &gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
           nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"),
           nb::arg("groups_per_factor") = 0, nb::arg("factor_count") = 0, nb::arg("code_count") = 0,
-          nb::arg("bias_ratio") = 0.0f);
+          nb::arg("code_bits") = 8, nb::arg("bias_ratio") = 0.0f, nb::arg("factor_scale") = 1.0f,
+          nb::arg("table") = std::vector<uint8_t>{});
+    m.def("matmul_16bit", &matmul_16bit, nb::arg("x"), nb::arg("w"));
+    m.def("gather_matmul_16bit", &gather_matmul_16bit, nb::arg("x"), nb::arg("w"), nb::arg("indices"));
     m.def(
         "instruction_sets",
         [] { return std::vector<std::string>(LEVEL_NAMES, LEVEL_NAMES + cpu_level() + 1); },

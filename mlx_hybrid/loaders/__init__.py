@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,9 @@ from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
 from . import gguf_file, hf, hub
 from .common import RankPart, fill_model, rename
+from .quantized import dequantized_notice
+
+_log = logging.getLogger("mlx_hybrid")
 
 # The default model: a small Qwen3.5 trained with its MTP head (examples/train_tiny.py).
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen35.gguf"
@@ -64,12 +68,14 @@ def load(
     dtype: compute dtype of the weights ("float32", "bfloat16", "float16" or an
     mx.Dtype); float32 on the CPU and bfloat16 on a GPU by default. Linear-attention
     state is float32 whatever this is. progress: show a progress bar (default: for
-    large files on a terminal). GGUF tensors whose blocks are exactly MLX affine
-    groups (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K; Q6_K's groups of 16 where our CPU kernels
-    run) stay quantized, unless dequantize=True; other types are dequantized to dtype.
-    Where our CPU kernels run, the scales stay as the file stores them (exact, about the
-    file's size). compact=True (GGUF only) trades exactness for memory where they would be
-    expanded to float32: 16-bit scales, and Q6_K re-quantized to 6-bit groups instead of
+    large files on a terminal). GGUF tensors stay as the file stores them where our CPU
+    kernels multiply them (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
+    and IQ3_S, IQ3_XXS, IQ2_XXS as 4-bit values;
+    F16 and BF16 matrices in 16 bits under a float32 dtype: exact, about the file's size),
+    elsewhere quantized where MLX's affine groups hold them exactly (Q8_0 .. Q5_K, IQ3_S; float32
+    scales), unless dequantize=True; other types are dequantized to dtype, each named in a
+    warning. compact=True (GGUF only) trades exactness for memory where a type is not held as
+    stored: 16-bit scales, and the types MLX's groups do not hold re-quantized instead of
     dequantized (see `loaders.quantized`).
 
     mtp: the checkpoint the model was converted from (an HF directory or a GGUF file), to take the
@@ -176,7 +182,7 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
 def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool, mmproj=None):
     # compact scales: bfloat16 for a bfloat16 model (products stay in it), else float16
     compact_scales = (mx.bfloat16 if dtype == mx.bfloat16 else mx.float16) if compact else None
-    checkpoint, meta = _read_gguf(path, keep_quantized, compact_scales)
+    checkpoint, meta = _read_gguf(path, keep_quantized, compact_scales, dtype)
     module, args = checkpoint.module, checkpoint.args
     projector = _projector_path(path, mmproj, args.model_type)
     if projector is not None:
@@ -260,8 +266,9 @@ def _same_setting(a, b) -> bool:
     return a == b
 
 
-def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None) -> tuple[_Checkpoint, object]:
-    """A GGUF file's checkpoint and its metadata."""
+def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dtype=None) -> tuple[_Checkpoint, object]:
+    """A GGUF file's checkpoint and its metadata; with dtype (the compute dtype), a warning for
+    each quantized type it will dequantize."""
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.Metadata(reader)
     if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
@@ -272,6 +279,10 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None) -> 
     shapes = gguf_file.tensor_shapes(reader)
     args = make_args(meta, module, shapes)
     tensors = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales)
+    if keep_quantized and dtype is not None:
+        stored = [(t.tensor_type.name, math.prod(t.shape), t.n_bytes) for t in reader.tensors]
+        for line in dequantized_notice(stored, dtype, compact_scales is not None):
+            _log.warning("mlx_hybrid: %s: %s", path.name, line)
     return _Checkpoint(module, args, rules, tensors, len(shapes)), meta
 
 

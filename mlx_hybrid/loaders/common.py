@@ -18,8 +18,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import ops
 from ..errors import ModelLoadError
+from ..models.layers import Embedding, Linear, SwitchLinear
 from ..quantized_tensor import QuantizedTensor
+
+_MATRIX_MODULES = (Linear, Embedding, SwitchLinear)
 
 Transform = Callable[[mx.array, object], "mx.array | tuple[mx.array, ...]"]
 
@@ -204,6 +208,8 @@ def fill_model(model, weights: dict, dtype, float32_params=(), source=""):
     """
     weights = dict(weights)
     keep_as_is = _quantize_modules(model, weights)
+    # matrices multiplied through `ops`, which may keep them in their 16-bit dtype
+    matrices = {f"{path}.weight" for path, m in model.named_modules() if isinstance(m, _MATRIX_MODULES)}
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -223,7 +229,7 @@ def fill_model(model, weights: dict, dtype, float32_params=(), source=""):
                 raise ModelLoadError(
                     f"{where}tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                 )
-        if name not in keep_as_is:
+        if name not in keep_as_is and not (name in matrices and ops.keeps_16bit_weights(tensor.dtype, dtype)):
             keep_f32 = name.rsplit(".", 1)[-1] in float32_params
             tensor = tensor.astype(mx.float32 if keep_f32 else dtype)
         # row-contiguous once here: a strided view (GGUF's reordered value heads) would be

@@ -140,10 +140,9 @@ def _head_transforms(to_gguf: bool):
     def value_columns_of_blocks(q, args):
         """Heads of whole groups move as packed words and group scales (else: None, dequantize)."""
         head = args.linear_value_head_dim
-        if head % q.group_size:
+        q = q.cut_at([head])
+        if q is None:
             return None
-        if head % (q.group_size * q.groups_per_cut):
-            q = q.expanded()  # a head within a block form's factor block: per-group scales
         groups = head // q.group_size
         return q.map_columns(
             lambda part, entries: _permute_heads(part, args, order(args), axis=-1, head_size=entries(groups))
@@ -533,6 +532,12 @@ def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scale
             quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name, compact_scales)
             if quantized is not None:
                 return quantized
+        if t.tensor_type.name in ("F16", "BF16") and len(t.shape) > 1:
+            # matrices as stored (the model's loader casts what it does not keep in 16 bits)
+            raw = np.asarray(t.data)
+            if t.tensor_type.name == "F16":
+                return mx.array(raw)
+            return mx.array(raw.view(np.uint16)).view(mx.bfloat16)
         # as float32 without a numpy copy where it is one (mx.array copies it from the file's pages)
         return mx.array(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
 

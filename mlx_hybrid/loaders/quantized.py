@@ -2,7 +2,7 @@
 
 MLX's affine format: per group of `group_size` values along a row, w = scale * q + bias
 with q an unsigned `bits`-bit integer, q's packed as a little-endian bit stream into
-uint32 words. These GGUF block types are exactly that, per group of 32 (Q6_K: 16):
+uint32 words. These GGUF block types are exactly that, per group of 32 (Q6_K, Q3_K, Q2_K: 16):
 
 | type | bits | scale | bias |
 | --- | --- | --- | --- |
@@ -11,20 +11,30 @@ uint32 words. These GGUF block types are exactly that, per group of 32 (Q6_K: 16
 | Q4_1 / Q5_1 | 4 / 5 | d | m |
 | Q4_K / Q5_K | 4 / 5 | d * sc_j | -dmin * m_j (sub-block j of 32 in a super-block of 256) |
 | Q6_K | 6 | d * sc_j | -32 d * sc_j (sub-block j of 16, sc_j a signed 8-bit integer) |
+| Q3_K | 3 | d * (sc_j - 32) | -4 d * (sc_j - 32) (sc_j 6 bits; q's third bit from hmask) |
+| Q2_K | 2 | d * sc_j | -dmin * m_j (sc_j, m_j the nibbles of one byte) |
+| IQ4_NL / IQ4_XS | 4 (indices) | d (* (ls_j - 32)) | -128 d (* (ls_j - 32)), values from a table |
+
+IQ4's 4-bit values index IQ4_NL's 16 values: held with the table plus 128 (unsigned) and a
+bias of -128 times the scale (`BlockScales.table`); only our CPU kernels take them. IQ3_S's
+grid holds odd integers in [-15, 15], 2 q - 15 for a 4-bit q: it is held as 4-bit groups of 32
+(scale 2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, on every backend, at 4.31 bits a weight
+against the file's 3.44. IQ3_XXS's and IQ2_XXS's signed grid values (16 and 6 of them) are
+4-bit indices into tables of their own (IQ3_XXS_TABLE, IQ2_XXS_TABLE), exact, 4.31 bits a weight
+against 3.06 and 2.06.
 
 Where our CPU kernels compute (`ops.computes_block_scales`), the scales stay as the file
 stores them (`BlockScales`: integer codes per group times float16 factors per block), which
 is exact and takes about the file's size: Q4_K 4.63 bits a weight against the file's 4.5,
-Q6_K 6.56, Q8_0 8.75 against 8.5. Elsewhere they are expanded to float32, where every one
-of them is exact (a float16 times an 8-bit integer needs 19 significant bits). MLX's own
-products take groups of 32 or more: Q6_K stays quantized where ours compute
-(`ops.computes_quantized`), else it is dequantized, as are the types with no exact affine
-form (Q2_K/Q3_K, the IQ types, ...).
+Q6_K 6.56, Q8_0 8.75 against 8.5, Q2_K 2.63 as the file. Elsewhere the affine ones are
+expanded to float32, where every one of them is exact (a float16 times an 8-bit integer needs
+19 significant bits). MLX's own products take groups of 32 or more: the types in groups of 16
+and the IQ types are dequantized there.
 
-Compact loading, where the scales are expanded, trades exactness for memory: scales and
+Compact loading, where a type is not held as stored, trades exactness for memory: scales and
 biases in 16 bits (float16, a relative error of at most 2^-11 on each; bfloat16 when that
-is the compute dtype, so that products stay in it), and Q6_K re-quantized to MLX's 6-bit
-groups of 32 instead of dequantized (Q4_K 5 bits a weight, Q5_K 6, Q6_K 7).
+is the compute dtype, so that products stay in it), and the types MLX's groups do not hold
+re-quantized to MLX's groups of 32 instead of dequantized (REQUANTIZED_BITS).
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
 
 
 # Each parser: blocks [..., bytes] -> (q [..., groups, group_size] unsigned, factors float16
-# [..., factor_count], codes int8 [..., groups, code_count]), one factor block per GGUF block.
+# [..., factor_count], codes int8 [..., groups, code bytes]), one factor block per GGUF block.
 
 
 def _ones(b):
@@ -118,8 +128,116 @@ def _q6_k(b):
     return q, _f16(b[..., 208:210]), b[..., 192:208].view(np.int8)[..., None]
 
 
+def _q2_k(b):
+    # two halves of 128 values, 32 bytes each: bit pairs 0-1, 2-3, 4-5, 6-7 of a byte are values
+    # of runs 0..3 of 32, each run two groups of 16; scales[16]: code low nibble, min high nibble
+    qs = b[..., 16:80].reshape(*b.shape[:-1], 2, 1, 32)
+    q = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(*b.shape[:-1], 16, 16)
+    codes = b[..., 0:16].view(np.int8)[..., None]  # both codes of a group in a byte, kept so
+    return q, _f16(b[..., 80:84]) * np.array([1, -1], np.float16), codes
+
+
+def _q3_k(b):
+    # values as Q2_K's, plus a third bit from hmask (bit j of byte i: value i of runs j); signed
+    # 6-bit codes (a low nibble of 8 bytes, two high bits of 4), offset by 32
+    hmask, qs, packed = b[..., 0:32], b[..., 32:96].reshape(*b.shape[:-1], 2, 1, 32), b[..., 96:108]
+    low = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(*b.shape[:-1], 16, 16)
+    high = ((hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(*b.shape[:-1], 16, 16)
+    low_codes = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    high_codes = ((packed[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).swapaxes(-1, -2)
+    codes = (low_codes | (high_codes.reshape(*b.shape[:-1], 16) << 4)).astype(np.int16) - 32
+    return low | (high << 2), _f16(b[..., 108:110]), codes.astype(np.int8)[..., None]
+
+
+# IQ4_NL's 16 values (ggml's kvalues_iq4nl) plus 128: unsigned bytes, and the group affine in
+# them (bias -128 times the scale)
+IQ4_NL_TABLE = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
+
+
+def _iq4_nl(b):
+    return _q4_0(b)  # the same layout: indices into the value table instead of values
+
+
+def _iq4_xs(b):
+    # 8 groups of 32, each 16 bytes as Q4_0's; 6-bit codes offset by 32: low nibbles in
+    # scales_l[4], two high bits each in the 16-bit scales_h
+    qs = b[..., 8:136].reshape(*b.shape[:-1], 8, 16)
+    low = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(*b.shape[:-1], 8)
+    scales_h = b[..., 2:4].copy().view(np.uint16)
+    high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    codes = (low | (high << 4)).astype(np.int16) - 32
+    return _nibbles(qs), _f16(b[..., 0:2]), codes.astype(np.int8)[..., None]
+
+
+def _iq3_s(b):
+    # 64 entries of a 512-entry grid of 4 magnitudes (1, 3, ..., 15): 8-bit indices in qs, their
+    # ninth bits in qh; a sign bit a value; a 4-bit code s a group of 32, w = d (1 + 2 s) g sign.
+    # Every value is an odd integer in [-15, 15]: 2 q - 15 for a 4-bit q, so the group is affine
+    # (scale 2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact in MLX's 4-bit layout.
+    from gguf.quants import IQ3_S
+
+    IQ3_S.init_grid()
+    lead = b.shape[:-1]
+    qs, qh, signs, scales = b[..., 2:66], b[..., 66:74], b[..., 74:106], b[..., 106:110]
+    high = ((qh[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 64).astype(np.uint16)
+    magnitudes = IQ3_S.grid.reshape(512, 4)[qs.astype(np.uint16) | (high << 8)].reshape(*lead, 256)
+    negative = ((signs[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
+    q = ((np.where(negative, -magnitudes, magnitudes) + 15) / 2).astype(np.uint8).reshape(*lead, 8, 32)
+    codes = ((scales[..., None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(*lead, 8)
+    return q, _f16(b[..., 0:2]), (2 * (1 + 2 * codes.astype(np.int8)))[..., None]
+
+
+def _signs_of(words, lead):
+    """The sign bits of each group of 32 IQ2_XXS / IQ3_XXS values: four 7-bit indices into
+    ggml's ksigns (8 sign bits each) in bits 0-27 of a 32-bit word."""
+    from gguf.quants import IQ2_XXS
+
+    ksigns = np.frombuffer(IQ2_XXS.ksigns, np.uint8)
+    index = (words[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F
+    return ((ksigns[index][..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
+
+
+# Each group of 32 IQ3_XXS values is d (2 s + 1) / 4 times a signed grid value, one of 16:
+# v / 2 + 32 are unsigned bytes, so the group is d / 2 (2 s + 1) (table[q] - 32) (the factor d
+# times factor_scale 1/2: d / 2 in float16 would lose the last bit of small d's)
+IQ3_XXS_VALUES = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
+IQ3_XXS_TABLE = tuple(v // 2 + 32 for v in IQ3_XXS_VALUES)
+# IQ2_XXS: d (2 s + 1) / 8 times one of 6 signed values, d / 8 (2 s + 1) (table[q] - 43)
+IQ2_XXS_VALUES = (-43, -25, -8, 8, 25, 43)
+IQ2_XXS_TABLE = tuple(v + 43 for v in IQ2_XXS_VALUES) + (0,) * 10
+
+
+def _iq3_xxs(b):
+    # 64 indices into a 256-entry grid of 4 magnitudes; a 32-bit word a group of 32: its signs
+    # (_signs_of) and its 4-bit code s in the top bits
+    from gguf.quants import IQ3_XXS
+
+    IQ3_XXS.init_grid()
+    lead = b.shape[:-1]
+    words = b[..., 66:98].copy().view(np.uint32)
+    magnitudes = IQ3_XXS.grid.reshape(256, 4)[b[..., 2:66]].reshape(*lead, 256)
+    signed = np.where(_signs_of(words, lead), -magnitudes, magnitudes)
+    q = np.searchsorted(IQ3_XXS_VALUES, signed).astype(np.uint8).reshape(*lead, 8, 32)
+    return q, _f16(b[..., 0:2]), (2 * (words >> 28) + 1).astype(np.int8)[..., None]
+
+
+def _iq2_xxs(b):
+    # a group of 32: a word of four indices into a 256-entry grid of 8 magnitudes, then a word
+    # of its signs (_signs_of) and its 4-bit code s in the top bits
+    from gguf.quants import IQ2_XXS
+
+    IQ2_XXS.init_grid()
+    lead = b.shape[:-1]
+    words = b[..., 2:66].copy().view(np.uint32).reshape(*lead, 8, 2)
+    indices = words[..., 0].copy().view(np.uint8).reshape(*lead, 32)
+    magnitudes = IQ2_XXS.grid.reshape(256, 8)[indices].reshape(*lead, 256)
+    signed = np.where(_signs_of(words[..., 1], lead), -magnitudes, magnitudes)
+    q = np.searchsorted(IQ2_XXS_VALUES, signed).astype(np.uint8).reshape(*lead, 8, 32)
+    return q, _f16(b[..., 0:2]), (2 * (words[..., 1] >> 28) + 1).astype(np.int8)[..., None]
+
+
 # GGML type name -> (bits, values per group, block parser, the block form's scales)
-AFFINE_TYPES = {
+BLOCK_TYPES = {
     "Q8_0": (8, 32, _q8_0, BlockScales(1, 1, 1, -128.0)),
     "Q4_0": (4, 32, _q4_0, BlockScales(1, 1, 1, -8.0)),
     "Q4_1": (4, 32, _q4_1, BlockScales(1, 2, 1)),
@@ -128,12 +246,23 @@ AFFINE_TYPES = {
     "Q4_K": (4, 32, _q4_k, BlockScales(8, 2, 2)),
     "Q5_K": (5, 32, _q5_k, BlockScales(8, 2, 2)),
     "Q6_K": (6, 16, _q6_k, BlockScales(16, 1, 1, -32.0)),
+    "Q2_K": (2, 16, _q2_k, BlockScales(16, 2, 2, code_bits=4)),
+    "Q3_K": (3, 16, _q3_k, BlockScales(16, 1, 1, -4.0)),
+    "IQ4_NL": (4, 32, _iq4_nl, BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)),
+    "IQ4_XS": (4, 32, _iq4_xs, BlockScales(8, 1, 1, -128.0, table=IQ4_NL_TABLE)),
+    "IQ3_S": (4, 32, _iq3_s, BlockScales(8, 1, 1, -7.5)),
+    "IQ3_XXS": (4, 32, _iq3_xxs, BlockScales(8, 1, 1, -32.0, table=IQ3_XXS_TABLE, factor_scale=0.5)),
+    "IQ2_XXS": (4, 32, _iq2_xxs, BlockScales(8, 1, 1, -43.0, table=IQ2_XXS_TABLE, factor_scale=0.125)),
 }
 
 
-# Compact loading: types with no exact affine form that are re-quantized to MLX affine
-# groups of 32 with this many bits, instead of dequantized.
-REQUANTIZED_BITS = {"Q6_K": 6}
+# Compact loading: types with no exact form in MLX's affine groups (of 32 or more) that are
+# re-quantized to them instead of dequantized, with this many bits: the file's, or one more
+# where its groups of 16 or its nonlinear values carry more than MLX's groups of 32 would.
+REQUANTIZED_BITS = {
+    "Q6_K": 6, "Q3_K": 4, "Q2_K": 3, "IQ4_NL": 5, "IQ4_XS": 5,
+    "IQ3_XXS": 4, "IQ2_S": 3, "IQ2_XS": 3, "IQ2_XXS": 3,
+}  # fmt: skip
 
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
@@ -152,35 +281,78 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, compact_scales=None) -> Qu
     biases, or with compact_scales (their 16-bit dtype) rounded to it. None where the type
     stays dense (dequantized by the caller).
     """
-    affine = AFFINE_TYPES.get(type_name)
-    if affine and ops.computes_block_scales(affine[0], affine[1], affine[3]):
+    form = held_form(type_name, compact_scales is not None)
+    if form == BLOCK:
         return _block_form(raw, type_name)
-    compact = compact_scales is not None
-    if compact and type_name in REQUANTIZED_BITS:
+    if form == REQUANTIZED:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         dense = mx.array(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32))
         bits = REQUANTIZED_BITS[type_name]
         tensor = QuantizedTensor(*mx.quantize(dense, group_size=GROUP_SIZE, bits=bits), bits)
-    elif affine and ops.computes_quantized(affine[0], affine[1]):
+    elif form == PLAIN:
         tensor = _block_form(raw, type_name).expanded()
     else:
         return None
-    return tensor.with_scales_in(compact_scales) if compact else tensor
+    return tensor.with_scales_in(compact_scales) if compact_scales is not None else tensor
+
+
+# How a GGML type is held here (held_form)
+BLOCK, PLAIN, REQUANTIZED = "as stored", "with float32 scales", "re-quantized"
+
+
+def held_form(type_name: str, compact: bool) -> str | None:
+    """BLOCK where our kernels multiply the type as stored; REQUANTIZED where compact loading
+    re-quantizes it; PLAIN where MLX's affine groups hold it exactly; None: dequantized."""
+    known = BLOCK_TYPES.get(type_name)
+    if known and ops.computes_block_scales(known[0], known[1], known[3]):
+        return BLOCK
+    if compact and type_name in REQUANTIZED_BITS:
+        return REQUANTIZED
+    if known and not known[3].nonlinear and ops.computes_quantized(known[0], known[1]):
+        return PLAIN
+    return None
+
+
+def dequantized_notice(tensors, dtype, compact: bool) -> list[str]:
+    """One line for each quantized type the loader will dequantize: its tensors' bytes in the
+    file and in memory, and what would hold it smaller. tensors: (GGML type name, elements,
+    bytes in the file) of each tensor."""
+    totals = {}
+    for type_name, elements, stored in tensors:
+        if type_name in ("F32", "F16", "BF16") or held_form(type_name, compact):
+            continue
+        count, size, file_size = totals.get(type_name, (0, 0, 0))
+        totals[type_name] = (count + 1, size + elements * dtype.size, file_size + stored)
+    lines = []
+    dtype_name = str(dtype).rsplit(".", 1)[-1]
+    for type_name, (count, size, file_size) in sorted(totals.items()):
+        bits = REQUANTIZED_BITS.get(type_name)
+        instead = f"--compact re-quantizes it to MLX's {bits}-bit groups, or " if bits and not compact else ""
+        lines.append(
+            f"{count} {type_name} tensors ({_size(file_size)} in the file) are dequantized to {dtype_name}, "
+            f"{_size(size)}: no product here takes {type_name} as stored ({instead}a Q4_K_M or Q8_0 file stays "
+            "quantized)"
+        )
+    return lines
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
 
 
 def _block_form(raw: np.ndarray, type_name: str) -> QuantizedTensor:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    bits, group_size, parse, block = AFFINE_TYPES[type_name]
+    bits, group_size, parse, block = BLOCK_TYPES[type_name]
     per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     lead = raw.shape[:-1]
     blocks = raw.reshape(-1, raw.shape[-1] // block_bytes, block_bytes)
     cols = blocks.shape[1] * per_block
     weight = np.empty((len(blocks), cols * bits // 32), np.uint32)
     factors = np.empty((len(blocks), blocks.shape[1] * block.factor_count), np.float16)
-    codes = np.empty((len(blocks), cols // group_size * block.code_count), np.int8)
+    codes = np.empty((len(blocks), round(cols // group_size * block.code_bytes)), np.int8)
     # rows a few million values at a time: the unpacked values take 8 bytes each while packed
     step = max(1, (1 << 22) // cols)
     for start in range(0, len(blocks), step):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import ops
 from ..parallel import (
     ROWS,
     Parallel,
@@ -35,7 +36,7 @@ class VocabularySubsetHead(nn.Module):
         mx.eval(self.parameters())
 
     def __call__(self, x: mx.array) -> mx.array:
-        return quantized_product(x, self) if self.quantized else x @ self.weight.T
+        return quantized_product(x, self) if self.quantized else ops.linear(x, self.weight)
 
 
 class SplitVocabularySubsetHead(nn.Module):

@@ -14,6 +14,7 @@ from ..parallel import (
     all_sum,
     require,
 )
+from ..quantized_tensor import dequantize
 
 F32 = mx.float32
 
@@ -97,6 +98,15 @@ def _regrouped(module, group_size: int):
 
 
 class Linear(nn.Linear):
+    """Takes weights in another dtype than its input through `ops.linear` (16-bit weights kept
+    as stored under float32 compute)."""
+
+    def __call__(self, x):
+        if self["weight"].dtype == x.dtype:
+            return super().__call__(x)
+        out = ops.linear(x, self["weight"])
+        return out + self["bias"].astype(out.dtype) if "bias" in self else out
+
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         return _regrouped(QuantizedLinear.from_linear(self, max(group_size, 32), bits, mode), group_size)
 
@@ -107,17 +117,17 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     block = None  # as QuantizedLinear's
 
     def __call__(self, x):
-        scales, biases = self["scales"][x], self["biases"][x]
-        if self.block:
-            scales, biases = self.block.expand(scales, biases)
-        scales, biases = scales.astype(F32), biases.astype(F32)
-        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+        rows = (self[part][x] for part in ("weight", "scales", "biases"))
+        return dequantize(*rows, self.bits, self.group_size, self.block)
 
     def as_linear(self, x):
         return quantized_product(x, self)
 
 
 class Embedding(nn.Embedding):
+    def as_linear(self, x):
+        return ops.linear(x, self.weight)
+
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         return _regrouped(QuantizedEmbedding.from_embedding(self, max(group_size, 32), bits, mode), group_size)
 

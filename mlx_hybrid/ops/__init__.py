@@ -290,8 +290,36 @@ def _per_token(stacked: mx.array) -> list:
     return [stacked[:, t] for t in range(stacked.shape[1])]
 
 
+SIXTEEN_BITS = (mx.bfloat16, mx.float16)
+
+
+def keeps_16bit_weights(stored, compute) -> bool:
+    """Whether matrices stored in 16 bits stay so under this compute dtype (our CPU kernels
+    multiply them as stored, in float32: half the memory of float32 weights, and MLX's own
+    CPU products in bfloat16 are about twenty times slower than in float32)."""
+    return (
+        stored in SIXTEEN_BITS
+        and compute == mx.float32
+        and _cpu_kernel_passed(_CPU_QUANTIZED, cpu_quantized.small_case_16bit, stored)
+    )
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    """x [..., K] @ weight^T ([N, K]) in x's dtype (16-bit weights under float32 x: see keeps_16bit_weights)."""
+    if weight.dtype != x.dtype and keeps_16bit_weights(weight.dtype, x.dtype):
+        return cpu_quantized.matmul_16bit(x, weight)
+    return x @ weight.astype(x.dtype).T
+
+
 def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.array:
     """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out]."""
+    if weight_t.dtype != x.dtype and keeps_16bit_weights(weight_t.dtype, x.dtype):
+        lead, k = indices.shape[:-1], indices.shape[-1]
+        rows = x.reshape(-1, x.shape[-3], x.shape[-1])
+        out = cpu_quantized.gather_matmul_16bit(rows, weight_t.swapaxes(-1, -2), indices.reshape(-1, k))
+        return out.reshape(*lead, k, 1, weight_t.shape[-1])
+    if x.dtype != weight_t.dtype:
+        weight_t = weight_t.astype(x.dtype)
     if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
         # MLX's CPU gather_mm is float32-only
         return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)

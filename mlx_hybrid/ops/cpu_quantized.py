@@ -1,5 +1,6 @@
-"""MLX affine-quantized products on x86-64 CPUs through our extension
-(csrc/quantized_matmul.cpp: an MLX primitive in the CPU kernels' module, see `cpu_extension`).
+"""MLX affine-quantized products, and products with 16-bit weights, on x86-64 CPUs through our
+extension (csrc/quantized_matmul.cpp: an MLX primitive in the CPU kernels' module, see
+`cpu_extension`).
 
 MLX's own CPU quantized matmul is a reference loop, about 13x slower for a decode step.
 Where the extension cannot be built, MLX's op computes.
@@ -12,8 +13,8 @@ import mlx.core as mx
 from ..quantized_tensor import BlockScales, QuantizedTensor
 from .cpu_extension import extension
 
-BITS = (4, 5, 6, 8)
-GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF's Q6_K
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF's Q2_K, Q3_K, Q6_K
 
 
 def supports(bits: int, group_size: int) -> bool:
@@ -44,7 +45,8 @@ def random_block_weights(shape, bits: int, group_size: int, block: BlockScales, 
     w = mx.random.randint(0, 256, (*lead, N, K * bits // 8), key=keys[0]).astype(mx.uint8).view(mx.uint32)
     groups = K // group_size
     factors = (mx.random.normal((*lead, N, groups // block.groups_per_factor * block.factor_count), key=keys[1]) / 64)
-    codes = mx.random.randint(-64, 64, (*lead, N, groups * block.code_count), key=keys[2]).astype(mx.int8)
+    low = -128 if block.code_bits == 4 else -64  # nibbles: any byte
+    codes = mx.random.randint(low, 64, (*lead, N, round(groups * block.code_bytes)), key=keys[2]).astype(mx.int8)
     return QuantizedTensor(w, factors.astype(mx.float16), codes, bits, group_size, block)
 
 
@@ -52,7 +54,8 @@ def _layout(block: BlockScales | None) -> dict:
     if block is None:
         return {}
     return {"groups_per_factor": block.groups_per_factor, "factor_count": block.factor_count,
-            "code_count": block.code_count, "bias_ratio": block.bias_ratio}  # fmt: skip
+            "code_count": block.code_count, "code_bits": block.code_bits, "bias_ratio": block.bias_ratio,
+            "factor_scale": block.factor_scale, "table": list(block.table)}  # fmt: skip
 
 
 def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, block: BlockScales | None = None) -> mx.array:
@@ -95,4 +98,28 @@ def small_case(_platform, bits: int, group_size: int, scales_form):
     got.append(gather_quantized_matmul(x[:2, None], *parts, indices, group_size, bits, tensor.block))
     want.append(mx.stack([mx.concatenate([mlx_product(x[t : t + 1], e) for e in row]) for t, row in
                           enumerate(indices.tolist())]))  # fmt: skip
+    return got, want
+
+
+def matmul_16bit(x, w) -> mx.array:
+    """x [..., K] @ W^T for W [N, K] bfloat16 or float16, products and sums in float32: float32 [..., N]."""
+    return extension().matmul_16bit(x, w)
+
+
+def gather_matmul_16bit(x, w, indices) -> mx.array:
+    """x [T, 1 or k, K] against 16-bit experts w [E, N, K] chosen by indices [T, k]: float32 [T, k, N]."""
+    return extension().gather_matmul_16bit(x, w, indices)
+
+
+def small_case_16bit(_platform, dtype):
+    """A first-use check of the 16-bit products: 1 row, 9 rows and gathered experts against
+    MLX's float32 product of the same weights."""
+    w = (mx.random.normal((3, 24, 80), key=mx.random.key(0)) / 8).astype(dtype)
+    x = mx.random.normal((9, 80), key=mx.random.key(1))
+    indices = mx.array([[2, 0], [1, 2]], dtype=mx.uint32)
+    dense = w.astype(mx.float32)
+    got = [matmul_16bit(rows, w[1]) for rows in (x[:1], x)]
+    want = [rows @ dense[1].T for rows in (x[:1], x)]
+    got.append(gather_matmul_16bit(x[:2, None], w, indices))
+    want.append(mx.stack([dense[row] @ x[t] for t, row in enumerate(indices.tolist())]))
     return got, want

@@ -1,0 +1,208 @@
+"""Every GGUF type at a real shape: memory after `load` against the file, and decode speed
+beside llama.cpp's on the same file, in the same run.
+
+    python benchmarks/gguf_types.py --make bench_models/gguf-types --llama-bin DIR   # once: the files
+    python benchmarks/gguf_types.py --dir bench_models/gguf-types --llama-bin DIR
+    python benchmarks/gguf_types.py --kernels         # each type's product alone
+
+--make writes random weights at Qwen3.5-0.8B's shape (shapes.py) as a float32 GGUF in
+llama.cpp's layout (mlx_hybrid.export), then one file per type made by llama.cpp's own
+`llama-quantize` (its `_M` / `_S` mixtures as it makes them; IQ3_XXS and IQ2_XXS with an importance
+matrix from `llama-imatrix`). DIR (--llama-bin) holds llama.cpp's `llama-quantize`, `llama-imatrix`
+and `llama-bench` (cmake --build build --target llama-quantize llama-imatrix llama-bench).
+
+Each measurement runs in a process of its own, so that its peak resident memory is its own:
+- mlx-hybrid: `load` (weights after load: the bytes of the model's arrays), then 32 greedy tokens
+  after an 8-token prompt, timed from the second token;
+- "dequantized": the same with `load(dequantize=True)` and every weight in float32 (what a type
+  without kernels of its own costs);
+- llama.cpp: `llama-bench -p 0 -n 32` (its token-generation rate) with the same threads.
+Rounds alternate the runners; medians are printed, the ratios against llama.cpp and against
+the file's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q3_K_S",
+         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_XXS"]  # fmt: skip
+WITH_IMATRIX = ("IQ3_XXS", "IQ2_XXS")  # llama-quantize refuses them without an importance matrix
+FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen35" / "hf"
+PROMPT = [(i * 7919) % 500 + 10 for i in range(8)]  # ids every runner's tokenizer knows
+
+
+def file_of(directory: Path, type_name: str) -> Path:
+    return directory / f"model-{type_name}.gguf"
+
+
+def make(directory: Path, llama_bin: Path):
+    import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
+
+    import mlx.core as mx
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shapes import SHAPES, random_model
+
+    from mlx_hybrid.export import save_gguf
+    from mlx_hybrid.loaders import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _, tokenizer = load(FIXTURE_TOKENIZER)
+    source, imatrix = directory / "model-f32.gguf", directory / "imatrix.gguf"
+    args = SHAPES["qwen3.5-0.8b"]()
+    save_gguf(random_model(args, mx.float32), tokenizer, source, matrix_dtype=np.float32)
+    # the importance matrix from this script's own text; the MTP block, which that text never
+    # reaches, in Q4_K
+    run([llama_bin / "llama-imatrix", "-m", source, "-f", __file__, "-o", imatrix, "-c", "128"])
+    for type_name in TYPES:
+        options = ["--imatrix", imatrix, "--tensor-type", rf"blk\.{args.num_hidden_layers}\.=q4_k"]
+        run([llama_bin / "llama-quantize", *(options if type_name in WITH_IMATRIX else []), source,
+             file_of(directory, type_name), type_name])  # fmt: skip
+        print(f"wrote {file_of(directory, type_name)}", file=sys.stderr)
+
+
+def run(command: list):
+    if subprocess.run([str(part) for part in command], capture_output=True, text=True).returncode:
+        sys.exit(f"{' '.join(map(str, command))} failed")
+
+
+def run_ours(path: Path, tokens: int, dequantize: bool) -> dict:
+    import mlx_hybrid  # (OpenBLAS before MLX)
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    model, tokenizer = mlx_hybrid.load(path, dequantize=dequantize)
+    if dequantize:  # 16-bit matrices too: every weight float32
+        model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    times = [time.perf_counter() for _ in mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens,
+                                                                       draft=None)]  # fmt: skip
+    return {"decode": (len(times) - 1) / (times[-1] - times[0]), "weights": weights}
+
+
+def run_llama_cpp(path: Path, tokens: int, threads: int, llama_bin: Path) -> dict:
+    command = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads),
+               "-r", "1", "-o", "json"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = process.communicate()
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
+    if process.returncode:
+        raise RuntimeError(err.strip().splitlines()[-1] if err.strip() else f"exit {process.returncode}")
+    return {"decode": json.loads(out)[0]["avg_ts"], "peak_gib": peak}
+
+
+RUNNERS = ("mlx-hybrid", "dequantized", "llama.cpp")
+
+
+def measure_in_child(runner: str, path: Path, args) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from quantized_cpu import json_of_child
+
+    return json_of_child([__file__, "--child", runner, str(path), "--tokens", str(args.tokens),
+                          "--threads", str(args.threads), "--llama-bin", str(args.llama_bin)], args)  # fmt: skip
+
+
+def child(args):
+    runner, path = args.child
+    if runner == "llama.cpp":
+        result = run_llama_cpp(Path(path), args.tokens, args.threads, args.llama_bin)
+    else:
+        result = run_ours(Path(path), args.tokens, dequantize=runner == "dequantized")
+        result["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(json.dumps(result))
+
+
+def kernels(rounds: int):
+    """One decode step's product per type, the kernel alone: 1 row against a 3584 x 1024 matrix
+    (the 0.8B shape's gate projection) of random values in the type's layout."""
+    import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
+
+    import mlx.core as mx
+
+    from mlx_hybrid.loaders.quantized import BLOCK_TYPES
+    from mlx_hybrid.ops import cpu_quantized
+
+    n, k = 3584, 1024
+    x = mx.random.normal((1, k))
+    dense = mx.random.normal((n, k)) / 8
+    products = {"float32 (BLAS)": lambda: x @ dense.T}
+    for dtype in (mx.bfloat16, mx.float16):
+        w = dense.astype(dtype)
+        products[str(dtype).rsplit(".", 1)[-1]] = lambda w=w: cpu_quantized.matmul_16bit(x, w)
+    for name, (bits, group_size, _, block) in BLOCK_TYPES.items():
+        q = cpu_quantized.random_block_weights((n, k), bits, group_size, block)
+        products[name] = lambda q=q: cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size,
+                                                                   q.bits, q.block)  # fmt: skip
+    print(f"1 x {k} @ ({n} x {k})^T, the best of {rounds} rounds of 300")
+    for name, product in products.items():
+        mx.eval(product())
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(300):
+                mx.eval(product())
+            best = min(best, (time.perf_counter() - start) / 300)
+        print(f"{name:15s} {best * 1e6:7.0f} us")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--make", type=Path, metavar="DIR", help="write the benchmark files into DIR and stop")
+    p.add_argument("--dir", type=Path, default=Path("bench_models/gguf-types"))
+    p.add_argument("--llama-bin", type=Path, help="the folder of llama-quantize, llama-imatrix and llama-bench")
+    p.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
+    p.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--timeout", type=float, default=900, help="seconds a single measurement may take")
+    p.add_argument("--kernels", action="store_true", help="time each type's product alone (no files) and stop")
+    p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.kernels:
+        return kernels(max(args.rounds, 3))
+    if args.llama_bin is None:
+        p.error("--llama-bin is required to make or measure files")
+    if args.make:
+        return make(args.make, args.llama_bin)
+    if args.child:
+        return child(args)
+    results: dict[tuple[str, str], list[dict]] = {}
+    for round_index in range(args.rounds):
+        for type_name in args.types:
+            for runner in args.runners:
+                r = measure_in_child(runner, file_of(args.dir, type_name), args)
+                results.setdefault((type_name, runner), []).append(r)
+                print(f"round {round_index + 1} {type_name:7s} {runner:11s} {r}", file=sys.stderr, flush=True)
+
+    def median(type_name, runner, key):
+        runs = [r[key] for r in results.get((type_name, runner), []) if key in r]
+        return statistics.median(runs) if runs else float("nan")
+
+    print(f"\n32 tokens after an 8-token prompt, {args.threads} threads; medians of {args.rounds}; decode in tokens/s")
+    print("| type | file GiB | weights / file | peak / file | decode | dequantized decode | llama.cpp decode | "
+          "decode / llama.cpp | llama.cpp peak / file |")  # fmt: skip
+    print("| --- " * 9 + "|")
+    for type_name in args.types:
+        size = file_of(args.dir, type_name).stat().st_size
+        ours = median(type_name, "mlx-hybrid", "decode")
+        theirs = median(type_name, "llama.cpp", "decode")
+        print(f"| {type_name} | {size / 2**30:.2f} | {median(type_name, 'mlx-hybrid', 'weights') / size:.2f}x | "
+              f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | "
+              f"{median(type_name, 'dequantized', 'decode'):.2f} | {theirs:.2f} | {ours / theirs:.2f}x | "
+              f"{median(type_name, 'llama.cpp', 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""GGUF files of the types llama.cpp's `llama-quantize` writes (fixtures/gguf-types, made by
+fixtures/make_gguf_types.py): loaded at about their size, computed as stored, against the same
+file dequantized by gguf-py."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FIXTURES, assert_close_to_floor, cpu_kernel_tests
+from mlx.utils import tree_flatten, tree_map
+
+import mlx_hybrid
+
+pytestmark = cpu_kernel_tests()
+
+TYPES = FIXTURES / "gguf-types"
+FILES = sorted(p.name for p in TYPES.glob("*.gguf"))
+# what a file takes loaded, against its size: the types held as 4-bit values (IQ3_S's odd
+# integers in [-15, 15], IQ3_XXS's 16 and IQ2_XXS's 6 signed grid values through a table) take
+# 4.31 bits a weight (a code of 8 bits a group of 32, a float16 factor a block) against the
+# file's 3.44, 3.06 and 2.06 (1.25x, 1.41x, 2.09x of those tensors; in these files' mixtures,
+# where Q4_K holds the rest, 1.22x and 1.34x); the IQ3_XXS file's two IQ2_S tensors are
+# dequantized (12x of theirs): 1.71x in all. The rest at most 1.1x.
+HELD_RATIO = {"qwen35-IQ3_S.gguf": 1.3, "qwen35moe-IQ3_S.gguf": 1.3, "qwen35-IQ3_XXS.gguf": 1.75,
+              "qwen35-IQ2_XXS.gguf": 1.4}  # fmt: skip
+PROMPT = mx.array([[(i * 37) % 500 + 5 for i in range(40)]])
+
+
+def weight_bytes(model) -> int:
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_type_is_held_at_about_its_file_size(name):
+    """Weights after load against the file: the packed values as stored, scales as their codes
+    and float16 factors (Q2_K's two 4-bit codes a byte; IQ4_XS's 6-bit codes take a byte, 3% of
+    the file), 16-bit matrices in 16 bits; the norms and the conv held in float32; the grid types
+    as HELD_RATIO says."""
+    ratio = HELD_RATIO.get(name, 1.1)
+    model, _ = mlx_hybrid.load(TYPES / name)
+    assert weight_bytes(model) <= ratio * (TYPES / name).stat().st_size
+
+
+def float32_reference(path: Path):
+    """The same file with every block dequantized by gguf-py and every matrix in float32,
+    multiplied by MLX's float32 products."""
+    model, _ = mlx_hybrid.load(path, dequantize=True)
+    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    return model
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_logits_match_the_file_dequantized_to_float32(name):
+    model, _ = mlx_hybrid.load(TYPES / name)
+    kept = {p.dtype for _, p in tree_flatten(model.parameters())}
+    assert mx.float32 in kept and len(kept) > 1  # something stayed as stored
+    # the products differ in summation order only: the float32 floor at the logits' scale
+    assert_close_to_floor(model(PROMPT), np.array(float32_reference(TYPES / name)(PROMPT)))
+
+
+@pytest.mark.parametrize("name", ["qwen35-Q2_K.gguf", "qwen35-IQ4_XS.gguf", "qwen35-IQ2_XXS.gguf",
+                                  "qwen35moe-Q2_K.gguf", "qwen35moe-IQ4_XS.gguf", "qwen35-64-BF16.gguf"])  # fmt: skip
+def test_greedy_speculation_equals_plain_decoding(name):
+    """A verify pass gives each position the bits a decode step gives it (each row's sums in one
+    order whatever rows come with it), so MTP drafting changes no token."""
+    model, tok = mlx_hybrid.load(TYPES / name)
+    prompt = PROMPT[0, :12].tolist()
+    plain = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=20, draft=None)]
+    for k in (1, 3):
+        spec = mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=20, draft="mtp", num_draft_tokens=k)
+        assert [r.token for r in spec] == plain, k
+
+
+def test_a_bfloat16_hf_checkpoint_is_held_in_16_bits(tmp_path):
+    """Released HF checkpoints are bfloat16 safetensors: their matrices stay in 16 bits under
+    the CPU's float32 compute (half the memory), norms and decay parameters in float32."""
+    source = FIXTURES / "qwen35" / "hf"
+    for part in source.iterdir():
+        if part.suffix != ".safetensors":
+            (tmp_path / part.name).write_bytes(part.read_bytes())
+    tensors = mx.load(str(source / "model.safetensors"))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in tensors.items()})
+    model, _ = mlx_hybrid.load(tmp_path)
+    dtypes = dict(tree_flatten(tree_map(lambda p: p.dtype, model.parameters())))
+    assert dtypes["layers.0.mlp.gate_proj.weight"] == mx.bfloat16
+    assert dtypes["embed_tokens.weight"] == mx.bfloat16
+    assert dtypes["norm.weight"] == mx.float32
+    assert_close_to_floor(model(PROMPT), np.array(float32_reference(tmp_path)(PROMPT)))
+
+
+def test_a_type_no_product_takes_is_named_at_load(caplog, monkeypatch):
+    """IQ2_S (in the IQ3_XXS file's mixture) everywhere, and on MLX's products alone (a GPU; here
+    the forced reference) the types in groups of 16: one warning a type, with its memory and the
+    alternative."""
+    with caplog.at_level("WARNING", logger="mlx_hybrid"):
+        mlx_hybrid.load(TYPES / "qwen35-IQ3_XXS.gguf")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "2 IQ2_S tensors" in line and "dequantized to float32" in line and "--compact" in line
+    caplog.clear()
+    monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
+    with caplog.at_level("WARNING", logger="mlx_hybrid"):
+        model, _ = mlx_hybrid.load(TYPES / "qwen35-Q2_K.gguf")
+    named = sorted(r.getMessage().split(" tensors")[0].split(": ")[-1] for r in caplog.records)
+    assert named == ["1 Q6_K", "16 Q2_K", "8 Q3_K"]
+    assert_close_to_floor(model(PROMPT), np.array(float32_reference(TYPES / "qwen35-Q2_K.gguf")(PROMPT)))
