@@ -37,10 +37,10 @@ _CANDIDATES = [
 _RESTARTED = "MLX_HYBRID_BLAS_RESTARTED"
 
 # OpenBLAS's idle workers spin (sched_yield) for 2^28 cycles after each threaded call. In a
-# decode step they take the cores from our kernels' threads (Qwen3.5-0.8B on 2 cores: a
-# Q4_K_M step 55-84 ms against 55 ms, float32 137 against 125); at 2^4 cycles they sleep
-# at once, and waking them costs microseconds against the milliseconds of a prefill
-# product. Read when OpenBLAS loads; a value the user set stays.
+# decode step they take the cores from our kernels' threads (a Q4_K_M step then varies by up
+# to half its time: benchmarks/bench_generate.py with OPENBLAS_THREAD_TIMEOUT=28); at 2^4
+# cycles they sleep at once, and waking them costs microseconds against the milliseconds of a
+# prefill product. Read when OpenBLAS loads; a value the user set stays.
 _OPENBLAS_IDLE = ("OPENBLAS_THREAD_TIMEOUT", "4")
 
 

@@ -37,8 +37,8 @@ def keep_snapshot_buffers(cache, num_draft_tokens: int):
     Every verify pass allocates and frees the same (k + 1) recurrent states per layer
     (each token's state is kept as a snapshot, so none is updated in place). Beyond the
     allocator's cache limit (32 MB by default on the CPU) they go back to the system and
-    return as fresh pages: at the Qwen3.5-0.8B shape a k=4 verify pass took 300 to 560 ms
-    instead of 220 ms.
+    return as fresh pages, which made verify passes up to two and a half times slower at the
+    Qwen3.5-0.8B shape (benchmarks/spec_decode.py).
     """
     wanted = 4 * (num_draft_tokens + 1) * sum(c.step_nbytes for c in cache)
     previous = mx.set_cache_limit(wanted)

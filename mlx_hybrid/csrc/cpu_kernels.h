@@ -39,8 +39,8 @@ void bind_gated_product(nanobind::module_& m);
 #define AVX2_FN __attribute__((target("avx2,fma")))
 
 // `count` floats from `buffer`, the first at a 64-byte boundary: the kernels' 32-byte loads then
-// stay within cache lines (malloc aligns to 16 bytes, which splits half of them: a product 1.3x
-// slower). The buffer grows as needed and is kept.
+// stay within cache lines (malloc aligns to 16 bytes, which splits half of them and slows every
+// product). The buffer grows as needed and is kept.
 inline float* aligned_floats(std::vector<float>& buffer, size_t count) {
     buffer.resize(count + 16);
     return buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64 / sizeof(float);

@@ -7,8 +7,7 @@
 //   S'     = D S + k (x) delta         a second pass
 // MLX's ops make each of these a pass over every head's state; here a head's 64 KB state stays
 // in cache between its two passes and its tokens, and the heads are shared among the pool's
-// threads (benchmarks/linear_attention_ops.py: 9x MLX's ops for a decode step of Qwen3.5-0.8B's
-// 18 layers on 2 cores).
+// threads (benchmarks/linear_attention_ops.py compares it with MLX's ops).
 //
 // Every output is a fixed sequence of float32 operations: each column's reads accumulate over
 // the key rows in order by FMA, in vector lanes or, for a last partial vector, one at a time with

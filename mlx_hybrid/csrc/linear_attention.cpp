@@ -4,8 +4,8 @@
 // output RMSNorm times the activated gate (SiLU: Qwen's GDN; sigmoid: Kimi's KDA).
 // Run as single ops these make 17 nodes a layer (the gates, the conv, a split, views, the two
 // norms, a scale, the rule, the output norm, the activation, a product), each costing
-// microseconds to schedule on MLX's one CPU stream: 306 of the 951 nodes of a Qwen3.5-0.8B
-// decode step (18 layers), about 3 ms of a 51 ms Q4_K_M step on 2 cores.
+// microseconds to schedule on MLX's one CPU stream, a third of a decode step's nodes before
+// this primitive (benchmarks/step_graph.py counts them).
 //
 // The conv, the norms and the rule are the code their own kernels run (cpu_kernels.h): the conv's
 // tail has the single kernel's bits; the gates come from the C library's e^x and log1p and the

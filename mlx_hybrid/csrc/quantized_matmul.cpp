@@ -4,8 +4,8 @@
 // stored; or q a 4-bit index into a table of 16 values (IQ4_NL's, IQ3_XXS's, ...); or W
 // bfloat16 or float16, read as 16 bits, its products and sums float32.
 //
-// MLX's own CPU quantized matmul is a reference loop (a Qwen3.5-0.8B Q4_K_M decode step
-// took 300 ms on 2 cores). This extension registers an MLX primitive with two paths:
+// MLX's own CPU quantized matmul is a reference loop, many times slower for a decode step
+// (benchmarks/quantized_cpu.py). This extension registers an MLX primitive with two paths:
 // - up to 8 rows (decode steps, speculative verify passes): one pass over W, each step of
 //   packed values unpacked once for all rows, over a small thread pool;
 // - more rows (prefill): tiles of W dequantized into a float buffer, then one BLAS sgemm a

@@ -2,8 +2,8 @@
 // (RMSNorm also with the residual sum before it).
 // MLX computes either as a reduction plus an elementwise kernel (and, compiled shapeless, a node
 // that counts the elements), and each node costs microseconds to schedule: a Qwen3.5-0.8B decode
-// step makes 79 RMSNorms and 36 L2 normalizations (benchmarks/linear_attention_ops.py: 3.1x MLX's
-// ops for the norms of a decode step's 18 linear-attention layers on 2 cores).
+// step makes 79 RMSNorms and 36 L2 normalizations (benchmarks/linear_attention_ops.py compares
+// them with MLX's ops).
 //
 // Each row is a fixed sequence of float32 operations: the squares summed by FMA into 8 lanes
 // (two accumulators, even and odd blocks of 8), the lanes reduced by a fixed tree, the tail past

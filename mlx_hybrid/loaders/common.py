@@ -233,7 +233,7 @@ def fill_model(model, weights: dict, dtype, float32_params=(), source=""):
             keep_f32 = name.rsplit(".", 1)[-1] in float32_params
             tensor = tensor.astype(mx.float32 if keep_f32 else dtype)
         # row-contiguous once here: a strided view (GGUF's reordered value heads) would be
-        # copied again by every product that reads it (1.3 ms a call for a 4-bit out_proj)
+        # copied again, whole, by every product that reads it
         loaded.append((name, mx.contiguous(tensor)))
     model.load_weights(loaded)
     mx.eval(model.parameters())

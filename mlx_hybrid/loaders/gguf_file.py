@@ -389,9 +389,9 @@ def read_mmproj(path: Path, text_width: int):
 
 
 # -- the file ------------------------------------------------------------------
-# GGUF's own reader (gguf.GGUFReader) keeps two numpy views per string of a string array: for
-# a 248k-token vocabulary, 13 s and 0.5 GB before the first weight. This one reads the header
-# into Python values and maps the tensor data.
+# GGUF's own reader (gguf.GGUFReader) keeps two numpy views per string of a string array:
+# seconds and half a gigabyte for a 248k-token vocabulary before the first weight (docs/formats.md).
+# This one reads the header into Python values and maps the tensor data.
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9

@@ -43,8 +43,8 @@ from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on 
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
-# chunked form's matrices (measured on a 2-core x86 CPU, Qwen3.5-0.8B head shapes:
-# 41 ms vs 56 ms at 64 tokens, 105 vs 114 at 128); decode and verify passes use it too.
+# chunked form's matrices (benchmarks/linear_attention_ops.py --tokens 64 128, pure-MLX
+# column); decode and verify passes use it too.
 CHUNKED_MIN_TOKENS = 128
 
 
@@ -243,10 +243,10 @@ def prefill_layer_by_layer() -> bool:
     `hidden_states(evaluate_each_layer=True)`).
 
     Yes on the CPU: MLX allocates the outputs of the work it has queued ahead of the threads
-    computing it, so a chunk built whole holds the intermediates of several layers (a
-    512-token chunk of Qwen3.5-0.8B: ~200 MB over the weights at the peak, ~110 MB layer by
-    layer, at the same speed). Where a GPU computes each layer would wait for the GPU: not
-    measured there, so not done.
+    computing it, so a chunk built whole holds the intermediates of several layers (about
+    twice the peak over the weights, at the same speed: benchmarks/bench_generate.py prints
+    it). Where a GPU computes each layer would wait for the GPU: not measured there, so not
+    done.
     """
     return not _gpu_computes()
 
@@ -273,8 +273,8 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
             kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform
         )
         return GatedDeltaResult(out, final, _per_token(states) if snapshots else None)
-    # our CPU kernel token by token beats the chunked form at every length too (18 layers of
-    # Qwen3.5-0.8B's heads, 2 cores: 128 tokens 0.11 s against 0.37, 512 tokens 0.36 s against 1.58)
+    # our CPU kernel token by token beats the chunked form at every length too
+    # (benchmarks/linear_attention_ops.py --tokens 128 512)
     if platform is None and _cpu_kernel_passed(
         _CPU_GATED_DELTA, selfcheck.small_gated_delta_case, q.dtype, q.shape[-1], g.ndim == 4, snapshots
     ):

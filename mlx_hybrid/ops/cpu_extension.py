@@ -58,7 +58,7 @@ def _build() -> Path:
     if not (includes[-1] / "Python.h").is_file():
         raise Unavailable(f"Python's headers are missing ({includes[-1]}; Debian: apt install python3-dev)")
     # compiled side by side, the longest first: the quantized products' two instruction-set builds,
-    # then nanobind's sources (2 cores: 20 s in all, against 35 s one after another)
+    # then nanobind's sources (the build takes about as long as its longest unit)
     units = [_UNITS[0], Path(nanobind.source_dir()) / "nb_combined.cpp", *_UNITS[1:]]
     flags = [
         "-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",

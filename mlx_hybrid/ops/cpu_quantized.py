@@ -2,7 +2,8 @@
 extension (csrc/quantized_matmul.cpp: an MLX primitive in the CPU kernels' module, see
 `cpu_extension`).
 
-MLX's own CPU quantized matmul is a reference loop, about 13x slower for a decode step.
+MLX's own CPU quantized matmul is a reference loop, many times slower for a decode step
+(benchmarks/quantized_cpu.py, with MLX_HYBRID_FORCE_REFERENCE=1).
 Where the extension cannot be built, MLX's op computes.
 """
 
