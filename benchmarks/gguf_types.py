@@ -7,9 +7,10 @@ beside llama.cpp's on the same file, in the same run.
 
 --make writes random weights at Qwen3.5-0.8B's shape (shapes.py) as a float32 GGUF in
 llama.cpp's layout (mlx_hybrid.export), then one file per type made by llama.cpp's own
-`llama-quantize` (its `_M` / `_S` mixtures as it makes them; IQ3_XXS and IQ2_XXS with an importance
-matrix from `llama-imatrix`). DIR (--llama-bin) holds llama.cpp's `llama-quantize`, `llama-imatrix`
-and `llama-bench` (cmake --build build --target llama-quantize llama-imatrix llama-bench).
+`llama-quantize` (its `_M` / `_S` mixtures as it makes them; IQ3_XXS and the IQ2 types with an
+importance matrix from `llama-imatrix`). DIR (--llama-bin) holds llama.cpp's `llama-quantize`,
+`llama-imatrix` and `llama-bench` (cmake --build build --target llama-quantize llama-imatrix
+llama-bench).
 
 Each measurement runs in a process of its own, so that its peak resident memory is its own:
 - mlx-hybrid: `load` (weights after load: the bytes of the model's arrays), then 32 greedy tokens
@@ -34,8 +35,8 @@ import time
 from pathlib import Path
 
 TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q3_K_S",
-         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_XXS"]  # fmt: skip
-WITH_IMATRIX = ("IQ3_XXS", "IQ2_XXS")  # llama-quantize refuses them without an importance matrix
+         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS"]  # fmt: skip
+WITH_IMATRIX = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")  # llama-quantize wants an importance matrix for them
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen35" / "hf"
 PROMPT = [(i * 7919) % 500 + 10 for i in range(8)]  # ids every runner's tokenizer knows
 

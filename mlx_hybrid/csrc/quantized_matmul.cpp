@@ -59,7 +59,8 @@ struct Packing {
     static constexpr int U = values_per_lane(BITS);  // values per 32-bit lane
     static constexpr int V = 8 * U;                  // values per step
     static constexpr int STEP_BYTES = V * BITS / 8;
-    static constexpr int READ_BYTES = BITS == 4 || BITS == 8 || BITS == 16 ? 32 : 2 * BITS + 16;  // what load_lanes reads
+    // what load_lanes reads
+    static constexpr int READ_BYTES = BITS == 4 || BITS == 8 || BITS == 16 ? 32 : 2 * BITS + 16;
     static constexpr int MASK = (1 << BITS) - 1;
 };
 
@@ -324,8 +325,9 @@ BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::
     if (groups_per_factor == 0) return {};
     long groups = w.shape(-1) * 32L / bits / group_size;
     if (groups_per_factor < 0 || groups % groups_per_factor || factor_count < 1 || factor_count > 2 ||
-        code_count < 1 || code_count > 2 || (code_bits != 8 && !(code_bits == 4 && code_count == 2)) || scales.dtype() != mx::float16 ||
-        biases.dtype() != mx::int8 || scales.shape(-1) != groups / groups_per_factor * factor_count ||
+        code_count < 1 || code_count > 2 || (code_bits != 8 && !(code_bits == 4 && code_count == 2)) ||
+        scales.dtype() != mx::float16 || biases.dtype() != mx::int8 ||
+        scales.shape(-1) != groups / groups_per_factor * factor_count ||
         biases.shape(-1) != groups * code_count * code_bits / 8)
         throw std::invalid_argument("quantized_matmul: factors and codes that do not fit the block layout");
     int exponent;

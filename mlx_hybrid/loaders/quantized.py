@@ -19,9 +19,9 @@ IQ4's 4-bit values index IQ4_NL's 16 values: held with the table plus 128 (unsig
 bias of -128 times the scale (`BlockScales.table`); only our CPU kernels take them. IQ3_S's
 grid holds odd integers in [-15, 15], 2 q - 15 for a 4-bit q: it is held as 4-bit groups of 32
 (scale 2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, on every backend, at 4.31 bits a weight
-against the file's 3.44. IQ3_XXS's and IQ2_XXS's signed grid values (16 and 6 of them) are
+against the file's 3.44. IQ3_XXS's and the IQ2 types' signed grid values (16 and 6 of them) are
 4-bit indices into tables of their own (IQ3_XXS_TABLE, IQ2_XXS_TABLE), exact, 4.31 bits a weight
-against 3.06 and 2.06.
+against 3.06 and 2.06 (IQ2_XS and IQ2_S in groups of 16: 4.56 against 2.31 and 2.56).
 
 Where our CPU kernels compute (`ops.computes_block_scales`), the scales stay as the file
 stores them (`BlockScales`: integer codes per group times float16 factors per block), which
@@ -236,6 +236,42 @@ def _iq2_xxs(b):
     return q, _f16(b[..., 0:2]), (2 * (words[..., 1] >> 28) + 1).astype(np.int8)[..., None]
 
 
+def _iq2_xs(b):
+    # 32 16-bit words, each a 9-bit index into a 512-entry grid of 8 magnitudes and a 7-bit index
+    # into ksigns; a 4-bit code s a group of 16 (two a byte), w = d (2 s + 1) / 8 g sign
+    from gguf.quants import IQ2_XS, IQ2_XXS
+
+    IQ2_XS.init_grid()
+    lead = b.shape[:-1]
+    words = b[..., 2:66].copy().view(np.uint16)
+    magnitudes = IQ2_XS.grid.reshape(512, 8)[words & 511].reshape(*lead, 256)
+    sign_bytes = np.frombuffer(IQ2_XXS.ksigns, np.uint8)[words >> 9]
+    negative = ((sign_bytes[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
+    return _iq2_groups_of_16(magnitudes, negative, b[..., 0:2], b[..., 66:74])
+
+
+def _iq2_s(b):
+    # 32 indices into a 1024-entry grid of 8 magnitudes (8 low bits in qs, 2 high bits in qh), a
+    # sign bit a value, 4-bit codes as IQ2_XS's
+    from gguf.quants import IQ2_S
+
+    IQ2_S.init_grid()
+    lead = b.shape[:-1]
+    high = ((b[..., 66:74, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).reshape(*lead, 32)
+    magnitudes = IQ2_S.grid.reshape(1024, 8)[b[..., 2:34] | (high.astype(np.uint16) << 8)].reshape(*lead, 256)
+    negative = ((b[..., 34:66, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
+    return _iq2_groups_of_16(magnitudes, negative, b[..., 0:2], b[..., 74:82])
+
+
+def _iq2_groups_of_16(magnitudes, negative, d, scales):
+    """IQ2_XS's and IQ2_S's values as indices into IQ2_XXS_TABLE, 16 groups of 16, the factor d
+    and the codes 2 s + 1 (factor_scale 1/8)."""
+    lead = magnitudes.shape[:-1]
+    q = np.searchsorted(IQ2_XXS_VALUES, np.where(negative, -magnitudes, magnitudes)).astype(np.uint8)
+    codes = ((scales[..., None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(*lead, 16)
+    return q.reshape(*lead, 16, 16), _f16(d), (2 * codes + 1).astype(np.int8)[..., None]
+
+
 # GGML type name -> (bits, values per group, block parser, the block form's scales)
 BLOCK_TYPES = {
     "Q8_0": (8, 32, _q8_0, BlockScales(1, 1, 1, -128.0)),
@@ -253,6 +289,8 @@ BLOCK_TYPES = {
     "IQ3_S": (4, 32, _iq3_s, BlockScales(8, 1, 1, -7.5)),
     "IQ3_XXS": (4, 32, _iq3_xxs, BlockScales(8, 1, 1, -32.0, table=IQ3_XXS_TABLE, factor_scale=0.5)),
     "IQ2_XXS": (4, 32, _iq2_xxs, BlockScales(8, 1, 1, -43.0, table=IQ2_XXS_TABLE, factor_scale=0.125)),
+    "IQ2_XS": (4, 16, _iq2_xs, BlockScales(16, 1, 1, -43.0, table=IQ2_XXS_TABLE, factor_scale=0.125)),
+    "IQ2_S": (4, 16, _iq2_s, BlockScales(16, 1, 1, -43.0, table=IQ2_XXS_TABLE, factor_scale=0.125)),
 }
 
 

@@ -15,12 +15,12 @@ from ..quantized_tensor import BlockScales, QuantizedTensor
 from .cpu_extension import extension
 
 BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF's Q2_K, Q3_K, Q6_K
+GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF's Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S
 
 
 def supports(bits: int, group_size: int) -> bool:
-    # a kernel step spans at most two groups: 64 values at 4 bits, 32 at the others
-    return bits in BITS and group_size in GROUP_SIZES and group_size * 2 >= (64 if bits == 4 else 32)
+    # a kernel step (64 values at 4 bits, 32 at the others) spans at most four groups
+    return bits in BITS and group_size in GROUP_SIZES
 
 
 def random_weights(shape, bits: int, group_size: int, seed: int = 0):
