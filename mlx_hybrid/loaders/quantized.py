@@ -56,10 +56,23 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
-    """Bit i of a little-endian bit field, for i < count."""
-    bits = np.unpackbits(qh, axis=-1, bitorder="little")
+def _bits(field: np.ndarray, count: int | None = None) -> np.ndarray:
+    """Bit i of a little-endian bit field (the last axis's bytes), for i < count."""
+    bits = np.unpackbits(field, axis=-1, bitorder="little")
     return bits[..., :count]
+
+
+def _fields(field: np.ndarray, width: int) -> np.ndarray:
+    """Each byte's fields of `width` bits (2 or 4), the lowest first: [..., bytes * 8 / width]."""
+    shifts = np.arange(0, 8, width, dtype=np.uint8)
+    return ((field[..., None] >> shifts) & ((1 << width) - 1)).reshape(*field.shape[:-1], -1)
+
+
+def _two_bit_runs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K's and Q3_K's low bits: two halves of 128 values, 32 bytes each, bit pairs 0-1, 2-3,
+    4-5, 6-7 of a byte the values of runs 0..3 of 32; as 16 groups of 16."""
+    runs = qs.reshape(*qs.shape[:-1], 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    return (runs & 3).reshape(*qs.shape[:-1], 16, 16)
 
 
 # Each parser: blocks [..., bytes] -> (q [..., groups, group_size] unsigned, factors float16
@@ -85,12 +98,12 @@ def _q4_1(b):
 
 
 def _q5_0(b):
-    q = _nibbles(b[..., 6:22]) | (_high_bits(b[..., 2:6], 32) << 4)
+    q = _nibbles(b[..., 6:22]) | (_bits(b[..., 2:6], 32) << 4)
     return q[..., None, :], _f16(b[..., 0:2]), _ones(b)
 
 
 def _q5_1(b):
-    q = _nibbles(b[..., 8:24]) | (_high_bits(b[..., 4:8], 32) << 4)
+    q = _nibbles(b[..., 8:24]) | (_bits(b[..., 4:8], 32) << 4)
     return q[..., None, :], _f16(b[..., 0:4]), _ones(b)
 
 
@@ -129,21 +142,18 @@ def _q6_k(b):
 
 
 def _q2_k(b):
-    # two halves of 128 values, 32 bytes each: bit pairs 0-1, 2-3, 4-5, 6-7 of a byte are values
-    # of runs 0..3 of 32, each run two groups of 16; scales[16]: code low nibble, min high nibble
-    qs = b[..., 16:80].reshape(*b.shape[:-1], 2, 1, 32)
-    q = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(*b.shape[:-1], 16, 16)
-    codes = b[..., 0:16].view(np.int8)[..., None]  # both codes of a group in a byte, kept so
-    return q, _f16(b[..., 80:84]) * np.array([1, -1], np.float16), codes
+    # scales[16]: a group's code in the low nibble, its min in the high one, kept so
+    codes = b[..., 0:16].view(np.int8)[..., None]
+    return _two_bit_runs(b[..., 16:80]), _f16(b[..., 80:84]) * np.array([1, -1], np.float16), codes
 
 
 def _q3_k(b):
     # values as Q2_K's, plus a third bit from hmask (bit j of byte i: value i of runs j); signed
     # 6-bit codes (a low nibble of 8 bytes, two high bits of 4), offset by 32
-    hmask, qs, packed = b[..., 0:32], b[..., 32:96].reshape(*b.shape[:-1], 2, 1, 32), b[..., 96:108]
-    low = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3).reshape(*b.shape[:-1], 16, 16)
+    hmask, packed = b[..., 0:32], b[..., 96:108]
+    low = _two_bit_runs(b[..., 32:96])
     high = ((hmask[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1).reshape(*b.shape[:-1], 16, 16)
-    low_codes = np.concatenate([packed[..., 0:8] & 0x0F, packed[..., 0:8] >> 4], axis=-1)
+    low_codes = _nibbles(packed[..., 0:8])
     high_codes = ((packed[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).swapaxes(-1, -2)
     codes = (low_codes | (high_codes.reshape(*b.shape[:-1], 16) << 4)).astype(np.int16) - 32
     return low | (high << 2), _f16(b[..., 108:110]), codes.astype(np.int8)[..., None]
@@ -162,7 +172,7 @@ def _iq4_xs(b):
     # 8 groups of 32, each 16 bytes as Q4_0's; 6-bit codes offset by 32: low nibbles in
     # scales_l[4], two high bits each in the 16-bit scales_h
     qs = b[..., 8:136].reshape(*b.shape[:-1], 8, 16)
-    low = ((b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(*b.shape[:-1], 8)
+    low = _fields(b[..., 4:8], 4)
     scales_h = b[..., 2:4].copy().view(np.uint16)
     high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3
     codes = (low | (high << 4)).astype(np.int16) - 32
@@ -179,12 +189,12 @@ def _iq3_s(b):
     IQ3_S.init_grid()
     lead = b.shape[:-1]
     qs, qh, signs, scales = b[..., 2:66], b[..., 66:74], b[..., 74:106], b[..., 106:110]
-    high = ((qh[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 64).astype(np.uint16)
+    high = _bits(qh).astype(np.uint16)
     magnitudes = IQ3_S.grid.reshape(512, 4)[qs.astype(np.uint16) | (high << 8)].reshape(*lead, 256)
-    negative = ((signs[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
+    negative = _bits(signs)
     q = ((np.where(negative, -magnitudes, magnitudes) + 15) / 2).astype(np.uint8).reshape(*lead, 8, 32)
-    codes = ((scales[..., None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(*lead, 8)
-    return q, _f16(b[..., 0:2]), (2 * (1 + 2 * codes.astype(np.int8)))[..., None]
+    codes = _fields(scales, 4).astype(np.int8)
+    return q, _f16(b[..., 0:2]), (2 * (1 + 2 * codes))[..., None]
 
 
 def _signs_of(words, lead):
@@ -194,7 +204,7 @@ def _signs_of(words, lead):
 
     ksigns = np.frombuffer(IQ2_XXS.ksigns, np.uint8)
     index = (words[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F
-    return ((ksigns[index][..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
+    return _bits(ksigns[index]).reshape(*lead, 256)
 
 
 # Each group of 32 IQ3_XXS values is d (2 s + 1) / 4 times a signed grid value, one of 16:
@@ -246,8 +256,7 @@ def _iq2_xs(b):
     words = b[..., 2:66].copy().view(np.uint16)
     magnitudes = IQ2_XS.grid.reshape(512, 8)[words & 511].reshape(*lead, 256)
     sign_bytes = np.frombuffer(IQ2_XXS.ksigns, np.uint8)[words >> 9]
-    negative = ((sign_bytes[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
-    return _iq2_groups_of_16(magnitudes, negative, b[..., 0:2], b[..., 66:74])
+    return _iq2_groups_of_16(magnitudes, _bits(sign_bytes), b[..., 0:2], b[..., 66:74])
 
 
 def _iq2_s(b):
@@ -257,10 +266,9 @@ def _iq2_s(b):
 
     IQ2_S.init_grid()
     lead = b.shape[:-1]
-    high = ((b[..., 66:74, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).reshape(*lead, 32)
-    magnitudes = IQ2_S.grid.reshape(1024, 8)[b[..., 2:34] | (high.astype(np.uint16) << 8)].reshape(*lead, 256)
-    negative = ((b[..., 34:66, None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*lead, 256)
-    return _iq2_groups_of_16(magnitudes, negative, b[..., 0:2], b[..., 74:82])
+    high = _fields(b[..., 66:74], 2).astype(np.uint16)
+    magnitudes = IQ2_S.grid.reshape(1024, 8)[b[..., 2:34] | (high << 8)].reshape(*lead, 256)
+    return _iq2_groups_of_16(magnitudes, _bits(b[..., 34:66]), b[..., 0:2], b[..., 74:82])
 
 
 def _iq2_groups_of_16(magnitudes, negative, d, scales):
@@ -268,7 +276,7 @@ def _iq2_groups_of_16(magnitudes, negative, d, scales):
     and the codes 2 s + 1 (factor_scale 1/8)."""
     lead = magnitudes.shape[:-1]
     q = np.searchsorted(IQ2_XXS_VALUES, np.where(negative, -magnitudes, magnitudes)).astype(np.uint8)
-    codes = ((scales[..., None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(*lead, 16)
+    codes = _fields(scales, 4)
     return q.reshape(*lead, 16, 16), _f16(d), (2 * codes + 1).astype(np.int8)[..., None]
 
 

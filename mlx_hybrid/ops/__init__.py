@@ -314,16 +314,20 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
 def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.array:
     """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out]."""
     if weight_t.dtype != x.dtype and keeps_16bit_weights(weight_t.dtype, x.dtype):
-        lead, k = indices.shape[:-1], indices.shape[-1]
-        rows = x.reshape(-1, x.shape[-3], x.shape[-1])
-        out = cpu_quantized.gather_matmul_16bit(rows, weight_t.swapaxes(-1, -2), indices.reshape(-1, k))
-        return out.reshape(*lead, k, 1, weight_t.shape[-1])
-    if x.dtype != weight_t.dtype:
-        weight_t = weight_t.astype(x.dtype)
+        weight = weight_t.swapaxes(-1, -2)
+        return _on_token_rows(lambda rows, flat: cpu_quantized.gather_matmul_16bit(rows, weight, flat), x, indices)
     if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
         # MLX's CPU gather_mm is float32-only
         return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
     return mx.gather_mm(x, weight_t, rhs_indices=indices)
+
+
+def _on_token_rows(product, x: mx.array, indices: mx.array) -> mx.array:
+    """A CPU kernel's gathered product, product(rows [T, 1 or k, K], indices [T, k]) -> [T, k, N],
+    for x [..., 1 or k, 1, K] and indices [..., k]: [..., k, 1, N]."""
+    lead, k = indices.shape[:-1], indices.shape[-1]
+    out = product(x.reshape(-1, x.shape[-3], x.shape[-1]), indices.reshape(-1, k))
+    return out.reshape(*lead, k, 1, out.shape[-1])
 
 
 _CPU_QUANTIZED = kernels.KernelSpec("mlx_hybrid_quantized_matmul", "quantized_matmul.cpp", (), ())
@@ -387,11 +391,12 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype."""
     if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
-        lead, k = indices.shape[:-1], indices.shape[-1]
-        rows = x.reshape(-1, x.shape[-3], x.shape[-1])
-        flat = indices.reshape(-1, k)
-        out = cpu_quantized.gather_quantized_matmul(rows, w, scales, biases, flat, group_size, bits, block)
-        out = out.reshape(*lead, k, 1, w.shape[-2])
+        out = _on_token_rows(
+            lambda rows, flat: cpu_quantized.gather_quantized_matmul(
+                rows, w, scales, biases, flat, group_size, bits, block
+            ),
+            x, indices,
+        )  # fmt: skip
     elif group_size in MLX_GROUP_SIZES and block is None:
         out = mx.gather_qmm(
             x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
