@@ -13,6 +13,7 @@ import mlx_hybrid
 from conftest import FIXTURES
 from fixtures.make_assistant import template_messages
 from mlx_hybrid.prompt import chat_prompt
+from mlx_hybrid.tokenizer import Tokenizer
 from test_server import API_KEY, ASSISTANT, UNITS, Server, http
 
 anthropic = pytest.importorskip("anthropic")  # a test dependency; skipped where an old install lacks it
@@ -372,3 +373,36 @@ def test_claude_codes_and_codexs_requests_replay(assistant, stream):
     assert final["object"] == "response" and final["output"] and final["status"] in ("completed", "incomplete")
     assert len([item for item in final["output"] if item["type"] == "function_call"]) <= 1  # parallel_tool_calls false
     assert assistant.load()["status"] == "ok"
+
+
+
+def test_a_captured_claude_code_session_reads_only_what_is_new(tmp_path):
+    """A real Claude Code session (tests/fixtures/agents/claude_code_session.json: seven requests as the
+    client sent them, long strings cut) replayed in order, streamed as it was: every request answers, and
+    each one after the first reads from a checkpoint all of the previous request's prompt that it repeats.
+    Its 16 tools' schemas alone are 8k tokens in the assistant's small vocabulary: the assistant is served
+    from a copy whose config allows 16k positions (what is checked is resumption, not the words)."""
+    for path in ASSISTANT.iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    config = json.loads((ASSISTANT / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 16384
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    session = json.loads((FIXTURES / "agents" / "claude_code_session.json").read_text())
+    # The previous prompt ends with the generation prompt where the next one has the assistant's message:
+    # the shared prefix, and the last checkpoint in it, end where the generation prompt begins
+    generation_prompt = len(Tokenizer.from_hf_dir(ASSISTANT, {}).encode("<|im_start|>assistant\n<think>\n"))
+    server, previous = Server("--model", str(tmp_path), "--served-model-name", "assistant"), None
+    try:
+        for body in session:
+            with post(server.url + "/v1/messages", body | {"model": "assistant", "max_tokens": 4}) as response:
+                assert response.status == 200
+                events = sse_events(response)
+            assert [name for name, _ in events][-2:] == ["message_delta", "message_stop"]
+            usage = events[0][1]["message"]["usage"]
+            prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+            if previous is not None:
+                assert usage["cache_read_input_tokens"] == previous - generation_prompt, (usage, previous)
+            previous = prompt
+    finally:
+        assert server.stop()

@@ -76,6 +76,8 @@ class Sequence:
     max_tokens: int
     logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
     cached_tokens: int = 0  # prompt tokens that came from a checkpoint
+    # set once the engine has taken the sequence in and looked up its checkpoint (cached_tokens is final)
+    started: threading.Event = field(default_factory=threading.Event)
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None
     error: str | None = None
@@ -345,6 +347,7 @@ class Engine:
                 self._finish(row, "length")
             elif not self._resume(row):
                 self.rows.append(row)
+            row.sequence.started.set()
 
     def _resume(self, row: _Row) -> bool:
         """Start from the longest checkpoint that is a prefix of the prompt; whether that ended the row."""

@@ -310,6 +310,7 @@ async def reply(chat, body: MessagesRequest, request) -> dict:
 async def events(chat, body: MessagesRequest):
     """The reply as Anthropic's stream: (event name, data) in its order."""
     start = _envelope(chat) | {"stop_reason": None, "stop_sequence": None}
+    await chat.started()  # message_start's usage says what was read from a checkpoint
     yield "message_start", {"type": "message_start", "message": start | {"usage": _usage(chat)}}
     yield "ping", {"type": "ping"}
     index, open_kind, called, ending = -1, None, False, None

@@ -33,6 +33,9 @@ from .protocol import (
 )  # fmt: skip
 
 PARAM_NAMES = {"temperature": "temp"}  # request field -> SamplingParams field, where they differ
+# how often a stream waiting for the engine to take its request in looks again (the engine admits
+# between steps: a few milliseconds while it runs, at once while idle)
+STARTED_POLL_S = 0.005
 
 
 @dataclass
@@ -435,6 +438,12 @@ class _Run:
     def ending(self, finish_reason: str) -> Ending:
         return Ending(finish_reason, self.stops.matched)
 
+    async def started(self):
+        """Once the engine has taken the request in: from then on usage() says how much of the prompt
+        came from a checkpoint (a stream that reports usage before any token waits for this)."""
+        while not (self.sequence.started.is_set() or self.sequence.done):
+            await asyncio.sleep(STARTED_POLL_S)
+
     def usage(self) -> dict:
         prompt = len(self.sequence.prompt)
         return {
@@ -519,6 +528,9 @@ class _ChatOutput:
 
     def usage(self) -> dict:
         return self.run.usage()
+
+    async def started(self):
+        await self.run.started()
 
     @property
     def model(self) -> str:
