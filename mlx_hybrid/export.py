@@ -1,7 +1,7 @@
 """Writing models back out: GGUF in llama.cpp's qwen35 layout, and HF directories.
 
 The name mappings are the loaders' tables run the other way (see
-`loaders/gguf_file.py` and `loaders/hf.py`), so a written file loads back to the
+`loaders/gguf_architectures.py` and `loaders/hf.py`), so a written file loads back to the
 same parameters.
 """
 
@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .loaders import gguf_file, hf
+from .loaders import gguf_architectures, gguf_file, hf
 from .loaders.common import rename
 from .models.layers import LINEAR
 from .models.qwen3_5 import POST_NORM
@@ -58,7 +58,7 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     if args.model_type not in _GGUF_ARCH:
         raise ValueError(f"GGUF export supports {sorted(_GGUF_ARCH)}, not {args.model_type!r}")
     arch = _GGUF_ARCH[args.model_type]
-    weights, unmatched = rename(_canonical(model), gguf_file._qwen_rules(True, to_gguf=True), args)
+    weights, unmatched = rename(_canonical(model), gguf_architectures._qwen_rules(True, to_gguf=True), args)
     assert not unmatched, unmatched
     n_layer, nextn = args.num_hidden_layers, args.mtp_num_hidden_layers
     writer = gguf.GGUFWriter(str(path), arch)
@@ -85,7 +85,7 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     writer.add_ssm_inner_size(args.linear_num_value_heads * args.linear_value_head_dim)
     writer.add_nextn_predict_layers(nextn)
     if args.mtp_hidden != POST_NORM:
-        writer.add_string(gguf_file.MTP_HIDDEN_KEY, args.mtp_hidden)
+        writer.add_string(gguf_architectures.MTP_HIDDEN_KEY, args.mtp_hidden)
     writer.add_array(f"{arch}.attention.recurrent_layers", [t == LINEAR for t in args.layer_types] + [False] * nextn)
     writer.add_full_attention_interval(args.layer_types.index("full_attention") + 1)
     if args.num_experts:

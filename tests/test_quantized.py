@@ -208,7 +208,7 @@ def test_value_head_columns_move_as_whole_groups():
     from types import SimpleNamespace
 
     from mlx_hybrid.loaders.common import apply_transform
-    from mlx_hybrid.loaders.gguf_file import _head_transforms
+    from mlx_hybrid.loaders.gguf_architectures import _head_transforms
     from mlx_hybrid.loaders.quantized import QuantizedTensor
 
     value_columns = _head_transforms(to_gguf=False)[3]

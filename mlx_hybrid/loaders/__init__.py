@@ -18,7 +18,7 @@ from ..images import ImageProcessor
 from ..models import architecture
 from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
-from . import gguf_file, hf, hub
+from . import gguf_architectures, gguf_file, gguf_projector, hf, hub
 from .common import RankPart, fill_model, rename
 from .quantized import dequantized_notice
 
@@ -186,7 +186,7 @@ def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool,
     module, args = checkpoint.module, checkpoint.args
     projector = _projector_path(path, mmproj, args.model_type)
     if projector is not None:
-        args.vision, image_processor, vision_weights = gguf_file.read_mmproj(projector, args.hidden_size)
+        args.vision, image_processor, vision_weights = gguf_projector.read_mmproj(projector, args.hidden_size)
     model = _build(module, args)
     part = split.apply(model)
     with _progress_bar(checkpoint.count, path.stat().st_size, progress, path.name) as bar:
@@ -271,10 +271,10 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
     each quantized type it will dequantize."""
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.Metadata(reader)
-    if meta.arch not in gguf_file.GGUF_ARCHITECTURES:
-        known = ", ".join(sorted(gguf_file.GGUF_ARCHITECTURES))
+    if meta.arch not in gguf_architectures.GGUF_ARCHITECTURES:
+        known = ", ".join(sorted(gguf_architectures.GGUF_ARCHITECTURES))
         raise UnsupportedArchitectureError(f"{path}: unsupported GGUF architecture {meta.arch!r} (supported: {known})")
-    model_type, make_args, rules = gguf_file.GGUF_ARCHITECTURES[meta.arch]
+    model_type, make_args, rules = gguf_architectures.GGUF_ARCHITECTURES[meta.arch]
     module = architecture(model_type)
     shapes = gguf_file.tensor_shapes(reader)
     args = make_args(meta, module, shapes)
@@ -294,7 +294,7 @@ def _projector_path(path: Path, mmproj, model_type: str) -> Path | None:
         if not projector.is_file():
             raise ModelLoadError(f"{projector}: no such projector file")
     else:
-        projector = gguf_file.find_mmproj(path)
+        projector = gguf_projector.find_mmproj(path)
     if projector is not None and not hasattr(architecture(model_type).ModelArgs, "vision"):
         if mmproj is None:
             return None  # a projector beside a model that takes no images is another model's
