@@ -1,7 +1,7 @@
 """Drafters for speculative decoding: the model's MTP head, a draft model, n-gram lookup.
 
-Every drafter has the same calls, made by `speculative.SpeculativeDecoder` (one sequence)
-and by the batch engine (one drafter per row):
+Every drafter has the same calls, made by the engine for each of its rows that speculate (one
+drafter a row, `engine.rows.Row`):
 - `prefill(tokens, hidden)` for each part of the prompt the trunk has read (hidden: its
   hidden states [1, T, E], or None), then `begin(first_token)` with the first sampled
   token; `start(prompt, prompt_hidden, first_token)` does both at once;
@@ -34,7 +34,7 @@ from .draft_vocab import draft_vocabulary
 from .errors import GenerationError
 from .prompt import PREFILL_STEP, prefill
 
-# Default confidence under which a drafter stops drafting (see SpeculativeDecoder for
+# Default confidence under which a drafter stops drafting (see speculative.DraftingPolicy for
 # the acceptance-driven part of adaptive drafting). A low floor: it stops drafts from a
 # head with no idea (a random head's top probability is ~0.001 over 32k tokens), while
 # the bundled head keeps 2.73 of its 2.87 tokens per pass at k=3 (0.2: 2.56, 0.5: 2.04).

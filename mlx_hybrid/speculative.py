@@ -16,7 +16,7 @@ No trunk pass is repeated after a rejection.
 
 Adaptive drafting (on unless draft_p_min is 0): besides the drafter's own confidence
 stop, after MISSES_BEFORE_BACKOFF misses in a row (rounds whose first draft was
-rejected, or whose drafter declined at a cost) the decoder runs plain steps for 1, 2,
+rejected, or whose drafter declined at a cost) a row runs plain steps for 1, 2,
 4, ... 16 rounds before trying again, so that misses cost almost nothing. It does not
 shorten rounds otherwise: at a first-draft acceptance near 50% full rounds still pay.
 """
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .cache import rollback
 from .errors import GenerationError
 
 
@@ -121,82 +120,69 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     return drafts[:a] + [targets[a]]
 
 
-class SpeculativeDecoder:
-    """One sequence's side of the rounds of draft + verify (with no drafter, plain decoding
-    steps): how many drafts to ask for (`plan`), acceptance (`accept_greedy`,
-    `accept_sampled`), then rollback and the drafter's update (`finish`). The engine
-    (`engine.scheduler`) drafts and verifies its rows together and runs these for each."""
+def accept_sampled(sampler, drafts: list[int], draft_logprobs, target_logprobs) -> list[int]:
+    """Speculative sampling (Leviathan et al., Chen et al.): the output follows the target exactly.
+    draft_logprobs: per draft, the drafter's distribution (None: a point mass); target_logprobs
+    [len(drafts) + 1, V]: the model's at each position."""
+    for i, token in enumerate(drafts):
+        p = mx.exp(target_logprobs[i])
+        q = mx.exp(draft_logprobs[i]) if draft_logprobs[i] is not None else None
+        p_token = p[token]
+        q_token = q[token] if q is not None else mx.array(1.0)
+        u = mx.random.uniform(key=sampler.next_key())
+        if bool(u * q_token < p_token):  # accept with probability min(1, p/q)
+            continue
+        if q is None:  # point-mass draft: the residual is p without that token
+            residual = mx.where(mx.arange(p.shape[-1]) == token, 0.0, p)
+        else:
+            residual = mx.maximum(p - q, 0.0)
+        fallback = sampler.draw(mx.log(residual))
+        return drafts[:i] + [int(fallback)]
+    bonus = sampler.draw(target_logprobs[len(drafts)])
+    return drafts + [int(bonus)]
 
-    # misses in a row before the decoder backs off, and the longest run of plain rounds
+
+def accept(sampler, drafts: list[int], scores, draft_logprobs, greedy_targets: list[int] | None) -> list[int]:
+    """A round's tokens: the drafts the model accepts, then one of its own. Greedy rows bring the
+    model's argmax at each position (greedy_targets); sampling rows its scores [len(drafts) + 1, V]."""
+    if greedy_targets is not None:
+        return accept_greedy(drafts, greedy_targets)
+    return accept_sampled(sampler, drafts, draft_logprobs, sampler.log_probs(scores))
+
+
+class DraftingPolicy:
+    """How many drafts one sequence asks for each round (`plan`: up to num_draft_tokens; 0: a plain
+    step), adapted to what its rounds accept (`record`), and its figures (`stats`)."""
+
+    # misses in a row before the policy backs off, and the longest run of plain rounds
     MISSES_BEFORE_BACKOFF = 3
     MAX_PLAIN_ROUNDS = 16
 
-    def __init__(self, model, drafter, sampler, num_draft_tokens: int, cache, adaptive: bool = False):
-        self.model = model
-        self.drafter = drafter
-        self.sampler = sampler
+    def __init__(self, num_draft_tokens: int, adaptive: bool = False):
         self.k = check_num_draft_tokens(num_draft_tokens)
-        self.cache = cache
         self.adaptive = adaptive
         self.stats = SpeculativeStats()
-        self.token: int | None = None  # sampled, not yet run through the trunk
         self.misses = 0  # rounds in a row that asked for drafts and accepted none
         self.plain_rounds = 0  # rounds still to run without drafting
 
-    def begin(self, first_token: int) -> int:
-        """The first token, sampled after the prompt (whose parts the drafter has read)."""
-        self.token = first_token
-        if self.drafter is not None:
-            self.drafter.begin(first_token)
-            keep_snapshot_buffers(self.cache, self.k)
-        return first_token
-
     def plan(self, max_new: int | None = None) -> int:
-        """How many drafts to ask for this round (0: a plain step)."""
-        if self.drafter is None:
-            return 0
+        """How many drafts to ask for this round (0: a plain step); max_new: tokens still allowed."""
         if self.plain_rounds:
             self.plain_rounds -= 1
             return 0
         return self.k if max_new is None else max(0, min(self.k, max_new - 1))
 
+    def record(self, drafted: int, accepted: int, asked: int, declines_cost: bool):
+        """After a verify pass of `drafted` drafts (`asked` for) that accepted the first `accepted`;
+        declines_cost: whether the drafter's declining to draft cost a pass (adapts as a miss)."""
+        if self.adaptive and (drafted or (asked and declines_cost)):
+            self._adapt(accepted)
+        self.stats.record(drafted, accepted)
+
     def _adapt(self, accepted: int):
-        """After a round that asked for drafts (and got some, or paid for a decline)."""
         if accepted:
             self.misses = 0
             return
         self.misses += 1
         if self.misses >= self.MISSES_BEFORE_BACKOFF:
             self.plain_rounds = min(2 ** (self.misses - self.MISSES_BEFORE_BACKOFF), self.MAX_PLAIN_ROUNDS)
-
-    def finish(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int):
-        """After the verify pass over [token, `drafted` drafts] gave `hidden` [1, k+1, E]:
-        roll the caches back to the accepted tokens and tell the drafter."""
-        if drafted:
-            rollback(self.cache, keep=len(accepted), recorded=drafted + 1)
-        a = len(accepted) - 1
-        if self.drafter is not None:
-            self.drafter.update(hidden, accepted)
-            if self.adaptive and (drafted or (asked and self.drafter.declines_cost)):
-                self._adapt(a)
-            self.stats.record(drafted, a)
-        self.token = accepted[-1]
-
-    def accept_sampled(self, drafts, draft_logprobs, target_logprobs):
-        """Speculative sampling (Leviathan et al., Chen et al.): the output follows the target exactly."""
-        for i, token in enumerate(drafts):
-            p = mx.exp(target_logprobs[i])
-            q = mx.exp(draft_logprobs[i]) if draft_logprobs[i] is not None else None
-            p_token = p[token]
-            q_token = q[token] if q is not None else mx.array(1.0)
-            u = mx.random.uniform(key=self.sampler.next_key())
-            if bool(u * q_token < p_token):  # accept with probability min(1, p/q)
-                continue
-            if q is None:  # point-mass draft: the residual is p without that token
-                residual = mx.where(mx.arange(p.shape[-1]) == token, 0.0, p)
-            else:
-                residual = mx.maximum(p - q, 0.0)
-            fallback = self.sampler.draw(mx.log(residual))
-            return drafts[:i] + [int(fallback)]
-        bonus = self.sampler.draw(target_logprobs[len(drafts)])
-        return drafts + [int(bonus)]

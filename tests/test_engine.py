@@ -375,3 +375,33 @@ def test_500_requests_leave_active_memory_flat():
     # the store is full from the first burst on (1 MB); requests leave nothing else behind
     assert after_all - after_warmup < 256 * 1024, (after_warmup, after_all)
     assert engine.store.nbytes <= 1 << 20 and engine.rows == []
+
+
+def test_a_step_in_its_parts():
+    """A pass's first three parts on their own (engine.step): the batch packs each row's prompt up to
+    the prefill budget, and the pass gives each row, at its prompt's last position, the logits of the
+    model run on that prompt alone; a decoding row's round then accepts, greedy, the model's argmax."""
+    from mlx_hybrid.engine.step import build_batch, choose_tokens, run_model
+    from mlx_hybrid.sampling import SamplingParams
+
+    model, tok = load_fixture("qwen35", "hf")
+    engine = Engine(model, tok, prefix_store=PrefixStore(0))
+    prompts = prompts_for(3)[1:]  # 5 and 30 tokens
+    rows = [engine.new_row(p, SamplingParams(max_tokens=4), (), None, None) for p in prompts]
+    assert build_batch(rows, prefill_chunk=3).rows == rows[:1]  # the budget: three tokens of the first
+    batch = build_batch(rows, prefill_chunk=sum(map(len, prompts)))
+    assert batch.lengths == [5, 30] and batch.spans == [(0, 5), (5, 35)]
+    hidden = run_model(model, batch)
+    choices = choose_tokens(model, batch, hidden)
+    for prompt, choice in zip(prompts, choices):
+        alone = model(mx.array([prompt]), cache=model.make_cache())[0, -1:]
+        assert choice.accepted is None
+        assert_close_to_floor(choice.logits, alone)  # packed rows against one row alone
+
+    row = rows[0]
+    row.fed, row.last_hidden = list(prompts[0]), hidden[:, 4:5]
+    row.begin(int(mx.argmax(choices[0].logits[-1])))
+    batch = build_batch([row], prefill_chunk=8)  # a plain round: the row's token alone
+    choice = choose_tokens(model, batch, run_model(model, batch))[0]
+    alone = model(mx.array([prompts[0] + [row.token]]), cache=model.make_cache())[0, -1]
+    assert choice.accepted == [int(mx.argmax(alone))] and choice.drafted == 0

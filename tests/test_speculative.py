@@ -203,7 +203,7 @@ def test_rollback_leaves_the_cache_of_plain_decoding(family, k):
         assert sequence.tokens == greedy[:1]
         engine.step()  # one round: k drafts, a of them accepted, then the model's own token
         assert sequence.tokens == greedy[: a + 2]
-        cache = engine.rows[0].decoder.cache
+        cache = engine.rows[0].cache
 
         # plain decoding of the same tokens: prefill, then one token at a time
         plain = model.make_cache()
@@ -428,7 +428,7 @@ def test_snapshot_memory_does_not_grow_with_rounds():
     drafter = OracleDrafter(greedy, 0.25, model.args.vocab_size, inner=mtp)
     engine.submit(prompt, len(greedy), drafter=drafter, stop_tokens=())
     engine.step()  # the prompt
-    cache = engine.rows[0].decoder.cache
+    cache = engine.rows[0].cache
     gc.collect()  # arrays left by earlier tests must not be freed mid-measurement
     used = []
     for _ in range(48):

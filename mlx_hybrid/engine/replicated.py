@@ -83,7 +83,7 @@ class ReplicatedEngine(Engine):
         params = request_params(params, max_tokens, settings)
         if params.seed is None:  # drawn here, so that every rank samples alike
             params = params.replace(seed=int.from_bytes(os.urandom(4), "little") >> 1)
-        row = self._new_row(prompt, params, checkpoint_at, None, events)
+        row = self.new_row(prompt, params, checkpoint_at, None, events)
         request = {  # the prompt as token ids: the tokenizer's work done once
             "prompt": row.sequence.prompt, "params": dataclasses.asdict(params), "checkpoint_at": list(checkpoint_at),
         }  # fmt: skip
@@ -124,7 +124,7 @@ class ReplicatedEngine(Engine):
             for request in message.get("submit", []):
                 number = request.pop("number")
                 params = SamplingParams(**request["params"])
-                row = self._new_row(request["prompt"], params, request["checkpoint_at"], None, _Discard())
+                row = self.new_row(request["prompt"], params, request["checkpoint_at"], None, _Discard())
                 row.number = number
                 self._admit_row(row)
             self._step(message.get("cancel", []))
@@ -143,7 +143,7 @@ class ReplicatedEngine(Engine):
         if self._stopped:  # the other ranks returned from `follow`: a step would wait for them forever
             raise GenerationError("this split engine has stopped, and the other ranks with it")
 
-    def _idle(self):
+    def idle(self):
         pass  # an idle step has slept already, in step with the other ranks
 
     def _admit_row(self, row):
@@ -158,10 +158,10 @@ class ReplicatedEngine(Engine):
             self._cancels.discard(number)
         return more
 
-    def _enqueue(self, row):
+    def enqueue(self, row):
         raise AssertionError("requests reach a replicated engine through submit or follow")
 
-    def _cancelled(self, row) -> bool:
+    def is_cancelled(self, row) -> bool:
         return row.number in self._cancels
 
     @property

@@ -7,8 +7,11 @@ Each step runs one model pass over every running sequence, packed along the toke
   the positions where it asked for checkpoints;
 - a decoding sequence feeds its last token and this round's drafts. The drafters of all
   rows draft together (`draft_rows`), the pass records recurrent snapshots for the rows
-  that drafted, and each row then accepts, rolls back and adapts on its own, through its
-  `SpeculativeDecoder`.
+  that drafted, and each row then accepts, rolls back and adapts on its own (`rows.Row`, its
+  `speculative.DraftingPolicy`).
+
+A step's pass has four parts: build the packed batch, run the model, choose tokens (`step`), then
+advance the rows (`_advance`: caches, drafters, events, checkpoints, rows that end).
 
 Where a GPU computes and every row decodes plainly (no drafter), a step builds and
 queues the next pass, fed this pass's tokens before they are read, and only then reads
@@ -24,137 +27,31 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field
-from itertools import accumulate
 
 import mlx.core as mx
 
 from .. import ops
-from ..cache import marks, packed, record_snapshots, rewind, set_positions
-from ..drafting import draft_rows
+from ..cache import marks, packed, rewind, set_positions
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, check_context, request_ids
 from ..sampling import SamplingParams
-from ..speculative import (
-    SpeculativeDecoder,
-    SpeculativeStats,
-    accept_greedy,
-    check_num_draft_tokens,
-)
+from ..speculative import DraftingPolicy, SpeculativeStats, check_num_draft_tokens
 from .prefix_store import PrefixStore, capture, restore
-from .prompt_images import PromptImages, join_inserted
+from .prompt_images import PromptImages
+from .rows import Ahead, Row
+from .sequence import Event, Sequence, TokenLogprob, request_params, token_logprobs
+from .step import Batch, Choice, build_batch, choose_tokens, run_model
+
+__all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "Engine", "Event", "Sequence", "TokenLogprob", "request_params"]
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
-
-
-@dataclass
-class TokenLogprob:
-    """A generated token's log-probability under the model (before sampling settings), and
-    the likeliest alternatives at its position, best first."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class Event:
-    """What a sequence produced in one step: new tokens, and at the end why it ended."""
-
-    tokens: list[int]
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
-    error: str | None = None  # what went wrong, with "error"
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
-    drafted: int = 0  # how many of the tokens, from the first, are drafts the model accepted
-
-
-@dataclass
-class Sequence:
-    """One request in the engine, as its submitter sees it."""
-
-    prompt: list[int]
-    max_tokens: int
-    logprobs: int | None = None  # None: none; k: each token's log-probability and the top k
-    cached_tokens: int = 0  # prompt tokens that came from a checkpoint
-    # set once the engine has taken the sequence in and looked up its checkpoint (cached_tokens is final)
-    started: threading.Event = field(default_factory=threading.Event)
-    tokens: list[int] = field(default_factory=list)  # generated so far
-    finish_reason: str | None = None
-    error: str | None = None
-    events: queue.Queue = field(default_factory=queue.Queue)
-    cancelled: bool = False
-    stats: SpeculativeStats | None = None  # with a drafter: drafts accepted, tokens per pass
-
-    def cancel(self):
-        """Stop generating; the engine frees the row at its next step."""
-        self.cancelled = True
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def stream(self, timeout: float | None = None):
-        """The events, as the engine produces them (for a consumer on another thread)."""
-        while True:
-            event = self.events.get(timeout=timeout)
-            yield event
-            if event.finish_reason is not None:
-                return
-
-
-def request_params(params: SamplingParams | None, max_tokens: int | None, settings: dict) -> SamplingParams:
-    """`submit`'s settings: `params` (default: all defaults) with max_tokens and the keywords applied."""
-    if max_tokens is not None:
-        settings = {**settings, "max_tokens": max_tokens}
-    return (params or SamplingParams()).replace(**settings)
-
-
-@dataclass
-class _Ahead:
-    """A row's share of a pass built and queued before the tokens it reads were known."""
-
-    marks: list  # the row's caches before the pass
-    key: mx.array  # the sampler's random key before the pass
-    token: mx.array | None = None  # [1] the token it chooses, lazy
-    logits: mx.array | None = None  # [1, V] where it is chosen
-    hidden: mx.array | None = None  # [1, 1, E] the trunk's state at the token it read
-
-
-class _Row:
-    """The engine's side of a sequence: caches, sampler, drafter and decoder."""
-
-    def __init__(
-        self, sequence: Sequence, decoder: SpeculativeDecoder, stop_tokens, checkpoint_at, processor=None, images=None
-    ):
-        self.sequence = sequence
-        self.images: PromptImages | None = images
-        self.decoder = decoder
-        self.processor = processor  # the request's `processors.LogitsProcessor`, or None
-        self.drafts: list[int] = []  # with a processor: the drafts this pass verifies
-        self.stop_tokens = stop_tokens
-        self.checkpoint_at = sorted(p for p in set(checkpoint_at) if 0 < p <= len(sequence.prompt))
-        self.fed: list[int] = []  # tokens the caches have read
-        self.last_hidden = None  # the trunk's hidden state at the last fed token [1, 1, E]
-        self.ahead: _Ahead | None = None  # a queued pass that reads `decoder.token` (see `_overlapped_pass`)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.decoder.token is None
-
-    @property
-    def drafter(self):
-        return self.decoder.drafter
-
-    def checkpoint_key(self, tokens: list[int]) -> list[int] | None:
-        """What finds a checkpoint of this row after `tokens` (None: the tokens themselves)."""
-        return self.images.key_of(tokens) if self.images is not None else None
 
 
 class Engine:
     """Continuous batching over one model.
 
     drafter: None (plain decoding) or a drafter (see `drafting.make_drafter`) that each
-    sequence gets a `fork` of; num_draft_tokens and adaptive as in `SpeculativeDecoder`.
+    sequence gets a `fork` of; num_draft_tokens and adaptive as in `speculative.DraftingPolicy`.
     prefix_store: where checkpoints are kept (None: a `PrefixStore` of
     `DEFAULT_PREFIX_CACHE_BYTES`; a store with max_bytes=0 keeps none in memory).
     overlap: queue each plain decoding pass before reading the previous one's tokens
@@ -189,7 +86,7 @@ class Engine:
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
         self.speculation = SpeculativeStats()  # the figures of every finished sequence that drafted
         self.waiting: queue.Queue = queue.Queue()
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         self._wake = threading.Event()
         self._thread = None
         self._stopping = False
@@ -221,16 +118,20 @@ class Engine:
         order (a chat template renders one per image part); checkpoint_at counts the
         prompt's tokens before the images' are put in.
         """
-        row = self._new_row(
+        row = self.new_row(
             prompt, request_params(params, max_tokens, settings), checkpoint_at, drafter, events,
             images, allow_remote_images,
         )  # fmt: skip
-        self._enqueue(row)
+        self.enqueue(row)
         return row.sequence
 
-    def _new_row(
+    # -- what an engine in step with others (`ReplicatedEngine`) extends: how a request becomes a
+    # row, how a row is queued, whether it was cancelled, how an idle engine waits
+
+    def new_row(
         self, prompt, params: SamplingParams, checkpoint_at, drafter, events, images=None, allow_remote=False
-    ) -> _Row:
+    ) -> Row:
+        """The row of a request (arguments as `submit`'s), not yet queued."""
         ids, max_tokens = request_ids(self.model, self.tokenizer, prompt, params.max_tokens)
         prompt_images = None
         if images:
@@ -244,19 +145,21 @@ class Engine:
             set_positions(cache, prompt_images.positions)
             if drafter is not None:
                 drafter.use_positions(prompt_images.positions)
-        decoder = SpeculativeDecoder(self.model, drafter, params.sampler(), self.num_draft_tokens, cache, self.adaptive)
-        sequence = Sequence(ids, max_tokens, params.logprobs, stats=decoder.stats if drafter is not None else None)
+        policy = DraftingPolicy(self.num_draft_tokens, self.adaptive) if drafter is not None else None
+        sequence = Sequence(ids, max_tokens, params.logprobs, stats=policy.stats if policy is not None else None)
         if events is not None:
             sequence.events = events
         stops = set(self.tokenizer.eos_token_ids if params.stop_tokens is None else params.stop_tokens)
         processor = params.processor(ids, self.model.args.vocab_size, self.tokenizer)
-        return _Row(sequence, decoder, stops, checkpoint_at, processor, prompt_images)
+        return Row(sequence, cache, params.sampler(), stops, checkpoint_at, drafter, policy, processor, prompt_images)
 
-    def _enqueue(self, row: _Row):
+    def enqueue(self, row: Row):
+        """Queue a row; it joins the running ones at the next step."""
         self.waiting.put(row)
         self._wake.set()
 
-    def _cancelled(self, row: _Row) -> bool:
+    def is_cancelled(self, row: Row) -> bool:
+        """Whether the row's request was cancelled (it then leaves at the next step)."""
         return row.sequence.cancelled
 
     @property
@@ -323,14 +226,14 @@ class Engine:
         try:
             while not self._stopping:
                 if not self.step():
-                    self._idle()
+                    self.idle()
         finally:
             # Empty this thread's compile cache while it holds the GIL: left to the thread's
             # exit, MLX frees it after `join` has returned and, when the process is ending,
             # takes the GIL from a finalizing interpreter and aborts ("terminate called").
             mx.clear_streams()
 
-    def _idle(self):
+    def idle(self):
         """Wait for work: until a request comes, or half a second."""
         self._wake.wait(timeout=0.5)
         self._wake.clear()
@@ -341,7 +244,7 @@ class Engine:
                 row = self.waiting.get_nowait()
             except queue.Empty:
                 return
-            if self._cancelled(row):
+            if self.is_cancelled(row):
                 self._finish(row, "cancelled")
             elif row.sequence.max_tokens == 0:
                 self._finish(row, "length")
@@ -349,13 +252,13 @@ class Engine:
                 self.rows.append(row)
             row.sequence.started.set()
 
-    def _resume(self, row: _Row) -> bool:
+    def _resume(self, row: Row) -> bool:
         """Start from the longest checkpoint that is a prefix of the prompt; whether that ended the row."""
         prompt = row.sequence.prompt
         checkpoint = self.store.longest_prefix(row.checkpoint_key(prompt) or prompt, self.model)
         if checkpoint is None:
             return False
-        restore(checkpoint, row.decoder.cache, row.drafter)
+        restore(checkpoint, row.cache, row.drafter)
         row.fed = list(checkpoint.tokens)
         row.last_hidden = checkpoint.last_hidden
         row.sequence.cached_tokens = len(row.fed)
@@ -365,189 +268,73 @@ class Engine:
         return self._started(row, self.model.logits_from_hidden(row.last_hidden)[0])
 
     def _drop_cancelled(self):
-        for row in [r for r in self.rows if self._cancelled(r)]:
+        for row in [r for r in self.rows if self.is_cancelled(r)]:
             if not row.prefilling:  # what it generated stays resumable (a chat's stopped answer)
                 self._save(row)
             self._finish(row, "cancelled")
             self.rows.remove(row)
 
     def _pass(self):
-        """One model pass over the rows that have tokens to feed this step."""
+        """One model pass over the rows that have tokens to feed this step, in four parts."""
         if self.overlap and all(not r.prefilling and r.drafter is None and r.processor is None for r in self.rows):
             self._overlapped_pass()
             return
         for row in self.rows:
             self._take_back(row)
-        inputs, asked = self._inputs(self.rows)
-        rows = [row for row in self.rows if row in inputs]
-        feeds = [inputs[row] for row in rows]
-        lengths = [len(x) if isinstance(x, list) else x.size for x in feeds]
-        for row, n in zip(rows, lengths):
-            record_snapshots(row.decoder.cache, not row.prefilling and n > 1)
-        ids = mx.concatenate([mx.array(x) if isinstance(x, list) else x for x in feeds])[None]
-        starts = [0, *accumulate(lengths)]
-        inserted = join_inserted([
-            row.images.inserted(self.model, len(row.fed), len(row.fed) + n, at)
-            for row, n, at in zip(rows, lengths, starts) if row.images is not None and row.prefilling
-        ])  # fmt: skip
-        try:
-            hidden = self.model.hidden_states(
-                ids, packed([row.decoder.cache for row in rows], lengths), inserted,
-                evaluate_each_layer=self.prefill_layer_by_layer and any(row.prefilling for row in rows),
-            )  # fmt: skip
-        finally:
-            for row in rows:
-                record_snapshots(row.decoder.cache, False)
-        spans = list(zip(starts, starts[1:]))
+        batch = build_batch(self.rows, self.prefill_chunk)
+        hidden = run_model(self.model, batch, self.prefill_layer_by_layer)
+        self._advance(batch, hidden, choose_tokens(self.model, batch, hidden))
 
-        # logits where a token is chosen: every position of a decoding row, a prompt's last
-        wanted = [
-            list(range(s, e)) if not row.prefilling else ([e - 1] if self._prompt_done(row, e - s) else [])
-            for row, (s, e) in zip(rows, spans)
-        ]
-        positions = [p for w in wanted for p in w]
-        if len(positions) == hidden.shape[1]:  # every position (decoding rows only): no gather
-            logits = self.model.logits_from_hidden(hidden)[0]
-        else:
-            logits = self.model.logits_from_hidden(hidden[:, mx.array(positions)])[0] if positions else None
-        bounds = [0, *accumulate(len(w) for w in wanted)]
-        row_logits = [logits[s:e] if e > s else None for s, e in zip(bounds, bounds[1:])]
-        # what a token is chosen from: the logits after the request's processors (decoding rows);
-        # the model computes meanwhile, while grammars work out their masks on the host
-        if logits is not None and any(row.processor is not None for row in rows):
-            mx.async_eval(logits)
-        chosen_from = [
-            row.processor(x, row.drafts) if row.processor is not None and not row.prefilling else x
-            for row, x in zip(rows, row_logits)
-        ]
-        choices = self._greedy_choices(rows, feeds, chosen_from)
-
-        for row, feed, (s, e), row_logit, scores, choice in zip(rows, feeds, spans, row_logits, chosen_from, choices):
+    def _advance(self, batch: Batch, hidden: mx.array, choices: list[Choice]):
+        """Each row after the pass: a prompt chunk read (and maybe its first token), or a round's
+        tokens accepted, the caches rolled back to them and handed out; rows that end leave."""
+        for row, feed, (s, e), choice in zip(batch.rows, batch.feeds, batch.spans, choices):
             row_hidden = hidden[:, s:e]
             if row.prefilling:
-                ended = self._after_prefill(row, feed, row_hidden, row_logit)
+                ended = self._after_prefill(row, feed, row_hidden, choice.logits)
             else:
-                k, draft_logprobs = asked[row]
-                if choice is not None:
-                    drafts, targets = choice
-                    accepted = accept_greedy(drafts, targets)
-                else:
-                    drafts = feed[1:].tolist()
-                    sampler = row.decoder.sampler
-                    accepted = row.decoder.accept_sampled(drafts, draft_logprobs, sampler.log_probs(scores))
-                accepted = self._until_end(row, accepted)
-                previous = row.decoder.token
-                row.decoder.finish(row_hidden, accepted, len(drafts), k)
-                row.fed += [previous] + accepted[:-1]
-                row.last_hidden = row_hidden[:, len(accepted) - 1 : len(accepted)]
-                ended = self._emit(row, accepted, row_logit)
+                row.advance(row_hidden, choice.accepted, choice.drafted, batch.asked[row][0])
+                ended = self._emit(row, choice.accepted, choice.logits)
             if ended:
                 self.rows.remove(row)
 
-    @staticmethod
-    def _until_end(row: _Row, accepted: list[int]) -> list[int]:
-        """The accepted tokens up to the first that ends the row (a stop token, max_tokens), so that
-        the caches keep, as after plain decoding, everything before that last token and nothing past
-        it: the row's checkpoint is then a prefix of the conversation's next turn, whatever end token
-        the chat template writes there instead."""
-        room = row.sequence.max_tokens - len(row.sequence.tokens)
-        for i, token in enumerate(accepted):
-            if token in row.stop_tokens or i + 1 >= room:
-                return accepted[: i + 1]
-        return accepted
-
     def _overlapped_pass(self):
         """Plain decoding with the next pass queued before this one's tokens are read. Each
-        row's `ahead` is the pass that reads its `decoder.token`; the step queues the pass
+        row's `ahead` is the pass that reads its `token`; the step queues the pass
         that reads the tokens it chooses, then reads them."""
         rows = list(self.rows)
         missing = [row for row in rows if row.ahead is None]
         if missing:
-            self._queue_pass(missing, [mx.array([row.decoder.token]) for row in missing])
+            self._queue_pass(missing, [mx.array([row.token]) for row in missing])
         current = [row.ahead for row in rows]
         self._queue_pass(rows, [ahead.token for ahead in current])
         tokens = mx.concatenate([ahead.token for ahead in current]).tolist()
         for row, ahead, token in zip(rows, current, tokens):
-            previous = row.decoder.token
-            row.decoder.finish(ahead.hidden, [token], 0, 0)
-            row.fed.append(previous)
-            row.last_hidden = ahead.hidden
+            row.advance(ahead.hidden, [token], 0, 0)
             if self._emit(row, [token], ahead.logits):
                 self.rows.remove(row)
 
     def _queue_pass(self, rows, feeds):
         """Build one plain pass over `rows`, each fed its token [1] (lazy or known), start it
         computing, and make it each row's `ahead`."""
-        aheads = [_Ahead(marks(row.decoder.cache), row.decoder.sampler.key) for row in rows]
-        caches = packed([row.decoder.cache for row in rows], [1] * len(rows))
+        aheads = [Ahead(marks(row.cache), row.sampler.key) for row in rows]
+        caches = packed([row.cache for row in rows], [1] * len(rows))
         hidden = self.model.hidden_states(mx.concatenate(feeds).astype(mx.int32)[None], caches)
         logits = self.model.logits_from_hidden(hidden)[0]
         for i, (row, ahead) in enumerate(zip(rows, aheads)):
             ahead.logits, ahead.hidden = logits[i : i + 1], hidden[:, i : i + 1]
-            ahead.token = row.decoder.sampler(ahead.logits).reshape(1).astype(mx.int32)
+            ahead.token = row.sampler(ahead.logits).reshape(1).astype(mx.int32)
             row.ahead = ahead
         mx.async_eval([ahead.token for ahead in aheads])
 
-    def _take_back(self, row: _Row):
+    def _take_back(self, row: Row):
         """Undo the row's queued pass: its caches and random stream as before it."""
         if row.ahead is not None:
-            rewind(row.decoder.cache, row.ahead.marks)
-            row.decoder.sampler.key = row.ahead.key
+            rewind(row.cache, row.ahead.marks)
+            row.sampler.key = row.ahead.key
             row.ahead = None
 
-    def _inputs(self, rows):
-        """What each row feeds this pass: prompt tokens (a list), or its last token and this
-        round's drafts (an array, built on the lazy drafts); and for decoding rows the drafts
-        asked for and their distributions. Rows left without prefill budget sit the step out."""
-        budget = self.prefill_chunk
-        inputs, asked = {}, {}
-        for row in rows:
-            if row.prefilling:
-                if budget > 0:
-                    start = len(row.fed)
-                    end = min([len(row.sequence.prompt), start + budget] + [p for p in row.checkpoint_at if p > start])
-                    budget -= end - start
-                    inputs[row] = row.sequence.prompt[start:end]
-            else:
-                asked[row] = (row.decoder.plan(row.sequence.max_tokens - len(row.sequence.tokens)), [])
-                inputs[row] = mx.array([row.decoder.token])
-                row.drafts = []
-        drafting = [row for row, (k, _) in asked.items() if k]
-        if drafting:
-            drafters = [row.drafter for row in drafting]
-            samplers = [row.decoder.sampler for row in drafting]
-            masks = [None if row.processor is None else row.processor.draft_mask for row in drafting]
-            drafts = draft_rows(drafters, [asked[row][0] for row in drafting], samplers, masks)
-            for row, (tokens, logprobs) in zip(drafting, drafts):
-                if row.processor is not None and tokens:
-                    row.drafts = mx.stack(tokens).reshape(-1).tolist()
-                    allowed = row.processor.allowed_drafts(row.drafts)  # a forbidden draft is not verified
-                    tokens, logprobs, row.drafts = tokens[:allowed], logprobs[:allowed], row.drafts[:allowed]
-                asked[row] = (asked[row][0], logprobs)
-                if tokens:
-                    inputs[row] = mx.concatenate([inputs[row], mx.stack(tokens).reshape(-1).astype(mx.int32)])
-        return inputs, asked
-
-    def _prompt_done(self, row, fed_now: int) -> bool:
-        return len(row.fed) + fed_now == len(row.sequence.prompt)
-
-    def _greedy_choices(self, rows, feeds, row_logits):
-        """For greedy decoding rows, (drafts, the trunk's argmax at every position), in one host sync."""
-        parts, owners = [], []
-        for i, row in enumerate(rows):
-            if not row.prefilling and row.decoder.sampler.greedy:
-                parts += [feeds[i][1:].astype(mx.int32), mx.argmax(row_logits[i], axis=-1).astype(mx.int32)]
-                owners.append(i)
-        choices = [None] * len(rows)
-        if parts:
-            flat, at = mx.concatenate(parts).tolist(), 0
-            for j, i in enumerate(owners):
-                n_drafts, n_targets = parts[2 * j].size, parts[2 * j + 1].size
-                choices[i] = (flat[at : at + n_drafts], flat[at + n_drafts : at + n_drafts + n_targets])
-                at += n_drafts + n_targets
-        return choices
-
-    def _after_prefill(self, row: _Row, tokens: list[int], hidden: mx.array, logits) -> bool:
+    def _after_prefill(self, row: Row, tokens: list[int], hidden: mx.array, logits) -> bool:
         """After a chunk of the prompt; whether the row ended (its first token may end it)."""
         row.fed += tokens
         row.last_hidden = hidden[:, -1:]
@@ -558,14 +345,14 @@ class Engine:
             self._save(row)
         return logits is not None and self._started(row, logits)
 
-    def _started(self, row: _Row, logits: mx.array) -> bool:
+    def _started(self, row: Row, logits: mx.array) -> bool:
         """The prompt is read: the first token from its last position's logits [1, V]."""
         scores = row.processor(logits[-1:], []) if row.processor is not None else logits[-1:]
-        first = int(row.decoder.sampler(scores[-1]))
-        row.decoder.begin(first)
+        first = int(row.sampler(scores[-1]))
+        row.begin(first)
         return self._emit(row, [first], logits[-1:])
 
-    def _emit(self, row: _Row, accepted: list[int], logits: mx.array) -> bool:
+    def _emit(self, row: Row, accepted: list[int], logits: mx.array) -> bool:
         """Hand out a round's tokens (accepted drafts, then the model's own token), up to a stop
         token or max_tokens; whether the row ended. logits [>= n, V]: where each was chosen."""
         sequence = row.sequence
@@ -586,9 +373,7 @@ class Engine:
                 reason = "stop"  # the grammar is complete and allows nothing more, as plain decoding ends
                 break
         sequence.tokens += out
-        logprobs = (
-            _token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
-        )
+        logprobs = token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
         drafted = min(len(out), len(accepted) - 1)
         if reason is None:
             sequence.events.put(Event(out, logprobs=logprobs, drafted=drafted))
@@ -597,31 +382,14 @@ class Engine:
         self._finish(row, reason, out, logprobs=logprobs, drafted=drafted)
         return True
 
-    def _save(self, row: _Row):
+    def _save(self, row: Row):
         self._take_back(row)  # a checkpoint holds what the row has read, not a pass queued past it
         key = row.checkpoint_key(row.fed)
-        self.store.save(capture(self.model, row.decoder.cache, row.fed, row.last_hidden, row.drafter, key))
+        self.store.save(capture(self.model, row.cache, row.fed, row.last_hidden, row.drafter, key))
 
-    def _finish(self, row: _Row, reason: str, tokens=(), error: str | None = None, logprobs=None, drafted=0):
+    def _finish(self, row: Row, reason: str, tokens=(), error: str | None = None, logprobs=None, drafted=0):
         sequence = row.sequence
         if sequence.stats is not None:
             self.speculation.merge(sequence.stats)
         sequence.finish_reason, sequence.error = reason, error
         sequence.events.put(Event(list(tokens), reason, error, logprobs, drafted))
-
-
-def _token_logprobs(tokens: list[int], logits: mx.array, top: int) -> list[TokenLogprob]:
-    """Each token's log-probability under logits [n, V] (float32), and the top alternatives."""
-    logprobs = logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
-    if top:
-        best = mx.argsort(-logprobs, axis=-1)[:, :top]
-        best_logprobs = mx.take_along_axis(logprobs, best, axis=-1)
-        best, best_logprobs = best.tolist(), best_logprobs.tolist()
-    else:
-        best, best_logprobs = [[]] * len(tokens), [[]] * len(tokens)
-    return [
-        TokenLogprob(token, logprob, list(zip(ids, values)))
-        for token, logprob, ids, values in zip(tokens, chosen.tolist(), best, best_logprobs)
-    ]

@@ -1,0 +1,97 @@
+"""The engine's side of one sequence: a `Row` owns its caches, sampler and next token, and where it
+speculates its drafter and drafting policy; it advances by the tokens a pass gave it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..cache import rollback
+from ..speculative import DraftingPolicy, keep_snapshot_buffers
+from .prompt_images import PromptImages
+from .sequence import Sequence
+
+
+@dataclass
+class Ahead:
+    """A row's share of a pass built and queued before the tokens it reads were known."""
+
+    marks: list  # the row's caches before the pass
+    key: mx.array  # the sampler's random key before the pass
+    token: mx.array | None = None  # [1] the token it chooses, lazy
+    logits: mx.array | None = None  # [1, V] where it is chosen
+    hidden: mx.array | None = None  # [1, 1, E] the trunk's state at the token it read
+
+
+class Row:
+    """One sequence in the engine.
+
+    cache: the model's per-layer caches; sampler: its `sampling.Sampler`; drafter and policy:
+    a `drafting` drafter and its `DraftingPolicy`, or both None for a row that does not speculate;
+    processor: the request's `processors.LogitsProcessor`, or None; images: its `PromptImages`.
+    """
+
+    def __init__(self, sequence: Sequence, cache, sampler, stop_tokens, checkpoint_at, drafter=None,
+                 policy: DraftingPolicy | None = None, processor=None, images: PromptImages | None = None):  # fmt: skip
+        self.sequence = sequence
+        self.cache = cache
+        self.sampler = sampler
+        self.drafter = drafter
+        self.policy = policy
+        self.processor = processor
+        self.images = images
+        self.stop_tokens = stop_tokens
+        self.checkpoint_at = sorted(p for p in set(checkpoint_at) if 0 < p <= len(sequence.prompt))
+        self.token: int | None = None  # chosen, not yet read by the model (None while prefilling)
+        self.fed: list[int] = []  # tokens the caches have read
+        self.last_hidden = None  # the trunk's hidden state at the last fed token [1, 1, E]
+        self.drafts: list[int] = []  # with a processor: the drafts this pass verifies
+        self.ahead: Ahead | None = None  # a queued pass that reads `token` (see `Engine._overlapped_pass`)
+        self.number: int | None = None  # the request's number, where an engine numbers them (replicated)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.token is None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still generate."""
+        return self.sequence.max_tokens - len(self.sequence.tokens)
+
+    def checkpoint_key(self, tokens: list[int]) -> list[int] | None:
+        """What finds a checkpoint of this row after `tokens` (None: the tokens themselves)."""
+        return self.images.key_of(tokens) if self.images is not None else None
+
+    def plan(self) -> int:
+        """How many drafts to ask for this round (0: a plain step)."""
+        return self.policy.plan(self.remaining) if self.policy is not None else 0
+
+    def begin(self, first_token: int):
+        """The prompt is read (and the drafter has read its parts): the first token."""
+        self.token = first_token
+        if self.drafter is not None:
+            self.drafter.begin(first_token)
+            keep_snapshot_buffers(self.cache, self.policy.k)
+
+    def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int):
+        """After a pass read [token, `drafted` drafts] (`asked` for) and gave `hidden` [1, drafted + 1, E]:
+        the caches rolled back to the accepted tokens, the drafter and policy told, the next token."""
+        if drafted:
+            rollback(self.cache, keep=len(accepted), recorded=drafted + 1)
+        if self.drafter is not None:
+            self.drafter.update(hidden, accepted)
+            self.policy.record(drafted, len(accepted) - 1, asked, self.drafter.declines_cost)
+        self.fed += [self.token] + accepted[:-1]
+        self.last_hidden = hidden[:, len(accepted) - 1 : len(accepted)]
+        self.token = accepted[-1]
+
+    def until_end(self, accepted: list[int]) -> list[int]:
+        """The accepted tokens up to the first that ends the row (a stop token, max_tokens), so that
+        the caches keep, as after plain decoding, everything before that last token and nothing past
+        it: the row's checkpoint is then a prefix of the conversation's next turn, whatever end token
+        the chat template writes there instead."""
+        for i, token in enumerate(accepted):
+            if token in self.stop_tokens or i + 1 >= self.remaining:
+                return accepted[: i + 1]
+        return accepted
