@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from batch_decode import draft_head, engine_decode, mlx_lm_decode, oracle_drafters  # noqa: E402
 from bench_generate import measure  # noqa: E402
 from mlx_hybrid import ops  # noqa: E402
-from mlx_hybrid.convert import convert  # noqa: E402
+from mlx_hybrid.export import convert  # noqa: E402
 from mlx_hybrid.drafting import MTPDrafter  # noqa: E402
 from mlx_hybrid.export import save_mlx  # noqa: E402
 from mlx_hybrid.loaders import load  # noqa: E402

@@ -21,7 +21,7 @@ import mlx.core as mx  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mlx_hybrid.convert import save_mlx  # noqa: E402
+from mlx_hybrid.export import save_mlx  # noqa: E402
 from mlx_hybrid.loaders import load  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 

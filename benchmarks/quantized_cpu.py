@@ -49,7 +49,7 @@ def make(directory: Path):
     sys.path.insert(0, str(Path(__file__).parent))
     from shapes import SHAPES, random_model
 
-    from mlx_hybrid.convert import save_mlx
+    from mlx_hybrid.export import save_mlx
     from mlx_hybrid.export import save_gguf
     from mlx_hybrid.loaders import load
 

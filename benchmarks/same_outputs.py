@@ -41,13 +41,27 @@ def cases(family: str, path: Path) -> dict:
     out = {
         "greedy": tokens_of(model, tokenizer, prompt, max_tokens=24, draft=None),
         "sampled": tokens_of(model, tokenizer, prompt, max_tokens=24, draft=None, temp=0.8, top_p=0.9, seed=3),
-        "penalties": tokens_of(model, tokenizer, PROMPTS[3], max_tokens=24, draft=None, repetition_penalty=1.3,
-                               presence_penalty=0.5, logit_bias={5: 3.0}),  # fmt: skip
+        "penalties": tokens_of(
+            model,
+            tokenizer,
+            PROMPTS[3],
+            max_tokens=24,
+            draft=None,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            logit_bias={5: 3.0},
+        ),  # fmt: skip
         "ngram": tokens_of(model, tokenizer, PROMPTS[1], max_tokens=24, draft="ngram"),
         "ngram-sampled": tokens_of(model, tokenizer, PROMPTS[1], max_tokens=24, draft="ngram", temp=0.7, seed=5),
         "draft-model": tokens_of(model, tokenizer, prompt, max_tokens=16, draft=None, draft_model=model),
-        "json": tokens_of(model, tokenizer, prompt, max_tokens=40, draft=None,
-                          response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}),  # fmt: skip
+        "json": tokens_of(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=40,
+            draft=None,
+            response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+        ),  # fmt: skip
     }
     if has_mtp:
         for k in (1, 3):

@@ -37,7 +37,7 @@ from mlx_hybrid.cache import marks, record_snapshots, rewind  # noqa: E402
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocabulary  # noqa: E402
 from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter  # noqa: E402
 from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
-from mlx_hybrid.generation import prefill  # noqa: E402
+from mlx_hybrid.api import prefill  # noqa: E402
 from mlx_hybrid.speculative import keep_snapshot_buffers  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402

@@ -5,6 +5,14 @@ from .blas import load_optimized_blas as _load_optimized_blas
 
 _load_optimized_blas()
 
+try:
+    import mlx.core  # noqa: F401, E402
+except ImportError as e:  # on Linux, most often MLX without a backend: its own install leaves the choice
+    raise ImportError(
+        f"MLX could not be loaded ({e}); on Linux MLX needs a backend: pip install 'mlx-hybrid[cpu]', "
+        "or 'mlx-hybrid[cuda]' for an NVIDIA GPU"
+    ) from None
+
 from .errors import (  # noqa: E402  (after the BLAS)
     ContextOverflowError,
     GenerationError,
@@ -12,8 +20,9 @@ from .errors import (  # noqa: E402  (after the BLAS)
     ModelLoadError,
     UnsupportedArchitectureError,
 )
-from .engine import Engine, batch_generate  # noqa: E402
-from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
+from .api import GenerationResponse, batch_generate, generate, stream_generate  # noqa: E402
+from .drafting import SpeculationSettings  # noqa: E402
+from .engine import Engine  # noqa: E402
 from .loaders import bundled_model_path, load  # noqa: E402
 from .processors import Grammar  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
@@ -28,6 +37,7 @@ __all__ = [
     "MlxHybridError",
     "ModelLoadError",
     "SamplingParams",
+    "SpeculationSettings",
     "UnsupportedArchitectureError",
     "batch_generate",
     "bundled_model_path",

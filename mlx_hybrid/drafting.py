@@ -25,6 +25,7 @@ their top probability falls below `draft_p_min`, as llama.cpp's draft p-min does
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import mlx.core as mx
@@ -442,10 +443,32 @@ def resolve_draft(model, draft, draft_model=None) -> str | None:
     return None if draft == "none" else draft
 
 
-def adaptive(adaptive_drafting: bool | None, draft_p_min: float) -> bool:
-    """Whether the decoder backs off after misses (see `speculative`): as asked, or by default
-    unless draft_p_min is 0, which asks for exactly num_draft_tokens every round."""
-    return draft_p_min > 0 if adaptive_drafting is None else bool(adaptive_drafting)
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """How a request's tokens are drafted, as every entry point takes it (the API's keywords of these
+    names, the commands' draft options), defaulted here and nowhere else.
+
+    draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram"
+    or None; draft_model: a loaded model of the same vocabulary; num_draft_tokens: drafts a round at
+    most; draft_vocab: tokens a drafter projects onto (None: the default for the vocabulary's size,
+    0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
+    off after misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
+
+    draft: str | None = AUTO
+    draft_model: object = None
+    num_draft_tokens: int = 3
+    draft_vocab: int | None = None
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN
+    adaptive_drafting: bool | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether rows back off after misses (see `speculative.DraftingPolicy`)."""
+        return self.draft_p_min > 0 if self.adaptive_drafting is None else bool(self.adaptive_drafting)
+
+    def drafter(self, model, tokenizer):
+        """A drafter for `model` (each row gets a `fork` of it), or None for plain decoding."""
+        return make_drafter(model, tokenizer, self.draft, self.draft_model, self.draft_vocab, self.draft_p_min)
 
 
 def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=None, draft_p_min=DEFAULT_DRAFT_P_MIN):
@@ -456,7 +479,7 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     the same vocabulary. draft_vocab: tokens the drafter projects onto (None: the default
     for the vocabulary's size, 0: all).
     """
-    check_draft_p_min(draft_p_min)  # it also decides the decoder's backoff by default (see `adaptive`)
+    check_draft_p_min(draft_p_min)  # it also decides the rows' backoff by default (see SpeculationSettings)
     draft = resolve_draft(model, draft, draft_model)
     if draft is not None and draft_model is not None:
         raise GenerationError("give either draft= or draft_model=, not both")

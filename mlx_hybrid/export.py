@@ -1,4 +1,5 @@
-"""Writing models back out: GGUF in llama.cpp's qwen35 layout, and HF directories.
+"""Writing models back out: GGUF in llama.cpp's qwen35 layout, HF directories, and the MLX-community
+layout (with `convert`: a checkpoint quantized into it).
 
 The name mappings are the loaders' tables run the other way (see
 `loaders/gguf_architectures.py` and `loaders/hf.py`), so a written file loads back to the
@@ -13,10 +14,12 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .loaders import gguf_architectures, gguf_file, hf
+from .errors import MlxHybridError
+from .loaders import DTYPES, gguf_architectures, gguf_file, hf, hub, load
 from .loaders.common import rename
 from .models.layers import LINEAR
 from .models.qwen3_5 import POST_NORM
@@ -231,3 +234,82 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     _write_directory(Path(directory), trunk, config, tokenizer, source_dir)
     if head:
         mx.save_safetensors(str(Path(directory) / "mtp.safetensors"), head, metadata={"format": "pt"})
+
+
+# -- MLX-quantized directories from checkpoints (the `mlx_hybrid.convert` command)
+
+QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Kimi Linear is written with its own config.json, so from its Hugging Face directory only
+FROM_DIRECTORIES_ONLY = ("kimi_linear",)
+
+
+def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -> Path:
+    """Quantize every linear, embedding and expert layer whose input size the group size divides.
+
+    source: an HF checkpoint directory or a GGUF file (its tokenizer is written as tokenizer.json).
+    dtype: of the scales and what stays unquantized (default: the checkpoint's own, see `_config_dtype`;
+    float32 from a GGUF).
+    """
+    mlx_path = Path(mlx_path)
+    if mlx_path.exists():  # as mlx-lm: never write over what is there
+        raise MlxHybridError(f"{mlx_path} already exists; remove it or give another --mlx-path")
+    source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
+    checkpoint_dtype = "float32"  # a GGUF's blocks dequantize exactly to float32
+    if source.is_dir():  # refuse early, before loading the weights
+        config = hf.read_config(source)
+        if config.get("model_type") not in QWEN_TYPES + FROM_DIRECTORIES_ONLY:
+            raise MlxHybridError(
+                f"convert supports the Qwen hybrid families and Kimi Linear, not {config.get('model_type')!r}"
+            )
+        if config.get("quantization") or config.get("quantization_config"):
+            raise MlxHybridError(f"{source} is already quantized; convert its float checkpoint")
+        checkpoint_dtype = _config_dtype(config)
+    # by default the checkpoint's dtype, not the machine's compute dtype (bfloat16 on a GPU):
+    # the same source gives the same directory on every machine. A GGUF's blocks are dequantized,
+    # then quantized to this one layout (a directory with one `quantization` entry holds one layout).
+    model, tokenizer = load(source, dtype=dtype or checkpoint_dtype, dequantize=not source.is_dir())
+    if model.model_type in FROM_DIRECTORIES_ONLY and not source.is_dir():
+        raise MlxHybridError(f"convert writes {model.model_type} from its Hugging Face directory, not from a GGUF file")
+    nn.quantize(model, group_size, bits, class_predicate=lambda path, m: _quantizable(path, m, group_size))
+    quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    quantization |= {  # the modules quantized otherwise, by their paths (as mlx-lm writes them)
+        path: {"group_size": m.group_size, "bits": m.bits}
+        for path, m in model.named_modules()
+        if hasattr(m, "bits") and (m.bits, m.group_size) != (bits, group_size)
+    }
+    # written beside the target and renamed into place: a failed conversion leaves nothing behind
+    partial = mlx_path.with_name(f".{mlx_path.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save_mlx(model, tokenizer, partial, source_dir=source if source.is_dir() else None, quantization=quantization)
+        partial.rename(mlx_path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return mlx_path
+
+
+# MoE routers (and the shared expert's gate) in 8 bits, groups of 64, as mlx-lm's conversions keep
+# them: a router's few outputs choose the experts, where 4-bit rounding flips choices
+ROUTER_QUANTIZATION = {"group_size": 64, "bits": 8}
+ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
+
+
+def _quantizable(path: str, module, group_size: int):
+    """Linear, embedding and expert layers of the language model whose input size the group size
+    divides (routers as ROUTER_QUANTIZATION says). The vision tower stays as it is, as mlx-vlm's
+    conversions keep it (mlx-vlm reads a quantized tower of ours otherwise than we do)."""
+    if path.startswith("vision.") or not hasattr(module, "to_quantized"):
+        return False
+    if path.endswith(ROUTERS):
+        return ROUTER_QUANTIZATION if module.weight.shape[-1] % ROUTER_QUANTIZATION["group_size"] == 0 else False
+    return module.weight.shape[-1] % group_size == 0
+
+
+def _config_dtype(config: dict) -> str:
+    """An HF checkpoint's own dtype, as mlx-lm's convert takes it: its config's `dtype` (formerly
+    `torch_dtype`), at the top or in `text_config`; float32 where it names none we write."""
+    for entry in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if entry.get(key) in DTYPES:
+                return entry[key]
+    return "float32"

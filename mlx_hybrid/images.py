@@ -86,7 +86,7 @@ class ImageProcessor:
             h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
         return h, w
 
-    def __call__(self, image) -> PromptImage:
+    def __call__(self, image) -> ImagePatches:
         """An RGB PIL image -> its patches [t h w, C T P P] on its grid (t, h, w)."""
         from PIL import Image
 
@@ -101,11 +101,11 @@ class ImageProcessor:
         blocks = pixels.transpose(2, 0, 1).reshape(3, gh // M, M, P, gw // M, M, P).transpose(1, 4, 2, 5, 0, 3, 6)
         patches = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], T, P, P))
         patches = np.ascontiguousarray(patches.reshape(gh * gw, 3 * T * P * P))
-        return PromptImage(patches, (1, gh, gw), merge=M)
+        return ImagePatches(patches, (1, gh, gw), merge=M)
 
 
 @dataclass
-class PromptImage:
+class ImagePatches:
     patches: np.ndarray  # [t h w, C T P P] float32
     grid: tuple[int, int, int]  # (t, h, w) in patches
     merge: int = 2
@@ -268,11 +268,11 @@ def _check_host(url: str, access: ImageAccess):
 
 
 @dataclass
-class ImagePrompt:
+class ExpandedPrompt:
     """A prompt's ids with each image's pad token expanded to its tokens."""
 
     ids: list[int]
-    images: list[PromptImage]
+    images: list[ImagePatches]
     starts: list[int]  # where each image's tokens begin
     # per token of the prompt before expansion, and its end: how many tokens were added before it
     inserted_before: list[int] = field(default_factory=list)
@@ -295,7 +295,7 @@ class ImagePrompt:
         return key
 
 
-def expand_image_pads(ids: list[int], images: list[PromptImage], pad_id: int) -> ImagePrompt:
+def expand_image_pads(ids: list[int], images: list[ImagePatches], pad_id: int) -> ExpandedPrompt:
     """Put each image's tokens where the prompt has its `<|image_pad|>` (one per image, in order)."""
     pads = [i for i, t in enumerate(ids) if t == pad_id]
     if len(pads) != len(images):
@@ -314,4 +314,4 @@ def expand_image_pads(ids: list[int], images: list[PromptImage], pad_id: int) ->
             added += image.num_tokens - 1
         else:
             out.append(token)
-    return ImagePrompt(out, images, starts, inserted_before + [added])
+    return ExpandedPrompt(out, images, starts, inserted_before + [added])

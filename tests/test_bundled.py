@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_hybrid
-from mlx_hybrid.convert import convert
+from mlx_hybrid.export import convert
 from mlx_hybrid.export import save_hf
 from conftest import assert_close_to_floor
 from test_errors import run_cli

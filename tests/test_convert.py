@@ -12,8 +12,8 @@ import pytest
 import mlx_hybrid
 from conftest import FAMILIES, FIXTURES, QWEN_FAMILIES, assert_close_to_floor, reference
 from mlx_hybrid import ops
-from mlx_hybrid.convert import _quantizable as quantized_by_convert
-from mlx_hybrid.convert import convert
+from mlx_hybrid.export import _quantizable as quantized_by_convert
+from mlx_hybrid.export import convert
 from mlx_hybrid.prompt import chat_prompt
 from test_quantized import quantized_modules
 
@@ -123,13 +123,13 @@ def test_kimi_linear_converts_to_the_quantized_model(tmp_path):
 
 def test_a_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     """A conversion that fails while writing leaves neither its directory nor a partial one."""
-    write = mlx_hybrid.convert.save_mlx
+    write = mlx_hybrid.export.save_mlx
 
     def write_then_fail(*args, **kwargs):
         write(*args, **kwargs)
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(mlx_hybrid.convert, "save_mlx", write_then_fail)
+    monkeypatch.setattr(mlx_hybrid.export, "save_mlx", write_then_fail)
     with pytest.raises(OSError):
         convert(FIXTURES / "qwen35" / "hf", tmp_path / "q", bits=4, group_size=32)
     assert list(tmp_path.iterdir()) == []

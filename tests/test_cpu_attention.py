@@ -143,4 +143,6 @@ def test_attention_and_rope_each_pass_their_own_first_call_check(monkeypatch):
     monkeypatch.setattr(selfcheck, "kernel_usable", {})
     q = mx.array(np.random.default_rng(2).standard_normal((1, 2, 1, 16)).astype(np.float32))
     ops.scaled_dot_product_attention(ops.rope(q, 8, 1e4, 3), q, q, 0.25)
-    assert sorted(key[0] for key in selfcheck.kernel_usable) == ["mlx_hybrid_attention_cpu", "mlx_hybrid_rope_cpu"]
+    names = sorted([cpu_extension.ATTENTION.name, cpu_extension.ROPE.name])
+    assert sorted(key[0] for key in selfcheck.kernel_usable) == names
+    assert cpu_extension.ATTENTION.file == cpu_extension.ROPE.file

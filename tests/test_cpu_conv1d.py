@@ -10,7 +10,7 @@ import pytest
 from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_conv1d, cpu_extension
+from mlx_hybrid.ops import cpu_extension, cpu_kernels
 from test_ops import OP_TOL, numpy_conv_silu
 
 pytestmark = cpu_kernel_tests()
@@ -34,7 +34,7 @@ def test_kernel_equals_the_float64_conv(BT, C, K):
     x, weight, tail = conv_inputs(B, T, C, K, seed=B + T + C + K)
     want_y, want_tail, want_tails = numpy_conv_silu(x, weight, tail)
     for snapshots in (False, True):
-        y, new_tail, tails = cpu_conv1d.causal_conv1d_silu(*map(mx.array, (x, weight, tail)), snapshots=snapshots)
+        y, new_tail, tails = cpu_kernels.causal_conv1d_silu(*map(mx.array, (x, weight, tail)), snapshots=snapshots)
         # float32 sums of K products of scale ~1 against float64: their rounding (as the pure-MLX conv)
         np.testing.assert_allclose(np.array(y), want_y, atol=OP_TOL, rtol=0)
         np.testing.assert_array_equal(np.array(new_tail), want_tail)  # copies of inputs: exact
@@ -48,7 +48,7 @@ def test_silu_is_accurate_over_the_float_range():
     """The taps [0, ..., 0, 1] give y = silu(x): the kernel's e^-x against float64 over [-120, 120]."""
     x = np.linspace(-120, 120, 24001, dtype=np.float32).reshape(1, -1, 1)
     weight = np.array([[0, 0, 0, 1]], np.float32)
-    y, _, _ = cpu_conv1d.causal_conv1d_silu(mx.array(x), mx.array(weight), mx.zeros((1, 3, 1)))
+    y, _, _ = cpu_kernels.causal_conv1d_silu(mx.array(x), mx.array(weight), mx.zeros((1, 3, 1)))
     x64 = x.astype(np.float64).ravel()
     want = x64 / (1 + np.exp(-x64))
     got = np.array(y, np.float64).ravel()
@@ -63,11 +63,11 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it():
     """k tokens at once (a verify pass) against k calls of one token (decode steps), and each
     batch row alone: equal to the bit."""
     x, weight, tail = map(mx.array, conv_inputs(3, 6, 300, 4, seed=7))
-    y, final, tails = cpu_conv1d.causal_conv1d_silu(x, weight, tail, snapshots=True)
+    y, final, tails = cpu_kernels.causal_conv1d_silu(x, weight, tail, snapshots=True)
     for row in range(3):
         state = tail[row : row + 1]
         for t in range(6):
-            step_y, state, _ = cpu_conv1d.causal_conv1d_silu(x[row : row + 1, t : t + 1], weight, state)
+            step_y, state, _ = cpu_kernels.causal_conv1d_silu(x[row : row + 1, t : t + 1], weight, state)
             assert mx.array_equal(step_y[:, 0], y[row : row + 1, t])
             assert mx.array_equal(state, tails[t][row : row + 1])
     assert mx.array_equal(final, tails[-1])
@@ -76,7 +76,7 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it():
 def test_the_op_runs_the_kernel_on_the_cpu():
     x, weight, tail = map(mx.array, conv_inputs(1, 4, 24, 4, seed=3))
     got = ops.conv1d_update(x, weight, tail, snapshots=True)
-    want = cpu_conv1d.causal_conv1d_silu(x, weight, tail, snapshots=True)
+    want = cpu_kernels.causal_conv1d_silu(x, weight, tail, snapshots=True)
     assert mx.array_equal(got.out, want[0]) and mx.array_equal(got.tail, want[1])
     assert all(mx.array_equal(a, b) for a, b in zip(got.snapshots, want[2]))
     # no carried tail: zeros, as the reference

@@ -10,7 +10,7 @@ import pytest
 from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_extension, cpu_gated_delta
+from mlx_hybrid.ops import cpu_extension, cpu_kernels
 from test_ops import OP_TOL, make_inputs, numpy_gated_delta
 
 pytestmark = cpu_kernel_tests()
@@ -29,7 +29,7 @@ def test_kernel_equals_the_float64_rule(B, T, Hk, Hv, Dk, Dv, vector_gate):
     inputs = make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate, seed=B + T + Dk + Dv)
     want_out, want_state, want_states = numpy_gated_delta(*inputs)
     for snapshots in (False, True):
-        out, state, states = cpu_gated_delta.gated_delta_recurrent(*map(mx.array, inputs), snapshots=snapshots)
+        out, state, states = cpu_kernels.gated_delta_recurrent(*map(mx.array, inputs), snapshots=snapshots)
         # float32 against float64: the rule's own rounding, as for the pure-MLX recurrence
         np.testing.assert_allclose(np.array(out), want_out, atol=OP_TOL, rtol=0)
         np.testing.assert_allclose(np.array(state), want_state, atol=OP_TOL, rtol=0)
@@ -44,12 +44,12 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
     """k tokens at once (a verify pass) against k calls of one token (decode steps), and each
     batch row alone: equal to the bit."""
     inputs = [mx.array(x) for x in make_inputs(3, 6, 2, 4, 128, 128, vector_gate, seed=7)]
-    out, final, states = cpu_gated_delta.gated_delta_recurrent(*inputs, snapshots=True)
+    out, final, states = cpu_kernels.gated_delta_recurrent(*inputs, snapshots=True)
     for row in range(3):
         state = inputs[5][row : row + 1]
         for t in range(6):
             token = [x[row : row + 1, t : t + 1] for x in inputs[:5]]
-            step_out, state, _ = cpu_gated_delta.gated_delta_recurrent(*token, state)
+            step_out, state, _ = cpu_kernels.gated_delta_recurrent(*token, state)
             assert mx.array_equal(step_out[:, 0], out[row : row + 1, t])
             assert mx.array_equal(state, states[t][row : row + 1])
     assert mx.array_equal(final, states[-1])
@@ -58,7 +58,7 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
 def test_the_op_runs_the_kernel_on_the_cpu():
     inputs = [mx.array(x) for x in make_inputs(1, 4, 2, 4, 32, 32, True, seed=3)]
     got = ops.gated_delta_update(*inputs, snapshots=True)
-    want = cpu_gated_delta.gated_delta_recurrent(*inputs, snapshots=True)
+    want = cpu_kernels.gated_delta_recurrent(*inputs, snapshots=True)
     assert mx.array_equal(got.out, want[0]) and mx.array_equal(got.state, want[1])
     assert all(mx.array_equal(a, b) for a, b in zip(got.snapshots, want[2]))
 

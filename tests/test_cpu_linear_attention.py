@@ -10,7 +10,7 @@ import pytest
 from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_extension, cpu_linear_attention, reference
+from mlx_hybrid.ops import cpu_extension, cpu_kernels, reference
 from test_ops import layer_inputs, numpy_linear_attention, run_layer
 
 pytestmark = cpu_kernel_tests()
@@ -32,7 +32,7 @@ SHAPES = list(
 LAYER_TOL = 2e-5
 
 
-def run(inputs, heads, activation, snapshots, layer=cpu_linear_attention.linear_attention):
+def run(inputs, heads, activation, snapshots, layer=cpu_kernels.linear_attention):
     return run_layer(inputs, heads, activation, snapshots, layer)
 
 
@@ -86,14 +86,14 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
         mx.array, layer_inputs(3, 6, heads, 4, vector_gate, seed=7)
     )
     decay, norm = reference.Decay(A, dt_bias), reference.OutputNorm(norm_weight, 1e-6, "silu")
-    whole = cpu_linear_attention.linear_attention(
+    whole = cpu_kernels.linear_attention(
         x, weight, a, b, gate, decay, norm, heads, tail, state, snapshots=True
     )
     for row in range(3):
         row_tail, row_state = tail[row : row + 1], state[row : row + 1]
         for t in range(6):
             xt, at, bt, zt = (u[row : row + 1, t : t + 1] for u in (x, a, b, gate))
-            step = cpu_linear_attention.linear_attention(
+            step = cpu_kernels.linear_attention(
                 xt, weight, at, bt, zt, decay, norm, heads, row_tail, row_state
             )
             row_tail, row_state = step.tail, step.state

@@ -12,3 +12,18 @@ def test_every_native_source_ships_in_the_package():
     patterns = setuptools["package-data"]["mlx_hybrid.csrc"]
     sources = sorted(path.name for path in (ROOT / "mlx_hybrid" / "csrc").iterdir() if path.is_file())
     assert sources and [name for name in sources if not any(fnmatch(name, p) for p in patterns)] == []
+
+
+def test_mlx_without_a_backend_is_named_at_import(tmp_path):
+    """MLX on Linux without its CPU or CUDA build cannot load its library (here: an `mlx` with no
+    `mlx.core`, first on the path): importing the package says which extra to install."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-c", "import mlx_hybrid"], env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "mlx-hybrid[cpu]" in result.stderr and "mlx-hybrid[cuda]" in result.stderr

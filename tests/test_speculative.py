@@ -21,7 +21,7 @@ from conftest import (
 from mlx_hybrid.cache import KVCache, RecurrentCache
 from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter
 from mlx_hybrid.engine import Engine, PrefixStore
-from mlx_hybrid.generation import prefill
+from mlx_hybrid.api import prefill
 from mlx_hybrid.sampling import Sampler, SamplingParams
 
 _plain = {}

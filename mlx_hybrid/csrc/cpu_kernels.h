@@ -1,7 +1,6 @@
 // What the translation units of the CPU kernels' module share (mlx_hybrid/ops/cpu_extension.py
-// builds cpu_kernels.cpp, quantized_matmul.cpp, gated_delta.cpp, conv1d_silu.cpp and rms_norm.cpp into one
-// module): the thread pool, the binders each unit gives the module, and how an input becomes what
-// the kernels read.
+// lists the kernels and builds their units into one module): the thread pool, the binders each unit
+// gives the module, and how an input becomes what the kernels read.
 #pragma once
 
 #include <immintrin.h>

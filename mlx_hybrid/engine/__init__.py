@@ -1,6 +1,5 @@
 """Scheduling: one sequence or many, continuous joining, speculation per row, prefix checkpoints."""
 
-from .batch import batch_generate
 from .prefix_store import Checkpoint, PrefixStore, load_checkpoint, save_checkpoint
 from .replicated import ReplicatedEngine
 from .scheduler import Engine, Event, Sequence, TokenLogprob
@@ -13,7 +12,6 @@ __all__ = [
     "ReplicatedEngine",
     "Sequence",
     "TokenLogprob",
-    "batch_generate",
     "load_checkpoint",
     "save_checkpoint",
 ]

@@ -46,7 +46,7 @@ class Checkpoint:
     # a split model's: the largest rank's size, so that every rank keeps and evicts alike
     agreed_nbytes: int | None = None
     # what the store finds it by where the tokens do not tell the state (images: see
-    # `images.ImagePrompt.key`); None: the tokens
+    # `images.ExpandedPrompt.key`); None: the tokens
     image_key: tuple[int, ...] | None = None
 
     @property
@@ -174,7 +174,7 @@ class PrefixStore:
 
     def longest_prefix(self, tokens: list[int], model=None) -> Checkpoint | None:
         """The checkpoint of the longest saved prefix of `tokens` (all of them included; a
-        prompt with images: its `ImagePrompt.key`)."""
+        prompt with images: its `ExpandedPrompt.key`)."""
         tokens = tuple(tokens)
         fingerprint = model_fingerprint(model) if model is not None else None
 

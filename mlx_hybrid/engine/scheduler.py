@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import marks, packed, rewind, set_positions
+from ..drafting import SpeculationSettings
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, check_context, request_ids
 from ..sampling import SamplingParams
@@ -90,6 +91,14 @@ class Engine:
         self._wake = threading.Event()
         self._thread = None
         self._stopping = False
+
+    @classmethod
+    def speculating(cls, model, tokenizer, speculation: SpeculationSettings, drafter=None, **options):
+        """An engine drafting as `speculation` says (drafter: one built from it already), the rest of
+        the options as the constructor's."""
+        if drafter is None:
+            drafter = speculation.drafter(model, tokenizer)
+        return cls(model, tokenizer, drafter, speculation.num_draft_tokens, speculation.adaptive, **options)
 
     # -- requests
 

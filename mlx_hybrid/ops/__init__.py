@@ -28,17 +28,8 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ..quantized_tensor import BlockScales, QuantizedTensor
-from . import (
-    activations,
-    cpu_conv1d,
-    cpu_extension,
-    cpu_gated_delta,
-    cpu_linear_attention,
-    cpu_quantized,
-    kernels,
-    reference,
-    selfcheck,
-)
+from . import activations, cpu_extension, cpu_kernels, cpu_quantized, kernels, reference, selfcheck
+from .cpu_extension import ATTENTION, CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, QUANTIZED, ROPE
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
 
@@ -132,8 +123,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """
     if _gpu_computes():
         return mx.fast.rms_norm(x, weight, eps)
-    if x.dtype == weight.dtype == mx.float32 and _cpu_kernel_passed(_CPU_NORMS, selfcheck.small_norm_case, "rms"):
-        return cpu_extension.extension().rms_norm(x, weight, eps)
+    if x.dtype == weight.dtype == mx.float32 and _cpu_kernel_passed(NORMS, selfcheck.small_norm_case, "rms"):
+        return cpu_kernels.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -141,9 +132,9 @@ def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tupl
     """(x + y, rms_norm(x + y, weight, eps)): a residual sum and the norm after it, on the CPU one
     node of ours (the same bits as the two)."""
     if x.dtype == y.dtype == weight.dtype == mx.float32 and x.shape == y.shape and _cpu_kernel_passed(
-        _CPU_NORMS, selfcheck.small_norm_case, "add-rms"
+        NORMS, selfcheck.small_norm_case, "add-rms"
     ):
-        total, normed = cpu_extension.extension().add_rms_norm(x, y, weight, eps)
+        total, normed = cpu_kernels.add_rms_norm(x, y, weight, eps)
         return total, normed
     total = x + y
     return total, rms_norm(total, weight, eps)
@@ -152,8 +143,8 @@ def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tupl
 def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (as FLA and transformers)."""
     x = x.astype(mx.float32)
-    if _cpu_kernel_passed(_CPU_NORMS, selfcheck.small_norm_case, "l2"):
-        return cpu_extension.extension().l2_normalize(x, eps)
+    if _cpu_kernel_passed(NORMS, selfcheck.small_norm_case, "l2"):
+        return cpu_kernels.l2_normalize(x, eps)
     return reference.l2_normalize(x, eps)
 
 
@@ -180,8 +171,8 @@ def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:
 
 def _rotate(x, c, s, dims: int) -> mx.array:
     """The rotary factors applied (see `reference.rotate`): one node of ours on the CPU, four of MLX's."""
-    if x.dtype == mx.float32 and _cpu_kernel_passed(_CPU_ROPE, selfcheck.small_rope_case):
-        return cpu_extension.extension().rope(x, c, s, dims)
+    if x.dtype == mx.float32 and _cpu_kernel_passed(ROPE, selfcheck.small_rope_case):
+        return cpu_kernels.rope(x, c, s, dims)
     return reference.rotate(x, c, s, dims)
 
 
@@ -199,9 +190,9 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None)
     if (
         q.shape[2] <= CPU_ATTENTION_MAX_TOKENS
         and q.dtype == k.dtype == v.dtype == mx.float32
-        and _cpu_kernel_passed(_CPU_ATTENTION, selfcheck.small_attention_case)
+        and _cpu_kernel_passed(ATTENTION, selfcheck.small_attention_case)
     ):
-        return cpu_extension.extension().attention(q, k, v, scale, mask == "causal")
+        return cpu_kernels.attention(q, k, v, scale, mask == "causal")
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -209,14 +200,14 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """SiLU(gate) * up, in up's dtype: the SwiGLU feed-forward's hidden layer (on the CPU one node
     of ours where MLX's compiled form makes three)."""
     if _gated_product_runs(up, gate):
-        return cpu_extension.extension().gated_product(up, gate, False)
+        return cpu_kernels.gated_product(up, gate, False)
     return activations.swiglu(gate, up)
 
 
 def sigmoid_gated(x: mx.array, gate: mx.array) -> mx.array:
     """x * sigmoid(gate), in x's dtype (as `swiglu`)."""
     if _gated_product_runs(x, gate):
-        return cpu_extension.extension().gated_product(x, gate, True)
+        return cpu_kernels.gated_product(x, gate, True)
     return activations.sigmoid_gated(x, gate)
 
 
@@ -224,7 +215,7 @@ def _gated_product_runs(x, gate) -> bool:
     return (
         x.dtype == gate.dtype == mx.float32
         and x.shape == gate.shape
-        and _cpu_kernel_passed(_CPU_GATED_PRODUCT, selfcheck.small_gated_product_case)
+        and _cpu_kernel_passed(GATED_PRODUCT, selfcheck.small_gated_product_case)
     )
 
 
@@ -276,9 +267,9 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
     # our CPU kernel token by token beats the chunked form at every length too
     # (benchmarks/linear_attention_ops.py --tokens 128 512)
     if platform is None and _cpu_kernel_passed(
-        _CPU_GATED_DELTA, selfcheck.small_gated_delta_case, q.dtype, q.shape[-1], g.ndim == 4, snapshots
+        GATED_DELTA, selfcheck.small_gated_delta_case, q.dtype, q.shape[-1], g.ndim == 4, snapshots
     ):
-        return GatedDeltaResult(*cpu_gated_delta.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots))
+        return GatedDeltaResult(*cpu_kernels.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots))
     if not recurrent:
         out, final = reference.gated_delta_chunked(q, k, v, g, beta, state)
         return GatedDeltaResult(out, final, None)
@@ -300,7 +291,7 @@ def keeps_16bit_weights(stored, compute) -> bool:
     return (
         stored in SIXTEEN_BITS
         and compute == mx.float32
-        and _cpu_kernel_passed(_CPU_QUANTIZED, cpu_quantized.small_case_16bit, stored)
+        and _cpu_kernel_passed(QUANTIZED, cpu_quantized.small_case_16bit, stored)
     )
 
 
@@ -330,14 +321,6 @@ def _on_token_rows(product, x: mx.array, indices: mx.array) -> mx.array:
     return out.reshape(*lead, k, 1, out.shape[-1])
 
 
-_CPU_QUANTIZED = kernels.KernelSpec("mlx_hybrid_quantized_matmul", "quantized_matmul.cpp", (), ())
-_CPU_GATED_DELTA = kernels.KernelSpec("mlx_hybrid_gated_delta_cpu", "gated_delta.cpp", (), ())
-_CPU_CONV1D = kernels.KernelSpec("mlx_hybrid_conv1d_silu_cpu", "conv1d_silu.cpp", (), ())
-_CPU_NORMS = kernels.KernelSpec("mlx_hybrid_norms_cpu", "rms_norm.cpp", (), ())
-_CPU_LINEAR_ATTENTION = kernels.KernelSpec("mlx_hybrid_linear_attention_cpu", "linear_attention.cpp", (), ())
-_CPU_ATTENTION = kernels.KernelSpec("mlx_hybrid_attention_cpu", "attention.cpp", (), ())
-_CPU_ROPE = kernels.KernelSpec("mlx_hybrid_rope_cpu", "attention.cpp", (), ())  # its own first-call check
-_CPU_GATED_PRODUCT = kernels.KernelSpec("mlx_hybrid_gated_product_cpu", "gated_product.cpp", (), ())
 CPU_CONV_MAX_WIDTH = 8  # the widest conv our CPU kernels take (csrc/cpu_kernels.h: CONV_MAX_WIDTH)
 
 
@@ -355,7 +338,7 @@ def _cpu_quantized_kernels(bits: int, group_size: int, scales_form) -> bool:
     """Whether our CPU kernels compute this quantized product (else MLX's op). scales_form:
     the scales' dtype, or the BlockScales of a block form."""
     return cpu_quantized.supports(bits, group_size) and _cpu_kernel_passed(
-        _CPU_QUANTIZED, cpu_quantized.small_case, bits, group_size, scales_form
+        QUANTIZED, cpu_quantized.small_case, bits, group_size, scales_form
     )
 
 
@@ -425,9 +408,9 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
         platform is None
         and x.dtype == mx.float32
         and 2 <= width <= CPU_CONV_MAX_WIDTH
-        and _cpu_kernel_passed(_CPU_CONV1D, selfcheck.small_conv_case, x.dtype, width, snapshots)
+        and _cpu_kernel_passed(CONV1D, selfcheck.small_conv_case, x.dtype, width, snapshots)
     ):
-        return ConvResult(*cpu_conv1d.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))
+        return ConvResult(*cpu_kernels.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))
     return ConvResult(*reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))
 
 
@@ -444,10 +427,10 @@ def linear_attention(
         and x.dtype == mx.float32
         and 2 <= conv_weight.shape[-1] <= CPU_CONV_MAX_WIDTH
         and _cpu_kernel_passed(
-            _CPU_LINEAR_ATTENTION, selfcheck.small_linear_attention_case, a.ndim == 4, norm.activation, snapshots
+            LINEAR_ATTENTION, selfcheck.small_linear_attention_case, a.ndim == 4, norm.activation, snapshots
         )
     ):
-        return cpu_linear_attention.linear_attention(
+        return cpu_kernels.linear_attention(
             x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots=snapshots
         )
     return reference.linear_attention(

@@ -16,6 +16,7 @@ import logging
 import platform
 import sys
 import sysconfig
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,14 +24,29 @@ import mlx.core as mx
 
 from ..native import BuildError, build_once, compiler
 
+
+@dataclass(frozen=True)
+class CpuKernel:
+    """One of our CPU kernels: what its first-call check is known by, and its C++ unit in csrc/."""
+
+    name: str
+    file: str
+
+
+# Every CPU kernel, the one list: the units are built from it (the quantized products' first, the
+# longest to compile), then cpu_kernels.cpp, which defines the module and binds each unit's calls.
+QUANTIZED = CpuKernel("quantized products", "quantized_matmul.cpp")
+LINEAR_ATTENTION = CpuKernel("linear-attention layer", "linear_attention.cpp")
+GATED_DELTA = CpuKernel("gated delta rule", "gated_delta.cpp")
+CONV1D = CpuKernel("causal conv1d + SiLU", "conv1d_silu.cpp")
+NORMS = CpuKernel("norms", "rms_norm.cpp")
+ATTENTION = CpuKernel("attention", "attention.cpp")
+ROPE = CpuKernel("rotary embedding", "attention.cpp")  # attention's unit, a first-call check of its own
+GATED_PRODUCT = CpuKernel("gated products", "gated_product.cpp")
+KERNELS = (QUANTIZED, LINEAR_ATTENTION, GATED_DELTA, CONV1D, NORMS, ATTENTION, ROPE, GATED_PRODUCT)
+
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_UNITS = [
-    _CSRC / name
-    for name in (
-        "quantized_matmul.cpp", "linear_attention.cpp", "gated_delta.cpp", "conv1d_silu.cpp", "rms_norm.cpp",
-        "attention.cpp", "gated_product.cpp", "cpu_kernels.cpp",
-    )  # fmt: skip
-]
+_UNITS = [_CSRC / name for name in (*dict.fromkeys(kernel.file for kernel in KERNELS), "cpu_kernels.cpp")]
 _SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]
 _MODULE = "cpu_kernels_ext"
 

@@ -11,7 +11,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import activations, cpu_conv1d, cpu_extension, cpu_gated_delta, cpu_linear_attention, kernels, reference
+from . import activations, cpu_kernels, kernels, reference
 
 class KernelError(RuntimeError):
     """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
@@ -75,7 +75,7 @@ def small_gated_delta_case(platform, dtype, key_dim: int, vector_gate: bool, sna
     inputs += [mx.array(rng.uniform(0.1, 0.9, (B, T, Hv)).astype(np.float32)).astype(dtype)]
     state = mx.array(rng.standard_normal((B, Hv, key_dim, Dv)).astype(np.float32))
     if platform == "cpu":
-        out, final, states = cpu_gated_delta.gated_delta_recurrent(*inputs, state, snapshots=snapshots)
+        out, final, states = cpu_kernels.gated_delta_recurrent(*inputs, state, snapshots=snapshots)
         states = mx.stack(states, axis=1) if snapshots else None
     else:
         launch = kernels.gated_delta_launch(*inputs, state, snapshots)
@@ -97,7 +97,7 @@ def small_conv_case(platform, dtype, width: int, snapshots: bool):
     )
     weight = mx.array(rng.standard_normal((12, width)).astype(np.float32))
     if platform == "cpu":
-        y, new_tail, tails = cpu_conv1d.causal_conv1d_silu(x, weight, tail, snapshots=snapshots)
+        y, new_tail, tails = cpu_kernels.causal_conv1d_silu(x, weight, tail, snapshots=snapshots)
         tails = mx.stack(tails, axis=1) if snapshots else None
     else:
         launch = kernels.conv1d_silu_launch(x, weight, tail, snapshots)
@@ -116,12 +116,11 @@ def small_norm_case(platform, kind: str):
     rng = np.random.default_rng(0)
     x, y = (mx.array(rng.standard_normal((2, 1, 28)).astype(np.float32)) for _ in range(2))
     weight = mx.array(rng.standard_normal(28).astype(np.float32))
-    extension = cpu_extension.extension()
     if kind == "rms":
-        return [extension.rms_norm(x, weight, 1e-6)], [reference.rms_norm(x, weight, 1e-6)]
+        return [cpu_kernels.rms_norm(x, weight, 1e-6)], [reference.rms_norm(x, weight, 1e-6)]
     if kind == "add-rms":
-        return extension.add_rms_norm(x, y, weight, 1e-6), [x + y, reference.rms_norm(x + y, weight, 1e-6)]
-    return [extension.l2_normalize(x, 1e-6)], [reference.l2_normalize(x, 1e-6)]
+        return list(cpu_kernels.add_rms_norm(x, y, weight, 1e-6)), [x + y, reference.rms_norm(x + y, weight, 1e-6)]
+    return [cpu_kernels.l2_normalize(x, 1e-6)], [reference.l2_normalize(x, 1e-6)]
 
 
 def small_linear_attention_case(platform, vector_gate: bool, activation: str, snapshots: bool):
@@ -144,7 +143,7 @@ def small_linear_attention_case(platform, vector_gate: bool, activation: str, sn
             array(rng.standard_normal((B, K - 1, C))),
             array(rng.standard_normal((B, heads.value_heads, heads.key_dim, heads.value_dim))))  # fmt: skip
     results = [
-        cpu_linear_attention.linear_attention(*args, snapshots=snapshots),
+        cpu_kernels.linear_attention(*args, snapshots=snapshots),
         reference.linear_attention(*args, snapshots=snapshots),
     ]
     got, want = ([r.out, r.tail, r.state] for r in results)
@@ -160,8 +159,7 @@ def small_attention_case(_platform):
     rng = np.random.default_rng(0)
     q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in
                [(1, 4, 3, 20), (1, 2, 7, 20), (1, 2, 7, 12)])  # fmt: skip
-    extension = cpu_extension.extension()
-    got = [extension.attention(q, k, v, 0.3, causal) for causal in (False, True)]
+    got = [cpu_kernels.attention(q, k, v, 0.3, causal) for causal in (False, True)]
     want = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask) for mask in (None, "causal")]
     return got, want
 
@@ -171,7 +169,7 @@ def small_rope_case(_platform):
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, 2, 3, 20)).astype(np.float32))
     c, s = reference._rope_factors(range(5, 8), 20, 12, 10000.0)
-    return [cpu_extension.extension().rope(x, c, s, 12)], [reference.rotate(x, c, s, 12)]
+    return [cpu_kernels.rope(x, c, s, 12)], [reference.rotate(x, c, s, 12)]
 
 
 def small_gated_product_case(_platform):
@@ -179,6 +177,5 @@ def small_gated_product_case(_platform):
     against MLX's compiled forms."""
     rng = np.random.default_rng(0)
     x, gate = (mx.array(4 * rng.standard_normal((2, 37)).astype(np.float32)) for _ in range(2))
-    extension = cpu_extension.extension()
-    got = [extension.gated_product(x, gate, False), extension.gated_product(x, gate, True)]
+    got = [cpu_kernels.gated_product(x, gate, False), cpu_kernels.gated_product(x, gate, True)]
     return got, [activations.swiglu(gate, x), activations.sigmoid_gated(x, gate)]

@@ -1,6 +1,6 @@
-"""`mlx_hybrid.server`: an OpenAI-compatible HTTP server on the batch engine."""
+"""`mlx_hybrid.server`: the OpenAI- and Anthropic-compatible HTTP API on the batch engine (the
+command that starts it: `mlx_hybrid.cli.serve`, run as `python -m mlx_hybrid.server`)."""
 
 from .app import ServedModel, create_app
-from .main import entry, main
 
-__all__ = ["ServedModel", "create_app", "entry", "main"]
+__all__ = ["ServedModel", "create_app"]

@@ -1,3 +1,3 @@
-from .main import entry
+from mlx_hybrid.cli.serve import entry
 
 entry()

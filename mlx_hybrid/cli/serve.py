@@ -7,7 +7,11 @@ import os
 import sys
 from pathlib import Path
 
-from ..commands import (
+from mlx_hybrid.errors import GenerationError
+from mlx_hybrid.sampling import SamplingParams
+from mlx_hybrid.server.protocol import MAX_IMAGES, MAX_REQUEST_MIB
+
+from .common import (
     ArgumentParser,
     add_draft_arguments,
     add_model_arguments,
@@ -20,9 +24,6 @@ from ..commands import (
     on_every_rank,
     sampling_settings,
 )
-from ..errors import GenerationError
-from ..sampling import SamplingParams
-from .protocol import MAX_IMAGES, MAX_REQUEST_MIB
 
 DESCRIPTION = """\
 Serve a hybrid-attention model over an OpenAI-compatible HTTP API:
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     import mlx_hybrid
     from mlx_hybrid.engine import PrefixStore
 
-    from .app import ServedModel, create_app
+    from mlx_hybrid.server.app import ServedModel, create_app
 
     try:
         flags = flag_defaults(args)
@@ -189,13 +190,13 @@ def main(argv=None) -> int:
     if problem:  # before the model loads, which can take minutes
         return fail(f"cannot listen on {args.host}:{args.port}: {problem}")
     try:
-        model, tokenizer, drafter, described = load_for_generation(args)
+        model, tokenizer, drafting, described = load_for_generation(args)
         if model.parallel is not None and args.prefix_cache_dir:
             return fail("--prefix-cache-dir is for one process; a split model keeps its checkpoints in memory")
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
     store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
-    engine = make_engine(model, tokenizer, drafter, args, max_batch=args.max_batch, prefix_store=store)
+    engine = make_engine(model, tokenizer, drafting, max_batch=args.max_batch, prefix_store=store)
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
     defaults = recommended_defaults(tokenizer.generation_defaults) | flags
     served = ServedModel(

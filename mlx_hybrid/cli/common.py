@@ -11,13 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mlx_hybrid.drafting import (
-    AUTO,
-    DEFAULT_DRAFT_P_MIN,
-    adaptive,
-    make_drafter,
-    resolve_draft,
-)
+from mlx_hybrid.drafting import AUTO, DEFAULT_DRAFT_P_MIN, SpeculationSettings, resolve_draft
 from mlx_hybrid.errors import GenerationError
 from mlx_hybrid.loaders import DTYPES
 from mlx_hybrid.processors import Grammar
@@ -254,8 +248,9 @@ def describe_speculation(args, draft, drafting_model) -> str:
 
 
 def load_for_generation(args):
-    """(model, tokenizer, drafter, a line describing the setup) from the model and draft
-    arguments; raises MlxHybridError (GenerationError for contradictory options)."""
+    """(model, tokenizer, the engine's drafting: (SpeculationSettings, a drafter built from them), a
+    line describing the setup) from the model and draft arguments; raises MlxHybridError
+    (GenerationError for contradictory options)."""
     import mlx_hybrid
     from mlx_hybrid import GenerationError, ops
     from mlx_hybrid.blas import active_blas
@@ -270,7 +265,8 @@ def load_for_generation(args):
     )  # fmt: skip
     draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
     draft = resolve_draft(model, args.draft or AUTO, draft_model)
-    drafter = make_drafter(model, tokenizer, draft, draft_model, args.draft_vocab, args.draft_p_min)
+    speculation = SpeculationSettings(draft, draft_model, args.num_draft_tokens, args.draft_vocab, args.draft_p_min)
+    drafter = speculation.drafter(model, tokenizer)  # built here: its errors are the options'
     described = (
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
@@ -279,15 +275,17 @@ def load_for_generation(args):
     )
     if model.parallel is not None:
         described += f"; {model.parallel.describe()}"
-    return model, tokenizer, drafter, described
+    return model, tokenizer, (speculation, drafter), described
 
 
-def make_engine(model, tokenizer, drafter, args, **options):
-    """The engine a command drives; for a split model, one that runs in step on every rank."""
+def make_engine(model, tokenizer, drafting, **options):
+    """The engine a command drives (drafting: as `load_for_generation` gives it); for a split model,
+    one that runs in step on every rank."""
     from mlx_hybrid.engine import Engine, ReplicatedEngine
 
     kind = Engine if model.parallel is None else ReplicatedEngine
-    return kind(model, tokenizer, drafter, args.num_draft_tokens, adaptive(None, args.draft_p_min), **options)
+    speculation, drafter = drafting
+    return kind.speculating(model, tokenizer, speculation, drafter, **options)
 
 
 def follow(engine, sequence, show) -> bool:

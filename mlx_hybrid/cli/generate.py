@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from mlx_hybrid.commands import (
+from .common import (
     INTERRUPTED,
     ArgumentParser,
     add_draft_arguments,
@@ -110,24 +110,24 @@ def main(argv=None) -> int:
     if problem:  # before the model loads and generates
         return fail(f"--prompt-cache-file {args.prompt_cache_file}: {problem}")
     try:
-        model, tokenizer, drafter, described = load_for_generation(args)
+        model, tokenizer, drafting, described = load_for_generation(args)
         if model.parallel is not None and args.prompt_cache_file:
             return fail("--prompt-cache-file is for one process; a split model cannot use it")
-        run = _Run(model, tokenizer, drafter, args)
+        run = _Generation(model, tokenizer, drafting, args)
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
     return on_every_rank(run.engine, lambda: run.main(prompt, described))
 
 
-class _Run:
+class _Generation:
     """One request through the engine (the same one the server drives), streamed to stdout."""
 
-    def __init__(self, model, tokenizer, drafter, args):
+    def __init__(self, model, tokenizer, drafting, args):
         from mlx_hybrid.engine import PrefixStore
 
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.store = PrefixStore(1 << 62)  # only what this run saves, or its prompt cache file
-        self.engine = make_engine(model, tokenizer, drafter, args, max_batch=1, prefix_store=self.store)
+        self.engine = make_engine(model, tokenizer, drafting, max_batch=1, prefix_store=self.store)
 
     def main(self, prompt, described: str) -> int:
         import mlx_hybrid

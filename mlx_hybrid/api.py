@@ -1,21 +1,23 @@
-"""Text generation: `stream_generate` and `generate`."""
+"""The Python API's generation: `stream_generate`, `generate` and `batch_generate`, each through the
+batch engine (`engine.Engine`), the one way tokens are produced."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Iterator
 
 import mlx.core as mx
 
-from .drafting import AUTO, DEFAULT_DRAFT_P_MIN, adaptive, make_drafter
+from .drafting import SpeculationSettings
 from .engine import Engine, PrefixStore
 from .errors import GenerationError
 from .prompt import prefill
-from .sampling import SamplingParams
+from .sampling import SEED_LIMIT, SamplingParams
 from .tokenizer import StreamingDetokenizer
 
-__all__ = ["GenerationResponse", "generate", "prefill", "stream_generate"]
+__all__ = ["GenerationResponse", "batch_generate", "generate", "prefill", "stream_generate"]
 
 
 @dataclass
@@ -36,30 +38,16 @@ class GenerationResponse:
 
 
 def stream_generate(
-    model,
-    tokenizer,
-    prompt,
-    max_tokens: int = 256,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    draft: str | None = AUTO,
-    draft_model=None,
-    num_draft_tokens: int = 3,
-    draft_vocab: int | None = None,
-    draft_p_min: float = DEFAULT_DRAFT_P_MIN,
-    adaptive_drafting: bool | None = None,
-    images=None,
-    **settings,
+    model, tokenizer, prompt, max_tokens: int = 256, *, images=None, **settings
 ) -> Iterator[GenerationResponse]:
     """Generate from `prompt` (a string or token ids), yielding a response per token.
 
-    temp=0 is greedy; the sampling settings are those of `SamplingParams`, and any other
-    field of it may be given as a keyword: `logit_bias=`, `presence_penalty=`,
+    The settings, as keywords: those of sampling (`SamplingParams`'s fields: `temp=` (0, the default,
+    is greedy), `top_p=`, `top_k=`, `min_p=`, `seed=`, `logit_bias=`, `presence_penalty=`,
     `frequency_penalty=`, `repetition_penalty=`, `repetition_context_size=`, `grammar=`
-    (a `Grammar`), or OpenAI's `response_format=` ({"type": "json_schema", ...}). The last
+    (a `Grammar`), or OpenAI's `response_format=` ({"type": "json_schema", ...})) and those of
+    speculation (`SpeculationSettings`'s: `draft=`, `draft_model=`, `num_draft_tokens=`,
+    `draft_vocab=`, `draft_p_min=`, `adaptive_drafting=`, below). An unknown one is an error. The last
     response has `finish_reason` "stop" (an end token) or "length" (max_tokens or the
     model's context reached).
 
@@ -83,14 +71,8 @@ def stream_generate(
     The tokens come from the batch engine's step (as for `batch_generate`, the commands
     and the server), with this sequence its only row, stepped on the caller's thread.
     """
-    params = SamplingParams().replace(
-        max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, **settings
-    )
-    drafter = make_drafter(model, tokenizer, draft, draft_model, draft_vocab, draft_p_min)
-    engine = Engine(
-        model, tokenizer, drafter, num_draft_tokens, adaptive(adaptive_drafting, draft_p_min), max_batch=1,
-        prefix_store=PrefixStore(0),
-    )  # fmt: skip
+    params, speculation = request_settings(max_tokens, settings)
+    engine = Engine.speculating(model, tokenizer, speculation, max_batch=1, prefix_store=PrefixStore(0))
     mx.reset_peak_memory()
     start = time.perf_counter()
     sequence = engine.submit(prompt, params=params, images=images)
@@ -122,6 +104,49 @@ def stream_generate(
                 tokens_per_pass=stats.tokens_per_pass if stats else None,
                 acceptance_by_position=stats.acceptance_by_position if stats else None,
             )
+
+
+def request_settings(max_tokens: int, settings: dict) -> tuple[SamplingParams, SpeculationSettings]:
+    """An API call's keywords apart: the speculation settings by their names, the rest sampling
+    settings (an unknown keyword is an error that names it)."""
+    names = {field.name for field in dataclasses.fields(SpeculationSettings)}
+    speculation = SpeculationSettings(**{name: settings[name] for name in settings if name in names})
+    sampling = {name: value for name, value in settings.items() if name not in names}
+    return SamplingParams().replace(max_tokens=max_tokens, **sampling), speculation
+
+
+def batch_generate(model, tokenizer, prompts: list, max_tokens: int = 256, *, max_batch: int = 8, images=None,
+                   **settings) -> list[str]:  # fmt: skip
+    """The generated text for each prompt (strings or token ids), decoded together.
+
+    Settings as `stream_generate`'s, each sequence with its own penalties and grammar; with a seed,
+    sequence i samples from seed + i (each has its own stream). Up to `max_batch` sequences run at
+    once; the rest join as others finish. Greedy output is that of each prompt alone. images: per
+    prompt, its images (a list, or None), as `stream_generate` takes them.
+    """
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise GenerationError("prompts must be a non-empty list of strings or token id lists")
+    if images is not None and (not isinstance(images, (list, tuple)) or len(images) != len(prompts)):
+        raise GenerationError("images must list each prompt's images (or None), one entry per prompt")
+    params, speculation = request_settings(max_tokens, settings)
+    engine = Engine.speculating(model, tokenizer, speculation, max_batch=max_batch, prefix_store=PrefixStore(0))
+    seed = params.seed
+    sequences = [
+        engine.submit(
+            prompt,
+            params=params if seed is None else params.replace(seed=(seed + i) % SEED_LIMIT),
+            images=images[i] if images is not None else None,
+        )  # fmt: skip
+        for i, prompt in enumerate(prompts)
+    ]
+    engine.run()
+    texts = []
+    for sequence in sequences:
+        if sequence.error is not None:
+            raise GenerationError(f"generation failed: {sequence.error}")
+        tokens = sequence.tokens[:-1] if sequence.finish_reason == "stop" else sequence.tokens
+        texts.append(tokenizer.decode(tokens))
+    return texts
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:
