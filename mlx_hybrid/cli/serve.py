@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     import mlx_hybrid
     from mlx_hybrid.engine import PrefixStore
 
-    from mlx_hybrid.server.app import ServedModel, create_app
+    from mlx_hybrid.server import ServedModel, create_app
 
     try:
         flags = flag_defaults(args)

@@ -2,7 +2,8 @@
 
 from .prefix_store import Checkpoint, PrefixStore, load_checkpoint, save_checkpoint
 from .replicated import ReplicatedEngine
-from .scheduler import Engine, Event, Sequence, TokenLogprob
+from .scheduler import Engine
+from .sequence import Event, Sequence, TokenLogprob
 
 __all__ = [
     "Checkpoint",

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..sampling import SamplingParams
-from .scheduler import Engine, request_params
+from .scheduler import Engine
+from .sequence import request_params
 
 # Control messages, sent in place of a payload's length
 STOP = -1  # the leader has stopped: the others return

@@ -40,10 +40,8 @@ from ..speculative import DraftingPolicy, SpeculativeStats, check_num_draft_toke
 from .prefix_store import PrefixStore, capture, restore
 from .prompt_images import PromptImages
 from .rows import Ahead, Row
-from .sequence import Event, Sequence, TokenLogprob, request_params, token_logprobs
+from .sequence import Event, Sequence, request_params, token_logprobs
 from .step import Batch, Choice, build_batch, choose_tokens, run_model
-
-__all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "Engine", "Event", "Sequence", "TokenLogprob", "request_params"]
 
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
 
@@ -75,13 +73,10 @@ class Engine:
             raise GenerationError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
             raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.drafter = drafter
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
         self.adaptive = adaptive
-        self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(DEFAULT_PREFIX_CACHE_BYTES)
         self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
