@@ -1,12 +1,15 @@
-"""Our CPU attention kernel (csrc/attention.cpp) against MLX's op on the CPU, at Qwen3.5-0.8B's
-attention shape (8 query heads over 2 KV heads of 256 features), for decode steps and verify
-passes over short and long caches, and prompt chunks:
+"""Our CPU attention kernel (csrc/attention.cpp) against MLX's op on the CPU: at Qwen3.5-0.8B's
+text attention shape (8 query heads over 2 KV heads of 256 features, causal) for decode steps and
+verify passes over short and long caches, and prompt chunks; and at its vision tower's (12 heads of
+64 features, every patch attending to every other, 3072 patches: a 1024x768 image) and the larger
+towers' (16 heads of 72):
 
     python benchmarks/cpu_attention.py
 
 Milliseconds a call for one layer, medians of --repeats calls after one untimed, both evaluated;
 the ratio is MLX's time over ours. The op (`ops.scaled_dot_product_attention`) takes ours for up
-to `ops.CPU_ATTENTION_MAX_TOKENS` query tokens.
+to `ops.CPU_ATTENTION_MAX_TOKENS` query tokens, and for any number where heads have at most
+`ops.CPU_ATTENTION_SMALL_HEADS` features (the softmax's exponentials then pace attention).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import mlx.core as mx  # noqa: I001
 
 from mlx_hybrid.ops import cpu_extension
 
-# (query tokens, cached keys): a decode step, verify passes of k=3 and 15 drafts, prompt chunks
-CASES = [(1, 2048), (4, 2048), (1, 16384), (4, 16384), (16, 16384), (512, 512), (512, 16384)]
+# (query heads, KV heads, head features, causal, query tokens, keys): the text model's decode step,
+# verify passes of k=3 and 15 drafts and prompt chunks; the vision towers' images
+CASES = [(8, 2, 256, True, *shape) for shape in [(1, 2048), (4, 2048), (1, 16384), (4, 16384), (16, 16384),
+         (512, 512), (512, 16384)]] + [(12, 12, 64, False, 3072, 3072), (16, 16, 72, False, 1024, 1024)]  # fmt: skip
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -42,16 +47,19 @@ def main():
     kernel = cpu_extension.extension()
     if kernel is None:
         raise SystemExit("our CPU kernels are not built on this machine")
-    print("| query tokens | keys | ours ms | MLX ms | MLX / ours |\n| --- | --- | --- | --- | --- |")
-    for tokens, keys in CASES:
-        q = mx.random.normal((1, 8, tokens, 256))
-        k, v = mx.random.normal((1, 2, keys, 256)), mx.random.normal((1, 2, keys, 256))
+    print("| heads (KV) x features | mask | query tokens | keys | ours ms | MLX ms | MLX / ours |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for heads, kv_heads, features, causal, tokens, keys in CASES:
+        q = mx.random.normal((1, heads, tokens, features))
+        k, v = (mx.random.normal((1, kv_heads, keys, features)) for _ in range(2))
         mx.eval(q, k, v)
-        ours = median_ms(lambda: mx.eval(kernel.attention(q, k, v, 0.0625, True)), args.repeats)
+        scale, mask = features**-0.5, "causal" if causal else None
+        ours = median_ms(lambda: mx.eval(kernel.attention(q, k, v, scale, causal)), args.repeats)
         theirs = median_ms(
-            lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.0625, mask="causal")), args.repeats
+            lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)), args.repeats
         )
-        print(f"| {tokens} | {keys} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |", flush=True)
+        print(f"| {heads} ({kv_heads}) x {features} | {mask or 'none'} | {tokens} | {keys} | {ours:.2f} | "
+              f"{theirs:.2f} | {theirs / ours:.2f}x |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

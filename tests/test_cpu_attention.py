@@ -78,13 +78,16 @@ def test_a_verify_pass_reproduces_the_decode_steps(T):
         assert mx.array_equal(step, whole[:, :, t : t + 1])
 
 
-@pytest.mark.parametrize("T", [1, 4, ops.CPU_ATTENTION_MAX_TOKENS, ops.CPU_ATTENTION_MAX_TOKENS + 1])
-def test_the_op_runs_the_kernel_for_few_tokens_and_mlx_for_more(T):
-    q, k, v = (mx.array(x) for x in attention_inputs(1, 4, 2, T, 24, 32, 32, seed=T))
+MOST = ops.CPU_ATTENTION_MAX_TOKENS
+
+
+@pytest.mark.parametrize("T, D", [(1, 32), (4, 32), (MOST, 32), (MOST + 1, 32), (MOST, 256), (MOST + 1, 256)])
+def test_the_op_runs_the_kernel_for_few_tokens_or_narrow_heads_and_mlx_otherwise(T, D):
+    q, k, v = (mx.array(x) for x in attention_inputs(1, 4, 2, T, 24, D, D, seed=T))
     got = ops.scaled_dot_product_attention(q, k, v, 0.2, "causal")
     kernel = cpu_extension.extension().attention(q, k, v, 0.2, True)
     mlx = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
-    assert mx.array_equal(got, kernel if T <= ops.CPU_ATTENTION_MAX_TOKENS else mlx)
+    assert mx.array_equal(got, kernel if T <= MOST or D <= ops.CPU_ATTENTION_SMALL_HEADS else mlx)
     np.testing.assert_allclose(np.array(kernel), np.array(mlx), atol=ATTENTION_TOL, rtol=0)
 
 

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import ops
 from ..cache import RotaryPositions
 from .layers import F32, Linear
 
@@ -73,7 +74,7 @@ class VisionAttention(nn.Module):
         N, E = x.shape
         q, k, v = (t.transpose(1, 0, 2)[None] for t in mx.split(self.qkv(x).reshape(N, 3 * self.num_heads, -1), 3, 1))
         q, k = _rotate_half(q, cos, sin).astype(x.dtype), _rotate_half(k, cos, sin).astype(x.dtype)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+        out = ops.scaled_dot_product_attention(q, k, v, q.shape[-1] ** -0.5)
         return self.proj(out[0].transpose(1, 0, 2).reshape(N, E))
 
 
