@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from .drafting import SpeculationSettings
 from .engine import Engine, PrefixStore
+from .engine.sequence import request_params
 from .errors import GenerationError
 from .prompt import prefill
 from .sampling import SEED_LIMIT, SamplingParams
@@ -112,7 +113,7 @@ def request_settings(max_tokens: int, settings: dict) -> tuple[SamplingParams, S
     names = {field.name for field in dataclasses.fields(SpeculationSettings)}
     speculation = SpeculationSettings(**{name: settings[name] for name in settings if name in names})
     sampling = {name: value for name, value in settings.items() if name not in names}
-    return SamplingParams().replace(max_tokens=max_tokens, **sampling), speculation
+    return request_params(None, max_tokens, sampling), speculation
 
 
 def batch_generate(model, tokenizer, prompts: list, max_tokens: int = 256, *, max_batch: int = 8, images=None,
@@ -136,7 +137,7 @@ def batch_generate(model, tokenizer, prompts: list, max_tokens: int = 256, *, ma
             prompt,
             params=params if seed is None else params.replace(seed=(seed + i) % SEED_LIMIT),
             images=images[i] if images is not None else None,
-        )  # fmt: skip
+        )
         for i, prompt in enumerate(prompts)
     ]
     engine.run()

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mlx_hybrid.drafting import AUTO, DEFAULT_DRAFT_P_MIN, SpeculationSettings, resolve_draft
+from mlx_hybrid.drafting import AUTO, SpeculationSettings, resolve_draft
 from mlx_hybrid.errors import GenerationError
 from mlx_hybrid.loaders import DTYPES
 from mlx_hybrid.processors import Grammar
@@ -178,6 +178,7 @@ def sampling_params(args, **changes) -> SamplingParams:
 
 
 def add_draft_arguments(p: argparse.ArgumentParser):
+    defaults = SpeculationSettings()  # what the API defaults to, the flags too
     # one way to say how to draft: two of these contradict each other (or repeat one another)
     how = p.add_mutually_exclusive_group()
     how.add_argument(
@@ -191,8 +192,8 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
     how.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
     p.add_argument(
-        "--num-draft-tokens", type=at_least(1), default=3, metavar="N",
-        help="most tokens drafted per round (default: 3)",
+        "--num-draft-tokens", type=at_least(1), default=defaults.num_draft_tokens, metavar="N",
+        help=f"most tokens drafted per round (default: {defaults.num_draft_tokens})",
     )
     p.add_argument(
         "--draft-vocab",
@@ -205,10 +206,10 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--draft-p-min",
         type=float,
-        default=DEFAULT_DRAFT_P_MIN,
+        default=defaults.draft_p_min,
         metavar="P",
         help=f"stop drafting when the draft's top probability is below P, and back off after misses; 0: always "
-        f"draft --num-draft-tokens (default: {DEFAULT_DRAFT_P_MIN})",
+        f"draft --num-draft-tokens (default: {defaults.draft_p_min})",
     )
 
 
