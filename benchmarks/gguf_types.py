@@ -131,7 +131,7 @@ def kernels(rounds: int):
 
     import mlx.core as mx
 
-    from mlx_hybrid.loaders.quantized import BLOCK_TYPES
+    from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
     from mlx_hybrid.ops import cpu_quantized
 
     n, k = 3584, 1024
@@ -141,8 +141,10 @@ def kernels(rounds: int):
     for dtype in (mx.bfloat16, mx.float16):
         w = dense.astype(dtype)
         products[str(dtype).rsplit(".", 1)[-1]] = lambda w=w: cpu_quantized.matmul_16bit(x, w)
-    for name, (bits, group_size, _, block) in BLOCK_TYPES.items():
-        q = cpu_quantized.random_block_weights((n, k), bits, group_size, block)
+    tensors = {name: cpu_quantized.random_block_weights((n, k), bits, group_size, block)
+               for name, (bits, group_size, _, block) in BLOCK_TYPES.items() if name not in GRID_TYPES}  # fmt: skip
+    tensors |= {name: cpu_quantized.random_grid_weights((n, k), grid) for name, grid in GRID_TYPES.items()}
+    for name, q in tensors.items():
         products[name] = lambda q=q: cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size,
                                                                    q.bits, q.block)  # fmt: skip
     print(f"1 x {k} @ ({n} x {k})^T, the best of {rounds} rounds of 300")

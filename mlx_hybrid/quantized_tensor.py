@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 GROUP_SIZE = 32
 
@@ -64,6 +65,36 @@ class BlockScales:
         return scales.reshape(*lead, -1), biases.reshape(*lead, -1)
 
 
+@dataclass(frozen=True)
+class GridBlocks:
+    """One of GGUF's grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) kept as the file stores
+    it: a tensor's `weight` holds the blocks, uint8 [..., rows, blocks * block_bytes], each block
+    256 values (the tensor's group): a float16 d, indices into the type's grid of magnitudes, sign
+    bits and 4-bit scale codes. `scales` and `biases` are empty. Our CPU kernels decode the grid
+    as they multiply (csrc/quantized_matmul.cpp); MLX's products do not take it."""
+
+    type_name: str
+    block_bytes: int
+
+    VALUES = 256  # a block's values: the tensor's group
+    BITS = 8  # the tensor's `bits`: its weight is bytes
+    nonlinear = True  # (as BlockScales': no plain form)
+    groups_per_factor, factor_count, code_bytes = 1, 0, 0  # cut at whole blocks; nothing beside them
+
+    @staticmethod
+    def tensor(blocks: mx.array, grid: "GridBlocks") -> "QuantizedTensor":
+        """The tensor of blocks uint8 [..., rows, bytes]."""
+        empty = mx.zeros((*blocks.shape[:-1], 0), mx.float16)
+        return QuantizedTensor(blocks, empty, empty.astype(mx.int8), GridBlocks.BITS, GridBlocks.VALUES, grid)
+
+    def dequantize(self, blocks: mx.array) -> mx.array:
+        """The float32 values of blocks [..., bytes] (gguf-py's dequantization)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return mx.array(dequantize(np.array(blocks), GGMLQuantizationType[self.type_name]).astype(np.float32))
+
+
 @dataclass
 class QuantizedTensor:
     """An affine-quantized matrix (or stack of matrices) in MLX's layout."""
@@ -73,10 +104,18 @@ class QuantizedTensor:
     biases: mx.array  # (block form: the codes)
     bits: int
     group_size: int = GROUP_SIZE
-    block: BlockScales | None = None  # set: the block form (see BlockScales)
+    block: BlockScales | GridBlocks | None = None  # set: the block form (see BlockScales), or a grid type's blocks
+    # set: column p holds the matrix's column column_order[p] (products take x[..., column_order])
+    column_order: mx.array | None = None
+
+    @property
+    def grid(self) -> bool:
+        return isinstance(self.block, GridBlocks)
 
     @property
     def shape(self):
+        if self.grid:
+            return (*self.weight.shape[:-1], self.weight.shape[-1] // self.block.block_bytes * GridBlocks.VALUES)
         return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
 
     @property
@@ -89,6 +128,8 @@ class QuantizedTensor:
     def cut_at(self, columns) -> "QuantizedTensor | None":
         """The tensor in a form that `map_columns` can cut at these column offsets: itself, else
         its `per_group` form; None where a cut falls inside a group or a packed word."""
+        if self.column_order is not None:  # a cut of its columns is not one of the matrix's
+            return None
         for form in (self, self.per_group()):
             if all(c % (self.group_size * form.groups_per_cut) == 0 for c in columns):
                 return form
@@ -105,13 +146,17 @@ class QuantizedTensor:
             return self
         if not self.affine:
             raise ValueError("a nonlinear form has no plain form: dequantize it")
-        return QuantizedTensor(self.weight, *self.block.expand(self.scales, self.biases), self.bits, self.group_size)
+        scales, biases = self.block.expand(self.scales, self.biases)
+        return replace(self, scales=scales, biases=biases, block=None)
 
     def per_group(self) -> "QuantizedTensor":
         """The tensor in a form whose groups can be cut apart: the plain form of an affine one; a
-        nonlinear one (no plain form) with its factors repeated for each group, still exact."""
+        nonlinear one (no plain form) with its factors repeated for each group, still exact; a grid
+        type's blocks as they are (a block is its group)."""
         if self.affine:
             return self.expanded()
+        if self.grid:
+            return self
         block = self.block
         repeated = self.scales.reshape(*self.scales.shape[:-1], -1, 1, block.factor_count)
         repeated = mx.repeat(repeated, block.groups_per_factor, axis=-2).reshape(*self.scales.shape[:-1], -1)
@@ -119,17 +164,21 @@ class QuantizedTensor:
 
     def dequantize(self) -> mx.array:
         """The dense float32 matrix (float16 scales would round it to float16)."""
-        return dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size, self.block)
+        dense = dequantize(self.weight, self.scales, self.biases, self.bits, self.group_size, self.block)
+        return dense if self.column_order is None else dense[..., mx.argsort(self.column_order)]
 
     def map_columns(self, transform) -> "QuantizedTensor":
         """The tensor with transform(part, entries) applied to each part along its last axis, where
         `entries(groups)` counts the part's entries of that many groups (a block form's factors:
         whole multiples of `groups_per_cut` only)."""
+        if self.column_order is not None:
+            raise ValueError("the columns of a tensor in another column order do not cut as the matrix's")
 
         def counter(per_group):
             return lambda groups: round(groups * per_group)
 
-        per_group = {"weight": self.bits * self.group_size / 32}  # packed words
+        # packed words, or a grid type's bytes
+        per_group = {"weight": self.block.block_bytes if self.grid else self.bits * self.group_size / 32}
         if self.block:
             per_group["scales"] = self.block.factor_count / self.block.groups_per_factor
             per_group["biases"] = self.block.code_bytes
@@ -145,11 +194,13 @@ class QuantizedTensor:
         narrow = [part.astype(dtype) for part in (self.scales, self.biases)]
         if not all(mx.isfinite(part).all().item() for part in narrow):
             return self
-        return QuantizedTensor(self.weight, *narrow, self.bits, self.group_size)
+        return replace(self, scales=narrow[0], biases=narrow[1])
 
 
 def dequantize(weight, scales, biases, bits: int, group_size: int, block: BlockScales | None = None) -> mx.array:
     """The dense float32 matrix of a quantized tensor's parts (any form)."""
+    if isinstance(block, GridBlocks):
+        return block.dequantize(weight)
     if block:
         scales, biases = block.expand(scales, biases)
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)

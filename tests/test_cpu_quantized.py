@@ -12,7 +12,7 @@ from conftest import FIXTURES, assert_close_to_floor, cpu_kernel_tests, referenc
 
 import mlx_hybrid
 from mlx_hybrid import ops
-from mlx_hybrid.loaders.quantized import BLOCK_TYPES
+from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
 from mlx_hybrid.ops import cpu_quantized
 
 pytestmark = cpu_kernel_tests()
@@ -66,6 +66,33 @@ def test_block_form_products_match_float64(type_name):
     assert_close_to_floor(got[:, :, 0], want)
 
 
+@pytest.mark.parametrize("type_name", sorted(GRID_TYPES))
+def test_grid_type_products_match_float64(type_name):
+    """The grid types multiplied as the file stores them, the grid decoded in the kernel: against
+    the float64 product of gguf-py's dequantization (an independent decoder of the same bytes),
+    1 to 8 rows (the small-row kernel) and 9 or 33 (dequantized tiles through the BLAS), 37 rows
+    of W over three blocks, a view (W's rows stepped, x's columns offset), gathered experts; a row
+    the same bits alone as with up to 7 others."""
+    grid = GRID_TYPES[type_name]
+    q = cpu_quantized.random_grid_weights((2, 37, 768), grid, seed=len(type_name))
+    dense = np.array(q.dequantize(), np.float64)
+    x = mx.random.normal((33, 769), key=mx.random.key(4))[:, 1:]  # an offset view
+    alone = cpu_quantized.quantized_matmul(x[:1], q.weight[1], q.scales[1], q.biases[1], 256, 8, grid)
+    for rows in (1, 2, 3, 5, 8, 9, 33):
+        got = cpu_quantized.quantized_matmul(x[:rows], q.weight[1], q.scales[1], q.biases[1], 256, 8, grid)
+        assert_close_to_floor(got, np.array(x[:rows], np.float64) @ dense[1].T)
+        if rows <= 8:  # the small-row path (a verify pass); more rows take the BLAS's order
+            np.testing.assert_array_equal(np.array(got[:1]), np.array(alone))
+    stepped = q.weight[0, ::2]  # every other row of W
+    got = cpu_quantized.quantized_matmul(x[:3], stepped, q.scales[0, ::2], q.biases[0, ::2], 256, 8, grid)
+    assert_close_to_floor(got, np.array(x[:3], np.float64) @ dense[0, ::2].T)
+    indices = mx.array([[1, 0], [0, 1], [1, 1]], dtype=mx.uint32)
+    got = ops.gather_quantized_matmul(x[:3, None, None], q.weight, q.scales, q.biases, indices,
+                                      group_size=256, bits=8, block=grid)  # fmt: skip
+    want = np.einsum("tk,tenk->ten", np.array(x[:3], np.float64), dense[np.array(indices)])
+    assert_close_to_floor(got[:, :, 0], want)
+
+
 @pytest.mark.parametrize("bits", cpu_quantized.BITS)
 def test_each_row_takes_the_same_sums_whatever_rows_come_with_it(bits):
     """A verify pass of up to 8 rows gives each row the bits a decode step gives it alone."""
@@ -78,12 +105,16 @@ def test_each_row_takes_the_same_sums_whatever_rows_come_with_it(bits):
 
 
 @pytest.mark.skipif(len(cpu_quantized.extension().instruction_sets()) < 2, reason="this CPU runs one build only")
-@pytest.mark.parametrize("type_name", sorted(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", sorted({*BLOCK_TYPES, *GRID_TYPES}))
 def test_every_instruction_set_gives_the_same_bits(type_name):
     """The kernels are compiled once per instruction set (AVX2; AVX-512 where the CPU has it) and
     promise the same sequence of operations: a model gives the same tokens on either CPU."""
-    bits, group_size, _, block = BLOCK_TYPES[type_name]
-    q = cpu_quantized.random_block_weights((37, 512), bits, group_size, block)
+    if type_name in GRID_TYPES:
+        bits, group_size, block = 8, 256, GRID_TYPES[type_name]
+        q = cpu_quantized.random_grid_weights((37, 512), block)
+    else:
+        bits, group_size, _, block = BLOCK_TYPES[type_name]
+        q = cpu_quantized.random_block_weights((37, 512), bits, group_size, block)
     w, scales, biases = quantized((37, 512), bits, 32)
     x = mx.random.normal((9, 512), key=mx.random.key(5))
     assert_every_instruction_set_agrees(

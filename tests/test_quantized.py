@@ -10,8 +10,8 @@ from gguf.quants import dequantize
 import mlx_hybrid
 from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, assert_close_to_floor, reference
 from mlx_hybrid import ops
-from mlx_hybrid.loaders.quantized import BLOCK_TYPES, from_gguf_blocks, pack
-from mlx_hybrid.ops.cpu_quantized import random_block_weights
+from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES, from_gguf_blocks, pack
+from mlx_hybrid.ops.cpu_quantized import random_block_weights, random_grid_weights
 from mlx_hybrid.quantized_tensor import BlockScales
 from mlx_hybrid.models.layers import Embedding, Linear, QuantizedSwitchLinear
 
@@ -87,20 +87,20 @@ def set_quantized(module, q):
 @pytest.mark.parametrize("forced_reference", [False, True])
 @pytest.mark.parametrize(
     "type_name, block_form",
-    [("Q6_K", True), ("Q6_K", False), ("Q2_K", True), ("Q3_K", False), ("IQ4_NL", True), ("IQ4_XS", True)],
-)
+    [("Q6_K", True), ("Q6_K", False), ("Q2_K", True), ("Q3_K", False), ("IQ4_NL", True), ("IQ4_XS", True),
+     ("IQ2_XXS", True), ("IQ3_S", True)],
+)  # fmt: skip
 def test_kernel_only_types_in_modules_match_float64(type_name, block_form, forced_reference, monkeypatch):
     """Types MLX's products do not take (groups of 16: Q6_K, the LM head of a Q4_K_M file, and
-    Q2_K, Q3_K; IQ4's nonlinear values), their scales as stored (the block form) or expanded to
-    float32: linear layers, the embedding's rows and experts, against gguf's dequantization in
-    float64. Without our kernels (forced reference) the products dequantize."""
+    Q2_K, Q3_K; IQ4's nonlinear values; the grid types' blocks), their scales as stored (the block
+    form) or expanded to float32: linear layers, the embedding's rows and experts, against gguf's
+    dequantization in float64. Without our kernels (forced reference) the products dequantize."""
     raw, qtype = random_raw(type_name, 40, 512, 3)
     q = from_gguf_blocks(raw, type_name)
     if q is None or q.block is None:
         pytest.skip(f"no product here takes {type_name}'s scales as stored")
     q = q if block_form else q.expanded()
-    bits, group_size = BLOCK_TYPES[type_name][:2]
-    assert (q.bits, q.group_size) == (bits, group_size)
+    bits, group_size = q.bits, q.group_size
     dense = dequantize(raw, qtype).astype(np.float64)
     if forced_reference:
         monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
@@ -225,9 +225,22 @@ def test_value_head_columns_move_as_whole_groups():
         moved = apply_transform(value_columns, q, args)
         assert isinstance(moved, QuantizedTensor) and (moved.block is None) == (groups_per_factor == 4)
         np.testing.assert_array_equal(np.array(moved.dequantize()), np.array(value_columns(q.dequantize(), args)))
+    # heads smaller than a group (16 of 32; 64 of a grid type's 256): the columns stay where they
+    # are and a linear layer takes its inputs in their order
     narrow = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16)
     q = QuantizedTensor(*mx.quantize(dense[:, :64], group_size=32, bits=4), 4)
-    assert not isinstance(apply_transform(value_columns, q, narrow), QuantizedTensor)  # heads split groups
+    grid = random_grid_weights((16, 256), GRID_TYPES["IQ2_XXS"])
+    x = mx.random.normal((3, 256), key=mx.random.key(1))
+    for tensor, args in [(q, narrow), (grid, SimpleNamespace(**{**vars(narrow), "linear_value_head_dim": 64}))]:
+        moved = apply_transform(value_columns, tensor, args)
+        assert moved.weight is tensor.weight and moved.column_order is not None
+        want = np.array(value_columns(tensor.dequantize(), args))
+        np.testing.assert_array_equal(np.array(moved.dequantize()), want)
+        linear = Linear(tensor.shape[1], 16, bias=False).to_quantized(group_size=tensor.group_size, bits=tensor.bits)
+        set_quantized(linear, moved)
+        linear.take_inputs_in(moved.column_order)
+        rows = x[:, : tensor.shape[1]]
+        assert_close_to_floor(linear(rows), np.array(rows, np.float64) @ want.astype(np.float64).T)
 
 
 @pytest.mark.parametrize("mode", ["mxfp4", "affine"])

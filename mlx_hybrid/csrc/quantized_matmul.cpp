@@ -66,8 +66,60 @@ struct Packing {
 
 // What a packed value stands for: an unsigned integer (times its group's scale, plus its bias),
 // a 4-bit index into the layout's table of 16 unsigned bytes (likewise: IQ4_NL's values plus
-// 128, with a bias of -128 times the scale), or (16 bits) a bfloat16 or float16 weight.
-enum Values { INTEGERS = 0, TABLE = 1, BFLOAT16 = 2, FLOAT16 = 3 };
+// 128, with a bias of -128 times the scale), or (16 bits) a bfloat16 or float16 weight. The
+// grid types (GRID_FIRST on) are not packed values but GGUF's blocks as the file stores them:
+// see "GGUF's grid types" below.
+enum Values { INTEGERS = 0, TABLE = 1, BFLOAT16 = 2, FLOAT16 = 3, IQ2_XXS = 4, IQ2_XS = 5, IQ2_S = 6, IQ3_XXS = 7,
+              IQ3_S = 8 };
+constexpr int GRID_FIRST = IQ2_XXS;
+constexpr bool is_grid(int values) { return values >= GRID_FIRST; }
+
+// ---------------------------------------------------------------------------------------
+// GGUF's grid types, read as stored: blocks of 256 values, each a float16 d and then, for each
+// 32 values (a step of the 8-bit kernel), indices into a grid of 8 or 4 magnitudes a row, eight
+// sign bits a row of 8, and a 4-bit scale code s (one, or two for halves of 16). A value is
+// d (2 s + 1) / GRID_DIVISOR * magnitude * sign. The grids (`grid`, uint8 [entries, 8 or 4])
+// come from the caller, gguf-py's tables; the kernel decodes a step into 32 signed bytes, which
+// it multiplies as it does 8-bit values (the magnitudes are small integers: exact).
+constexpr int GRID_BLOCK_BYTES[] = {66, 74, 82, 98, 110};  // IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
+constexpr int GRID_ENTRIES[] = {256, 512, 1024, 256, 512};
+constexpr int GRID_DIVISOR[] = {8, 8, 8, 4, 1};
+constexpr int grid_block_bytes(int values) { return GRID_BLOCK_BYTES[values - GRID_FIRST]; }
+constexpr int grid_magnitudes(int values) { return values >= IQ3_XXS ? 4 : 8; }  // a grid row's
+// the values a scale code covers: IQ2_XS's and IQ2_S's codes are nibbles, one a half step
+constexpr int grid_group_size(int values) { return values == IQ2_XS || values == IQ2_S ? 16 : 32; }
+
+// IQ2_XXS, IQ2_XS and IQ3_XXS store 7 sign bits a row of 8, the eighth making the count of
+// minus signs even (llama.cpp's ksigns_iq2xs): the byte of all eight for each 7 bits.
+constexpr std::array<uint8_t, 128> SIGNS_OF_7_BITS = [] {
+    std::array<uint8_t, 128> table{};
+    for (int i = 0; i < 128; i++) table[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    return table;
+}();
+
+inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+// Four sign bytes from a word's four 7-bit fields (bits 0-27).
+inline uint32_t signs_of_word(uint32_t word) {
+    uint32_t out = 0;
+    for (int i = 0; i < 4; i++) out |= (uint32_t)SIGNS_OF_7_BITS[(word >> (7 * i)) & 127] << (8 * i);
+    return out;
+}
+
+// The scale code of group g (of grid_group_size values) in a block.
+inline int grid_code(int values, const uint8_t* block, int g) {
+    switch (values) {
+        case IQ2_XXS: return load_u32(block + 2 + 8 * g + 4) >> 28;
+        case IQ2_XS: return block[66 + g / 2] >> (4 * (g % 2)) & 15;
+        case IQ2_S: return block[74 + g / 2] >> (4 * (g % 2)) & 15;
+        case IQ3_XXS: return load_u32(block + 66 + 4 * g) >> 28;
+        default: return block[106 + g / 2] >> (4 * (g % 2)) & 15;  // IQ3_S
+    }
+}
 
 // float32 scales or biases from their stored dtype
 enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
@@ -87,12 +139,13 @@ struct BlockLayout {
 
 // A weight matrix [N, K] (or one expert's), with its row strides.
 struct Weights {
-    const uint8_t* q;       // packed values
+    const uint8_t* q;       // packed values (grid types: the blocks)
     const uint8_t* scales;  // per group in scale_type; block form: float16 factors
     const uint8_t* biases;  // per group in scale_type; block form: int8 codes
     long q_row_bytes, scale_row_bytes, bias_row_bytes;  // strides between rows
     int n, k, group_size, scale_type;
     BlockLayout blocks;
+    const uint8_t* grid = nullptr;  // grid types: the magnitudes of each index
 };
 
 // Where the rows of one product live: x rows (permuted into lane order, K padded to
@@ -165,6 +218,13 @@ Isa isa(int bits, Values values) {
     if (values == TABLE && bits == 4) return isa_for<4, TABLE>(level);
     if (values == BFLOAT16 && bits == 16) return isa_for<16, BFLOAT16>(level);
     if (values == FLOAT16 && bits == 16) return isa_for<16, FLOAT16>(level);
+    if (bits == 8) switch (values) {  // the grid types: each step decoded to 32 signed bytes
+            case IQ2_XXS: return isa_for<8, IQ2_XXS>(level);
+            case IQ2_XS: return isa_for<8, IQ2_XS>(level);
+            case IQ2_S: return isa_for<8, IQ2_S>(level);
+            case IQ3_XXS: return isa_for<8, IQ3_XXS>(level);
+            case IQ3_S: return isa_for<8, IQ3_S>(level);
+        }
     if (values != INTEGERS) throw std::invalid_argument("quantized_matmul: values that do not fit the bits");
     switch (bits) {
         case 2: return isa_for<2>(level);
@@ -244,7 +304,8 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
     int m = (int)(out.size() / n);
     int v = step_values(bits), padded = (k + v - 1) / v * v;
     int scale_type = scales.dtype() == mx::float32 ? F32 : scales.dtype() == mx::float16 ? F16 : BF16;
-    long q_row_bytes = (long)k * bits / 8;
+    long q_row_bytes = is_grid(values) ? (long)k / 256 * grid_block_bytes(values) : (long)k * bits / 8;
+    const uint8_t* grid = is_grid(values) ? in.back().data<uint8_t>() : nullptr;
     long scale_row_bytes = scales.shape(-1) * (long)scales.itemsize();
     long bias_row_bytes = biases.shape(-1) * (long)biases.itemsize();
 
@@ -259,7 +320,7 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
     for (int r = 0; r < x_rows; r++) {
         const float* row = x.data<float>() + (long)r * k;
         permute_row(row, k, padded, bits, &permuted[(size_t)r * padded]);
-        if (bits != 16)  // (16-bit weights have no biases)
+        if (bits != 16 && !is_grid(values))  // (16-bit weights and the grid types have no biases)
             for (int i = 0; i < k; i++) group_sums[(size_t)r * groups_padded + i / group_size] += row[i];
     }
     std::vector<const float*> xs, sums;
@@ -281,7 +342,8 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
                        k,
                        group_size,
                        scale_type,
-                       blocks};
+                       blocks,
+                       grid};
     };
     auto run = [&](long expert) {
         product(weights_of(expert), Rows{(int)xs.size(), xs.data(), sums.data(), outs.data()}, bits,
@@ -347,35 +409,43 @@ Values float_values(const mx::array& w) {
 }
 constexpr int FLOAT_GROUP = 64;  // 16-bit weights have no groups; the kernel's arithmetic wants one
 
-// x's width against W's (bits-bit values packed into uint32 words, or 16-bit values)
-void check_width(const mx::array& x, const mx::array& w, int bits) {
-    long columns = bits == 16 ? w.shape(-1) : w.shape(-1) * 32L / bits;
+// x's width against W's (bits-bit values packed into uint32 words, 16-bit values, or a grid
+// type's blocks of 256 values)
+void check_width(const mx::array& x, const mx::array& w, int bits, Values values) {
+    long columns = is_grid(values) ? w.shape(-1) / grid_block_bytes(values) * 256
+                   : bits == 16    ? w.shape(-1)
+                                   : w.shape(-1) * 32L / bits;
     if (x.shape(-1) != columns)
         throw std::invalid_argument("quantized_matmul: x has " + std::to_string(x.shape(-1)) +
                                     " columns, the weights " + std::to_string(columns));
 }
 
 // x [..., K] @ W^T. Float32 result [..., N].
+// (extra: inputs after the product's own, a grid type's grid)
 mx::array product_of(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                     int group_size, int bits, Values values, BlockLayout blocks) {
-    check_width(x, w, bits);
+                     int group_size, int bits, Values values, BlockLayout blocks, std::vector<mx::array> extra = {}) {
+    check_width(x, w, bits, values);
     auto stream = mx::default_stream(mx::Device::cpu);
     auto shape = x.shape();
     shape.back() = (int)w.shape(-2);
-    return mx::array(shape, mx::float32, primitive(stream, {group_size, bits, values, blocks, false, 1}),
-                     {mx::astype(x, mx::float32, stream), w, scales, biases});
+    std::vector<mx::array> inputs{mx::astype(x, mx::float32, stream), w, scales, biases};
+    inputs.insert(inputs.end(), extra.begin(), extra.end());
+    return mx::array(shape, mx::float32, primitive(stream, {group_size, bits, values, blocks, false, 1}), inputs);
 }
 
 // x [T, Kx, D] (Kx 1 or k), expert indices [T, k]; W [E, N, ...] -> float32 [T, k, N]
 mx::array gathered_product_of(const mx::array& x, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, const mx::array& indices, int group_size, int bits,
-                              Values values, BlockLayout blocks) {
-    check_width(x, w, bits);
+                              Values values, BlockLayout blocks, std::vector<mx::array> extra = {}) {
+    check_width(x, w, bits, values);
     auto stream = mx::default_stream(mx::Device::cpu);
     int t = (int)indices.shape(0), k = (int)indices.shape(1), n = (int)w.shape(-2);
     int per_x = x.shape(1) == k ? 1 : k;
+    std::vector<mx::array> inputs{mx::astype(x, mx::float32, stream), w, scales, biases,
+                                  mx::astype(indices, mx::uint32, stream)};
+    inputs.insert(inputs.end(), extra.begin(), extra.end());
     return mx::array({t, k, n}, mx::float32, primitive(stream, {group_size, bits, values, blocks, true, per_x}),
-                     {mx::astype(x, mx::float32, stream), w, scales, biases, mx::astype(indices, mx::uint32, stream)});
+                     inputs);
 }
 
 // W [N, K*bits/32] uint32, scales/biases [N, K/group_size] (block form: factors and codes, see BlockLayout)
@@ -408,6 +478,39 @@ mx::array gather_matmul_16bit(const mx::array& x, const mx::array& w, const mx::
     return gathered_product_of(x, w, no_scales(), no_scales(), indices, FLOAT_GROUP, 16, float_values(w), {});
 }
 
+// A grid type by its GGUF name, with its grid checked against it.
+Values grid_values(const std::string& type_name, const mx::array& blocks, const mx::array& grid) {
+    const char* names[] = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"};
+    for (int i = 0; i < 5; i++) {
+        if (type_name != names[i]) continue;
+        Values values = (Values)(GRID_FIRST + i);
+        if (blocks.dtype() != mx::uint8 || blocks.shape(-1) % grid_block_bytes(values))
+            throw std::invalid_argument("grid_matmul: " + type_name + " blocks must be uint8 rows of whole " +
+                                        std::to_string(grid_block_bytes(values)) + "-byte blocks");
+        if (grid.dtype() != mx::uint8 || grid.size() != (size_t)GRID_ENTRIES[i] * grid_magnitudes(values))
+            throw std::invalid_argument("grid_matmul: " + type_name + "'s grid must be uint8 [" +
+                                        std::to_string(GRID_ENTRIES[i]) + ", " +
+                                        std::to_string(grid_magnitudes(values)) + "]");
+        return values;
+    }
+    throw std::invalid_argument("grid_matmul: not a grid type: " + type_name);
+}
+
+// x [..., K] @ W^T for W [N, K] of a grid type, as its blocks [N, K / 256 * block bytes]
+mx::array grid_matmul(const mx::array& x, const mx::array& blocks, const mx::array& grid,
+                      const std::string& type_name) {
+    Values values = grid_values(type_name, blocks, grid);
+    return product_of(x, blocks, no_scales(), no_scales(), grid_group_size(values), 8, values, {},
+                      {grid});
+}
+
+mx::array gather_grid_matmul(const mx::array& x, const mx::array& blocks, const mx::array& grid,
+                             const mx::array& indices, const std::string& type_name) {
+    Values values = grid_values(type_name, blocks, grid);
+    return gathered_product_of(x, blocks, no_scales(), no_scales(), indices, grid_group_size(values), 8, values, {},
+                               {grid});
+}
+
 }  // namespace
 
 void mlx_hybrid::bind_quantized_matmul(nb::module_& m) {
@@ -421,6 +524,9 @@ void mlx_hybrid::bind_quantized_matmul(nb::module_& m) {
           nb::arg("code_bits") = 8, nb::arg("bias_ratio") = 0.0f, nb::arg("factor_scale") = 1.0f,
           nb::arg("table") = std::vector<uint8_t>{});
     m.def("matmul_16bit", &matmul_16bit, nb::arg("x"), nb::arg("w"));
+    m.def("grid_matmul", &grid_matmul, nb::arg("x"), nb::arg("blocks"), nb::arg("grid"), nb::arg("type_name"));
+    m.def("gather_grid_matmul", &gather_grid_matmul, nb::arg("x"), nb::arg("blocks"), nb::arg("grid"),
+          nb::arg("indices"), nb::arg("type_name"));
     m.def("gather_matmul_16bit", &gather_matmul_16bit, nb::arg("x"), nb::arg("w"), nb::arg("indices"));
     m.def(
         "instruction_sets",

@@ -70,7 +70,7 @@ def load(
     state is float32 whatever this is. progress: show a progress bar (default: for
     large files on a terminal). GGUF tensors stay as the file stores them where our CPU
     kernels multiply them (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
-    and IQ3_S, IQ3_XXS and the IQ2 types as 4-bit values;
+    IQ3_S, IQ3_XXS and the IQ2 types: their blocks as they are, the grids decoded as they multiply;
     F16 and BF16 matrices in 16 bits under a float32 dtype: exact, about the file's size),
     elsewhere quantized where MLX's affine groups hold them exactly (Q8_0 .. Q5_K, IQ3_S; float32
     scales), unless dequantize=True; other types are dequantized to dtype, each named in a

@@ -177,11 +177,14 @@ def _quantize_modules(model, weights: dict):
 
     Returns the names of their quantized parts (packed weights, float32 scales and biases).
     """
-    quantizable = {path for path, m in model.named_modules() if hasattr(m, "to_quantized")}
+    modules = dict(model.named_modules())
     parts = {}
     for name in [n for n, t in weights.items() if isinstance(t, QuantizedTensor)]:
         tensor, path = weights.pop(name), name.rsplit(".", 1)[0]
-        if path not in quantizable or not name.endswith(".weight"):
+        module = modules.get(path)
+        # (columns in another order: linear layers take their inputs reordered)
+        takes = isinstance(module, Linear) if tensor.column_order is not None else hasattr(module, "to_quantized")
+        if not takes or not name.endswith(".weight"):
             weights[name] = tensor.dequantize()
             continue
         parts[path] = tensor
@@ -196,8 +199,14 @@ def _quantize_modules(model, weights: dict):
             ),
         )
         for path, module in model.named_modules():
-            if path in parts and parts[path].block:  # a block form's factors and codes, as they come
-                module.scales, module.biases, module.block = parts[path].scales, parts[path].biases, parts[path].block
+            if path not in parts:
+                continue
+            tensor = parts[path]
+            if tensor.block:  # a block form's factors and codes (a grid type's blocks), as they come
+                module.weight, module.scales, module.biases = tensor.weight, tensor.scales, tensor.biases
+                module.block = tensor.block
+            if tensor.column_order is not None:
+                module.take_inputs_in(tensor.column_order)
     return {f"{path}.{part}" for path in parts for part in ("weight", "scales", "biases")}
 
 

@@ -10,6 +10,7 @@ forms already, so they load as they are.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -83,12 +84,19 @@ def _tiled_order(args):
     return np.array([(p % Hk) * R + p // Hk for p in range(Hv)])
 
 
-def _permute_heads(w, args, order, *, axis=0, offset=0, head_size=1):
-    """Reorder the value heads found at [offset, offset + Hv*head_size) along `axis`: new head i = old order[i]."""
+def _head_index(args, order, length: int, offset: int, head_size: int) -> np.ndarray:
+    """The index along an axis of `length` that reorders the value heads at [offset, offset +
+    Hv*head_size): new head i = old order[i]."""
     Hv = args.linear_num_value_heads
     rows = (order[:, None] * head_size + np.arange(head_size)).reshape(-1) + offset
-    index = np.concatenate([np.arange(offset), rows, np.arange(offset + Hv * head_size, w.shape[axis])])
-    return mx.take(w, mx.array(index), axis=axis)
+    return np.concatenate([np.arange(offset), rows, np.arange(offset + Hv * head_size, length)])
+
+
+def _permute_heads(w, args, order, *, axis=0, offset=0, head_size=1):
+    """Reorder the value heads found at [offset, offset + Hv*head_size) along `axis`: new head i = old order[i]."""
+    if (order == np.arange(args.linear_num_value_heads)).all():  # one value head a key head: the orders agree
+        return w
+    return mx.take(w, mx.array(_head_index(args, order, w.shape[axis], offset, head_size)), axis=axis)
 
 
 def _head_transforms(to_gguf: bool):
@@ -115,13 +123,18 @@ def _head_transforms(to_gguf: bool):
         return _permute_heads(w, args, order(args), axis=1, head_size=args.linear_value_head_dim)
 
     def value_columns_of_blocks(q, args):
-        """Heads of whole groups move as packed words and group scales (else: None, dequantize)."""
+        """Heads of whole groups move as packed words and group scales; heads smaller than a
+        group (a grid type's blocks of 256) stay where they are, the products taking their
+        inputs in the file's order instead."""
         head = args.linear_value_head_dim
-        q = q.cut_at([head])
-        if q is None:
-            return None
-        groups = head // q.group_size
-        return q.map_columns(
+        if (order(args) == np.arange(args.linear_num_value_heads)).all():
+            return q
+        cuttable = q.cut_at([head])
+        if cuttable is None:
+            index = _head_index(args, order(args), q.shape[-1], 0, head)  # new column i = old index[i]
+            return replace(q, column_order=mx.array(np.argsort(index).astype(np.uint32)))
+        groups = head // cuttable.group_size
+        return cuttable.map_columns(
             lambda part, entries: _permute_heads(part, args, order(args), axis=-1, head_size=entries(groups))
         )
 

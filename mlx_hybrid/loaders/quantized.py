@@ -16,12 +16,14 @@ uint32 words. These GGUF block types are exactly that, per group of 32 (Q6_K, Q3
 | IQ4_NL / IQ4_XS | 4 (indices) | d (* (ls_j - 32)) | -128 d (* (ls_j - 32)), values from a table |
 
 IQ4's 4-bit values index IQ4_NL's 16 values: held with the table plus 128 (unsigned) and a
-bias of -128 times the scale (`BlockScales.table`); only our CPU kernels take them. IQ3_S's
-grid holds odd integers in [-15, 15], 2 q - 15 for a 4-bit q: it is held as 4-bit groups of 32
-(scale 2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, on every backend, at 4.31 bits a weight
-against the file's 3.44. IQ3_XXS's and the IQ2 types' signed grid values (16 and 6 of them) are
-4-bit indices into tables of their own (IQ3_XXS_TABLE, IQ2_XXS_TABLE), exact, 4.31 bits a weight
-against 3.06 and 2.06 (IQ2_XS and IQ2_S in groups of 16: 4.56 against 2.31 and 2.56).
+bias of -128 times the scale (`BlockScales.table`); only our CPU kernels take them.
+
+The grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: indices into grids of magnitudes, sign
+bits, 4-bit scale codes) are kept as the file's blocks where our CPU kernels compute
+(`GridBlocks`: they decode the grids as they multiply). Elsewhere IQ3_S's grid, odd integers in
+[-15, 15], is 2 q - 15 for a 4-bit q: it is held as MLX's 4-bit groups of 32 (scale
+2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, at 4.31 bits a weight against the file's 3.44; the
+others are dequantized there.
 
 Where our CPU kernels compute (`ops.computes_block_scales`), the scales stay as the file
 stores them (`BlockScales`: integer codes per group times float16 factors per block), which
@@ -29,7 +31,7 @@ is exact and takes about the file's size: Q4_K 4.63 bits a weight against the fi
 Q6_K 6.56, Q8_0 8.75 against 8.5, Q2_K 2.63 as the file. Elsewhere the affine ones are
 expanded to float32, where every one of them is exact (a float16 times an 8-bit integer needs
 19 significant bits). MLX's own products take groups of 32 or more: the types in groups of 16
-and the IQ types are dequantized there.
+and the other IQ types are dequantized there.
 
 Compact loading, where a type is not held as stored, trades exactness for memory: scales and
 biases in 16 bits (float16, a relative error of at most 2^-11 on each; bfloat16 when that
@@ -43,7 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ops
-from ..quantized_tensor import GROUP_SIZE, BlockScales, QuantizedTensor
+from ..quantized_tensor import GROUP_SIZE, BlockScales, GridBlocks, QuantizedTensor
 
 
 def _f16(block_bytes: np.ndarray) -> np.ndarray:
@@ -197,89 +199,6 @@ def _iq3_s(b):
     return q, _f16(b[..., 0:2]), (2 * (1 + 2 * codes))[..., None]
 
 
-def _signs_of(words, lead):
-    """The sign bits of each group of 32 IQ2_XXS / IQ3_XXS values: four 7-bit indices into
-    ggml's ksigns (8 sign bits each) in bits 0-27 of a 32-bit word."""
-    from gguf.quants import IQ2_XXS
-
-    ksigns = np.frombuffer(IQ2_XXS.ksigns, np.uint8)
-    index = (words[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F
-    return _bits(ksigns[index]).reshape(*lead, 256)
-
-
-# Each group of 32 IQ3_XXS values is d (2 s + 1) / 4 times a signed grid value, one of 16:
-# v / 2 + 32 are unsigned bytes, so the group is d / 2 (2 s + 1) (table[q] - 32) (the factor d
-# times factor_scale 1/2: d / 2 in float16 would lose the last bit of small d's)
-IQ3_XXS_VALUES = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
-IQ3_XXS_TABLE = tuple(v // 2 + 32 for v in IQ3_XXS_VALUES)
-# IQ2_XXS: d (2 s + 1) / 8 times one of 6 signed values, d / 8 (2 s + 1) (table[q] - 43)
-IQ2_XXS_VALUES = (-43, -25, -8, 8, 25, 43)
-IQ2_XXS_TABLE = tuple(v + 43 for v in IQ2_XXS_VALUES) + (0,) * 10
-
-
-def _iq3_xxs(b):
-    # 64 indices into a 256-entry grid of 4 magnitudes; a 32-bit word a group of 32: its signs
-    # (_signs_of) and its 4-bit code s in the top bits
-    from gguf.quants import IQ3_XXS
-
-    IQ3_XXS.init_grid()
-    lead = b.shape[:-1]
-    words = b[..., 66:98].copy().view(np.uint32)
-    magnitudes = IQ3_XXS.grid.reshape(256, 4)[b[..., 2:66]].reshape(*lead, 256)
-    signed = np.where(_signs_of(words, lead), -magnitudes, magnitudes)
-    q = np.searchsorted(IQ3_XXS_VALUES, signed).astype(np.uint8).reshape(*lead, 8, 32)
-    return q, _f16(b[..., 0:2]), (2 * (words >> 28) + 1).astype(np.int8)[..., None]
-
-
-def _iq2_xxs(b):
-    # a group of 32: a word of four indices into a 256-entry grid of 8 magnitudes, then a word
-    # of its signs (_signs_of) and its 4-bit code s in the top bits
-    from gguf.quants import IQ2_XXS
-
-    IQ2_XXS.init_grid()
-    lead = b.shape[:-1]
-    words = b[..., 2:66].copy().view(np.uint32).reshape(*lead, 8, 2)
-    indices = words[..., 0].copy().view(np.uint8).reshape(*lead, 32)
-    magnitudes = IQ2_XXS.grid.reshape(256, 8)[indices].reshape(*lead, 256)
-    signed = np.where(_signs_of(words[..., 1], lead), -magnitudes, magnitudes)
-    q = np.searchsorted(IQ2_XXS_VALUES, signed).astype(np.uint8).reshape(*lead, 8, 32)
-    return q, _f16(b[..., 0:2]), (2 * (words[..., 1] >> 28) + 1).astype(np.int8)[..., None]
-
-
-def _iq2_xs(b):
-    # 32 16-bit words, each a 9-bit index into a 512-entry grid of 8 magnitudes and a 7-bit index
-    # into ksigns; a 4-bit code s a group of 16 (two a byte), w = d (2 s + 1) / 8 g sign
-    from gguf.quants import IQ2_XS, IQ2_XXS
-
-    IQ2_XS.init_grid()
-    lead = b.shape[:-1]
-    words = b[..., 2:66].copy().view(np.uint16)
-    magnitudes = IQ2_XS.grid.reshape(512, 8)[words & 511].reshape(*lead, 256)
-    sign_bytes = np.frombuffer(IQ2_XXS.ksigns, np.uint8)[words >> 9]
-    return _iq2_groups_of_16(magnitudes, _bits(sign_bytes), b[..., 0:2], b[..., 66:74])
-
-
-def _iq2_s(b):
-    # 32 indices into a 1024-entry grid of 8 magnitudes (8 low bits in qs, 2 high bits in qh), a
-    # sign bit a value, 4-bit codes as IQ2_XS's
-    from gguf.quants import IQ2_S
-
-    IQ2_S.init_grid()
-    lead = b.shape[:-1]
-    high = _fields(b[..., 66:74], 2).astype(np.uint16)
-    magnitudes = IQ2_S.grid.reshape(1024, 8)[b[..., 2:34] | (high << 8)].reshape(*lead, 256)
-    return _iq2_groups_of_16(magnitudes, _bits(b[..., 34:66]), b[..., 0:2], b[..., 74:82])
-
-
-def _iq2_groups_of_16(magnitudes, negative, d, scales):
-    """IQ2_XS's and IQ2_S's values as indices into IQ2_XXS_TABLE, 16 groups of 16, the factor d
-    and the codes 2 s + 1 (factor_scale 1/8)."""
-    lead = magnitudes.shape[:-1]
-    q = np.searchsorted(IQ2_XXS_VALUES, np.where(negative, -magnitudes, magnitudes)).astype(np.uint8)
-    codes = _fields(scales, 4)
-    return q.reshape(*lead, 16, 16), _f16(d), (2 * codes + 1).astype(np.int8)[..., None]
-
-
 # GGML type name -> (bits, values per group, block parser, the block form's scales)
 BLOCK_TYPES = {
     "Q8_0": (8, 32, _q8_0, BlockScales(1, 1, 1, -128.0)),
@@ -295,11 +214,13 @@ BLOCK_TYPES = {
     "IQ4_NL": (4, 32, _iq4_nl, BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)),
     "IQ4_XS": (4, 32, _iq4_xs, BlockScales(8, 1, 1, -128.0, table=IQ4_NL_TABLE)),
     "IQ3_S": (4, 32, _iq3_s, BlockScales(8, 1, 1, -7.5)),
-    "IQ3_XXS": (4, 32, _iq3_xxs, BlockScales(8, 1, 1, -32.0, table=IQ3_XXS_TABLE, factor_scale=0.5)),
-    "IQ2_XXS": (4, 32, _iq2_xxs, BlockScales(8, 1, 1, -43.0, table=IQ2_XXS_TABLE, factor_scale=0.125)),
-    "IQ2_XS": (4, 16, _iq2_xs, BlockScales(16, 1, 1, -43.0, table=IQ2_XXS_TABLE, factor_scale=0.125)),
-    "IQ2_S": (4, 16, _iq2_s, BlockScales(16, 1, 1, -43.0, table=IQ2_XXS_TABLE, factor_scale=0.125)),
 }
+
+
+# GGML type name -> its blocks as stored, where our kernels multiply them (else BLOCK_TYPES' form,
+# or dequantized)
+GRID_TYPES = {name: GridBlocks(name, size) for name, size in
+              [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110)]}  # fmt: skip
 
 
 # Compact loading: types with no exact form in MLX's affine groups (of 32 or more) that are
@@ -329,7 +250,8 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, compact_scales=None) -> Qu
     """
     form = held_form(type_name, compact_scales is not None)
     if form == BLOCK:
-        return _block_form(raw, type_name)
+        grid = GRID_TYPES.get(type_name)
+        return GridBlocks.tensor(mx.array(raw), grid) if grid else _block_form(raw, type_name)
     if form == REQUANTIZED:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -351,6 +273,9 @@ BLOCK, PLAIN, REQUANTIZED = "as stored", "with float32 scales", "re-quantized"
 def held_form(type_name: str, compact: bool) -> str | None:
     """BLOCK where our kernels multiply the type as stored; REQUANTIZED where compact loading
     re-quantizes it; PLAIN where MLX's affine groups hold it exactly; None: dequantized."""
+    grid = GRID_TYPES.get(type_name)
+    if grid and ops.computes_block_scales(GridBlocks.BITS, GridBlocks.VALUES, grid):
+        return BLOCK
     known = BLOCK_TYPES.get(type_name)
     if known and ops.computes_block_scales(known[0], known[1], known[3]):
         return BLOCK

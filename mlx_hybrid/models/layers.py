@@ -83,14 +83,31 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     block = None  # a BlockScales where scales and biases are a block form's factors and codes
 
+    @property
+    def input_order(self) -> mx.array | None:
+        return self.get("_input_order")  # (underscored: not a parameter)
+
+    def take_inputs_in(self, order: mx.array):
+        """Multiply x[..., order]: the weight's column p is the matrix's column order[p] (a GGUF
+        file's value heads in its order, where its blocks are larger than a head)."""
+        self._input_order = order
+
     def __call__(self, x):
+        if self.input_order is not None:
+            x = mx.take(x, self.input_order, axis=-1)
         out = quantized_product(x, self)
         return out + self["bias"].astype(out.dtype) if "bias" in self else out
 
 
+def _mlx_group(group_size: int) -> int:
+    """The nearest group size MLX quantizes in."""
+    return min(max(group_size, 32), 128)
+
+
 def _regrouped(module, group_size: int):
-    """A quantized module for groups MLX does not quantize in (GGUF's Q6_K: 16), made at 32:
-    the packed weight's shape does not depend on the groups; scales and biases get theirs."""
+    """A quantized module for groups MLX does not quantize in (GGUF's Q6_K: 16; a grid type's
+    blocks: 256), made at 32 or 128: the packed weight's shape does not depend on the groups;
+    scales and biases get theirs."""
     if module.group_size != group_size:
         shape = (*module.scales.shape[:-1], module.scales.shape[-1] * module.group_size // group_size)
         module.scales, module.biases, module.group_size = mx.zeros(shape), mx.zeros(shape), group_size
@@ -108,7 +125,7 @@ class Linear(nn.Linear):
         return out + self["bias"].astype(out.dtype) if "bias" in self else out
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        return _regrouped(QuantizedLinear.from_linear(self, max(group_size, 32), bits, mode), group_size)
+        return _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size)
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -129,7 +146,7 @@ class Embedding(nn.Embedding):
         return ops.linear(x, self.weight)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        return _regrouped(QuantizedEmbedding.from_embedding(self, max(group_size, 32), bits, mode), group_size)
+        return _regrouped(QuantizedEmbedding.from_embedding(self, _mlx_group(group_size), bits, mode), group_size)
 
 
 class SwitchLinear(nn.Module):

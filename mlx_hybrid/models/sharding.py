@@ -32,8 +32,9 @@ def cut_parameters(model: nn.Module, specs: dict, rank: int, size: int):
             module = module[int(part)] if part.isdigit() else module[part]
         if leaf == "weight" and "scales" in module:
             parts = QuantizedTensor(
-                module.weight, module.scales, module.biases, module.bits, module.group_size, module.block
-            )
+                module.weight, module.scales, module.biases, module.bits, module.group_size, module.block,
+                getattr(module, "input_order", None),
+            )  # fmt: skip
             taken = split.take(parts, rank, size)
             if not hasattr(taken, "scales"):
                 raise ShardingError(f"{name}: its split falls inside quantization groups")

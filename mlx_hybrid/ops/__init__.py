@@ -340,8 +340,8 @@ def _cpu_kernel_passed(spec, small_case, *variant) -> bool:
 
 def _cpu_quantized_kernels(bits: int, group_size: int, scales_form) -> bool:
     """Whether our CPU kernels compute this quantized product (else MLX's op). scales_form:
-    the scales' dtype, or the BlockScales of a block form."""
-    return cpu_quantized.supports(bits, group_size) and _cpu_kernel_passed(
+    the scales' dtype, the BlockScales of a block form, or a grid type's GridBlocks."""
+    return cpu_quantized.supports(bits, group_size, scales_form) and _cpu_kernel_passed(
         QUANTIZED, cpu_quantized.small_case, bits, group_size, scales_form
     )
 
@@ -357,7 +357,8 @@ def computes_quantized(bits: int, group_size: int) -> bool:
 
 
 def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> bool:
-    """Whether products with these block-form scales run here as they are stored (our CPU kernels)."""
+    """Whether products with these block-form scales (or a grid type's blocks) run here as they
+    are stored (our CPU kernels)."""
     return _cpu_quantized_kernels(bits, group_size, block)
 
 

@@ -1,4 +1,4 @@
-"""MLX affine-quantized products, and products with 16-bit weights, on x86-64 CPUs through our
+"""MLX affine-quantized products, GGUF's grid types, and products with 16-bit weights, on x86-64 CPUs through our
 extension (csrc/quantized_matmul.cpp: an MLX primitive in the CPU kernels' module, see
 `cpu_extension`).
 
@@ -11,16 +11,45 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..quantized_tensor import BlockScales, QuantizedTensor
+from functools import lru_cache
+
+import numpy as np
+
+from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor
 from .cpu_extension import extension
 
 BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF's Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S
+GROUP_SIZES = (16, 32, 64, 128)  # 16: GGUF's Q2_K, Q3_K, Q6_K
 
 
-def supports(bits: int, group_size: int) -> bool:
+def supports(bits: int, group_size: int, form=None) -> bool:
+    """Whether the kernels take this layout (form: a grid type's GridBlocks, the kernels' own)."""
+    if isinstance(form, GridBlocks):
+        return (bits, group_size) == (GridBlocks.BITS, GridBlocks.VALUES)
     # a kernel step (64 values at 4 bits, 32 at the others) spans at most four groups
     return bits in BITS and group_size in GROUP_SIZES
+
+
+@lru_cache(maxsize=None)
+def grid_of(type_name: str) -> mx.array:
+    """A grid type's grid, uint8 [entries, magnitudes a row], as gguf-py defines it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    traits = _type_traits[GGMLQuantizationType[type_name]]
+    traits.init_grid()
+    return mx.array(np.asarray(traits.grid).reshape(traits.grid_shape).astype(np.uint8))
+
+
+def random_grid_weights(shape, grid: GridBlocks, seed: int = 0) -> QuantizedTensor:
+    """A random grid-type tensor [..., N, K] (K a multiple of 256): random bytes (every index,
+    sign and code a type stores is valid), each block's d a float16 of either sign, small enough
+    that the weights (d times codes up to 31 and magnitudes up to 62) stay below about 2."""
+    *lead, N, K = shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (*lead, N, K // GridBlocks.VALUES, grid.block_bytes), dtype=np.uint8)
+    blocks[..., :2] = (rng.uniform(-1, 1, (*blocks.shape[:-1], 1)) / 256).astype(np.float16).view(np.uint8)
+    return GridBlocks.tensor(mx.array(blocks.reshape(*lead, N, -1)), grid)
 
 
 def random_weights(shape, bits: int, group_size: int, seed: int = 0):
@@ -59,22 +88,29 @@ def _layout(block: BlockScales | None) -> dict:
             "factor_scale": block.factor_scale, "table": list(block.table)}  # fmt: skip
 
 
-def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, block: BlockScales | None = None) -> mx.array:
-    """x [..., K] @ W^T for W [N, K] in MLX's affine layout (or a block form): float32 [..., N]."""
+def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, block=None) -> mx.array:
+    """x [..., K] @ W^T for W [N, K] in MLX's affine layout (or a block form, or a grid type's
+    blocks): float32 [..., N]."""
+    if isinstance(block, GridBlocks):
+        return extension().grid_matmul(x, w, grid_of(block.type_name), block.type_name)
     return extension().quantized_matmul(x, w, scales, biases, group_size, bits, **_layout(block))
 
 
 def gather_quantized_matmul(x, w, scales, biases, indices, group_size: int, bits: int, block=None) -> mx.array:
     """x [T, 1 or k, K] against experts w [E, N, ...] chosen by indices [T, k]: float32 [T, k, N]."""
+    if isinstance(block, GridBlocks):
+        return extension().gather_grid_matmul(x, w, grid_of(block.type_name), indices, block.type_name)
     return extension().gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits, **_layout(block))
 
 
 def small_case(_platform, bits: int, group_size: int, scales_form):
-    """A first-use check of a variant (scales_form: the scales' dtype, or a BlockScales): 1 row
-    (the small-row path), 9 rows (the tiled path) and gathered experts, against MLX's op on the
-    same weights (its dequantized weights for the groups or forms its op refuses)."""
+    """A first-use check of a variant (scales_form: the scales' dtype, a BlockScales or a
+    GridBlocks): 1 row (the small-row path), 9 rows (the tiled path) and gathered experts, against
+    MLX's op on the same weights (its dequantized weights for the groups or forms its op refuses)."""
     K = max(64, 2 * group_size)
-    if isinstance(scales_form, BlockScales):
+    if isinstance(scales_form, GridBlocks):
+        tensor = random_grid_weights((3, 24, K), scales_form)
+    elif isinstance(scales_form, BlockScales):
         K = max(K, 2 * group_size * scales_form.groups_per_factor)
         tensor = random_block_weights((3, 24, K), bits, group_size, scales_form)
     else:
