@@ -97,17 +97,25 @@ constexpr std::array<uint8_t, 128> SIGNS_OF_7_BITS = [] {
     return table;
 }();
 
+// For each byte of 8 sign bits, the 8 bytes that negate a row of 8 values: 0xFF where its bit is
+// set (x ^ mask - mask is -x there, x elsewhere); and the same for each 7 sign bits.
+constexpr std::array<uint64_t, 256> SIGN_MASKS = [] {
+    std::array<uint64_t, 256> table{};
+    for (int i = 0; i < 256; i++)
+        for (int bit = 0; bit < 8; bit++)
+            if (i >> bit & 1) table[i] |= 0xFFULL << (8 * bit);
+    return table;
+}();
+constexpr std::array<uint64_t, 128> SIGN_MASKS_OF_7_BITS = [] {
+    std::array<uint64_t, 128> table{};
+    for (int i = 0; i < 128; i++) table[i] = SIGN_MASKS[SIGNS_OF_7_BITS[i]];
+    return table;
+}();
+
 inline uint32_t load_u32(const uint8_t* p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v;
-}
-
-// Four sign bytes from a word's four 7-bit fields (bits 0-27).
-inline uint32_t signs_of_word(uint32_t word) {
-    uint32_t out = 0;
-    for (int i = 0; i < 4; i++) out |= (uint32_t)SIGNS_OF_7_BITS[(word >> (7 * i)) & 127] << (8 * i);
-    return out;
 }
 
 // The scale code of group g (of grid_group_size values) in a block.
