@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from .errors import MlxHybridError
 from .loaders import DTYPES, gguf_architectures, gguf_file, hf, hub, load
 from .loaders.common import rename
+from .loaders.hf_config import read_config
 from .models.layers import LINEAR
 from .models.qwen3_5 import POST_NORM
 
@@ -214,7 +215,7 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     if args.model_type == "kimi_linear":  # its config.json is the checkpoint's own, as mlx-lm's convert copies it
         if source_dir is None:
             raise ValueError(f"writing {args.model_type} takes its Hugging Face directory's config.json")
-        config = hf.read_config(Path(source_dir))
+        config = read_config(Path(source_dir))
     else:
         config = hf_config(args, tokenizer)
     if quantization:  # a module quantized otherwise is named as its tensors are written
@@ -256,7 +257,7 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     source = hub.resolve(source) if hub.is_hub_name(source) else Path(source)
     checkpoint_dtype = "float32"  # a GGUF's blocks dequantize exactly to float32
     if source.is_dir():  # refuse early, before loading the weights
-        config = hf.read_config(source)
+        config = read_config(source)
         if config.get("model_type") not in QWEN_TYPES + FROM_DIRECTORIES_ONLY:
             raise MlxHybridError(
                 f"convert supports the Qwen hybrid families and Kimi Linear, not {config.get('model_type')!r}"

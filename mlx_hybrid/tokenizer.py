@@ -183,7 +183,7 @@ class Tokenizer:
     @functools.cached_property
     def rendered_tool_call(self) -> str:
         """The chat template's rendering of an assistant turn that calls a tool, which shows how
-        it writes calls (`parsers.tool_call_style`); "" where it cannot render one (asked once)."""
+        it writes calls (`tool_grammars.tool_call_style`); "" where it cannot render one (asked once)."""
         call = {"type": "function", "function": {"name": _PROBE_NAME, "arguments": {"probe_key": "v"}}}
         turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         try:

@@ -16,7 +16,7 @@ FLOORS = {
     "drafting": 4, "speculative": 4,
     "engine": 5,
     "api": 6, "mlx_hybrid": 6,  # the package's __init__: the API
-    "parsers": 7, "server": 7, "cli": 7, "chat": 7, "convert": 7, "generate": 7,
+    "parsers": 7, "tool_grammars": 7, "server": 7, "cli": 7, "chat": 7, "convert": 7, "generate": 7,
 }  # fmt: skip
 
 

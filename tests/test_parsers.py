@@ -244,7 +244,7 @@ def tool_tokenizer():
 @pytest.mark.parametrize("style", ["json", "xml", "kimi"])
 @pytest.mark.parametrize("opened", [False, True])
 def test_a_tool_call_grammar_takes_calls_and_nothing_else(tool_tokenizer, style, opened):
-    from mlx_hybrid.parsers import tool_call_grammar
+    from mlx_hybrid.tool_grammars import tool_call_grammar
 
     tokenizer = tool_tokenizer[0]
     grammar = tool_call_grammar(style, [WEATHER_REQUIRED, MODE], opened)
@@ -278,7 +278,7 @@ def test_a_tool_call_grammar_takes_calls_and_nothing_else(tool_tokenizer, style,
 
 @pytest.mark.parametrize("opened", [False, True])
 def test_kimi_markers_that_are_special_tokens_are_written_as_such(tool_tokenizer, opened):
-    from mlx_hybrid.parsers import tool_call_grammar
+    from mlx_hybrid.tool_grammars import tool_call_grammar
 
     plain, special = tool_tokenizer
     assert special.is_special_token("<|tool_call_begin|>") and not plain.is_special_token("<|tool_call_begin|>")
@@ -296,7 +296,7 @@ def test_the_tool_call_style_is_read_from_the_chat_template(tool_tokenizer, styl
     from conftest import TOOL_TEMPLATES
     from fixtures.make_assistant import TEMPLATE
 
-    from mlx_hybrid.parsers import tool_call_style
+    from mlx_hybrid.tool_grammars import tool_call_style
     from mlx_hybrid.tokenizer import Tokenizer
 
     plain = tool_tokenizer[0]

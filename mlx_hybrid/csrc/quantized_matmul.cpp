@@ -1,7 +1,8 @@
 // Quantized products for MLX's CPU backend: x @ W^T with W in MLX's affine layout
 // (w = scale * q + bias per group of `group_size` values along a row, q an unsigned
 // `bits`-bit integer, 2 to 8 bits, packed as a little-endian bit stream), read as it is
-// stored; or q a 4-bit index into a table of 16 values (IQ4_NL's, IQ3_XXS's, ...); or W
+// stored; or q a 4-bit index into a table of 16 values (IQ4_NL's); or GGUF's grid types' blocks
+// as the file stores them, decoded a step at a time (see "GGUF's grid types"); or W
 // bfloat16 or float16, read as 16 bits, its products and sums float32.
 //
 // MLX's own CPU quantized matmul is a reference loop, many times slower for a decode step

@@ -18,7 +18,7 @@ from ..images import ImageProcessor
 from ..models import architecture
 from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
-from . import gguf_architectures, gguf_file, gguf_projector, hf, hub
+from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
 from .common import RankPart, fill_model, rename
 from .quantized import dequantized_notice
 
@@ -139,8 +139,8 @@ class _Checkpoint(NamedTuple):
 
 def _read_hf(path: Path) -> tuple[_Checkpoint, dict, list]:
     """An HF directory's checkpoint, its config and its safetensors files."""
-    config = hf.read_config(path)
-    model_type = hf.model_type_of(config)
+    config = hf_config.read_config(path)
+    model_type = hf_config.model_type_of(config)
     module = architecture(model_type)
     if model_type not in hf.FAMILIES:
         raise UnsupportedArchitectureError(f"no Hugging Face loader for {model_type!r}")

@@ -1,6 +1,6 @@
-"""MLX affine-quantized products, GGUF's grid types, and products with 16-bit weights, on x86-64 CPUs through our
-extension (csrc/quantized_matmul.cpp: an MLX primitive in the CPU kernels' module, see
-`cpu_extension`).
+"""MLX affine-quantized products, GGUF's grid types, and products with 16-bit weights, on x86-64
+CPUs through our extension (csrc/quantized_matmul.cpp: an MLX primitive in the CPU kernels'
+module, see `cpu_extension`).
 
 MLX's own CPU quantized matmul is a reference loop, many times slower for a decode step
 (benchmarks/quantized_cpu.py, with MLX_HYBRID_FORCE_REFERENCE=1).
@@ -9,10 +9,9 @@ Where the extension cannot be built, MLX's op computes.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from functools import lru_cache
 
+import mlx.core as mx
 import numpy as np
 
 from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor

@@ -16,11 +16,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import ContextOverflowError, GenerationError
-from ..parsers import (
-    TOOL_CALL_STYLES, OutputParser, prompt_opens_reasoning, tool_call_grammar, tool_call_style,
-)  # fmt: skip
 from ..images import ImageAccess, ImageError, read_image
+from ..parsers import OutputParser, prompt_opens_reasoning
 from ..prompt import chat_prompt, check_text_fits
+from ..tool_grammars import TOOL_CALL_STYLES, tool_call_grammar, tool_call_style
 from . import anthropic, responses
 from .outputs import ChatOutput, CompletionOutput, RequestRun, ServedModel
 from .protocol import MAX_REQUEST_MIB, ApiError, ChatCompletionRequest, CompletionRequest

@@ -1,0 +1,204 @@
+"""What every drafter shares: the `Drafter` calls, drafting several rows at once, the head that
+turns hidden states into draft tokens, and the draw-until-unsure loop of the drafters that
+compute distributions."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import mlx.core as mx
+
+from ..errors import GenerationError
+
+# Default confidence under which a drafter stops drafting (see speculative.DraftingPolicy for
+# the acceptance-driven part of adaptive drafting). A low floor: it stops drafts from a
+# head with no idea (a random head's top probability is ~0.001 over 32k tokens), while
+# the bundled head keeps 2.73 of its 2.87 tokens per pass at k=3 (0.2: 2.56, 0.5: 2.04).
+DEFAULT_DRAFT_P_MIN = 0.1
+
+
+class DraftHead:
+    """Turns drafters' final hidden states into draft tokens, over all or some of the vocabulary."""
+
+    def __init__(self, model, vocabulary=None):
+        self.vocab_size = model.args.vocab_size
+        if vocabulary is None:
+            self.ids, self.project = None, model.project
+        else:
+            self.ids = mx.array(vocabulary, dtype=mx.int32)
+            self.project = model.vocabulary_head(self.ids)
+
+    def draw(self, x: mx.array, samplers: list, allowed: list | None = None):
+        """For x [1, R, E], one row per sampler: (tokens [R], per row the log-distribution over
+        the whole vocabulary or None, top probabilities [R]). allowed: per row None or the
+        tokens [V] (bool) it may draw (a grammar's); a row that allows none of the head's is
+        drawn unmasked (its draft will be cut)."""
+        logits = self.project(x)[0].astype(mx.float32)
+        if allowed is not None and any(mask is not None for mask in allowed):
+            logits = mx.where(self._allowed_rows(allowed), logits, -mx.inf)
+        if all(sampler.greedy for sampler in samplers):
+            index = mx.argmax(logits, axis=-1)
+            tops = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+            logprobs = [None] * len(samplers)
+        else:
+            indices, top_list, logprobs = [], [], []
+            for row, sampler in zip(logits, samplers):
+                row_logprobs = sampler.log_probs(row)
+                indices.append(mx.argmax(row, axis=-1) if sampler.greedy else sampler.draw(row_logprobs))
+                top_list.append(mx.exp(row_logprobs.max()))
+                logprobs.append(None if sampler.greedy else self._whole_vocabulary(row_logprobs))
+            index, tops = mx.stack(indices), mx.stack(top_list)
+        return (index if self.ids is None else self.ids[index]), logprobs, tops
+
+    def _allowed_rows(self, allowed: list) -> mx.array:
+        """The rows' masks [R, V_head] over the head's own vocabulary."""
+        rows = []
+        for mask in allowed:
+            if mask is None:
+                rows.append(mx.ones((self.vocab_size,), dtype=mx.bool_))
+            else:  # a draft model's vocabulary may be padded to another size than the target's
+                n = min(mask.shape[0], self.vocab_size)
+                rows.append(mx.concatenate([mask[:n], mx.zeros((self.vocab_size - n,), dtype=mx.bool_)]))
+        masks = mx.stack(rows) if self.ids is None else mx.stack(rows)[:, self.ids]
+        return masks | ~masks.any(axis=-1, keepdims=True)
+
+    def _whole_vocabulary(self, logprobs: mx.array) -> mx.array:
+        """The acceptance rule needs q over the whole vocabulary."""
+        if self.ids is None:
+            return logprobs
+        full = mx.full((self.vocab_size,), -mx.inf, dtype=mx.float32)
+        full[self.ids] = logprobs
+        return full
+
+
+def check_draft_p_min(draft_p_min: float) -> float:
+    if not 0.0 <= draft_p_min <= 1.0:
+        raise GenerationError(f"draft_p_min must be in [0, 1], got {draft_p_min}")
+    return draft_p_min
+
+
+def _join(arrays: list) -> mx.array:
+    """Rows [1, n, E] side by side on the token axis (one row: itself, no copy)."""
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=1)
+
+
+def _values(tokens: list) -> list[int]:
+    """Lazy draft tokens (scalars) as ints."""
+    return mx.stack(tokens).reshape(-1).tolist() if tokens else []
+
+
+def _last_of_each(x: mx.array, lengths: list[int]) -> mx.array:
+    """The last position of each packed row of x [1, N, E] -> [1, R, E]."""
+    if len(lengths) == 1:
+        return x[:, -1:]
+    return x[:, mx.array(list(accumulate(lengths))) - 1]
+
+
+class Drafter:
+    """What every drafter shares: `start`, drafting rows one at a time, and checkpoints that
+    hold nothing (the drafter reads the tokens again on restore)."""
+
+    declines_cost = False
+
+    def start(self, prompt: list[int], prompt_hidden, first_token: int):
+        self.prefill(list(prompt), prompt_hidden)
+        self.begin(first_token)
+
+    def checkpoint(self) -> dict[str, mx.array]:
+        """The drafter's state after the tokens the trunk has read (see `engine.prefix_store`)."""
+        return {}
+
+    def restore(self, state: dict[str, mx.array], tokens: list[int]):
+        """Take up a checkpoint's state, after `tokens`, in place of prefilling them."""
+        self.prefill(list(tokens), None)
+
+    def batch_key(self):
+        """Drafters with equal keys draft their rows together in one `draft_rows` call."""
+        return type(self)
+
+    def use_positions(self, positions):
+        """The sequence's rotary positions (`cache.RotaryPositions`), where they are not its
+        token indices (a prompt with images); a drafter with its own positions takes them up."""
+
+    @classmethod
+    def draft_rows(cls, drafters: list, ks: list[int], samplers: list, masks: list) -> list[tuple[list, list]]:
+        """Drafters that draw from no distribution (n-grams) have nothing to mask."""
+        return [drafter.draft(k, sampler) for drafter, k, sampler in zip(drafters, ks, samplers)]
+
+
+def draft_rows(drafters: list, ks: list[int], samplers: list, masks: list | None = None) -> list[tuple[list, list]]:
+    """Each row's drafts (tokens, log-probabilities): rows whose drafters share a `batch_key`
+    draft together; a batch may mix drafters of any kind. masks: per row None or a function
+    (drafts so far) -> the tokens [V] (bool) it allows next, or None (a grammar's,
+    `LogitsProcessor.draft_mask`): drafters that compute distributions draw from it."""
+    masks = masks or [None] * len(drafters)
+    groups: dict = {}
+    for i, drafter in enumerate(drafters):
+        groups.setdefault(drafter.batch_key(), []).append(i)
+    drafts = [None] * len(drafters)
+    for rows in groups.values():
+        group = [drafters[i] for i in rows]
+        done = type(group[0]).draft_rows(
+            group, [ks[i] for i in rows], [samplers[i] for i in rows], [masks[i] for i in rows]
+        )
+        for i, result in zip(rows, done):
+            drafts[i] = result
+    return drafts
+
+
+class _ConfidentDrafting(Drafter):
+    """The loop shared by drafters that compute distributions: draw, stop below p-min, feed.
+
+    A subclass gives `_open(drafters)`, the first step of a round for those rows, and
+    `_feed(drafters, tokens)`, one more token each; both return the rows' final hidden
+    states [1, R, E] for the head, and run the rows packed into one model call.
+    """
+
+    declines_cost = True  # the first draft step ran before the confidence said stop
+
+    def __init__(self, draft_p_min: float, head: DraftHead):
+        self.draft_p_min = check_draft_p_min(draft_p_min)
+        self.head = head
+        self.fed_drafts = 0  # drafts of this round the drafting model has read
+        self.drafted = False  # whether this round's draft ran
+
+    def draft(self, k: int, sampler):
+        return self.draft_rows([self], [k], [sampler], [None])[0]
+
+    def batch_key(self):
+        return type(self), self.head, self.draft_p_min  # one head call, one confidence floor
+
+    @classmethod
+    def draft_rows(cls, drafters, ks, samplers, masks):
+        """Up to ks[r] (>= 1) drafts for each row (drafters of one `batch_key`), each drawn from
+        what the row's mask allows after its drafts so far."""
+        head, p_min = drafters[0].head, drafters[0].draft_p_min
+        drafts = [([], []) for _ in drafters]
+        active = list(range(len(drafters)))
+        x = cls._open(drafters)
+        for drafter in drafters:
+            drafter.drafted, drafter.fed_drafts = True, 0
+        while True:
+            allowed = None
+            if any(masks[r] is not None for r in active):  # the grammar reads the drafts' values
+                allowed = [masks[r] and masks[r](_values(drafts[r][0])) for r in active]
+            tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active], allowed)
+            if p_min > 0:
+                mx.eval(tokens, tops)  # deciding whether to go on needs the values now
+                confident = (tops >= p_min).tolist()
+            else:
+                confident = [True] * len(active)
+            going = []
+            for i, row in enumerate(active):
+                if confident[i]:
+                    drafts[row][0].append(tokens[i])
+                    drafts[row][1].append(logprobs[i])
+                    if len(drafts[row][0]) < ks[row]:
+                        going.append(i)
+            if not going:
+                return drafts
+            active = [active[i] for i in going]
+            feeding = tokens if len(going) == len(tokens) else tokens[mx.array(going)]
+            x = cls._feed([drafters[r] for r in active], feeding)
+            for row in active:
+                drafters[row].fed_drafts += 1

@@ -1,0 +1,75 @@
+"""Which drafter a request speculates with, and making it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..draft_vocab import draft_vocabulary
+from ..errors import GenerationError
+from .base import DEFAULT_DRAFT_P_MIN, check_draft_p_min
+from .draft_model import DraftModelDrafter
+from .mtp import MTPDrafter
+from .ngram import NgramDrafter
+
+DRAFTS = ("mtp", "ngram")
+AUTO = "auto"  # the default: the model's MTP head where it has one, else no speculation
+
+
+def resolve_draft(model, draft, draft_model=None) -> str | None:
+    """`draft` as make_drafter takes it, with "auto" decided and "none" as None."""
+    if draft == AUTO:
+        return "mtp" if draft_model is None and model.has_mtp else None
+    return None if draft == "none" else draft
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """How a request's tokens are drafted, as every entry point takes it (the API's keywords of these
+    names, the commands' draft options), defaulted here and nowhere else.
+
+    draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram"
+    or None; draft_model: a loaded model of the same vocabulary; num_draft_tokens: drafts a round at
+    most; draft_vocab: tokens a drafter projects onto (None: the default for the vocabulary's size,
+    0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
+    off after misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
+
+    draft: str | None = AUTO
+    draft_model: object = None
+    num_draft_tokens: int = 3
+    draft_vocab: int | None = None
+    draft_p_min: float = DEFAULT_DRAFT_P_MIN
+    adaptive_drafting: bool | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether rows back off after misses (see `speculative.DraftingPolicy`)."""
+        return self.draft_p_min > 0 if self.adaptive_drafting is None else bool(self.adaptive_drafting)
+
+    def drafter(self, model, tokenizer):
+        """A drafter for `model` (each row gets a `fork` of it), or None for plain decoding."""
+        return make_drafter(model, tokenizer, self.draft, self.draft_model, self.draft_vocab, self.draft_p_min)
+
+
+def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=None, draft_p_min=DEFAULT_DRAFT_P_MIN):
+    """The drafter for `stream_generate`'s arguments, or None for plain decoding.
+
+    draft: None or "none" (no speculation), "mtp", "ngram", or "auto" (the MTP head where
+    the model has one and no draft model is given, else none); draft_model: a model of
+    the same vocabulary. draft_vocab: tokens the drafter projects onto (None: the default
+    for the vocabulary's size, 0: all).
+    """
+    check_draft_p_min(draft_p_min)  # it also decides the rows' backoff by default (see SpeculationSettings)
+    draft = resolve_draft(model, draft, draft_model)
+    if draft is not None and draft_model is not None:
+        raise GenerationError("give either draft= or draft_model=, not both")
+    if draft is not None and draft not in DRAFTS:
+        raise GenerationError(f"unknown draft {draft!r} (use draft='mtp', 'ngram', 'auto' or None, or draft_model=)")
+    if draft is None and draft_model is None:
+        return None
+    if draft == "ngram":
+        return NgramDrafter()
+    drafting_model = draft_model if draft_model is not None else model
+    vocabulary = draft_vocabulary(tokenizer, draft_vocab, drafting_model.args.vocab_size)
+    if draft_model is not None:
+        return DraftModelDrafter(draft_model, model, draft_p_min, vocabulary)
+    return MTPDrafter(model, draft_p_min, vocabulary)
