@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 
 TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q3_K_S",
-         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS"]  # fmt: skip
-WITH_IMATRIX = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS")  # llama-quantize wants an importance matrix for them
+         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]  # fmt: skip
+# llama-quantize wants an importance matrix for them
+WITH_IMATRIX = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen35" / "hf"
 PROMPT = [(i * 7919) % 500 + 10 for i in range(8)]  # ids every runner's tokenizer knows
 
@@ -45,7 +46,7 @@ def file_of(directory: Path, type_name: str) -> Path:
     return directory / f"model-{type_name}.gguf"
 
 
-def make(directory: Path, llama_bin: Path):
+def make(directory: Path, llama_bin: Path, types: list[str]):
     import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
 
     import mlx.core as mx
@@ -61,11 +62,13 @@ def make(directory: Path, llama_bin: Path):
     _, tokenizer = load(FIXTURE_TOKENIZER)
     source, imatrix = directory / "model-f32.gguf", directory / "imatrix.gguf"
     args = SHAPES["qwen3.5-0.8b"]()
-    save_gguf(random_model(args, mx.float32), tokenizer, source, matrix_dtype=np.float32)
+    if not source.is_file():  # (kept: more types can be made from it later)
+        save_gguf(random_model(args, mx.float32), tokenizer, source, matrix_dtype=np.float32)
     # the importance matrix from this script's own text; the MTP block, which that text never
     # reaches, in Q4_K
-    run([llama_bin / "llama-imatrix", "-m", source, "-f", __file__, "-o", imatrix, "-c", "128"])
-    for type_name in TYPES:
+    if not imatrix.is_file():
+        run([llama_bin / "llama-imatrix", "-m", source, "-f", __file__, "-o", imatrix, "-c", "128"])
+    for type_name in types:
         options = ["--imatrix", imatrix, "--tensor-type", rf"blk\.{args.num_hidden_layers}\.=q4_k"]
         run([llama_bin / "llama-quantize", *(options if type_name in WITH_IMATRIX else []), source,
              file_of(directory, type_name), type_name])  # fmt: skip
@@ -178,7 +181,7 @@ def main():
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")
     if args.make:
-        return make(args.make, args.llama_bin)
+        return make(args.make, args.llama_bin, args.types)
     if args.child:
         return child(args)
     results: dict[tuple[str, str], list[dict]] = {}

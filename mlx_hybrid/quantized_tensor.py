@@ -67,11 +67,12 @@ class BlockScales:
 
 @dataclass(frozen=True)
 class GridBlocks:
-    """One of GGUF's grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) kept as the file stores
-    it: a tensor's `weight` holds the blocks, uint8 [..., rows, blocks * block_bytes], each block
-    256 values (the tensor's group): a float16 d, indices into the type's grid of magnitudes, sign
-    bits and 4-bit scale codes. `scales` and `biases` are empty. Our CPU kernels decode the grid
-    as they multiply (csrc/quantized_matmul.cpp); MLX's products do not take it."""
+    """One of GGUF's grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) kept as the
+    file stores it: a tensor's `weight` holds the blocks, uint8 [..., rows, blocks * block_bytes],
+    each block 256 values (the tensor's group): a float16 d, indices into the type's grid of
+    magnitudes, sign bits (IQ1: a delta a group) and 3- or 4-bit scale codes. `scales` and
+    `biases` are empty. Our CPU kernels decode the grid as they multiply (csrc/quantized_matmul.cpp);
+    MLX's products do not take it."""
 
     type_name: str
     block_bytes: int

@@ -54,8 +54,8 @@ def test_logits_match_the_file_dequantized_to_float32(name):
 
 
 @pytest.mark.parametrize("name", ["qwen35-Q2_K.gguf", "qwen35-IQ4_XS.gguf", "qwen35-IQ2_XXS.gguf",
-                                  "qwen35-IQ2_XS.gguf", "qwen35moe-Q2_K.gguf", "qwen35moe-IQ4_XS.gguf",
-                                  "qwen35-64-BF16.gguf"])  # fmt: skip
+                                  "qwen35-IQ2_XS.gguf", "qwen35-IQ1_M.gguf", "qwen35moe-Q2_K.gguf",
+                                  "qwen35moe-IQ4_XS.gguf", "qwen35-64-BF16.gguf"])  # fmt: skip
 def test_greedy_speculation_equals_plain_decoding(name):
     """A verify pass gives each position the bits a decode step gives it (each row's sums in one
     order whatever rows come with it), so MTP drafting changes no token."""

@@ -71,7 +71,7 @@ struct Packing {
 // grid types (GRID_FIRST on) are not packed values but GGUF's blocks as the file stores them:
 // see "GGUF's grid types" below.
 enum Values { INTEGERS = 0, TABLE = 1, BFLOAT16 = 2, FLOAT16 = 3, IQ2_XXS = 4, IQ2_XS = 5, IQ2_S = 6, IQ3_XXS = 7,
-              IQ3_S = 8 };
+              IQ3_S = 8, IQ1_S = 9, IQ1_M = 10 };
 constexpr int GRID_FIRST = IQ2_XXS;
 constexpr bool is_grid(int values) { return values >= GRID_FIRST; }
 
@@ -79,16 +79,21 @@ constexpr bool is_grid(int values) { return values >= GRID_FIRST; }
 // GGUF's grid types, read as stored: blocks of 256 values, each a float16 d and then, for each
 // 32 values (a step of the 8-bit kernel), indices into a grid of 8 or 4 magnitudes a row, eight
 // sign bits a row of 8, and a 4-bit scale code s (one, or two for halves of 16). A value is
-// d (2 s + 1) / GRID_DIVISOR * magnitude * sign. The grids (`grid`, uint8 [entries, 8 or 4])
-// come from the caller, gguf-py's tables; the kernel decodes a step into 32 signed bytes, which
-// it multiplies as it does 8-bit values (the magnitudes are small integers: exact).
-constexpr int GRID_BLOCK_BYTES[] = {66, 74, 82, 98, 110};  // IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
-constexpr int GRID_ENTRIES[] = {256, 512, 1024, 256, 512};
-constexpr int GRID_DIVISOR[] = {8, 8, 8, 4, 1};
+// d (2 s + 1) / GRID_DIVISOR * magnitude * sign. The IQ1 types' grid rows are signed already
+// (-1, 0, 1), their codes 3 bits, and a delta of +-1/8 is added to each value (one a step for
+// IQ1_S, one a row of 8 for IQ1_M): d (2 s + 1) / 8 times 8 g +- 1, integers again, so their grid
+// comes times 8. The grids (`grid`, uint8 [entries, 8 or 4]) come from the caller, gguf-py's
+// tables; the kernel decodes a step into 32 signed bytes, which it multiplies as it does 8-bit
+// values (small integers: exact).
+// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M
+constexpr int GRID_BLOCK_BYTES[] = {66, 74, 82, 98, 110, 50, 56};
+constexpr int GRID_ENTRIES[] = {256, 512, 1024, 256, 512, 2048, 2048};
+constexpr int GRID_DIVISOR[] = {8, 8, 8, 4, 1, 8, 8};
 constexpr int grid_block_bytes(int values) { return GRID_BLOCK_BYTES[values - GRID_FIRST]; }
-constexpr int grid_magnitudes(int values) { return values >= IQ3_XXS ? 4 : 8; }  // a grid row's
-// the values a scale code covers: IQ2_XS's and IQ2_S's codes are nibbles, one a half step
-constexpr int grid_group_size(int values) { return values == IQ2_XS || values == IQ2_S ? 16 : 32; }
+constexpr int grid_magnitudes(int values) { return values == IQ3_XXS || values == IQ3_S ? 4 : 8; }  // a grid row's
+// the values a scale code covers: IQ2_XS's and IQ2_S's codes are nibbles, one a half step, and
+// IQ1_M's one a half step
+constexpr int grid_group_size(int values) { return values == IQ2_XS || values == IQ2_S || values == IQ1_M ? 16 : 32; }
 
 // IQ2_XXS, IQ2_XS and IQ3_XXS store 7 sign bits a row of 8, the eighth making the count of
 // minus signs even (llama.cpp's ksigns_iq2xs): the byte of all eight for each 7 bits.
@@ -119,6 +124,21 @@ inline uint32_t load_u32(const uint8_t* p) {
     return v;
 }
 
+inline uint16_t load_u16(const uint8_t* p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+// A block's d, as float16 bits: its first two bytes, but IQ1_M's, whose four nibbles are the
+// top ones of its four 16-bit scale words.
+inline uint16_t grid_d(int values, const uint8_t* block) {
+    if (values != IQ1_M) return load_u16(block);
+    uint16_t d = 0;
+    for (int i = 0; i < 4; i++) d |= (load_u16(block + 48 + 2 * i) >> 12) << (4 * i);
+    return d;
+}
+
 // The scale code of group g (of grid_group_size values) in a block.
 inline int grid_code(int values, const uint8_t* block, int g) {
     switch (values) {
@@ -126,9 +146,12 @@ inline int grid_code(int values, const uint8_t* block, int g) {
         case IQ2_XS: return block[66 + g / 2] >> (4 * (g % 2)) & 15;
         case IQ2_S: return block[74 + g / 2] >> (4 * (g % 2)) & 15;
         case IQ3_XXS: return load_u32(block + 66 + 4 * g) >> 28;
+        case IQ1_S: return load_u16(block + 34 + 2 * g) >> 12 & 7;
+        case IQ1_M: return load_u16(block + 48 + 2 * (g / 4)) >> (3 * (g % 4)) & 7;
         default: return block[106 + g / 2] >> (4 * (g % 2)) & 15;  // IQ3_S
     }
 }
+
 
 // float32 scales or biases from their stored dtype
 enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
@@ -233,6 +256,8 @@ Isa isa(int bits, Values values) {
             case IQ2_S: return isa_for<8, IQ2_S>(level);
             case IQ3_XXS: return isa_for<8, IQ3_XXS>(level);
             case IQ3_S: return isa_for<8, IQ3_S>(level);
+            case IQ1_S: return isa_for<8, IQ1_S>(level);
+            case IQ1_M: return isa_for<8, IQ1_M>(level);
         }
     if (values != INTEGERS) throw std::invalid_argument("quantized_matmul: values that do not fit the bits");
     switch (bits) {
@@ -489,8 +514,8 @@ mx::array gather_matmul_16bit(const mx::array& x, const mx::array& w, const mx::
 
 // A grid type by its GGUF name, with its grid checked against it.
 Values grid_values(const std::string& type_name, const mx::array& blocks, const mx::array& grid) {
-    const char* names[] = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"};
-    for (int i = 0; i < 5; i++) {
+    const char* names[] = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"};
+    for (int i = 0; i < 7; i++) {
         if (type_name != names[i]) continue;
         Values values = (Values)(GRID_FIRST + i);
         if (blocks.dtype() != mx::uint8 || blocks.shape(-1) % grid_block_bytes(values))

@@ -18,8 +18,8 @@ uint32 words. These GGUF block types are exactly that, per group of 32 (Q6_K, Q3
 IQ4's 4-bit values index IQ4_NL's 16 values: held with the table plus 128 (unsigned) and a
 bias of -128 times the scale (`BlockScales.table`); only our CPU kernels take them.
 
-The grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: indices into grids of magnitudes, sign
-bits, 4-bit scale codes) are kept as the file's blocks where our CPU kernels compute
+The grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: indices into grids of
+magnitudes, sign bits or deltas, 3- or 4-bit scale codes) are kept as the file's blocks where our CPU kernels compute
 (`GridBlocks`: they decode the grids as they multiply). Elsewhere IQ3_S's grid, odd integers in
 [-15, 15], is 2 q - 15 for a 4-bit q: it is held as MLX's 4-bit groups of 32 (scale
 2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, at 4.31 bits a weight against the file's 3.44; the
@@ -220,7 +220,8 @@ BLOCK_TYPES = {
 # GGML type name -> its blocks as stored, where our kernels multiply them (else BLOCK_TYPES' form,
 # or dequantized)
 GRID_TYPES = {name: GridBlocks(name, size) for name, size in
-              [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110)]}  # fmt: skip
+              [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110), ("IQ1_S", 50),
+               ("IQ1_M", 56)]}  # fmt: skip
 
 
 # Compact loading: types with no exact form in MLX's affine groups (of 32 or more) that are

@@ -31,13 +31,15 @@ def supports(bits: int, group_size: int, form=None) -> bool:
 
 @lru_cache(maxsize=None)
 def grid_of(type_name: str) -> mx.array:
-    """A grid type's grid, uint8 [entries, magnitudes a row], as gguf-py defines it."""
+    """A grid type's grid, uint8 [entries, magnitudes a row], as gguf-py defines it; the IQ1 types'
+    -1, 0 and 1 times 8, as signed bytes (the kernels add their deltas of +-1/8 as +-1)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import _type_traits
 
     traits = _type_traits[GGMLQuantizationType[type_name]]
     traits.init_grid()
-    return mx.array(np.asarray(traits.grid).reshape(traits.grid_shape).astype(np.uint8))
+    grid = np.asarray(traits.grid).reshape(traits.grid_shape) * (8 if type_name.startswith("IQ1") else 1)
+    return mx.array(grid.astype(np.int8).view(np.uint8))
 
 
 def random_grid_weights(shape, grid: GridBlocks, seed: int = 0) -> QuantizedTensor:
@@ -47,7 +49,13 @@ def random_grid_weights(shape, grid: GridBlocks, seed: int = 0) -> QuantizedTens
     *lead, N, K = shape
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (*lead, N, K // GridBlocks.VALUES, grid.block_bytes), dtype=np.uint8)
-    blocks[..., :2] = (rng.uniform(-1, 1, (*blocks.shape[:-1], 1)) / 256).astype(np.float16).view(np.uint8)
+    d = (rng.uniform(-1, 1, blocks.shape[:-1]) / 256).astype(np.float16).view(np.uint16)
+    if grid.type_name == "IQ1_M":  # d's four nibbles are the top ones of its four 16-bit scale words
+        words = blocks[..., 48:56].copy().view(np.uint16)
+        nibbles = (d[..., None] >> (4 * np.arange(4, dtype=np.uint16))) & 0xF
+        blocks[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12)).astype(np.uint16).view(np.uint8)
+    else:
+        blocks[..., :2] = d[..., None].view(np.uint8)
     return GridBlocks.tensor(mx.array(blocks.reshape(*lead, N, -1)), grid)
 
 
