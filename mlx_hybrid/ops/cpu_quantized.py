@@ -33,10 +33,9 @@ def supports(bits: int, group_size: int, form=None) -> bool:
 def grid_of(type_name: str) -> mx.array:
     """A grid type's grid, uint8 [entries, magnitudes a row], as gguf-py defines it; the IQ1 types'
     -1, 0 and 1 times 8, as signed bytes (the kernels add their deltas of +-1/8 as +-1)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits
+    import gguf.quants
 
-    traits = _type_traits[GGMLQuantizationType[type_name]]
+    traits = getattr(gguf.quants, type_name)  # the type's class, which holds its grid
     traits.init_grid()
     grid = np.asarray(traits.grid).reshape(traits.grid_shape) * (8 if type_name.startswith("IQ1") else 1)
     return mx.array(grid.astype(np.int8).view(np.uint8))
