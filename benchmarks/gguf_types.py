@@ -35,9 +35,13 @@ import time
 from pathlib import Path
 
 TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q3_K_S",
-         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]  # fmt: skip
+         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4", "TQ2_0",
+         "TQ1_0"]  # fmt: skip
 # llama-quantize wants an importance matrix for them
 WITH_IMATRIX = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+# llama-quantize's MXFP4_MOE puts a MoE model's experts alone in MXFP4 (the rest Q8_0); on this
+# dense shape every attention and feed-forward matrix is made MXFP4 instead
+QUANTIZE_AS = {"MXFP4": ("MXFP4_MOE", ["--tensor-type", "attn_=mxfp4", "--tensor-type", "ffn_=mxfp4"])}
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen35" / "hf"
 PROMPT = [(i * 7919) % 500 + 10 for i in range(8)]  # ids every runner's tokenizer knows
 
@@ -70,8 +74,9 @@ def make(directory: Path, llama_bin: Path, types: list[str]):
         run([llama_bin / "llama-imatrix", "-m", source, "-f", __file__, "-o", imatrix, "-c", "128"])
     for type_name in types:
         options = ["--imatrix", imatrix, "--tensor-type", rf"blk\.{args.num_hidden_layers}\.=q4_k"]
-        run([llama_bin / "llama-quantize", *(options if type_name in WITH_IMATRIX else []), source,
-             file_of(directory, type_name), type_name])  # fmt: skip
+        options = options if type_name in WITH_IMATRIX else []
+        quantize_as, options = QUANTIZE_AS.get(type_name, (type_name, options))
+        run([llama_bin / "llama-quantize", *options, source, file_of(directory, type_name), quantize_as])
         print(f"wrote {file_of(directory, type_name)}", file=sys.stderr)
 
 

@@ -24,6 +24,7 @@ from .loaders.common import rename
 from .loaders.hf_config import read_config
 from .models.layers import LINEAR
 from .models.qwen3_5 import POST_NORM
+from .quantized_tensor import FLOAT_MODES, mode_refused
 
 _GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 
@@ -244,13 +245,18 @@ QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 FROM_DIRECTORIES_ONLY = ("kimi_linear",)
 
 
-def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -> Path:
+def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None, mode: str = "affine") -> Path:
     """Quantize every linear, embedding and expert layer whose input size the group size divides.
 
     source: an HF checkpoint directory or a GGUF file (its tokenizer is written as tokenizer.json).
     dtype: of the scales and what stays unquantized (default: the checkpoint's own, see `_config_dtype`;
-    float32 from a GGUF).
+    float32 from a GGUF). mode: MLX's quantization mode, affine or one of `FLOAT_MODES` (mxfp4: 4
+    bits in groups of 32, which bits and group_size must then say); the MoE routers stay affine.
     """
+    if refused := mode_refused(mode):
+        raise MlxHybridError(refused)
+    if mode in FLOAT_MODES and (bits, group_size) != FLOAT_MODES[mode][:2]:
+        raise MlxHybridError(f"{mode} takes {FLOAT_MODES[mode][0]} bits in groups of {FLOAT_MODES[mode][1]}")
     mlx_path = Path(mlx_path)
     if mlx_path.exists():  # as mlx-lm: never write over what is there
         raise MlxHybridError(f"{mlx_path} already exists; remove it or give another --mlx-path")
@@ -271,8 +277,8 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None) -
     model, tokenizer = load(source, dtype=dtype or checkpoint_dtype, dequantize=not source.is_dir())
     if model.model_type in FROM_DIRECTORIES_ONLY and not source.is_dir():
         raise MlxHybridError(f"convert writes {model.model_type} from its Hugging Face directory, not from a GGUF file")
-    nn.quantize(model, group_size, bits, class_predicate=lambda path, m: _quantizable(path, m, group_size))
-    quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    nn.quantize(model, group_size, bits, mode=mode, class_predicate=lambda path, m: _quantizable(path, m, group_size))
+    quantization = {"group_size": group_size, "bits": bits, "mode": mode}
     quantization |= {  # the modules quantized otherwise, by their paths (as mlx-lm writes them)
         path: {"group_size": m.group_size, "bits": m.bits}
         for path, m in model.named_modules()

@@ -26,18 +26,24 @@ class BlockScales:
               = bias_ratio * scale                  with one
 
     With `code_bits` 4, a group's two codes are the unsigned nibbles of one byte (low first), as
-    Q2_K stores them. With a `table` (16 unsigned bytes), a 4-bit value q stands for table[q]
-    instead of q: w = scale * table[q] + bias (IQ4_NL's values plus 128, with bias = -128 scale,
-    are affine in the table's entries though not in q).
+    Q2_K stores them; with `code_count` 0 there are none (each is 1: `biases` is empty). With a
+    `table` (16 unsigned bytes), a 4-bit value q stands for table[q] instead of q:
+    w = scale * table[q] + bias (IQ4_NL's values plus 128, with bias = -128 scale, are affine in
+    the table's entries though not in q). With `exponent_factors` the factors are uint8 E8M0
+    exponents e, each standing for 2^(e - 127) (e = 0: 2^-127), as MXFP4 stores its scales.
+    `mlx_mode`: the quantization mode in which MLX's own products take the tensor as it is held
+    (its weight, and its factors as scales).
     """
 
     groups_per_factor: int
     factor_count: int  # 1 or 2
-    code_count: int  # 1 or 2
+    code_count: int  # 0, 1 or 2
     bias_ratio: float = 0.0
     table: tuple[int, ...] = ()
     factor_scale: float = 1.0  # a power of two the factors are multiplied by (exact)
     code_bits: int = 8  # 8, or 4 with two codes
+    exponent_factors: bool = False
+    mlx_mode: str = ""
 
     @property
     def nonlinear(self) -> bool:
@@ -51,11 +57,18 @@ class BlockScales:
     def expand(self, factors: mx.array, codes: mx.array) -> tuple[mx.array, mx.array]:
         """float32 scales and biases [..., rows, groups]."""
         lead = factors.shape[:-1]
+        if self.exponent_factors:  # 2^(e - 127): e as a float32's exponent field
+            exponents = factors.astype(mx.uint32)
+            factors = mx.where(exponents == 0, 1 << 22, exponents << 23).astype(mx.uint32).view(mx.float32)
         factors = factors.astype(mx.float32).reshape(*lead, -1, 1, self.factor_count)
-        if self.code_bits == 4:
+        if self.code_count == 0:
+            codes = mx.ones((*lead, factors.shape[-3] * self.groups_per_factor), mx.int8)
+        elif self.code_bits == 4:
             nibbles = codes.view(mx.uint8)[..., None]
             codes = mx.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-        codes = codes.astype(mx.float32).reshape(*lead, factors.shape[-3], self.groups_per_factor, self.code_count)
+        codes = codes.astype(mx.float32).reshape(
+            *lead, factors.shape[-3], self.groups_per_factor, max(self.code_count, 1)
+        )
         factors = factors * self.factor_scale
         scales = factors[..., 0] * codes[..., 0]
         if self.factor_count == 2:
@@ -65,14 +78,35 @@ class BlockScales:
         return scales.reshape(*lead, -1), biases.reshape(*lead, -1)
 
 
+# MXFP4 (OCP's microscaling format; GGUF's MXFP4, MLX's "mxfp4" mode): groups of 32 4-bit E2M1
+# values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) times an E8M0 power of two. As a table:
+# twice the E2M1 values plus 128, scale 2^(e - 127) / 2, bias -128 scale.
+MXFP4 = BlockScales(
+    1, 1, 0, -128.0, table=(128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116),
+    factor_scale=0.5, exponent_factors=True, mlx_mode="mxfp4",
+)  # fmt: skip
+
+
+# MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides
+# affine: mode -> (bits, group size, form)
+FLOAT_MODES = {"mxfp4": (4, 32, MXFP4)}
+
+
+def mode_refused(mode: str) -> str | None:
+    """Why MLX's quantization mode `mode` is not taken here; None where it is."""
+    if mode == "affine" or mode in FLOAT_MODES:
+        return None
+    return f"quantization mode {mode!r} is not taken (taken: affine, {', '.join(FLOAT_MODES)})"
+
+
 @dataclass(frozen=True)
 class GridBlocks:
-    """One of GGUF's grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) kept as the
-    file stores it: a tensor's `weight` holds the blocks, uint8 [..., rows, blocks * block_bytes],
-    each block 256 values (the tensor's group): a float16 d, indices into the type's grid of
-    magnitudes, sign bits (IQ1: a delta a group) and 3- or 4-bit scale codes. `scales` and
-    `biases` are empty. Our CPU kernels decode the grid as they multiply (csrc/quantized_matmul.cpp);
-    MLX's products do not take it."""
+    """One of GGUF's grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M), or TQ1_0,
+    kept as the file stores it: a tensor's `weight` holds the blocks, uint8 [..., rows, blocks *
+    block_bytes], each block 256 values (the tensor's group): a float16 d, indices into the type's
+    grid of magnitudes, sign bits (IQ1: a delta a group) and 3- or 4-bit scale codes (TQ1_0:
+    ternary values in base 3, no grid). `scales` and `biases` are empty. Our CPU kernels decode
+    the blocks as they multiply (csrc/quantized_matmul.cpp); MLX's products do not take them."""
 
     type_name: str
     block_bytes: int
@@ -80,6 +114,7 @@ class GridBlocks:
     VALUES = 256  # a block's values: the tensor's group
     BITS = 8  # the tensor's `bits`: its weight is bytes
     nonlinear = True  # (as BlockScales': no plain form)
+    mlx_mode = ""  # (as BlockScales': no mode of MLX's takes it)
     groups_per_factor, factor_count, code_bytes = 1, 0, 0  # cut at whole blocks; nothing beside them
 
     @staticmethod
@@ -112,6 +147,24 @@ class QuantizedTensor:
     @property
     def grid(self) -> bool:
         return isinstance(self.block, GridBlocks)
+
+    @staticmethod
+    def of_module(module) -> "QuantizedTensor":
+        """The tensor a quantized module holds (no biases in a mode of MLX's without them: empty)."""
+        biases = module.get("biases")
+        if biases is None:
+            biases = mx.zeros((*module.scales.shape[:-1], 0), mx.int8)
+        order = getattr(module, "input_order", None)
+        return QuantizedTensor(
+            module.weight, module.scales, biases, module.bits, module.group_size, module.block, order
+        )
+
+    def module_parameters(self) -> dict:
+        """A module's parameters holding it: weight, scales and biases (none in a mode of MLX's)."""
+        parts = {"weight": self.weight, "scales": self.scales}
+        if not (self.block and self.block.mlx_mode):
+            parts["biases"] = self.biases
+        return parts
 
     @property
     def shape(self):
@@ -202,6 +255,9 @@ def dequantize(weight, scales, biases, bits: int, group_size: int, block: BlockS
     """The dense float32 matrix of a quantized tensor's parts (any form)."""
     if isinstance(block, GridBlocks):
         return block.dequantize(weight)
+    if block and block.mlx_mode:
+        return mx.dequantize(weight, scales, None, group_size=group_size, bits=bits, mode=block.mlx_mode,
+                             dtype=mx.float32)  # fmt: skip
     if block:
         scales, biases = block.expand(scales, biases)
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)

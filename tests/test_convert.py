@@ -7,6 +7,7 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 import mlx_hybrid
@@ -65,22 +66,31 @@ MLX_LM_ONLY_QUANTIZED = ("self_attn.unembed_out",)
 
 
 # each family's conversion by the tool MLX community repositories of it are made with
-PEER_CONVERSIONS = [(family, "mlx-lm-4bit") for family in FAMILIES] + [
-    (family, "mlx-vlm-4bit") for family in ("qwen35vl", "qwen35moevl")
-]
+PEER_CONVERSIONS = (
+    [(family, "mlx-lm-4bit") for family in FAMILIES]
+    + [(family, "mlx-vlm-4bit") for family in ("qwen35vl", "qwen35moevl")]
+    + [(family, "mlx-lm-mxfp4") for family in ("qwen35", "qwen35moe")]
+)
 
 
 @pytest.mark.parametrize("family,peer", PEER_CONVERSIONS)
 def test_conversions_are_in_the_peers_layout(family, peer, tmp_path):
     """convert writes model.safetensors as mlx-lm's own convert does (mlx-vlm's for a checkpoint with a
-    vision tower; the fixtures they made): the same tensors, names and shapes (MoE routers in 8 bits,
-    the tower unquantized, as they keep them), but what MLX_LM_ONLY_QUANTIZED names; the MTP head
-    beside them in mtp.safetensors, which mlx-lm does not read."""
-    out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32)
-    ours = {name: t.shape for name, t in mx.load(str(out / "model.safetensors")).items()}
-    theirs = {name: t.shape for name, t in mx.load(str(FIXTURES / family / peer / "model.safetensors")).items()}
-    differ = {name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name)}
+    vision tower; the fixtures they made): the same tensors, names, shapes and values (MoE routers in
+    8 bits, the tower unquantized, as they keep them), but what MLX_LM_ONLY_QUANTIZED names; the MTP
+    head beside them in mtp.safetensors, which mlx-lm does not read."""
+    mode = "mxfp4" if peer.endswith("mxfp4") else "affine"
+    out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32, mode=mode)
+    ours = mx.load(str(out / "model.safetensors"))
+    theirs = mx.load(str(FIXTURES / family / peer / "model.safetensors"))
+    differ = {name for name in ours.keys() | theirs.keys() if name not in ours or name not in theirs or
+              ours[name].shape != theirs[name].shape}  # fmt: skip
     assert all(any(part in name for part in MLX_LM_ONLY_QUANTIZED) for name in differ), sorted(differ)
+    for name in ours.keys() & theirs.keys() - differ:  # the same quantization of the same weights: the same bits
+        if name.endswith("A_log"):  # held as A = -exp(A_log), as GGUF files hold it: back within an ulp or two
+            np.testing.assert_allclose(np.array(ours[name]), np.array(theirs[name]), rtol=2.0**-22, err_msg=name)
+        else:
+            np.testing.assert_array_equal(np.array(ours[name]), np.array(theirs[name]), err_msg=name)
     head = mx.load(str(out / "mtp.safetensors")) if (out / "mtp.safetensors").exists() else {}
     assert all(name.startswith("mtp.") for name in head) and bool(head) == (family != "kimilinear")
 
@@ -187,6 +197,24 @@ def test_convert_command(tmp_path):
     assert tok.encode("def f(x):") == mlx_hybrid.load(FIXTURES / "qwen35" / "hf")[1].encode("def f(x):")
 
 
+def test_convert_command_in_mxfp4(tmp_path):
+    """--q-mode mxfp4 as mlx-lm's: 4 bits in groups of 32 unless told otherwise, and a conflicting
+    group size refused by name (exit 2, nothing written); the result decodes, greedy, what the same
+    checkpoint converted by mlx-lm in mxfp4 decodes."""
+    command = [sys.executable, "-m", "mlx_hybrid.convert", "--hf-path", str(FIXTURES / "qwen35" / "hf"),
+               "--mlx-path", str(tmp_path / "q"), "--q-mode", "mxfp4"]  # fmt: skip
+    refused = subprocess.run([*command, "--q-group-size", "64"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--q-mode mxfp4 takes 4 bits in groups of 32" in refused.stderr
+    assert not (tmp_path / "q").exists()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "4-bit mxfp4, groups of 32" in result.stderr
+    record = json.loads((FIXTURES / "qwen35" / "mlx-lm-mxfp4" / "mlx_lm_greedy.json").read_text())
+    model, tokenizer = mlx_hybrid.load(tmp_path / "q", dtype="float32")
+    responses = mlx_hybrid.stream_generate(model, tokenizer, record["prompt_ids"], max_tokens=12, draft=None)
+    assert [r.token for r in responses] == record["greedy_ids"][:12]
+
+
 def test_convert_never_writes_over_an_existing_path(tmp_path):
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "notes.txt").write_text("mine")
@@ -216,7 +244,11 @@ def test_checkpoints_converted_by_mlx_lm_load_identically(family, tmp_path):
 
 
 # directories as mlx-lm's convert wrote them (tests/fixtures/make_mlx_lm_conversions.py)
-MLX_LM_CONVERSIONS = [("kimilinear", "mlx-lm")] + [(family, "mlx-lm-4bit") for family in FAMILIES]
+MLX_LM_CONVERSIONS = (
+    [("kimilinear", "mlx-lm")]
+    + [(family, "mlx-lm-4bit") for family in FAMILIES]
+    + [(family, "mlx-lm-mxfp4") for family in ("qwen35", "qwen35moe")]
+)
 
 
 @pytest.mark.parametrize("family,layout", MLX_LM_CONVERSIONS)
@@ -230,8 +262,18 @@ def test_mlx_lm_conversions_decode_as_mlx_lm_does(family, layout):
     responses = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=len(expected), draft=None)
     tokens = [response.token for response in responses]
     assert tokens == expected
-    if "4bit" not in layout:
+    if layout == "mlx-lm":
         assert tokens == reference(family)["greedy_ids"][0, len(prompt) :].tolist()
+
+
+def test_a_quantization_mode_not_taken_is_refused_by_name(tmp_path):
+    """mlx-lm's other modes (nvfp4, mxfp8) are not held here: loading says which mode, and which are."""
+    shutil.copytree(FIXTURES / "qwen35" / "mlx-lm-mxfp4", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["quantization"]["mode"] = config["quantization_config"]["mode"] = "nvfp4"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mlx_hybrid.MlxHybridError, match=r"quantization mode 'nvfp4' is not taken \(taken: affine, mxfp4"):
+        mlx_hybrid.load(tmp_path / "m")
 
 
 def test_help_example_converts_the_bundled_model(tmp_path):

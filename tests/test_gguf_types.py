@@ -55,7 +55,8 @@ def test_logits_match_the_file_dequantized_to_float32(name):
 
 @pytest.mark.parametrize("name", ["qwen35-Q2_K.gguf", "qwen35-IQ4_XS.gguf", "qwen35-IQ2_XXS.gguf",
                                   "qwen35-IQ2_XS.gguf", "qwen35-IQ1_M.gguf", "qwen35moe-Q2_K.gguf",
-                                  "qwen35moe-IQ4_XS.gguf", "qwen35-64-BF16.gguf"])  # fmt: skip
+                                  "qwen35moe-IQ4_XS.gguf", "qwen35moe-MXFP4_MOE.gguf", "qwen35-TQ1_0.gguf",
+                                  "qwen35-64-BF16.gguf"])  # fmt: skip
 def test_greedy_speculation_equals_plain_decoding(name):
     """A verify pass gives each position the bits a decode step gives it (each row's sums in one
     order whatever rows come with it), so MTP drafting changes no token."""
@@ -87,10 +88,12 @@ def test_a_bfloat16_hf_checkpoint_is_held_in_16_bits(tmp_path):
 def test_a_type_no_product_takes_is_named_at_load(caplog, monkeypatch):
     """On MLX's products alone (a GPU; here the forced reference) the types in groups of 16 and
     the table forms are dequantized: one warning a type, with its memory and the alternative.
-    IQ3_S maps exactly onto MLX's 4-bit groups, Q4_K and Q5_K onto its affine groups: not named."""
+    IQ3_S maps exactly onto MLX's 4-bit groups, Q4_K and Q5_K onto its affine groups, TQ1_0 onto
+    its 2-bit groups, MXFP4 is its own mxfp4 mode: not named."""
     monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
     for name, named in [("qwen35-Q2_K.gguf", ["1 Q6_K", "16 Q2_K", "8 Q3_K"]),
-                        ("qwen35-IQ3_XXS.gguf", ["12 IQ3_XXS", "2 IQ2_S"])]:  # fmt: skip
+                        ("qwen35-IQ3_XXS.gguf", ["12 IQ3_XXS", "2 IQ2_S"]),
+                        ("qwen35-TQ1_0.gguf", ["1 Q6_K"]), ("qwen35moe-MXFP4_MOE.gguf", [])]:  # fmt: skip
         caplog.clear()
         with caplog.at_level("WARNING", logger="mlx_hybrid"):
             model, _ = mlx_hybrid.load(TYPES / name)

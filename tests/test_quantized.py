@@ -59,7 +59,10 @@ def random_raw(type_name, rows, cols, seed):
     rng = np.random.default_rng(seed)
     blocks = cols // block_values
     raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
-    if type_name in ("Q6_K", "Q3_K", "Q2_K"):  # d (and dmin) come last
+    if type_name == "MXFP4":  # an E8M0 exponent: 2^-20 to 2^2
+        raw[..., 0] = rng.integers(107, 130, (rows, blocks), dtype=np.uint8)
+        return raw.reshape(rows, -1), qtype
+    if type_name in ("Q6_K", "Q3_K", "Q2_K", "TQ2_0", "TQ1_0"):  # d (and dmin) come last
         scale_fields = slice(block_bytes - (4 if type_name == "Q2_K" else 2), block_bytes)
     else:
         scale_fields = slice(0, 4 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 2)  # d (and m or dmin)
@@ -88,13 +91,15 @@ def set_quantized(module, q):
 @pytest.mark.parametrize(
     "type_name, block_form",
     [("Q6_K", True), ("Q6_K", False), ("Q2_K", True), ("Q3_K", False), ("IQ4_NL", True), ("IQ4_XS", True),
-     ("IQ2_XXS", True), ("IQ3_S", True)],
+     ("IQ2_XXS", True), ("IQ3_S", True), ("MXFP4", True), ("TQ2_0", True), ("TQ1_0", True)],
 )  # fmt: skip
 def test_kernel_only_types_in_modules_match_float64(type_name, block_form, forced_reference, monkeypatch):
     """Types MLX's products do not take (groups of 16: Q6_K, the LM head of a Q4_K_M file, and
-    Q2_K, Q3_K; IQ4's nonlinear values; the grid types' blocks), their scales as stored (the block
-    form) or expanded to float32: linear layers, the embedding's rows and experts, against gguf's
-    dequantization in float64. Without our kernels (forced reference) the products dequantize."""
+    Q2_K, Q3_K; IQ4's nonlinear values; the grid types' and TQ1_0's blocks; scales without codes:
+    TQ2_0's, MXFP4's E8M0 exponents), their scales as stored (the block form) or expanded to
+    float32: linear layers, the embedding's rows and experts, against gguf's dequantization in
+    float64. Without our kernels (forced reference) the products dequantize (MXFP4: MLX's own
+    mxfp4 products)."""
     raw, qtype = random_raw(type_name, 40, 512, 3)
     q = from_gguf_blocks(raw, type_name)
     if q is None or q.block is None:

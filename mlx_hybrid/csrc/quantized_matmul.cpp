@@ -71,7 +71,7 @@ struct Packing {
 // grid types (GRID_FIRST on) are not packed values but GGUF's blocks as the file stores them:
 // see "GGUF's grid types" below.
 enum Values { INTEGERS = 0, TABLE = 1, BFLOAT16 = 2, FLOAT16 = 3, IQ2_XXS = 4, IQ2_XS = 5, IQ2_S = 6, IQ3_XXS = 7,
-              IQ3_S = 8, IQ1_S = 9, IQ1_M = 10 };
+              IQ3_S = 8, IQ1_S = 9, IQ1_M = 10, TQ1_0 = 11 };
 constexpr int GRID_FIRST = IQ2_XXS;
 constexpr bool is_grid(int values) { return values >= GRID_FIRST; }
 
@@ -85,10 +85,12 @@ constexpr bool is_grid(int values) { return values >= GRID_FIRST; }
 // comes times 8. The grids (`grid`, uint8 [entries, 8 or 4]) come from the caller, gguf-py's
 // tables; the kernel decodes a step into 32 signed bytes, which it multiplies as it does 8-bit
 // values (small integers: exact).
-// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M
-constexpr int GRID_BLOCK_BYTES[] = {66, 74, 82, 98, 110, 50, 56};
-constexpr int GRID_ENTRIES[] = {256, 512, 1024, 256, 512, 2048, 2048};
-constexpr int GRID_DIVISOR[] = {8, 8, 8, 4, 1, 8, 8};
+// TQ1_0, ternary, is decoded the same way with no grid: five values -1, 0, 1 a byte in base 3
+// (scaled so that the i-th is the top bits of the byte times 3^i), then a float16 d last.
+// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0
+constexpr int GRID_BLOCK_BYTES[] = {66, 74, 82, 98, 110, 50, 56, 54};
+constexpr int GRID_ENTRIES[] = {256, 512, 1024, 256, 512, 2048, 2048, 0};
+constexpr int GRID_DIVISOR[] = {8, 8, 8, 4, 1, 8, 8, 1};
 constexpr int grid_block_bytes(int values) { return GRID_BLOCK_BYTES[values - GRID_FIRST]; }
 constexpr int grid_magnitudes(int values) { return values == IQ3_XXS || values == IQ3_S ? 4 : 8; }  // a grid row's
 // the values a scale code covers: IQ2_XS's and IQ2_S's codes are nibbles, one a half step, and
@@ -131,8 +133,9 @@ inline uint16_t load_u16(const uint8_t* p) {
 }
 
 // A block's d, as float16 bits: its first two bytes, but IQ1_M's, whose four nibbles are the
-// top ones of its four 16-bit scale words.
+// top ones of its four 16-bit scale words, and TQ1_0's, its last two.
 inline uint16_t grid_d(int values, const uint8_t* block) {
+    if (values == TQ1_0) return load_u16(block + 52);
     if (values != IQ1_M) return load_u16(block);
     uint16_t d = 0;
     for (int i = 0; i < 4; i++) d |= (load_u16(block + 48 + 2 * i) >> 12) << (4 * i);
@@ -148,6 +151,7 @@ inline int grid_code(int values, const uint8_t* block, int g) {
         case IQ3_XXS: return load_u32(block + 66 + 4 * g) >> 28;
         case IQ1_S: return load_u16(block + 34 + 2 * g) >> 12 & 7;
         case IQ1_M: return load_u16(block + 48 + 2 * (g / 4)) >> (3 * (g % 4)) & 7;
+        case TQ1_0: return 0;  // d alone
         default: return block[106 + g / 2] >> (4 * (g % 2)) & 15;  // IQ3_S
     }
 }
@@ -159,12 +163,14 @@ enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
 // GGUF's two-level scales (mlx_hybrid.quantized_tensor.BlockScales): group g's scale is
 // factor[g / groups_per_factor][0] * code[g][0]; its bias factor[..][1] * code[g][last]
 // with two factors, else bias_ratio * scale. groups_per_factor 0: plain per-group scales.
-// code_bits 4: a group's two codes are unsigned nibbles of one byte, low nibble first.
-// factor_scale: a power of two the factors are multiplied by. table: the values 4-bit indices
-// stand for (Values TABLE).
+// code_count 0: no codes (each is 1). code_bits 4: a group's two codes are unsigned nibbles
+// of one byte, low nibble first. factor_scale: a power of two the factors are multiplied by.
+// table: the values 4-bit indices stand for (Values TABLE). Factors are float16, or with
+// exponent_factors E8M0 bytes e standing for 2^(e - 127) (MXFP4's scales; e = 0: 2^-127).
 struct BlockLayout {
     int groups_per_factor = 0, factor_count = 0, code_count = 0, code_bits = 8;
     float bias_ratio = 0.0f, factor_scale = 1.0f;
+    bool exponent_factors = false;
     std::array<uint8_t, 16> table{};
     bool operator==(const BlockLayout&) const = default;
 };
@@ -172,8 +178,8 @@ struct BlockLayout {
 // A weight matrix [N, K] (or one expert's), with its row strides.
 struct Weights {
     const uint8_t* q;       // packed values (grid types: the blocks)
-    const uint8_t* scales;  // per group in scale_type; block form: float16 factors
-    const uint8_t* biases;  // per group in scale_type; block form: int8 codes
+    const uint8_t* scales;  // per group in scale_type; block form: factors (float16 or E8M0)
+    const uint8_t* biases;  // per group in scale_type; block form: int8 codes (or none)
     long q_row_bytes, scale_row_bytes, bias_row_bytes;  // strides between rows
     int n, k, group_size, scale_type;
     BlockLayout blocks;
@@ -258,6 +264,7 @@ Isa isa(int bits, Values values) {
             case IQ3_S: return isa_for<8, IQ3_S>(level);
             case IQ1_S: return isa_for<8, IQ1_S>(level);
             case IQ1_M: return isa_for<8, IQ1_M>(level);
+            case TQ1_0: return isa_for<8, TQ1_0>(level);
         }
     if (values != INTEGERS) throw std::invalid_argument("quantized_matmul: values that do not fit the bits");
     switch (bits) {
@@ -412,7 +419,8 @@ std::shared_ptr<AffineQuantizedMatmul> primitive(mx::Stream stream, Product prod
     return std::make_shared<AffineQuantizedMatmul>(stream, product, "AffineQuantizedMatmul");
 }
 
-// The layout of a block form's factors (float16) and codes (int8), checked against their shapes.
+// The layout of a block form's factors (float16, or uint8 E8M0 exponents) and codes (int8), checked
+// against their shapes.
 BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                          int bits, int groups_per_factor, int factor_count, int code_count, int code_bits,
                          float bias_ratio, float factor_scale, const std::vector<uint8_t>& table) {
@@ -421,15 +429,18 @@ BlockLayout block_layout(const mx::array& w, const mx::array& scales, const mx::
     if (groups_per_factor == 0) return {};
     long groups = w.shape(-1) * 32L / bits / group_size;
     if (groups_per_factor < 0 || groups % groups_per_factor || factor_count < 1 || factor_count > 2 ||
-        code_count < 1 || code_count > 2 || (code_bits != 8 && !(code_bits == 4 && code_count == 2)) ||
-        scales.dtype() != mx::float16 || biases.dtype() != mx::int8 ||
+        code_count < 0 || code_count > 2 || (code_count == 0 && factor_count != 1) ||
+        (code_bits != 8 && !(code_bits == 4 && code_count == 2)) ||
+        (scales.dtype() != mx::float16 && !(scales.dtype() == mx::uint8 && factor_count == 1)) ||
+        biases.dtype() != mx::int8 ||
         scales.shape(-1) != groups / groups_per_factor * factor_count ||
         biases.shape(-1) != groups * code_count * code_bits / 8)
         throw std::invalid_argument("quantized_matmul: factors and codes that do not fit the block layout");
     int exponent;
     if (factor_scale <= 0 || std::frexp(factor_scale, &exponent) != 0.5f)
         throw std::invalid_argument("quantized_matmul: factor_scale must be a power of two");
-    BlockLayout layout{groups_per_factor, factor_count, code_count, code_bits, bias_ratio, factor_scale};
+    BlockLayout layout{groups_per_factor, factor_count, code_count, code_bits, bias_ratio, factor_scale,
+                       scales.dtype() == mx::uint8};
     std::copy(table.begin(), table.end(), layout.table.begin());
     return layout;
 }
@@ -514,8 +525,8 @@ mx::array gather_matmul_16bit(const mx::array& x, const mx::array& w, const mx::
 
 // A grid type by its GGUF name, with its grid checked against it.
 Values grid_values(const std::string& type_name, const mx::array& blocks, const mx::array& grid) {
-    const char* names[] = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"};
-    for (int i = 0; i < 7; i++) {
+    const char* names[] = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0"};
+    for (int i = 0; i < 8; i++) {
         if (type_name != names[i]) continue;
         Values values = (Values)(GRID_FIRST + i);
         if (blocks.dtype() != mx::uint8 || blocks.shape(-1) % grid_block_bytes(values))

@@ -188,9 +188,7 @@ def _quantize_modules(model, weights: dict):
             weights[name] = tensor.dequantize()
             continue
         parts[path] = tensor
-        weights.update(
-            {f"{path}.weight": tensor.weight, f"{path}.scales": tensor.scales, f"{path}.biases": tensor.biases}
-        )
+        weights.update({f"{path}.{part}": value for part, value in tensor.module_parameters().items()})
     if parts:
         nn.quantize(
             model,
@@ -203,11 +201,14 @@ def _quantize_modules(model, weights: dict):
                 continue
             tensor = parts[path]
             if tensor.block:  # a block form's factors and codes (a grid type's blocks), as they come
-                module.weight, module.scales, module.biases = tensor.weight, tensor.scales, tensor.biases
+                if tensor.block.mlx_mode:  # as MLX's own modules in that mode: no biases
+                    module.pop("biases")
+                    module.mode = tensor.block.mlx_mode
+                module.update(tensor.module_parameters())
                 module.block = tensor.block
             if tensor.column_order is not None:
                 module.take_inputs_in(tensor.column_order)
-    return {f"{path}.{part}" for path in parts for part in ("weight", "scales", "biases")}
+    return {f"{path}.{part}" for path, tensor in parts.items() for part in tensor.module_parameters()}
 
 
 def fill_model(model, weights: dict, dtype, float32_params=(), source=""):

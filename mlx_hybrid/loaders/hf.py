@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import ModelLoadError
-from ..quantized_tensor import QuantizedTensor
+from ..quantized_tensor import FLOAT_MODES, QuantizedTensor, mode_refused
 from .common import (
     Rule,
     halves,
@@ -246,20 +246,30 @@ def detect_layout(tensors: dict) -> str:
 
 
 def group_quantized(tensors: dict, quantization: dict) -> dict:
-    """Gather MLX-quantized .weight/.scales/.biases triplets into QuantizedTensors under .weight."""
-    if quantization.get("mode", "affine") != "affine":
-        raise ModelLoadError(f"unsupported quantization mode {quantization.get('mode')!r} (only affine)")
+    """Gather MLX-quantized .weight/.scales/.biases triplets (.weight/.scales in a float mode such
+    as mxfp4) into QuantizedTensors under .weight."""
     grouped = dict(tensors)
     for name in [n for n in tensors if n.endswith(".scales")]:
         path = name[: -len(".scales")]
+        # a layer's own settings (mlx-lm's 8-bit MoE routers) name no mode: affine, as MLX reads them
         params = quantization.get(path) if isinstance(quantization.get(path), dict) else quantization
+        mode = params.get("mode", "affine")
+        if refused := mode_refused(mode):
+            raise ModelLoadError(f"{path}: {refused}")
         try:
-            grouped[path + ".weight"] = QuantizedTensor(
-                grouped.pop(path + ".weight"), grouped.pop(name), grouped.pop(path + ".biases"),
-                params["bits"], params["group_size"],
-            )  # fmt: skip
+            weight, scales = grouped.pop(path + ".weight"), grouped.pop(name)
+            if mode == "affine":
+                tensor = QuantizedTensor(weight, scales, grouped.pop(path + ".biases"), params["bits"],
+                                         params["group_size"])  # fmt: skip
+            else:
+                bits, group_size, form = FLOAT_MODES[mode]
+                if (params.get("bits", bits), params.get("group_size", group_size)) != (bits, group_size):
+                    raise ModelLoadError(f"{path}: {mode} takes {bits} bits in groups of {group_size}")
+                no_codes = mx.zeros((*scales.shape[:-1], 0), mx.int8)
+                tensor = QuantizedTensor(weight, scales, no_codes, bits, group_size, form)
         except KeyError as e:
             raise ModelLoadError(f"quantized tensor {path} is incomplete: no {e.args[0]}") from None
+        grouped[path + ".weight"] = tensor
     return grouped
 
 

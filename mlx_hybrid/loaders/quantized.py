@@ -14,13 +14,19 @@ uint32 words. These GGUF block types are exactly that, per group of 32 (Q6_K, Q3
 | Q3_K | 3 | d * (sc_j - 32) | -4 d * (sc_j - 32) (sc_j 6 bits; q's third bit from hmask) |
 | Q2_K | 2 | d * sc_j | -dmin * m_j (sc_j, m_j the nibbles of one byte) |
 | IQ4_NL / IQ4_XS | 4 (indices) | d (* (ls_j - 32)) | -128 d (* (ls_j - 32)), values from a table |
+| MXFP4 | 4 (indices) | 2^(e - 127) / 2 | -128 times the scale, values from a table |
+| TQ2_0 / TQ1_0 | 2 | d | -d (one d a block of 256; TQ1_0's values read from base 3) |
 
 IQ4's 4-bit values index IQ4_NL's 16 values: held with the table plus 128 (unsigned) and a
-bias of -128 times the scale (`BlockScales.table`); only our CPU kernels take them.
+bias of -128 times the scale (`BlockScales.table`); only our CPU kernels take them. MXFP4's
+index E2M1 values (`quantized_tensor.MXFP4`), with an E8M0 exponent e a group: held as MLX's
+"mxfp4" mode holds them (its packed weight and its uint8 scales, the file's size), which MLX's
+products take too.
 
 The grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: indices into grids of
-magnitudes, sign bits or deltas, 3- or 4-bit scale codes) are kept as the file's blocks where our CPU kernels compute
-(`GridBlocks`: they decode the grids as they multiply). Elsewhere IQ3_S's grid, odd integers in
+magnitudes, sign bits or deltas, 3- or 4-bit scale codes) and TQ1_0 (ternary values, five a byte
+in base 3) are kept as the file's blocks where our CPU kernels compute (`GridBlocks`: they decode
+the blocks as they multiply). Elsewhere IQ3_S's grid, odd integers in
 [-15, 15], is 2 q - 15 for a 4-bit q: it is held as MLX's 4-bit groups of 32 (scale
 2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, at 4.31 bits a weight against the file's 3.44; the
 others are dequantized there.
@@ -45,7 +51,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ops
-from ..quantized_tensor import GROUP_SIZE, BlockScales, GridBlocks, QuantizedTensor
+from ..quantized_tensor import GROUP_SIZE, MXFP4, BlockScales, GridBlocks, QuantizedTensor
 
 
 def _f16(block_bytes: np.ndarray) -> np.ndarray:
@@ -181,6 +187,33 @@ def _iq4_xs(b):
     return _nibbles(qs), _f16(b[..., 0:2]), codes.astype(np.int8)[..., None]
 
 
+def _mxfp4(b):
+    # an E8M0 exponent, then 16 bytes of 4-bit values as Q4_0's
+    return _nibbles(b[..., 1:17])[..., None, :], b[..., 0:1].copy(), _no_codes(b, 1)
+
+
+def _tq2_0(b):
+    # ternary values q - 1 (q 0..2) in Q2_K's runs of 32 of 2-bit fields, then a float16 d
+    return _two_bit_runs(b[..., 0:64]).reshape(*b.shape[:-1], 8, 32), _f16(b[..., 64:66]), _no_codes(b, 8)
+
+
+def _tq1_0(b):
+    # the same values five a byte in base 3: value i of byte c is ((c 3^i mod 256) 3) >> 8; the first
+    # 32 bytes hold 160 values, the next 16 bytes 80, the 4 bytes of qh 16; d last
+    powers = np.array([1, 3, 9, 27, 81], np.uint8)
+
+    def trits(field, count):  # [..., bytes] -> [..., count * bytes], value i of every byte in turn
+        wrapped = field[..., None, :] * powers[:count, None]  # (uint8: mod 256)
+        return ((wrapped.astype(np.uint16) * 3) >> 8).astype(np.uint8).reshape(*field.shape[:-1], -1)
+
+    q = np.concatenate([trits(b[..., 0:32], 5), trits(b[..., 32:48], 5), trits(b[..., 48:52], 4)], axis=-1)
+    return q.reshape(*b.shape[:-1], 8, 32), _f16(b[..., 52:54]), _no_codes(b, 8)
+
+
+def _no_codes(b, groups):
+    return np.zeros((*b.shape[:-1], groups, 0), np.int8)
+
+
 def _iq3_s(b):
     # 64 entries of a 512-entry grid of 4 magnitudes (1, 3, ..., 15): 8-bit indices in qs, their
     # ninth bits in qh; a sign bit a value; a 4-bit code s a group of 32, w = d (1 + 2 s) g sign.
@@ -214,6 +247,9 @@ BLOCK_TYPES = {
     "IQ4_NL": (4, 32, _iq4_nl, BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)),
     "IQ4_XS": (4, 32, _iq4_xs, BlockScales(8, 1, 1, -128.0, table=IQ4_NL_TABLE)),
     "IQ3_S": (4, 32, _iq3_s, BlockScales(8, 1, 1, -7.5)),
+    "MXFP4": (4, 32, _mxfp4, MXFP4),
+    "TQ2_0": (2, 32, _tq2_0, BlockScales(8, 1, 0, -1.0)),
+    "TQ1_0": (2, 32, _tq1_0, BlockScales(8, 1, 0, -1.0)),  # (GRID_TYPES' blocks where our kernels compute)
 }
 
 
@@ -221,7 +257,7 @@ BLOCK_TYPES = {
 # or dequantized)
 GRID_TYPES = {name: GridBlocks(name, size) for name, size in
               [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110), ("IQ1_S", 50),
-               ("IQ1_M", 56)]}  # fmt: skip
+               ("IQ1_M", 56), ("TQ1_0", 54)]}  # fmt: skip
 
 
 # Compact loading: types with no exact form in MLX's affine groups (of 32 or more) that are
@@ -272,13 +308,14 @@ BLOCK, PLAIN, REQUANTIZED = "as stored", "with float32 scales", "re-quantized"
 
 
 def held_form(type_name: str, compact: bool) -> str | None:
-    """BLOCK where our kernels multiply the type as stored; REQUANTIZED where compact loading
-    re-quantizes it; PLAIN where MLX's affine groups hold it exactly; None: dequantized."""
+    """BLOCK where our kernels (or MLX's, in a mode of its own) multiply the type as stored;
+    REQUANTIZED where compact loading re-quantizes it; PLAIN where MLX's affine groups hold it
+    exactly; None: dequantized."""
     grid = GRID_TYPES.get(type_name)
     if grid and ops.computes_block_scales(GridBlocks.BITS, GridBlocks.VALUES, grid):
         return BLOCK
     known = BLOCK_TYPES.get(type_name)
-    if known and ops.computes_block_scales(known[0], known[1], known[3]):
+    if known and (known[3].mlx_mode or ops.computes_block_scales(known[0], known[1], known[3])):
         return BLOCK
     if compact and type_name in REQUANTIZED_BITS:
         return REQUANTIZED
@@ -323,14 +360,17 @@ def _block_form(raw: np.ndarray, type_name: str) -> QuantizedTensor:
     blocks = raw.reshape(-1, raw.shape[-1] // block_bytes, block_bytes)
     cols = blocks.shape[1] * per_block
     weight = np.empty((len(blocks), cols * bits // 32), np.uint32)
-    factors = np.empty((len(blocks), blocks.shape[1] * block.factor_count), np.float16)
+    factor_dtype = np.uint8 if block.exponent_factors else np.float16
+    factors = np.empty((len(blocks), blocks.shape[1] * block.factor_count), factor_dtype)
     codes = np.empty((len(blocks), round(cols // group_size * block.code_bytes)), np.int8)
     # rows a few million values at a time: the unpacked values take 8 bytes each while packed
     step = max(1, (1 << 22) // cols)
     for start in range(0, len(blocks), step):
-        rows = slice(start, start + step)
-        q, factors_part, codes_part = parse(blocks[rows])  # q [rows, blocks, groups, group_size]
+        part = blocks[start : start + step]
+        q, factors_part, codes_part = parse(part)  # q [rows, blocks, groups, group_size]
+        rows = slice(start, start + len(part))
         weight[rows] = pack(q.reshape(-1, cols), bits)
-        factors[rows], codes[rows] = factors_part.reshape(-1, factors.shape[1]), codes_part.reshape(-1, codes.shape[1])
+        factors[rows], codes[rows] = (p.reshape(len(part), -1) if p.size else p.reshape(len(part), 0)
+                                      for p in (factors_part, codes_part))  # fmt: skip
     parts = (mx.array(part.reshape(*lead, part.shape[-1])) for part in (weight, factors, codes))
     return QuantizedTensor(*parts, bits, group_size, block)

@@ -31,7 +31,6 @@ class VocabularySubsetHead(nn.Module):
             self.scales = projection["scales"][ids]
             self.biases = projection["biases"][ids] if "biases" in projection else None
             self.group_size, self.bits = projection.group_size, projection.bits
-            self.mode = getattr(projection, "mode", "affine")
             self.block = getattr(projection, "block", None)
         mx.eval(self.parameters())
 

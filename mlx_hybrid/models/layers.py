@@ -14,7 +14,7 @@ from ..parallel import (
     all_sum,
     require,
 )
-from ..quantized_tensor import dequantize
+from ..quantized_tensor import FLOAT_MODES, dequantize, mode_refused
 
 F32 = mx.float32
 
@@ -64,18 +64,19 @@ class MLP(nn.Module):
 
 
 def quantized_product(x: mx.array, module) -> mx.array:
-    """x @ W^T for a module holding a quantized W (weight, scales, biases unless a float mode
-    such as mxfp4), in x's dtype: affine layouts through `ops` (our CPU kernels where they run)."""
-    mode = getattr(module, "mode", "affine")
-    if mode == "affine":
-        return ops.quantized_matmul(
-            x, module["weight"], module["scales"], module["biases"],
-            group_size=module.group_size, bits=module.bits, block=module.block,
-        )  # fmt: skip
-    return mx.quantized_matmul(
-        x, module["weight"], module["scales"], module.get("biases"), transpose=True,
-        group_size=module.group_size, bits=module.bits, mode=mode,
-    ).astype(x.dtype)  # fmt: skip
+    """x @ W^T for a module holding a quantized W (weight, scales, and biases but in a float mode
+    such as mxfp4), in x's dtype, through `ops` (our CPU kernels where they run)."""
+    return ops.quantized_matmul(
+        x, module["weight"], module["scales"], module.get("biases"),
+        group_size=module.group_size, bits=module.bits, block=module.block,
+    )  # fmt: skip
+
+
+def mode_form(mode: str):
+    """The block form that holds MLX's quantization mode `mode` (None: affine)."""
+    if refused := mode_refused(mode):
+        raise ValueError(refused)
+    return FLOAT_MODES[mode][2] if mode in FLOAT_MODES else None
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -125,7 +126,10 @@ class Linear(nn.Linear):
         return out + self["bias"].astype(out.dtype) if "bias" in self else out
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        return _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size)
+        form = mode_form(mode)
+        quantized = _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size)
+        quantized.block = form
+        return quantized
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -134,8 +138,9 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     block = None  # as QuantizedLinear's
 
     def __call__(self, x):
-        rows = (self[part][x] for part in ("weight", "scales", "biases"))
-        return dequantize(*rows, self.bits, self.group_size, self.block)
+        biases = self.get("biases")
+        return dequantize(self.weight[x], self.scales[x], None if biases is None else biases[x], self.bits,
+                          self.group_size, self.block)  # fmt: skip
 
     def as_linear(self, x):
         return quantized_product(x, self)
@@ -146,7 +151,10 @@ class Embedding(nn.Embedding):
         return ops.linear(x, self.weight)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        return _regrouped(QuantizedEmbedding.from_embedding(self, _mlx_group(group_size), bits, mode), group_size)
+        form = mode_form(mode)
+        quantized = _regrouped(QuantizedEmbedding.from_embedding(self, _mlx_group(group_size), bits, mode), group_size)
+        quantized.block = form
+        return quantized
 
 
 class SwitchLinear(nn.Module):
@@ -160,25 +168,28 @@ class SwitchLinear(nn.Module):
         return ops.gather_matmul(x, self.weight.swapaxes(-1, -2), indices)
 
     def to_quantized(self, group_size: int = 32, bits: int = 4, mode: str = "affine"):
-        return QuantizedSwitchLinear(self.weight.shape, group_size, bits)
+        quantized = QuantizedSwitchLinear(self.weight.shape, _mlx_group(group_size), bits, mode)
+        quantized.update(dict(zip(("weight", "scales", "biases"),
+                                  mx.quantize(self.weight, _mlx_group(group_size), bits, mode=mode))))  # fmt: skip
+        return _regrouped(quantized, group_size)
 
 
 class QuantizedSwitchLinear(nn.Module):
-    """SwitchLinear with MLX affine-quantized experts (gathered quantized matmul)."""
+    """SwitchLinear with MLX-quantized experts (gathered quantized matmul): affine, or a mode
+    held as a block form (see `mode_form`: weight and scales, no biases)."""
 
-    block = None  # as QuantizedLinear's
-
-    def __init__(self, shape, group_size: int, bits: int):
+    def __init__(self, shape, group_size: int, bits: int, mode: str = "affine"):
         super().__init__()
         E, out, inp = shape
-        self.group_size, self.bits = group_size, bits
+        self.group_size, self.bits, self.block = group_size, bits, mode_form(mode)
         self.weight = mx.zeros((E, out, inp * bits // 32), dtype=mx.uint32)
-        self.scales = mx.zeros((E, out, inp // group_size))
-        self.biases = mx.zeros((E, out, inp // group_size))
+        self.scales = mx.zeros((E, out, inp // group_size), mx.uint8 if self.block else mx.float32)
+        if self.block is None:
+            self.biases = mx.zeros((E, out, inp // group_size))
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return ops.gather_quantized_matmul(
-            x, self.weight, self.scales, self.biases, indices, group_size=self.group_size, bits=self.bits,
+            x, self.weight, self.scales, self.get("biases"), indices, group_size=self.group_size, bits=self.bits,
             block=self.block,
         )  # fmt: skip
 

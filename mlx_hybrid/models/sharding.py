@@ -31,15 +31,10 @@ def cut_parameters(model: nn.Module, specs: dict, rank: int, size: int):
         for part in path.split("."):
             module = module[int(part)] if part.isdigit() else module[part]
         if leaf == "weight" and "scales" in module:
-            parts = QuantizedTensor(
-                module.weight, module.scales, module.biases, module.bits, module.group_size, module.block,
-                getattr(module, "input_order", None),
-            )  # fmt: skip
-            taken = split.take(parts, rank, size)
+            taken = split.take(QuantizedTensor.of_module(module), rank, size)
             if not hasattr(taken, "scales"):
                 raise ShardingError(f"{name}: its split falls inside quantization groups")
-            module.weight, module.scales, module.biases, module.block = (
-                taken.weight, taken.scales, taken.biases, taken.block
-            )
+            module.update(taken.module_parameters())
+            module.block = taken.block
         else:
             setattr(module, leaf, split.take(module[leaf], rank, size))

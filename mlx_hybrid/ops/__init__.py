@@ -362,14 +362,24 @@ def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> boo
     return _cpu_quantized_kernels(bits, group_size, block)
 
 
+def _no_codes(scales: mx.array) -> mx.array:
+    """A block form's codes where it has none (a mode of MLX's: its modules hold no biases)."""
+    return mx.zeros((*scales.shape[:-1], 0), mx.int8)
+
+
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
     """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
-    form's factors and codes), in x's dtype (exact GGUF scales are float32, and MLX would
-    promote a 16-bit model's products, and everything after, to float32)."""
+    form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
+    float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
+    biases = _no_codes(scales) if biases is None else biases
     if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
         out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits, block)
     elif group_size in MLX_GROUP_SIZES and block is None:
         out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    elif block is not None and block.mlx_mode:
+        out = mx.quantized_matmul(
+            x, w, scales, None, transpose=True, group_size=group_size, bits=bits, mode=block.mlx_mode
+        )  # fmt: skip
     else:
         out = x @ QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().T.astype(x.dtype)
     return out.astype(x.dtype)
@@ -378,6 +388,7 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
 def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype."""
+    biases = _no_codes(scales) if biases is None else biases
     if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
         out = _on_token_rows(
             lambda rows, flat: cpu_quantized.gather_quantized_matmul(
@@ -389,6 +400,11 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
         out = mx.gather_qmm(
             x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
         )
+    elif block is not None and block.mlx_mode:
+        out = mx.gather_qmm(
+            x, w, scales, None, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits,
+            mode=block.mlx_mode,
+        )  # fmt: skip
     else:
         experts = QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().astype(x.dtype)
         out = gather_matmul(x, experts.swapaxes(-1, -2), indices)

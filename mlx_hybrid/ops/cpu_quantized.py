@@ -32,9 +32,12 @@ def supports(bits: int, group_size: int, form=None) -> bool:
 @lru_cache(maxsize=None)
 def grid_of(type_name: str) -> mx.array:
     """A grid type's grid, uint8 [entries, magnitudes a row], as gguf-py defines it; the IQ1 types'
-    -1, 0 and 1 times 8, as signed bytes (the kernels add their deltas of +-1/8 as +-1)."""
+    -1, 0 and 1 times 8, as signed bytes (the kernels add their deltas of +-1/8 as +-1); none for
+    TQ1_0 (ternary values the kernels decode from base 3)."""
     import gguf.quants
 
+    if type_name == "TQ1_0":
+        return mx.zeros((0, 8), mx.uint8)
     traits = getattr(gguf.quants, type_name)  # the type's class, which holds its grid
     traits.init_grid()
     grid = np.asarray(traits.grid).reshape(traits.grid_shape) * (8 if type_name.startswith("IQ1") else 1)
@@ -53,6 +56,8 @@ def random_grid_weights(shape, grid: GridBlocks, seed: int = 0) -> QuantizedTens
         words = blocks[..., 48:56].copy().view(np.uint16)
         nibbles = (d[..., None] >> (4 * np.arange(4, dtype=np.uint16))) & 0xF
         blocks[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12)).astype(np.uint16).view(np.uint8)
+    elif grid.type_name == "TQ1_0":  # d last
+        blocks[..., -2:] = d[..., None].view(np.uint8)
     else:
         blocks[..., :2] = d[..., None].view(np.uint8)
     return GridBlocks.tensor(mx.array(blocks.reshape(*lead, N, -1)), grid)
@@ -74,16 +79,22 @@ def random_weights(shape, bits: int, group_size: int, seed: int = 0):
 
 
 def random_block_weights(shape, bits: int, group_size: int, block: BlockScales, seed: int = 0) -> QuantizedTensor:
-    """A random block-form tensor [..., N, K] (see BlockScales): float16 factors of both signs,
-    codes over the whole int8 range GGUF uses (Q6_K's are signed, the k-quants' 0..63)."""
+    """A random block-form tensor [..., N, K] (see BlockScales): float16 factors of both signs (E8M0
+    exponents: 2^-127, the smallest, and 2^-12 to 2^3), codes over the whole int8 range GGUF uses
+    (Q6_K's are signed, the k-quants' 0..63)."""
     *lead, N, K = shape
     keys = mx.random.split(mx.random.key(seed), 3)
     w = mx.random.randint(0, 256, (*lead, N, K * bits // 8), key=keys[0]).astype(mx.uint8).view(mx.uint32)
     groups = K // group_size
-    factors = (mx.random.normal((*lead, N, groups // block.groups_per_factor * block.factor_count), key=keys[1]) / 64)
+    factor_shape = (*lead, N, groups // block.groups_per_factor * block.factor_count)
+    if block.exponent_factors:
+        factors = mx.random.randint(114, 131, factor_shape, key=keys[1])
+        factors = mx.where(factors == 114, 0, factors).astype(mx.uint8)
+    else:
+        factors = (mx.random.normal(factor_shape, key=keys[1]) / 64).astype(mx.float16)
     low = -128 if block.code_bits == 4 else -64  # nibbles: any byte
     codes = mx.random.randint(low, 64, (*lead, N, round(groups * block.code_bytes)), key=keys[2]).astype(mx.int8)
-    return QuantizedTensor(w, factors.astype(mx.float16), codes, bits, group_size, block)
+    return QuantizedTensor(w, factors, codes, bits, group_size, block)
 
 
 def _layout(block: BlockScales | None) -> dict:
