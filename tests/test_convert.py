@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import mlx_hybrid
 from conftest import FAMILIES, FIXTURES, QWEN_FAMILIES, assert_close_to_floor, reference
@@ -266,13 +267,37 @@ def test_mlx_lm_conversions_decode_as_mlx_lm_does(family, layout):
         assert tokens == reference(family)["greedy_ids"][0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize("family,peer", [("qwen35moe", "mlx-lm-4bit"), ("qwen35", "mlx-lm-mxfp4"),
+                                         ("qwen35moe", "mlx-lm-mxfp4")])  # fmt: skip
+def test_a_head_taken_for_a_conversion_is_quantized_as_convert_quantizes_it(family, peer, tmp_path):
+    """mlx-lm's conversions drop the MTP head; taken from the checkpoint they were made from
+    (`load(mtp=)`), it is quantized as the trunk is, module by module (experts in 4 bits or mxfp4,
+    routers in 8 bits, as the trunk's): the same bits as the head our convert writes from that
+    checkpoint in the same mode."""
+    mode = "mxfp4" if peer.endswith("mxfp4") else "affine"
+    out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32, mode=mode)
+    written = {name[len("mtp.") :]: t for name, t in mx.load(str(out / "mtp.safetensors")).items()}
+    model, _ = mlx_hybrid.load(FIXTURES / family / peer, dtype="float32", mtp=FIXTURES / family / "hf")
+    taken = dict(tree_flatten(model.mtp.parameters()))
+    quantized = [name for name in written if name.endswith(".scales")]
+    assert quantized and any("switch_mlp" in name for name in quantized) == (family == "qwen35moe")
+    for scales in quantized:
+        for part in ("weight", "scales", "biases"):
+            name = scales[: -len("scales")] + part
+            assert (name in written) == (name in taken), name
+            if name in written:
+                np.testing.assert_array_equal(np.array(taken[name]), np.array(written[name]), err_msg=name)
+
+
 def test_a_quantization_mode_not_taken_is_refused_by_name(tmp_path):
     """mlx-lm's other modes (nvfp4, mxfp8) are not held here: loading says which mode, and which are."""
     shutil.copytree(FIXTURES / "qwen35" / "mlx-lm-mxfp4", tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     config["quantization"]["mode"] = config["quantization_config"]["mode"] = "nvfp4"
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(mlx_hybrid.MlxHybridError, match=r"quantization mode 'nvfp4' is not taken \(taken: affine, mxfp4"):
+    with pytest.raises(
+        mlx_hybrid.MlxHybridError, match=r"quantization mode 'nvfp4' is not taken \(taken: affine, mxfp4"
+    ):
         mlx_hybrid.load(tmp_path / "m")
 
 

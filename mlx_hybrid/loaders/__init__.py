@@ -16,6 +16,7 @@ from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
 from ..images import ImageProcessor
 from ..models import architecture
+from ..models.layers import quantization_of
 from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
@@ -249,14 +250,32 @@ def _attach_mtp_head(model, source: Path, dtype):
     weights, _ = rename(checkpoint.tensors, checkpoint.rules, args, part=_Prefix("mtp."))
     head_weights = {name[len("mtp.") :]: tensor for name, tensor in weights.items()}
     fill_model(head, head_weights, dtype, module.FLOAT32_PARAMS, source=str(source))
-    quantized = next((m for _, m in model.layers[0].named_modules() if hasattr(m, "bits")), None)
-    if quantized is not None:  # as the model's layers: what divides the group size, not already quantized
-        nn.quantize(
-            head, quantized.group_size, quantized.bits,
-            class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % quantized.group_size == 0,
-        )  # fmt: skip
-        mx.eval(head.parameters())  # here, not lazily on whichever thread generates first
+    _quantize_as_trunk(head, model)
     model.args, model.mtp = with_head, head
+
+
+def _quantize_as_trunk(head, model):
+    """Quantize the head's float modules as the model's are: each as the module in the same place of
+    a trunk layer (the MTP block is a decoder layer: its routers as the trunk's routers), the others
+    (its `fc`) as the trunk's largest; where the group size divides the module's inputs."""
+    in_layers, largest = {}, None
+    for layer in model.layers:
+        for path, module in layer.named_modules():
+            if hasattr(module, "bits"):
+                in_layers.setdefault(path, module)
+                largest = module if largest is None or module.weight.size > largest.weight.size else largest
+    if largest is None:  # a float model: a float head
+        return
+
+    def settings(path, module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        place = path.split(".", 2)[2] if path.startswith("layers.") else None
+        chosen = quantization_of(in_layers.get(place, largest))
+        return chosen if module.weight.shape[-1] % chosen["group_size"] == 0 else False
+
+    nn.quantize(head, class_predicate=settings)
+    mx.eval(head.parameters())  # here, not lazily on whichever thread generates first
 
 
 def _same_setting(a, b) -> bool:

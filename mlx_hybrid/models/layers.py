@@ -14,7 +14,7 @@ from ..parallel import (
     all_sum,
     require,
 )
-from ..quantized_tensor import FLOAT_MODES, dequantize, mode_refused
+from ..quantized_tensor import FLOAT_MODES, GridBlocks, dequantize, mode_refused
 
 F32 = mx.float32
 
@@ -103,6 +103,17 @@ class QuantizedLinear(nn.QuantizedLinear):
 def _mlx_group(group_size: int) -> int:
     """The nearest group size MLX quantizes in."""
     return min(max(group_size, 32), 128)
+
+
+def quantization_of(module) -> dict:
+    """The settings (`to_quantized`'s) that quantize another module as `module` is held: its bits,
+    group and mode where MLX quantizes in them; GGUF's groups of 16 in groups of 32, and a grid
+    type's blocks (their storage is bytes, their values 1 to 4 bits) as 4-bit groups of 32."""
+    block = getattr(module, "block", None)
+    if isinstance(block, GridBlocks):
+        return {"group_size": 32, "bits": 4, "mode": "affine"}
+    mode = block.mlx_mode if block is not None and block.mlx_mode else "affine"
+    return {"group_size": _mlx_group(module.group_size), "bits": module.bits, "mode": mode}
 
 
 def _regrouped(module, group_size: int):
