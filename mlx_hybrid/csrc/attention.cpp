@@ -7,17 +7,27 @@
 // reproduces its decode steps), and the cache's keys and values are read where they lie (a slice
 // of the cache's grown buffer, by its strides).
 //
-// Per query row: q scaled (as MLX scales it), each key's score the dot product by FMA into 8 lanes
-// reduced by a fixed tree; the softmax over the keys the mask leaves, e^(score - max) with
-// `exp_ps`, normalised by 1 / sum; the output the values summed in key order by FMA. Rows are
-// taken a few at a time (each key and value read once for them) and the blocks shared among
-// threads: a prompt's rows over a long cache, too.
+// Up to FEW_TOKENS query tokens, per query row: q scaled (as MLX scales it), each key's score the
+// dot product by FMA into 8 lanes reduced by a fixed tree; the softmax over the keys the mask
+// leaves, e^(score - max) with `exp_ps`, normalised by 1 / sum; the output the values summed in key
+// order by FMA. Rows are taken a few at a time (each key and value read once for them) and the
+// blocks shared among threads.
+//
+// More query tokens (a prompt's chunk): the BLAS's products, with the softmax between them carried
+// across blocks of keys (`prompt_rows`): no score matrix beyond one block's, and no exponentials
+// but ours (MLX's op spends two thirds of a long prompt's attention in its elementwise exp).
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #include "cpu_kernels.h"
+
+// The BLAS sgemm MLX calls (see quantized_matmul.cpp): OpenBLAS where mlx_hybrid loaded it.
+extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                            int);
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -165,8 +175,99 @@ void block(const Attention& a, const mx::array& q_in, const mx::array& k_in, con
     weighted_values(scores, seen, rows, v, v_stride, a.value_dim, outs);
 }
 
+// Query tokens up to this many take the per-row path (decode steps, verify passes: a row's bits
+// whatever rows come with it); more, the BLAS's (`prompt_rows`).
+constexpr int FEW_TOKENS = 16;
+// The prompt path's blocks: query rows of a KV head's group, and keys, a pair of products at a time.
+constexpr int PROMPT_ROWS = 256, KEY_BLOCK = 512;
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+// The probabilities of one block's scores for rows [first, last) of a prompt unit, the softmax
+// carried over from earlier blocks: per row, e^(score - max) over its `valid` keys (0 past them),
+// the running max and sum updated, and the row's output so far rescaled by e^(old max - new max).
+AVX2_FN void carry_softmax(float* scores, const int* valid, float* top, float* sum, float* out, int dv, int first,
+                           int last) {
+    for (int r = first; r < last; r++) {
+        float* row = scores + (long)r * KEY_BLOCK;
+        int n = valid[r];
+        if (n <= 0) {  // the row sees none of these keys: they weigh nothing
+            std::fill(row, row + KEY_BLOCK, 0.0f);
+            continue;
+        }
+        float block_top = row[0];
+        for (int s = 1; s < n; s++) block_top = std::max(block_top, row[s]);
+        float new_top = std::max(top[r], block_top), rescale = std::exp(top[r] - new_top);  // first block: 0
+        __m256 sum8 = _mm256_setzero_ps(), minus_top = _mm256_set1_ps(-new_top);
+        for (int s = 0; s < n; s += 8) {
+            int lanes = std::min(8, n - s);
+            __m256 e = exp_ps(_mm256_add_ps(load_lanes(row + s, lanes), minus_top));
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(lane_mask(lanes)));
+            store_lanes(row + s, e, lanes);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        std::fill(row + n, row + KEY_BLOCK, 0.0f);  // masked keys
+        sum[r] = sum[r] * rescale + sum_lanes(sum8);
+        top[r] = new_top;
+        float* o = out + (long)r * dv;
+        for (int j = 0; j < dv; j++) o[j] *= rescale;
+    }
+}
+
+// Rows [r0, r0 + rows) of KV head kvh's group in batch b: the group's heads' query rows [group * T,
+// Dk] lie together in q, as their outputs do in out. Per block of keys: scores = scale q k^T (one
+// sgemm), the carried softmax, out += p v (a second); then each row divided by its sum.
+void prompt_rows(const Attention& a, const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, float* out,
+                 int b, int kvh, int r0, int rows) {
+    thread_local std::vector<float> buffer;
+    const int group = a.heads / a.kv_heads;
+    const long first_row = ((long)b * a.heads + (long)kvh * group) * a.tokens + r0;
+    const float* q = q_in.data<float>() + first_row * a.key_dim;
+    const float* k = k_in.data<float>() + b * k_in.strides()[0] + kvh * k_in.strides()[1];
+    const float* v = v_in.data<float>() + b * v_in.strides()[0] + kvh * v_in.strides()[1];
+    const int k_stride = (int)k_in.strides()[2], v_stride = (int)v_in.strides()[2];
+    float* o = out + first_row * a.value_dim;
+    float* scores = aligned_floats(buffer, (size_t)PROMPT_ROWS * KEY_BLOCK + 3 * PROMPT_ROWS);
+    float *top = scores + (long)PROMPT_ROWS * KEY_BLOCK, *sum = top + PROMPT_ROWS;
+    int* valid = (int*)(sum + PROMPT_ROWS);
+    int keys = 0;  // the most any row sees
+    for (int r = 0; r < rows; r++) {
+        int t = (r0 + r) % a.tokens;
+        keys = std::max(keys, a.causal ? a.keys - a.tokens + t + 1 : a.keys);  // bottom-right aligned, as MLX's
+        top[r] = -std::numeric_limits<float>::infinity(), sum[r] = 0.0f;
+    }
+    std::fill(o, o + (long)rows * a.value_dim, 0.0f);
+    Pool& pool = Pool::get();
+    const int parts = std::min(pool.threads(), rows);
+    for (int s0 = 0; s0 < keys; s0 += KEY_BLOCK) {
+        const int count = std::min(KEY_BLOCK, keys - s0);
+        for (int r = 0; r < rows; r++) {
+            int seen = a.causal ? a.keys - a.tokens + (r0 + r) % a.tokens + 1 : a.keys;
+            valid[r] = std::min(count, seen - s0);
+        }
+        cblas_sgemm(ROW_MAJOR, NO_TRANS, TRANS, rows, count, a.key_dim, a.scale, q, a.key_dim,
+                    k + (long)s0 * k_stride, k_stride, 0.0f, scores, KEY_BLOCK);
+        pool.run(parts, parts > 1, [&](int part) {
+            carry_softmax(scores, valid, top, sum, o, a.value_dim, rows * part / parts, rows * (part + 1) / parts);
+        });
+        cblas_sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, a.value_dim, count, 1.0f, scores, KEY_BLOCK,
+                    v + (long)s0 * v_stride, v_stride, 1.0f, o, a.value_dim);
+    }
+    for (int r = 0; r < rows; r++) {
+        float inverse = 1.0f / sum[r];
+        for (int j = 0; j < a.value_dim; j++) o[(long)r * a.value_dim + j] *= inverse;
+    }
+}
+
 void compute(const Attention& a, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     float* out = outs[0].data<float>();
+    if (a.tokens > FEW_TOKENS) {  // on this thread: the BLAS and the softmax's parts take the cores
+        const int group_rows = a.heads / a.kv_heads * a.tokens;
+        for (int b = 0; b < a.batch; b++)
+            for (int kvh = 0; kvh < a.kv_heads; kvh++)
+                for (int r0 = 0; r0 < group_rows; r0 += PROMPT_ROWS)
+                    prompt_rows(a, in[0], in[1], in[2], out, b, kvh, r0, std::min(PROMPT_ROWS, group_rows - r0));
+        return;
+    }
     int blocks = (a.tokens + ROWS - 1) / ROWS, units = a.batch * a.heads * blocks;
     long work = (long)a.batch * a.heads * a.tokens * a.keys * (a.key_dim + a.value_dim);
     Pool::get().run(units, work >= PARALLEL_MIN_VALUES, [&](int unit) {

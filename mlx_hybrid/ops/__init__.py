@@ -176,26 +176,14 @@ def _rotate(x, c, s, dims: int) -> mx.array:
     return reference.rotate(x, c, s, dims)
 
 
-# Attention of up to this many query tokens (decode steps, verify passes) runs on our CPU kernel,
-# where MLX's op would make about 15 nodes of it; a prompt's goes to MLX's op, whose matmuls the
-# BLAS runs faster for many rows of wide heads (the text models' 256 features) ...
-CPU_ATTENTION_MAX_TOKENS = 16
-# ... but not of narrow heads (a vision tower's 64 or 72), where the softmax's exponentials pace
-# attention: ours computes them vectorized, a block of keys at a time with no score matrix, for any
-# number of query tokens (benchmarks/cpu_attention.py).
-CPU_ATTENTION_SMALL_HEADS = 128
-
-
 def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None) -> mx.array:
     """mx.fast.scaled_dot_product_attention with mask None or "causal": q [B, H, T, Dk] over
-    k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, H, T, Dv]. On the CPU, for a few query tokens or
-    narrow heads, our kernel: each query row's bits the same whatever rows come with it (a verify
-    pass reproduces its decode steps)."""
-    if (
-        (q.shape[2] <= CPU_ATTENTION_MAX_TOKENS or q.shape[-1] <= CPU_ATTENTION_SMALL_HEADS)
-        and q.dtype == k.dtype == v.dtype == mx.float32
-        and _cpu_kernel_passed(ATTENTION, selfcheck.small_attention_case)
-    ):
+    k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, H, T, Dv]. On the CPU our kernel: for a few query
+    tokens (decode steps, verify passes) one node where MLX's op makes about 15, each query row's
+    bits the same whatever rows come with it (a verify pass reproduces its decode steps); for more
+    (prompts, images), the BLAS's products with our exponentials between them, 2.9x MLX's op for a
+    prompt chunk over a long cache, 5x for a vision tower's (benchmarks/cpu_attention.py)."""
+    if q.dtype == k.dtype == v.dtype == mx.float32 and _cpu_kernel_passed(ATTENTION, selfcheck.small_attention_case):
         return cpu_kernels.attention(q, k, v, scale, mask == "causal")
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 

@@ -154,13 +154,15 @@ def small_linear_attention_case(platform, vector_gate: bool, activation: str, sn
 
 
 def small_attention_case(_platform):
-    """Four heads over two KV heads, 3 query tokens over 7 keys of 20 features (values 12), with and
-    without the causal mask: our CPU kernel against MLX's op."""
+    """Four heads over two KV heads, 3 query tokens (the per-row path) and 20 (the BLAS's) over 23
+    keys of 20 features (values 12), with and without the causal mask: our CPU kernel against MLX's op."""
     rng = np.random.default_rng(0)
-    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in
-               [(1, 4, 3, 20), (1, 2, 7, 20), (1, 2, 7, 12)])  # fmt: skip
-    got = [cpu_kernels.attention(q, k, v, 0.3, causal) for causal in (False, True)]
-    want = [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask) for mask in (None, "causal")]
+    k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in [(1, 2, 23, 20), (1, 2, 23, 12)])
+    got, want = [], []
+    for tokens in (3, 20):
+        q = mx.array(rng.standard_normal((1, 4, tokens, 20)).astype(np.float32))
+        got += [cpu_kernels.attention(q, k, v, 0.3, causal) for causal in (False, True)]
+        want += [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask) for mask in (None, "causal")]
     return got, want
 
 
