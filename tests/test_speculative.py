@@ -2,6 +2,7 @@
 
 import gc
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -293,11 +294,37 @@ def test_a_head_for_another_model_is_refused(tmp_path):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", dtype="float32", mtp=FIXTURES / "qwen35" / "hf")
 
 
-def test_model_without_mtp_tensors_loads_and_says_so(tmp_path):
-    target = tmp_path / "hf"
-    shutil.copytree(FIXTURES / "qwen35" / "hf", target)
-    tensors = {k: v for k, v in mx.load(str(target / "model.safetensors")).items() if not k.startswith("mtp.")}
-    mx.save_safetensors(str(target / "model.safetensors"), tensors)
+def gguf_without_block(source: Path, target: Path, block: int):
+    """A copy of a GGUF file, its metadata as it was, less the tensors of one block."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for tensor in reader.tensors:
+        if not tensor.name.startswith(f"blk.{block}."):
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize("source", ["hf", "model.gguf"])
+def test_model_without_mtp_tensors_loads_and_says_so(source, tmp_path):
+    """A checkpoint whose config (or GGUF metadata: its nextn block) names an MTP head it does not
+    hold: the model without it, as it computes, and a clear error where MTP is asked for."""
+    if source == "hf":
+        target = tmp_path / "hf"
+        shutil.copytree(FIXTURES / "qwen35" / "hf", target)
+        tensors = {k: v for k, v in mx.load(str(target / "model.safetensors")).items() if not k.startswith("mtp.")}
+        mx.save_safetensors(str(target / "model.safetensors"), tensors)
+    else:  # the fixture's 4 layers, then the MTP block
+        target = gguf_without_block(FIXTURES / "qwen35" / "model.gguf", tmp_path / "model.gguf", 4)
     model, tok = mlx_hybrid.load(target, dtype="float32")  # float32 on a GPU too, for the reference's tolerance
     assert not model.has_mtp
     ref = reference("qwen35")

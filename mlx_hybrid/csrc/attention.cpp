@@ -179,7 +179,7 @@ void block(const Attention& a, const mx::array& q_in, const mx::array& k_in, con
 // whatever rows come with it); more, the BLAS's (`prompt_rows`).
 constexpr int FEW_TOKENS = 16;
 // The prompt path's blocks: query rows of a KV head's group, and keys, a pair of products at a time.
-constexpr int PROMPT_ROWS = 256, KEY_BLOCK = 512;
+constexpr int PROMPT_ROWS = 512, KEY_BLOCK = 512;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 // The probabilities of one block's scores for rows [first, last) of a prompt unit, the softmax

@@ -35,6 +35,9 @@ def _per_layer_max(value):
 def _qwen_args(meta: Metadata, module, tensor_shapes: dict):
     nextn = meta.arch_value("nextn_predict_layers", 0)
     n_layer = meta.require("block_count") - nextn
+    # a file that declares the MTP block without its tensors loads without the head, as an HF
+    # checkpoint without mtp.* tensors does
+    has_mtp = any(name.startswith(f"blk.{n_layer}.") for name in tensor_shapes)
     head_dim = meta.require("attention.key_length")
     recurrent = meta.arch_value("attention.recurrent_layers")
     if recurrent:
@@ -68,7 +71,7 @@ def _qwen_args(meta: Metadata, module, tensor_shapes: dict):
         num_experts_per_tok=meta.arch_value("expert_used_count", 0),
         moe_intermediate_size=meta.arch_value("expert_feed_forward_length", 0),
         shared_expert_intermediate_size=meta.arch_value("expert_shared_feed_forward_length", 0),
-        mtp_num_hidden_layers=nextn,
+        mtp_num_hidden_layers=nextn if has_mtp else 0,
         mtp_hidden=meta.get(MTP_HIDDEN_KEY, POST_NORM),
         mrope_section=list(sections[:3]) if any(sections) else None,
     )

@@ -92,7 +92,7 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = Linear(args.intermediate_size, args.hidden_size, bias=True)
 
     def __call__(self, x):
-        return self.linear_fc2(nn.gelu_approx(self.linear_fc1(x)))  # the tanh approximation, as trained
+        return self.linear_fc2(ops.gelu_approx(self.linear_fc1(x)))  # the tanh approximation, as trained
 
 
 class VisionBlock(nn.Module):

@@ -72,10 +72,15 @@ def rope(x, c, s, dims: int):
 
 
 def attention(q, k, v, scale: float, causal: bool):
-    """`mx.fast.scaled_dot_product_attention` for a few query rows (mask None or causal)."""
+    """`mx.fast.scaled_dot_product_attention` (mask None or causal)."""
     return extension().attention(q, k, v, scale, causal)
 
 
 def gated_product(x, gate, sigmoid: bool):
     """x * sigmoid(gate) (sigmoid) or x * SiLU(gate), in x's dtype."""
     return extension().gated_product(x, gate, sigmoid)
+
+
+def gelu_tanh(x):
+    """GELU, its tanh approximation (MLX's nn.gelu_approx)."""
+    return extension().gelu_tanh(x)

@@ -9,6 +9,7 @@ import os
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from . import activations, cpu_kernels, kernels, reference
@@ -176,8 +177,9 @@ def small_rope_case(_platform):
 
 def small_gated_product_case(_platform):
     """Two rows of 37 values (vectors and a partial one): our CPU kernel's SiLU and sigmoid gates
-    against MLX's compiled forms."""
+    and GELU (tanh) against MLX's forms."""
     rng = np.random.default_rng(0)
     x, gate = (mx.array(4 * rng.standard_normal((2, 37)).astype(np.float32)) for _ in range(2))
     got = [cpu_kernels.gated_product(x, gate, False), cpu_kernels.gated_product(x, gate, True)]
-    return got, [activations.swiglu(gate, x), activations.sigmoid_gated(x, gate)]
+    got.append(cpu_kernels.gelu_tanh(x))
+    return got, [activations.swiglu(gate, x), activations.sigmoid_gated(x, gate), nn.gelu_approx(x)]
