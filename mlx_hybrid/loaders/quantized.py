@@ -28,8 +28,8 @@ magnitudes, sign bits or deltas, 3- or 4-bit scale codes) and TQ1_0 (ternary val
 in base 3) are kept as the file's blocks where our CPU kernels compute (`GridBlocks`: they decode
 the blocks as they multiply). Elsewhere IQ3_S's grid, odd integers in
 [-15, 15], is 2 q - 15 for a 4-bit q: it is held as MLX's 4-bit groups of 32 (scale
-2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, at 4.31 bits a weight against the file's 3.44; the
-others are dequantized there.
+2 d (1 + 2 s), bias -15 d (1 + 2 s)), exact, at 4.31 bits a weight against the file's 3.44, and
+TQ1_0 as MLX's 2-bit groups (as TQ2_0); the others are dequantized there.
 
 Where our CPU kernels compute (`ops.computes_block_scales`), the scales stay as the file
 stores them (`BlockScales`: integer codes per group times float16 factors per block), which
