@@ -92,6 +92,12 @@ MXFP4 = BlockScales(
 FLOAT_MODES = {"mxfp4": (4, 32, MXFP4)}
 
 
+def no_codes(scales: mx.array) -> mx.array:
+    """A block form's codes where it has none (`code_count` 0: MXFP4's; MLX's modules in its float
+    modes hold no biases): int8 [..., rows, 0]."""
+    return mx.zeros((*scales.shape[:-1], 0), mx.int8)
+
+
 def mode_refused(mode: str) -> str | None:
     """Why MLX's quantization mode `mode` is not taken here; None where it is."""
     if mode == "affine" or mode in FLOAT_MODES:
@@ -152,8 +158,7 @@ class QuantizedTensor:
     def of_module(module) -> "QuantizedTensor":
         """The tensor a quantized module holds (no biases in a mode of MLX's without them: empty)."""
         biases = module.get("biases")
-        if biases is None:
-            biases = mx.zeros((*module.scales.shape[:-1], 0), mx.int8)
+        biases = no_codes(module.scales) if biases is None else biases
         order = getattr(module, "input_order", None)
         return QuantizedTensor(
             module.weight, module.scales, biases, module.bits, module.group_size, module.block, order

@@ -42,6 +42,9 @@ struct Attention {
     bool operator==(const Attention&) const = default;
 };
 
+// How many keys query token t sees: all, or with the causal mask aligned to the last key, as MLX's.
+int keys_seen(const Attention& a, int t) { return a.causal ? a.keys - a.tokens + t + 1 : a.keys; }
+
 // Multiply-adds below this run on the calling thread.
 constexpr long PARALLEL_MIN_VALUES = 1L << 16;
 
@@ -167,7 +170,7 @@ void block(const Attention& a, const mx::array& q_in, const mx::array& k_in, con
         q[r] = scaled;
         scores[r] = scratch + r * row_floats;
         outs[r] = out + (((long)b * a.heads + h) * a.tokens + t) * a.value_dim;
-        seen[r] = a.causal ? a.keys - a.tokens + t + 1 : a.keys;  // bottom-right aligned, as MLX's
+        seen[r] = keys_seen(a, t);
         keys = std::max(keys, seen[r]);
     }
     dots(q, rows, k, k_stride, keys, a.key_dim, scores);  // a row's scores past its seen keys go unread
@@ -231,8 +234,7 @@ void prompt_rows(const Attention& a, const mx::array& q_in, const mx::array& k_i
     int* valid = (int*)(sum + PROMPT_ROWS);
     int keys = 0;  // the most any row sees
     for (int r = 0; r < rows; r++) {
-        int t = (r0 + r) % a.tokens;
-        keys = std::max(keys, a.causal ? a.keys - a.tokens + t + 1 : a.keys);  // bottom-right aligned, as MLX's
+        keys = std::max(keys, keys_seen(a, (r0 + r) % a.tokens));
         top[r] = -std::numeric_limits<float>::infinity(), sum[r] = 0.0f;
     }
     std::fill(o, o + (long)rows * a.value_dim, 0.0f);
@@ -240,10 +242,7 @@ void prompt_rows(const Attention& a, const mx::array& q_in, const mx::array& k_i
     const int parts = std::min(pool.threads(), rows);
     for (int s0 = 0; s0 < keys; s0 += KEY_BLOCK) {
         const int count = std::min(KEY_BLOCK, keys - s0);
-        for (int r = 0; r < rows; r++) {
-            int seen = a.causal ? a.keys - a.tokens + (r0 + r) % a.tokens + 1 : a.keys;
-            valid[r] = std::min(count, seen - s0);
-        }
+        for (int r = 0; r < rows; r++) valid[r] = std::min(count, keys_seen(a, (r0 + r) % a.tokens) - s0);
         cblas_sgemm(ROW_MAJOR, NO_TRANS, TRANS, rows, count, a.key_dim, a.scale, q, a.key_dim,
                     k + (long)s0 * k_stride, k_stride, 0.0f, scores, KEY_BLOCK);
         pool.run(parts, parts > 1, [&](int part) {

@@ -156,7 +156,6 @@ inline int grid_code(int values, const uint8_t* block, int g) {
     }
 }
 
-
 // float32 scales or biases from their stored dtype
 enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import ModelLoadError
-from ..quantized_tensor import FLOAT_MODES, QuantizedTensor, mode_refused
+from ..quantized_tensor import FLOAT_MODES, QuantizedTensor, mode_refused, no_codes
 from .common import (
     Rule,
     halves,
@@ -265,8 +265,7 @@ def group_quantized(tensors: dict, quantization: dict) -> dict:
                 bits, group_size, form = FLOAT_MODES[mode]
                 if (params.get("bits", bits), params.get("group_size", group_size)) != (bits, group_size):
                     raise ModelLoadError(f"{path}: {mode} takes {bits} bits in groups of {group_size}")
-                no_codes = mx.zeros((*scales.shape[:-1], 0), mx.int8)
-                tensor = QuantizedTensor(weight, scales, no_codes, bits, group_size, form)
+                tensor = QuantizedTensor(weight, scales, no_codes(scales), bits, group_size, form)
         except KeyError as e:
             raise ModelLoadError(f"quantized tensor {path} is incomplete: no {e.args[0]}") from None
         grouped[path + ".weight"] = tensor

@@ -116,10 +116,11 @@ def quantization_of(module) -> dict:
     return {"group_size": _mlx_group(module.group_size), "bits": module.bits, "mode": mode}
 
 
-def _regrouped(module, group_size: int):
+def _regrouped(module, group_size: int, mode: str):
     """A quantized module for groups MLX does not quantize in (GGUF's Q6_K: 16; a grid type's
     blocks: 256), made at 32 or 128: the packed weight's shape does not depend on the groups;
-    scales and biases get theirs."""
+    scales and biases get theirs. In a float mode, its block form (`mode_form`)."""
+    module.block = mode_form(mode)
     if module.group_size != group_size:
         shape = (*module.scales.shape[:-1], module.scales.shape[-1] * module.group_size // group_size)
         module.scales, module.biases, module.group_size = mx.zeros(shape), mx.zeros(shape), group_size
@@ -137,10 +138,7 @@ class Linear(nn.Linear):
         return out + self["bias"].astype(out.dtype) if "bias" in self else out
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        form = mode_form(mode)
-        quantized = _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size)
-        quantized.block = form
-        return quantized
+        return _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size, mode)
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -162,10 +160,8 @@ class Embedding(nn.Embedding):
         return ops.linear(x, self.weight)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
-        form = mode_form(mode)
-        quantized = _regrouped(QuantizedEmbedding.from_embedding(self, _mlx_group(group_size), bits, mode), group_size)
-        quantized.block = form
-        return quantized
+        quantized = QuantizedEmbedding.from_embedding(self, _mlx_group(group_size), bits, mode)
+        return _regrouped(quantized, group_size, mode)
 
 
 class SwitchLinear(nn.Module):
@@ -182,7 +178,7 @@ class SwitchLinear(nn.Module):
         quantized = QuantizedSwitchLinear(self.weight.shape, _mlx_group(group_size), bits, mode)
         quantized.update(dict(zip(("weight", "scales", "biases"),
                                   mx.quantize(self.weight, _mlx_group(group_size), bits, mode=mode))))  # fmt: skip
-        return _regrouped(quantized, group_size)
+        return _regrouped(quantized, group_size, mode)
 
 
 class QuantizedSwitchLinear(nn.Module):

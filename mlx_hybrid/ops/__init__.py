@@ -28,7 +28,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..quantized_tensor import BlockScales, QuantizedTensor
+from ..quantized_tensor import BlockScales, QuantizedTensor, no_codes
 from . import activations, cpu_extension, cpu_kernels, cpu_quantized, kernels, reference, selfcheck
 from .cpu_extension import ATTENTION, CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, QUANTIZED, ROPE
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
@@ -360,16 +360,11 @@ def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> boo
     return _cpu_quantized_kernels(bits, group_size, block)
 
 
-def _no_codes(scales: mx.array) -> mx.array:
-    """A block form's codes where it has none (a mode of MLX's: its modules hold no biases)."""
-    return mx.zeros((*scales.shape[:-1], 0), mx.int8)
-
-
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
     """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
     form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
     float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
-    biases = _no_codes(scales) if biases is None else biases
+    biases = no_codes(scales) if biases is None else biases
     if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
         out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits, block)
     elif group_size in MLX_GROUP_SIZES and block is None:
@@ -386,7 +381,7 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
 def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype."""
-    biases = _no_codes(scales) if biases is None else biases
+    biases = no_codes(scales) if biases is None else biases
     if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
         out = _on_token_rows(
             lambda rows, flat: cpu_quantized.gather_quantized_matmul(
