@@ -19,6 +19,9 @@ that follows the turn's new tokens rather than the session's length.
 
 llama-server runs with its prompt cache on (its defaults: `--cache-ram`, context checkpoints for
 recurrent models), `--jinja` for the chat template's tools, one slot, the same context.
+
+--kv-bits 8 (or 4) adds a third server to choose in --servers, `mlx-hybrid-kv`: ours with
+`--kv-bits`, so that a quantized cache's memory and times stand beside the float32 cache's in one run.
 """
 
 from __future__ import annotations
@@ -162,8 +165,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, default=Path("bench_models/agent_session"))
     p.add_argument("--llama-server", help="llama-server's executable, to run the same session against it")
-    p.add_argument("--servers", nargs="+", default=["mlx-hybrid", "llama-server"], choices=["mlx-hybrid", "llama-server"],
-                   help="which of the two to run (llama-server: with --llama-server)")  # fmt: skip
+    p.add_argument("--servers", nargs="+", default=["mlx-hybrid", "llama-server"],
+                   choices=["mlx-hybrid", "mlx-hybrid-kv", "llama-server"],
+                   help="which to run (llama-server: with --llama-server; mlx-hybrid-kv: with --kv-bits)")  # fmt: skip
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], help="mlx-hybrid-kv's --kv-bits")
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--system-tokens", type=int, default=12000)
     p.add_argument("--tools", type=int, default=15)
@@ -181,6 +186,8 @@ def main():
     tools = tool_schemas(args.tools)
     commands = {"mlx-hybrid": lambda port: [sys.executable, "-m", "mlx_hybrid.server", "--model", str(gguf),
                                             "--port", str(port), "--served-model-name", "m", "--log-level", "warning"]}  # fmt: skip
+    if args.kv_bits:
+        commands["mlx-hybrid-kv"] = lambda port: commands["mlx-hybrid"](port) + ["--kv-bits", str(args.kv_bits)]
     if args.llama_server:
         commands["llama-server"] = lambda port: [args.llama_server, "-m", str(gguf), "--port", str(port), "--jinja",
                                                  "-c", str(args.context), "-np", "1", "--log-disable"]  # fmt: skip

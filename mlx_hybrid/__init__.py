@@ -48,9 +48,10 @@ __all__ = [
 ]
 
 
-def make_cache(model):
-    """Fresh per-layer caches for `model(ids, cache=...)`: KV for attention, recurrent state for linear layers."""
-    return model.make_cache()
+def make_cache(model, kv_bits: int | None = None, kv_group_size: int = 64):
+    """Fresh per-layer caches for `model(ids, cache=...)`: KV for attention (in kv_bits 4 or 8, groups of
+    kv_group_size features, where given), recurrent state for linear layers."""
+    return model.make_cache(kv_bits, kv_group_size)
 
 
 __version__ = "0.1.0"

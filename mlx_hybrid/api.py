@@ -48,7 +48,10 @@ def stream_generate(
     `frequency_penalty=`, `repetition_penalty=`, `repetition_context_size=`, `grammar=`
     (a `Grammar`), or OpenAI's `response_format=` ({"type": "json_schema", ...})) and those of
     speculation (`SpeculationSettings`'s: `draft=`, `draft_model=`, `num_draft_tokens=`,
-    `draft_vocab=`, `draft_p_min=`, `adaptive_drafting=`, below). An unknown one is an error. The last
+    `draft_vocab=`, `draft_p_min=`, `adaptive_drafting=`, below) and the cache's: `kv_bits=` (4 or 8:
+    the attention layers' keys and values held in that many bits, in groups of `kv_group_size=`
+    features, default 64; memory for long contexts, at the groups' rounding of the attention's
+    inputs). An unknown one is an error. The last
     response has `finish_reason` "stop" (an end token) or "length" (max_tokens or the
     model's context reached).
 
@@ -72,8 +75,8 @@ def stream_generate(
     The tokens come from the batch engine's step (as for `batch_generate`, the commands
     and the server), with this sequence its only row, stepped on the caller's thread.
     """
-    params, speculation = request_settings(max_tokens, settings)
-    engine = Engine.speculating(model, tokenizer, speculation, max_batch=1, prefix_store=PrefixStore(0))
+    params, speculation, cache = request_settings(max_tokens, settings)
+    engine = Engine.speculating(model, tokenizer, speculation, max_batch=1, prefix_store=PrefixStore(0), **cache)
     mx.reset_peak_memory()
     start = time.perf_counter()
     sequence = engine.submit(prompt, params=params, images=images)
@@ -107,13 +110,18 @@ def stream_generate(
             )
 
 
-def request_settings(max_tokens: int, settings: dict) -> tuple[SamplingParams, SpeculationSettings]:
-    """An API call's keywords apart: the speculation settings by their names, the rest sampling
-    settings (an unknown keyword is an error that names it)."""
+# the engine's cache settings an API call takes (see `Engine`): a quantized KV cache
+CACHE_SETTINGS = ("kv_bits", "kv_group_size")
+
+
+def request_settings(max_tokens: int, settings: dict) -> tuple[SamplingParams, SpeculationSettings, dict]:
+    """An API call's keywords apart: the speculation settings and the cache settings by their
+    names, the rest sampling settings (an unknown keyword is an error that names it)."""
     names = {field.name for field in dataclasses.fields(SpeculationSettings)}
     speculation = SpeculationSettings(**{name: settings[name] for name in settings if name in names})
-    sampling = {name: value for name, value in settings.items() if name not in names}
-    return request_params(None, max_tokens, sampling), speculation
+    cache = {name: settings[name] for name in CACHE_SETTINGS if name in settings}
+    sampling = {name: value for name, value in settings.items() if name not in names and name not in cache}
+    return request_params(None, max_tokens, sampling), speculation, cache
 
 
 def batch_generate(model, tokenizer, prompts: list, max_tokens: int = 256, *, max_batch: int = 8, images=None,
@@ -129,8 +137,10 @@ def batch_generate(model, tokenizer, prompts: list, max_tokens: int = 256, *, ma
         raise GenerationError("prompts must be a non-empty list of strings or token id lists")
     if images is not None and (not isinstance(images, (list, tuple)) or len(images) != len(prompts)):
         raise GenerationError("images must list each prompt's images (or None), one entry per prompt")
-    params, speculation = request_settings(max_tokens, settings)
-    engine = Engine.speculating(model, tokenizer, speculation, max_batch=max_batch, prefix_store=PrefixStore(0))
+    params, speculation, cache = request_settings(max_tokens, settings)
+    engine = Engine.speculating(
+        model, tokenizer, speculation, max_batch=max_batch, prefix_store=PrefixStore(0), **cache
+    )
     seed = params.seed
     sequences = [
         engine.submit(

@@ -1,5 +1,6 @@
 """Per-layer caches behind one interface (`LayerCache`): a KV cache for attention layers
-(absorbed MLA's latent cache too, and the MTP head's), recurrent state for linear ones.
+(absorbed MLA's latent cache too, and the MTP head's; quantized with --kv-bits), recurrent state
+for linear ones.
 
 Attention caches roll back by trimming. Recurrent state cannot be trimmed, so a
 verify pass runs with `record_snapshots` on and each linear layer keeps its
@@ -16,6 +17,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from . import ops
+from .errors import GenerationError
+
 
 class LayerCache:
     """What every layer cache does.
@@ -27,9 +31,12 @@ class LayerCache:
     checkpoint() / restore(entries): the state as arrays, and back from them.
     arrays: the arrays it holds now; nbytes: their size.
     step_nbytes: what one recorded token's snapshot takes (0 where rollback trims).
+    form: how it holds its state where that is a choice ("": the one way), for checkpoints'
+    fingerprints.
     """
 
     record_snapshots = False
+    form = ""
 
     def rollback(self, keep: int, recorded: int):
         raise NotImplementedError
@@ -107,17 +114,21 @@ class KVCache(LayerCache):
         return self.offset if self.positions is None else self.positions.span(self.offset, count)
 
     def update_and_fetch(self, *entries: mx.array):
-        T = entries[0].shape[2]
+        """Append the call's entries [B, H, T, D]; all of them so far, as views."""
+        return self._append(entries)
+
+    def _append(self, arrays) -> tuple:
+        T = arrays[0].shape[2]
         needed = self.offset + T
         if self.buffers is None or needed > self.buffers[0].shape[2]:
             capacity = ((needed + self.step - 1) // self.step) * self.step
-            grown = [mx.zeros((*e.shape[:2], capacity, e.shape[3]), e.dtype) for e in entries]
+            grown = [mx.zeros((*a.shape[:2], capacity, a.shape[3]), a.dtype) for a in arrays]
             if self.buffers is not None:
                 for new, old in zip(grown, self.buffers):
                     new[..., : self.offset, :] = old[..., : self.offset, :]
             self.buffers = grown
-        for buffer, entry in zip(self.buffers, entries):
-            buffer[..., self.offset : needed, :] = entry
+        for buffer, array in zip(self.buffers, arrays):
+            buffer[..., self.offset : needed, :] = array
         self.offset = needed
         return tuple(buffer[..., :needed, :] for buffer in self.buffers)
 
@@ -152,6 +163,43 @@ class KVCache(LayerCache):
     def restore(self, entries: tuple):
         self.buffers = list(entries) or None
         self.offset = entries[0].shape[2] if entries else 0
+
+
+class QuantizedKVCache(KVCache):
+    """A KVCache that holds each token's entries in `bits` bits (--kv-bits): its features in groups
+    of `group_size`, a scale and bias each (mx.quantize's affine groups, as mlx-lm's quantized cache
+    and llama.cpp's q8_0 / q4_0 caches hold them). A token's codes depend on its entries alone, so
+    verify passes, rows and checkpoints keep their exactness; what it changes is the attention's
+    inputs, by the groups' rounding. `update_and_fetch` gives `ops.QuantizedEntries`."""
+
+    def __init__(self, bits: int, group_size: int):
+        super().__init__()
+        self.bits, self.group_size = bits, group_size
+        self.form = f"KV in {bits} bits, groups of {group_size}"
+
+    def update_and_fetch(self, *entries: mx.array):
+        held = [a for entry in entries for a in ops.quantize_entries(entry, self.bits, self.group_size).arrays]
+        views = self._append(held)
+        return tuple(
+            ops.QuantizedEntries(*views[i : i + 3], self.bits, self.group_size) for i in range(0, len(views), 3)
+        )
+
+
+def check_kv_quantization(bits: int, group_size: int, features: tuple[int, ...]):
+    """Refuse a quantized KV cache's settings that do not fit a model whose attention layers cache
+    entries of these widths (each a multiple of the group)."""
+    if bits not in ops.KV_BITS:
+        raise GenerationError(f"kv_bits must be one of {', '.join(map(str, ops.KV_BITS))}, got {bits}")
+    if group_size not in ops.KV_GROUP_SIZES:
+        sizes = ", ".join(map(str, ops.KV_GROUP_SIZES))
+        raise GenerationError(f"kv_group_size must be one of {sizes}, got {group_size}")
+    fitting = [size for size in ops.KV_GROUP_SIZES if not any(width % size for width in features)]
+    if group_size not in fitting:
+        widths = " and ".join(map(str, features))
+        instead = f"use {' or '.join(map(str, fitting))}" if fitting else "this model takes no quantized KV cache"
+        raise GenerationError(
+            f"kv_group_size {group_size} does not divide this model's attention entries ({widths} features): {instead}"
+        )
 
 
 class RecurrentCache(LayerCache):

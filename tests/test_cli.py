@@ -146,3 +146,17 @@ def test_cli_constrains_with_a_schema_a_gbnf_grammar_or_a_regex_and_penalizes(tm
     want = mlx_hybrid.generate(model_, tok, "def parse_args(", max_tokens=24, draft=None, presence_penalty=1.5,
                                frequency_penalty=2.0, repetition_penalty=2.0)  # fmt: skip
     assert result.stdout.rstrip("\n") == want.rstrip("\n") != greedy_text("qwen35", "model.gguf", "def parse_args(", 24)
+
+
+def test_cli_holds_the_kv_cache_in_the_bits_asked_for():
+    """--kv-bits 4: the API's text with kv_bits=4 (which differs from the float32 cache's here), said
+    with --verbose; a group that does not divide the model's heads is a usage error naming it."""
+    args = ["--model", str(FIXTURES / "qwen35" / "hf"), "--prompt", "class A:", "--max-tokens", "24"]
+    result = run_cli(*args, "--kv-bits", "4", "--kv-group-size", "32", "--verbose", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    model, tok = load_fixture("qwen35", "hf")
+    want = mlx_hybrid.generate(model, tok, "class A:", max_tokens=24, kv_bits=4, kv_group_size=32)
+    assert result.stdout.rstrip("\n") == want.rstrip("\n") != greedy_text("qwen35", "hf", "class A:", 24)
+    assert "KV cache in 4 bits, groups of 32" in result.stderr
+    assert_usage_error(run_cli(*args, "--kv-bits", "8"), "kv_group_size 64 does not divide")
+    assert_usage_error(run_cli(*args, "--kv-bits", "6"), "--kv-bits: invalid choice")

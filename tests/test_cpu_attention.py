@@ -1,6 +1,7 @@
 """Attention over a KV cache on the CPU (csrc/attention.cpp), of a few query tokens and of a
-prompt's, against attention written the slow, obvious way in float64, and against itself: a
-verify pass must reproduce the decode steps' bits, whatever the cache's buffer around its keys.
+prompt's, over float32 entries and a quantized cache's codes, against attention written the slow,
+obvious way in float64, and against itself: a verify pass must reproduce the decode steps' bits,
+whatever the cache's buffer around its keys.
 The rotary embedding's kernel beside it likewise."""
 
 import mlx.core as mx
@@ -104,6 +105,108 @@ def test_shapes_that_do_not_fit_are_refused():
     ]:
         with pytest.raises(ValueError, match="attention"):
             module.attention(*bad, 0.25, causal)
+
+
+def numpy_decoded(entries: reference.QuantizedEntries) -> np.ndarray:
+    """The entries' values in float64: each code (low bits of a uint32 word first) times its
+    group's scale plus its bias."""
+    words = np.asarray(entries.codes).astype(np.uint64)
+    per_word = 32 // entries.bits
+    shifts = np.arange(per_word, dtype=np.uint64) * np.uint64(entries.bits)
+    codes = (words[..., None] >> shifts) & np.uint64(2**entries.bits - 1)
+    codes = codes.reshape(*words.shape[:-1], -1).astype(np.float64)
+    scales, biases = (np.repeat(np.asarray(a, np.float64), entries.group_size, -1) for a in entries.arrays[1:])
+    return codes * scales + biases
+
+
+def quantized(x, bits, group, capacity=None) -> reference.QuantizedEntries:
+    """x [B, H, S, D] as a quantized cache holds it: in the first S entries of buffers of `capacity`."""
+    entries = ops.quantize_entries(mx.array(x), bits, group)
+    if capacity is None:
+        return entries
+    views = []
+    for a in entries.arrays:
+        buffer = mx.zeros((*a.shape[:2], capacity, a.shape[3]), a.dtype)
+        buffer[..., : a.shape[2], :] = a
+        views.append(buffer[..., : a.shape[2], :])
+    return reference.QuantizedEntries(*views, bits, group)
+
+
+# (B, H, Hkv, T, S, Dk, Dv, bits, group): one decode token, a verify pass's rows (blocks of 4 and a
+# partial one, a group of heads per block), Qwen3.5's heads (256) past the 64 rows decoded at a time,
+# prompt chunks (the BLAS's path, keys in blocks of 512 and a partial one); "mla": the values are
+# the leading features of the keys (Kimi's latent cache: 512 of 576), views of the same codes
+KERNEL_CASES = [
+    (1, 4, 2, 1, 7, 64, 32, 8, 32), (2, 3, 3, 5, 9, 128, 64, 4, 64), (1, 8, 2, 4, 600, 256, 256, 8, 64),
+    (1, 8, 2, 16, 130, 256, 256, 4, 128), (1, 4, 2, 37, 300, 64, 128, 4, 32),
+    (2, 8, 2, 300, 1100, 256, 256, 8, 64), (1, 16, 1, 3, 70, 576, "mla", 4, 64), (1, 16, 1, 40, 70, 576, "mla", 8, 32),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_attention_over_a_quantized_cache_equals_the_float64_attention_of_its_values(case):
+    """Tolerance: ATTENTION_TOL, the float32 attention's (the decoded values are the inputs' size,
+    each decoded by one FMA, within half an ulp of the float64 value): at most 1.5e-6 here, 2.5e-6
+    under MLX's reference BLAS. A code read from the wrong bits, a group's scale misplaced, moves
+    outputs by 1e-2 or more."""
+    B, H, Hkv, T, S, Dk, Dv, bits, group = case
+    mla = Dv == "mla"
+    q, k, v = attention_inputs(B, H, Hkv, T, S, Dk, 512 if mla else Dv, seed=S)
+    keys = quantized(k, bits, group, capacity=S + 40)
+    values = keys.leading(512) if mla else quantized(v, bits, group, capacity=S + 40)
+    for causal in (False, True):
+        got = cpu_extension.extension().quantized_attention(
+            mx.array(q), list(keys.arrays), list(values.arrays), Dk**-0.5, causal, bits, group
+        )
+        want = numpy_attention(q, numpy_decoded(keys), numpy_decoded(values), Dk**-0.5, causal)
+        np.testing.assert_allclose(np.array(got), want, atol=ATTENTION_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_verify_pass_over_a_quantized_cache_reproduces_the_decode_steps(bits):
+    """16 query tokens at once against 16 calls of one token over the keys each sees (100 keys: a
+    block of 64 decoded rows and a partial one): equal to the bit."""
+    q, k, v = attention_inputs(1, 8, 2, 16, 100, 256, 256, seed=bits)
+    keys, values = quantized(k, bits, 64, capacity=128), quantized(v, bits, 64, capacity=128)
+    module, q = cpu_extension.extension(), mx.array(q)
+    whole = module.quantized_attention(q, list(keys.arrays), list(values.arrays), 0.0625, True, bits, 64)
+    for t in range(16):
+        seen = 100 - 16 + t + 1
+        first = [a[..., :seen, :] for a in keys.arrays], [a[..., :seen, :] for a in values.arrays]
+        step = module.quantized_attention(q[:, :, t : t + 1], *first, 0.0625, False, bits, 64)
+        assert mx.array_equal(step, whole[:, :, t : t + 1])
+
+
+@pytest.mark.parametrize("T", [1, 20])
+def test_the_op_runs_the_kernel_and_agrees_with_mlx_quantized_products(T):
+    """ops' attention over `QuantizedEntries` runs our kernel; MLX's quantized products over the
+    same codes (`reference.quantized_attention`, the path where a GPU computes) agree within the
+    float32 attention's tolerance (another summation order)."""
+    q, k, v = attention_inputs(1, 4, 2, T, 44, 128, 64, seed=T)
+    keys, values, q = quantized(k, 8, 32), quantized(v, 8, 32), mx.array(q)
+    got = ops.scaled_dot_product_attention(q, keys, values, 0.2, "causal")
+    kernel = cpu_extension.extension().quantized_attention(q, list(keys.arrays), list(values.arrays), 0.2, True, 8, 32)
+    assert mx.array_equal(got, kernel)
+    mlx = reference.quantized_attention(q, keys, values, 0.2, "causal")
+    np.testing.assert_allclose(np.array(got), np.array(mlx), atol=ATTENTION_TOL, rtol=0)
+
+
+def test_quantized_entries_that_do_not_fit_are_refused():
+    q, k, v = attention_inputs(1, 4, 2, 3, 5, 64, 32, seed=0)
+    keys, values, q = quantized(k, 8, 32), quantized(v, 8, 32), mx.array(q)
+    module = cpu_extension.extension()
+    for bad_keys, bits, group, message in [
+        (keys.arrays, 4, 32, "codes uint32"),  # codes of 8 bits read as 4
+        (keys.arrays, 8, 64, "codes uint32"),  # another group size
+        (keys.arrays, 3, 32, "4 or 8 bits"),
+        ((keys.codes.astype(mx.float32), *keys.arrays[1:]), 8, 32, "codes uint32"),
+        ((keys.codes[:, :1], *keys.arrays[1:]), 8, 32, "codes uint32"),  # codes of another head count
+        (keys.arrays[:2], 8, 32, "each"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            module.quantized_attention(q, list(bad_keys), list(values.arrays), 0.25, False, bits, group)
+    with pytest.raises(ValueError, match="width"):  # keys of 32 features for queries of 64
+        module.quantized_attention(q, list(values.arrays), list(values.arrays), 0.25, False, 8, 32)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import time
 
 from .common import (
     ArgumentParser,
+    add_cache_arguments,
     add_draft_arguments,
     add_model_arguments,
     add_sampling_arguments,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="the system message")
     add_sampling_arguments(p, max_tokens=1024)
     add_draft_arguments(p)
+    add_cache_arguments(p)
     p.add_argument("--verbose", action="store_true", help="print the model and compute path at the start")
     return p
 
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
 
     try:
         model, tokenizer, drafting, described = load_for_generation(args)
-        engine = make_engine(model, tokenizer, drafting, max_batch=1)
+        engine = make_engine(model, tokenizer, drafting, args, max_batch=1)
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
     if not tokenizer.chat_template:

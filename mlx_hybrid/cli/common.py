@@ -177,6 +177,25 @@ def sampling_params(args, **changes) -> SamplingParams:
     )  # fmt: skip
 
 
+def add_cache_arguments(p: argparse.ArgumentParser):
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="hold the attention layers' keys and values in 4 or 8 bits (groups of --kv-group-size features, "
+        "a scale and bias each): about 3.5x (8 bits) or 6.4x (4 bits) less memory than float32 for long "
+        "contexts, at the groups' rounding of the attention's inputs (default: unquantized)",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=[32, 64, 128],
+        default=64,
+        help="features per scale of a --kv-bits cache (default: 64)",
+    )
+
+
 def add_draft_arguments(p: argparse.ArgumentParser):
     defaults = SpeculationSettings()  # what the API defaults to, the flags too
     # one way to say how to draft: two of these contradict each other (or repeat one another)
@@ -274,19 +293,22 @@ def load_for_generation(args):
         f"speculation: {describe_speculation(args, draft, draft_model or model)}"
         + ("; reads images" if model.has_vision else "")
     )
+    if args.kv_bits:
+        described += f"; KV cache in {args.kv_bits} bits, groups of {args.kv_group_size}"
     if model.parallel is not None:
         described += f"; {model.parallel.describe()}"
     return model, tokenizer, (speculation, drafter), described
 
 
-def make_engine(model, tokenizer, drafting, **options):
-    """The engine a command drives (drafting: as `load_for_generation` gives it); for a split model,
-    one that runs in step on every rank."""
+def make_engine(model, tokenizer, drafting, args, **options):
+    """The engine a command drives (drafting: as `load_for_generation` gives it; its caches as the
+    --kv-* flags say); for a split model, one that runs in step on every rank."""
     from mlx_hybrid.engine import Engine, ReplicatedEngine
 
     kind = Engine if model.parallel is None else ReplicatedEngine
     speculation, drafter = drafting
-    return kind.speculating(model, tokenizer, speculation, drafter, **options)
+    kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
+    return kind.speculating(model, tokenizer, speculation, drafter, **kv, **options)
 
 
 def follow(engine, sequence, show) -> bool:

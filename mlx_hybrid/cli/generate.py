@@ -9,6 +9,7 @@ import sys
 from .common import (
     INTERRUPTED,
     ArgumentParser,
+    add_cache_arguments,
     add_draft_arguments,
     add_model_arguments,
     add_grammar_arguments,
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--system", default=None, help="system message for --chat")
     add_draft_arguments(p)
+    add_cache_arguments(p)
     p.add_argument(
         "--prompt-cache-file",
         default=None,
@@ -127,7 +129,7 @@ class _Generation:
 
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.store = PrefixStore(1 << 62)  # only what this run saves, or its prompt cache file
-        self.engine = make_engine(model, tokenizer, drafting, max_batch=1, prefix_store=self.store)
+        self.engine = make_engine(model, tokenizer, drafting, args, max_batch=1, prefix_store=self.store)
 
     def main(self, prompt, described: str) -> int:
         import mlx_hybrid
@@ -224,7 +226,7 @@ class _Generation:
         if path is None:
             return None
         if Path(path).exists():
-            self.store.save(load_checkpoint(path, self.model))
+            self.store.save(load_checkpoint(path, self.model, self.engine.make_cache()))
         return boundary
 
     def _save_prompt_cache(self, ids: list[int], boundary: int | None):
@@ -254,5 +256,3 @@ def entry():
 
     prefer_optimized_blas()  # restarts once with OpenBLAS preloaded, where installed (Linux)
     sys.exit(quiet_on_closed_pipe(main))
-
-

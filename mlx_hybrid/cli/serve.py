@@ -13,6 +13,7 @@ from mlx_hybrid.server.protocol import MAX_IMAGES, MAX_REQUEST_MIB
 
 from .common import (
     ArgumentParser,
+    add_cache_arguments,
     add_draft_arguments,
     add_model_arguments,
     add_sampling_settings,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     add_draft_arguments(p)
+    add_cache_arguments(p)
     p.add_argument(
         "--max-request-mib",
         type=at_least(1),
@@ -193,10 +195,10 @@ def main(argv=None) -> int:
         model, tokenizer, drafting, described = load_for_generation(args)
         if model.parallel is not None and args.prefix_cache_dir:
             return fail("--prefix-cache-dir is for one process; a split model keeps its checkpoints in memory")
+        store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
+        engine = make_engine(model, tokenizer, drafting, args, max_batch=args.max_batch, prefix_store=store)
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
-    store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
-    engine = make_engine(model, tokenizer, drafting, max_batch=args.max_batch, prefix_store=store)
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
     defaults = recommended_defaults(tokenizer.generation_defaults) | flags
     served = ServedModel(

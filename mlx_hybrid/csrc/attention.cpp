@@ -5,13 +5,14 @@
 // grouped heads, two matmuls, the softmax), each costing microseconds to schedule. Here each
 // query row is a fixed sequence of float32 operations whatever rows come with it (a verify pass
 // reproduces its decode steps), and the cache's keys and values are read where they lie (a slice
-// of the cache's grown buffer, by its strides).
+// of the cache's grown buffer, by its strides). A quantized cache's (--kv-bits) are decoded a block
+// of rows at a time (`Entries`) and then take the same path.
 //
 // Up to FEW_TOKENS query tokens, per query row: q scaled (as MLX scales it), each key's score the
 // dot product by FMA into 8 lanes reduced by a fixed tree; the softmax over the keys the mask
 // leaves, e^(score - max) with `exp_ps`, normalised by 1 / sum; the output the values summed in key
-// order by FMA. Rows are taken a few at a time (each key and value read once for them) and the
-// blocks shared among threads.
+// order by FMA. A KV head's query rows (its group of heads, each token's) go through its keys and
+// values a chunk at a time, so that the cache is read once for all of them (`group_rows`).
 //
 // More query tokens (a prompt's chunk): the BLAS's products, with the softmax between them carried
 // across blocks of keys (`prompt_rows`): no score matrix beyond one block's, and no exponentials
@@ -20,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -39,19 +41,85 @@ struct Attention {
     int batch, heads, kv_heads, tokens, keys, key_dim, value_dim;
     float scale;
     bool causal;
+    int bits, group;  // a quantized cache's keys and values (bits 4 or 8, `group` features a scale); 0: float32
     bool operator==(const Attention&) const = default;
 };
 
 // How many keys query token t sees: all, or with the causal mask aligned to the last key, as MLX's.
 int keys_seen(const Attention& a, int t) { return a.causal ? a.keys - a.tokens + t + 1 : a.keys; }
 
+// One KV head's keys or values, as rows of float32: read where they lie (a slice of the cache's grown
+// buffer, by its strides), or decoded from MLX's affine groups (codes of 4 or 8 bits packed in uint32
+// words, low bits first; a float32 scale and bias per group) a block of rows at a time into scratch,
+// each value code * scale + bias by one FMA.
+struct Entries {
+    const float* floats;
+    const uint8_t* codes;
+    const float *scales, *biases;
+    long stride, code_stride, scale_stride;  // between rows: floats, bytes of codes, floats of scales
+    int dim, bits, group;
+
+    // input `first` of `in` (float32 entries) or inputs first .. first + 2 (codes, scales, biases), for
+    // KV head kvh of batch b
+    Entries(const Attention& a, const std::vector<mx::array>& in, int first, int b, int kvh, int dim)
+        : floats(nullptr), codes(nullptr), scales(nullptr), biases(nullptr), dim(dim), bits(a.bits), group(a.group) {
+        auto at = [&](const mx::array& x) { return b * x.strides()[0] + kvh * x.strides()[1]; };
+        const mx::array& x = in[first];
+        if (!bits) {
+            floats = x.data<float>() + at(x), stride = x.strides()[2];
+            return;
+        }
+        const mx::array &s = in[first + 1], &z = in[first + 2];
+        codes = reinterpret_cast<const uint8_t*>(x.data<uint32_t>() + at(x)), code_stride = x.strides()[2] * 4;
+        scales = s.data<float>() + at(s), biases = z.data<float>() + at(z), scale_stride = s.strides()[2];
+        if (z.strides()[2] != scale_stride) throw std::invalid_argument("attention: scales and biases laid out apart");
+    }
+
+    bool decoded() const { return bits != 0; }
+
+    // rows [s0, s0 + n) as float32 rows, *row_stride floats apart (quantized: decoded into scratch)
+    const float* rows(int s0, int n, float* scratch, long* row_stride) const {
+        if (!bits) {
+            *row_stride = stride;
+            return floats + s0 * stride;
+        }
+        decode(s0, n, scratch);
+        *row_stride = dim;
+        return scratch;
+    }
+
+    AVX2_FN void decode(int s0, int n, float* out) const {
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nibble = _mm256_set1_epi32(15);
+        for (int s = s0; s < s0 + n; s++, out += dim) {
+            const uint8_t* c = codes + s * code_stride;
+            const float *scale = scales + s * scale_stride, *bias = biases + s * scale_stride;
+            for (int j = 0; j < dim; j += 8) {  // groups are multiples of 8 features
+                __m256i ints;
+                if (bits == 8) {
+                    ints = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j)));
+                } else {
+                    uint32_t word;
+                    std::memcpy(&word, c + j / 2, 4);
+                    ints = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), nibble);
+                }
+                int g = j / group;
+                _mm256_storeu_ps(out + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scale[g]),
+                                                          _mm256_set1_ps(bias[g])));
+            }
+        }
+    }
+};
+
 // Multiply-adds below this run on the calling thread.
 constexpr long PARALLEL_MIN_VALUES = 1L << 16;
 
 // Query rows are taken ROWS at a time, so that each key and value row read from memory serves
-// them all (a prompt's rows over a long cache would otherwise each stream the whole cache); every
-// row's arithmetic is the one it does alone: the same FMAs into the same lanes in the same order.
+// them all (a KV head's group of query heads, a prompt's rows over a long cache); every row's
+// arithmetic is the one it does alone: the same FMAs into the same lanes in the same order.
 constexpr int ROWS = 4;
+// Keys and values the per-row path takes at a time (decoded into scratch where quantized): a chunk
+// stays in cache while every block of rows reads it.
+constexpr int CHUNK_ROWS = 64;
 
 // scores[r][s] = q_r . k_s for the block's R rows, keys s < keys: per row, 16 features a step
 // into two accumulators (even and odd 8-lane halves), the tail into even then odd, reduced by
@@ -113,69 +181,102 @@ AVX2_FN void softmax(float* scores, int n) {
     }
 }
 
-// out_r [Dv] = sum over s < seen[r] of p_r[s] v[s], in key order, for the block's R rows (seen
-// rises with r: a causal block's last row sees the most keys)
+// out_r [Dv] += sum over keys s in [s0, s0 + n) with s < seen[r] of p_r[s] v[s - s0], in key order, for
+// the block's R rows. Each 16 features of the R outputs stay in registers across the keys.
 template <int R>
-AVX2_FN void weighted_values(const float* const* p, const int* seen, const float* v, long v_stride, int dv,
-                             float* const* out) {
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < dv; j += 8) store_lanes(out[r] + j, _mm256_setzero_ps(), std::min(8, dv - j));
-    int first = 0;  // the rows from `first` on see key s
-    for (int s = 0; s < seen[R - 1]; s++) {
-        while (seen[first] <= s) first++;
-        const float* row = v + s * v_stride;
-        __m256 weight[R];
-        for (int r = first; r < R; r++) weight[r] = _mm256_set1_ps(p[r][s]);
-        for (int j = 0; j < dv; j += 8) {
-            int lanes = std::min(8, dv - j);
-            __m256 values = load_lanes(row + j, lanes);
-            for (int r = first; r < R; r++) {
-                __m256 acc = load_lanes(out[r] + j, lanes);
-                store_lanes(out[r] + j, _mm256_fmadd_ps(weight[r], values, acc), lanes);
+AVX2_FN void weighted_values(const float* const* p, const int* seen, const float* v, long v_stride, int s0, int n,
+                             int dv, float* const* out) {
+    for (int j = 0; j < dv; j += 16) {
+        const int low = std::min(8, dv - j), high = std::max(0, std::min(8, dv - j - 8));
+        __m256 acc_low[R], acc_high[R];
+        for (int r = 0; r < R; r++) {
+            acc_low[r] = load_lanes(out[r] + j, low);
+            acc_high[r] = high ? load_lanes(out[r] + j + 8, high) : _mm256_setzero_ps();
+        }
+        for (int s = s0; s < s0 + n; s++) {
+            const float* row = v + (s - s0) * v_stride + j;
+            const __m256 values_low = load_lanes(row, low);
+            const __m256 values_high = high ? load_lanes(row + 8, high) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {  // a row that does not see key s adds 0 (R fixed: registers)
+                const __m256 weight = _mm256_set1_ps(s < seen[r] ? p[r][s] : 0.0f);
+                acc_low[r] = _mm256_fmadd_ps(weight, values_low, acc_low[r]);
+                acc_high[r] = _mm256_fmadd_ps(weight, values_high, acc_high[r]);
             }
+        }
+        for (int r = 0; r < R; r++) {
+            store_lanes(out[r] + j, acc_low[r], low);
+            if (high) store_lanes(out[r] + j + 8, acc_high[r], high);
         }
     }
 }
 
-void weighted_values(const float* const* p, const int* seen, int rows, const float* v, long v_stride, int dv,
-                     float* const* out) {
+void weighted_values(const float* const* p, const int* seen, int rows, const float* v, long v_stride, int s0, int n,
+                     int dv, float* const* out) {
     switch (rows) {
-        case 1: return weighted_values<1>(p, seen, v, v_stride, dv, out);
-        case 2: return weighted_values<2>(p, seen, v, v_stride, dv, out);
-        case 3: return weighted_values<3>(p, seen, v, v_stride, dv, out);
-        default: return weighted_values<ROWS>(p, seen, v, v_stride, dv, out);
+        case 1: return weighted_values<1>(p, seen, v, v_stride, s0, n, dv, out);
+        case 2: return weighted_values<2>(p, seen, v, v_stride, s0, n, dv, out);
+        case 3: return weighted_values<3>(p, seen, v, v_stride, s0, n, dv, out);
+        default: return weighted_values<ROWS>(p, seen, v, v_stride, s0, n, dv, out);
     }
 }
 
-// query rows t0 .. t0 + ROWS (within the tokens) of head h in batch b
-void block(const Attention& a, const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, float* out,
-           int b, int h, int t0) {
+// Query rows [i0, i0 + count) of KV head kvh's group in batch b, the group's rows in (token, head)
+// order: row i is token i / group of head kvh * group + i % group, so that rows side by side share
+// the keys they read and see no fewer keys as i rises. Keys and values are taken a chunk of rows at
+// a time (decoded once, where quantized) and each chunk serves every block of ROWS rows while it is
+// in cache: a decode step's group of heads, or a verify pass's tokens, read the cache once.
+void group_rows(const Attention& a, const std::vector<mx::array>& in, float* out, int b, int kvh, int i0, int count) {
     thread_local std::vector<float> buffer;
-    const int group = a.heads / a.kv_heads, kvh = h / group, rows = std::min(ROWS, a.tokens - t0);
-    const float* k = k_in.data<float>() + b * k_in.strides()[0] + kvh * k_in.strides()[1];
-    const float* v = v_in.data<float>() + b * v_in.strides()[0] + kvh * v_in.strides()[1];
-    long k_stride = k_in.strides()[2], v_stride = v_in.strides()[2];
-    long row_floats = (a.keys + 7) / 8 * 8;  // each row's scores start on a 32-byte boundary
-    float* scratch = aligned_floats(buffer, ROWS * (row_floats + a.key_dim + 8));
-    const float* q[ROWS];
-    float* scores[ROWS];
-    float* outs[ROWS];
-    int seen[ROWS];
-    int keys = 0;
-    for (int r = 0; r < rows; r++) {
-        int t = t0 + r;
-        const float* q_row = q_in.data<float>() + (((long)b * a.heads + h) * a.tokens + t) * a.key_dim;
-        float* scaled = scratch + ROWS * row_floats + r * (a.key_dim + 8);
+    const int group = a.heads / a.kv_heads;
+    const Entries keys(a, in, 1, b, kvh, a.key_dim), values(a, in, a.bits ? 4 : 2, b, kvh, a.value_dim);
+    const long row_floats = (a.keys + 7) / 8 * 8;  // each row's scores start on a 32-byte boundary
+    const long q_floats = a.key_dim + 8;
+    float* scratch = aligned_floats(
+        buffer, count * (row_floats + q_floats) + (keys.decoded() ? CHUNK_ROWS * std::max(a.key_dim, a.value_dim) : 0));
+    float* decoded = scratch + count * (row_floats + q_floats);
+    std::vector<const float*> q(count);
+    std::vector<float*> scores(count), outs(count), at(count);
+    std::vector<int> seen(count);
+    for (int r = 0; r < count; r++) {
+        const int t = (i0 + r) / group, h = kvh * group + (i0 + r) % group;
+        const long row = ((long)b * a.heads + h) * a.tokens + t;
+        const float* q_row = in[0].data<float>() + row * a.key_dim;
+        float* scaled = scratch + count * row_floats + r * q_floats;
         for (int i = 0; i < a.key_dim; i++) scaled[i] = a.scale * q_row[i];
         q[r] = scaled;
         scores[r] = scratch + r * row_floats;
-        outs[r] = out + (((long)b * a.heads + h) * a.tokens + t) * a.value_dim;
+        outs[r] = out + row * a.value_dim;
         seen[r] = keys_seen(a, t);
-        keys = std::max(keys, seen[r]);
     }
-    dots(q, rows, k, k_stride, keys, a.key_dim, scores);  // a row's scores past its seen keys go unread
-    for (int r = 0; r < rows; r++) softmax(scores[r], seen[r]);
-    weighted_values(scores, seen, rows, v, v_stride, a.value_dim, outs);
+    // each block's rows (r0 .. r0 + rows): keys [s0, s0 + n) of a chunk, cut to what its last row sees
+    auto in_view = [&](int r0, int rows, int s0, int n) { return std::min(n, seen[r0 + rows - 1] - s0); };
+    const int most = seen[count - 1];
+    for (int s0 = 0; s0 < most; s0 += CHUNK_ROWS) {  // a row's scores past its seen keys go unread
+        long stride;
+        const float* k = keys.rows(s0, std::min(CHUNK_ROWS, most - s0), decoded, &stride);
+        for (int r0 = 0; r0 < count; r0 += ROWS) {
+            const int rows = std::min(ROWS, count - r0), n = in_view(r0, rows, s0, CHUNK_ROWS);
+            if (n <= 0) continue;
+            for (int r = r0; r < r0 + rows; r++) at[r] = scores[r] + s0;
+            dots(&q[r0], rows, k, stride, n, a.key_dim, &at[r0]);
+        }
+    }
+    for (int r = 0; r < count; r++) {
+        softmax(scores[r], seen[r]);
+        std::fill(outs[r], outs[r] + a.value_dim, 0.0f);
+    }
+    for (int s0 = 0; s0 < most; s0 += CHUNK_ROWS) {
+        long stride;
+        const int n = std::min(CHUNK_ROWS, most - s0);
+        const float* v = values.rows(s0, n, decoded, &stride);
+        if (!values.decoded())  // the chunk into cache in order: weighted_values reads it 16 features a pass
+            for (int s = 0; s < n; s++)
+                for (int j = 0; j < a.value_dim; j += 16) _mm_prefetch((const char*)(v + s * stride + j), _MM_HINT_T0);
+        for (int r0 = 0; r0 < count; r0 += ROWS) {
+            const int rows = std::min(ROWS, count - r0), n = in_view(r0, rows, s0, CHUNK_ROWS);
+            if (n > 0) weighted_values(&scores[r0], &seen[r0], rows, v, stride, s0, n, a.value_dim, &outs[r0]);
+        }
+    }
 }
 
 // Query tokens up to this many take the per-row path (decode steps, verify passes: a row's bits
@@ -218,38 +319,50 @@ AVX2_FN void carry_softmax(float* scores, const int* valid, float* top, float* s
 
 // Rows [r0, r0 + rows) of KV head kvh's group in batch b: the group's heads' query rows [group * T,
 // Dk] lie together in q, as their outputs do in out. Per block of keys: scores = scale q k^T (one
-// sgemm), the carried softmax, out += p v (a second); then each row divided by its sum.
-void prompt_rows(const Attention& a, const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, float* out,
-                 int b, int kvh, int r0, int rows) {
+// sgemm), the carried softmax, out += p v (a second); then each row divided by its sum. A quantized
+// cache's block of keys and of values is decoded first, its rows shared among the threads.
+void prompt_rows(const Attention& a, const std::vector<mx::array>& in, float* out, int b, int kvh, int r0, int rows) {
     thread_local std::vector<float> buffer;
     const int group = a.heads / a.kv_heads;
     const long first_row = ((long)b * a.heads + (long)kvh * group) * a.tokens + r0;
-    const float* q = q_in.data<float>() + first_row * a.key_dim;
-    const float* k = k_in.data<float>() + b * k_in.strides()[0] + kvh * k_in.strides()[1];
-    const float* v = v_in.data<float>() + b * v_in.strides()[0] + kvh * v_in.strides()[1];
-    const int k_stride = (int)k_in.strides()[2], v_stride = (int)v_in.strides()[2];
+    const float* q = in[0].data<float>() + first_row * a.key_dim;
+    const Entries keys(a, in, 1, b, kvh, a.key_dim), values(a, in, a.bits ? 4 : 2, b, kvh, a.value_dim);
     float* o = out + first_row * a.value_dim;
-    float* scores = aligned_floats(buffer, (size_t)PROMPT_ROWS * KEY_BLOCK + 3 * PROMPT_ROWS);
+    const long decoded = keys.decoded() ? (long)KEY_BLOCK * (a.key_dim + a.value_dim) : 0;
+    float* scores = aligned_floats(buffer, (size_t)PROMPT_ROWS * KEY_BLOCK + 3 * PROMPT_ROWS + decoded);
     float *top = scores + (long)PROMPT_ROWS * KEY_BLOCK, *sum = top + PROMPT_ROWS;
     int* valid = (int*)(sum + PROMPT_ROWS);
-    int keys = 0;  // the most any row sees
+    float *key_rows = sum + 2 * PROMPT_ROWS, *value_rows = key_rows + (long)KEY_BLOCK * a.key_dim;
+    int keys_in_view = 0;  // the most any row sees
     for (int r = 0; r < rows; r++) {
-        keys = std::max(keys, keys_seen(a, (r0 + r) % a.tokens));
+        keys_in_view = std::max(keys_in_view, keys_seen(a, (r0 + r) % a.tokens));
         top[r] = -std::numeric_limits<float>::infinity(), sum[r] = 0.0f;
     }
     std::fill(o, o + (long)rows * a.value_dim, 0.0f);
     Pool& pool = Pool::get();
     const int parts = std::min(pool.threads(), rows);
-    for (int s0 = 0; s0 < keys; s0 += KEY_BLOCK) {
-        const int count = std::min(KEY_BLOCK, keys - s0);
+    for (int s0 = 0; s0 < keys_in_view; s0 += KEY_BLOCK) {
+        const int count = std::min(KEY_BLOCK, keys_in_view - s0);
         for (int r = 0; r < rows; r++) valid[r] = std::min(count, keys_seen(a, (r0 + r) % a.tokens) - s0);
-        cblas_sgemm(ROW_MAJOR, NO_TRANS, TRANS, rows, count, a.key_dim, a.scale, q, a.key_dim,
-                    k + (long)s0 * k_stride, k_stride, 0.0f, scores, KEY_BLOCK);
+        const float *k = key_rows, *v = value_rows;
+        long k_stride = a.key_dim, v_stride = a.value_dim;
+        if (keys.decoded()) {
+            const int decoders = std::min(parts, count);
+            pool.run(decoders, decoders > 1, [&](int part) {
+                const int first = count * part / decoders, last = count * (part + 1) / decoders;
+                keys.decode(s0 + first, last - first, key_rows + (long)first * a.key_dim);
+                values.decode(s0 + first, last - first, value_rows + (long)first * a.value_dim);
+            });
+        } else {
+            k = keys.rows(s0, count, nullptr, &k_stride), v = values.rows(s0, count, nullptr, &v_stride);
+        }
+        cblas_sgemm(ROW_MAJOR, NO_TRANS, TRANS, rows, count, a.key_dim, a.scale, q, a.key_dim, k, (int)k_stride, 0.0f,
+                    scores, KEY_BLOCK);
         pool.run(parts, parts > 1, [&](int part) {
             carry_softmax(scores, valid, top, sum, o, a.value_dim, rows * part / parts, rows * (part + 1) / parts);
         });
-        cblas_sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, a.value_dim, count, 1.0f, scores, KEY_BLOCK,
-                    v + (long)s0 * v_stride, v_stride, 1.0f, o, a.value_dim);
+        cblas_sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, a.value_dim, count, 1.0f, scores, KEY_BLOCK, v,
+                    (int)v_stride, 1.0f, o, a.value_dim);
     }
     for (int r = 0; r < rows; r++) {
         float inverse = 1.0f / sum[r];
@@ -259,39 +372,78 @@ void prompt_rows(const Attention& a, const mx::array& q_in, const mx::array& k_i
 
 void compute(const Attention& a, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     float* out = outs[0].data<float>();
+    const int head_rows = a.heads / a.kv_heads * a.tokens;
     if (a.tokens > FEW_TOKENS) {  // on this thread: the BLAS and the softmax's parts take the cores
-        const int group_rows = a.heads / a.kv_heads * a.tokens;
         for (int b = 0; b < a.batch; b++)
             for (int kvh = 0; kvh < a.kv_heads; kvh++)
-                for (int r0 = 0; r0 < group_rows; r0 += PROMPT_ROWS)
-                    prompt_rows(a, in[0], in[1], in[2], out, b, kvh, r0, std::min(PROMPT_ROWS, group_rows - r0));
+                for (int r0 = 0; r0 < head_rows; r0 += PROMPT_ROWS)
+                    prompt_rows(a, in, out, b, kvh, r0, std::min(PROMPT_ROWS, head_rows - r0));
         return;
     }
-    int blocks = (a.tokens + ROWS - 1) / ROWS, units = a.batch * a.heads * blocks;
-    long work = (long)a.batch * a.heads * a.tokens * a.keys * (a.key_dim + a.value_dim);
-    Pool::get().run(units, work >= PARALLEL_MIN_VALUES, [&](int unit) {
-        int bh = unit / blocks;
-        block(a, in[0], in[1], in[2], out, bh / a.heads, bh % a.heads, unit % blocks * ROWS);
+    // each KV head's rows in as few parts as keep the threads busy, whole blocks each: a part reads
+    // the head's keys and values once
+    Pool& pool = Pool::get();
+    const int blocks = (head_rows + ROWS - 1) / ROWS, heads = a.batch * a.kv_heads;
+    const int parts = std::min(blocks, std::max(1, pool.threads() / heads));
+    const long work = (long)a.batch * a.heads * a.tokens * a.keys * (a.key_dim + a.value_dim);
+    pool.run(heads * parts, work >= PARALLEL_MIN_VALUES, [&](int unit) {
+        const int bh = unit / parts, part = unit % parts;
+        const int first = blocks * part / parts * ROWS, last = std::min(head_rows, blocks * (part + 1) / parts * ROWS);
+        group_rows(a, in, out, bh / a.kv_heads, bh % a.kv_heads, first, last - first);
     });
 }
 
-// the keys and values read by their strides
+// the keys and values read by their strides: float32, or a quantized cache's codes, scales and biases
 using ScaledDotProductAttention = mlx_hybrid::CpuPrimitive<Attention, compute, 0b110>;
+using QuantizedCacheAttention = mlx_hybrid::CpuPrimitive<Attention, compute, 0b1111110>;
+
+void check_attention(const Attention& a, const mx::array& q, const mx::Shape& k, const mx::Shape& v) {
+    if (a.tokens < 1 || a.keys < 1 || a.kv_heads < 1 || a.heads % a.kv_heads || k[0] != a.batch ||
+        v[0] != a.batch || v[1] != a.kv_heads || v[2] != a.keys || (a.causal && a.tokens > a.keys))
+        throw std::invalid_argument("attention: shapes that do not fit (heads a multiple of the KV heads)");
+    if (q.dtype() != mx::float32) throw std::invalid_argument("attention: q in float32");
+}
 
 // q [B, H, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv], float32 -> [B, H, T, Dv]
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
     if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
         throw std::invalid_argument("attention: q [B, H, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]");
-    Attention a{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3), scale, causal};
-    if (a.tokens < 1 || a.keys < 1 || a.kv_heads < 1 || a.heads % a.kv_heads || k.shape(0) != a.batch ||
-        k.shape(3) != a.key_dim || v.shape(0) != a.batch || v.shape(1) != a.kv_heads || v.shape(2) != a.keys ||
-        (causal && a.tokens > a.keys))
-        throw std::invalid_argument("attention: shapes that do not fit (heads a multiple of the KV heads)");
-    if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
+    Attention a{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3), scale, causal, 0, 0};
+    if (k.shape(3) != a.key_dim) throw std::invalid_argument("attention: keys of another width than the queries");
+    check_attention(a, q, k.shape(), v.shape());
+    if (k.dtype() != mx::float32 || v.dtype() != mx::float32)
         throw std::invalid_argument("attention: q, k and v in float32");
     auto stream = mx::default_stream(mx::Device::cpu);
     auto primitive = std::make_shared<ScaledDotProductAttention>(stream, a, "ScaledDotProductAttention");
     return mx::array({a.batch, a.heads, a.tokens, a.value_dim}, mx::float32, primitive, {q, k, v});
+}
+
+// q [B, H, T, Dk] float32 over keys and values held as MLX's affine groups (mx.quantize's codes
+// uint32 [B, Hkv, S, D bits / 32], scales and biases float32 [B, Hkv, S, D / group]) -> [B, H, T, Dv]
+mx::array quantized_attention(const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v,
+                              float scale, bool causal, int bits, int group) {
+    if (k.size() != 3 || v.size() != 3 || q.ndim() != 4)
+        throw std::invalid_argument("attention: q [B, H, T, Dk], keys and values each (codes, scales, biases)");
+    if ((bits != 4 && bits != 8) || (group != 32 && group != 64 && group != 128))
+        throw std::invalid_argument("attention: a quantized cache of 4 or 8 bits in groups of 32, 64 or 128");
+    for (const auto* entry : {&k, &v}) {
+        const auto &codes = (*entry)[0], &scales = (*entry)[1], &biases = (*entry)[2];
+        if (codes.ndim() != 4 || codes.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
+            biases.dtype() != mx::float32 || scales.shape() != biases.shape() || scales.ndim() != 4 ||
+            mx::Shape(codes.shape().begin(), codes.shape().end() - 1) !=
+                mx::Shape(scales.shape().begin(), scales.shape().end() - 1) ||
+            (long)codes.shape(3) * 32 != (long)scales.shape(3) * group * bits)
+            throw std::invalid_argument("attention: codes uint32 and float32 scales and biases of mx.quantize's shapes");
+    }
+    Attention a{q.shape(0), q.shape(1), k[0].shape(1), q.shape(2), k[0].shape(2), q.shape(3), v[1].shape(3) * group,
+                scale, causal, bits, group};
+    if (k[1].shape(3) * group != a.key_dim)
+        throw std::invalid_argument("attention: keys of another width than the queries");
+    check_attention(a, q, k[0].shape(), v[0].shape());
+    auto stream = mx::default_stream(mx::Device::cpu);
+    auto primitive = std::make_shared<QuantizedCacheAttention>(stream, a, "QuantizedCacheAttention");
+    return mx::array({a.batch, a.heads, a.tokens, a.value_dim}, mx::float32, primitive,
+                     {q, k[0], k[1], k[2], v[0], v[1], v[2]});
 }
 
 // Rotary embedding, rotate-half layout, from factors computed on the host: y = x c + x[partner] s
@@ -339,4 +491,7 @@ void mlx_hybrid::bind_attention(nb::module_& m) {
           "x c + x[partner] s over the last axis, rotate-half partners within the first rotary_dims");
     m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
           "softmax(q k^T scale) v over grouped heads; causal: the mask aligned to the last key");
+    m.def("quantized_attention", &quantized_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
+          nb::arg("causal"), nb::arg("bits"), nb::arg("group_size"),
+          "attention as `attention`, the keys and values each mx.quantize's (codes, scales, biases)");
 }

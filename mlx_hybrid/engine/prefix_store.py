@@ -27,13 +27,15 @@ from ..parallel import agreed_max
 FORMAT = "mlx-hybrid-checkpoint-1"
 
 
-def model_fingerprint(model) -> str:
-    """What a checkpoint's arrays depend on: which model computed them."""
+def model_fingerprint(model, cache=None) -> str:
+    """What a checkpoint's arrays depend on: which model computed them, and how its caches hold
+    them (a quantized KV cache's form: see `LayerCache.form`)."""
     args = model.args
     fingerprint = f"{args.model_type}/{args.num_hidden_layers}x{args.hidden_size}/{args.vocab_size}"
     if model.parallel is not None:  # a rank's part of the state
         fingerprint += f"/{model.parallel.describe()}, rank {model.parallel.rank}"
-    return fingerprint
+    forms = sorted({layer_cache.form for layer_cache in cache or ()} - {""})
+    return "/".join([fingerprint, *forms])
 
 
 @dataclass
@@ -69,7 +71,7 @@ def capture(model, cache, tokens, last_hidden: mx.array, drafter=None, key=None)
         [layer_cache.checkpoint() for layer_cache in cache],
         last_hidden,
         drafter.checkpoint() if drafter is not None else {},
-        model_fingerprint(model),
+        model_fingerprint(model, cache),
         image_key=tuple(key) if key is not None else None,
     )
     mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
@@ -104,8 +106,9 @@ def save_checkpoint(path, checkpoint: Checkpoint):
     os.replace(partial, path)
 
 
-def load_checkpoint(path, model=None) -> Checkpoint:
-    """Read a checkpoint file; with `model`, check that this model wrote it."""
+def load_checkpoint(path, model=None, cache=None) -> Checkpoint:
+    """Read a checkpoint file; with `model`, check that this model wrote it (into caches of `cache`'s
+    form)."""
     try:
         arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
         if metadata.get("format") != FORMAT:
@@ -123,10 +126,10 @@ def load_checkpoint(path, model=None) -> Checkpoint:
         mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
     except (OSError, RuntimeError, ValueError, KeyError) as e:
         raise GenerationError(f"cannot read the prompt cache {path}: {e}") from None
-    if model is not None and checkpoint.model != model_fingerprint(model):
+    if model is not None and checkpoint.model != model_fingerprint(model, cache):
         raise GenerationError(
-            f"the prompt cache {path} was made by another model ({checkpoint.model}, "
-            f"this one is {model_fingerprint(model)})"
+            f"the prompt cache {path} was made by another model or cache form ({checkpoint.model}, "
+            f"this one is {model_fingerprint(model, cache)})"
         )
     return checkpoint
 
@@ -172,11 +175,12 @@ class PrefixStore:
             self.nbytes -= evicted.nbytes
             self._spill(evicted)
 
-    def longest_prefix(self, tokens: list[int], model=None) -> Checkpoint | None:
+    def longest_prefix(self, tokens: list[int], model=None, cache=None) -> Checkpoint | None:
         """The checkpoint of the longest saved prefix of `tokens` (all of them included; a
-        prompt with images: its `ExpandedPrompt.key`)."""
+        prompt with images: its `ExpandedPrompt.key`); with `model`, one it made into caches of
+        `cache`'s form."""
         tokens = tuple(tokens)
-        fingerprint = model_fingerprint(model) if model is not None else None
+        fingerprint = model_fingerprint(model, cache) if model is not None else None
 
         def fits(key):
             return len(key) <= len(tokens) and tokens[: len(key)] == key
@@ -188,7 +192,7 @@ class PrefixStore:
                 checkpoint = load_checkpoint(self.on_disk[spilled])
             except GenerationError:
                 del self.on_disk[spilled]
-                return self.longest_prefix(list(tokens), model)
+                return self.longest_prefix(list(tokens), model, cache)
             if fingerprint is None or checkpoint.model == fingerprint:
                 self.save(checkpoint)  # back in memory as the most recent, where the budget allows
                 return checkpoint

@@ -31,7 +31,7 @@ import threading
 import mlx.core as mx
 
 from .. import ops
-from ..cache import marks, packed, rewind, set_positions
+from ..cache import check_kv_quantization, marks, packed, rewind, set_positions
 from ..drafting import SpeculationSettings
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, check_context, request_ids
@@ -55,6 +55,8 @@ class Engine:
     `DEFAULT_PREFIX_CACHE_BYTES`; a store with max_bytes=0 keeps none in memory).
     overlap: queue each plain decoding pass before reading the previous one's tokens
     (None: where a GPU computes, `ops.overlap_decode_steps`).
+    kv_bits, kv_group_size: every sequence's attention layers hold their keys and values in 4 or 8
+    bits, in groups of kv_group_size features (`cache.QuantizedKVCache`); None: in the compute dtype.
     """
 
     def __init__(
@@ -68,7 +70,11 @@ class Engine:
         prefill_chunk: int = PREFILL_STEP,
         prefix_store: PrefixStore | None = None,
         overlap: bool | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
+        if kv_bits is not None:
+            check_kv_quantization(kv_bits, kv_group_size, model.kv_features)
         if max_batch < 1:
             raise GenerationError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -80,6 +86,7 @@ class Engine:
         self.store = prefix_store if prefix_store is not None else PrefixStore(DEFAULT_PREFIX_CACHE_BYTES)
         self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.speculation = SpeculativeStats()  # the figures of every finished sequence that drafted
         self.waiting: queue.Queue = queue.Queue()
         self.rows: list[Row] = []
@@ -144,7 +151,7 @@ class Engine:
             ids = prompt_images.prompt.ids
             max_tokens = min(params.max_tokens, check_context(self.model, len(ids)))
         drafter = drafter if drafter is not None else (self.drafter.fork() if self.drafter is not None else None)
-        cache = self.model.make_cache()
+        cache = self.make_cache()
         if prompt_images is not None:
             set_positions(cache, prompt_images.positions)
             if drafter is not None:
@@ -156,6 +163,10 @@ class Engine:
         stops = set(self.tokenizer.eos_token_ids if params.stop_tokens is None else params.stop_tokens)
         processor = params.processor(ids, self.model.args.vocab_size, self.tokenizer)
         return Row(sequence, cache, params.sampler(), stops, checkpoint_at, drafter, policy, processor, prompt_images)
+
+    def make_cache(self) -> list:
+        """A new sequence's caches, in this engine's form."""
+        return self.model.make_cache(self.kv_bits, self.kv_group_size)
 
     def enqueue(self, row: Row):
         """Queue a row; it joins the running ones at the next step."""
@@ -259,7 +270,7 @@ class Engine:
     def _resume(self, row: Row) -> bool:
         """Start from the longest checkpoint that is a prefix of the prompt; whether that ended the row."""
         prompt = row.sequence.prompt
-        checkpoint = self.store.longest_prefix(row.checkpoint_key(prompt) or prompt, self.model)
+        checkpoint = self.store.longest_prefix(row.checkpoint_key(prompt) or prompt, self.model, row.cache)
         if checkpoint is None:
             return False
         restore(checkpoint, row.cache, row.drafter)

@@ -170,7 +170,7 @@ class LatentAttention(nn.Module):
         queries, keys = queries.transpose(0, 2, 1, 3), keys[:, None]  # [B, 1, T, L + R]
         if cache is not None:
             (keys,) = cache.update_and_fetch(keys)
-        values = keys[..., : self.latent_dim]
+        values = ops.leading_features(keys, self.latent_dim)
         mask = causal_mask_for(queries.shape[2])
         out = ops.scaled_dot_product_attention(queries, keys, values, self.scale, mask)
         return out.transpose(0, 2, 1, 3)
@@ -232,3 +232,8 @@ class Model(HybridModel):
         super().__init__(
             args, [DecoderLayer(args, args.layer_types[i], args.is_sparse(i)) for i in range(args.num_hidden_layers)]
         )
+
+    @property
+    def kv_features(self) -> tuple[int, ...]:
+        # the latent and rope key; the values are its leading latent features
+        return (self.args.kv_lora_rank + self.args.qk_rope_head_dim, self.args.kv_lora_rank)

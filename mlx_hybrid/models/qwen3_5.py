@@ -308,6 +308,10 @@ class Model(HybridModel):
         if args.vision is not None:
             self.vision = VisionTower(args.vision)
 
+    @property
+    def kv_features(self) -> tuple[int, ...]:
+        return (self.args.head_dim,)
+
     def mtp_input(self, hidden: mx.array) -> mx.array:
         """The trunk's hidden states (`hidden_states`) as the MTP head reads them."""
         return self.norm(hidden) if self.args.mtp_hidden == POST_NORM else hidden

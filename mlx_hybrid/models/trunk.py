@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RecurrentCache
+from ..cache import KVCache, QuantizedKVCache, RecurrentCache, check_kv_quantization
 from ..parallel import (
     PIPELINE,
     ROWS,
@@ -82,12 +82,26 @@ class HybridModel(nn.Module):
     def has_mtp(self) -> bool:
         return "mtp" in self
 
-    def make_cache(self):
+    @property
+    def kv_features(self) -> tuple[int, ...]:
+        """The widths of what an attention layer caches per token and KV head."""
+        raise NotImplementedError
+
+    def make_cache(self, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+        """A cache per layer. kv_bits: the attention layers hold their keys and values in 4 or 8 bits,
+        in groups of kv_group_size features (`cache.QuantizedKVCache`); None: in the compute dtype."""
+        if kv_bits is not None:
+            check_kv_quantization(kv_bits, kv_group_size, self.kv_features)
+
+        def attention_cache():
+            return KVCache() if kv_bits is None else QuantizedKVCache(kv_bits, kv_group_size)
+
         # a layer another rank runs gets an empty KV cache: it trims and checkpoints to nothing
         return [
-            RecurrentCache() if layer.layer_type == LINEAR and not isinstance(layer, LayerElsewhere) else KVCache()
+            RecurrentCache() if layer.layer_type == LINEAR and not isinstance(layer, LayerElsewhere)
+            else attention_cache()
             for layer in self.layers
-        ]
+        ]  # fmt: skip
 
     def embed(self, ids: mx.array) -> mx.array:
         # in the compute dtype: a quantized embedding gives float32

@@ -33,6 +33,7 @@ from . import activations, cpu_extension, cpu_kernels, cpu_quantized, kernels, r
 from .cpu_extension import ATTENTION, CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, QUANTIZED, ROPE
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
+from .reference import QuantizedEntries
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
 # chunked form's matrices (benchmarks/linear_attention_ops.py --tokens 64 128, pure-MLX
@@ -184,9 +185,38 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None)
     bits the same whatever rows come with it (a verify pass reproduces its decode steps); for more
     (prompts, images), the BLAS's products with our exponentials between them, 2.9x MLX's op for a
     prompt chunk over a long cache, 5x for a vision tower's (benchmarks/cpu_attention.py)."""
+    if isinstance(k, QuantizedEntries):
+        return _quantized_cache_attention(q, k, v, scale, mask)
     if q.dtype == k.dtype == v.dtype == mx.float32 and _cpu_kernel_passed(ATTENTION, selfcheck.small_attention_case):
         return cpu_kernels.attention(q, k, v, scale, mask == "causal")
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+# A quantized KV cache's (--kv-bits) forms: mx.quantize's affine groups, in these sizes
+KV_BITS, KV_GROUP_SIZES = (4, 8), (32, 64, 128)
+
+
+def quantize_entries(x: mx.array, bits: int, group_size: int) -> QuantizedEntries:
+    """Keys or values [B, H, T, D] as a quantized KV cache holds them: each token's D features in
+    groups of `group_size`, a scale and bias each (mx.quantize), so a token's codes are the same
+    whatever tokens come with it."""
+    return QuantizedEntries(*mx.quantize(x, group_size=group_size, bits=bits), bits, group_size)
+
+
+def leading_features(entries, features: int):
+    """The first `features` of each cached entry [B, H, S, D], of an array or of `QuantizedEntries`."""
+    return entries.leading(features) if isinstance(entries, QuantizedEntries) else entries[..., :features]
+
+
+def _quantized_cache_attention(q, k: QuantizedEntries, v: QuantizedEntries, scale: float, mask) -> mx.array:
+    """Attention over a quantized cache: on the CPU our kernel (the float32 path's arithmetic on the
+    decoded entries, a few rows decoded at a time: a verify pass reproduces its decode steps), else
+    MLX's quantized products."""
+    float32 = q.dtype == k.scales.dtype == v.scales.dtype == mx.float32
+    variant = (k.bits, k.group_size)
+    if float32 and _cpu_kernel_passed(ATTENTION, selfcheck.small_quantized_attention_case, *variant):
+        return cpu_kernels.quantized_attention(q, k, v, scale, mask == "causal")
+    return reference.quantized_attention(q, k, v, scale, mask)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:

@@ -76,6 +76,14 @@ def attention(q, k, v, scale: float, causal: bool):
     return extension().attention(q, k, v, scale, causal)
 
 
+def quantized_attention(q, keys, values, scale: float, causal: bool):
+    """`attention` over a quantized cache's keys and values (`reference.QuantizedEntries`, float32
+    scales): each decoded as mx.dequantize does, to the float32 floor (one FMA a value)."""
+    return extension().quantized_attention(
+        q, list(keys.arrays), list(values.arrays), scale, causal, keys.bits, keys.group_size
+    )
+
+
 def gated_product(x, gate, sigmoid: bool):
     """x * sigmoid(gate) (sigmoid) or x * SiLU(gate), in x's dtype."""
     return extension().gated_product(x, gate, sigmoid)

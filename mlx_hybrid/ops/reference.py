@@ -366,3 +366,42 @@ def linear_attention(
     # would keep this call's inputs alive (a prefill chunk's worth a layer)
     (out,) = mx.depends([out.reshape(B, T, Hv * Dv)], [new_tail, new_state])
     return LayerResult(out, new_tail, new_state, tails, states)
+
+
+class QuantizedEntries(NamedTuple):
+    """Keys or values [B, H, S, D] of a quantized KV cache as `mx.quantize` gives them (affine groups):
+    codes uint32 [B, H, S, D bits / 32], scales and biases [B, H, S, D / group_size]."""
+
+    codes: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def arrays(self) -> tuple[mx.array, mx.array, mx.array]:
+        return self.codes, self.scales, self.biases
+
+    def leading(self, features: int) -> QuantizedEntries:
+        """The first `features` of each entry (a multiple of the group size): views of the same arrays."""
+        words, groups = features * self.bits // 32, features // self.group_size
+        return self._replace(codes=self.codes[..., :words], scales=self.scales[..., :groups],
+                             biases=self.biases[..., :groups])  # fmt: skip
+
+
+def quantized_attention(q, keys: QuantizedEntries, values: QuantizedEntries, scale: float, mask=None) -> mx.array:
+    """mx.fast.scaled_dot_product_attention's contract (mask None or "causal") over a quantized
+    cache's keys and values, through MLX's quantized products (q grouped by KV head) and a
+    float32 softmax."""
+    B, H, T, D = q.shape
+    Hkv = keys.codes.shape[1]
+    q = (q * scale).reshape(B, Hkv, H // Hkv, T, D)
+    quantized = dict(group_size=keys.group_size, bits=keys.bits)
+    scores = mx.quantized_matmul(q, *(a[:, :, None] for a in keys.arrays), transpose=True, **quantized)
+    if mask == "causal" and T > 1:
+        S = scores.shape[-1]
+        seen = mx.arange(S)[None] <= mx.arange(T)[:, None] + (S - T)
+        scores = mx.where(seen, scores, mx.finfo(scores.dtype).min)
+    p = mx.softmax(scores.astype(F32), axis=-1).astype(q.dtype)
+    out = mx.quantized_matmul(p, *(a[:, :, None] for a in values.arrays), transpose=False, **quantized)
+    return out.reshape(B, H, T, -1)

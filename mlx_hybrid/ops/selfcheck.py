@@ -14,6 +14,7 @@ import numpy as np
 
 from . import activations, cpu_kernels, kernels, reference
 
+
 class KernelError(RuntimeError):
     """A custom kernel failed its first-call check (with MLX_HYBRID_STRICT_KERNELS=1)."""
 
@@ -164,6 +165,20 @@ def small_attention_case(_platform):
         q = mx.array(rng.standard_normal((1, 4, tokens, 20)).astype(np.float32))
         got += [cpu_kernels.attention(q, k, v, 0.3, causal) for causal in (False, True)]
         want += [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask) for mask in (None, "causal")]
+    return got, want
+
+
+def small_quantized_attention_case(_platform, bits: int, group_size: int):
+    """As `small_attention_case`, the keys (256 features) and values (128) held as mx.quantize's
+    groups: our CPU kernel against MLX's quantized products (`reference.quantized_attention`)."""
+    rng = np.random.default_rng(0)
+    k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in [(1, 2, 23, 256), (1, 2, 23, 128)])
+    k, v = (reference.QuantizedEntries(*mx.quantize(x, group_size, bits), bits, group_size) for x in (k, v))
+    got, want = [], []
+    for tokens in (3, 20):
+        q = mx.array(rng.standard_normal((1, 4, tokens, 256)).astype(np.float32))
+        got += [cpu_kernels.quantized_attention(q, k, v, 0.3, causal) for causal in (False, True)]
+        want += [reference.quantized_attention(q, k, v, 0.3, mask) for mask in (None, "causal")]
     return got, want
 
 

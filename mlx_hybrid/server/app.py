@@ -100,6 +100,8 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
         health = {"status": "ok", **served.engine.load, "prefix_cache": served.engine.checkpoints}
         if served.engine.drafter is not None:  # over the requests finished so far
             health["speculation"] = served.engine.speculation.summary()
+        if served.engine.kv_bits is not None:
+            health["kv_cache"] = {"bits": served.engine.kv_bits, "group_size": served.engine.kv_group_size}
         return health
 
     @app.get("/v1/models")
