@@ -184,7 +184,7 @@ def add_cache_arguments(p: argparse.ArgumentParser):
         choices=[4, 8],
         default=None,
         help="hold the attention layers' keys and values in 4 or 8 bits (groups of --kv-group-size features, "
-        "a scale and bias each): about 3.5x (8 bits) or 6.4x (4 bits) less memory than float32 for long "
+        "a scale and bias each): about 3.6x (8 bits) or 6.4x (4 bits) less memory than float32 for long "
         "contexts, at the groups' rounding of the attention's inputs (default: unquantized)",
     )
     p.add_argument(
