@@ -62,17 +62,13 @@ def kimi_with_wider_latents():
     return model, load_fixture("kimilinear", "hf")[1]
 
 
-def dense_models():
-    return {"qwen35": load_fixture("qwen35", "hf"), "kimi": kimi_with_wider_latents()}
-
-
 @pytest.mark.parametrize("name", ["qwen35", "kimi"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_model_over_a_quantized_cache_equals_it_over_the_dequantized_entries(name, bits):
     """A 300-token prompt (the prompt path), then 3 tokens one at a time (the per-row path): logits
     over the quantized cache against a float32 cache of mx.dequantize's values, to the float32 floor
     (our decode rounds once where MLX's rounds twice). Kimi's values are views of its latent's codes."""
-    model, _ = dense_models()[name]
+    model = load_fixture("qwen35", "hf")[0] if name == "qwen35" else kimi_with_wider_latents()[0]
     prompt = mx.array([prompts_for()[3] + prompts_for()[6]])[:, :300]
     got_cache = model.make_cache(kv_bits=bits, kv_group_size=32)
     want_cache = [DequantizedKVCache(bits, 32) if isinstance(c, KVCache) else c for c in model.make_cache()]
