@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <utility>
 
 #include "cpu_kernels.h"
 
@@ -109,6 +110,11 @@ struct Entries {
         }
     }
 };
+
+// KV head kvh's keys and values in batch b: inputs 1 and 2, or a quantized cache's 1 to 3 and 4 to 6
+std::pair<Entries, Entries> head_entries(const Attention& a, const std::vector<mx::array>& in, int b, int kvh) {
+    return {Entries(a, in, 1, b, kvh, a.key_dim), Entries(a, in, a.bits ? 4 : 2, b, kvh, a.value_dim)};
+}
 
 // Multiply-adds below this run on the calling thread.
 constexpr long PARALLEL_MIN_VALUES = 1L << 16;
@@ -228,7 +234,7 @@ void weighted_values(const float* const* p, const int* seen, int rows, const flo
 void group_rows(const Attention& a, const std::vector<mx::array>& in, float* out, int b, int kvh, int i0, int count) {
     thread_local std::vector<float> buffer;
     const int group = a.heads / a.kv_heads;
-    const Entries keys(a, in, 1, b, kvh, a.key_dim), values(a, in, a.bits ? 4 : 2, b, kvh, a.value_dim);
+    const auto [keys, values] = head_entries(a, in, b, kvh);
     const long row_floats = (a.keys + 7) / 8 * 8;  // each row's scores start on a 32-byte boundary
     const long q_floats = a.key_dim + 8;
     float* scratch = aligned_floats(
@@ -326,7 +332,7 @@ void prompt_rows(const Attention& a, const std::vector<mx::array>& in, float* ou
     const int group = a.heads / a.kv_heads;
     const long first_row = ((long)b * a.heads + (long)kvh * group) * a.tokens + r0;
     const float* q = in[0].data<float>() + first_row * a.key_dim;
-    const Entries keys(a, in, 1, b, kvh, a.key_dim), values(a, in, a.bits ? 4 : 2, b, kvh, a.value_dim);
+    const auto [keys, values] = head_entries(a, in, b, kvh);
     float* o = out + first_row * a.value_dim;
     const long decoded = keys.decoded() ? (long)KEY_BLOCK * (a.key_dim + a.value_dim) : 0;
     float* scores = aligned_floats(buffer, (size_t)PROMPT_ROWS * KEY_BLOCK + 3 * PROMPT_ROWS + decoded);
