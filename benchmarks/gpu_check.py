@@ -8,6 +8,8 @@ weights, each in bfloat16 and in 4 bits (affine groups of 64, bfloat16 scales, w
 `mlx_hybrid.convert`; mlx-lm reads the same directory), one row each:
 - prefill of --prompt-tokens tokens (tokens over the time to the first token) and greedy decode
   tokens/s, both runners in this process, alternating for --rounds rounds; medians and ratios;
+  beside them ours once more with the layers' split ops (no one-launch layer or residual-norm
+  kernels), what those kernels change on this device;
 - launches per decode step, both runners: the nodes of one step's graph that are not views, read
   on this device (`step_graph.py` says how it counts);
 - the MTP head drafting k=3 with an oracle replacing its tokens at 80% and at 0% acceptance
@@ -24,12 +26,14 @@ run cut short keeps what it measured. Checkpoints are written once under --model
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
 
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from batch_decode import draft_head, engine_decode, mlx_lm_decode, oracle_drafters  # noqa: E402
 from bench_generate import measure  # noqa: E402
 from mlx_hybrid import ops  # noqa: E402
+from mlx_hybrid.ops import kernels, selfcheck  # noqa: E402
 from mlx_hybrid.export import convert  # noqa: E402
 from mlx_hybrid.drafting import MTPDrafter  # noqa: E402
 from mlx_hybrid.export import save_mlx  # noqa: E402
@@ -69,6 +74,16 @@ def checkpoint(models: Path, shape: str, precision: str) -> Path:
     if not quantized.exists():
         convert(dense, quantized, bits=4, group_size=64, dtype="bfloat16")
     return quantized
+
+
+@contextlib.contextmanager
+def split_layer_ops():
+    """Inside: the linear-attention layers and the residual norms run as their single ops (the rule's
+    and the conv's kernels, MLX's ops), as before their one-launch kernels."""
+    passed = selfcheck.passed
+    layer_kernels = (kernels.LINEAR_ATTENTION, kernels.ADD_RMS_NORM)
+    with mock.patch.object(selfcheck, "passed", lambda spec, *a: spec not in layer_kernels and passed(spec, *a)):
+        yield
 
 
 def mlx_lm_generate(model):
@@ -149,9 +164,11 @@ def check(path: Path, args) -> list[str]:
         median = speeds(ours, mlx_lm_generate(lm_model), args.prompt_tokens, args.decode_tokens, args.rounds)
         a, b = median["ours"], median["mlx-lm"]
         prefill, decode = f"prefill@{args.prompt_tokens}", f"decode@{args.prompt_tokens}"
+        with split_layer_ops():  # the path before the layer kernels, for their effect on this device
+            split = measure("ours, split ops", ours, [args.prompt_tokens], args.decode_tokens)[decode]
         return [
             f"{a[prefill]:.0f} / {b[prefill]:.0f} = {a[prefill] / b[prefill]:.2f}x",
-            f"{a[decode]:.1f} / {b[decode]:.1f} = {a[decode] / b[decode]:.2f}x",
+            f"{a[decode]:.1f} / {b[decode]:.1f} = {a[decode] / b[decode]:.2f}x (split ops {split:.1f})",
         ]
 
     def launch_cells():

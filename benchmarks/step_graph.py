@@ -2,6 +2,7 @@
 
     python benchmarks/step_graph.py                          # Qwen3.5-0.8B shape, random weights
     python benchmarks/step_graph.py --model DIR --mlx-lm     # a checkpoint, mlx-lm's step beside ours
+    python benchmarks/step_graph.py --gpu-path               # the graph a GPU computes, counted here
 
 How it counts: one greedy decode step is built (not evaluated) on a cache that holds a prompt,
 its outputs are the next token and every array the caches keep, and MLX writes that graph out
@@ -10,7 +11,9 @@ broadcast, ...) are counted apart, as they move no data on a GPU, so the rest ap
 kernels a GPU launches for the step (a node of MLX's own may launch more than one: a matrix product
 through cuBLAS, a sort). The graph depends on the device it is built for: on the CPU MLX builds
 mx.fast's norms, rotary embedding and attention as their compositions and our CPU primitives
-replace others, so the GPU path's count is read where a GPU computes (`gpu_check.py` does).
+replace others, so the GPU path's count is read where a GPU computes (`gpu_check.py` does), or
+here with `--gpu-path`: the ops module takes its GPU branches, and each of our kernels and each of
+mx.fast's fused ops stands in the graph as one node (`gpu_path_graph`), the launch it is on a GPU.
 Beside the count, the host's time to build the step's graph (the model's call, nothing evaluated):
 where it approaches a step's time, decoding waits on Python rather than on the device.
 """
@@ -18,6 +21,7 @@ where it approaches a step's time, decoding waits on Python rather than on the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import tempfile
@@ -33,6 +37,7 @@ VIEWS = frozenset(
     {"Reshape", "Broadcast", "Slice", "Transpose", "AsStrided", "ExpandDims", "Squeeze", "Split", "Flatten",
      "Unflatten", "StopGradient", "Depends"}
 )  # fmt: skip
+STAND_IN = "ErfInv"  # the node a kernel or fused op stands as under gpu_path_graph(): no model uses it
 _NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
 
 
@@ -47,6 +52,50 @@ def graph_nodes(outputs) -> Counter:
 def summary(nodes: Counter) -> dict:
     views = sum(n for name, n in nodes.items() if name in VIEWS)
     return {"nodes": sum(nodes.values()), "views": views, "launches": sum(nodes.values()) - views}
+
+
+def _stand_in(inputs, shapes, dtypes) -> list:
+    """Outputs of these shapes and dtypes made by one non-view node that depends on every input."""
+
+    def zeros(shape, dtype):  # a view of a constant: no node that computes
+        return mx.broadcast_to(mx.array(0, dtype), shape)
+
+    first = mx.depends([mx.erfinv(zeros(shapes[0], dtypes[0]))], [a for a in inputs if isinstance(a, mx.array)])
+    return first + [mx.depends([zeros(s, d)], first)[0] for s, d in zip(shapes[1:], dtypes[1:])]
+
+
+@contextlib.contextmanager
+def gpu_path_graph():
+    """Inside: ops builds the graph it builds where a GPU computes (bfloat16 by default), each custom
+    kernel and each of mx.fast's fused ops one stand-in node (a STAND_IN of zeros, so a prompt can
+    still be evaluated here to fill a cache). Counting only: the values are not the model's."""
+    from unittest import mock
+
+    from mlx_hybrid import ops
+    from mlx_hybrid.ops import kernels
+
+    def fast(output):
+        return lambda *args, **kw: _stand_in(args, *zip(*output(*args, **kw)))[0]
+
+    like_first = lambda x, *_, **__: [(x.shape, x.dtype)]  # noqa: E731
+    attention_out = lambda q, k, v, **_: [(q.shape[:-1] + v.shape[-1:], q.dtype)]  # noqa: E731
+    with contextlib.ExitStack() as stack:
+        for target, name, value in [
+            (ops, "_gpu_computes", lambda: True),
+            (ops, "kernel_platform", lambda: "graph"),
+            (ops.selfcheck, "passed", lambda *a: True),
+            (mx.fast, "rms_norm", fast(like_first)),
+            (mx.fast, "layer_norm", fast(like_first)),
+            (mx.fast, "rope", fast(like_first)),
+            (mx.fast, "scaled_dot_product_attention", fast(attention_out)),
+        ]:
+            stack.enter_context(mock.patch.object(target, name, value))
+        stack.enter_context(
+            mock.patch.dict(
+                kernels.RUNNERS, graph=lambda spec, l: _stand_in(l.inputs, l.output_shapes, l.output_dtypes)
+            )
+        )
+        yield
 
 
 def mlx_hybrid_step(model, prompt: list[int]) -> tuple[Counter, float]:
@@ -79,11 +128,21 @@ def mlx_lm_step(model, prompt: list[int]) -> tuple[Counter, float]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a checkpoint (default: the Qwen3.5-0.8B shape, random weights)")
+    p.add_argument("--model", help="a checkpoint (default: random weights at --shape)")
+    p.add_argument("--shape", default="qwen3.5-0.8b", help="a shape of benchmarks/shapes.py (default %(default)s)")
     p.add_argument("--mlx-lm", action="store_true", help="count mlx-lm's step on the same checkpoint too")
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--top", type=int, default=12, help="list the most frequent primitives")
+    p.add_argument(
+        "--gpu-path", action="store_true",
+        help=f"count the graph the GPU path builds, here (each kernel and fused op one {STAND_IN} node)",
+    )  # fmt: skip
     args = p.parse_args()
+    with gpu_path_graph() if args.gpu_path else contextlib.nullcontext():
+        count(args)
+
+
+def count(args):
     import mlx_hybrid
     from mlx_hybrid import ops
 
@@ -93,7 +152,7 @@ def main():
     else:
         from shapes import SHAPES, random_model
 
-        model = random_model(SHAPES["qwen3.5-0.8b"](), ops.default_dtype())
+        model = random_model(SHAPES[args.shape](), ops.default_dtype())
     prompt = list(range(3, 3 + args.prompt_tokens))
     steps = {"mlx-hybrid": mlx_hybrid_step(model, prompt)}
     if args.mlx_lm:

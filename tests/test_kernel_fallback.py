@@ -12,10 +12,13 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import REFERENCE_TOL, load_fixture, reference as fixture_reference
 
+import mlx_hybrid
 from emulation import emulate
 from mlx_hybrid import ops
 from mlx_hybrid.ops import kernels, reference, selfcheck
+from mlx_hybrid.ops.selfcheck import linear_attention_args
 from test_ops import OP_TOL, make_inputs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ f
 @pytest.fixture
 def emulated(monkeypatch):
     """Kernels run on the 'emulated' platform; checks start afresh."""
+
     def run(spec, launch):  # outputs in their dtypes, as a GPU's runner gives them
         return [mx.array(o).astype(d) for o, d in zip(emulate(spec, launch)[0], launch.output_dtypes)]
 
@@ -38,7 +42,7 @@ def broken_kernel(monkeypatch, tmp_path, spec, old, new):
     source = spec.source
     assert old in source
     (tmp_path / spec.file).write_text(source.replace(old, new))
-    for other in (kernels.GATED_DELTA, kernels.CONV1D_SILU):
+    for other in (kernels.GATED_DELTA, kernels.CONV1D_SILU, kernels.LINEAR_ATTENTION):
         if other.file != spec.file:
             (tmp_path / other.file).write_text(other.source)
     monkeypatch.setattr(kernels, "SOURCE_DIRS", [tmp_path])
@@ -121,6 +125,67 @@ def test_broken_kernel_warns_once_and_falls_back(emulated, monkeypatch, tmp_path
     # the fallback is the pure-MLX op itself: the broken op's output is exactly the reference
     got, want = (rule, want_rule) if spec is kernels.GATED_DELTA else (conv, want_conv)
     assert_equal_results(got, want, 0.0)
+
+
+def linear_attention_layer(T: int, snapshots: bool):
+    """One GDN layer's call through ops, and the pure-MLX composition's result."""
+    args = linear_attention_args(
+        np.random.default_rng(T), 1, T, reference.HeadShape(1, 2, 32, 16), 4, False, "silu", mx.float32
+    )  # fmt: skip
+    return ops.linear_attention(*args, snapshots=snapshots), reference.linear_attention(*args, snapshots=snapshots)
+
+
+def assert_same_layer(got, want, atol):
+    """Output, tail, state and the per-token snapshots (where there are any) of two LayerResults."""
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        for x, y in zip(*(([a], [b]) if isinstance(a, mx.array) else (a or [], b or []))):
+            np.testing.assert_allclose(np.array(x), np.array(y), atol=atol, rtol=0)
+
+
+def test_a_layer_runs_as_one_kernel_token_by_token(emulated, caplog):
+    """Decode steps, verify passes and short prompts take the layer body (and only it); a long
+    prompt without snapshots the split ops, whose delta rule runs chunked."""
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        for T, snapshots in ((1, False), (4, True)):
+            got, want = linear_attention_layer(T, snapshots)
+            assert_same_layer(got, want, OP_TOL)  # the body against pure MLX: two float32 orders
+        assert [key[0] for key in selfcheck.kernel_usable] == [kernels.LINEAR_ATTENTION.name] * 2
+        got, want = linear_attention_layer(ops.CHUNKED_MIN_TOKENS, False)
+        assert_same_layer(got, want, OP_TOL)
+    assert not caplog.records
+    assert kernels.GATED_DELTA.name not in {key[0] for key in selfcheck.kernel_usable}  # chunked: no rule kernel
+    assert kernels.CONV1D_SILU.name in {key[0] for key in selfcheck.kernel_usable}
+
+
+@pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
+def test_models_on_the_layer_body_match_transformers_and_speculate_exactly(emulated, family):
+    """Every linear-attention layer as the one body (48 tokens: all token by token), each residual +
+    norm as its body: the logits are
+    transformers' within REFERENCE_TOL; greedy decoding equals transformers' tokens, and greedy
+    speculation (each layer's snapshots from the body, rolled back by the cache) equals it too."""
+    model, tokenizer = load_fixture(family, "hf")
+    ref = fixture_reference(family)
+    np.testing.assert_allclose(np.array(model(mx.array(ref["input_ids"]))), ref["logits"], atol=REFERENCE_TOL, rtol=0)
+    prompt = ref["prompt_ids"][0].tolist()
+    want = ref["greedy_ids"][0, len(prompt) :].tolist()
+    draft = "mtp" if family == "qwen35" else "ngram"
+    for settings in ({"draft": None}, {"draft": draft, "num_draft_tokens": 3}):
+        got = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=len(want), **settings)]
+        assert got == want, settings
+    gpu_kernels = {key: usable for key, usable in selfcheck.kernel_usable.items() if key[1] == "emulated"}
+    layer_kernels = {kernels.LINEAR_ATTENTION.name, kernels.ADD_RMS_NORM.name}
+    assert {key[0] for key in gpu_kernels} == layer_kernels and all(gpu_kernels.values())
+
+
+def test_a_broken_layer_body_falls_back_to_the_split_ops(emulated, monkeypatch, tmp_path, caplog):
+    broken_kernel(monkeypatch, tmp_path, kernels.LINEAR_ATTENTION, "reads[c] * inverse_rms", "reads[c] * 2.0f")
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        got, want = linear_attention_layer(4, True)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "linear_attention.metal" in warnings[0], warnings
+    assert selfcheck.kernel_usable[(kernels.GATED_DELTA.name, "emulated", mx.float32, 32, False, True)]
+    assert_same_layer(got, want, OP_TOL)  # the split ops' kernels against pure MLX
 
 
 def test_strict_mode_makes_a_broken_kernel_an_error(emulated, monkeypatch, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 from emulation import emulate
 from mlx_hybrid import ops
 from mlx_hybrid.ops import kernels, reference
+from mlx_hybrid.ops.selfcheck import linear_attention_args
 from test_ops import OP_TOL, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,72 @@ def check_conv(B, T, C, K, snapshots, run, dtype=mx.float32):
         np.testing.assert_array_equal(tails, np.array(mx.stack(want_tails, axis=1).astype(mx.float32)))
 
 
+def check_linear_attention(B, T, heads, K, vector_gate, activation, snapshots, run, dtype=mx.float32):
+    """The layer body against the pure-MLX composition (reference.linear_attention), x, a, b, the
+    gate and the tail in `dtype`: outputs and states within TOL, and in 16 bits within a rounding
+    step of their scale (a conv output the kernel rounds to the other neighbouring value moves the
+    rest by about that), the tails exact (copies of inputs). Returns the simd_sum count."""
+    rng = np.random.default_rng(B * 100 + T + heads.key_dim + heads.value_dim)
+    args = linear_attention_args(rng, B, T, heads, K, vector_gate, activation, dtype)
+    outputs, barriers = run(kernels.LINEAR_ATTENTION, kernels.linear_attention_launch(*args, snapshots))
+    want = reference.linear_attention(*args, snapshots=snapshots)
+    pairs = [(outputs[0], want.out), (outputs[2], want.state)]
+    copies = [(outputs[1], want.tail)]
+    if snapshots:
+        pairs.append((outputs[4], mx.stack(want.state_snapshots, axis=1)))
+        copies.append((outputs[3], mx.stack(want.tail_snapshots, axis=1)))
+    for got, expected in pairs:
+        expected = np.array(expected.astype(mx.float32))
+        atol = TOL + ROUNDING_STEP[dtype] * np.abs(expected).max()
+        np.testing.assert_allclose(got, expected, atol=atol, rtol=0)
+    for got, expected in copies:
+        np.testing.assert_array_equal(got, np.array(expected.astype(mx.float32)))
+    return barriers
+
+
+# (B, T, Hk, Hv, Dk, Dv, K): lanes partly idle (Dk 20, 48) or holding several rows (128); one column
+# a simdgroup (Dv 16: 16 simdgroups), 4 (44: 11) or 8 (128: 16); value heads sharing a key head
+LAYER_SHAPES = [
+    (1, 1, 1, 1, 16, 16, 4), (2, 5, 1, 2, 20, 44, 4), (1, 65, 1, 3, 48, 16, 2), (2, 3, 2, 4, 128, 128, 4),
+    (1, 4, 2, 2, 32, 64, 3),
+]  # fmt: skip
+LAYER_KINDS = {"gdn": (False, "silu"), "kda": (True, "sigmoid")}
+
+
+@pytest.mark.parametrize("kind,snapshots", list(itertools.product(LAYER_KINDS, [False, True])))
+def test_linear_attention_kernel_grid(kind, snapshots):
+    for B, T, Hk, Hv, Dk, Dv, K in LAYER_SHAPES:
+        heads = reference.HeadShape(Hk, Hv, Dk, Dv)
+        barriers = check_linear_attention(B, T, heads, K, *LAYER_KINDS[kind], snapshots, emulate)
+        columns = kernels.linear_attention_launch(
+            *linear_attention_args(np.random.default_rng(0), 1, 1, heads, K, False, "silu", mx.float32), False
+        ).template[3][1]
+        # every simdgroup met the two L2 sums and two sums a column, every token
+        assert barriers == B * Hv * (Dv // columns) * T * (2 + 2 * columns)
+
+
+def check_add_rms_norm(rows, N, run, dtype=mx.float32):
+    """The residual + norm body against MLX's sum (equal: one rounding of the same float32 sum) and
+    reference.rms_norm (within TOL of the row's scale for float32: sums of squares in two orders;
+    one rounding step of the dtype in 16 bits)."""
+    rng = np.random.default_rng(rows * 1000 + N)
+    x, y = (mx.array(rng.standard_normal((rows, N)).astype(np.float32)).astype(dtype) for _ in range(2))
+    weight = mx.array((1 + 0.5 * rng.standard_normal(N)).astype(np.float32)).astype(dtype)
+    (total, normed), barriers = run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, 1e-6))
+    np.testing.assert_array_equal(total, np.array((x + y).astype(mx.float32)))
+    want = np.array(reference.rms_norm(x + y, weight, 1e-6).astype(mx.float32))
+    assert (np.abs(normed - want) <= TOL + ROUNDING_STEP[dtype] * np.abs(want)).all(), np.abs(normed - want).max()
+    return barriers
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["float32", "bfloat16", "float16"])
+def test_add_rms_norm_kernel_grid(dtype):
+    # features: fewer than a simdgroup, a partial one, a full threadgroup's worth, several per thread
+    for rows, N in itertools.product([1, 3], [16, 200, 256, 1000, 2048]):
+        barriers = check_add_rms_norm(rows, N, emulate, dtype)
+        assert barriers == rows * min(8, -(-N // 32))  # one simd_sum per simdgroup a row
+
+
 @pytest.mark.parametrize(
     "Dk,vector_gate,snapshots", list(itertools.product([16, 32, 64, 128], [False, True], [False, True]))
 )
@@ -90,6 +157,10 @@ def test_kernels_take_16_bit_inputs(dtype):
         check_conv(B, T, 24, K, snapshots, emulate, dtype)
     for T, vector_gate, snapshots in itertools.product([1, 5], [False, True], [False, True]):
         check_gated_delta(2, T, 1, 2, 32, 16, vector_gate, snapshots, emulate, dtype)
+    for kind, snapshots in (("gdn", False), ("kda", True)):
+        check_linear_attention(
+            2, 5, reference.HeadShape(1, 2, 32, 44), 4, *LAYER_KINDS[kind], snapshots, emulate, dtype
+        )
 
 
 def _gcov_unexecuted(build: Path, source_name: str) -> list[str]:
@@ -115,7 +186,18 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
         emulate(
             kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots), coverage_dir=tmp_path / f"cv{i}"
         )
-    for prefix, spec in (("gd", kernels.GATED_DELTA), ("cv", kernels.CONV1D_SILU)):
+    for i, ((vector_gate, activation), snapshots) in enumerate(itertools.product(LAYER_KINDS.values(), [False, True])):
+        args = linear_attention_args(  # Dk=48: a partly idle lane
+            np.random.default_rng(0), 1, 3, reference.HeadShape(1, 2, 48, 16), 4, vector_gate, activation, mx.float32
+        )  # fmt: skip
+        launch = kernels.linear_attention_launch(*args, snapshots)
+        emulate(kernels.LINEAR_ATTENTION, launch, coverage_dir=tmp_path / f"la{i}")
+    x = mx.ones((2, 200))
+    emulate(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, x, x[0], 1e-6), coverage_dir=tmp_path / "an0")
+    for prefix, spec in (
+        ("gd", kernels.GATED_DELTA), ("cv", kernels.CONV1D_SILU), ("la", kernels.LINEAR_ATTENTION),
+        ("an", kernels.ADD_RMS_NORM),
+    ):  # fmt: skip
         dead = None  # a line is dead only if no variant ran it
         for build in sorted(tmp_path.glob(f"{prefix}*")):
             lines = {int(line.split(":")[1]) for line in _gcov_unexecuted(build, spec.file)}
@@ -124,12 +206,19 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles only; no GPU needed)")
-@pytest.mark.parametrize("spec", [kernels.GATED_DELTA, kernels.CONV1D_SILU], ids=lambda s: s.file)
+@pytest.mark.parametrize(
+    "spec", [kernels.GATED_DELTA, kernels.CONV1D_SILU, kernels.LINEAR_ATTENTION, kernels.ADD_RMS_NORM],
+    ids=lambda s: s.file,
+)  # fmt: skip
 def test_cuda_twin_compiles(spec, tmp_path):
     """The CUDA prelude + the same bodies, wrapped the way mx.fast.cuda_kernel wraps them."""
     template = {
         kernels.GATED_DELTA: "using T = float; constexpr int Dk = 64; constexpr bool VectorGate = true; constexpr bool Snapshots = true;",
         kernels.CONV1D_SILU: "using T = float; constexpr int K = 4; constexpr bool Snapshots = true;",
+        kernels.LINEAR_ATTENTION: "using T = float; constexpr int Dk = 128; constexpr int K = 4; "
+        "constexpr int Columns = 8; constexpr bool VectorGate = true; constexpr bool SigmoidGate = false; "
+        "constexpr bool Snapshots = true;",
+        kernels.ADD_RMS_NORM: "using T = float; constexpr int Threads = 256;",
     }[spec]
     params = []
     for name in spec.input_names:
@@ -164,6 +253,11 @@ def test_kernels_on_gpu(dtype):
         check_gated_delta(2, T, 1, ratio, Dk, Dv, vector_gate, True, on_gpu, dtype)
     for K, snapshots, T, B in itertools.product([2, 4], [False, True], [1, 5, 65], [1, 2]):
         check_conv(B, T, 264, K, snapshots, on_gpu, dtype)
+    for (B, T, Hk, Hv, Dk, Dv, K), kind, snapshots in itertools.product(LAYER_SHAPES, LAYER_KINDS, [False, True]):
+        heads = reference.HeadShape(Hk, Hv, Dk, Dv)
+        check_linear_attention(B, T, heads, K, *LAYER_KINDS[kind], snapshots, on_gpu, dtype)
+    for rows, N in itertools.product([1, 3], [16, 200, 1024, 2048]):
+        check_add_rms_norm(rows, N, on_gpu, dtype)
 
 
 def test_only_the_ops_module_asks_which_device_runs():

@@ -122,7 +122,7 @@ class KimiDeltaAttention(nn.Module):
             mixed, conv_weight, decay_in, self.b_proj(x), gate, ops.Decay(self.A, self.dt_bias), norm, cache,
             ops.HeadShape(H, H, D, D),
         )  # fmt: skip
-        return all_sum(self.o_proj(out.astype(x.dtype)), self.group)
+        return all_sum(self.o_proj(out), self.group)
 
 
 class LatentAttention(nn.Module):

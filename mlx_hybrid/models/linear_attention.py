@@ -34,7 +34,7 @@ def linear_attention(
     conv + SiLU over q|k|v, L2-normalised q and k, the rule's gates from a and b, the gated delta
     rule, the gated output norm), reading and updating the layer's recurrent cache.
 
-    Returns [B, T, value_heads * value_dim] in float32.
+    Returns [B, T, value_heads * value_dim] in mixed_qkv's dtype.
     """
 
     def one_sequence(mixed_qkv, a, b, gate, cache):

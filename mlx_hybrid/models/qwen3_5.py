@@ -139,7 +139,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_qkv(x), self.conv1d_weight, self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x),
             ops.Decay(self.A, self.dt_bias), norm, cache, heads,
         )  # fmt: skip
-        return all_sum(self.out_proj(out.astype(x.dtype)), self.group)
+        return all_sum(self.out_proj(out), self.group)
 
 
 class GatedAttention(nn.Module):

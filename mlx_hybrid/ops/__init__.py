@@ -132,7 +132,17 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
     """(x + y, rms_norm(x + y, weight, eps)): a residual sum and the norm after it, on the CPU one
-    node of ours (the same bits as the two)."""
+    node of ours (the same bits as the two), on a GPU one kernel."""
+    platform = kernel_platform()
+    if (
+        platform
+        and x.dtype == y.dtype == weight.dtype
+        and x.dtype in KERNEL_DTYPES
+        and x.shape == y.shape
+        and selfcheck.passed(kernels.ADD_RMS_NORM, selfcheck.small_add_rms_norm_case, platform, x.dtype)
+    ):
+        total, normed = kernels.run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, eps), platform)
+        return total, normed
     if x.dtype == y.dtype == weight.dtype == mx.float32 and x.shape == y.shape and _cpu_kernel_passed(
         NORMS, selfcheck.small_norm_case, "add-rms"
     ):
@@ -220,8 +230,10 @@ def _quantized_cache_attention(q, k: QuantizedEntries, v: QuantizedEntries, scal
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """SiLU(gate) * up, in up's dtype: the SwiGLU feed-forward's hidden layer (on the CPU one node
-    of ours where MLX's compiled form makes three)."""
+    """SiLU(gate) * up, in up's dtype: the SwiGLU feed-forward's hidden layer (one launch on a GPU;
+    on the CPU one node of ours where MLX's compiled form makes three)."""
+    if _gpu_computes():
+        return activations.swiglu_gpu(gate, up)
     if _gated_product_runs(up, gate):
         return cpu_kernels.gated_product(up, gate, False)
     return activations.swiglu(gate, up)
@@ -229,6 +241,8 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 def sigmoid_gated(x: mx.array, gate: mx.array) -> mx.array:
     """x * sigmoid(gate), in x's dtype (as `swiglu`)."""
+    if _gpu_computes():
+        return activations.sigmoid_gated_gpu(x, gate)
     if _gated_product_runs(x, gate):
         return cpu_kernels.gated_product(x, gate, True)
     return activations.sigmoid_gated(x, gate)
@@ -464,12 +478,29 @@ def linear_attention(
 ) -> LayerResult:  # fmt: skip
     """A linear-attention layer's work between its projections (see `reference.linear_attention`):
     on the CPU one primitive of ours where it runs (a decode step's ~300 nodes fewer on
-    Qwen3.5-0.8B, each microseconds on MLX's CPU stream), else the single ops above, each on
-    the path it chooses."""
+    Qwen3.5-0.8B, each microseconds on MLX's CPU stream); on a GPU one kernel where the rule runs
+    token by token (decode steps, verify passes, short prompts: 17 launches fewer a layer); else
+    the single ops above, each on the path it chooses."""
+    platform = kernel_platform()
+    dtypes = {array.dtype for array in (x, conv_weight, a, b, gate, *decay, norm.weight)}
+    width = conv_weight.shape[-1]
+    variant = (a.ndim == 4, norm.activation, snapshots, x.dtype, heads.key_dim, heads.value_dim, width)
     if (
-        kernel_platform() is None
+        platform
+        and (snapshots or x.shape[1] < CHUNKED_MIN_TOKENS)
+        and dtypes <= set(KERNEL_DTYPES)
+        and heads.key_dim <= KERNEL_MAX_KEY_DIM
+        and width >= 2
+        and selfcheck.passed(kernels.LINEAR_ATTENTION, selfcheck.small_linear_attention_case, platform, *variant)
+    ):
+        launch = kernels.linear_attention_launch(x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots)
+        out, new_tail, new_state, tails, states = kernels.run(kernels.LINEAR_ATTENTION, launch, platform)
+        per_token = (_per_token(tails), _per_token(states)) if snapshots else (None, None)
+        return LayerResult(out, new_tail, new_state, *per_token)
+    if (
+        platform is None
         and x.dtype == mx.float32
-        and 2 <= conv_weight.shape[-1] <= CPU_CONV_MAX_WIDTH
+        and 2 <= width <= CPU_CONV_MAX_WIDTH
         and _cpu_kernel_passed(
             LINEAR_ATTENTION, selfcheck.small_linear_attention_case, a.ndim == 4, norm.activation, snapshots
         )

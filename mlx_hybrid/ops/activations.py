@@ -45,3 +45,19 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 def sigmoid_gated(x: mx.array, gate: mx.array) -> mx.array:
     """x * sigmoid(gate), in x's dtype: an attention output's gate."""
     return (x.astype(F32) * _sigmoid_f32(gate)).astype(x.dtype)
+
+
+# Where a GPU computes, MLX's own sigmoid (no slow exp there): under mx.compile each of these is
+# one fused kernel, where the 2^x forms above, a graph deeper than MLX fuses, make three
+# (swiglu) or two (sigmoid_gated) launches (benchmarks/step_graph.py --gpu-path).
+@partial(mx.compile, shapeless=True)
+def swiglu_gpu(gate: mx.array, up: mx.array) -> mx.array:
+    """`swiglu` with mx.sigmoid."""
+    gate = gate.astype(F32)
+    return (gate * mx.sigmoid(gate) * up.astype(F32)).astype(up.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def sigmoid_gated_gpu(x: mx.array, gate: mx.array) -> mx.array:
+    """`sigmoid_gated` with mx.sigmoid."""
+    return (x.astype(F32) * mx.sigmoid(gate.astype(F32))).astype(x.dtype)

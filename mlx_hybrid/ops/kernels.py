@@ -21,6 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .reference import L2_EPS
+
 SOURCE_DIRS = [Path(__file__).resolve().parents[2] / "metal", Path(__file__).resolve().parent / "metal"]
 
 
@@ -66,6 +68,22 @@ CONV1D_SILU = KernelSpec(
     ("y", "tail_out", "snapshots"),
 )
 
+LINEAR_ATTENTION = KernelSpec(
+    "mlx_hybrid_linear_attention",
+    "linear_attention.metal",
+    ("x", "conv_weight", "a", "b", "gate", "A", "dt_bias", "norm_weight", "scalars", "tail_in", "state_in"),
+    ("out", "tail_out", "state_out", "tail_snapshots", "state_snapshots"),
+)
+ADD_RMS_NORM = KernelSpec(
+    "mlx_hybrid_add_rms_norm", "add_rms_norm.metal", ("x", "y", "weight", "eps"), ("total", "normed")
+)
+# the most threads a residual + norm row takes (each then sums features / threads values)
+ADD_RMS_NORM_THREADS = 256
+
+# the most simdgroups a linear-attention threadgroup takes (at most the body's MaxGroups), each
+# holding value_dim / groups columns of a head's state: 16 x 32 threads, under any GPU's limit
+LINEAR_ATTENTION_GROUPS = 16
+
 
 def gated_delta_launch(q, k, v, g, beta, state, snapshots: bool) -> Launch:
     B, T, Hv, Dv = v.shape
@@ -100,6 +118,48 @@ def conv1d_silu_launch(x, weight, tail, snapshots: bool) -> Launch:
     )
 
 
+def linear_attention_launch(x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots: bool) -> Launch:
+    """ops.linear_attention's arguments (see reference.linear_attention) as one launch of the
+    linear-attention body: a threadgroup per sequence and value head."""
+    B, T, C = x.shape
+    Hk, Hv, Dk, Dv = heads
+    K = conv_weight.shape[-1]
+    if tail is None:
+        tail = mx.zeros((B, K - 1, C), dtype=x.dtype)
+    if state is None:
+        state = mx.zeros((B, Hv, Dk, Dv), dtype=mx.float32)
+    # the fewest columns a simdgroup that divide the head's, in at most LINEAR_ATTENTION_GROUPS simdgroups
+    columns = next(c for c in range(1, Dv + 1) if Dv % c == 0 and Dv // c <= LINEAR_ATTENTION_GROUPS)
+    scalars = mx.array([norm.eps, L2_EPS, Dk**-0.5], dtype=mx.float32)
+    f32 = mx.float32
+    flags = {"VectorGate": a.ndim == 4, "SigmoidGate": norm.activation == "sigmoid", "Snapshots": snapshots}
+    return Launch(
+        # the weights as stored (the body reads them into float32): no cast to launch each step
+        inputs=[x, conv_weight, a, b, gate, *decay, norm.weight, scalars, tail.astype(x.dtype), state.astype(f32)],
+        template=[("T", x.dtype), ("Dk", Dk), ("K", K), ("Columns", columns), *flags.items()],
+        grid=(32, Dv // columns, B * Hv),
+        threadgroup=(32, Dv // columns, 1),
+        output_shapes=[(B, T, Hv * Dv), (B, K - 1, C), (B, Hv, Dk, Dv)]
+        + ([(B, T, K - 1, C), (B, T, Hv, Dk, Dv)] if snapshots else [(1,), (1,)]),
+        output_dtypes=[x.dtype, x.dtype, f32, x.dtype, f32],
+    )
+
+
+def add_rms_norm_launch(x, y, weight, eps: float) -> Launch:
+    """(x + y, rms_norm(x + y, weight, eps)) over the last axis, a threadgroup a row."""
+    N = x.shape[-1]
+    rows = x.size // N
+    threads = min(ADD_RMS_NORM_THREADS, 32 * math.ceil(N / 32))
+    return Launch(
+        inputs=[x.reshape(rows, N), y.reshape(rows, N), weight, mx.array([eps], dtype=mx.float32)],
+        template=[("T", x.dtype), ("Threads", threads)],
+        grid=(threads, rows, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[x.shape, x.shape],
+        output_dtypes=[x.dtype, x.dtype],
+    )
+
+
 # Maps the Metal names the bodies use onto CUDA. mx.fast.cuda_kernel turns template
 # arguments into constexpr values at the top of the body and launches
 # ceil(grid / threadgroup) blocks; the launches above divide their grids exactly.
@@ -109,8 +169,12 @@ typedef unsigned int uint;
     make_uint3(blockIdx.x * blockDim.x + threadIdx.x, blockIdx.y * blockDim.y + threadIdx.y, \
                blockIdx.z * blockDim.z + threadIdx.z)
 #define thread_index_in_simdgroup (threadIdx.x & 31u)
+#define threadgroup_barrier(flags) __syncthreads()
+#define threadgroup __shared__
 namespace metal {
 __device__ inline float exp(float x) { return expf(x); }
+__device__ inline float log(float x) { return logf(x); }
+__device__ inline float rsqrt(float x) { return rsqrtf(x); }
 }
 __device__ inline float simd_sum(float value) {
     for (int offset = 16; offset > 0; offset >>= 1) {

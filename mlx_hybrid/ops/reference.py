@@ -336,7 +336,7 @@ class OutputNorm(NamedTuple):
 
 
 class LayerResult(NamedTuple):
-    out: mx.array  # [B, T, Hv Dv] float32
+    out: mx.array  # [B, T, Hv Dv] in x's dtype (computed in float32)
     tail: mx.array  # the conv's tail after the last token [B, K-1, C]
     state: mx.array  # [B, Hv, Dk, Dv] float32, after the last token
     tail_snapshots: list | None  # T arrays [B, K-1, C]: the tail after each token
@@ -362,9 +362,10 @@ def linear_attention(
     out, new_state, states = rule(q, k, v.reshape(B, T, Hv, Dv), g, beta, state, snapshots=snapshots)
     activation = {"silu": silu, "sigmoid": sigmoid}[norm.activation]
     out = rms(out, norm.weight.astype(F32), norm.eps) * activation(gate.reshape(B, T, Hv, Dv).astype(F32))
+    out = out.reshape(B, T, Hv * Dv).astype(x.dtype)
     # the new tail and state computed with the output: left for a next call, their lazy graphs
     # would keep this call's inputs alive (a prefill chunk's worth a layer)
-    (out,) = mx.depends([out.reshape(B, T, Hv * Dv)], [new_tail, new_state])
+    (out,) = mx.depends([out], [new_tail, new_state])
     return LayerResult(out, new_tail, new_state, tails, states)
 
 

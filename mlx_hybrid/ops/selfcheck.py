@@ -112,6 +112,16 @@ def small_conv_case(platform, dtype, width: int, snapshots: bool):
     return got, want
 
 
+def small_add_rms_norm_case(platform, dtype):
+    """Three rows of 200 features (a partial simdgroup) in `dtype`: the GPU body against MLX's sum
+    and `reference.rms_norm`."""
+    rng = np.random.default_rng(0)
+    x, y = (mx.array(rng.standard_normal((3, 200)).astype(np.float32)).astype(dtype) for _ in range(2))
+    weight = mx.array(rng.standard_normal(200).astype(np.float32)).astype(dtype)
+    got = kernels.run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, 1e-6), platform)
+    return got, [x + y, reference.rms_norm(x + y, weight, 1e-6)]
+
+
 def small_norm_case(platform, kind: str):
     """Two rows of 28 values (a block of 16, one of 8 and a tail of 4): our CPU kernel
     (kind 'rms', 'add-rms' or 'l2') against the compiled MLX form."""
@@ -125,34 +135,49 @@ def small_norm_case(platform, kind: str):
     return [cpu_kernels.l2_normalize(x, 1e-6)], [reference.l2_normalize(x, 1e-6)]
 
 
-def small_linear_attention_case(platform, vector_gate: bool, activation: str, snapshots: bool):
-    """Three tokens, one key head of 20 channels (a vector and a partial one), two value heads of
-    44, a conv of width 4: our CPU kernel (platform 'cpu') against the pure-MLX composition."""
-    rng = np.random.default_rng(0)
-    B, T, heads, K = 1, 3, reference.HeadShape(1, 2, 20, 44), 4
-    C = 2 * heads.key_dim + heads.value_heads * heads.value_dim
-    gates = heads.value_heads * (heads.key_dim if vector_gate else 1)
+def linear_attention_args(rng, B: int, T: int, heads, width: int, vector_gate: bool, activation: str, dtype) -> tuple:
+    """Random arguments of ops.linear_attention (x, conv weight, a, b, gate, decay, norm, heads, tail,
+    state) at these sizes: x, a, b, gate and the tail in `dtype`, the weights and state float32."""
+    Hk, Hv, Dk, Dv = heads
+    C = 2 * Hk * Dk + Hv * Dv
 
-    def array(x):
-        return mx.array(np.asarray(x, dtype=np.float32))
+    def array(shape, scale=1.0, dtype=mx.float32):
+        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
 
-    a = array(rng.standard_normal((B, T, heads.value_heads, heads.key_dim)[: 4 if vector_gate else 3]))
-    decay = reference.Decay(array(-rng.uniform(1, 8, heads.value_heads)), array(rng.uniform(-4, -1, gates)))
-    norm = reference.OutputNorm(array(1 + 0.1 * rng.standard_normal(heads.value_dim)), 1e-6, activation)
-    args = (array(rng.standard_normal((B, T, C))), array(0.5 * rng.standard_normal((C, K))), a,
-            array(rng.standard_normal((B, T, heads.value_heads))),
-            array(rng.standard_normal((B, T, heads.value_heads * heads.value_dim))), decay, norm, heads,
-            array(rng.standard_normal((B, K - 1, C))),
-            array(rng.standard_normal((B, heads.value_heads, heads.key_dim, heads.value_dim))))  # fmt: skip
-    results = [
-        cpu_kernels.linear_attention(*args, snapshots=snapshots),
-        reference.linear_attention(*args, snapshots=snapshots),
-    ]
-    got, want = ([r.out, r.tail, r.state] for r in results)
-    if snapshots:
-        for parts, r in zip((got, want), results):
-            parts += [mx.stack(r.tail_snapshots, axis=1), mx.stack(r.state_snapshots, axis=1)]
+    decay = reference.Decay(
+        mx.array(-rng.uniform(1, 8, Hv).astype(np.float32)),
+        mx.array(rng.uniform(-4, -1, Hv * (Dk if vector_gate else 1)).astype(np.float32)),
+    )
+    norm = reference.OutputNorm(1 + array(Dv, 0.1), 1e-6, activation)
+    a = array((B, T, Hv, Dk) if vector_gate else (B, T, Hv), dtype=dtype)
+    return (array((B, T, C), dtype=dtype), array((C, width), 0.5), a, array((B, T, Hv), dtype=dtype),
+            array((B, T, Hv * Dv), dtype=dtype), decay, norm, heads, array((B, width - 1, C), dtype=dtype),
+            array((B, Hv, Dk, Dv)))  # fmt: skip
+
+
+def small_linear_attention_case(platform, vector_gate: bool, activation: str, snapshots: bool, *shape):
+    """Three tokens, one key head, two value heads, against the pure-MLX composition: our CPU kernel
+    (platform 'cpu': keys of 20 channels, a vector and a partial one, values of 44, a conv of width
+    4, float32), or the GPU body at a call's shape = (dtype, key_dim, value_dim, width)."""
+    dtype, key_dim, value_dim, width = shape or (mx.float32, 20, 44, 4)
+    args = linear_attention_args(
+        np.random.default_rng(0), 1, 3, reference.HeadShape(1, 2, key_dim, value_dim), width, vector_gate,
+        activation, dtype,
+    )  # fmt: skip
+    want = _layer_arrays(reference.linear_attention(*args, snapshots=snapshots))
+    if platform == "cpu":
+        got = _layer_arrays(cpu_kernels.linear_attention(*args, snapshots=snapshots))
+    else:
+        launch = kernels.linear_attention_launch(*args, snapshots)
+        got = kernels.run(kernels.LINEAR_ATTENTION, launch, platform)[: len(want)]
     return got, want
+
+
+def _layer_arrays(result: reference.LayerResult) -> list:
+    """A layer's output, tail and state, and its snapshots stacked over the tokens where it has them."""
+    snapshots = result.state_snapshots is not None
+    stacked = [mx.stack(result.tail_snapshots, axis=1), mx.stack(result.state_snapshots, axis=1)] if snapshots else []
+    return [result.out, result.tail, result.state, *stacked]
 
 
 def small_attention_case(_platform):

@@ -1,9 +1,10 @@
 // Emulates, on the CPU, exactly the Metal features the kernels in metal/ use:
-// thread positions, simdgroup lanes, simd_sum, address-space qualifiers and metal::exp.
+// thread positions, simdgroup lanes, simd_sum, threadgroup memory and threadgroup_barrier,
+// address-space qualifiers and metal::exp, log, rsqrt.
 //
-// Threads run as fibers, one per lane of a simdgroup; the lanes of a simdgroup run
-// in turn up to each simd_sum, a barrier at which the scheduler adds their values
-// and resumes them all. On x86-64 fibers switch with a few instructions (the
+// Threads run as fibers, all the threads of a threadgroup at once; they run in turn up to each
+// simd_sum (where the scheduler adds their simdgroup's values and resumes it) or
+// threadgroup_barrier (where it resumes them when all have come). On x86-64 fibers switch with a few instructions (the
 // callee-saved registers and the stack pointer); elsewhere with ucontext. Threadgroups and simdgroups follow Metal's
 // dispatchThreads: lanes are consecutive linear indices within a threadgroup.
 #pragma once
@@ -20,11 +21,14 @@ struct uint3 {
 };
 #define device
 #define constant
-#define threadgroup
+// one threadgroup runs at a time, so its memory can be one static array for all of them
+#define threadgroup static
 #define thread
 
 namespace metal {
 inline float exp(float x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 }  // namespace metal
 
 // Metal's 16-bit floats, converted from float32 rounding to nearest even, as MLX and the GPUs
@@ -136,99 +140,134 @@ struct Fiber {
 inline void switch_to(Fiber& from, Fiber& to) { swapcontext(&from.context, &to.context); }
 #endif
 
-struct Simdgroup {
+constexpr int kMaxThreads = 1024;  // Metal's and CUDA's largest threadgroup
+
+enum Wait : char { kRunning, kSimdSum, kBarrier };
+
+// The threads of one threadgroup, each a fiber. A thread runs until it reaches simd_sum or
+// threadgroup_barrier (or ends); the scheduler then adds the values of each simdgroup whose
+// threads all wait in simd_sum, in lane order, and lets them go on, or, when every thread waits
+// at the barrier, lets them all go on.
+struct Threadgroup {
     Fiber scheduler;
-    Fiber lanes[kLanes];
-    char* stacks[kLanes] = {};
-    bool done[kLanes];
-    bool waiting[kLanes];
-    uint3 position[kLanes];
-    float values[kLanes];
-    float result = 0.0f;
+    Fiber threads[kMaxThreads];
+    char* stacks[kMaxThreads] = {};
+    bool done[kMaxThreads];
+    Wait waiting[kMaxThreads];
+    uint3 position[kMaxThreads];
+    float values[kMaxThreads];
+    float results[kMaxThreads / kLanes];
     int count = 0;
     int current = -1;
     const Body* body = nullptr;
-    long barriers = 0;  // simd_sum calls completed, for the harness's checks
+    long barriers = 0;  // simd_sum calls completed (one a simdgroup), for the harness's checks
 };
 
-inline Simdgroup& group() {
-    static Simdgroup g;
+inline Threadgroup& group() {
+    static Threadgroup g;
     return g;
 }
 
-inline void lane_entry() {
-    Simdgroup& g = group();
-    const int lane = g.current;
-    (*g.body)(g.position[lane], static_cast<uint>(lane));
-    g.done[lane] = true;
-    switch_to(g.lanes[lane], g.scheduler);
+inline void thread_entry() {
+    Threadgroup& g = group();
+    const int self = g.current;
+    (*g.body)(g.position[self], static_cast<uint>(self % kLanes));
+    g.done[self] = true;
+    switch_to(g.threads[self], g.scheduler);
 }
 
-// Run one simdgroup of `count` lanes to completion.
-inline void run_simdgroup(const Body& body, const uint3* positions, int count) {
-    Simdgroup& g = group();
-    g.body = &body;
-    g.count = count;
-    for (int lane = 0; lane < count; ++lane) {
-        if (!g.stacks[lane]) g.stacks[lane] = static_cast<char*>(std::malloc(kStack));
-        g.position[lane] = positions[lane];
-        g.done[lane] = false;
-        g.waiting[lane] = false;
-        g.lanes[lane].start(g.stacks[lane], lane_entry);
-    }
-    for (;;) {
-        int live = 0, waiting = 0;
-        for (int lane = 0; lane < count; ++lane) {
-            if (g.done[lane]) continue;
-            g.current = lane;
-            g.waiting[lane] = false;
-            switch_to(g.scheduler, g.lanes[lane]);
-            if (!g.done[lane]) {
-                ++live;
-                waiting += g.waiting[lane];
+// Lets the threads of each simdgroup that all wait in simd_sum go on; whether any did.
+inline bool finish_simd_sums(Threadgroup& g) {
+    bool any = false;
+    for (int first = 0; first < g.count; first += kLanes) {
+        const int last = first + kLanes < g.count ? first + kLanes : g.count;
+        int live = 0, summing = 0;
+        for (int t = first; t < last; ++t) {
+            live += !g.done[t];
+            summing += !g.done[t] && g.waiting[t] == kSimdSum;
+        }
+        if (summing == 0) continue;
+        if (summing != live) std::abort();  // lanes of a simdgroup diverged around a simd_sum
+        float sum = 0.0f;
+        for (int t = first; t < last; ++t) {
+            if (!g.done[t]) {
+                sum += g.values[t];
+                g.waiting[t] = kRunning;
             }
         }
-        if (live == 0) return;
-        if (waiting != live) std::abort();  // lanes diverged around a simd_sum
-        float sum = 0.0f;
-        for (int lane = 0; lane < count; ++lane) sum += g.values[lane];
-        g.result = sum;
+        g.results[first / kLanes] = sum;
         ++g.barriers;
+        any = true;
+    }
+    return any;
+}
+
+// Run one threadgroup of `count` threads (in linear order) to completion.
+inline void run_threadgroup(const Body& body, const uint3* positions, int count) {
+    Threadgroup& g = group();
+    g.body = &body;
+    g.count = count;
+    for (int t = 0; t < count; ++t) {
+        if (!g.stacks[t]) g.stacks[t] = static_cast<char*>(std::malloc(kStack));
+        g.position[t] = positions[t];
+        g.done[t] = false;
+        g.waiting[t] = kRunning;
+        g.threads[t].start(g.stacks[t], thread_entry);
+    }
+    for (;;) {
+        for (int t = 0; t < count; ++t) {
+            if (g.done[t] || g.waiting[t] != kRunning) continue;
+            g.current = t;
+            switch_to(g.scheduler, g.threads[t]);
+        }
+        if (finish_simd_sums(g)) continue;
+        int live = 0, at_barrier = 0;
+        for (int t = 0; t < count; ++t) {
+            live += !g.done[t];
+            at_barrier += !g.done[t] && g.waiting[t] == kBarrier;
+        }
+        if (live == 0) return;
+        if (at_barrier != count) std::abort();  // a thread ended, or waits elsewhere, while others wait at the barrier
+        for (int t = 0; t < count; ++t) g.waiting[t] = kRunning;
     }
 }
 
 }  // namespace emu
 
 inline float simd_sum(float value) {
-    emu::Simdgroup& g = emu::group();
-    const int lane = g.current;
-    g.values[lane] = value;
-    g.waiting[lane] = true;
-    emu::switch_to(g.lanes[lane], g.scheduler);
-    return g.result;
+    emu::Threadgroup& g = emu::group();
+    const int self = g.current;
+    g.values[self] = value;
+    g.waiting[self] = emu::kSimdSum;
+    emu::switch_to(g.threads[self], g.scheduler);
+    return g.results[self / emu::kLanes];
+}
+
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+
+inline void threadgroup_barrier(mem_flags) {
+    emu::Threadgroup& g = emu::group();
+    const int self = g.current;
+    g.waiting[self] = emu::kBarrier;
+    emu::switch_to(g.threads[self], g.scheduler);
 }
 
 namespace emu {
 
 // dispatchThreads(grid, threadgroup): every thread of the grid, none beyond it.
 inline long dispatch(const Body& body, uint3 grid, uint3 tg) {
+    if (tg.x * tg.y * tg.z > kMaxThreads) std::abort();
     group().barriers = 0;
+    static uint3 positions[kMaxThreads];
     for (uint gz = 0; gz < grid.z; gz += tg.z)
         for (uint gy = 0; gy < grid.y; gy += tg.y)
             for (uint gx = 0; gx < grid.x; gx += tg.x) {
                 // linear order within the threadgroup; every 32 consecutive threads form a simdgroup
-                uint3 positions[kLanes];
                 int n = 0;
                 for (uint z = gz; z < gz + tg.z && z < grid.z; ++z)
                     for (uint y = gy; y < gy + tg.y && y < grid.y; ++y)
-                        for (uint x = gx; x < gx + tg.x && x < grid.x; ++x) {
-                            positions[n++] = uint3{x, y, z};
-                            if (n == kLanes) {
-                                run_simdgroup(body, positions, n);
-                                n = 0;
-                            }
-                        }
-                if (n) run_simdgroup(body, positions, n);
+                        for (uint x = gx; x < gx + tg.x && x < grid.x; ++x) positions[n++] = uint3{x, y, z};
+                run_threadgroup(body, positions, n);
             }
     return group().barriers;
 }
