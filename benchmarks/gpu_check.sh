@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_check.sh fetch [DIR]        # where a package index is reachable: the wheels
 #                                                   # into DIR (default .whl, git-ignored)
 #   bash benchmarks/gpu_check.sh run [DIR] [ARGS]   # on the GPU machine, DIR carried along: installs
-#                                                   # them into its Python, runs gpu_check.py ARGS
+#                                                   # them into its Python, runs gpu_check.py ARGS,
+#                                                   # then row_invariance.py (bfloat16, float32)
 #
 # fetch also writes MLX's CUDA build (a 90 MB wheel) as xz parts of at most 40 MB
 # (mlx-cuda.tar.xz.part-*), for transfers that limit a file's or a call's size; run installs
@@ -42,6 +43,9 @@ run)
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     python3 -c 'import mlx.core as mx; assert mx.cuda.is_available(), "MLX sees no CUDA device"; print(mx.__version__, mx.default_device())'
     python3 benchmarks/gpu_check.py "$@"
+    # which ops give a token the bits of its decode step in a verify pass, on this card
+    python3 benchmarks/row_invariance.py --dtype bfloat16
+    python3 benchmarks/row_invariance.py --dtype float32
     ;;
 *)
     echo "usage: bash benchmarks/gpu_check.sh fetch [DIR] | run [DIR] [gpu_check.py arguments]" >&2

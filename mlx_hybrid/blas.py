@@ -11,7 +11,7 @@ of this off.
 
 In front of OpenBLAS goes a small library of ours (csrc/gemv_forward.c, built once
 with the system C compiler into the user's cache directory) that computes products
-of up to 8 rows (decode steps, verify passes) itself, reading the weights once for
+of up to 16 rows (decode steps, verify passes) itself, reading the weights once for
 all rows. Without a C compiler OpenBLAS is loaded alone.
 """
 

@@ -63,9 +63,9 @@ PRODUCTS = textwrap.dedent(
     # every row count, a column count that is no multiple of 4 and a depth no multiple of 8
     for depth in (1000, 1027):
         w = mx.array(rng.standard_normal((5001, depth)).astype(np.float32))
-        rows = mx.array(rng.standard_normal((8, depth)).astype(np.float32))
-        alone = [np.array(rows[i : i + 1] @ w.T)[0] for i in range(8)]
-        for m in range(2, 9):
+        rows = mx.array(rng.standard_normal((16, depth)).astype(np.float32))
+        alone = [np.array(rows[i : i + 1] @ w.T)[0] for i in range(16)]
+        for m in range(2, 17):
             together = np.array(rows[:m] @ w.T)
             for i in range(m):
                 assert np.array_equal(alone[i], together[i]), (depth, m, i)

@@ -37,7 +37,7 @@ def test_products_of_every_layout_match_float64(bits, group_size, scales_dtype):
     # K = 416 is not a whole number of 64-value steps (the 4-bit kernel's): the padded tail is read too
     K = 416 if group_size <= 32 else 384
     w, scales, biases = quantized((37, K), bits, group_size, scales_dtype)
-    for rows in (1, 2, 3, 5, 8, 9, 33):  # the small-row kernel and the tiled one
+    for rows in (1, 2, 3, 5, 8, 9, 16, 33):  # the small-row kernel and the tiled one
         x = mx.random.normal((rows, K), key=mx.random.key(rows))
         got = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits)
         assert_close_to_floor(got, float64_product(x, w, scales, biases, group_size, bits))
@@ -47,17 +47,17 @@ def test_products_of_every_layout_match_float64(bits, group_size, scales_dtype):
 def test_block_form_products_match_float64(type_name):
     """Scales as GGUF stores them (codes times float16 factors), each type's layout: products and
     gathered experts against float64 products of the dequantized weights, and a row the same
-    bits alone as with up to 7 others."""
+    bits alone as with up to 15 others."""
     bits, group_size, _, block = BLOCK_TYPES[type_name]
     q = cpu_quantized.random_block_weights((2, 37, 512), bits, group_size, block)
     dense = np.array(q.dequantize(), np.float64)
     one = (q.weight[1], q.scales[1], q.biases[1])
     x = mx.random.normal((33, 512), key=mx.random.key(4))
     alone = cpu_quantized.quantized_matmul(x[:1], *one, group_size, bits, block)
-    for rows in (1, 3, 8, 33):
+    for rows in (1, 3, 8, 16, 33):
         got = cpu_quantized.quantized_matmul(x[:rows], *one, group_size, bits, block)
         assert_close_to_floor(got, np.array(x[:rows], np.float64) @ dense[1].T)
-        if rows <= 8:  # the small-row path (a verify pass); more rows take the BLAS's order
+        if rows <= 16:  # the row-invariant path (a verify pass); more rows take the BLAS's order
             np.testing.assert_array_equal(np.array(got[:1]), np.array(alone))
     indices = mx.array([[1, 0], [0, 1], [1, 1]], dtype=mx.uint32)
     got = ops.gather_quantized_matmul(x[:3, None, None], q.weight, q.scales, q.biases, indices,
@@ -70,18 +70,18 @@ def test_block_form_products_match_float64(type_name):
 def test_grid_type_products_match_float64(type_name):
     """The grid types multiplied as the file stores them, the grid decoded in the kernel: against
     the float64 product of gguf-py's dequantization (an independent decoder of the same bytes),
-    1 to 8 rows (the small-row kernel) and 9 or 33 (dequantized tiles through the BLAS), 37 rows
+    1 to 16 rows (the small-row kernel, 8 rows at a time) and 33 (dequantized tiles through the BLAS), 37 rows
     of W over three blocks, a view (W's rows stepped, x's columns offset), gathered experts; a row
-    the same bits alone as with up to 7 others."""
+    the same bits alone as with up to 15 others."""
     grid = GRID_TYPES[type_name]
     q = cpu_quantized.random_grid_weights((2, 37, 768), grid, seed=len(type_name))
     dense = np.array(q.dequantize(), np.float64)
     x = mx.random.normal((33, 769), key=mx.random.key(4))[:, 1:]  # an offset view
     alone = cpu_quantized.quantized_matmul(x[:1], q.weight[1], q.scales[1], q.biases[1], 256, 8, grid)
-    for rows in (1, 2, 3, 5, 8, 9, 33):
+    for rows in (1, 2, 3, 5, 8, 9, 16, 33):
         got = cpu_quantized.quantized_matmul(x[:rows], q.weight[1], q.scales[1], q.biases[1], 256, 8, grid)
         assert_close_to_floor(got, np.array(x[:rows], np.float64) @ dense[1].T)
-        if rows <= 8:  # the small-row path (a verify pass); more rows take the BLAS's order
+        if rows <= 16:  # the row-invariant path (a verify pass); more rows take the BLAS's order
             np.testing.assert_array_equal(np.array(got[:1]), np.array(alone))
     stepped = q.weight[0, ::2]  # every other row of W
     got = cpu_quantized.quantized_matmul(x[:3], stepped, q.scales[0, ::2], q.biases[0, ::2], 256, 8, grid)
@@ -95,11 +95,11 @@ def test_grid_type_products_match_float64(type_name):
 
 @pytest.mark.parametrize("bits", cpu_quantized.BITS)
 def test_each_row_takes_the_same_sums_whatever_rows_come_with_it(bits):
-    """A verify pass of up to 8 rows gives each row the bits a decode step gives it alone."""
+    """A verify pass of up to 16 rows gives each row the bits a decode step gives it alone."""
     w, scales, biases = quantized((300, 1024), bits, 32)
-    x = mx.random.normal((8, 1024), key=mx.random.key(1))
-    alone = [np.array(cpu_quantized.quantized_matmul(x[i : i + 1], w, scales, biases, 32, bits)) for i in range(8)]
-    for rows in range(2, 9):
+    x = mx.random.normal((16, 1024), key=mx.random.key(1))
+    alone = [np.array(cpu_quantized.quantized_matmul(x[i : i + 1], w, scales, biases, 32, bits)) for i in range(16)]
+    for rows in range(2, 17):
         together = np.array(cpu_quantized.quantized_matmul(x[:rows], w, scales, biases, 32, bits))
         np.testing.assert_array_equal(together, np.concatenate(alone[:rows]))
 
@@ -207,18 +207,18 @@ def float16_weights(shape, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", SIXTEEN_BITS)
 def test_16bit_products_match_float64(dtype):
-    """bfloat16 and float16 weights as stored, float32 products and sums: 1 to 8 rows (the
-    small-row kernel) and 9 or 33 (dequantized tiles through the BLAS), odd widths, a view of
-    the weights, and a row the same bits alone as with up to 7 others."""
+    """bfloat16 and float16 weights as stored, float32 products and sums: 1 to 16 rows (the
+    small-row kernel, 8 rows at a time) and 33 (dequantized tiles through the BLAS), odd widths, a view of
+    the weights, and a row the same bits alone as with up to 15 others."""
     for K in (37, 100, 416):
         w = float16_weights((2, 29, K), dtype)
         dense = np.array(w.astype(mx.float32), np.float64)
         x = mx.random.normal((33, K), key=mx.random.key(K))
         alone = cpu_quantized.matmul_16bit(x[:1], w[1])
-        for rows in (1, 2, 3, 5, 8, 9, 33):
+        for rows in (1, 2, 3, 5, 8, 9, 16, 33):
             got = cpu_quantized.matmul_16bit(x[:rows], w[1])
             assert_close_to_floor(got, np.array(x[:rows], np.float64) @ dense[1].T)
-            if rows <= 8:
+            if rows <= 16:
                 np.testing.assert_array_equal(np.array(got[:1]), np.array(alone))
         view = w[1, ::2, 1:]  # strided rows, columns from 1: copied row-contiguous for the kernel
         got = cpu_quantized.matmul_16bit(x[:3, 1:], view)

@@ -155,6 +155,25 @@ def test_ngram_speculative_greedy_is_lossless(family, source, k, settings):
     assert_speculative_greedy_is_lossless(family, source, "ngram", k, settings)
 
 
+@pytest.mark.parametrize(
+    "family, source",
+    [("qwen35", "hf"), ("qwen35", "model-Q4_K_M.gguf"), ("qwen35moe", "model-Q4_K_M.gguf"), ("kimilinear", "hf")],
+)
+def test_a_verify_pass_of_16_tokens_gives_each_its_decode_steps_logits(family, source):
+    """1 + 15 drafts through the trunk at once (every product, expert, attention and recurrent
+    layer over 16 rows) give each token the logits its own decode step gives it, to the bit: greedy
+    speculation with up to 15 drafts reproduces plain decoding (float32 and quantized weights)."""
+    model, _ = load_fixture(family, source)
+    ids = reference(family)["input_ids"][0].tolist()
+    prompt, tokens = ids[:24], ids[24:40]
+    caches = model.make_cache(), model.make_cache()
+    for cache in caches:
+        prefill(model, prompt, cache)
+    together = model(mx.array([tokens]), caches[0])[0]
+    alone = mx.concatenate([model(mx.array([[token]]), caches[1])[0] for token in tokens])
+    assert np.array_equal(np.array(together), np.array(alone))
+
+
 @pytest.mark.parametrize("family", QWEN_FAMILIES)
 @pytest.mark.parametrize("acceptance", [0.25, 0.5, 1.0])
 def test_oracle_drafts_are_lossless_through_many_accepts(family, acceptance):

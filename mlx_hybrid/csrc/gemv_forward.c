@@ -5,10 +5,11 @@
  * 0.3.27 runs those through its general kernel, packing the whole weight matrix first:
  * half the bandwidth of its own sgemv (1 GB matrix: 13.6 vs 26.4 GB/s). This library
  * takes them over:
- * - x @ W^T with up to 8 rows (every linear layer and the LM head): one pass over W,
+ * - x @ W^T with up to 16 rows (every linear layer and the LM head): one pass over W,
  *   each row of W read once for all rows of x, with AVX2/FMA over a small thread pool.
- *   A verify pass of 1 + k tokens then reads the weights once, as a decode step does.
- * - other products of up to 8 rows, or of one column: row by row through the BLAS's sgemv.
+ *   A verify pass of 1 + k tokens (k up to 15) then reads the weights once, as a decode
+ *   step does.
+ * - other products of up to 16 rows, or of one column: row by row through the BLAS's sgemv.
  * Each output row is computed by the same sequence of operations whatever rows come
  * with it, so a verify pass and single decode steps give the same bits.
  *
@@ -29,7 +30,7 @@
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 /* Products with up to this many rows (decode steps, speculative verify passes) are ours. */
-enum { SMALL_ROWS = 8 };
+enum { SMALL_ROWS = 16 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
                          int);

@@ -7,8 +7,8 @@
 //
 // MLX's own CPU quantized matmul is a reference loop, many times slower for a decode step
 // (benchmarks/quantized_cpu.py). This extension registers an MLX primitive with two paths:
-// - up to 8 rows (decode steps, speculative verify passes): one pass over W, each step of
-//   packed values unpacked once for all rows, over a small thread pool;
+// - up to 16 rows (decode steps, speculative verify passes): one pass over W for each 8 rows,
+//   each step of packed values unpacked once for those rows, over a small thread pool;
 // - more rows (prefill): tiles of W dequantized into a float buffer, then one BLAS sgemm a
 //   tile (the BLAS MLX itself calls: OpenBLAS where mlx_hybrid loaded it).
 // Values are visited in "lane order": a step of 8 * U values puts values l*U .. l*U+U-1
@@ -44,7 +44,10 @@ using mlx_hybrid::Pool;
 
 namespace {
 
-constexpr int SMALL_ROWS = 8;
+constexpr int SMALL_ROWS = 8;  // the small-row kernel's most rows at a time
+// Products of up to this many rows (decode steps, verify passes of up to 15 drafts) run the
+// small-row kernel, SMALL_ROWS rows at a time: each row gets the bits it gets alone.
+constexpr int ROW_INVARIANT_ROWS = 16;
 
 // Products with fewer weights than this run on the calling thread: waking a helper costs
 // more than it saves.
@@ -293,12 +296,15 @@ void product(const Weights& w, const Rows& rows, int bits, Values values, int pa
     Pool& pool = Pool::get();
     Isa kernels = isa(bits, values);
     bool parallel = (long)w.n * w.k >= PARALLEL_MIN_WEIGHTS;
-    if (rows.m <= SMALL_ROWS) {
+    if (rows.m <= ROW_INVARIANT_ROWS) {
         int parts = parallel ? pool.threads() * 4 : 1;
-        pool.run(parts, parallel, [&](int part) {
-            int start = (int)((long)w.n * part / parts), end = (int)((long)w.n * (part + 1) / parts);
-            kernels.product(w, rows, start, end);
-        });
+        for (int first = 0; first < rows.m; first += SMALL_ROWS) {
+            Rows some{std::min(SMALL_ROWS, rows.m - first), rows.x + first, rows.group_sums + first, rows.out + first};
+            pool.run(parts, parallel, [&](int part) {
+                int start = (int)((long)w.n * part / parts), end = (int)((long)w.n * (part + 1) / parts);
+                kernels.product(w, some, start, end);
+            });
+        }
         return;
     }
     // x rows gathered into one [m, padded] matrix for the BLAS
@@ -396,7 +402,7 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
         return run(0);
     }
     // each expert once, with every product that selected it (a token selects an expert
-    // at most once, so a verify pass of up to 8 tokens stays on the small-row path)
+    // at most once, so a verify pass of up to 16 tokens stays on the row-invariant path)
     const mx::array& indices = in[4];
     long experts = q.shape(0);
     std::vector<std::vector<int>> chosen(experts);

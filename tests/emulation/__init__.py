@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -60,13 +61,13 @@ def render(spec, launch) -> str:
         [
             '#include "metal_shim.h"',
             f'extern "C" long run({", ".join(params)}, uint gx, uint gy, uint gz, uint tx, uint ty, uint tz) {{',
-            "    emu::Body body = [&](uint3 thread_position_in_grid, uint thread_index_in_simdgroup) {",
+            "    auto body = [&](uint3 thread_position_in_grid, uint thread_index_in_simdgroup) {",
             "        (void)thread_position_in_grid; (void)thread_index_in_simdgroup;",
             *("        " + c for c in constants),
             f'#line 1 "{spec.path}"',  # compiler messages and coverage name the kernel file
             source,
             "    };",
-            "    return emu::dispatch(body, uint3{gx, gy, gz}, uint3{tx, ty, tz});",
+            "    return emu::dispatch(emu::body_of(body), uint3{gx, gy, gz}, uint3{tx, ty, tz});",
             "}",
             "#ifdef EMU_COVERAGE",  # counters reach the .gcda files only when asked (or at exit)
             'extern "C" void __gcov_dump(void);',
@@ -80,16 +81,20 @@ def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
     digest = hashlib.sha256(code.encode() + (HERE / "metal_shim.h").read_bytes()).hexdigest()[:16]
     build = coverage_dir or BUILD
     build.mkdir(parents=True, exist_ok=True)
-    source = build / f"kernel_{digest}.cpp"
+    # sources and libraries built under names of this process's, the library then renamed: test
+    # processes running at once (CI's two passes) never read a file another is still writing
+    source = build / f"kernel_{digest}.{os.getpid()}.cpp"
     library = build / f"kernel_{digest}.so"
     if not library.exists() or coverage_dir:
         source.write_text(code)
         flags = ["--coverage", "-O0", "-DEMU_COVERAGE"] if coverage_dir else ["-O2"]
+        partial = library.with_suffix(f".{os.getpid()}.so")
         subprocess.run(
-            ["g++", "-std=c++17", "-shared", "-fPIC", *flags, "-I", str(HERE), "-o", str(library), str(source)],
+            ["g++", "-std=c++17", "-shared", "-fPIC", *flags, "-I", str(HERE), "-o", str(partial), str(source)],
             check=True,
             cwd=build,
         )
+        os.replace(partial, library)
     return ctypes.CDLL(str(library))
 
 

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <ucontext.h>
 
 typedef unsigned int uint;
@@ -86,7 +85,18 @@ namespace emu {
 constexpr int kLanes = 32;
 constexpr size_t kStack = 64 * 1024;
 
-using Body = std::function<void(uint3, uint)>;
+// A kernel body: a callable of (thread_position_in_grid, thread_index_in_simdgroup), by reference
+// (no <functional>: it would double each kernel's compile time).
+struct Body {
+    void (*call)(const void* body, uint3 position, uint lane);
+    const void* body;
+    void operator()(uint3 position, uint lane) const { call(body, position, lane); }
+};
+template <class F>
+Body body_of(const F& f) {
+    auto call = [](const void* body, uint3 position, uint lane) { (*static_cast<const F*>(body))(position, lane); };
+    return Body{call, &f};
+}
 
 #if defined(__x86_64__)
 extern "C" void emu_switch(void** save_sp, void* load_sp);

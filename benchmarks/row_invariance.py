@@ -1,0 +1,109 @@
+"""Which of a decode step's ops give a row the same bits whatever rows come with it, on this device.
+
+    python benchmarks/row_invariance.py                  # the model's dtype on this device
+    python benchmarks/row_invariance.py --dtype float32
+
+Greedy speculative decoding reproduces plain decoding only where a verify pass (1 + k tokens)
+computes each token as a decode step (one token) would. For each op a Qwen3.5-0.8B decode step
+runs, at that model's widths, random inputs: T rows through the op at once against each row
+alone (attention: token t over the keys up to it, as its decode step sees them; the linear-
+attention layer: token t after t single-token calls, from the same state), for T = 2, 4, 8, 16.
+Prints, per op, whether every row came out bit-equal and the largest difference. Runs wherever
+MLX computes: on the CPU our kernels are bit-equal by contract, so this shows what a GPU's
+kernels (MLX's and ours) do where they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx_hybrid  # noqa: F401  (first: on Linux it loads OpenBLAS before MLX's library)
+
+import mlx.core as mx  # noqa: I001
+import numpy as np
+
+from mlx_hybrid import ops
+from mlx_hybrid.ops import reference
+from mlx_hybrid.ops.selfcheck import linear_attention_args
+
+ROWS = (2, 4, 8, 16)
+HIDDEN, FEED_FORWARD, HEADS, KV_HEADS, HEAD_DIM, KEYS = 1024, 3584, 8, 2, 256, 2048
+LINEAR_HEADS = reference.HeadShape(16, 16, 128, 128)
+
+
+def random(shape, dtype, key: int, scale: float = 1.0) -> mx.array:
+    return (scale * mx.random.normal(shape, key=mx.random.key(key))).astype(dtype)
+
+
+def products(dtype):
+    """op name -> fn(x, y), x and y [1, T, HIDDEN], for the ops whose token t depends on token t alone."""
+    weight = random((FEED_FORWARD, HIDDEN), dtype, 1, HIDDEN**-0.5)
+    quantized = mx.quantize(weight, group_size=64, bits=4)
+    norm_weight = random((HIDDEN,), dtype, 2)
+    return {
+        "matrix product (x W^T)": lambda x, _: ops.linear(x, weight),
+        "4-bit product (groups of 64)": lambda x, _: ops.quantized_matmul(x, *quantized, group_size=64, bits=4),
+        "RMSNorm": lambda x, _: ops.rms_norm(x, norm_weight, 1e-6),
+        "residual + RMSNorm": lambda x, y: ops.add_rms_norm(x, y, norm_weight, 1e-6)[1],
+        "SwiGLU": lambda x, y: ops.swiglu(x, y),
+    }
+
+
+def row_wise(fn, dtype, rows: int) -> float | None:
+    """The largest difference between fn over `rows` tokens and over each token alone (None: bit-equal)."""
+    x, y = (random((1, rows, HIDDEN), dtype, key + rows) for key in (10, 30))
+    together = fn(x, y)
+    alone = mx.concatenate([fn(x[:, t : t + 1], y[:, t : t + 1]) for t in range(rows)], axis=1)
+    return difference(together, alone)
+
+
+def attention(dtype, rows: int) -> float | None:
+    """A verify pass's T query tokens over a cache (causal) against each token's decode step."""
+    k, v = (random((1, KV_HEADS, KEYS, HEAD_DIM), dtype, key) for key in (20, 21))
+    q = random((1, HEADS, rows, HEAD_DIM), dtype, 22)
+    scale = HEAD_DIM**-0.5
+    together = ops.scaled_dot_product_attention(q, k, v, scale, mask="causal")
+    seen = [KEYS - rows + t + 1 for t in range(rows)]  # the keys token t's decode step has
+    alone = [ops.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], scale) for t, n in enumerate(seen)]
+    return difference(together, mx.concatenate(alone, axis=2))
+
+
+def linear_attention(dtype, rows: int) -> float | None:
+    """A GDN layer over T tokens (snapshots on, as a verify pass) against T single-token calls."""
+    args = list(linear_attention_args(np.random.default_rng(rows), 1, rows, LINEAR_HEADS, 4, False, "silu", dtype))
+    together = ops.linear_attention(*args, snapshots=True).out
+    tail, state, outs = args[8], args[9], []
+    for t in range(rows):
+        token = [a[:, t : t + 1] if i in (0, 2, 3, 4) else a for i, a in enumerate(args[:8])]
+        step = ops.linear_attention(*token, tail, state, snapshots=True)
+        outs.append(step.out)
+        tail, state = step.tail, step.state
+    return difference(together, mx.concatenate(outs, axis=1))
+
+
+def difference(a: mx.array, b: mx.array) -> float | None:
+    a, b = (np.array(x.astype(mx.float32)) for x in (a, b))
+    return None if np.array_equal(a, b) else float(np.abs(a - b).max())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the device's model dtype")
+    args = p.parse_args()
+    dtype = getattr(mx, args.dtype) if args.dtype else ops.default_dtype()
+    checks = {name: (lambda rows, fn=fn: row_wise(fn, dtype, rows)) for name, fn in products(dtype).items()}
+    checks["attention over 2048 cached keys"] = lambda rows: attention(dtype, rows)
+    checks["linear-attention layer"] = lambda rows: linear_attention(dtype, rows)
+    print(f"device {mx.default_device()}, ops {ops.backend_name()}, {dtype}")
+    print("| op | " + " | ".join(f"{t} rows" for t in ROWS) + " |")
+    print("| --- |" + " --- |" * len(ROWS))
+    for name, check in checks.items():
+        cells = []
+        for rows in ROWS:
+            diff = check(rows)
+            cells.append("bit-equal" if diff is None else f"differs by {diff:.2g}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
