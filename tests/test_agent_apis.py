@@ -5,6 +5,7 @@ the model taught one tool-using conversation (tests/fixtures/make_assistant.py).
 
 import base64
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -375,24 +376,32 @@ def test_claude_codes_and_codexs_requests_replay(assistant, stream):
     assert assistant.load()["status"] == "ok"
 
 
+def long_context_assistant(directory: Path) -> Path:
+    """The assistant in `directory`, its config allowing 16k positions: agents' prompts (their tools'
+    schemas, their instructions) run to 8k tokens in its small vocabulary, and what the tests below check
+    is resumption and the wire format, not the words."""
+    for path in ASSISTANT.iterdir():
+        (directory / path.name).symlink_to(path)
+    config = json.loads((ASSISTANT / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 16384
+    (directory / "config.json").unlink()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+# The previous prompt ends with the generation prompt where the next one has the assistant's message (or,
+# repeated, the same prompt): the shared prefix, and the last checkpoint in it, end where it begins
+GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n"
+
 
 def test_a_captured_claude_code_session_reads_only_what_is_new(tmp_path):
     """A real Claude Code session (tests/fixtures/agents/claude_code_session.json: seven requests as the
     client sent them, long strings cut) replayed in order, streamed as it was: every request answers, and
-    each one after the first reads from a checkpoint all of the previous request's prompt that it repeats.
-    Its 16 tools' schemas alone are 8k tokens in the assistant's small vocabulary: the assistant is served
-    from a copy whose config allows 16k positions (what is checked is resumption, not the words)."""
-    for path in ASSISTANT.iterdir():
-        (tmp_path / path.name).symlink_to(path)
-    config = json.loads((ASSISTANT / "config.json").read_text())
-    config["text_config"]["max_position_embeddings"] = 16384
-    (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    each one after the first reads from a checkpoint all of the previous request's prompt that it repeats."""
     session = json.loads((FIXTURES / "agents" / "claude_code_session.json").read_text())
-    # The previous prompt ends with the generation prompt where the next one has the assistant's message:
-    # the shared prefix, and the last checkpoint in it, end where the generation prompt begins
-    generation_prompt = len(Tokenizer.from_hf_dir(ASSISTANT, {}).encode("<|im_start|>assistant\n<think>\n"))
-    server, previous = Server("--model", str(tmp_path), "--served-model-name", "assistant"), None
+    generation_prompt = len(Tokenizer.from_hf_dir(ASSISTANT, {}).encode(GENERATION_PROMPT))
+    model = long_context_assistant(tmp_path)
+    server, previous = Server("--model", str(model), "--served-model-name", "assistant"), None
     try:
         for body in session:
             with post(server.url + "/v1/messages", body | {"model": "assistant", "max_tokens": 4}) as response:
@@ -404,5 +413,32 @@ def test_a_captured_claude_code_session_reads_only_what_is_new(tmp_path):
             if previous is not None:
                 assert usage["cache_read_input_tokens"] == previous - generation_prompt, (usage, previous)
             previous = prompt
+    finally:
+        assert server.stop()
+
+
+def test_a_published_codex_cli_request_replays(tmp_path):
+    """Codex CLI 0.46's first request of a session as a published proxy records it
+    (tests/fixtures/agents/codex_cli_request.json: Codex's 10k-character instructions, a user's instructions
+    and environment context as input messages, its shell, update_plan and view_image tools, reasoning,
+    store false, include, prompt_cache_key, streamed), the model renamed and the length bounded: Responses
+    events in order, and the same request again reads all of its prompt but the generation prompt from a
+    checkpoint (usage.input_tokens_details.cached_tokens)."""
+    body = json.loads((FIXTURES / "agents" / "codex_cli_request.json").read_text())
+    body |= {"model": "assistant", "max_output_tokens": 8}
+    generation_prompt = len(Tokenizer.from_hf_dir(ASSISTANT, {}).encode(GENERATION_PROMPT))
+    server = Server("--model", str(long_context_assistant(tmp_path)), "--served-model-name", "assistant")
+    try:
+        usages = []
+        for _ in range(2):
+            with post(server.url + "/v1/responses", body) as response:
+                assert response.status == 200
+                events = sse_events(response)
+            assert [name for name, _ in events] == [data["type"] for _, data in events]
+            assert events[0][0] == "response.created" and events[-1][0] in ("response.completed", "response.incomplete")
+            usages.append(events[-1][1]["response"]["usage"])
+        first, again = usages
+        assert first["input_tokens"] > 7000 and first["input_tokens"] == again["input_tokens"]
+        assert again["input_tokens_details"]["cached_tokens"] == again["input_tokens"] - generation_prompt, usages
     finally:
         assert server.stop()

@@ -129,7 +129,8 @@ def test_add_rms_norm_kernel_grid(dtype):
 )
 def test_gated_delta_kernel_grid(Dk, vector_gate, snapshots):
     """Dv x (Hv/Hk) x T x batch for each key size, gate kind and snapshot setting."""
-    for Dv, ratio, T, B in itertools.product([16, 64, 128], [1, 2, 4], [1, 2, 4, 5, 64, 65], [1, 2]):
+    # tokens: a decode step, a verify pass, a prompt chunk (past 64: a lane's loop over many tokens)
+    for Dv, ratio, T, B in itertools.product([16, 64, 128], [1, 2, 4], [1, 5, 65], [1, 2]):
         barriers = check_gated_delta(B, T, 1, ratio, Dk, Dv, vector_gate, snapshots, emulate)
         # every simdgroup (one per batch, value head and column) met both simd_sums every token
         assert barriers == 2 * T * B * ratio * Dv
@@ -142,7 +143,7 @@ def test_gated_delta_kernel_maps_value_heads_to_key_heads(Hk, Hv):
 
 @pytest.mark.parametrize("K,snapshots", list(itertools.product([2, 4], [False, True])))
 def test_conv_kernel_grid(K, snapshots):
-    for T, B, C in itertools.product([1, 2, 4, 5, 64, 65], [1, 2], [24, 264]):
+    for T, B, C in itertools.product([1, 5, 65], [1, 2], [24, 264]):
         check_conv(B, T, C, K, snapshots, emulate)
 
 

@@ -122,8 +122,9 @@ def gather_quantized_matmul(x, w, scales, biases, indices, group_size: int, bits
 
 def small_case(_platform, bits: int, group_size: int, scales_form):
     """A first-use check of a variant (scales_form: the scales' dtype, a BlockScales or a
-    GridBlocks): 1 row (the small-row path), 9 rows (the tiled path) and gathered experts, against
-    MLX's op on the same weights (its dequantized weights for the groups or forms its op refuses)."""
+    GridBlocks): 1 row (the small-row kernel), 9 (the same, 8 rows at a time), 17 (the tiled path)
+    and gathered experts, against MLX's op on the same weights (its dequantized weights for the
+    groups or forms its op refuses)."""
     K = max(64, 2 * group_size)
     if isinstance(scales_form, GridBlocks):
         tensor = random_grid_weights((3, 24, K), scales_form)
@@ -133,7 +134,9 @@ def small_case(_platform, bits: int, group_size: int, scales_form):
     else:
         w, scales, biases = random_weights((3, 24, K), bits, group_size)
         tensor = QuantizedTensor(w, scales.astype(scales_form), biases.astype(scales_form), bits, group_size)
-    x = mx.random.normal((9, K), key=mx.random.key(1))
+    # outputs of tens, not thousands (the random block factors make weights of up to ~100): a few
+    # float32 roundings of them stay well inside the check's absolute tolerance, a wrong weight not
+    x = mx.random.normal((17, K), key=mx.random.key(1)) / 32
     indices = mx.array([[2, 0], [1, 2]], dtype=mx.uint32)
     if group_size >= 32 and tensor.block is None:
         def mlx_product(rows, e):
@@ -147,8 +150,8 @@ def small_case(_platform, bits: int, group_size: int, scales_form):
 
     parts = (tensor.weight, tensor.scales, tensor.biases)
     one = [part[1] for part in parts]
-    got = [quantized_matmul(rows, *one, group_size, bits, tensor.block) for rows in (x[:1], x)]
-    want = [mlx_product(rows, 1) for rows in (x[:1], x)]
+    got = [quantized_matmul(rows, *one, group_size, bits, tensor.block) for rows in (x[:1], x[:9], x)]
+    want = [mlx_product(rows, 1) for rows in (x[:1], x[:9], x)]
     got.append(gather_quantized_matmul(x[:2, None], *parts, indices, group_size, bits, tensor.block))
     want.append(mx.stack([mx.concatenate([mlx_product(x[t : t + 1], e) for e in row]) for t, row in
                           enumerate(indices.tolist())]))  # fmt: skip
@@ -166,14 +169,14 @@ def gather_matmul_16bit(x, w, indices) -> mx.array:
 
 
 def small_case_16bit(_platform, dtype):
-    """A first-use check of the 16-bit products: 1 row, 9 rows and gathered experts against
-    MLX's float32 product of the same weights."""
+    """A first-use check of the 16-bit products: 1, 9 and 17 rows (the small-row kernel, then the
+    tiled path) and gathered experts against MLX's float32 product of the same weights."""
     w = (mx.random.normal((3, 24, 80), key=mx.random.key(0)) / 8).astype(dtype)
-    x = mx.random.normal((9, 80), key=mx.random.key(1))
+    x = mx.random.normal((17, 80), key=mx.random.key(1))
     indices = mx.array([[2, 0], [1, 2]], dtype=mx.uint32)
     dense = w.astype(mx.float32)
-    got = [matmul_16bit(rows, w[1]) for rows in (x[:1], x)]
-    want = [rows @ dense[1].T for rows in (x[:1], x)]
+    got = [matmul_16bit(rows, w[1]) for rows in (x[:1], x[:9], x)]
+    want = [rows @ dense[1].T for rows in (x[:1], x[:9], x)]
     got.append(gather_matmul_16bit(x[:2, None], w, indices))
     want.append(mx.stack([dense[row] @ x[t] for t, row in enumerate(indices.tolist())]))
     return got, want
