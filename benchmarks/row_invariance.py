@@ -64,18 +64,22 @@ def attention(dtype, rows: int) -> float | None:
     scale = HEAD_DIM**-0.5
     together = ops.scaled_dot_product_attention(q, k, v, scale, mask="causal")
     seen = [KEYS - rows + t + 1 for t in range(rows)]  # the keys token t's decode step has
-    alone = [ops.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], scale) for t, n in enumerate(seen)]
+    alone = [
+        ops.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], scale)
+        for t, n in enumerate(seen)
+    ]
     return difference(together, mx.concatenate(alone, axis=2))
 
 
 def linear_attention(dtype, rows: int) -> float | None:
     """A GDN layer over T tokens (snapshots on, as a verify pass) against T single-token calls."""
-    args = list(linear_attention_args(np.random.default_rng(rows), 1, rows, LINEAR_HEADS, 4, False, "silu", dtype))
+    args = linear_attention_args(np.random.default_rng(rows), 1, rows, LINEAR_HEADS, 4, False, "silu", dtype)
     together = ops.linear_attention(*args, snapshots=True).out
-    tail, state, outs = args[8], args[9], []
+    x, conv_weight, a, b, gate, decay, norm, heads, tail, state = args
+    outs = []
     for t in range(rows):
-        token = [a[:, t : t + 1] if i in (0, 2, 3, 4) else a for i, a in enumerate(args[:8])]
-        step = ops.linear_attention(*token, tail, state, snapshots=True)
+        x_t, a_t, b_t, gate_t = (u[:, t : t + 1] for u in (x, a, b, gate))
+        step = ops.linear_attention(x_t, conv_weight, a_t, b_t, gate_t, decay, norm, heads, tail, state, snapshots=True)
         outs.append(step.out)
         tail, state = step.tail, step.state
     return difference(together, mx.concatenate(outs, axis=1))

@@ -65,10 +65,11 @@ def check_linear_attention(B, T, heads, K, vector_gate, activation, snapshots, r
     """The layer body against the pure-MLX composition (reference.linear_attention), x, a, b, the
     gate and the tail in `dtype`: outputs and states within TOL, and in 16 bits within a rounding
     step of their scale (a conv output the kernel rounds to the other neighbouring value moves the
-    rest by about that), the tails exact (copies of inputs). Returns the simd_sum count."""
+    rest by about that), the tails exact (copies of inputs). Returns the simd_sum count and the launch."""
     rng = np.random.default_rng(B * 100 + T + heads.key_dim + heads.value_dim)
     args = linear_attention_args(rng, B, T, heads, K, vector_gate, activation, dtype)
-    outputs, barriers = run(kernels.LINEAR_ATTENTION, kernels.linear_attention_launch(*args, snapshots))
+    launch = kernels.linear_attention_launch(*args, snapshots)
+    outputs, barriers = run(kernels.LINEAR_ATTENTION, launch)
     want = reference.linear_attention(*args, snapshots=snapshots)
     pairs = [(outputs[0], want.out), (outputs[2], want.state)]
     copies = [(outputs[1], want.tail)]
@@ -81,7 +82,7 @@ def check_linear_attention(B, T, heads, K, vector_gate, activation, snapshots, r
         np.testing.assert_allclose(got, expected, atol=atol, rtol=0)
     for got, expected in copies:
         np.testing.assert_array_equal(got, np.array(expected.astype(mx.float32)))
-    return barriers
+    return barriers, launch
 
 
 # (B, T, Hk, Hv, Dk, Dv, K): lanes partly idle (Dk 20, 48) or holding several rows (128); one column
@@ -94,11 +95,10 @@ LAYER_KINDS = {"gdn": (False, "silu"), "kda": (True, "sigmoid")}
 def test_linear_attention_kernel_grid(kind, snapshots):
     for B, T, Hk, Hv, Dk, Dv, K in LAYER_SHAPES:
         heads = reference.HeadShape(Hk, Hv, Dk, Dv)
-        barriers = check_linear_attention(B, T, heads, K, *LAYER_KINDS[kind], snapshots, emulate)
-        columns = kernels.linear_attention_launch(
-            *linear_attention_args(np.random.default_rng(0), 1, 1, heads, K, False, "silu", mx.float32), False
-        ).template[3][1]
-        # every simdgroup met the two L2 sums and two sums a column, every token
+        barriers, launch = check_linear_attention(B, T, heads, K, *LAYER_KINDS[kind], snapshots, emulate)
+        columns = dict(launch.template)["Columns"]
+        # every simdgroup (one per sequence, value head and Columns columns) met the two L2 sums and
+        # two sums a column, every token
         assert barriers == B * Hv * (Dv // columns) * T * (2 + 2 * columns)
 
 

@@ -130,7 +130,7 @@ def linear_attention_launch(x, conv_weight, a, b, gate, decay, norm, heads, tail
         state = mx.zeros((B, Hv, Dk, Dv), dtype=mx.float32)
     # the fewest columns a simdgroup that divide the head's, in at most LINEAR_ATTENTION_GROUPS simdgroups
     columns = next(c for c in range(1, Dv + 1) if Dv % c == 0 and Dv // c <= LINEAR_ATTENTION_GROUPS)
-    scalars = mx.array([norm.eps, L2_EPS, Dk**-0.5], dtype=mx.float32)
+    scalars = _float32_constants(norm.eps, L2_EPS, Dk**-0.5)
     f32 = mx.float32
     flags = {"VectorGate": a.ndim == 4, "SigmoidGate": norm.activation == "sigmoid", "Snapshots": snapshots}
     return Launch(
@@ -145,13 +145,19 @@ def linear_attention_launch(x, conv_weight, a, b, gate, decay, norm, heads, tail
     )
 
 
+@lru_cache(maxsize=None)
+def _float32_constants(*values: float) -> mx.array:
+    """A launch's scalar arguments as one float32 input, made once (every layer of every step asks)."""
+    return mx.array(values, dtype=mx.float32)
+
+
 def add_rms_norm_launch(x, y, weight, eps: float) -> Launch:
     """(x + y, rms_norm(x + y, weight, eps)) over the last axis, a threadgroup a row."""
     N = x.shape[-1]
     rows = x.size // N
     threads = min(ADD_RMS_NORM_THREADS, 32 * math.ceil(N / 32))
     return Launch(
-        inputs=[x.reshape(rows, N), y.reshape(rows, N), weight, mx.array([eps], dtype=mx.float32)],
+        inputs=[x.reshape(rows, N), y.reshape(rows, N), weight, _float32_constants(eps)],
         template=[("T", x.dtype), ("Threads", threads)],
         grid=(threads, rows, 1),
         threadgroup=(threads, 1, 1),
