@@ -62,13 +62,28 @@ def checkpoint(models: Path) -> Path:
     return path
 
 
+def sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))).capitalize() + "."
+
+
 def prose(rng: random.Random, tokens: int, tokenizer) -> str:
-    """Text of about `tokens` tokens, sentences of the words above."""
-    sentences = []  # (encoded whole each time: quadratic, but a 12k-token prompt takes seconds)
+    """Text of about `tokens` tokens: the fewest sentences of the words above whose text encodes to
+    at least that many (counted a sentence at a time, then checked on the whole text near the end:
+    encoding the whole each time is quadratic, hours at 128k tokens)."""
+    sentences, estimate, start = [], 0, rng.getstate()
+
+    def count(n):
+        return len(tokenizer.encode(" ".join(sentences[:n])))
+
     while True:
-        sentences.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))).capitalize() + ".")
-        if len(tokenizer.encode(" ".join(sentences))) >= tokens:
-            return " ".join(sentences)
+        sentences.append(sentence(rng))
+        estimate += len(tokenizer.encode(" " + sentences[-1]))
+        if estimate >= tokens and count(len(sentences)) >= tokens:
+            n = len(sentences)
+            while n > 1 and count(n - 1) >= tokens:  # where a sentence's estimate ran ahead of the whole's
+                n -= 1
+            rng.setstate(start)  # then draw those n again: what follows draws as after the whole-text count
+            return " ".join(sentence(rng) for _ in range(n))
 
 
 def tool_schemas(count: int) -> list[dict]:
@@ -131,7 +146,7 @@ def session(runner: Runner, args, system: str, tools: list[dict], results: list[
     for turn in range(args.turns):
         # a client a turn: no kept-alive connection the server may have closed during a long turn
         client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{runner.port}", api_key="unused", max_retries=0,
-                                     timeout=3600)  # fmt: skip
+                                     timeout=6 * 3600)  # fmt: skip
         start = time.perf_counter()
         first = None
         with client.messages.stream(

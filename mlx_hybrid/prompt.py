@@ -6,6 +6,8 @@ Below both generation and speculation, which each prefill (the trunk, a draft mo
 
 from __future__ import annotations
 
+import bisect
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -88,9 +90,11 @@ def user_message(text: str, num_images: int = 0) -> dict:
 RECENT_BOUNDARIES = 4  # message ends near the conversation's end that may serve its next turn
 
 
-def chat_prompt(tokenizer, messages: list[dict], context: int | None = None, **template_kwargs) -> ChatPrompt:
+def chat_prompt(tokenizer, messages: list[dict], context: int | None = None, marks=(), **template_kwargs) -> ChatPrompt:
     """Render messages with the generation prompt; template errors raise GenerationError. context:
-    refuse (ContextOverflowError) a rendering that cannot fit that many tokens before tokenizing it."""
+    refuse (ContextOverflowError) a rendering that cannot fit that many tokens before tokenizing it.
+    marks: (message index, characters of its text content, or None for the whole message) where the
+    client marked a prefix worth a checkpoint (Anthropic's `cache_control`): boundaries too."""
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
     except Exception as e:  # jinja2's errors, raise_exception in a template, a model without one
@@ -105,13 +109,31 @@ def chat_prompt(tokenizer, messages: list[dict], context: int | None = None, **t
     boundaries = set()
     # after the first message (a system prompt other conversations share) and the last few: the
     # earlier ends were the last few of the requests that came before in this conversation
-    ends = sorted({1, *range(max(1, len(messages) - RECENT_BOUNDARIES + 1), len(messages) + 1)})
-    for end in ends:
-        try:
-            prefix = tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **template_kwargs)
-        except Exception:  # noqa: BLE001  (some templates refuse a partial conversation)
-            continue
+    ends = {1, *range(max(1, len(messages) - RECENT_BOUNDARIES + 1), len(messages) + 1)}
+    ends |= {index + 1 for index, chars in marks if chars is None}
+    for end in sorted(ends):
+        prefix = _rendered(tokenizer, messages[:end], template_kwargs)
         count = tokens_before.get(len(prefix)) if prefix and text.startswith(prefix) else None
         if count is not None and count < len(ids):
             boundaries.add(count)
+    for index, chars in marks:
+        if chars is None:
+            continue
+        cut = [*messages[:index], dict(messages[index], content=messages[index]["content"][:chars])]
+        shared = os.path.commonprefix([_rendered(tokenizer, cut, template_kwargs), text])
+        # the tokens that end within the shared text, less the last, which may belong to a word
+        # the next request continues otherwise (the store compares tokens: a wrong guess only
+        # makes a checkpoint no request resumes from)
+        count = bisect.bisect_right(token_ends, len(shared)) - 1
+        if count > 0:
+            boundaries.add(count)
     return ChatPrompt(text, ids, sorted(boundaries))
+
+
+def _rendered(tokenizer, messages: list[dict], template_kwargs) -> str:
+    """The rendering of a conversation's first messages, without the generation prompt; "" where the
+    template refuses a partial conversation."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs)
+    except Exception:  # noqa: BLE001
+        return ""

@@ -188,6 +188,7 @@ def test_messages_errors_in_anthropics_shape_and_the_server_lives_on(claude, ass
         ({"max_tokens": 5, "messages": user, "temperature": 3}, "temperature"),
         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, "document"),
         ({"max_tokens": 5, "messages": user, "stop_sequences": [""]}, "stop_sequences"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": [MARKED_TEXT] * 5}]}, "cache_control"),
     ]
     for body, named in cases:
         status, reply = http("POST", assistant.url + "/v1/messages", json.dumps(body).encode(), {"x-api-key": API_KEY})
@@ -201,6 +202,54 @@ def test_messages_errors_in_anthropics_shape_and_the_server_lives_on(claude, ass
     status, reply = http("POST", assistant.url + "/v1/messages", b"{not json", {"x-api-key": API_KEY})
     assert status == 400 and reply["type"] == "error"
     assert assistant.load()["status"] == "ok"
+
+
+MARKED_TEXT = {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}
+
+
+@pytest.mark.parametrize("route", ["messages", "chat_completions"])
+def test_a_cache_control_mark_inside_a_message_is_resumed_from_by_another_question(assistant, route):
+    """Anthropic's prompt-caching pattern: a long document block marked with cache_control, then a question
+    block, in one user message (on Chat Completions the same mark on a text part, as OpenRouter passes it).
+    A second request with another question reads the document from the checkpoint at the mark: all but at
+    most two of the tokens the two prompts share (their longest common token prefix, computed from the two
+    renderings), where the first read none of the document; and its reply is that of a server that keeps
+    no checkpoints."""
+    words = ("file", "test", "branch", "commit", "build", "path", "value", "line")
+    step = 7 if route == "messages" else 5  # a document no earlier request has read
+    document = " ".join(words[(i * step + i // 8) % len(words)] for i in range(400)) + "."
+    system, questions = "You answer.", (" Which file?", " Does a test fail?")
+
+    def ask(server_url, question) -> tuple[object, int]:
+        """(the reply's content, prompt tokens read from a checkpoint)"""
+        mark = {"cache_control": {"type": "ephemeral"}}
+        content = [{"type": "text", "text": document, **mark}, {"type": "text", "text": question}]
+        if route == "messages":
+            client = anthropic.Anthropic(base_url=server_url, api_key=API_KEY, max_retries=0, timeout=120)
+            reply = client.messages.create(model="assistant", max_tokens=8, system=system, extra_body={"temperature": 0},
+                                           messages=[{"role": "user", "content": content}])  # fmt: skip
+            return reply.content, reply.usage.cache_read_input_tokens
+        client = openai.OpenAI(base_url=server_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="assistant", max_tokens=8, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": content}])  # fmt: skip
+        return reply.choices[0].message, reply.usage.prompt_tokens_details.cached_tokens
+
+    tokenizer = Tokenizer.from_hf_dir(ASSISTANT, {})
+    prompts = [
+        chat_prompt(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": document + q}])
+        for q in questions
+    ]
+    shared = next(i for i, (a, b) in enumerate(zip(*(p.ids for p in prompts))) if a != b)
+    (_, first_cached), (second, second_cached) = (ask(assistant.url, q) for q in questions)
+    assert first_cached < shared - 300  # at most the system prompt
+    assert shared - 2 <= second_cached <= shared
+    fresh = Server("--model", str(ASSISTANT), "--served-model-name", "assistant", "--api-key", API_KEY,
+                   "--prefix-cache-bytes", "0")  # fmt: skip
+    try:
+        reference, cached = ask(fresh.url, questions[1])
+        assert cached == 0 and reference == second
+    finally:
+        assert fresh.stop()
 
 
 def test_an_unknown_field_is_refused_by_name_on_every_route(assistant):

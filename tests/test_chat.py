@@ -155,3 +155,27 @@ def test_chat_prompt_boundaries_equal_the_prefix_by_prefix_reference(checkpoint)
             expected.append(len(prefix_ids))
     assert rendered.ids == tokenizer.encode(rendered.text)
     assert rendered.boundaries == sorted(set(expected)) and len(expected) >= 2
+
+
+@pytest.mark.parametrize("checkpoint", ["assistant", "bundled"])
+@pytest.mark.parametrize("document", ["The build reads its config. " * 20, "The build reads its configura"])
+def test_a_mark_inside_a_message_is_a_boundary_another_question_resumes_from(checkpoint, document):
+    """A client's mark (Anthropic's cache_control) after a document, inside the user's message that
+    goes on with a question: a boundary there, at most two tokens before where two prompts with other
+    questions stop sharing tokens (the reference: their longest common token prefix, computed directly),
+    and none past it, also where the mark cuts a word."""
+    path = FIXTURES / "assistant" if checkpoint == "assistant" else mlx_hybrid.bundled_model_path()
+    _, tokenizer = mlx_hybrid.load(path)
+
+    def rendered(question, marks):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": document + question}]
+        return chat_prompt(tokenizer, messages, marks=marks)
+
+    first, second = (rendered(q, [(1, len(document))]) for q in ("tion: which file?", " What is it?"))
+    shared = next(i for i, (a, b) in enumerate(zip(first.ids, second.ids)) if a != b)
+    unmarked = rendered("tion: which file?", [])
+    (added,) = set(first.boundaries) - set(unmarked.boundaries)
+    assert shared - 2 <= added <= shared
+    assert first.ids[:added] == second.ids[:added]
+    # without the mark the second question could resume only from the system prompt's end
+    assert max(b for b in unmarked.boundaries if b <= shared) < shared - 10

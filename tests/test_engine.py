@@ -4,6 +4,7 @@ sampled rows, cancellation, prefix checkpoints (exact, bounded, on disk), flat m
 import gc
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -13,7 +14,7 @@ import mlx_hybrid
 from conftest import FIXTURES, QWEN_FAMILIES, assert_close_to_floor, load_fixture
 from mlx_hybrid.drafting import DraftModelDrafter, NgramDrafter, make_drafter
 from mlx_hybrid.engine import Engine, PrefixStore, load_checkpoint, save_checkpoint
-from mlx_hybrid.engine.prefix_store import capture, restore
+from mlx_hybrid.engine.prefix_store import capture, default_budget_bytes, restore
 from mlx_hybrid.prompt import prefill
 
 PROMPT_LENGTHS = (1, 5, 30, 200, 17, 2, 64, 120)
@@ -342,6 +343,27 @@ def test_the_store_keeps_its_byte_budget_and_evicts_the_least_recently_used(tmp_
     # a store whose memory budget holds nothing still resumes from its directory
     from_disk = PrefixStore(0, directory=tmp_path / "spill").longest_prefix(prompts[1])
     assert from_disk is not None and from_disk.tokens == tuple(prompts[1])
+
+
+def test_a_checkpoint_over_the_whole_budget_is_not_kept_and_says_so_once(caplog):
+    """A long session's checkpoint outgrows the budget (at 128k tokens of Qwen3.5-0.8B a float32 attention
+    cache alone is 3.2 GB): it is not kept, counted, and the log names the flags that help, once."""
+    model, _ = load_fixture("qwen35", "model.gguf")
+    checkpoints = []
+    for prompt in prompts_for(2, seed=4):
+        cache = model.make_cache()
+        checkpoints.append(capture(model, cache, prompt, prefill(model, prompt, cache)[:, -1:]))
+    store = PrefixStore(min(c.nbytes for c in checkpoints) - 1)
+    with caplog.at_level("WARNING", logger="mlx_hybrid"):
+        for c in checkpoints:
+            store.save(c)
+    assert len(store) == 0 and store.nbytes == 0 and store.over_budget == 2
+    (record,) = caplog.records
+    assert "--prefix-cache-bytes" in record.getMessage() and "--kv-bits" in record.getMessage()
+    # the default budget: a quarter of the machine's memory, at most 8 GiB (MemTotal, read the other way)
+    if Path("/proc/meminfo").exists():
+        total = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
+        assert abs(default_budget_bytes() - min(total // 4, 8 << 30)) < 64 << 20  # page rounding
 
 
 def test_a_prompt_cache_from_another_model_is_refused(tmp_path):

@@ -328,10 +328,16 @@ def test_usage_errors_are_one_line_and_exit_2(server):
         (["--model", "/no/such/model"], "no such file"),
         (["--max-batch", "0"], "--max-batch"),
         (["--port", str(server.port)], "cannot listen"),  # taken by the running server
+        (["--prefix-cache-bytes", "2X"], "--prefix-cache-bytes"),
+        (["--prefix-cache-bytes", "-1G"], "--prefix-cache-bytes"),
     ]:
         result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+    from mlx_hybrid.cli.common import byte_count
+
+    sizes = ["0", "2147483648", "512M", "8G", "1.5G", "8GiB", "64kb"]
+    assert [byte_count(size) for size in sizes] == [0, 2 << 30, 512 << 20, 8 << 30, 3 << 29, 8 << 30, 64 << 10]
 
 
 # -- conversations: the bundled model, whose answers are text that reads back as the same tokens

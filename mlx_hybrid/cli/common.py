@@ -88,6 +88,25 @@ def at_least(minimum: int):
     return integer
 
 
+BYTE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def byte_count(text: str) -> int:
+    """A flag's size in bytes: an integer, or one with a binary unit (512M, 8G, 1.5G; KiB, MiB, ... too)."""
+    number = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = number[-1:] if number[-1:] in BYTE_UNITS else ""
+    try:
+        value = float(number[: len(number) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2147483648, 512M or 8G, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
+    return int(value * BYTE_UNITS[unit])
+
+
+byte_count.__name__ = "size in bytes"
+
+
 # the flags of the sampling settings, each a SamplingParams field: (flag, type, metavar, its
 # default, what it does); the commands default to the field's default, the server to none
 SAMPLING_FLAGS = [

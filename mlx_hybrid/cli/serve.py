@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from mlx_hybrid.engine.prefix_store import default_budget_bytes
 from mlx_hybrid.errors import GenerationError
 from mlx_hybrid.sampling import SamplingParams
 from mlx_hybrid.server.protocol import MAX_IMAGES, MAX_REQUEST_MIB
@@ -18,6 +19,7 @@ from .common import (
     add_model_arguments,
     add_sampling_settings,
     at_least,
+    byte_count,
     fail,
     launched_rank,
     load_for_generation,
@@ -102,10 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefix-cache-bytes",
-        type=at_least(0),
-        default=2 * 1024**3,
+        type=byte_count,
+        default=default_budget_bytes(),
         metavar="B",
-        help="memory for prompt checkpoints, least recently used evicted first; 0: none (default: 2 GiB)",
+        help="memory for prompt checkpoints (bytes, or with a unit: 512M, 8G), least recently used evicted "
+        "first; a checkpoint holds its session's whole attention cache, and one larger than this is not kept; "
+        f"0: none (default: a quarter of this machine's memory, at most 8 GiB: here {default_budget_bytes() / 1024**3:.1f} GiB)",
     )
     p.add_argument(
         "--prefix-cache-dir",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,6 +26,19 @@ from ..errors import GenerationError
 from ..parallel import agreed_max
 
 FORMAT = "mlx-hybrid-checkpoint-1"
+_log = logging.getLogger("mlx_hybrid")
+
+
+def default_budget_bytes() -> int:
+    """The checkpoints' default memory: a quarter of the machine's, at most 8 GiB (llama-server's
+    prompt cache default), 2 GiB where the machine does not say. A long session's checkpoint holds
+    its whole attention cache (3.2 GB at 128k tokens of Qwen3.5-0.8B in float32), and one over the
+    budget is not kept: the next turn would read the session again."""
+    try:
+        machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return 2 * 1024**3
+    return min(machine // 4, 8 * 1024**3)
 
 
 def model_fingerprint(model, cache=None) -> str:
@@ -150,6 +164,7 @@ class PrefixStore:
         self.directory = Path(directory) if directory is not None else None
         self.max_disk_bytes = max_disk_bytes
         self.on_disk: dict[tuple[int, ...], Path] = {}
+        self.over_budget = 0  # checkpoints larger than the whole budget, not kept in memory
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             for path in sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
@@ -166,6 +181,16 @@ class PrefixStore:
         if checkpoint.key in self.entries:
             self.nbytes -= self.entries.pop(checkpoint.key).nbytes
         if checkpoint.nbytes > self.max_bytes:
+            if self.max_bytes and not self.over_budget:  # once: a long session makes one every turn
+                _log.warning(
+                    "a checkpoint of %d tokens needs %.2f GB, more than the prefix cache's %.2f GB "
+                    "(--prefix-cache-bytes): not kept, so the next turn reads its prompt again; raise "
+                    "the budget or hold the attention cache in 8 bits (--kv-bits 8)",
+                    len(checkpoint.tokens),
+                    checkpoint.nbytes / 1e9,
+                    self.max_bytes / 1e9,
+                )
+            self.over_budget += 1
             self._spill(checkpoint)
             return
         self.entries[checkpoint.key] = checkpoint

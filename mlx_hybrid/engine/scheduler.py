@@ -37,13 +37,11 @@ from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, check_context, request_ids
 from ..sampling import SamplingParams
 from ..speculative import DraftingPolicy, SpeculativeStats, check_num_draft_tokens
-from .prefix_store import PrefixStore, capture, restore
+from .prefix_store import PrefixStore, capture, default_budget_bytes, restore
 from .prompt_images import PromptImages
 from .rows import Ahead, Row
 from .sequence import Event, Sequence, request_params, token_logprobs
 from .step import Batch, Choice, build_batch, choose_tokens, run_model
-
-DEFAULT_PREFIX_CACHE_BYTES = 2 * 1024**3
 
 
 class Engine:
@@ -52,7 +50,7 @@ class Engine:
     drafter: None (plain decoding) or a drafter (see `drafting.make_drafter`) that each
     sequence gets a `fork` of; num_draft_tokens and adaptive as in `speculative.DraftingPolicy`.
     prefix_store: where checkpoints are kept (None: a `PrefixStore` of
-    `DEFAULT_PREFIX_CACHE_BYTES`; a store with max_bytes=0 keeps none in memory).
+    `prefix_store.default_budget_bytes()`; a store with max_bytes=0 keeps none in memory).
     overlap: queue each plain decoding pass before reading the previous one's tokens
     (None: where a GPU computes, `ops.overlap_decode_steps`).
     kv_bits, kv_group_size: every sequence's attention layers hold their keys and values in 4 or 8
@@ -83,7 +81,7 @@ class Engine:
         self.num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
         self.adaptive = adaptive
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.store = prefix_store if prefix_store is not None else PrefixStore(DEFAULT_PREFIX_CACHE_BYTES)
+        self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
         self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
@@ -187,7 +185,7 @@ class Engine:
         """What the prefix store holds: checkpoints and their bytes in memory, its budget, files on disk."""
         store = self.store
         return {"checkpoints": len(store), "bytes": store.nbytes, "budget_bytes": store.max_bytes,
-                "on_disk": len(store.on_disk)}  # fmt: skip
+                "on_disk": len(store.on_disk), "over_budget": store.over_budget}  # fmt: skip
 
     # -- the loop
 

@@ -16,8 +16,12 @@ What maps where:
   once spent (`SamplingParams.reasoning_budget`); `display: "omitted"` sends thinking blocks empty.
 - `stop_sequences`, `temperature`, `top_p`, `top_k` (in the body: the 2.x SDK has no parameters for
   them), `output_config.format` (a JSON schema, through the grammars).
-- `cache_control` (top level and on blocks) is accepted: every turn's end is a checkpoint already,
-  and `usage.cache_read_input_tokens` says how much of the prompt one served.
+- `cache_control` marks a checkpoint where its block ends (a text block inside a message: there,
+  so that a long document before a changing question is read once; a tool_result, image or
+  assistant block: at its message's end), at most 4 as Anthropic allows; every turn's end is one
+  already, and so is the system prompt's (tools render in it). The top-level field and the
+  tools' marks change nothing. `usage.cache_read_input_tokens` says how much of the prompt a
+  checkpoint served.
 - Harmless fields (`metadata`, `service_tier`, `speed`, ...) are accepted; fields that would change
   the output and are not built (`output_config.effort`, `container`, `mcp_servers`,
   `context_management`, server tools) are 400s that name them, as is any unknown field.
@@ -112,9 +116,13 @@ def chat_request(body: CountTokensRequest, tokenizer) -> tuple[ChatCompletionReq
 
 def _messages(body: CountTokensRequest) -> list[dict]:
     messages = []
-    if body.system:
-        system = body.system if isinstance(body.system, str) else "\n\n".join(b.text for b in body.system)
-        messages.append({"role": "system", "content": system})
+    if isinstance(body.system, str) and body.system:
+        messages.append({"role": "system", "content": body.system})
+    elif body.system:  # blocks: their texts joined by a blank line, their marks kept
+        last = len(body.system) - 1
+        parts = [_marked({"type": "text", "text": b.text + ("\n\n" if k < last else "")}, b.model_extra)
+                 for k, b in enumerate(body.system)]  # fmt: skip
+        messages.append({"role": "system", "content": parts})
     for i, message in enumerate(body.messages):
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         where = f"messages.{i}.content"
@@ -134,19 +142,27 @@ def _user_turn(blocks: list[dict], where: str) -> list[dict]:
             content = block.get("content", "")
             if isinstance(content, list):
                 content = [_part(b, f"{where}.{j}.content.{k}") for k, b in enumerate(content)]
-                if all(p["type"] == "text" for p in content):
-                    content = "".join(p["text"] for p in content)
-            if block.get("is_error") and isinstance(content, str):
-                content = "Error: " + content
+            if block.get("is_error"):
+                content = "Error: " + content if isinstance(content, str) else [_part(ERROR), *content]
             if not isinstance(block.get("tool_use_id"), str):
                 raise ApiError(400, f"{where}.{j}: a tool_result block needs tool_use_id", param=where)
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
+            results.append(_marked({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}, block))
         else:
             parts.append(_part(block, f"{where}.{j}"))
     if parts:
-        text_only = all(p["type"] == "text" for p in parts)
-        results.append({"role": "user", "content": "".join(p["text"] for p in parts) if text_only else parts})
+        results.append({"role": "user", "content": parts})
     return results
+
+
+ERROR = {"type": "text", "text": "Error: "}  # what an is_error tool result's content follows
+
+
+def _marked(item: dict, source: dict | None) -> dict:
+    """`item` (a message or a part) with the `cache_control` mark of the block it came from, if any:
+    the chat path checkpoints where a marked part or message ends."""
+    if source and source.get("cache_control"):
+        item["cache_control"] = source["cache_control"]
+    return item
 
 
 def _part(block: dict, where: str) -> dict:
@@ -155,7 +171,7 @@ def _part(block: dict, where: str) -> dict:
     if kind == "text":
         if not isinstance(block.get("text"), str):
             raise ApiError(400, f"{where}: a text block needs text", param=where)
-        return {"type": "text", "text": block["text"]}
+        return _marked({"type": "text", "text": block["text"]}, block)
     if kind == "image":
         source = block.get("source") or {}
         if source.get("type") == "base64" and isinstance(source.get("data"), str):
@@ -164,7 +180,7 @@ def _part(block: dict, where: str) -> dict:
             url = source["url"]
         else:
             raise ApiError(400, f"{where}: an image block needs a base64 or url source", param=where)
-        return {"type": "image_url", "image_url": {"url": url}}
+        return _marked({"type": "image_url", "image_url": {"url": url}}, block)
     raise ApiError(400, f"{where}: content blocks of type {kind!r} are not supported here", param=where)
 
 
@@ -193,7 +209,7 @@ def _assistant_turn(blocks: list[dict], where: str) -> dict:
         message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
-    return message
+    return _marked(message, next((b for b in blocks if b.get("cache_control")), None))  # a mark: at its end
 
 
 def _tool(i: int, tool: dict) -> dict:

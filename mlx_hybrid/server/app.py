@@ -22,7 +22,7 @@ from ..prompt import chat_prompt, check_text_fits
 from ..tool_grammars import TOOL_CALL_STYLES, tool_call_grammar, tool_call_style
 from . import anthropic, responses
 from .outputs import ChatOutput, CompletionOutput, RequestRun, ServedModel
-from .protocol import MAX_REQUEST_MIB, ApiError, ChatCompletionRequest, CompletionRequest
+from .protocol import MAX_CACHE_MARKS, MAX_REQUEST_MIB, ApiError, ChatCompletionRequest, CompletionRequest
 
 
 class _BodyLimit:
@@ -179,13 +179,20 @@ async def _render_chat(served: ServedModel, body: ChatCompletionRequest):
     if tools:
         options["tools"] = tools
     images = []  # the image_url parts' URLs, in order
-    messages = [_template_message(m.model_dump(exclude_none=True), images) for m in body.messages]
+    messages, marks = [], []
+    for index, message in enumerate(body.messages):
+        message, ends = _template_message(message.model_dump(exclude_none=True), images)
+        messages.append(message)
+        marks += [(index, chars) for chars in ends]
     if len(images) > served.max_images:
         raise ApiError(
             400, f"{len(images)} images: a request may have {served.max_images} (the server's --max-images)",
             param="messages",
         )  # fmt: skip
-    rendered = await run_in_threadpool(_render, served.tokenizer, messages, options, served.context)
+    if len(marks) > MAX_CACHE_MARKS:
+        raise ApiError(400, f"A maximum of {MAX_CACHE_MARKS} blocks with cache_control may be provided. "
+                       f"Found {len(marks)}.", param="messages")  # fmt: skip
+    rendered = await run_in_threadpool(_render, served.tokenizer, messages, options, served.context, marks)
     return rendered, tools, images
 
 
@@ -213,17 +220,29 @@ async def _translated(served: ServedModel, api, body, request: Request):
     return await api.reply(chat, body, request)
 
 
-def _template_message(message: dict, images: list) -> dict:
+def _template_message(message: dict, images: list) -> tuple[dict, list[int | None]]:
     """An OpenAI message as chat templates expect it: text content (with images, a list of
     text and `{"type": "image"}` parts, their URLs added to `images`), tool-call arguments as
-    objects (the templates iterate them) rather than JSON strings."""
+    objects (the templates iterate them) rather than JSON strings. And where the client marked
+    it with `cache_control` (on text parts, as OpenRouter passes Anthropic's marks, or on the
+    message): the characters of its text that end at a mark, None for the whole message."""
+    marks = [None] if message.pop("cache_control", None) else []
     content = message.setdefault("content", "")  # an assistant turn of tool calls only may have none
     if isinstance(content, list):
         kinds = {part.get("type") for part in content}
-        if "image_url" in kinds:
+        if "image_url" in kinds:  # a mark among images: at the message's end
+            marks += [None] * sum(1 for part in content if part.get("cache_control"))
             message["content"] = [_template_part(part, images) for part in content]
         else:
-            message["content"] = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+            texts, chars = [], 0
+            for part in content:
+                if part.get("type") == "text":
+                    texts.append(str(part.get("text", "")))
+                    chars += len(texts[-1])
+                    if part.get("cache_control"):
+                        marks.append(chars)
+            message["content"] = "".join(texts)
+            marks = [None if chars == len(message["content"]) else chars for chars in marks]
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         if isinstance(function.get("arguments"), str):
@@ -231,7 +250,7 @@ def _template_message(message: dict, images: list) -> dict:
                 function["arguments"] = json.loads(function["arguments"])
             except ValueError:
                 raise ApiError(400, "tool call arguments must be a JSON object", param="messages") from None
-    return message
+    return message, sorted(set(marks), key=lambda chars: -1 if chars is None else chars)
 
 
 def _template_part(part: dict, images: list) -> dict:
@@ -257,12 +276,12 @@ def _read_images(urls: list[str], access: ImageAccess) -> list:
     return images
 
 
-def _render(tokenizer, messages, options, context):
+def _render(tokenizer, messages, options, context, marks=()):
     try:
         if options.get("tools") and not tokenizer.renders_tools:
             raise ApiError(400, "this model's chat template does not render tools: it would never see them",
                            param="tools")  # fmt: skip
-        return chat_prompt(tokenizer, messages, context=context, **options)
+        return chat_prompt(tokenizer, messages, context=context, marks=marks, **options)
     except ContextOverflowError as e:
         raise ApiError(400, str(e), "context_length_exceeded", "messages") from None
     except GenerationError as e:

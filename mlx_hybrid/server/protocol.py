@@ -30,6 +30,9 @@ MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 
 # fields clients send that change nothing the server computes: accepted on every route and ignored.
 # `cache_prompt` (llama.cpp's): prompts are always resumed from the longest checkpoint that matches
+# content blocks a request may mark with `cache_control` (a checkpoint each where it ends), as Anthropic allows
+MAX_CACHE_MARKS = 4
+
 IGNORED_FIELDS = frozenset(
     {"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
      "cache_prompt"}
