@@ -184,6 +184,7 @@ def main():
                    choices=["mlx-hybrid", "mlx-hybrid-kv", "llama-server"],
                    help="which to run (llama-server: with --llama-server; mlx-hybrid-kv: with --kv-bits)")  # fmt: skip
     p.add_argument("--kv-bits", type=int, choices=[4, 8], help="mlx-hybrid-kv's --kv-bits")
+    p.add_argument("--prefix-cache-bytes", help="our servers' --prefix-cache-bytes (default: the server's)")
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--system-tokens", type=int, default=12000)
     p.add_argument("--tools", type=int, default=15)
@@ -200,7 +201,8 @@ def main():
     results = [prose(rng, args.result_tokens, tokenizer) for _ in range(4)]
     tools = tool_schemas(args.tools)
     commands = {"mlx-hybrid": lambda port: [sys.executable, "-m", "mlx_hybrid.server", "--model", str(gguf),
-                                            "--port", str(port), "--served-model-name", "m", "--log-level", "warning"]}  # fmt: skip
+                                            "--port", str(port), "--served-model-name", "m", "--log-level", "warning"]
+                + (["--prefix-cache-bytes", args.prefix_cache_bytes] if args.prefix_cache_bytes else [])}  # fmt: skip
     if args.kv_bits:
         commands["mlx-hybrid-kv"] = lambda port: commands["mlx-hybrid"](port) + ["--kv-bits", str(args.kv_bits)]
     if args.llama_server:

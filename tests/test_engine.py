@@ -366,6 +366,37 @@ def test_a_checkpoint_over_the_whole_budget_is_not_kept_and_says_so_once(caplog)
         assert abs(default_budget_bytes() - min(total // 4, 8 << 30)) < 64 << 20  # page rounding
 
 
+def test_the_store_copies_a_checkpoint_only_to_keep_it_and_after_making_room():
+    """A checkpoint's copy is a long session's whole attention cache (3.2 GB at 128k tokens of Qwen3.5-0.8B):
+    one the store will not keep is never copied, and one it keeps is copied after the evicted ones are freed,
+    so memory peaks at one checkpoint, not two (MLX's peak memory, around each save)."""
+    model, _ = load_fixture("qwen35", "model.gguf")
+
+    def sequence(seed):  # a cache after a 400-token prompt, and its last hidden state
+        prompt = np.random.default_rng(seed).integers(3, 500, 400).tolist()
+        cache = model.make_cache()
+        return prompt, cache, prefill(model, prompt, cache)[:, -1:]
+
+    first, second = sequence(5), sequence(6)
+    size = capture(model, first[1], first[0], first[2]).nbytes
+
+    def peak_of_saving(store, state) -> int:
+        gc.collect()
+        mx.eval(state[2])
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        store.save(capture(model, state[1], state[0], state[2]))
+        return mx.get_peak_memory() - before
+
+    # a quarter of a checkpoint: room for the allocator's rounding, far below a copy (the KV entries are
+    # nearly all of it; the recurrent states are the live cache's own arrays, shared, not copied)
+    assert peak_of_saving(PrefixStore(size // 2), first) < size // 4  # not kept: not copied
+    store = PrefixStore(size + size // 2)  # room for one
+    assert size - size // 4 < peak_of_saving(store, first) < size + size // 4  # kept: one copy
+    assert peak_of_saving(store, second) < size // 4  # the first freed before the second's copy
+    assert list(store.entries) == [tuple(second[0])]
+
+
 def test_a_prompt_cache_from_another_model_is_refused(tmp_path):
     model, _ = load_fixture("qwen35", "model.gguf")
     other, _ = load_fixture("kimilinear", "model.gguf")

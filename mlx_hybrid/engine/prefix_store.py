@@ -70,16 +70,19 @@ class Checkpoint:
         return self.image_key if self.image_key is not None else self.tokens
 
     @property
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer] + [self.last_hidden] + list(self.drafter.values())
+
+    @property
     def nbytes(self) -> int:
-        if self.agreed_nbytes is not None:
-            return self.agreed_nbytes
-        arrays = [a for layer in self.layers for a in layer] + [self.last_hidden] + list(self.drafter.values())
-        return sum(a.nbytes for a in arrays)
+        return self.agreed_nbytes if self.agreed_nbytes is not None else sum(a.nbytes for a in self.arrays)
 
 
 def capture(model, cache, tokens, last_hidden: mx.array, drafter=None, key=None) -> Checkpoint:
     """A checkpoint of one sequence: its caches after `tokens`, `last_hidden` at the last of
-    them; `key`: what finds it, where not the tokens (see `Checkpoint.image_key`)."""
+    them; `key`: what finds it, where not the tokens (see `Checkpoint.image_key`). Its copies are
+    not made yet (`Checkpoint.nbytes` is known before): `PrefixStore.save` makes them once there is
+    room, and none for one it will not keep."""
     checkpoint = Checkpoint(
         tuple(tokens),
         [layer_cache.checkpoint() for layer_cache in cache],
@@ -88,7 +91,6 @@ def capture(model, cache, tokens, last_hidden: mx.array, drafter=None, key=None)
         model_fingerprint(model, cache),
         image_key=tuple(key) if key is not None else None,
     )
-    mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
     if model.parallel is not None:  # every rank captures at the same points, so may agree here
         checkpoint.agreed_nbytes = agreed_max(checkpoint.nbytes, model.group)
     return checkpoint
@@ -137,7 +139,7 @@ def load_checkpoint(path, model=None, cache=None) -> Checkpoint:
             image_key=tuple(json.loads(metadata["image_key"])) if "image_key" in metadata else None,
         )
         # read now: a lazy load belongs to this thread's stream, and the engine may step on another
-        mx.eval(checkpoint.layers, checkpoint.last_hidden, list(checkpoint.drafter.values()))
+        mx.eval(checkpoint.arrays)
     except (OSError, RuntimeError, ValueError, KeyError) as e:
         raise GenerationError(f"cannot read the prompt cache {path}: {e}") from None
     if model is not None and checkpoint.model != model_fingerprint(model, cache):
@@ -193,12 +195,11 @@ class PrefixStore:
             self.over_budget += 1
             self._spill(checkpoint)
             return
+        while self.nbytes + checkpoint.nbytes > self.max_bytes:  # room first: a long session's copies are GBs
+            self._evict_oldest()
+        mx.eval(checkpoint.arrays)
         self.entries[checkpoint.key] = checkpoint
         self.nbytes += checkpoint.nbytes
-        while self.nbytes > self.max_bytes:
-            _, evicted = self.entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
-            self._spill(evicted)
 
     def longest_prefix(self, tokens: list[int], model=None, cache=None) -> Checkpoint | None:
         """The checkpoint of the longest saved prefix of `tokens` (all of them included; a
@@ -225,6 +226,11 @@ class PrefixStore:
             return None
         self.entries.move_to_end(best)
         return self.entries[best]
+
+    def _evict_oldest(self):  # its own frame: what it evicts is freed on return
+        _, evicted = self.entries.popitem(last=False)
+        self.nbytes -= evicted.nbytes
+        self._spill(evicted)
 
     def _spill(self, checkpoint: Checkpoint):
         if self.directory is None or checkpoint.key in self.on_disk:

@@ -250,7 +250,7 @@ def _template_message(message: dict, images: list) -> tuple[dict, list[int | Non
                 function["arguments"] = json.loads(function["arguments"])
             except ValueError:
                 raise ApiError(400, "tool call arguments must be a JSON object", param="messages") from None
-    return message, sorted(set(marks), key=lambda chars: -1 if chars is None else chars)
+    return message, list(dict.fromkeys(marks))  # a part's mark at the end and the message's are one
 
 
 def _template_part(part: dict, images: list) -> dict:
