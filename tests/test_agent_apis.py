@@ -226,7 +226,8 @@ def test_a_cache_control_mark_inside_a_message_is_resumed_from_by_another_questi
         content = [{"type": "text", "text": document, **mark}, {"type": "text", "text": question}]
         if route == "messages":
             client = anthropic.Anthropic(base_url=server_url, api_key=API_KEY, max_retries=0, timeout=120)
-            reply = client.messages.create(model="assistant", max_tokens=8, system=system, extra_body={"temperature": 0},
+            reply = client.messages.create(model="assistant", max_tokens=8, system=system,
+                                           extra_body={"temperature": 0},
                                            messages=[{"role": "user", "content": content}])  # fmt: skip
             return reply.content, reply.usage.cache_read_input_tokens
         client = openai.OpenAI(base_url=server_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)

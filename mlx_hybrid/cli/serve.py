@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="B",
         help="memory for prompt checkpoints (bytes, or with a unit: 512M, 8G), least recently used evicted "
         "first; a checkpoint holds its session's whole attention cache, and one larger than this is not kept; "
-        f"0: none (default: a quarter of this machine's memory, at most 8 GiB: here {default_budget_bytes() / 1024**3:.1f} GiB)",
+        "0: none (default: a quarter of this machine's memory, at most 8 GiB: "
+        f"here {default_budget_bytes() / 1024**3:.1f} GiB)",
     )
     p.add_argument(
         "--prefix-cache-dir",
