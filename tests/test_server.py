@@ -322,6 +322,40 @@ def test_a_hybrid_model_with_a_draft_model_serves_what_it_generates_alone(local)
         assert running.stop()
 
 
+def test_a_stop_signal_ends_the_requests_in_flight_after_a_grace_period():
+    """SIGTERM (as Ctrl-C, or a service manager) while a long answer streams: the server stops within its
+    5 s grace period plus an engine step, cutting the stream, rather than serving the answer to its end
+    (4000 tokens, end tokens banned: tens of seconds here; uvicorn's own default waits for it)."""
+    import signal
+
+    running = Server("--model", str(ASSISTANT), "--served-model-name", "assistant")
+    client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    eos = mlx_hybrid.load(ASSISTANT)[1].eos_token_ids
+    chunks, first = [], threading.Event()
+
+    def stream():
+        try:
+            for chunk in client.chat.completions.create(
+                model="assistant", messages=[{"role": "user", "content": "hi"}], max_tokens=4000, stream=True,
+                logit_bias={str(t): -100 for t in eos},
+            ):  # fmt: skip
+                chunks.append(chunk)
+                first.set()
+        except openai.APIConnectionError:
+            pass
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60)
+    start = time.perf_counter()
+    running.process.send_signal(signal.SIGTERM)
+    running.process.wait(timeout=60)
+    reader.join(60)
+    # 5 s of grace, the engine's step in progress, the lifespan's teardown: well within 20 s
+    assert time.perf_counter() - start < 20
+    assert not any(c.choices and c.choices[0].finish_reason for c in chunks)  # cut, not finished
+
+
 def test_usage_errors_are_one_line_and_exit_2(server):
     command = [sys.executable, "-m", "mlx_hybrid.server"]
     for args, message in [

@@ -28,6 +28,10 @@ from .common import (
     sampling_settings,
 )
 
+# On SIGTERM or Ctrl-C, how long requests in flight may go on before they are ended: uvicorn's own
+# default waits for them all, which for a long prompt's prefill or a long answer is minutes.
+SHUTDOWN_GRACE_S = 5
+
 DESCRIPTION = """\
 Serve a hybrid-attention model over an OpenAI-compatible HTTP API:
 POST /v1/chat/completions and /v1/completions (streaming as server-sent events),
@@ -218,6 +222,7 @@ def main(argv=None) -> int:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
         return 0
 
