@@ -314,6 +314,34 @@ def test_a_cancelled_sequence_keeps_its_tokens_and_a_checkpoint_to_resume_from(d
     assert second.tokens == single_greedy(family, source, second_prompt)
 
 
+@pytest.mark.parametrize("ending", ["length", "cancelled"])
+def test_a_budget_for_one_checkpoint_keeps_the_prompts_over_the_answers(ending):
+    """A long session's checkpoint is GBs (3.7 at 128k tokens of Qwen3.5-0.8B), so a budget may hold one. The
+    answer's end must not evict the prompt's: a reply cut by max_tokens (or a thinking model's, under Qwen's
+    templates) comes back re-rendered, so the next turn shares the prompt with this one, not the answer."""
+    family, source = "qwen3next", "hf"
+    prompt = prompts_for()[3]  # 200 tokens
+    sizes = engine_for(family, source, prefix_store=PrefixStore(1 << 30))
+    sizes.submit(prompt, max_tokens=MAX_TOKENS, checkpoint_at=[len(prompt)])
+    sizes.run()
+    prompt_end, answer_end = sorted((c.nbytes for c in sizes.store.entries.values()))
+    engine = engine_for(family, source, prefix_store=PrefixStore(answer_end + prompt_end // 2))  # holds one
+    first = engine.submit(prompt, max_tokens=MAX_TOKENS, checkpoint_at=[len(prompt)])
+    if ending == "cancelled":
+        for _ in range(3):  # the prompt, then two tokens
+            engine.step()
+        first.cancel()
+    engine.run()
+    assert first.finish_reason == ending and list(engine.store.entries) == [tuple(prompt)]
+    # the next turn: the answer rendered otherwise, then a new message
+    second_prompt = prompt + [11, 12, 13] + [7, 8, 9]
+    second = engine.submit(second_prompt, max_tokens=MAX_TOKENS, checkpoint_at=[len(second_prompt)])
+    engine.run()
+    assert second.cached_tokens == len(prompt)
+    assert second.tokens == single_greedy(family, source, second_prompt)
+    assert list(engine.store.entries) == [tuple(second_prompt)]  # the session's newest prompt
+
+
 def test_the_store_keeps_its_byte_budget_and_evicts_the_least_recently_used(tmp_path):
     model, _ = load_fixture("qwen35", "model.gguf")
     prompts = prompts_for(4, seed=3)

@@ -179,7 +179,9 @@ class PrefixStore:
     def __len__(self):
         return len(self.entries)
 
-    def save(self, checkpoint: Checkpoint):
+    def save(self, checkpoint: Checkpoint, keep: tuple[int, ...] | None = None):
+        """Keep a checkpoint, evicting the least recently used ones to make room, but never the one
+        found by `keep`: where both do not fit, the new checkpoint is dropped instead."""
         if checkpoint.key in self.entries:
             self.nbytes -= self.entries.pop(checkpoint.key).nbytes
         if checkpoint.nbytes > self.max_bytes:
@@ -195,8 +197,11 @@ class PrefixStore:
             self.over_budget += 1
             self._spill(checkpoint)
             return
+        if keep in self.entries and self.entries[keep].nbytes + checkpoint.nbytes > self.max_bytes:
+            self._spill(checkpoint)
+            return
         while self.nbytes + checkpoint.nbytes > self.max_bytes:  # room first: a long session's copies are GBs
-            self._evict_oldest()
+            self._evict_oldest(keep)
         mx.eval(checkpoint.arrays)
         self.entries[checkpoint.key] = checkpoint
         self.nbytes += checkpoint.nbytes
@@ -227,8 +232,8 @@ class PrefixStore:
         self.entries.move_to_end(best)
         return self.entries[best]
 
-    def _evict_oldest(self):  # its own frame: what it evicts is freed on return
-        _, evicted = self.entries.popitem(last=False)
+    def _evict_oldest(self, keep=None):  # its own frame: what it evicts is freed on return
+        evicted = self.entries.pop(next(key for key in self.entries if key != keep))
         self.nbytes -= evicted.nbytes
         self._spill(evicted)
 

@@ -48,6 +48,7 @@ class Row:
         self.last_hidden = None  # the trunk's hidden state at the last fed token [1, 1, E]
         self.drafts: list[int] = []  # with a processor: the drafts this pass verifies
         self.ahead: Ahead | None = None  # a queued pass that reads `token` (see `Engine._overlapped_pass`)
+        self.prompt_checkpoint: tuple[int, ...] | None = None  # the key of the last checkpoint in its prompt
         self.number: int | None = None  # the request's number, where an engine numbers them (replicated)
 
     @property

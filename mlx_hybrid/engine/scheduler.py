@@ -275,6 +275,7 @@ class Engine:
         row.fed = list(checkpoint.tokens)
         row.last_hidden = checkpoint.last_hidden
         row.sequence.cached_tokens = len(row.fed)
+        row.prompt_checkpoint = checkpoint.key
         if len(row.fed) < len(row.sequence.prompt):
             return False
         # the whole prompt: its first token comes from the saved hidden state
@@ -396,9 +397,17 @@ class Engine:
         return True
 
     def _save(self, row: Row):
+        """A checkpoint of what the row has read. One in its prompt is what the conversation's next
+        turn resumes from; one after its answer serves that turn only where the template renders the
+        answer back as generated (not a reply cut by max_tokens, not a thinking model's under Qwen's
+        templates), so where the budget holds only one of them (a long session's) it keeps the first."""
         self._take_back(row)  # a checkpoint holds what the row has read, not a pass queued past it
-        key = row.checkpoint_key(row.fed)
-        self.store.save(capture(self.model, row.cache, row.fed, row.last_hidden, row.drafter, key))
+        checkpoint = capture(self.model, row.cache, row.fed, row.last_hidden, row.drafter, row.checkpoint_key(row.fed))
+        if row.prefilling:
+            self.store.save(checkpoint)
+            row.prompt_checkpoint = checkpoint.key
+        else:
+            self.store.save(checkpoint, keep=row.prompt_checkpoint)
 
     def _finish(self, row: Row, reason: str, tokens=(), error: str | None = None, logprobs=None, drafted=0):
         sequence = row.sequence
