@@ -35,14 +35,21 @@ def load_measured(path, **split):
     return model, tokenizer, mx.get_peak_memory() - before
 
 
-def generate(model, tokenizer, prompts, draft, sampled=False):
-    """Each prompt's tokens, all in one batch through the engine."""
-    drafter = make_drafter(model, tokenizer, draft, draft_p_min=0.0) if draft else None
-    engine = Engine(model, tokenizer, drafter, num_draft_tokens=3, adaptive=False)
-    settings = {"temp": 0.8, "seed": 7} if sampled else {}
-    sequences = [engine.submit(p, NEW_TOKENS, stop_tokens=[], **settings) for p in prompts]
+def generate(model, tokenizer, prompts, draft=None) -> dict:
+    """Each prompt's tokens, greedy, and with `draft` also drafting with it greedy ("speculative")
+    and sampled: all rows in one batch through the engine (a split model's step waits on the
+    ranks' sums, so one batch of them all costs what one row does)."""
+    ways = {"plain": (None, {})}
+    if draft:
+        drafter = make_drafter(model, tokenizer, draft, draft_p_min=0.0)
+        ways |= {"speculative": (drafter, {}), "sampled": (drafter, {"temp": 0.8, "seed": 7})}
+    engine = Engine(model, tokenizer, num_draft_tokens=3, adaptive=False)
+    sequences = {
+        way: [engine.submit(p, NEW_TOKENS, stop_tokens=[], drafter=d and d.fork(), **settings) for p in prompts]
+        for way, (d, settings) in ways.items()
+    }
     engine.run()
-    return [s.tokens for s in sequences]
+    return {way: [s.tokens for s in rows] for way, rows in sequences.items()}
 
 
 def on_the_engine_thread(model, tokenizer, prompt) -> dict:
@@ -103,10 +110,8 @@ def check(group, mode: str, spec: str) -> dict:
         "layers": len(whole.layers),
         "split_load_peak": split_load_peak,
         "whole_load_peak": whole_load_peak,
-        "plain": generate(model, tokenizer, prompts, None),
-        "plain_whole": generate(whole, tokenizer, prompts, None),
-        "speculative": generate(model, tokenizer, prompts, draft),
-        "sampled": generate(model, tokenizer, prompts, draft, sampled=True),
+        **generate(model, tokenizer, prompts, draft),
+        "plain_whole": generate(whole, tokenizer, prompts)["plain"],
         "engine_thread": on_the_engine_thread(model, tokenizer, prompts[0]),
     }
     if model.has_mtp:
