@@ -45,7 +45,10 @@ def generate(model, tokenizer, prompts, draft=None) -> dict:
         ways |= {"speculative": (drafter, {}), "sampled": (drafter, {"temp": 0.8, "seed": 7})}
     engine = Engine(model, tokenizer, num_draft_tokens=3, adaptive=False)
     sequences = {
-        way: [engine.submit(p, NEW_TOKENS, stop_tokens=[], drafter=d and d.fork(), **settings) for p in prompts]
+        way: [
+            engine.submit(p, NEW_TOKENS, stop_tokens=[], drafter=d.fork() if d is not None else None, **settings)
+            for p in prompts
+        ]
         for way, (d, settings) in ways.items()
     }
     engine.run()

@@ -400,7 +400,7 @@ class Engine:
         """A checkpoint of what the row has read. One in its prompt is what the conversation's next
         turn resumes from; one after its answer serves that turn only where the template renders the
         answer back as generated (not a reply cut by max_tokens, not a thinking model's under Qwen's
-        templates), so where the budget holds only one of them (a long session's) it keeps the first."""
+        templates), so where the budget holds only one of them (a long session's) it keeps the prompt's."""
         self._take_back(row)  # a checkpoint holds what the row has read, not a pass queued past it
         checkpoint = capture(self.model, row.cache, row.fed, row.last_hidden, row.drafter, row.checkpoint_key(row.fed))
         if row.prefilling:
