@@ -4,7 +4,6 @@ batch engine (`engine.Engine`), the one way tokens are produced."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -16,6 +15,7 @@ from .engine.sequence import request_params
 from .errors import GenerationError
 from .prompt import prefill
 from .sampling import SEED_LIMIT, SamplingParams
+from .timing import Stopwatch
 from .tokenizer import StreamingDetokenizer
 
 __all__ = ["GenerationResponse", "batch_generate", "generate", "prefill", "stream_generate"]
@@ -78,17 +78,17 @@ def stream_generate(
     params, speculation, cache = request_settings(max_tokens, settings)
     engine = Engine.speculating(model, tokenizer, speculation, max_batch=1, prefix_store=PrefixStore(0), **cache)
     mx.reset_peak_memory()
-    start = time.perf_counter()
+    watch = Stopwatch()  # a first call's kernel builds and checks are not the prompt's time
     sequence = engine.submit(prompt, params=params, images=images)
     detokenizer = StreamingDetokenizer(tokenizer)
     n, first_at, prompt_tps, stats = 0, None, 0.0, sequence.stats
     for event in engine.drive(sequence):
         if event.error is not None:
             raise GenerationError(f"generation failed: {event.error}")
-        now = time.perf_counter()
+        now = watch.elapsed()
         if first_at is None:
             first_at = now
-            prompt_tps = len(sequence.prompt) / (now - start)
+            prompt_tps = len(sequence.prompt) / now
         for i, token in enumerate(event.tokens):
             n += 1
             finish = event.finish_reason if i == len(event.tokens) - 1 else None

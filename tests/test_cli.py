@@ -160,3 +160,30 @@ def test_cli_holds_the_kv_cache_in_the_bits_asked_for():
     assert "KV cache in 4 bits, groups of 32" in result.stderr
     assert_usage_error(run_cli(*args, "--kv-bits", "8"), "kv_group_size 64 does not divide")
     assert_usage_error(run_cli(*args, "--kv-bits", "6"), "--kv-bits: invalid choice")
+
+
+def test_a_first_calls_kernel_checks_are_not_counted_as_its_prompt(monkeypatch):
+    """The kernels' first-use checks (and a first run's build) are timed apart: on a fresh
+    install they took the prompt's rate to 0.1 tokens/s for a 5-token prompt."""
+    import time
+
+    from mlx_hybrid.ops import selfcheck
+    from mlx_hybrid.timing import Stopwatch
+
+    model, tok = load_fixture("qwen35", "model.gguf")
+    check, delay, checks = selfcheck._check, 0.5, []
+
+    def slow_check(*args):
+        checks.append(args[0].name)
+        time.sleep(delay)  # a check as slow as a first run's (MLX compiles the ops it compares with)
+        return check(*args)
+
+    monkeypatch.setattr(selfcheck, "_check", slow_check)
+    monkeypatch.setattr(selfcheck, "kernel_usable", {})  # every variant checks again on first use
+    watch = Stopwatch()
+    responses = list(mlx_hybrid.stream_generate(model, tok, "def parse_args(", max_tokens=4))
+    assert checks and watch.one_time() >= delay * len(checks)
+    prompt_seconds = responses[0].prompt_tokens / responses[0].prompt_tps
+    # a 5-token prompt of the tiny fixture takes milliseconds; without the exclusion it took the
+    # checks' seconds
+    assert prompt_seconds < delay

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from .common import (
     ArgumentParser,
@@ -82,6 +81,7 @@ class ChatSession:
         """Answer one user message (streamed to out); the statistics line."""
         from mlx_hybrid.parsers import OutputParser, prompt_opens_reasoning
         from mlx_hybrid.prompt import chat_prompt, user_message
+        from mlx_hybrid.timing import Stopwatch
         from mlx_hybrid.tokenizer import StreamingDetokenizer
 
         messages = self.messages + [user_message(text, len(self.pending_images))]
@@ -93,11 +93,11 @@ class ChatSession:
         detokenizer = StreamingDetokenizer(self.tokenizer)
         parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text))
         reasoning, content = [], []
-        start, first_at = time.perf_counter(), None
+        watch, first_at = Stopwatch(), None  # a first turn's kernel builds and checks left out
 
         def show(event):
             nonlocal first_at
-            first_at = first_at or time.perf_counter()
+            first_at = first_at or watch.elapsed()
             text = "".join(detokenizer.add(t) for t in event.tokens)
             if event.finish_reason is not None:
                 text += detokenizer.finalize()
@@ -114,11 +114,11 @@ class ChatSession:
             answer["reasoning_content"] = "".join(reasoning)
         self.messages = messages + [answer]
         self.images, self.pending_images = images, []
-        end = time.perf_counter()
+        end = watch.elapsed()
         new = len(sequence.prompt) - sequence.cached_tokens
         generated = len(sequence.tokens)
         return (
-            f"[prompt: {len(sequence.prompt)} tokens, {new} new, {new / ((first_at or end) - start):.1f} tokens/s | "
+            f"[prompt: {len(sequence.prompt)} tokens, {new} new, {new / (first_at or end):.1f} tokens/s | "
             f"answer: {generated} tokens, {decode_rate(generated, first_at, end):.1f} tokens/s]"
         )
 

@@ -159,17 +159,16 @@ class _Generation:
 
     def generate(self, prompt, reusable: int | None) -> tuple[str | None, bool]:
         """Stream the text; (the statistics line(s) for stderr, whether Ctrl-C stopped it)."""
-        import time
-
         import mlx.core as mx
 
         from mlx_hybrid import GenerationError
+        from mlx_hybrid.timing import Stopwatch
         from mlx_hybrid.tokenizer import StreamingDetokenizer
 
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         boundary = self._load_prompt_cache(reusable or len(ids))
         mx.reset_peak_memory()
-        start = time.perf_counter()
+        watch = Stopwatch()  # a first run's kernel builds and checks are reported apart
         sequence = self.engine.submit(
             ids, params=sampling_params(self.args), checkpoint_at=[boundary] if boundary else (),
             images=self.args.image,
@@ -180,7 +179,7 @@ class _Generation:
         def show(event):
             nonlocal first_at
             for token in event.tokens:
-                first_at = first_at or time.perf_counter()
+                first_at = first_at or watch.elapsed()
                 sys.stdout.write(detokenizer.add(token))
             sys.stdout.flush()
 
@@ -191,16 +190,18 @@ class _Generation:
         self._save_prompt_cache(ids, boundary)
         if not sequence.tokens:
             return None, stopped
-        end = time.perf_counter()
+        end = watch.elapsed()
         read = len(sequence.prompt) - sequence.cached_tokens
         generated = len(sequence.tokens)
         lines = [
             f"prompt: {len(sequence.prompt)} tokens"
             + (f" ({sequence.cached_tokens} from the prompt cache)" if sequence.cached_tokens else "")
-            + f", {read / (first_at - start):.1f} tokens/s | generation: {generated} tokens, "
+            + f", {read / first_at:.1f} tokens/s | generation: {generated} tokens, "
             f"{decode_rate(generated, first_at, end):.1f} tokens/s | "
             f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"
         ]
+        if watch.one_time() >= 0.05:
+            lines.append(f"first use: {watch.one_time():.1f} s building and checking the kernels (not counted above)")
         if stopped:
             lines.append(f"stopped by Ctrl-C after {generated} tokens")
         if sequence.finish_reason == "length" and generated < self.args.max_tokens:

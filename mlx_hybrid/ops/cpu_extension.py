@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..native import BuildError, build_once, compiler
+from ..timing import one_time_work
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ def _build() -> Path:
 @lru_cache(maxsize=None)
 def extension():
     """The extension module, or None (after one warning saying why)."""
+    with one_time_work():
+        return _load()
+
+
+def _load():
     try:
         path = _build()
         loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..timing import one_time_work
 from . import activations, cpu_kernels, kernels, reference
 
 
@@ -38,21 +39,27 @@ def passed(spec, small_case: Callable[..., tuple], platform: str, *variant) -> b
     """
     key = (spec.name, platform, *variant)
     if key not in kernel_usable:
-        try:
-            got, want = small_case(platform, *variant)
-            compared = [_compare(g, w) for g, w in zip(got, want)]
-            worst = max(error for error, _ in compared)
-            problem = None if all(ok for _, ok in compared) else f"differs from the pure-MLX op by {worst:.3g}"
-        except Exception as e:  # a compile error, a bad launch: the message is for the warning
-            problem = f"failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
-        if problem is not None:
-            described = ", ".join(map(str, variant))
-            message = f"the {platform} kernel {spec.file} ({described}) {problem}; using the pure-MLX path for it"
-            if _strict_kernels():
-                raise KernelError(message + " (MLX_HYBRID_STRICT_KERNELS=1 makes this an error)")
-            _log.warning("mlx_hybrid: %s", message)
-        kernel_usable[key] = problem is None
+        with one_time_work():
+            kernel_usable[key] = _check(spec, small_case, platform, *variant)
     return kernel_usable[key]
+
+
+def _check(spec, small_case, platform, *variant) -> bool:
+    """Run the variant's small case against the pure-MLX op: whether it agrees (else one warning)."""
+    try:
+        got, want = small_case(platform, *variant)
+        compared = [_compare(g, w) for g, w in zip(got, want)]
+        worst = max(error for error, _ in compared)
+        problem = None if all(ok for _, ok in compared) else f"differs from the pure-MLX op by {worst:.3g}"
+    except Exception as e:  # a compile error, a bad launch: the message is for the warning
+        problem = f"failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
+    if problem is not None:
+        described = ", ".join(map(str, variant))
+        message = f"the {platform} kernel {spec.file} ({described}) {problem}; using the pure-MLX path for it"
+        if _strict_kernels():
+            raise KernelError(message + " (MLX_HYBRID_STRICT_KERNELS=1 makes this an error)")
+        _log.warning("mlx_hybrid: %s", message)
+    return problem is None
 
 
 def _compare(got: mx.array, want: mx.array) -> tuple[float, bool]:
