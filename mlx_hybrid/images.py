@@ -222,16 +222,16 @@ def _local_path(path: Path, access: ImageAccess) -> Path:
 
 
 def _fetch(url: str, access: ImageAccess, limit: int = 32 << 20) -> bytes:
-    from urllib.request import HTTPRedirectHandler, build_opener
+    from urllib.request import build_opener
 
-    class CheckedRedirects(HTTPRedirectHandler):
-        def redirect_request(self, request, fp, code, message, headers, new_url):
-            _check_host(new_url, access)
-            return super().redirect_request(request, fp, code, message, headers, new_url)
-
-    _check_host(url, access)
+    if urlparse(url).scheme not in ("http", "https") or not urlparse(url).hostname:
+        raise ImageError(f"not an http(s) image URL: {url}")
+    # where private addresses are refused, each connection (a redirect's too) resolves its host
+    # once, checks every address and connects to a checked one (a name that resolves elsewhere the
+    # second time cannot slip through), with no proxy between: a proxy would resolve it again
+    handlers = [] if access.private_addresses else _checked_handlers(access)
     try:
-        with build_opener(CheckedRedirects).open(url, timeout=20) as response:
+        with build_opener(*handlers).open(url, timeout=20) as response:
             data = response.read(limit + 1)
     except OSError as e:
         raise ImageError(f"cannot fetch the image {url}: {e}") from None
@@ -240,31 +240,55 @@ def _fetch(url: str, access: ImageAccess, limit: int = 32 << 20) -> bytes:
     return data
 
 
-def _check_host(url: str, access: ImageAccess):
-    """Refuse an http(s) URL whose host resolves to a loopback, private, link-local or reserved address."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ImageError(f"not an http(s) image URL: {url}")
-    if access.private_addresses or parsed.hostname in access.private_hosts:
-        return
+def _checked_handlers(access: ImageAccess) -> list:
+    """urllib handlers whose connections go only to addresses `_checked_address` allows. The
+    connection keeps the host's name for the Host header and for TLS (server name, certificate)."""
+    import http.client
+    from urllib.request import HTTPHandler, HTTPSHandler, ProxyHandler
+
+    def checked(connection_class):
+        class Checked(connection_class):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                # http.client opens its socket through this attribute (HTTPS wraps it after)
+                self._create_connection = self._connect_checked
+
+            def _connect_checked(self, address, *args):
+                host, port = address
+                return socket.create_connection((_checked_address(host, port, access), port), *args)
+
+        return Checked
+
+    class CheckedHTTP(HTTPHandler):
+        def http_open(self, request):
+            return self.do_open(checked(http.client.HTTPConnection), request)
+
+    class CheckedHTTPS(HTTPSHandler):
+        def https_open(self, request):
+            return self.do_open(checked(http.client.HTTPSConnection), request)
+
+    return [ProxyHandler({}), CheckedHTTP(), CheckedHTTPS()]
+
+
+def _checked_address(host: str, port: int, access: ImageAccess) -> str:
+    """The address to connect to for `host`: resolved once, refused if any of its addresses is
+    loopback, private, link-local or reserved (unless the operator allowed the host by name)."""
+    if host in access.private_hosts:
+        return host
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(parsed.hostname, parsed.port or 443)}
+        addresses = [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
     except (OSError, UnicodeError):
-        raise ImageError(f"cannot resolve the image's host {parsed.hostname}") from None
+        raise ImageError(f"cannot resolve the image's host {host}") from None
     for address in addresses:
         ip = ipaddress.ip_address(address.split("%")[0])
-        if (
-            ip.is_loopback
-            or ip.is_private
-            or ip.is_link_local
-            or ip.is_reserved
-            or ip.is_multicast
-            or ip.is_unspecified
-        ):
+        if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_reserved or ip.is_multicast or ip.is_unspecified:
             raise ImageError(
-                f"image URLs to local or private addresses are refused ({parsed.hostname}); "
+                f"image URLs to local or private addresses are refused ({host}); "
                 "a server's operator can allow a host with --allowed-image-hosts"
             )
+    if not addresses:
+        raise ImageError(f"cannot resolve the image's host {host}")
+    return addresses[0]
 
 
 @dataclass

@@ -142,11 +142,14 @@ class OutputParser:
     (`</thi`, an unclosed `<tool_call>`) waits for the next piece, and `finish()` gives
     the rest (an unclosed block as text). Newlines around tags are dropped: a section's
     leading and trailing ones, those around tool calls; other text is kept as written.
-    reasoning: look for reasoning at all (False: everything is content).
+    reasoning: look for reasoning at all (False: everything is content). tool_calls: parse
+    tool-call blocks (False, where a request offered no tools: they stay text, markup and all,
+    for a client that defined no function cannot answer a call).
     """
 
-    def __init__(self, tools=None, reasoning_opened: bool = False, reasoning: bool = True):
+    def __init__(self, tools=None, reasoning_opened: bool = False, reasoning: bool = True, tool_calls: bool = True):
         self._types = _parameter_types(tools)
+        self._blocks = list(_BLOCKS) if tool_calls else []
         self._mode = "reasoning" if reasoning_opened else ("start" if reasoning else "content")
         self._buffer = ""
         self._newlines = ""  # held back: dropped if a tag follows, written if text does
@@ -160,7 +163,7 @@ class OutputParser:
         if self._mode == "start" and not self._decide_start():
             return delta
         while self._buffer:
-            markers = list(_BLOCKS) + ([THINK_CLOSE] if self._mode == "reasoning" else [])
+            markers = self._blocks + ([THINK_CLOSE] if self._mode == "reasoning" else [])
             found = [(at, m) for m in markers if (at := self._buffer.find(m)) >= 0]
             if not found:
                 keep = _partial_marker(self._buffer, markers)
@@ -238,7 +241,7 @@ class OutputParser:
 
 def _partial_marker(text: str, markers) -> int:
     """Length of the longest end of text that is a proper start of a marker."""
-    for n in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
+    for n in range(min(len(text), max((len(m) for m in markers), default=1) - 1), 0, -1):
         if any(m.startswith(text[-n:]) for m in markers):
             return n
     return 0

@@ -132,6 +132,40 @@ def test_tool_choice_any_and_named_give_valid_calls(claude, conversations, strea
             jsonschema.validate(call["input"], schemas[call["name"]])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_offers_no_tools_gets_no_tool_call(claude, oai, conversations, stream):
+    """The assistant calls get_weather when asked about the weather, tools offered or not (inside its
+    reasoning, which it does not close before the call). A client that offered no tools cannot answer
+    a call: the markup comes back as the text it is part of on every route (as llama-server and vLLM
+    return it), the reasoning still apart; offered, it is a call."""
+    tools, messages = conversations["tools"], conversations["turn_1"]["messages"]
+    system, question = (m["content"] for m in messages)
+    markup = "<tool_call>\n<function=get_weather>"
+    chat = dict(model="assistant", messages=messages, temperature=0, max_tokens=200)
+    plain = oai.chat.completions.create(**chat).choices[0]
+    assert plain.message.tool_calls is None and plain.finish_reason == "stop"
+    assert markup in plain.message.model_extra["reasoning_content"]  # what the model wrote, where it wrote it
+    for choice in ("none", None):  # tool_choice "none" with tools offered: as if none were offered
+        offered = dict(tools=tools, tool_choice=choice) if choice else dict(tools=tools)
+        reply = oai.chat.completions.create(**chat, **offered).choices[0]
+        assert (reply.message.tool_calls is None) == (choice == "none")
+
+    messages_request = dict(model="assistant", max_tokens=200, system=system, extra_body={"temperature": 0},
+                            messages=[{"role": "user", "content": question}])  # fmt: skip
+    blocks, stop, _ = blocks_of(claude, stream, **messages_request)
+    assert [b["type"] for b in blocks] == ["thinking"] and stop == "end_turn" and markup in blocks[0]["thinking"]
+    blocks, stop, _ = blocks_of(claude, stream, **messages_request, tools=anthropic_tools(tools))
+    assert [b["type"] for b in blocks] == ["thinking", "tool_use"] and stop == "tool_use"
+
+    responses_request = dict(model="assistant", instructions=system, input=question, temperature=0,
+                             max_output_tokens=200)  # fmt: skip
+    response = responses_create(oai, stream, **responses_request)
+    assert [item.type for item in response.output] == ["reasoning"] and markup in response.output[0].content[0].text
+    functions = [{"type": "function", **t["function"]} for t in tools]
+    response = responses_create(oai, stream, **responses_request, tools=functions)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+
+
 def test_thinking_disabled_and_a_budget_that_ends_it(claude, conversations, assistant):
     system, question = (m["content"] for m in conversations["turn_1"]["messages"])
     request = dict(model="assistant", max_tokens=40, system=system, messages=[{"role": "user", "content": question}],

@@ -155,6 +155,19 @@ def test_streamed_output_parses_as_the_whole_whatever_the_pieces(text, opened):
         ]
 
 
+@pytest.mark.parametrize("text,opened", STREAMED)
+def test_without_tools_a_call_is_the_text_it_was_written_as(text, opened):
+    """tool_calls=False (a request that offered no tools): no calls, every block's markup where it
+    was written, whatever the pieces; the reasoning still apart."""
+    parser = OutputParser(reasoning_opened=opened, tool_calls=False)
+    deltas = [parser.feed(text[i : i + 3]) for i in range(0, len(text), 3)] + [parser.finish()]
+    written = "".join(d.reasoning + d.content for d in deltas)
+    assert not any(d.tool_calls for d in deltas)
+    for marker in ("<tool_call>", "</tool_call>", "<|tool_calls_section_begin|>", '"name": "get_time"', "Paris"):
+        assert written.count(marker) == text.count(marker)
+    assert "</think>" not in written and ("plan" not in text or "plan" in "".join(d.reasoning for d in deltas))
+
+
 def test_streaming_holds_back_only_what_may_be_a_tag():
     parser = OutputParser(reasoning_opened=True)
     assert parser.feed("step one</thi").reasoning == "step one"

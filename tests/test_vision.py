@@ -296,6 +296,91 @@ def test_server_reads_only_the_images_its_operator_allows(tmp_path):
         assert server.stop()
 
 
+PUBLIC = "8.8.8.8"  # what the name resolves to at first; nothing is ever sent there (see `connections`)
+
+
+@pytest.fixture
+def image_hosts(monkeypatch):
+    """Two HTTP servers on 127.0.0.1 standing in for a public host (serving a picture, or a redirect
+    to `/redirect?to=URL`) and for this machine's own address (a secret), behind a resolver for
+    `images.example` that answers PUBLIC on its first lookup and 127.0.0.1 after (DNS rebinding).
+    Connections are made by `socket.create_connection`, recorded: PUBLIC goes to the first server,
+    127.0.0.1 to the second, anything else is refused (no packet leaves this machine)."""
+    import http.server
+    import socket
+    import threading
+    from urllib.parse import parse_qs, urlparse
+
+    picture = io.BytesIO()
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(picture, format="PNG")
+    secret = io.BytesIO()
+    Image.new("RGB", (4, 4), (0, 0, 0)).save(secret, format="PNG")
+
+    def handler(body: bytes):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                target = parse_qs(urlparse(self.path).query).get("to")
+                self.send_response(302 if target else 200)
+                if target:
+                    self.send_header("Location", target[0])
+                self.send_header("Content-Length", "0" if target else str(len(body)))
+                self.end_headers()
+                if not target:
+                    self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+    servers = {address: http.server.HTTPServer(("127.0.0.1", 0), handler(body))
+               for address, body in ((PUBLIC, picture.getvalue()), ("127.0.0.1", secret.getvalue()))}  # fmt: skip
+    for server in servers.values():
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    lookups, connections = [], []
+    real_getaddrinfo, real_connect = socket.getaddrinfo, socket.create_connection
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host != "images.example":
+            return real_getaddrinfo(host, port, *args, **kwargs)
+        lookups.append(host)
+        address = PUBLIC if len(lookups) == 1 else "127.0.0.1"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+
+    def create_connection(address, *args, **kwargs):
+        host, port = address
+        ip = host if host in servers else socket.getaddrinfo(host, port)[0][4][0]  # a name: resolved again
+        connections.append(ip)
+        if ip not in servers:
+            raise ConnectionRefusedError(f"the test connects nowhere but 127.0.0.1 ({ip})")
+        return real_connect(("127.0.0.1", servers[ip].server_port), *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    yield picture.getvalue(), lookups, connections
+    for server in servers.values():
+        server.shutdown()
+
+
+def test_the_address_checked_is_the_address_fetched(image_hosts):
+    """A server with --allow-remote-images refuses this machine's own and private addresses. A name
+    that resolves to a public address for the check and to 127.0.0.1 for the fetch is fetched from
+    the address that was checked; a redirect to loopback is refused."""
+    from mlx_hybrid.images import ImageAccess
+
+    picture, lookups, connections = image_hosts
+    served = ImageAccess(local=None, remote=True)  # what a server with --allow-remote-images reads
+    image = read_image("http://images.example:8000/picture.png", served)
+    assert lookups == ["images.example"] and connections == [PUBLIC]  # resolved once, connected there
+    assert image.getpixel((0, 0)) == (200, 10, 10)  # the public host's picture, not the secret
+
+    for redirect in ("http://127.0.0.1:8000/secret.png", "http://images.example:8000/secret.png"):
+        connections.clear()
+        with pytest.raises(ImageError, match="local or private addresses are refused"):
+            read_image(f"http://{PUBLIC}:8000/redirect?to={redirect}", served)
+        assert connections == [PUBLIC]  # the redirect's target was never connected to
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [

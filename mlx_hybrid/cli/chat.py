@@ -91,7 +91,8 @@ class ChatSession:
             rendered.ids, params=sampling_params(self.args), checkpoint_at=rendered.boundaries, images=images
         )
         detokenizer = StreamingDetokenizer(self.tokenizer)
-        parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text))
+        # the chat offers the model no tools: a call it writes is shown as written
+        parser = OutputParser(reasoning_opened=prompt_opens_reasoning(rendered.text), tool_calls=False)
         reasoning, content = [], []
         watch, first_at = Stopwatch(), None  # a first turn's kernel builds and checks left out
 

@@ -208,7 +208,9 @@ async def _start_chat(served: ServedModel, body: ChatCompletionRequest, reasonin
     run = RequestRun.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar,
                       images=images, reasoning_budget=reasoning_budget)  # fmt: skip
     one_call = bool(tools) and not body.parallel_tool_calls and grammar is None
-    return ChatOutput(run, OutputParser(tools=tools, reasoning_opened=reasoning_opened), one_call)
+    # no tools offered (or tool_choice "none"): the model's call markup comes back as text
+    parser = OutputParser(tools=tools, reasoning_opened=reasoning_opened, tool_calls=bool(tools))
+    return ChatOutput(run, parser, one_call)
 
 
 async def _translated(served: ServedModel, api, body, request: Request):
