@@ -96,7 +96,7 @@ def chat_prompt(tokenizer, messages: list[dict], context: int | None = None, mar
     marks: (message index, characters of its text content, or None for the whole message) where the
     client marked a prefix worth a checkpoint (Anthropic's `cache_control`): boundaries too."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
     except Exception as e:  # jinja2's errors, raise_exception in a template, a model without one
         raise GenerationError(f"chat template: {e}") from None
     if context is not None:
@@ -134,6 +134,6 @@ def _rendered(tokenizer, messages: list[dict], template_kwargs) -> str:
     """The rendering of a conversation's first messages, without the generation prompt; "" where the
     template refuses a partial conversation."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
     except Exception:  # noqa: BLE001
         return ""

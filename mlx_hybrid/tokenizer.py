@@ -12,6 +12,7 @@ import functools
 import json
 from pathlib import Path
 
+from .chat_template import apply_chat_template
 from .errors import ModelLoadError
 
 # llama.cpp's split expressions, by `tokenizer.ggml.pre`
@@ -161,22 +162,21 @@ class Tokenizer:
         """The most bytes one token stands for, added tokens' texts included (computed once)."""
         return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
-        if not self.chat_template:
-            raise ValueError("this model has no chat template")
-        return _compiled_template(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.decode(self.eos_token_ids[:1]) if self.eos_token_ids else "",
-            **kwargs,
-        )
+    def apply_chat_template(self, conversation=None, **settings):
+        """Hugging Face's `apply_chat_template`, its keywords with their meanings and defaults: token
+        ids unless tokenize=False, add_generation_prompt False unless given, return_dict=True for
+        {"input_ids", "attention_mask"} (see `chat_template.apply_chat_template`)."""
+        if conversation is None and "messages" in settings:  # this method's earlier name for it
+            conversation = settings.pop("messages")
+        return apply_chat_template(self, conversation, **settings)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
         """Whether the chat template shows the model the tools it is given (asked once)."""
         try:
-            return _PROBE_NAME in self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
+            return _PROBE_NAME in self.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL], tokenize=False
+            )
         except Exception:  # noqa: BLE001  (a template that fails here fails the request itself, with its message)
             return True
 
@@ -187,7 +187,7 @@ class Tokenizer:
         call = {"type": "function", "function": {"name": _PROBE_NAME, "arguments": {"probe_key": "v"}}}
         turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
         try:
-            return self.apply_chat_template(turn, add_generation_prompt=False, tools=[_PROBE_TOOL])
+            return self.apply_chat_template(turn, tools=[_PROBE_TOOL], tokenize=False)
         except Exception:  # noqa: BLE001  (a template that cannot render a call writes no known format)
             return ""
 
@@ -331,19 +331,6 @@ def _tiktoken_bpe(path: Path, settings: dict):
 
 _PROBE_NAME = "probe_tool_x7"
 _PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "parameters": {"type": "object"}}}
-
-
-def _compiled_template(source: str):
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
 
 
 def _read_json(path: Path) -> dict:

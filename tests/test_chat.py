@@ -70,7 +70,7 @@ def test_two_turns_the_second_reads_only_its_new_message(bundled):
     child.expect(">>> ")
     _, prompt, new = ask(child, "def parse_args(")
     # the same first turn again: it was checkpointed where its messages end, before the answer's prompt
-    messages_end = len(tokenizer.encode(tokenizer.apply_chat_template(first, add_generation_prompt=False)))
+    messages_end = len(tokenizer.apply_chat_template(first))
     assert prompt == len(turn_1) and new == len(turn_1) - messages_end > 0
     child.sendline("/quit")
     child.expect(pexpect.EOF)
@@ -149,7 +149,7 @@ def test_chat_prompt_boundaries_equal_the_prefix_by_prefix_reference(checkpoint)
 
     expected = []
     for end in [1, *range(len(messages) - 3, len(messages) + 1)]:
-        prefix = tokenizer.apply_chat_template(messages[:end], add_generation_prompt=False, **options)
+        prefix = tokenizer.apply_chat_template(messages[:end], tokenize=False, **options)
         prefix_ids = tokenizer.encode(prefix)
         if rendered.text.startswith(prefix) and rendered.ids[: len(prefix_ids)] == prefix_ids:
             expected.append(len(prefix_ids))

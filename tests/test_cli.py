@@ -57,7 +57,9 @@ def test_cli_chat_template_and_verbose():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     model, tok = load_fixture("qwen3next", "model.gguf")
-    prompt = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    prompt = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
     assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, prompt, max_tokens=4).rstrip("\n")
     assert f"linear-attention ops: {ops.backend_name()}" in result.stderr and "BLAS:" in result.stderr
     # MTP by default; a 512-token vocabulary drafts over all of it
@@ -110,10 +112,10 @@ def test_cli_prompt_cache_file_reuses_a_long_system_prompt(tmp_path):
         result = run_cli(*model_args, "--prompt", question, "--max-tokens", "6", "--prompt-cache-file", str(cache))
         assert result.returncode == 0, result.stderr
         messages = [{"role": "system", "content": "def rules(): " * 20}, {"role": "user", "content": question}]
-        prompt = tok.apply_chat_template(messages)
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
         assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, prompt, max_tokens=6).rstrip("\n")
         assert cache.exists()
-    system_tokens = len(tok.encode(tok.apply_chat_template(messages[:1], add_generation_prompt=False)))
+    system_tokens = len(tok.apply_chat_template(messages[:1]))
     assert f"({system_tokens} from the prompt cache)" in result.stderr
     other_model = run_cli(
         "--model", str(FIXTURES / "kimilinear" / "hf"), "--prompt", "x", "--prompt-cache-file", str(cache)

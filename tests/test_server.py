@@ -255,6 +255,11 @@ BAD_REQUESTS = [
     ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
      "tool_choice"),
+    # the template's variables only: what the server renders with is not a client's to set
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, 400, "chat_template_kwargs"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [70000]}, 400, None),
@@ -590,9 +595,11 @@ def test_reasoning_dropped_from_the_history_is_not_claimed_as_cached(assistant, 
         model="assistant", messages=turn_3, tools=tools, temperature=0, max_tokens=4
     )
     model, tokenizer = mlx_hybrid.load(ASSISTANT)
-    rendered_turn_2 = tokenizer.apply_chat_template(template_messages(turn_2), add_generation_prompt=True, tools=tools)
-    rendered_turn_3 = tokenizer.apply_chat_template(template_messages(turn_3), add_generation_prompt=True, tools=tools)
-    question = tokenizer.apply_chat_template(template_messages(turn_2[:2]), add_generation_prompt=False, tools=tools)
+    rendered_turn_2, rendered_turn_3 = (
+        tokenizer.apply_chat_template(template_messages(turn), add_generation_prompt=True, tools=tools, tokenize=False)
+        for turn in (turn_2, turn_3)
+    )
+    question = tokenizer.apply_chat_template(template_messages(turn_2[:2]), tools=tools, tokenize=False)
     assert rendered_turn_3.startswith(question) and not rendered_turn_3.startswith(
         rendered_turn_2[: len(question) + 30]
     )

@@ -166,11 +166,65 @@ def test_chat_template_from_gguf_and_hf_agree():
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     rendered = {
-        source: mlx_hybrid.load(FIXTURES / "qwen35" / source)[1].apply_chat_template(messages)
+        source: mlx_hybrid.load(FIXTURES / "qwen35" / source)[1].apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         for source in ("model.gguf", "hf")
     }
     expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert rendered["model.gguf"] == rendered["hf"] == expected
+
+
+# -- apply_chat_template as Hugging Face's ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen35", "assistant"])
+def test_apply_chat_template_gives_what_transformers_gives(name):
+    """Text, ids and dict, case by case, against transformers' own (tests/fixtures/make_chat_template_refs.py):
+    its keywords with its meanings (add_generation_prompt off unless asked, continue_final_message,
+    tools, batches, truncation, template variables), ids by default."""
+    from fixtures.make_chat_template_refs import TOKENIZERS, cases
+
+    refs = json.loads((FIXTURES / "chat_template_refs.json").read_text())[name]
+    tokenizer = mlx_hybrid.load(TOKENIZERS[name])[1]
+    for case, keywords in cases().items():
+        keywords = dict(keywords)
+        conversation = keywords.pop("conversation")
+        assert tokenizer.apply_chat_template(conversation, tokenize=False, **keywords) == refs[case]["text"], case
+        assert tokenizer.apply_chat_template(conversation, **keywords) == refs[case]["ids"], case
+        assert tokenizer.apply_chat_template(conversation, return_dict=True, **keywords) == refs[case]["dict"], case
+
+
+def test_either_prompt_form_generates_the_same_tokens():
+    """mlx-lm's usual call (ids) and the text form give the same prompt and the same tokens."""
+    import mlx.core as mx
+
+    model, tokenizer = mlx_hybrid.load(FIXTURES / "qwen35" / "model.gguf")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def parse_args("}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert isinstance(text, str) and ids == tokenizer.encode(text) and ids == chat_prompt(tokenizer, messages).ids
+    tensors = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="mlx", return_dict=True)
+    assert tensors["input_ids"].tolist() == [ids] and tensors["attention_mask"].dtype == mx.int32
+    outputs = [mlx_hybrid.generate(model, tokenizer, prompt, max_tokens=12, draft=None) for prompt in (text, ids)]
+    assert outputs[0] == outputs[1] and outputs[0]
+
+
+@pytest.mark.parametrize(
+    "keywords,refusal",
+    [
+        (dict(return_tensors="pt"), "return_tensors must be one of np, mlx"),
+        (dict(padding="max_length", max_length=64), "padding='max_length' is not supported"),
+        (dict(return_assistant_tokens_mask=True, return_dict=True), "return_assistant_tokens_mask"),
+        (dict(tokenizer_kwargs={"add_special_tokens": True}), "tokenizer_kwargs"),
+        (dict(add_generation_prompt=True, continue_final_message=True), "not compatible"),
+        (dict(tools=[len]), "tools are JSON schemas"),
+    ],
+)  # fmt: skip
+def test_apply_chat_template_refuses_what_it_cannot_honour(keywords, refusal):
+    tokenizer = mlx_hybrid.load(FIXTURES / "qwen35" / "hf")[1]
+    with pytest.raises(ValueError, match=refusal):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], **keywords)
 
 
 # -- Kimi's tiktoken tokenizer (tiktoken.model + tokenizer_config.json, no tokenizer.json) -------

@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from ..chat_template import RENDERING_KEYWORDS
 from ..errors import GenerationError
 from ..sampling import SEED_LIMIT, SamplingParams
 
@@ -220,6 +221,14 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict = Field(default_factory=dict)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, variables: dict):
+        taken = sorted(set(variables) & RENDERING_KEYWORDS)
+        if taken:  # tokenize, chat_template, ...: the server renders; a client sets the template's variables
+            raise ValueError(f"{taken[0]} is a setting of the rendering, not a variable of the chat template")
+        return variables
 
     @model_validator(mode="after")
     def _logprobs(self):
