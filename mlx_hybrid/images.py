@@ -281,7 +281,7 @@ def _checked_address(host: str, port: int, access: ImageAccess) -> str:
         raise ImageError(f"cannot resolve the image's host {host}") from None
     for address in addresses:
         ip = ipaddress.ip_address(address.split("%")[0])
-        if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_reserved or ip.is_multicast or ip.is_unspecified:
+        if any((ip.is_loopback, ip.is_private, ip.is_link_local, ip.is_reserved, ip.is_multicast, ip.is_unspecified)):
             raise ImageError(
                 f"image URLs to local or private addresses are refused ({host}); "
                 "a server's operator can allow a host with --allowed-image-hosts"

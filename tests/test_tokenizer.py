@@ -204,7 +204,9 @@ def test_either_prompt_form_generates_the_same_tokens():
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert isinstance(text, str) and ids == tokenizer.encode(text) and ids == chat_prompt(tokenizer, messages).ids
-    tensors = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="mlx", return_dict=True)
+    tensors = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="mlx", return_dict=True
+    )
     assert tensors["input_ids"].tolist() == [ids] and tensors["attention_mask"].dtype == mx.int32
     outputs = [mlx_hybrid.generate(model, tokenizer, prompt, max_tokens=12, draft=None) for prompt in (text, ids)]
     assert outputs[0] == outputs[1] and outputs[0]
