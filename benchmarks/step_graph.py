@@ -7,8 +7,8 @@
 How it counts: one greedy decode step is built (not evaluated) on a cache that holds a prompt,
 its outputs are the next token and every array the caches keep, and MLX writes that graph out
 (`mx.export_to_dot`). Every primitive node is counted; the views (reshape, slice, transpose,
-broadcast, ...) are counted apart, as they move no data on a GPU, so the rest approximates the
-kernels a GPU launches for the step (a node of MLX's own may launch more than one: a matrix product
+broadcast, ...) are counted apart, as they move no data on a GPU, and a concatenate counts once per
+input (a GPU copies each apart), so the rest approximates the kernels a GPU launches for the step (a node of MLX's own may launch more than one: a matrix product
 through cuBLAS, a sort). The graph depends on the device it is built for: on the CPU MLX builds
 mx.fast's norms, rotary embedding and attention as their compositions and our CPU primitives
 replace others, so the GPU path's count is read where a GPU computes (`gpu_check.py` does), or
@@ -38,15 +38,25 @@ VIEWS = frozenset(
      "Unflatten", "StopGradient", "Depends"}
 )  # fmt: skip
 STAND_IN = "ErfInv"  # the node a kernel or fused op stands as under gpu_path_graph(): no model uses it
-_NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
+_NODE = re.compile(r'(\d+) \[label ="([^"]+)", shape=rectangle\]')
+_EDGE_IN = re.compile(r'^"[^"]+" -> (\d+)$', re.M)
+# MLX's GPU backends copy each input of a concatenate apart: a launch per input
+PER_INPUT = frozenset({"Concatenate"})
 
 
 def graph_nodes(outputs) -> Counter:
-    """Primitive nodes (by name) of the graph that computes `outputs`; evaluated arrays end it."""
+    """Primitive nodes (by name) of the graph that computes `outputs`, a concatenate once per input;
+    evaluated arrays end it."""
     with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
         mx.export_to_dot(f, *outputs)
         f.seek(0)
-        return Counter(_NODE.findall(f.read()))
+        text = f.read()
+    nodes = _NODE.findall(text)  # (id, name); a compiled primitive's id recurs where it is called again
+    counts, inputs = Counter(name for _, name in nodes), Counter(_EDGE_IN.findall(text))
+    for node, name in dict(nodes).items():
+        if name in PER_INPUT:
+            counts[name] += inputs[node] - 1
+    return counts
 
 
 def summary(nodes: Counter) -> dict:
@@ -81,8 +91,8 @@ def gpu_path_graph():
     attention_out = lambda q, k, v, **_: [(q.shape[:-1] + v.shape[-1:], q.dtype)]  # noqa: E731
     with contextlib.ExitStack() as stack:
         for target, name, value in [
-            (ops, "_gpu_computes", lambda: True),
-            (ops, "kernel_platform", lambda: "graph"),
+            (ops.backend, "gpu_computes", lambda: True),
+            (ops.backend, "kernel_platform", lambda: "graph"),
             (ops.selfcheck, "passed", lambda *a: True),
             (mx.fast, "rms_norm", fast(like_first)),
             (mx.fast, "layer_norm", fast(like_first)),
@@ -112,6 +122,25 @@ def mlx_hybrid_step(model, prompt: list[int]) -> tuple[Counter, float]:
     return graph_nodes([logits[:, -1].argmax(-1), *[a for c in cache for a in c.arrays]]), built
 
 
+def mlx_hybrid_rows_step(model, prompt: list[int], rows: int) -> tuple[Counter, float]:
+    """One greedy decode step of `rows` sequences together, as the engine's step packs them (each
+    row's prompt a token longer than the last, so that no two rows are alike), after one such step:
+    the steady state of rows that decode together."""
+    from mlx_hybrid.cache import packed
+    from mlx_hybrid.prompt import prefill
+
+    caches = [model.make_cache() for _ in range(rows)]
+    for row, cache in enumerate(caches):
+        prefill(model, prompt + [3] * row, cache)
+    model(mx.array([[prompt[-1]] * rows]), packed(caches, [1] * rows))
+    mx.eval([c.arrays for cache in caches for c in cache])
+    started = time.perf_counter()
+    logits = model(mx.array([[prompt[-1]] * rows]), packed(caches, [1] * rows))
+    built = time.perf_counter() - started
+    arrays = [a for cache in caches for c in cache for a in c.arrays]
+    return graph_nodes([logits[0].argmax(-1), *arrays]), built
+
+
 def mlx_lm_step(model, prompt: list[int]) -> tuple[Counter, float]:
     """One greedy decode step of an mlx-lm model, as its generate_step builds it (as `mlx_hybrid_step`)."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -132,6 +161,7 @@ def main():
     p.add_argument("--shape", default="qwen3.5-0.8b", help="a shape of benchmarks/shapes.py (default %(default)s)")
     p.add_argument("--mlx-lm", action="store_true", help="count mlx-lm's step on the same checkpoint too")
     p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--rows", type=int, default=1, help="sequences decoded together (our step; default %(default)s)")
     p.add_argument("--top", type=int, default=12, help="list the most frequent primitives")
     p.add_argument(
         "--gpu-path", action="store_true",
@@ -155,6 +185,8 @@ def count(args):
         model = random_model(SHAPES[args.shape](), ops.default_dtype())
     prompt = list(range(3, 3 + args.prompt_tokens))
     steps = {"mlx-hybrid": mlx_hybrid_step(model, prompt)}
+    if args.rows > 1:
+        steps[f"mlx-hybrid, {args.rows} rows"] = mlx_hybrid_rows_step(model, prompt, args.rows)
     if args.mlx_lm:
         import mlx_lm
 

@@ -9,7 +9,8 @@ engine's rows and prefix checkpoints call only this interface, through the funct
 at the end for a model's list of layer caches.
 
 Several sequences run in one pass packed along the token axis, never padded: each
-keeps its own caches, and a layer sees them as `RowCaches` (see `packed`).
+keeps its own caches, and a layer sees them as `RowCaches` (see `packed`). A linear layer's
+rows that run together keep their states as one batch across passes (`RowStates`).
 """
 
 from __future__ import annotations
@@ -203,37 +204,68 @@ def check_kv_quantization(bits: int, group_size: int, features: tuple[int, ...])
 
 
 class RecurrentCache(LayerCache):
-    """State of one linear-attention layer: conv tail [B, K-1, C] and S [B, H, Dk, Dv]."""
+    """State of one linear-attention layer: conv tail [B, K-1, C] and S [B, H, Dk, Dv].
+
+    After a pass over several rows together, each row's state is its place in that pass's batch
+    (`RowStates`), so that the next pass over the same rows reads the batch as it is: the rows'
+    states are gathered and split again only where the rows change, never on every step."""
 
     def __init__(self):
-        self.conv_tail = None
-        self.state = None
+        self._tail = self._state = None  # the state held alone
+        self._conv_snapshots = self._state_snapshots = None  # after each token of the last call: T arrays
+        self.batch: RowStates | None = None  # where it lives in a batch of rows' states instead
+        self.index = 0  # its row there
         self.record_snapshots = False
-        self.conv_snapshots = None  # after each token of the last call: T arrays [B, K-1, C]
-        self.state_snapshots = None  # T arrays [B, H, Dk, Dv]
 
     def update(self, conv_tail, state, conv_snapshots=None, state_snapshots=None):
-        self.conv_tail = conv_tail
-        self.state = state
-        self.conv_snapshots = conv_snapshots
-        self.state_snapshots = state_snapshots
+        self._tail, self._state = conv_tail, state
+        self._conv_snapshots, self._state_snapshots = conv_snapshots, state_snapshots
+        self.batch = None
+
+    def join(self, batch: RowStates, index: int):
+        """Live at row `index` of `batch` (what a pass over several rows gave)."""
+        self.update(None, None)
+        self.batch, self.index = batch, index
+
+    @property
+    def conv_tail(self):
+        return self.batch.tail(self.index) if self.batch is not None else self._tail
+
+    @property
+    def state(self):
+        return self.batch.state(self.index) if self.batch is not None else self._state
+
+    @property
+    def conv_snapshots(self):
+        return self.batch.snapshots(self.index, 0) if self.batch is not None else self._conv_snapshots
+
+    @property
+    def state_snapshots(self):
+        return self.batch.snapshots(self.index, 1) if self.batch is not None else self._state_snapshots
 
     def checkpoint(self) -> tuple:
-        # states are replaced, never written in place, so references are enough
-        return (self.conv_tail, self.state) if self.state is not None else ()
+        if self.state is None:
+            return ()
+        # states are replaced, never written in place, so references are enough; a row of a batch is
+        # copied out, else the checkpoint would hold every row's state
+        held = (self.conv_tail, self.state)
+        return held if self.batch is None else tuple(mx.contiguous(array) for array in held)
 
     def restore(self, entries: tuple):
-        self.conv_tail, self.state = entries if entries else (None, None)
+        self.update(*(entries if entries else (None, None)))
 
     def rollback(self, keep: int, recorded: int):
         """Keep the first `keep` (>= 1) of the `recorded` tokens of the last call."""
-        if keep < recorded:
-            self.conv_tail = self.conv_snapshots[keep - 1]
-            self.state = self.state_snapshots[keep - 1]
-        self.conv_snapshots = self.state_snapshots = None
+        if self.batch is not None:
+            self.batch.keep(self.index, keep - 1 if keep < recorded else None)
+        elif keep < recorded:
+            self.update(self._conv_snapshots[keep - 1], self._state_snapshots[keep - 1])
+        else:
+            self.update(self._tail, self._state)
 
     def mark(self) -> tuple:
-        return self.checkpoint()  # references: states are replaced, never written in place
+        # references: states are replaced, never written in place
+        return (self.conv_tail, self.state) if self.state is not None else ()
 
     def rewind(self, mark: tuple):
         self.restore(mark)
@@ -247,6 +279,54 @@ class RecurrentCache(LayerCache):
     @property
     def step_nbytes(self) -> int:
         return self.conv_tail.nbytes + self.state.nbytes if self.state is not None else 0
+
+
+class RowStates:
+    """One layer's recurrent states of several rows, as one pass over them left them: tails and
+    states [n, ...], and with snapshots each token's. A row's rollback is noted (`keep`) and applied
+    to all rows at once where the batch is next read whole: one select per kept position, whatever
+    the number of rows."""
+
+    def __init__(self, tail, state, tail_snapshots=None, state_snapshots=None):
+        self._held = [tail, state]
+        self._snapshots = [tail_snapshots, state_snapshots] if state_snapshots is not None else None
+        self._kept = [None] * tail.shape[0]  # per row: the snapshot its rollback kept (None: the last)
+        self._rolled_back = 0
+
+    def keep(self, row: int, snapshot: int | None):
+        """Row `row` keeps the state after snapshot `snapshot` (None: after the last token)."""
+        self._kept[row] = snapshot
+        self._rolled_back += 1
+        if self._rolled_back == len(self._kept):  # every row has: the snapshots can go
+            self.whole()
+            self._snapshots = None
+
+    def whole(self) -> list[mx.array]:
+        """[tails, states] of all rows, each row's rollback applied."""
+        if self._snapshots is not None and any(k is not None for k in self._kept):
+            selected = []
+            for held, snapshots in zip(self._held, self._snapshots):
+                for kept in sorted({k for k in self._kept if k is not None}):
+                    rows = mx.array([k == kept for k in self._kept]).reshape(-1, *[1] * (held.ndim - 1))
+                    held = mx.where(rows, snapshots[kept], held)
+                selected.append(held)
+            self._held, self._kept = selected, [None] * len(self._kept)
+        return self._held
+
+    def tail(self, row: int):
+        return self.whole()[0][row : row + 1]
+
+    def state(self, row: int):
+        return self.whole()[1][row : row + 1]
+
+    def snapshots(self, row: int, which: int):
+        if self._snapshots is None:
+            return None
+        return [s[row : row + 1] for s in self._snapshots[which]]
+
+    def rows(self, start: int, stop: int) -> list[mx.array]:
+        """[tails, states] of rows start .. stop - 1 (views)."""
+        return [held[start:stop] for held in self.whole()]
 
 
 class RowCaches:

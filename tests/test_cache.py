@@ -93,3 +93,46 @@ def test_a_pass_evaluated_layer_by_layer_gives_the_same_bits(family):
         results.append([mx.concatenate(chunks, axis=1)] + [a for c in cache for a in c.arrays])
     for whole, layer_by_layer in zip(*results):
         assert mx.array_equal(whole, layer_by_layer).item()
+
+
+@pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
+def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family):
+    """Packed passes whose linear layers keep the rows' states as one batch (`cache.RowStates`):
+    all rows decoding; rows 0 and 2 verifying 4 tokens while 1 and 3 decode (batches of rows that
+    are not neighbours), rolled back to different tokens; all decoding again; row 1 leaving. Each
+    row's logits equal, to the bit, those of the same calls on the row alone."""
+    from mlx_hybrid.cache import packed
+
+    model, _ = load_fixture(family, "model.gguf")
+    prompts = [[5 + row] * (6 + row) for row in range(4)]
+    alone, together = ([mlx_hybrid.make_cache(model) for _ in prompts] for _ in range(2))
+    for prompt, one, batch_row in zip(prompts, alone, together):
+        model(mx.array([prompt]), one)
+        model(mx.array([prompt]), batch_row)
+
+    def step(feeds: dict[int, list[int]], keeps: dict[int, int] = {}):
+        rows = sorted(feeds)
+        want = []
+        for row in rows:
+            verify = len(feeds[row]) > 1
+            record_snapshots(alone[row], verify)
+            want.append(model(mx.array([feeds[row]]), alone[row])[0])
+            record_snapshots(alone[row], False)
+            if verify:
+                rollback(alone[row], keep=keeps[row], recorded=len(feeds[row]))
+        for row in rows:
+            record_snapshots(together[row], len(feeds[row]) > 1)
+        got = model(mx.array([sum((feeds[r] for r in rows), [])]), packed([together[r] for r in rows],
+                                                                        [len(feeds[r]) for r in rows]))[0]
+        for row in rows:
+            record_snapshots(together[row], False)
+            if len(feeds[row]) > 1:
+                rollback(together[row], keep=keeps[row], recorded=len(feeds[row]))
+        assert mx.array_equal(got, mx.concatenate(want)), feeds
+
+    step({0: [3], 1: [4], 2: [5], 3: [6]})
+    step({0: [3], 1: [4], 2: [5], 3: [6]})
+    step({0: [7, 8, 9, 10], 1: [4], 2: [11, 12, 13, 14], 3: [6]}, keeps={0: 2, 2: 4})
+    step({0: [9], 1: [4], 2: [15], 3: [6]})
+    step({0: [9], 2: [15], 3: [6]})
+    step({0: [1], 2: [2], 3: [3]})

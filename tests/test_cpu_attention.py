@@ -10,7 +10,7 @@ import pytest
 from conftest import cpu_kernel_tests
 
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_extension, reference, selfcheck
+from mlx_hybrid.ops import cpu_extension, reference, rotary, selfcheck
 from test_ops import numpy_rope
 
 pytestmark = cpu_kernel_tests()
@@ -216,7 +216,7 @@ def test_quantized_entries_that_do_not_fit_are_refused():
 def test_rope_kernel_equals_the_float64_rope(shape, dims, offset):
     x = mx.array(np.random.default_rng(offset).standard_normal(shape).astype(np.float32))
     got = ops.rope(x, dims, 1e7, offset)
-    c, s = reference._rope_factors(range(offset, offset + shape[-2]), shape[-1], dims, 1e7)
+    c, s = rotary._rope_factors(range(offset, offset + shape[-2]), shape[-1], dims, 1e7)
     assert mx.array_equal(got, cpu_extension.extension().rope(x, c, s, dims))  # the op runs the kernel
     # an ulp of outputs up to 4, as for the pure-MLX form (test_ops.test_rope_against_numpy)
     np.testing.assert_allclose(np.array(got), numpy_rope(np.array(x), dims, 1e7, offset), atol=1e-6, rtol=0)
@@ -232,7 +232,7 @@ def test_rope_kernel_one_token_equals_its_row_of_a_longer_call():
 def test_mrope_runs_the_kernel_with_the_pure_mlx_factors():
     x = mx.array(np.random.default_rng(1).standard_normal((1, 2, 5, 64)).astype(np.float32))
     positions = np.array([[3, 3, 3, 3, 4], [3, 3, 4, 4, 5], [3, 4, 3, 4, 6]])
-    got, want = ops.mrope(x, 32, 1e4, positions, [2, 3, 3]), reference.mrope(x, 32, 1e4, positions, [2, 3, 3])
+    got, want = ops.mrope(x, 32, 1e4, positions, [2, 3, 3]), rotary.mrope(x, 32, 1e4, positions, [2, 3, 3])
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6, rtol=0)  # two float32 forms: an ulp
 
 

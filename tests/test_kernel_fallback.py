@@ -32,7 +32,7 @@ def emulated(monkeypatch):
         return [mx.array(o).astype(d) for o, d in zip(emulate(spec, launch)[0], launch.output_dtypes)]
 
     monkeypatch.setitem(kernels.RUNNERS, "emulated", run)
-    monkeypatch.setattr(ops, "kernel_platform", lambda: "emulated")
+    monkeypatch.setattr(ops.backend, "kernel_platform", lambda: "emulated")
     monkeypatch.setattr(selfcheck, "kernel_usable", {})
     monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)
 

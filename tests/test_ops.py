@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_hybrid import ops
-from mlx_hybrid.ops import reference
+from mlx_hybrid.ops import reference, rotary
 
 # The ops on inputs of scale ~1 (outputs and states up to 1.8): two float32 summation orders
 # (chunked against recurrent) differ by at most 2.4e-6 over GRID, float32 against float64
@@ -206,7 +206,7 @@ def numpy_rope(x, dims, base, offset):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_rope_against_numpy(shape, dims, offset, dtype):
     x = mx.array(np.random.default_rng(offset).standard_normal(shape).astype(np.float32)).astype(dtype)
-    out = reference.rope(x, dims, 1e7, offset)
+    out = rotary.rope(x, dims, 1e7, offset)
     assert out.dtype == dtype
     expected = numpy_rope(np.array(x.astype(mx.float32)), dims, 1e7, offset)
     # float32: an ulp of outputs up to 4 (measured 2.7e-7); bfloat16: the output's own rounding,
@@ -218,9 +218,9 @@ def test_rope_against_numpy(shape, dims, offset, dtype):
 def test_rope_one_token_equals_its_row_of_a_longer_call():
     """Decode steps and verify passes must rotate a position to the same bits."""
     x = mx.array(np.random.default_rng(0).standard_normal((1, 4, 6, 128)).astype(np.float32))
-    together = np.array(reference.rope(x, 64, 1e4, 10))
+    together = np.array(rotary.rope(x, 64, 1e4, 10))
     for t in range(6):
-        alone = np.array(reference.rope(x[:, :, t : t + 1], 64, 1e4, 10 + t))
+        alone = np.array(rotary.rope(x[:, :, t : t + 1], 64, 1e4, 10 + t))
         np.testing.assert_array_equal(alone[:, :, 0], together[:, :, t])
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import rollback
+from ..cache import rewind, rollback
 from ..speculative import DraftingPolicy, keep_snapshot_buffers
 from .prompt_images import PromptImages
 from .sequence import Sequence
@@ -86,6 +86,13 @@ class Row:
         self.fed += [self.token] + accepted[:-1]
         self.last_hidden = hidden[:, len(accepted) - 1 : len(accepted)]
         self.token = accepted[-1]
+
+    def take_back(self):
+        """Undo the queued pass (`ahead`): the caches and random stream as before it."""
+        if self.ahead is not None:
+            rewind(self.cache, self.ahead.marks)
+            self.sampler.key = self.ahead.key
+            self.ahead = None
 
     def until_end(self, accepted: list[int]) -> list[int]:
         """The accepted tokens up to the first that ends the row (a stop token, max_tokens), so that

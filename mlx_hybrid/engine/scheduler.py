@@ -31,7 +31,7 @@ import threading
 import mlx.core as mx
 
 from .. import ops
-from ..cache import check_kv_quantization, marks, packed, rewind, set_positions
+from ..cache import check_kv_quantization, set_positions
 from ..drafting import SpeculationSettings
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, check_context, request_ids
@@ -39,9 +39,9 @@ from ..sampling import SamplingParams
 from ..speculative import DraftingPolicy, SpeculativeStats, check_num_draft_tokens
 from .prefix_store import PrefixStore, capture, default_budget_bytes, restore
 from .prompt_images import PromptImages
-from .rows import Ahead, Row
+from .rows import Row
 from .sequence import Event, Sequence, request_params, token_logprobs
-from .step import Batch, Choice, build_batch, choose_tokens, run_model
+from .step import Batch, Choice, build_batch, choose_tokens, queue_plain_pass, run_model
 
 
 class Engine:
@@ -294,7 +294,7 @@ class Engine:
             self._overlapped_pass()
             return
         for row in self.rows:
-            self._take_back(row)
+            row.take_back()
         batch = build_batch(self.rows, self.prefill_chunk)
         hidden = run_model(self.model, batch, self.prefill_layer_by_layer)
         self._advance(batch, hidden, choose_tokens(self.model, batch, hidden))
@@ -319,34 +319,14 @@ class Engine:
         rows = list(self.rows)
         missing = [row for row in rows if row.ahead is None]
         if missing:
-            self._queue_pass(missing, [mx.array([row.token]) for row in missing])
+            queue_plain_pass(self.model, missing, [mx.array([row.token]) for row in missing])
         current = [row.ahead for row in rows]
-        self._queue_pass(rows, [ahead.token for ahead in current])
+        queue_plain_pass(self.model, rows, [ahead.token for ahead in current])
         tokens = mx.concatenate([ahead.token for ahead in current]).tolist()
         for row, ahead, token in zip(rows, current, tokens):
             row.advance(ahead.hidden, [token], 0, 0)
             if self._emit(row, [token], ahead.logits):
                 self.rows.remove(row)
-
-    def _queue_pass(self, rows, feeds):
-        """Build one plain pass over `rows`, each fed its token [1] (lazy or known), start it
-        computing, and make it each row's `ahead`."""
-        aheads = [Ahead(marks(row.cache), row.sampler.key) for row in rows]
-        caches = packed([row.cache for row in rows], [1] * len(rows))
-        hidden = self.model.hidden_states(mx.concatenate(feeds).astype(mx.int32)[None], caches)
-        logits = self.model.logits_from_hidden(hidden)[0]
-        for i, (row, ahead) in enumerate(zip(rows, aheads)):
-            ahead.logits, ahead.hidden = logits[i : i + 1], hidden[:, i : i + 1]
-            ahead.token = row.sampler(ahead.logits).reshape(1).astype(mx.int32)
-            row.ahead = ahead
-        mx.async_eval([ahead.token for ahead in aheads])
-
-    def _take_back(self, row: Row):
-        """Undo the row's queued pass: its caches and random stream as before it."""
-        if row.ahead is not None:
-            rewind(row.cache, row.ahead.marks)
-            row.sampler.key = row.ahead.key
-            row.ahead = None
 
     def _after_prefill(self, row: Row, tokens: list[int], hidden: mx.array, logits) -> bool:
         """After a chunk of the prompt; whether the row ended (its first token may end it)."""
@@ -401,7 +381,7 @@ class Engine:
         turn resumes from; one after its answer serves that turn only where the template renders the
         answer back as generated (not a reply cut by max_tokens, not a thinking model's under Qwen's
         templates), so where the budget holds only one of them (a long session's) it keeps the prompt's."""
-        self._take_back(row)  # a checkpoint holds what the row has read, not a pass queued past it
+        row.take_back()  # a checkpoint holds what the row has read, not a pass queued past it
         checkpoint = capture(self.model, row.cache, row.fed, row.last_hidden, row.drafter, row.checkpoint_key(row.fed))
         if row.prefilling:
             self.store.save(checkpoint)

@@ -16,11 +16,11 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from ..cache import packed, record_snapshots
+from ..cache import marks, packed, record_snapshots
 from ..drafting import draft_rows
 from ..speculative import accept
 from .prompt_images import join_inserted
-from .rows import Row
+from .rows import Ahead, Row
 
 
 @dataclass
@@ -164,3 +164,17 @@ def _greedy_targets(rows, feeds, scores):
             targets[i] = (flat[at : at + n_drafts], flat[at + n_drafts : at + n_drafts + n_targets])
             at += n_drafts + n_targets
     return targets
+
+
+def queue_plain_pass(model, rows: list[Row], feeds: list[mx.array]):
+    """Build one plain pass over `rows`, each fed its token [1] (lazy or known), start it computing,
+    and make it each row's `ahead` (the engine reads its tokens a step later; `Row.take_back` undoes it)."""
+    aheads = [Ahead(marks(row.cache), row.sampler.key) for row in rows]
+    caches = packed([row.cache for row in rows], [1] * len(rows))
+    hidden = model.hidden_states(mx.concatenate(feeds).astype(mx.int32)[None], caches)
+    logits = model.logits_from_hidden(hidden)[0]
+    for i, (row, ahead) in enumerate(zip(rows, aheads)):
+        ahead.logits, ahead.hidden = logits[i : i + 1], hidden[:, i : i + 1]
+        ahead.token = row.sampler(ahead.logits).reshape(1).astype(mx.int32)
+        row.ahead = ahead
+    mx.async_eval([ahead.token for ahead in aheads])

@@ -20,17 +20,18 @@ MLX_HYBRID_STRICT_KERNELS=1 makes it an error instead (see `selfcheck`).
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from contextvars import ContextVar
-from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..quantized_tensor import BlockScales, QuantizedTensor, no_codes
-from . import activations, cpu_extension, cpu_kernels, cpu_quantized, kernels, reference, selfcheck
-from .cpu_extension import ATTENTION, CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, QUANTIZED, ROPE
+from . import activations, backend, cpu_kernels, kernels, reference, rotary, selfcheck
+from .backend import backend_name, default_dtype, differentiable, force_reference, kernel_platform  # noqa: F401
+from .cpu_extension import ATTENTION, CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, ROPE
+from .products import (  # noqa: F401  (the products, for the layers)
+    MLX_GROUP_SIZES, SIXTEEN_BITS, computes_block_scales, computes_quantized, gather_matmul,
+    gather_quantized_matmul, keeps_16bit_weights, linear, quantized_matmul,
+)
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
 from .reference import QuantizedEntries
@@ -61,71 +62,15 @@ class ConvResult(NamedTuple):
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
-_DIFFERENTIABLE = ContextVar("mlx_hybrid_differentiable", default=False)
-
-
-@contextmanager
-def differentiable():
-    """Inside this block every op takes its pure-MLX form, which MLX differentiates (mx.grad,
-    nn.value_and_grad, and mx.compile tracing them): our CPU and GPU kernels have no backward pass.
-    Build the graph to differentiate inside it: call the gradient function there (a compiled
-    training step, on its first call)."""
-    token = _DIFFERENTIABLE.set(True)
-    try:
-        yield
-    finally:
-        _DIFFERENTIABLE.reset(token)
-
-
-def force_reference() -> bool:
-    """The pure-MLX ops for every call: MLX_HYBRID_FORCE_REFERENCE=1, or inside `differentiable()`."""
-    return _DIFFERENTIABLE.get() or os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
-
-
-@lru_cache(maxsize=None)
-def _gpu_platform() -> str | None:
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
-
-
-def kernel_platform() -> str | None:
-    """'metal' or 'cuda' when custom kernels run the linear-attention ops, else None: also where
-    the process made the CPU its default device on a machine with a GPU."""
-    return None if force_reference() or not _gpu_computes() else _gpu_platform()
-
-
-def backend_name() -> str:
-    """Which implementation runs the linear-attention ops in this process."""
-    platform = kernel_platform()
-    if platform:
-        return f"{platform} kernels"
-    if _cpu_kernels_built():
-        return "cpu kernels"
-    return "mlx-reference"
-
-
-def _gpu_computes() -> bool:
-    return mx.default_device() == mx.gpu
-
-
-def default_dtype():
-    """float32 where the CPU computes, bfloat16 on a GPU."""
-    return mx.bfloat16 if _gpu_computes() else mx.float32
-
-
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """x / sqrt(mean(x^2) + eps) * weight, accumulated in float32, in x's dtype.
 
     mx.fast.rms_norm is one kernel on a GPU; on the CPU it runs as ten separate ops, compiled as
     three, our CPU kernel as one (benchmarks/linear_attention_ops.py times the norms).
     """
-    if _gpu_computes():
+    if backend.gpu_computes():
         return mx.fast.rms_norm(x, weight, eps)
-    if x.dtype == weight.dtype == mx.float32 and _cpu_kernel_passed(NORMS, selfcheck.small_norm_case, "rms"):
+    if x.dtype == weight.dtype == mx.float32 and backend.cpu_kernel_passed(NORMS, selfcheck.small_norm_case, "rms"):
         return cpu_kernels.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
@@ -133,7 +78,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
     """(x + y, rms_norm(x + y, weight, eps)): a residual sum and the norm after it, on the CPU one
     node of ours (the same bits as the two), on a GPU one kernel."""
-    platform = kernel_platform()
+    platform = backend.kernel_platform()
     if (
         platform
         and x.dtype == y.dtype == weight.dtype
@@ -143,7 +88,7 @@ def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tupl
     ):
         total, normed = kernels.run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, eps), platform)
         return total, normed
-    if x.dtype == y.dtype == weight.dtype == mx.float32 and x.shape == y.shape and _cpu_kernel_passed(
+    if x.dtype == y.dtype == weight.dtype == mx.float32 and x.shape == y.shape and backend.cpu_kernel_passed(
         NORMS, selfcheck.small_norm_case, "add-rms"
     ):
         total, normed = cpu_kernels.add_rms_norm(x, y, weight, eps)
@@ -155,7 +100,7 @@ def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tupl
 def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (as FLA and transformers)."""
     x = x.astype(mx.float32)
-    if _cpu_kernel_passed(NORMS, selfcheck.small_norm_case, "l2"):
+    if backend.cpu_kernel_passed(NORMS, selfcheck.small_norm_case, "l2"):
         return cpu_kernels.l2_normalize(x, eps)
     return reference.l2_normalize(x, eps)
 
@@ -168,9 +113,9 @@ def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
     where angles computed on the host (cached for the call's positions) and one pass do: our
     kernel, or MLX's gather and fused products.
     """
-    if _gpu_computes():
+    if backend.gpu_computes():
         return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
-    return reference.rope(x, dims, base, offset, rotate=_rotate)
+    return rotary.rope(x, dims, base, offset, rotate=_rotate)
 
 
 def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:
@@ -178,14 +123,14 @@ def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:
     the frequencies interleaved over the axes by `sections` (Qwen3.5's MRoPE). Only the prompt's
     image spans need it (text sits at equal positions on every axis, which `rope` computes): the
     host-computed factors serve every backend."""
-    return reference.mrope(x, dims, base, positions, sections, rotate=_rotate)
+    return rotary.mrope(x, dims, base, positions, sections, rotate=_rotate)
 
 
 def _rotate(x, c, s, dims: int) -> mx.array:
-    """The rotary factors applied (see `reference.rotate`): one node of ours on the CPU, four of MLX's."""
-    if x.dtype == mx.float32 and _cpu_kernel_passed(ROPE, selfcheck.small_rope_case):
+    """The rotary factors applied (see `rotary.rotate`): one node of ours on the CPU, four of MLX's."""
+    if x.dtype == mx.float32 and backend.cpu_kernel_passed(ROPE, selfcheck.small_rope_case):
         return cpu_kernels.rope(x, c, s, dims)
-    return reference.rotate(x, c, s, dims)
+    return rotary.rotate(x, c, s, dims)
 
 
 def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None) -> mx.array:
@@ -197,7 +142,8 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None)
     prompt chunk over a long cache, 5x for a vision tower's (benchmarks/cpu_attention.py)."""
     if isinstance(k, QuantizedEntries):
         return _quantized_cache_attention(q, k, v, scale, mask)
-    if q.dtype == k.dtype == v.dtype == mx.float32 and _cpu_kernel_passed(ATTENTION, selfcheck.small_attention_case):
+    float32 = q.dtype == k.dtype == v.dtype == mx.float32
+    if float32 and backend.cpu_kernel_passed(ATTENTION, selfcheck.small_attention_case):
         return cpu_kernels.attention(q, k, v, scale, mask == "causal")
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
@@ -224,7 +170,7 @@ def _quantized_cache_attention(q, k: QuantizedEntries, v: QuantizedEntries, scal
     MLX's quantized products."""
     float32 = q.dtype == k.scales.dtype == v.scales.dtype == mx.float32
     variant = (k.bits, k.group_size)
-    if float32 and _cpu_kernel_passed(ATTENTION, selfcheck.small_quantized_attention_case, *variant):
+    if float32 and backend.cpu_kernel_passed(ATTENTION, selfcheck.small_quantized_attention_case, *variant):
         return cpu_kernels.quantized_attention(q, k, v, scale, mask == "causal")
     return reference.quantized_attention(q, k, v, scale, mask)
 
@@ -232,7 +178,7 @@ def _quantized_cache_attention(q, k: QuantizedEntries, v: QuantizedEntries, scal
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """SiLU(gate) * up, in up's dtype: the SwiGLU feed-forward's hidden layer (one launch on a GPU;
     on the CPU one node of ours where MLX's compiled form makes three)."""
-    if _gpu_computes():
+    if backend.gpu_computes():
         return activations.swiglu_gpu(gate, up)
     if _gated_product_runs(up, gate):
         return cpu_kernels.gated_product(up, gate, False)
@@ -241,7 +187,7 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 def sigmoid_gated(x: mx.array, gate: mx.array) -> mx.array:
     """x * sigmoid(gate), in x's dtype (as `swiglu`)."""
-    if _gpu_computes():
+    if backend.gpu_computes():
         return activations.sigmoid_gated_gpu(x, gate)
     if _gated_product_runs(x, gate):
         return cpu_kernels.gated_product(x, gate, True)
@@ -261,7 +207,7 @@ def _gated_product_runs(x, gate) -> bool:
     return (
         x.dtype == gate.dtype == mx.float32
         and x.shape == gate.shape
-        and _cpu_kernel_passed(GATED_PRODUCT, selfcheck.small_gated_product_case)
+        and backend.cpu_kernel_passed(GATED_PRODUCT, selfcheck.small_gated_product_case)
     )
 
 
@@ -272,7 +218,7 @@ def overlap_decode_steps() -> bool:
     core from the threads computing this one (2 cores, Qwen3.5-0.8B shape: 7.8
     tokens/s stepping in turn, 7.5 overlapped).
     """
-    return _gpu_computes()
+    return backend.gpu_computes()
 
 
 def prefill_layer_by_layer() -> bool:
@@ -285,7 +231,7 @@ def prefill_layer_by_layer() -> bool:
     it). Where a GPU computes each layer would wait for the GPU: not measured there, so not
     done.
     """
-    return not _gpu_computes()
+    return not backend.gpu_computes()
 
 
 # the kernels keep a column of S in registers: Dk / 32 floats per lane
@@ -295,16 +241,15 @@ KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False) -> GatedDeltaResult:
     """Advance the gated delta rule over T tokens (see `reference` for shapes)."""
-    platform = kernel_platform()
+    platform = backend.kernel_platform()
     recurrent = snapshots or q.shape[1] < CHUNKED_MIN_TOKENS
     if (
         platform
         and recurrent
         and q.shape[-1] <= KERNEL_MAX_KEY_DIM
         and q.dtype in KERNEL_DTYPES
-        and selfcheck.passed(
-            kernels.GATED_DELTA, selfcheck.small_gated_delta_case, platform, q.dtype, q.shape[-1], g.ndim == 4, snapshots
-        )
+        and selfcheck.passed(kernels.GATED_DELTA, selfcheck.small_gated_delta_case, platform,
+                             q.dtype, q.shape[-1], g.ndim == 4, snapshots)  # fmt: skip
     ):
         out, final, states = kernels.run(
             kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform
@@ -312,7 +257,7 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
         return GatedDeltaResult(out, final, _per_token(states) if snapshots else None)
     # our CPU kernel token by token beats the chunked form at every length too
     # (benchmarks/linear_attention_ops.py --tokens 128 512)
-    if platform is None and _cpu_kernel_passed(
+    if platform is None and backend.cpu_kernel_passed(
         GATED_DELTA, selfcheck.small_gated_delta_case, q.dtype, q.shape[-1], g.ndim == 4, snapshots
     ):
         return GatedDeltaResult(*cpu_kernels.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots))
@@ -327,130 +272,12 @@ def _per_token(stacked: mx.array) -> list:
     return [stacked[:, t] for t in range(stacked.shape[1])]
 
 
-SIXTEEN_BITS = (mx.bfloat16, mx.float16)
-
-
-def keeps_16bit_weights(stored, compute) -> bool:
-    """Whether matrices stored in 16 bits stay so under this compute dtype (our CPU kernels
-    multiply them as stored, in float32: half the memory of float32 weights, and MLX's own
-    CPU products in bfloat16 are about twenty times slower than in float32)."""
-    return (
-        stored in SIXTEEN_BITS
-        and compute == mx.float32
-        and _cpu_kernel_passed(QUANTIZED, cpu_quantized.small_case_16bit, stored)
-    )
-
-
-def linear(x: mx.array, weight: mx.array) -> mx.array:
-    """x [..., K] @ weight^T ([N, K]) in x's dtype (16-bit weights under float32 x: see keeps_16bit_weights)."""
-    if weight.dtype != x.dtype and keeps_16bit_weights(weight.dtype, x.dtype):
-        return cpu_quantized.matmul_16bit(x, weight)
-    return x @ weight.astype(x.dtype).T
-
-
-def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.array:
-    """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out]."""
-    if weight_t.dtype != x.dtype and keeps_16bit_weights(weight_t.dtype, x.dtype):
-        weight = weight_t.swapaxes(-1, -2)
-        return _on_token_rows(lambda rows, flat: cpu_quantized.gather_matmul_16bit(rows, weight, flat), x, indices)
-    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
-        # MLX's CPU gather_mm is float32-only
-        return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
-    return mx.gather_mm(x, weight_t, rhs_indices=indices)
-
-
-def _on_token_rows(product, x: mx.array, indices: mx.array) -> mx.array:
-    """A CPU kernel's gathered product, product(rows [T, 1 or k, K], indices [T, k]) -> [T, k, N],
-    for x [..., 1 or k, 1, K] and indices [..., k]: [..., k, 1, N]."""
-    lead, k = indices.shape[:-1], indices.shape[-1]
-    out = product(x.reshape(-1, x.shape[-3], x.shape[-1]), indices.reshape(-1, k))
-    return out.reshape(*lead, k, 1, out.shape[-1])
-
-
 CPU_CONV_MAX_WIDTH = 8  # the widest conv our CPU kernels take (csrc/cpu_kernels.h: CONV_MAX_WIDTH)
-
-
-def _cpu_kernels_built() -> bool:
-    """Whether the CPU computes, with our CPU kernels allowed and built."""
-    return not _gpu_computes() and not force_reference() and cpu_extension.extension() is not None
-
-
-def _cpu_kernel_passed(spec, small_case, *variant) -> bool:
-    """Whether our CPU kernel `spec` computes this variant (else MLX's ops)."""
-    return _cpu_kernels_built() and selfcheck.passed(spec, small_case, "cpu", *variant)
-
-
-def _cpu_quantized_kernels(bits: int, group_size: int, scales_form) -> bool:
-    """Whether our CPU kernels compute this quantized product (else MLX's op). scales_form:
-    the scales' dtype, the BlockScales of a block form, or a grid type's GridBlocks."""
-    return cpu_quantized.supports(bits, group_size, scales_form) and _cpu_kernel_passed(
-        QUANTIZED, cpu_quantized.small_case, bits, group_size, scales_form
-    )
-
-
-# the group sizes MLX's quantized products take (its CPU op refuses groups of 16)
-MLX_GROUP_SIZES = (32, 64, 128)
-
-
-def computes_quantized(bits: int, group_size: int) -> bool:
-    """Whether products in this affine layout run here without dequantizing the matrix:
-    MLX's groups, and on the CPU also what our kernels take (groups of 16: GGUF's Q6_K)."""
-    return group_size in MLX_GROUP_SIZES or _cpu_quantized_kernels(bits, group_size, mx.float32)
-
-
-def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> bool:
-    """Whether products with these block-form scales (or a grid type's blocks) run here as they
-    are stored (our CPU kernels)."""
-    return _cpu_quantized_kernels(bits, group_size, block)
-
-
-def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
-    """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
-    form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
-    float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
-    biases = no_codes(scales) if biases is None else biases
-    if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
-        out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits, block)
-    elif group_size in MLX_GROUP_SIZES and block is None:
-        out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-    elif block is not None and block.mlx_mode:
-        out = mx.quantized_matmul(
-            x, w, scales, None, transpose=True, group_size=group_size, bits=bits, mode=block.mlx_mode
-        )  # fmt: skip
-    else:
-        out = x @ QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().T.astype(x.dtype)
-    return out.astype(x.dtype)
-
-
-def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
-    """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
-    [..., k, 1, N], in x's dtype."""
-    biases = no_codes(scales) if biases is None else biases
-    if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
-        out = _on_token_rows(
-            lambda rows, flat: cpu_quantized.gather_quantized_matmul(
-                rows, w, scales, biases, flat, group_size, bits, block
-            ),
-            x, indices,
-        )  # fmt: skip
-    elif group_size in MLX_GROUP_SIZES and block is None:
-        out = mx.gather_qmm(
-            x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
-        )
-    elif block is not None and block.mlx_mode:
-        out = mx.gather_qmm(
-            x, w, scales, None, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits,
-            mode=block.mlx_mode,
-        )  # fmt: skip
-    else:
-        experts = QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().astype(x.dtype)
-        out = gather_matmul(x, experts.swapaxes(-1, -2), indices)
-    return out.astype(x.dtype)
 
 
 def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResult:
     """Causal depthwise conv + SiLU over T tokens, continuing from `tail`."""
-    platform = kernel_platform()
+    platform = backend.kernel_platform()
     width = weight.shape[-1]
     if (
         platform
@@ -466,7 +293,7 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
         platform is None
         and x.dtype == mx.float32
         and 2 <= width <= CPU_CONV_MAX_WIDTH
-        and _cpu_kernel_passed(CONV1D, selfcheck.small_conv_case, x.dtype, width, snapshots)
+        and backend.cpu_kernel_passed(CONV1D, selfcheck.small_conv_case, x.dtype, width, snapshots)
     ):
         return ConvResult(*cpu_kernels.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))
     return ConvResult(*reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))
@@ -481,7 +308,7 @@ def linear_attention(
     Qwen3.5-0.8B, each microseconds on MLX's CPU stream); on a GPU one kernel where the rule runs
     token by token (decode steps, verify passes, short prompts: 17 launches fewer a layer); else
     the single ops above, each on the path it chooses."""
-    platform = kernel_platform()
+    platform = backend.kernel_platform()
     dtypes = {array.dtype for array in (x, conv_weight, a, b, gate, *decay, norm.weight)}
     width = conv_weight.shape[-1]
     variant = (a.ndim == 4, norm.activation, snapshots, x.dtype, heads.key_dim, heads.value_dim, width)
@@ -501,7 +328,7 @@ def linear_attention(
         platform is None
         and x.dtype == mx.float32
         and 2 <= width <= CPU_CONV_MAX_WIDTH
-        and _cpu_kernel_passed(
+        and backend.cpu_kernel_passed(
             LINEAR_ATTENTION, selfcheck.small_linear_attention_case, a.ndim == 4, norm.activation, snapshots
         )
     ):

@@ -67,7 +67,7 @@ def l2_normalize(x, eps: float):
 
 
 def rope(x, c, s, dims: int):
-    """`reference.rotate`: the rotary factors c, s applied to the first `dims` features."""
+    """`rotary.rotate`: the rotary factors c, s applied to the first `dims` features."""
     return extension().rope(x, c, s, dims)
 
 

@@ -1,4 +1,4 @@
-"""Pure-MLX forms of the linear-attention ops and the norms.
+"""Pure-MLX forms of the linear-attention ops and the norms (rotary embeddings: `rotary`).
 
 These run on every backend and are the reference the custom kernels are checked
 against. Shapes, for one layer:
@@ -189,77 +189,6 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, *, chunk: int = 64):
     out = mx.stack(outputs, axis=2).reshape(B, H, n * chunk, Dv)
     out = out.swapaxes(1, 2)[:, :T]
     return out, state
-
-
-@lru_cache(maxsize=4)
-def _rope_factors(positions: range, head_dim: int, dims: int, base: float):
-    """Per-feature factors c, s [T, head_dim] with rope(x) = x c + x[partner] s.
-
-    Angles are computed in float64 on the host (the same for a position whichever call
-    it comes in). Features past `dims` get c = 1, s = 0: they pass through unchanged.
-    """
-    return _factors(np.asarray(positions, dtype=np.float64)[:, None] * _inverse_frequencies(dims, base), head_dim)
-
-
-def _inverse_frequencies(dims: int, base: float) -> np.ndarray:
-    half = dims // 2
-    return base ** (-np.arange(half) / half)
-
-
-def _factors(angles: np.ndarray, head_dim: int):
-    """c, s [T, head_dim] for angles [T, dims / 2] (see `_rope_factors`)."""
-    half = angles.shape[1]
-    c = np.ones((len(angles), head_dim), np.float32)
-    s = np.zeros((len(angles), head_dim), np.float32)
-    c[:, :half] = c[:, half : 2 * half] = np.cos(angles)
-    s[:, :half], s[:, half : 2 * half] = -np.sin(angles), np.sin(angles)
-    return mx.array(c), mx.array(s)
-
-
-def _mrope_axes(half: int, sections: tuple[int, int, int]) -> np.ndarray:
-    """The axis (0 temporal, 1 row, 2 column) each frequency turns with, interleaved: T H W T H W ...,
-    rows and columns for as many frequencies as their sections give, the temporal axis the rest."""
-    axes = np.zeros(half, np.int64)
-    for axis in (1, 2):
-        axes[axis : 3 * sections[axis] : 3] = axis
-    return axes
-
-
-@lru_cache(maxsize=None)
-def _rope_partners(head_dim: int, dims: int) -> mx.array:
-    """The feature each one rotates with: x2 for x1 and x1 for x2 (itself past `dims`)."""
-    half = dims // 2
-    partner = np.arange(head_dim)
-    partner[:half], partner[half:dims] = np.arange(half, dims), np.arange(half)
-    return mx.array(partner)
-
-
-@mx.compile
-def _rotate(x, partner, c, s):
-    return (x.astype(F32) * c + partner.astype(F32) * s).astype(x.dtype)
-
-
-def rotate(x: mx.array, c: mx.array, s: mx.array, dims: int) -> mx.array:
-    """x c + x[partner] s for factors c, s [T, D] (see `_rope_factors`), partners as
-    `_rope_partners` gives them."""
-    return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
-
-
-def rope(x: mx.array, dims: int, base: float, offset: int, *, rotate=rotate) -> mx.array:
-    """Rotary embedding, rotate-half layout (x1, x2 halves of the first `dims` features:
-    x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t. rotate: the op
-    that applies the factors (this pure-MLX form, or `ops`' choice)."""
-    c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
-    return rotate(x, c, s, dims)
-
-
-def mrope(x: mx.array, dims: int, base: float, positions: np.ndarray, sections, *, rotate=rotate) -> mx.array:
-    """Multimodal rotary embedding (interleaved sections) of x [B, H, T, D] at 3-D positions [3, T]:
-    frequency j turns with the axis `_mrope_axes` gives it."""
-    half = dims // 2
-    along = positions[_mrope_axes(half, tuple(sections))].T.astype(np.float64)  # [T, half]
-    c, s = _factors(along * _inverse_frequencies(dims, float(base)), x.shape[-1])
-    return rotate(x, c, s, dims)
 
 
 @mx.compile

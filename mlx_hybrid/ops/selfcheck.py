@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..timing import one_time_work
-from . import activations, cpu_kernels, kernels, reference
+from . import activations, cpu_kernels, kernels, reference, rotary
 
 
 class KernelError(RuntimeError):
@@ -218,8 +218,8 @@ def small_rope_case(_platform):
     """Two heads, 3 tokens of 20 features, 12 of them rotary: our CPU kernel against the pure-MLX form."""
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, 2, 3, 20)).astype(np.float32))
-    c, s = reference._rope_factors(range(5, 8), 20, 12, 10000.0)
-    return [cpu_kernels.rope(x, c, s, 12)], [reference.rotate(x, c, s, 12)]
+    c, s = rotary._rope_factors(range(5, 8), 20, 12, 10000.0)
+    return [cpu_kernels.rope(x, c, s, 12)], [rotary.rotate(x, c, s, 12)]
 
 
 def small_gated_product_case(_platform):

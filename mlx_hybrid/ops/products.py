@@ -1,0 +1,119 @@
+"""Matrix products: float (16-bit weights kept as stored under float32 activations), MLX's affine
+quantized layouts and the GGUF block forms, plain and over chosen experts; each on our CPU kernels
+where they compute it, else MLX's ops, else the matrix dequantized."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..quantized_tensor import BlockScales, QuantizedTensor, no_codes
+from . import cpu_quantized
+from .backend import cpu_kernel_passed
+from .cpu_extension import QUANTIZED
+
+SIXTEEN_BITS = (mx.bfloat16, mx.float16)
+
+
+def keeps_16bit_weights(stored, compute) -> bool:
+    """Whether matrices stored in 16 bits stay so under this compute dtype (our CPU kernels
+    multiply them as stored, in float32: half the memory of float32 weights, and MLX's own
+    CPU products in bfloat16 are about twenty times slower than in float32)."""
+    return (
+        stored in SIXTEEN_BITS
+        and compute == mx.float32
+        and cpu_kernel_passed(QUANTIZED, cpu_quantized.small_case_16bit, stored)
+    )
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    """x [..., K] @ weight^T ([N, K]) in x's dtype (16-bit weights under float32 x: see keeps_16bit_weights)."""
+    if weight.dtype != x.dtype and keeps_16bit_weights(weight.dtype, x.dtype):
+        return cpu_quantized.matmul_16bit(x, weight)
+    return x @ weight.astype(x.dtype).T
+
+
+def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.array:
+    """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out]."""
+    if weight_t.dtype != x.dtype and keeps_16bit_weights(weight_t.dtype, x.dtype):
+        weight = weight_t.swapaxes(-1, -2)
+        return _on_token_rows(lambda rows, flat: cpu_quantized.gather_matmul_16bit(rows, weight, flat), x, indices)
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        # MLX's CPU gather_mm is float32-only
+        return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
+    return mx.gather_mm(x, weight_t, rhs_indices=indices)
+
+
+def _on_token_rows(product, x: mx.array, indices: mx.array) -> mx.array:
+    """A CPU kernel's gathered product, product(rows [T, 1 or k, K], indices [T, k]) -> [T, k, N],
+    for x [..., 1 or k, 1, K] and indices [..., k]: [..., k, 1, N]."""
+    lead, k = indices.shape[:-1], indices.shape[-1]
+    out = product(x.reshape(-1, x.shape[-3], x.shape[-1]), indices.reshape(-1, k))
+    return out.reshape(*lead, k, 1, out.shape[-1])
+
+
+def _cpu_quantized_kernels(bits: int, group_size: int, scales_form) -> bool:
+    """Whether our CPU kernels compute this quantized product (else MLX's op). scales_form:
+    the scales' dtype, the BlockScales of a block form, or a grid type's GridBlocks."""
+    return cpu_quantized.supports(bits, group_size, scales_form) and cpu_kernel_passed(
+        QUANTIZED, cpu_quantized.small_case, bits, group_size, scales_form
+    )
+
+
+# the group sizes MLX's quantized products take (its CPU op refuses groups of 16)
+MLX_GROUP_SIZES = (32, 64, 128)
+
+
+def computes_quantized(bits: int, group_size: int) -> bool:
+    """Whether products in this affine layout run here without dequantizing the matrix:
+    MLX's groups, and on the CPU also what our kernels take (groups of 16: GGUF's Q6_K)."""
+    return group_size in MLX_GROUP_SIZES or _cpu_quantized_kernels(bits, group_size, mx.float32)
+
+
+def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> bool:
+    """Whether products with these block-form scales (or a grid type's blocks) run here as they
+    are stored (our CPU kernels)."""
+    return _cpu_quantized_kernels(bits, group_size, block)
+
+
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
+    """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
+    form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
+    float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
+    biases = no_codes(scales) if biases is None else biases
+    if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
+        out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits, block)
+    elif group_size in MLX_GROUP_SIZES and block is None:
+        out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    elif block is not None and block.mlx_mode:
+        out = mx.quantized_matmul(
+            x, w, scales, None, transpose=True, group_size=group_size, bits=bits, mode=block.mlx_mode
+        )  # fmt: skip
+    else:
+        out = x @ QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().T.astype(x.dtype)
+    return out.astype(x.dtype)
+
+
+def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
+    """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
+    [..., k, 1, N], in x's dtype."""
+    biases = no_codes(scales) if biases is None else biases
+    if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
+        out = _on_token_rows(
+            lambda rows, flat: cpu_quantized.gather_quantized_matmul(
+                rows, w, scales, biases, flat, group_size, bits, block
+            ),
+            x, indices,
+        )  # fmt: skip
+    elif group_size in MLX_GROUP_SIZES and block is None:
+        out = mx.gather_qmm(
+            x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
+        )
+    elif block is not None and block.mlx_mode:
+        out = mx.gather_qmm(
+            x, w, scales, None, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits,
+            mode=block.mlx_mode,
+        )  # fmt: skip
+    else:
+        experts = QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().astype(x.dtype)
+        out = gather_matmul(x, experts.swapaxes(-1, -2), indices)
+    return out.astype(x.dtype)

@@ -1,0 +1,82 @@
+"""Rotary embeddings in pure MLX (rotate-half layout, and Qwen3.5's multimodal sections): the
+factors computed on the host in float64, applied by one compiled op (or by `ops`' choice of it)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+F32 = mx.float32
+
+
+@lru_cache(maxsize=4)
+def _rope_factors(positions: range, head_dim: int, dims: int, base: float):
+    """Per-feature factors c, s [T, head_dim] with rope(x) = x c + x[partner] s.
+
+    Angles are computed in float64 on the host (the same for a position whichever call
+    it comes in). Features past `dims` get c = 1, s = 0: they pass through unchanged.
+    """
+    return _factors(np.asarray(positions, dtype=np.float64)[:, None] * _inverse_frequencies(dims, base), head_dim)
+
+
+def _inverse_frequencies(dims: int, base: float) -> np.ndarray:
+    half = dims // 2
+    return base ** (-np.arange(half) / half)
+
+
+def _factors(angles: np.ndarray, head_dim: int):
+    """c, s [T, head_dim] for angles [T, dims / 2] (see `_rope_factors`)."""
+    half = angles.shape[1]
+    c = np.ones((len(angles), head_dim), np.float32)
+    s = np.zeros((len(angles), head_dim), np.float32)
+    c[:, :half] = c[:, half : 2 * half] = np.cos(angles)
+    s[:, :half], s[:, half : 2 * half] = -np.sin(angles), np.sin(angles)
+    return mx.array(c), mx.array(s)
+
+
+def _mrope_axes(half: int, sections: tuple[int, int, int]) -> np.ndarray:
+    """The axis (0 temporal, 1 row, 2 column) each frequency turns with, interleaved: T H W T H W ...,
+    rows and columns for as many frequencies as their sections give, the temporal axis the rest."""
+    axes = np.zeros(half, np.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * sections[axis] : 3] = axis
+    return axes
+
+
+@lru_cache(maxsize=None)
+def _rope_partners(head_dim: int, dims: int) -> mx.array:
+    """The feature each one rotates with: x2 for x1 and x1 for x2 (itself past `dims`)."""
+    half = dims // 2
+    partner = np.arange(head_dim)
+    partner[:half], partner[half:dims] = np.arange(half, dims), np.arange(half)
+    return mx.array(partner)
+
+
+@mx.compile
+def _rotate(x, partner, c, s):
+    return (x.astype(F32) * c + partner.astype(F32) * s).astype(x.dtype)
+
+
+def rotate(x: mx.array, c: mx.array, s: mx.array, dims: int) -> mx.array:
+    """x c + x[partner] s for factors c, s [T, D] (see `_rope_factors`), partners as
+    `_rope_partners` gives them."""
+    return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
+
+
+def rope(x: mx.array, dims: int, base: float, offset: int, *, rotate=rotate) -> mx.array:
+    """Rotary embedding, rotate-half layout (x1, x2 halves of the first `dims` features:
+    x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t. rotate: the op
+    that applies the factors (this pure-MLX form, or `ops`' choice)."""
+    c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
+    return rotate(x, c, s, dims)
+
+
+def mrope(x: mx.array, dims: int, base: float, positions: np.ndarray, sections, *, rotate=rotate) -> mx.array:
+    """Multimodal rotary embedding (interleaved sections) of x [B, H, T, D] at 3-D positions [3, T]:
+    frequency j turns with the axis `_mrope_axes` gives it."""
+    half = dims // 2
+    along = positions[_mrope_axes(half, tuple(sections))].T.astype(np.float64)  # [T, half]
+    c, s = _factors(along * _inverse_frequencies(dims, float(base)), x.shape[-1])
+    return rotate(x, c, s, dims)
