@@ -53,6 +53,8 @@ class OracleDrafter(Drafter):
             inner_drafts = type(inner[0]).draft_rows(inner, ks, samplers, masks)
             mx.eval([tokens for tokens, _ in inner_drafts])  # MLX is lazy: replaced tokens must still run
             ks = [len(tokens) for tokens, _ in inner_drafts]
+            for drafter, inner_drafter in zip(drafters, inner):  # p-min verdicts the verify pass applies
+                drafter.confidence = inner_drafter.confidence
         return [drafter._replay(k) for drafter, k in zip(drafters, ks)]
 
     def _replay(self, k: int):

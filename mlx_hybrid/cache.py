@@ -304,11 +304,14 @@ class RowStates:
     def whole(self) -> list[mx.array]:
         """[tails, states] of all rows, each row's rollback applied."""
         if self._snapshots is not None and any(k is not None for k in self._kept):
-            selected = []
+            kept, selected = set(self._kept), []
             for held, snapshots in zip(self._held, self._snapshots):
-                for kept in sorted({k for k in self._kept if k is not None}):
-                    rows = mx.array([k == kept for k in self._kept]).reshape(-1, *[1] * (held.ndim - 1))
-                    held = mx.where(rows, snapshots[kept], held)
+                if len(kept) == 1:  # every row keeps the same token's state: that snapshot, as it is
+                    held = snapshots[self._kept[0]]
+                else:
+                    for index in sorted(k for k in kept if k is not None):
+                        rows = mx.array([k == index for k in self._kept]).reshape(-1, *[1] * (held.ndim - 1))
+                        held = mx.where(rows, snapshots[index], held)
                 selected.append(held)
             self._held, self._kept = selected, [None] * len(self._kept)
         return self._held

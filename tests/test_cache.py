@@ -99,7 +99,8 @@ def test_a_pass_evaluated_layer_by_layer_gives_the_same_bits(family):
 def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family):
     """Packed passes whose linear layers keep the rows' states as one batch (`cache.RowStates`):
     all rows decoding; rows 0 and 2 verifying 4 tokens while 1 and 3 decode (batches of rows that
-    are not neighbours), rolled back to different tokens; all decoding again; row 1 leaving. Each
+    are not neighbours), rolled back to different tokens; all decoding again; row 1 leaving; three
+    rows verifying and keeping the same token's state. Each
     row's logits equal, to the bit, those of the same calls on the row alone."""
     from mlx_hybrid.cache import packed
 
@@ -135,4 +136,5 @@ def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family):
     step({0: [7, 8, 9, 10], 1: [4], 2: [11, 12, 13, 14], 3: [6]}, keeps={0: 2, 2: 4})
     step({0: [9], 1: [4], 2: [15], 3: [6]})
     step({0: [9], 2: [15], 3: [6]})
+    step({0: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}, keeps={0: 2, 2: 2, 3: 2})  # all keep the same token's
     step({0: [1], 2: [2], 3: [3]})

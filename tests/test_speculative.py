@@ -551,3 +551,31 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
         drafter = drafter.fork()  # a fresh sequence
         drafter.start(history[:-1], None, history[-1])
         assert [int(t) for t in drafter.draft(3, Sampler(0.0))[0]] == _latest_continuation(history, 3), seed
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_greedy_mtp_pass_with_the_default_p_min_reads_the_device_once(rows):
+    """The bundled model's head drafts confidently, so deciding p-min while drafting read the device
+    after every draft (7 reads a pass at k=3); the verdicts now stay on the device until the verify
+    pass reads its tokens: one read a pass, whatever the rows. The tokens are those of plain decoding
+    (greedy), each row's as alone."""
+    from benchmarks.engine_step import DeviceUse
+    from mlx_hybrid.drafting import make_drafter
+    from mlx_hybrid.loaders import BUNDLED_MODEL
+
+    model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
+    engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), 3, prefix_store=PrefixStore(0))
+    prompts = ["def parse_args(", "import os\n", "class Parser:"][:rows]
+    sequences = [engine.submit(prompt, max_tokens=40) for prompt in prompts]
+    while any(row.prefilling for row in engine.rows) or not engine.rows:
+        engine.step()
+    reads = []
+    while engine.rows:
+        use = DeviceUse(graphs=False)
+        with use.counting():
+            engine.step()
+        reads.append(use.waits)
+    assert set(reads) == {1} and all(s.stats.drafted > 0 for s in sequences)
+    for prompt, sequence in zip(prompts, sequences):
+        plain = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, draft=None)
+        assert sequence.tokens == [response.token for response in plain]

@@ -99,6 +99,7 @@ class Drafter:
     hold nothing (the drafter reads the tokens again on restore)."""
 
     declines_cost = False
+    confidence = None  # see _ConfidentDrafting: p-min verdicts the verify pass applies
 
     def start(self, prompt: list[int], prompt_hidden, first_token: int):
         self.prefill(list(prompt), prompt_hidden)
@@ -161,6 +162,9 @@ class _ConfidentDrafting(Drafter):
         self.head = head
         self.fed_drafts = 0  # drafts of this round the drafting model has read
         self.drafted = False  # whether this round's draft ran
+        # this round's p-min verdicts [drafts] (bool, lazy) where the verify pass applies them (see
+        # draft_rows); None where drafting stopped at the first unsure draft itself
+        self.confidence: mx.array | None = None
 
     def draft(self, k: int, sampler):
         return self.draft_rows([self], [k], [sampler], [None])[0]
@@ -171,31 +175,45 @@ class _ConfidentDrafting(Drafter):
     @classmethod
     def draft_rows(cls, drafters, ks, samplers, masks):
         """Up to ks[r] (>= 1) drafts for each row (drafters of one `batch_key`), each drawn from
-        what the row's mask allows after its drafts so far."""
+        what the row's mask allows after its drafts so far.
+
+        Below p-min a row stops drafting. Greedy rows without a grammar leave that verdict on the
+        device: they draw all ks[r] drafts, each drafter keeps its drafts' verdicts (`confidence`),
+        and the verify pass cuts the drafts at the first unsure one, which gives the tokens that
+        stopping here gives, read with the pass's own (one wait a round, where deciding here
+        waited after every draft). Other rows decide here."""
         head, p_min = drafters[0].head, drafters[0].draft_p_min
+        deferred = p_min > 0 and all(s.greedy for s in samplers) and all(m is None for m in masks)
         drafts = [([], []) for _ in drafters]
+        verdicts = [[] for _ in drafters]
         active = list(range(len(drafters)))
         x = cls._open(drafters)
         for drafter in drafters:
-            drafter.drafted, drafter.fed_drafts = True, 0
+            drafter.drafted, drafter.fed_drafts, drafter.confidence = True, 0, None
         while True:
             allowed = None
             if any(masks[r] is not None for r in active):  # the grammar reads the drafts' values
                 allowed = [masks[r] and masks[r](_values(drafts[r][0])) for r in active]
             tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active], allowed)
-            if p_min > 0:
+            if p_min > 0 and not deferred:
                 mx.eval(tokens, tops)  # deciding whether to go on needs the values now
                 confident = (tops >= p_min).tolist()
             else:
                 confident = [True] * len(active)
+            sure = tops >= p_min if deferred else None
             going = []
             for i, row in enumerate(active):
                 if confident[i]:
                     drafts[row][0].append(tokens[i])
                     drafts[row][1].append(logprobs[i])
+                    if deferred:
+                        verdicts[row].append(sure[i])
                     if len(drafts[row][0]) < ks[row]:
                         going.append(i)
             if not going:
+                if deferred:
+                    for drafter, row_verdicts in zip(drafters, verdicts):
+                        drafter.confidence = mx.stack(row_verdicts)
                 return drafts
             active = [active[i] for i in going]
             feeding = tokens if len(going) == len(tokens) else tokens[mx.array(going)]

@@ -75,11 +75,13 @@ class Row:
             self.drafter.begin(first_token)
             keep_snapshot_buffers(self.cache, self.policy.k)
 
-    def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int):
-        """After a pass read [token, `drafted` drafts] (`asked` for) and gave `hidden` [1, drafted + 1, E]:
-        the caches rolled back to the accepted tokens, the drafter and policy told, the next token."""
-        if drafted:
-            rollback(self.cache, keep=len(accepted), recorded=drafted + 1)
+    def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int, verified: int | None = None):
+        """After a pass read [token, `verified` drafts] (default `drafted`) of which the first `drafted`
+        were the round's (`asked` for), and gave `hidden` [1, verified + 1, E]: the caches rolled back
+        to the accepted tokens, the drafter and policy told, the next token."""
+        verified = drafted if verified is None else verified
+        if verified:
+            rollback(self.cache, keep=len(accepted), recorded=verified + 1)
         if self.drafter is not None:
             self.drafter.update(hidden, accepted)
             self.policy.record(drafted, len(accepted) - 1, asked, self.drafter.declines_cost)

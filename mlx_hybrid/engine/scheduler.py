@@ -307,7 +307,7 @@ class Engine:
             if row.prefilling:
                 ended = self._after_prefill(row, feed, row_hidden, choice.logits)
             else:
-                row.advance(row_hidden, choice.accepted, choice.drafted, batch.asked[row][0])
+                row.advance(row_hidden, choice.accepted, choice.drafted, batch.asked[row][0], choice.verified)
                 ended = self._emit(row, choice.accepted, choice.logits)
             if ended:
                 self.rows.remove(row)

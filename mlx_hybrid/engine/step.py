@@ -5,8 +5,8 @@ rows, is the engine's: it owns the rows' lives):
    drafted for all rows together), packed along the token axis;
 2. `run_model`: the model over the packed batch, recording recurrent snapshots where drafts are verified;
 3. `choose_tokens`: logits where tokens are chosen, the requests' processors, and each decoding row's
-   accepted drafts and own token (greedy rows compared in one host sync, sampling rows by the
-   speculative sampling rule).
+   accepted drafts and own token (greedy rows compared in one host sync, their drafts cut at the
+   drafter's first unsure one there; sampling rows by the speculative sampling rule).
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ class Batch:
 @dataclass
 class Choice:
     """What a pass chose for one row: logits [n, V] where its tokens are chosen (None: a prompt chunk
-    that does not end the prompt), and for a decoding row the tokens of its round."""
+    that does not end the prompt), and for a decoding row the tokens of its round: of the `verified`
+    drafts the pass read, the first `drafted` were the round's (the rest fell below p-min)."""
 
     logits: mx.array | None
     accepted: list[int] | None = None
     drafted: int = 0
+    verified: int = 0
 
 
 def build_batch(rows: list[Row], prefill_chunk: int) -> Batch:
@@ -140,7 +142,7 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
         drafts = feed[1:].tolist() if target is None else target[0]
         draft_logprobs = batch.asked[row][1]
         accepted = accept(row.sampler, drafts, scored, draft_logprobs, None if target is None else target[1])
-        choices.append(Choice(x, row.until_end(accepted), len(drafts)))
+        choices.append(Choice(x, row.until_end(accepted), len(drafts), feed.size - 1))
     return choices
 
 
@@ -150,19 +152,27 @@ def _ends_prompt(row: Row, fed_now: int) -> bool:
 
 
 def _greedy_targets(rows, feeds, scores):
-    """For greedy decoding rows, (drafts, the model's argmax at every position), in one host sync."""
+    """For greedy decoding rows, (drafts, the model's argmax at every position), in one host sync;
+    where the drafter left its p-min verdicts to the pass, the drafts up to the first unsure one."""
     parts, owners = [], []
     for i, row in enumerate(rows):
         if not row.prefilling and row.sampler.greedy:
-            parts += [feeds[i][1:].astype(mx.int32), mx.argmax(scores[i], axis=-1).astype(mx.int32)]
+            verdicts = row.drafter.confidence if row.drafter is not None and feeds[i].size > 1 else None
+            if verdicts is None:
+                verdicts = mx.ones((feeds[i].size - 1,), dtype=mx.bool_)
+            drafts, argmax = feeds[i][1:].astype(mx.int32), mx.argmax(scores[i], axis=-1).astype(mx.int32)
+            parts += [drafts, argmax, verdicts.astype(mx.int32)]
             owners.append(i)
     targets = [None] * len(rows)
     if parts:
         flat, at = mx.concatenate(parts).tolist(), 0
         for j, i in enumerate(owners):
-            n_drafts, n_targets = parts[2 * j].size, parts[2 * j + 1].size
-            targets[i] = (flat[at : at + n_drafts], flat[at + n_drafts : at + n_drafts + n_targets])
-            at += n_drafts + n_targets
+            n = parts[3 * j].size
+            drafts, argmax = flat[at : at + n], flat[at + n : at + 2 * n + 1]
+            verdicts = flat[at + 2 * n + 1 : at + 3 * n + 1]
+            sure = verdicts.index(0) if 0 in verdicts else n
+            targets[i] = (drafts[:sure], argmax[: sure + 1])
+            at += 3 * n + 1
     return targets
 
 
