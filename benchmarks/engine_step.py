@@ -3,6 +3,13 @@ GPU sees one.
 
     python benchmarks/engine_step.py                  # Qwen3.5-0.8B shape (launches), tiny widths (host)
     python benchmarks/engine_step.py --rows 1 8       # which batch sizes (default 1 and 8)
+    python benchmarks/engine_step.py --mlx-lm bench_models/qwen3.5-0.8b   # mlx-lm's step beside ours
+
+--mlx-lm counts mlx-lm's decode step in the same run (`pip install mlx-lm`; the checkpoint from
+make_checkpoints.py, cast to bfloat16, for its launches; the fixture's HF checkpoint for its host
+time): `generate_step` for one row, its `BatchGenerator` for more, each stepped a few times first.
+mlx-lm runs its gated delta rule as MLX ops wherever Metal is absent (a CUDA GPU too), and
+mx.fast's ops stand as one launch each, as for ours.
 
 For plain greedy decoding and for an MTP pass (k=3, the default p-min, greedy), one step of rows that
 have decoded together for a few steps (the steady state), through the engine's own `step`:
@@ -142,11 +149,49 @@ def host_ms(model, tokenizer, rows: int, mtp: bool, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def mlx_lm_step(model, rows: int):
+    """One steady-state decode step of mlx-lm's (a call): `generate_step` for one row, else its
+    BatchGenerator."""
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    if rows == 1:
+        steps = generate_step(mx.array([3] * 8), model, max_tokens=10_000)
+        for _ in range(4):
+            next(steps)
+        return lambda: next(steps)
+    generator = BatchGenerator(model, max_tokens=10_000)
+    generator.insert([[3 + row] * (8 + row) for row in range(rows)])
+    for _ in range(rows + 4):
+        generator.next_generated()
+    return generator.next_generated
+
+
+def mlx_lm_counts(checkpoint: str, rows: int, repeats: int) -> tuple[int, DeviceUse, float]:
+    """(launches, the step's DeviceUse, host ms) of mlx-lm's decode step."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(checkpoint)
+    model.set_dtype(mx.bfloat16)
+    step, use = mlx_lm_step(model, rows), DeviceUse(graphs=True)
+    with use.counting():
+        step()
+    tiny, _ = mlx_lm.load(str(FIXTURE.parent / "hf"))
+    step, times = mlx_lm_step(tiny, rows), []
+    for _ in range(repeats):
+        timing = DeviceUse(graphs=False)
+        with timing.counting():
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started - timing.wait_seconds)
+    return summary(use.nodes)["launches"], use, statistics.median(times) * 1e3
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3.5-0.8b", help="a shape of benchmarks/shapes.py for the launches")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--mlx-lm", metavar="CHECKPOINT", help="count mlx-lm's decode step too, on this checkpoint")
     args = p.parse_args()
     from shapes import SHAPES, random_model
 
@@ -160,6 +205,9 @@ def main():
                 host = host_ms(tiny, tokenizer, rows, mtp, args.repeats)
                 name = "MTP pass (k=3)" if mtp else "plain decode"
                 print(f"{name:<18} {rows:>4} {count:>9} {use.waits:>6} {use.queued:>7} {host:>8.2f}")
+        for rows in args.rows if args.mlx_lm else ():
+            count, use, host = mlx_lm_counts(args.mlx_lm, rows, args.repeats)
+            print(f"{'mlx-lm decode':<18} {rows:>4} {count:>9} {use.waits:>6} {use.queued:>7} {host:>8.2f}")
 
 
 if __name__ == "__main__":
