@@ -133,7 +133,11 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
         row.processor(x, row.drafts) if row.processor is not None and not row.prefilling else x
         for row, x in zip(rows, row_logits)
     ]
-    targets = _greedy_targets(rows, batch.feeds, scores)
+    # the model's choice at every position in one op (a row whose processor changed its scores: its own)
+    argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if logits is not None else None
+    argmaxes = [argmax[s:e] if row.processor is None and argmax is not None else None
+                for row, s, e in zip(rows, bounds, bounds[1:])]  # fmt: skip
+    targets = _greedy_targets(rows, batch.feeds, scores, argmaxes)
     choices = []
     for row, feed, x, scored, target in zip(rows, batch.feeds, row_logits, scores, targets):
         if row.prefilling:
@@ -151,17 +155,18 @@ def _ends_prompt(row: Row, fed_now: int) -> bool:
     return len(row.fed) + fed_now == len(row.sequence.prompt)
 
 
-def _greedy_targets(rows, feeds, scores):
+def _greedy_targets(rows, feeds, scores, argmaxes):
     """For greedy decoding rows, (drafts, the model's argmax at every position), in one host sync;
-    where the drafter left its p-min verdicts to the pass, the drafts up to the first unsure one."""
+    where the drafter left its p-min verdicts to the pass, the drafts up to the first unsure one.
+    argmaxes: per row its scores' argmax where already computed (None: computed here)."""
     parts, owners = [], []
     for i, row in enumerate(rows):
         if not row.prefilling and row.sampler.greedy:
             verdicts = row.drafter.confidence if row.drafter is not None and feeds[i].size > 1 else None
             if verdicts is None:
                 verdicts = mx.ones((feeds[i].size - 1,), dtype=mx.bool_)
-            drafts, argmax = feeds[i][1:].astype(mx.int32), mx.argmax(scores[i], axis=-1).astype(mx.int32)
-            parts += [drafts, argmax, verdicts.astype(mx.int32)]
+            argmax = argmaxes[i] if argmaxes[i] is not None else mx.argmax(scores[i], axis=-1).astype(mx.int32)
+            parts += [feeds[i][1:].astype(mx.int32), argmax, verdicts.astype(mx.int32)]
             owners.append(i)
     targets = [None] * len(rows)
     if parts:
@@ -183,8 +188,10 @@ def queue_plain_pass(model, rows: list[Row], feeds: list[mx.array]):
     caches = packed([row.cache for row in rows], [1] * len(rows))
     hidden = model.hidden_states(mx.concatenate(feeds).astype(mx.int32)[None], caches)
     logits = model.logits_from_hidden(hidden)[0]
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # every greedy row's token, in one op
     for i, (row, ahead) in enumerate(zip(rows, aheads)):
         ahead.logits, ahead.hidden = logits[i : i + 1], hidden[:, i : i + 1]
-        ahead.token = row.sampler(ahead.logits).reshape(1).astype(mx.int32)
+        chosen = greedy[i : i + 1] if row.sampler.greedy else row.sampler(ahead.logits)
+        ahead.token = chosen.reshape(1).astype(mx.int32)
         row.ahead = ahead
     mx.async_eval([ahead.token for ahead in aheads])
