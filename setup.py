@@ -4,4 +4,5 @@ mlx_hybrid.ops.metal (pyproject.toml maps the directory and names each package's
 
 from setuptools import find_namespace_packages, setup
 
-setup(packages=find_namespace_packages(include=["mlx_hybrid", "mlx_hybrid.*"], exclude=["*__pycache__*"]) + ["mlx_hybrid.ops.metal"])
+packages = find_namespace_packages(include=["mlx_hybrid", "mlx_hybrid.*"], exclude=["*__pycache__*"])
+setup(packages=packages + ["mlx_hybrid.ops.metal"])

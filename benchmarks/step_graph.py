@@ -3,17 +3,19 @@
     python benchmarks/step_graph.py                          # Qwen3.5-0.8B shape, random weights
     python benchmarks/step_graph.py --model DIR --mlx-lm     # a checkpoint, mlx-lm's step beside ours
     python benchmarks/step_graph.py --gpu-path               # the graph a GPU computes, counted here
+    python benchmarks/step_graph.py --gpu-path --rows 8      # and 8 rows' step, as the engine packs them
 
-How it counts: one greedy decode step is built (not evaluated) on a cache that holds a prompt,
-its outputs are the next token and every array the caches keep, and MLX writes that graph out
+How it counts: one greedy decode step is built (not evaluated) on a cache that holds a prompt, its
+outputs are the next token and every array the caches keep, and MLX writes that graph out
 (`mx.export_to_dot`). Every primitive node is counted; the views (reshape, slice, transpose,
 broadcast, ...) are counted apart, as they move no data on a GPU, and a concatenate counts once per
-input (a GPU copies each apart), so the rest approximates the kernels a GPU launches for the step (a node of MLX's own may launch more than one: a matrix product
-through cuBLAS, a sort). The graph depends on the device it is built for: on the CPU MLX builds
-mx.fast's norms, rotary embedding and attention as their compositions and our CPU primitives
-replace others, so the GPU path's count is read where a GPU computes (`gpu_check.py` does), or
-here with `--gpu-path`: the ops module takes its GPU branches, and each of our kernels and each of
-mx.fast's fused ops stands in the graph as one node (`gpu_path_graph`), the launch it is on a GPU.
+input (a GPU copies each apart), so the rest approximates the kernels a GPU launches for the step (a
+node of MLX's own may launch more than one: a matrix product through cuBLAS, a sort). The graph
+depends on the device it is built for: on the CPU MLX builds mx.fast's norms, rotary embedding and
+attention as their compositions and our CPU primitives replace others, so the GPU path's count is
+read where a GPU computes (`gpu_check.py` does), or here with `--gpu-path`: the ops module takes its
+GPU branches, and each of our kernels and each of mx.fast's fused ops stands in the graph as one
+node (`gpu_path_graph`), the launch it is on a GPU.
 Beside the count, the host's time to build the step's graph (the model's call, nothing evaluated):
 where it approaches a step's time, decoding waits on Python rather than on the device.
 """
