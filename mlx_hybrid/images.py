@@ -244,7 +244,7 @@ def _checked_handlers(access: ImageAccess) -> list:
     """urllib handlers whose connections go only to addresses `_checked_address` allows. The
     connection keeps the host's name for the Host header and for TLS (server name, certificate)."""
     import http.client
-    from urllib.request import HTTPHandler, HTTPSHandler, ProxyHandler
+    from urllib.request import HTTPHandler, HTTPRedirectHandler, HTTPSHandler, ProxyHandler
 
     def checked(connection_class):
         class Checked(connection_class):
@@ -267,7 +267,13 @@ def _checked_handlers(access: ImageAccess) -> list:
         def https_open(self, request):
             return self.do_open(checked(http.client.HTTPSConnection), request)
 
-    return [ProxyHandler({}), CheckedHTTP(), CheckedHTTPS()]
+    class HttpRedirects(HTTPRedirectHandler):  # an ftp: redirect would connect unchecked
+        def redirect_request(self, request, fp, code, message, headers, new_url):
+            if urlparse(new_url).scheme not in ("http", "https"):
+                raise ImageError(f"the image URL redirects to {new_url}: only http(s) URLs are fetched")
+            return super().redirect_request(request, fp, code, message, headers, new_url)
+
+    return [ProxyHandler({}), CheckedHTTP(), CheckedHTTPS(), HttpRedirects()]
 
 
 def _checked_address(host: str, port: int, access: ImageAccess) -> str:

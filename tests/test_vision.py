@@ -365,7 +365,7 @@ def image_hosts(monkeypatch):
 def test_the_address_checked_is_the_address_fetched(image_hosts):
     """A server with --allow-remote-images refuses this machine's own and private addresses. A name
     that resolves to a public address for the check and to 127.0.0.1 for the fetch is fetched from
-    the address that was checked; a redirect to loopback is refused."""
+    the address that was checked; a redirect to loopback is refused, and one to another scheme."""
     from mlx_hybrid.images import ImageAccess
 
     picture, lookups, connections = image_hosts
@@ -379,6 +379,8 @@ def test_the_address_checked_is_the_address_fetched(image_hosts):
         with pytest.raises(ImageError, match="local or private addresses are refused"):
             read_image(f"http://{PUBLIC}:8000/redirect?to={redirect}", served)
         assert connections == [PUBLIC]  # the redirect's target was never connected to
+    with pytest.raises(ImageError, match="only http"):  # urllib would follow it to an FTP server, unchecked
+        read_image(f"http://{PUBLIC}:8000/redirect?to=ftp://10.0.0.1/secret.png", served)
 
 
 @pytest.mark.parametrize(
