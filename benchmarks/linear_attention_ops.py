@@ -18,7 +18,6 @@ for all layers, medians of --repeats, and the ratio.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import mlx_hybrid  # noqa: F401  (first: on Linux it loads OpenBLAS before MLX's
 import mlx.core as mx  # noqa: I001
 
 from mlx_hybrid import ops
+from mlx_hybrid.ops import backend
 from mlx_hybrid.cache import RecurrentCache
 from mlx_hybrid.models.qwen3_5 import LINEAR
 from mlx_hybrid.speculative import keep_snapshot_buffers
@@ -119,16 +119,11 @@ def median_ms(fn, layers, snapshots: bool, repeats: int) -> float:
 def pure_mlx_ms(fn, layers, snapshots: bool, repeats: int) -> float:
     """median_ms with the ops on their pure-MLX forms (the package's own switch, so that the ops
     choose the form a call takes, the chunked rule for a prompt, as they do)."""
-    switch = "MLX_HYBRID_FORCE_REFERENCE"
-    before = os.environ.get(switch)
-    os.environ[switch] = "1"
+    before, backend.forced_by_environment = backend.forced_by_environment, True  # MLX_HYBRID_FORCE_REFERENCE=1
     try:
         return median_ms(fn, layers, snapshots, repeats)
     finally:
-        if before is None:
-            del os.environ[switch]
-        else:
-            os.environ[switch] = before
+        backend.forced_by_environment = before
 
 
 def main():

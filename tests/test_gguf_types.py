@@ -11,6 +11,7 @@ from conftest import FIXTURES, assert_close_to_floor, cpu_kernel_tests
 from mlx.utils import tree_flatten, tree_map
 
 import mlx_hybrid
+from mlx_hybrid import ops
 
 pytestmark = cpu_kernel_tests()
 
@@ -90,7 +91,7 @@ def test_a_type_no_product_takes_is_named_at_load(caplog, monkeypatch):
     the table forms are dequantized: one warning a type, with its memory and the alternative.
     IQ3_S maps exactly onto MLX's 4-bit groups, Q4_K and Q5_K onto its affine groups, TQ1_0 onto
     its 2-bit groups, MXFP4 is its own mxfp4 mode: not named."""
-    monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(ops.backend, "forced_by_environment", True)  # MLX_HYBRID_FORCE_REFERENCE=1
     for name, named in [("qwen35-Q2_K.gguf", ["1 Q6_K", "16 Q2_K", "8 Q3_K"]),
                         ("qwen35-IQ3_XXS.gguf", ["12 IQ3_XXS", "2 IQ2_S"]),
                         ("qwen35-TQ1_0.gguf", ["1 Q6_K"]), ("qwen35moe-MXFP4_MOE.gguf", [])]:  # fmt: skip

@@ -215,3 +215,22 @@ def test_check_compares_bfloat16_outputs_to_one_rounding_step(monkeypatch, caplo
         assert not caplog.records
         assert not selfcheck.passed(kernels.CONV1D_SILU, scaled_by(1.1), "emulated", mx.bfloat16, "ten percent")
     assert "differs from the pure-MLX op" in caplog.records[0].getMessage()
+
+
+def test_the_environment_forces_the_pure_mlx_ops_from_the_start():
+    """MLX_HYBRID_FORCE_REFERENCE=1 is read when the package loads: every op on its pure-MLX form,
+    quantized products on MLX's own (or the matrix dequantized)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import mlx_hybrid, mlx.core as mx\nfrom mlx_hybrid import ops\n"
+        "w, s, b = mx.quantize(mx.ones((64, 64)), group_size=64, bits=4)\n"
+        "ops.quantized_matmul(mx.ones((1, 64)), w, s, b, group_size=64, bits=4)\n"
+        "print(ops.backend_name(), ops.backend.cpu_kernels_built())"
+    )
+    env = {**os.environ, "MLX_HYBRID_FORCE_REFERENCE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["mlx-reference", "False"]

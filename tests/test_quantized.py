@@ -108,7 +108,7 @@ def test_kernel_only_types_in_modules_match_float64(type_name, block_form, force
     bits, group_size = q.bits, q.group_size
     dense = dequantize(raw, qtype).astype(np.float64)
     if forced_reference:
-        monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
+        monkeypatch.setattr(ops.backend, "forced_by_environment", True)  # MLX_HYBRID_FORCE_REFERENCE=1
     linear = Linear(512, 40, bias=False).to_quantized(group_size=group_size, bits=bits)
     embedding = Embedding(40, 512).to_quantized(group_size=group_size, bits=bits)
     for module in (linear, embedding):
@@ -144,7 +144,7 @@ def test_block_form_is_exact_and_near_the_file_size(type_name):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name, monkeypatch):
     """Compact loading where the scales are expanded (here: MLX's ops forced, as on a Mac)."""
-    monkeypatch.setenv("MLX_HYBRID_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(ops.backend, "forced_by_environment", True)  # MLX_HYBRID_FORCE_REFERENCE=1
     raw, qtype = random_raw(type_name, 8, 1024, 7)
     q = from_gguf_blocks(raw, type_name, compact_scales=mx.float16)
     assert q.scales.dtype == q.biases.dtype == mx.float16 and q.group_size == 32

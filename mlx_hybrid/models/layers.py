@@ -94,9 +94,17 @@ class QuantizedLinear(nn.QuantizedLinear):
         self._input_order = order
 
     def __call__(self, x):
-        if self.input_order is not None:
-            x = mx.take(x, self.input_order, axis=-1)
-        out = quantized_product(x, self)
+        if "_input_order" in self:
+            x = mx.take(x, self["_input_order"], axis=-1)
+        # the product's path is decided once per input dtype and `ops.path_key`, and kept beside the
+        # parameters (a decode step runs hundreds of these: each costs the host this call, the key's
+        # and the kernel's)
+        key, chosen = (x.dtype, self["scales"].dtype, self.block, ops.path_key()), self.__dict__.get("_path")
+        if chosen is None or chosen[0] != key:
+            dtype, scales_dtype, block, where = key
+            path = ops.quantized_product_path(dtype, self.bits, self.group_size, block, scales_dtype, *where)
+            chosen = self.__dict__["_path"] = (key, path)  # not a parameter: beside the module's tree
+        out = chosen[1](x, self["weight"], self["scales"], self.get("biases"))
         return out + self["bias"].astype(out.dtype) if "bias" in self else out
 
 

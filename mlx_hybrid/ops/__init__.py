@@ -26,11 +26,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import activations, backend, cpu_kernels, kernels, reference, rotary, selfcheck
-from .backend import backend_name, default_dtype, differentiable, force_reference, kernel_platform  # noqa: F401
+from .backend import (  # noqa: F401  (where ops compute, for the package)
+    backend_name, default_dtype, differentiable, force_reference, kernel_platform, path_key,
+)
 from .cpu_extension import ATTENTION, CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, ROPE
 from .products import (  # noqa: F401  (the products, for the layers)
     MLX_GROUP_SIZES, SIXTEEN_BITS, computes_block_scales, computes_quantized, gather_matmul,
-    gather_quantized_matmul, keeps_16bit_weights, linear, quantized_matmul,
+    gather_quantized_matmul, keeps_16bit_weights, linear, quantized_matmul, quantized_product_path,
 )
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)

@@ -28,9 +28,20 @@ def differentiable():
         _DIFFERENTIABLE.reset(token)
 
 
+# MLX_HYBRID_FORCE_REFERENCE=1 is a setting of the process, read once when the package loads (as MLX
+# reads MLX_ENABLE_TF32): a path decided once (`path_key`) stays right
+forced_by_environment = os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
+
+
 def force_reference() -> bool:
     """The pure-MLX ops for every call: MLX_HYBRID_FORCE_REFERENCE=1, or inside `differentiable()`."""
-    return _DIFFERENTIABLE.get() or os.environ.get("MLX_HYBRID_FORCE_REFERENCE", "") not in ("", "0")
+    return forced_by_environment or _DIFFERENTIABLE.get()
+
+
+def path_key() -> tuple:
+    """What an op's compute path depends on besides its arguments: the device that computes and
+    whether the pure-MLX ops are forced. A path decided once for a key stays right for it."""
+    return mx.default_device() == mx.gpu, forced_by_environment or _DIFFERENTIABLE.get()
 
 
 @lru_cache(maxsize=None)

@@ -97,7 +97,8 @@ def random_block_weights(shape, bits: int, group_size: int, block: BlockScales, 
     return QuantizedTensor(w, factors, codes, bits, group_size, block)
 
 
-def _layout(block: BlockScales | None) -> dict:
+def layout(block: BlockScales | None) -> dict:
+    """A block form's description as the kernels take it (keywords; none for MLX's affine groups)."""
     if block is None:
         return {}
     return {"groups_per_factor": block.groups_per_factor, "factor_count": block.factor_count,
@@ -110,14 +111,14 @@ def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, block=Non
     blocks): float32 [..., N]."""
     if isinstance(block, GridBlocks):
         return extension().grid_matmul(x, w, grid_of(block.type_name), block.type_name)
-    return extension().quantized_matmul(x, w, scales, biases, group_size, bits, **_layout(block))
+    return extension().quantized_matmul(x, w, scales, biases, group_size, bits, **layout(block))
 
 
 def gather_quantized_matmul(x, w, scales, biases, indices, group_size: int, bits: int, block=None) -> mx.array:
     """x [T, 1 or k, K] against experts w [E, N, ...] chosen by indices [T, k]: float32 [T, k, N]."""
     if isinstance(block, GridBlocks):
         return extension().gather_grid_matmul(x, w, grid_of(block.type_name), indices, block.type_name)
-    return extension().gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits, **_layout(block))
+    return extension().gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits, **layout(block))
 
 
 def small_case(_platform, bits: int, group_size: int, scales_form):

@@ -4,11 +4,14 @@ where they compute it, else MLX's ops, else the matrix dequantized."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import Callable
+
 import mlx.core as mx
 
-from ..quantized_tensor import BlockScales, QuantizedTensor, no_codes
+from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor, no_codes
 from . import cpu_quantized
-from .backend import cpu_kernel_passed
+from .backend import cpu_kernel_passed, path_key
 from .cpu_extension import QUANTIZED
 
 SIXTEEN_BITS = (mx.bfloat16, mx.float16)
@@ -79,18 +82,38 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
     """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
     form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
     float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
-    biases = no_codes(scales) if biases is None else biases
-    if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
-        out = cpu_quantized.quantized_matmul(x, w, scales, biases, group_size, bits, block)
-    elif group_size in MLX_GROUP_SIZES and block is None:
-        out = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-    elif block is not None and block.mlx_mode:
-        out = mx.quantized_matmul(
+    product = quantized_product_path(x.dtype, bits, group_size, block, scales.dtype, *path_key())
+    return product(x, w, scales, biases)
+
+
+@lru_cache(maxsize=None)
+def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtype, *key) -> Callable:
+    """`quantized_matmul` for inputs of `dtype` and this layout, its path decided once for the
+    `backend.path_key` it was asked under: a function (x, w, scales, biases) -> x @ W^T in dtype that
+    calls the kernel directly (a layer's product costs the host two Python calls more)."""
+    if _cpu_quantized_kernels(bits, group_size, block or scales_dtype):
+        extension = cpu_quantized.extension()
+        if isinstance(block, GridBlocks):
+            grid, name = cpu_quantized.grid_of(block.type_name), block.type_name
+            return lambda x, w, scales, biases: extension.grid_matmul(x, w, grid, name).astype(dtype)
+        layout = cpu_quantized.layout(block)
+        return lambda x, w, scales, biases: extension.quantized_matmul(
+            x, w, scales, no_codes(scales) if biases is None else biases, group_size, bits, **layout
+        ).astype(dtype)
+    if group_size in MLX_GROUP_SIZES and block is None:
+        return lambda x, w, scales, biases: mx.quantized_matmul(
+            x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
+        ).astype(dtype)
+    if block is not None and block.mlx_mode:
+        return lambda x, w, scales, biases: mx.quantized_matmul(
             x, w, scales, None, transpose=True, group_size=group_size, bits=bits, mode=block.mlx_mode
-        )  # fmt: skip
-    else:
-        out = x @ QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().T.astype(x.dtype)
-    return out.astype(x.dtype)
+        ).astype(dtype)
+
+    def dequantized(x, w, scales, biases):
+        matrix = QuantizedTensor(w, scales, no_codes(scales) if biases is None else biases, bits, group_size, block)
+        return (x @ matrix.dequantize().T.astype(dtype)).astype(dtype)
+
+    return dequantized
 
 
 def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
