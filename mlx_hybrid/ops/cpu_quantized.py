@@ -14,7 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor
+from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor, no_codes
 from .cpu_extension import extension
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -97,7 +97,7 @@ def random_block_weights(shape, bits: int, group_size: int, block: BlockScales, 
     return QuantizedTensor(w, factors, codes, bits, group_size, block)
 
 
-def layout(block: BlockScales | None) -> dict:
+def _layout(block: BlockScales | None) -> dict:
     """A block form's description as the kernels take it (keywords; none for MLX's affine groups)."""
     if block is None:
         return {}
@@ -109,16 +109,26 @@ def layout(block: BlockScales | None) -> dict:
 def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, block=None) -> mx.array:
     """x [..., K] @ W^T for W [N, K] in MLX's affine layout (or a block form, or a grid type's
     blocks): float32 [..., N]."""
+    return bound_product(group_size, bits, block)(x, w, scales, biases)
+
+
+def bound_product(group_size: int, bits: int, block=None, dtype=mx.float32):
+    """`quantized_matmul` for one layout with its settings bound, giving `dtype`: a function
+    (x, w, scales, biases) that calls the kernel directly (no codes given: a float mode's none)."""
     if isinstance(block, GridBlocks):
-        return extension().grid_matmul(x, w, grid_of(block.type_name), block.type_name)
-    return extension().quantized_matmul(x, w, scales, biases, group_size, bits, **layout(block))
+        grid, name = grid_of(block.type_name), block.type_name
+        return lambda x, w, scales, biases: extension().grid_matmul(x, w, grid, name).astype(dtype)
+    settings = _layout(block)
+    return lambda x, w, scales, biases: extension().quantized_matmul(
+        x, w, scales, no_codes(scales) if biases is None else biases, group_size, bits, **settings
+    ).astype(dtype)
 
 
 def gather_quantized_matmul(x, w, scales, biases, indices, group_size: int, bits: int, block=None) -> mx.array:
     """x [T, 1 or k, K] against experts w [E, N, ...] chosen by indices [T, k]: float32 [T, k, N]."""
     if isinstance(block, GridBlocks):
         return extension().gather_grid_matmul(x, w, grid_of(block.type_name), indices, block.type_name)
-    return extension().gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits, **layout(block))
+    return extension().gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits, **_layout(block))
 
 
 def small_case(_platform, bits: int, group_size: int, scales_form):

@@ -9,7 +9,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor, no_codes
+from ..quantized_tensor import BlockScales, QuantizedTensor, no_codes
 from . import cpu_quantized
 from .backend import cpu_kernel_passed, path_key
 from .cpu_extension import QUANTIZED
@@ -92,14 +92,7 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     `backend.path_key` it was asked under: a function (x, w, scales, biases) -> x @ W^T in dtype that
     calls the kernel directly (a layer's product costs the host two Python calls more)."""
     if _cpu_quantized_kernels(bits, group_size, block or scales_dtype):
-        extension = cpu_quantized.extension()
-        if isinstance(block, GridBlocks):
-            grid, name = cpu_quantized.grid_of(block.type_name), block.type_name
-            return lambda x, w, scales, biases: extension.grid_matmul(x, w, grid, name).astype(dtype)
-        layout = cpu_quantized.layout(block)
-        return lambda x, w, scales, biases: extension.quantized_matmul(
-            x, w, scales, no_codes(scales) if biases is None else biases, group_size, bits, **layout
-        ).astype(dtype)
+        return cpu_quantized.bound_product(group_size, bits, block, dtype)
     if group_size in MLX_GROUP_SIZES and block is None:
         return lambda x, w, scales, biases: mx.quantized_matmul(
             x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
