@@ -159,25 +159,26 @@ def _greedy_targets(rows, feeds, scores, argmaxes):
     """For greedy decoding rows, (drafts, the model's argmax at every position), in one host sync;
     where the drafter left its p-min verdicts to the pass, the drafts up to the first unsure one.
     argmaxes: per row its scores' argmax where already computed (None: computed here)."""
-    parts, owners = [], []
+    parts, owners = [], []  # owners: (row, its drafts, whether its verdicts come too)
     for i, row in enumerate(rows):
         if not row.prefilling and row.sampler.greedy:
-            verdicts = row.drafter.confidence if row.drafter is not None and feeds[i].size > 1 else None
-            if verdicts is None:
-                verdicts = mx.ones((feeds[i].size - 1,), dtype=mx.bool_)
+            n = feeds[i].size - 1
+            verdicts = row.drafter.confidence if row.drafter is not None and n else None
             argmax = argmaxes[i] if argmaxes[i] is not None else mx.argmax(scores[i], axis=-1).astype(mx.int32)
-            parts += [feeds[i][1:].astype(mx.int32), argmax, verdicts.astype(mx.int32)]
-            owners.append(i)
+            parts += [feeds[i][1:].astype(mx.int32)] if n else []
+            parts += [argmax] + ([verdicts.astype(mx.int32)] if verdicts is not None else [])
+            owners.append((i, n, verdicts is not None))
     targets = [None] * len(rows)
     if parts:
         flat, at = mx.concatenate(parts).tolist(), 0
-        for j, i in enumerate(owners):
-            n = parts[3 * j].size
+        for i, n, judged in owners:
             drafts, argmax = flat[at : at + n], flat[at + n : at + 2 * n + 1]
-            verdicts = flat[at + 2 * n + 1 : at + 3 * n + 1]
-            sure = verdicts.index(0) if 0 in verdicts else n
+            at += 2 * n + 1
+            sure = n
+            if judged:
+                verdicts, at = flat[at : at + n], at + n
+                sure = verdicts.index(0) if 0 in verdicts else n
             targets[i] = (drafts[:sure], argmax[: sure + 1])
-            at += 3 * n + 1
     return targets
 
 
