@@ -87,7 +87,7 @@ def gpu_path_graph():
     from mlx_hybrid.ops import kernels
 
     def fast(output):
-        return lambda *args, **kw: _stand_in(args, *zip(*output(*args, **kw)))[0]
+        return lambda *args, **kw: _stand_in([*args, *kw.values()], *zip(*output(*args, **kw)))[0]
 
     like_first = lambda x, *_, **__: [(x.shape, x.dtype)]  # noqa: E731
     attention_out = lambda q, k, v, **_: [(q.shape[:-1] + v.shape[-1:], q.dtype)]  # noqa: E731

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import ops
 from .errors import GenerationError
+from .row_caches import RowCaches, RowStates, packed, row_caches  # noqa: F401  (the rows' forms)
 
 
 class LayerCache:
@@ -101,14 +102,18 @@ class KVCache(LayerCache):
 
     Usually keys and values; an absorbed MLA layer caches a single array (the
     normalised latent and the rope key), whose first part serves as the values.
+    After a pass over several rows together, a row's entries live in that pass's batch
+    (`row_caches.KVRows`, row `index`), its first `offset` entries there its own.
     """
 
     step = 256
+    key_lengths = None  # every key held is the row's (a batch's rows hold their own counts)
 
     def __init__(self):
         self.buffers = None  # grown in steps of `step` tokens; the first `offset` are in use
         self.offset = 0
         self.positions: RotaryPositions | None = None  # None: token i at position i
+        self.batch, self.index = None, 0  # the KVRows it lives in, and its row there
 
     def rotary_span(self, count: int) -> int | np.ndarray:
         """The rotary positions of the next `count` tokens (see `RotaryPositions.span`)."""
@@ -116,7 +121,17 @@ class KVCache(LayerCache):
 
     def update_and_fetch(self, *entries: mx.array):
         """Append the call's entries [B, H, T, D]; all of them so far, as views."""
-        return self._append(entries)
+        if self.batch is not None:  # it runs alone now: its own entries out of the batch first
+            self.restore(self.checkpoint())
+        return self.fetched(self._append(self.held(entries)))
+
+    def held(self, entries) -> list[mx.array]:
+        """The arrays the cache keeps for a call's entries."""
+        return list(entries)
+
+    def fetched(self, views) -> tuple:
+        """The entries as attention reads them, from the kept arrays' views."""
+        return tuple(views)
 
     def _append(self, arrays) -> tuple:
         T = arrays[0].shape[2]
@@ -132,6 +147,10 @@ class KVCache(LayerCache):
             buffer[..., self.offset : needed, :] = array
         self.offset = needed
         return tuple(buffer[..., :needed, :] for buffer in self.buffers)
+
+    def join(self, batch, index: int):
+        """Live at row `index` of `batch` (a KVRows holding this row's entries)."""
+        self.buffers, self.batch, self.index = None, batch, index
 
     def trim(self, n: int) -> int:
         """Forget the last n tokens."""
@@ -149,20 +168,26 @@ class KVCache(LayerCache):
         self.trim(self.offset - mark)
 
     @property
+    def holds_entries(self) -> bool:
+        return self.buffers is not None or self.batch is not None
+
+    @property
     def state(self):
+        if self.batch is not None:
+            return tuple(buffer[self.index : self.index + 1, :, : self.offset] for buffer in self.batch.buffers)
         return tuple(buffer[..., : self.offset, :] for buffer in self.buffers)
 
     @property
     def arrays(self) -> list[mx.array]:
-        return list(self.state) if self.buffers is not None else []
+        return list(self.state) if self.holds_entries else []
 
     def checkpoint(self) -> tuple:
         """The entries so far, compact: a view would keep the whole grown buffer, and make
         the next update copy it."""
-        return tuple(mx.contiguous(entry) for entry in self.state) if self.buffers is not None else ()
+        return tuple(mx.contiguous(entry) for entry in self.state) if self.holds_entries else ()
 
     def restore(self, entries: tuple):
-        self.buffers = list(entries) or None
+        self.buffers, self.batch = list(entries) or None, None
         self.offset = entries[0].shape[2] if entries else 0
 
 
@@ -178,9 +203,10 @@ class QuantizedKVCache(KVCache):
         self.bits, self.group_size = bits, group_size
         self.form = f"KV in {bits} bits, groups of {group_size}"
 
-    def update_and_fetch(self, *entries: mx.array):
-        held = [a for entry in entries for a in ops.quantize_entries(entry, self.bits, self.group_size).arrays]
-        views = self._append(held)
+    def held(self, entries) -> list[mx.array]:
+        return [a for entry in entries for a in ops.quantize_entries(entry, self.bits, self.group_size).arrays]
+
+    def fetched(self, views) -> tuple:
         return tuple(
             ops.QuantizedEntries(*views[i : i + 3], self.bits, self.group_size) for i in range(0, len(views), 3)
         )
@@ -281,72 +307,6 @@ class RecurrentCache(LayerCache):
         return self.conv_tail.nbytes + self.state.nbytes if self.state is not None else 0
 
 
-class RowStates:
-    """One layer's recurrent states of several rows, as one pass over them left them: tails and
-    states [n, ...], and with snapshots each token's. A row's rollback is noted (`keep`) and applied
-    to all rows at once where the batch is next read whole: one select per kept position, whatever
-    the number of rows."""
-
-    def __init__(self, tail, state, tail_snapshots=None, state_snapshots=None):
-        self._held = [tail, state]
-        self._snapshots = [tail_snapshots, state_snapshots] if state_snapshots is not None else None
-        self._kept = [None] * tail.shape[0]  # per row: the snapshot its rollback kept (None: the last)
-        self._rolled_back = 0
-
-    def keep(self, row: int, snapshot: int | None):
-        """Row `row` keeps the state after snapshot `snapshot` (None: after the last token)."""
-        self._kept[row] = snapshot
-        self._rolled_back += 1
-        if self._rolled_back == len(self._kept):  # every row has: the snapshots can go
-            self.whole()
-            self._snapshots = None
-
-    def whole(self) -> list[mx.array]:
-        """[tails, states] of all rows, each row's rollback applied."""
-        if self._snapshots is not None and any(k is not None for k in self._kept):
-            kept, selected = set(self._kept), []
-            for held, snapshots in zip(self._held, self._snapshots):
-                if len(kept) == 1:  # every row keeps the same token's state: that snapshot, as it is
-                    held = snapshots[self._kept[0]]
-                else:
-                    for index in sorted(k for k in kept if k is not None):
-                        rows = mx.array([k == index for k in self._kept]).reshape(-1, *[1] * (held.ndim - 1))
-                        held = mx.where(rows, snapshots[index], held)
-                selected.append(held)
-            self._held, self._kept = selected, [None] * len(self._kept)
-        return self._held
-
-    def tail(self, row: int):
-        return self.whole()[0][row : row + 1]
-
-    def state(self, row: int):
-        return self.whole()[1][row : row + 1]
-
-    def snapshots(self, row: int, which: int):
-        if self._snapshots is None:
-            return None
-        return [s[row : row + 1] for s in self._snapshots[which]]
-
-    def rows(self, start: int, stop: int) -> list[mx.array]:
-        """[tails, states] of rows start .. stop - 1 (views)."""
-        return [held[start:stop] for held in self.whole()]
-
-
-class RowCaches:
-    """One layer's caches of several sequences packed along the token axis of one input
-    [1, N, ...]: row r owns the next `lengths[r]` positions. The mixers run each row's
-    attention or recurrence on its own cache; everything per token runs on all N at once."""
-
-    def __init__(self, caches: list, lengths: list[int]):
-        self.caches = caches
-        self.lengths = lengths
-
-
-def row_caches(caches: list, lengths: list[int]):
-    """One layer's cache argument for rows packed along the token axis (one row: its own cache)."""
-    return caches[0] if len(caches) == 1 else RowCaches(caches, lengths)
-
-
 def rollback(cache: list[LayerCache], keep: int, recorded: int):
     """Keep the first `keep` of the `recorded` tokens the last call added to each layer."""
     for layer_cache in cache:
@@ -372,10 +332,3 @@ def set_positions(cache: list[LayerCache], positions: RotaryPositions | None):
     for layer_cache in cache:
         if isinstance(layer_cache, KVCache):
             layer_cache.positions = positions
-
-
-def packed(row_layer_caches: list[list], lengths: list[int]) -> list:
-    """A model's per-layer cache argument for rows packed along the token axis."""
-    if len(row_layer_caches) == 1:
-        return row_layer_caches[0]
-    return [RowCaches([caches[i] for caches in row_layer_caches], lengths) for i in range(len(row_layer_caches[0]))]

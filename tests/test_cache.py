@@ -95,18 +95,20 @@ def test_a_pass_evaluated_layer_by_layer_gives_the_same_bits(family):
         assert mx.array_equal(whole, layer_by_layer).item()
 
 
-@pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
-def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family):
-    """Packed passes whose linear layers keep the rows' states as one batch (`cache.RowStates`):
-    all rows decoding; rows 0 and 2 verifying 4 tokens while 1 and 3 decode (batches of rows that
-    are not neighbours), rolled back to different tokens; all decoding again; row 1 leaving; three
-    rows verifying and keeping the same token's state. Each
-    row's logits equal, to the bit, those of the same calls on the row alone."""
+@pytest.mark.parametrize("family, kv_bits", [("qwen35", None), ("kimilinear", None), ("qwen35", 8)])
+def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family, kv_bits):
+    """Packed passes whose layers keep the rows' caches as one batch (linear layers' states in
+    `RowStates`, attention layers' entries in `KVRows`, each row at its own length): all rows
+    decoding; rows 0 and 2 verifying 4 tokens while 1 and 3 decode (batches of rows that are not
+    neighbours), rolled back to different tokens; all decoding again; row 1 leaving; three rows
+    verifying and keeping the same token's state; a row's checkpoint taken from the batch and
+    decoded alone. Each row's logits equal, to the bit, those of the same calls on the row alone."""
     from mlx_hybrid.cache import packed
+    from mlx_hybrid.row_caches import KVRows, RowStates
 
     model, _ = load_fixture(family, "model.gguf")
     prompts = [[5 + row] * (6 + row) for row in range(4)]
-    alone, together = ([mlx_hybrid.make_cache(model) for _ in prompts] for _ in range(2))
+    alone, together = ([mlx_hybrid.make_cache(model, kv_bits, 32) for _ in prompts] for _ in range(2))
     for prompt, one, batch_row in zip(prompts, alone, together):
         model(mx.array([prompt]), one)
         model(mx.array([prompt]), batch_row)
@@ -138,3 +140,9 @@ def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family):
     step({0: [9], 2: [15], 3: [6]})
     step({0: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}, keeps={0: 2, 2: 2, 3: 2})  # all keep the same token's
     step({0: [1], 2: [2], 3: [3]})
+    kinds = {type(c.batch) for c in together[0] if hasattr(c, "batch")}
+    assert kinds == {KVRows, RowStates}, "the rows ran as batches"
+    resumed = mlx_hybrid.make_cache(model, kv_bits, 32)
+    for layer, checkpoint in zip(resumed, [c.checkpoint() for c in together[2]]):
+        layer.restore(checkpoint)
+    assert mx.array_equal(model(mx.array([[8, 9]]), resumed)[0], model(mx.array([[8, 9]]), alone[2])[0]).item()

@@ -4,6 +4,8 @@ obvious way in float64, and against itself: a verify pass must reproduce the dec
 whatever the cache's buffer around its keys.
 The rotary embedding's kernel beside it likewise."""
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -253,3 +255,72 @@ def test_attention_and_rope_each_pass_their_own_first_call_check(monkeypatch):
     names = sorted([cpu_extension.ATTENTION.name, cpu_extension.ROPE.name])
     assert sorted(key[0] for key in selfcheck.kernel_usable) == names
     assert cpu_extension.ATTENTION.file == cpu_extension.ROPE.file
+
+
+def batch_of_rows(per_row: list[np.ndarray], capacity: int) -> mx.array:
+    """Rows' entries [1, H, S_b, D] of different lengths in one buffer [B, H, capacity, D], each row's
+    first S_b its own, the rest of the buffer filled with other values (never read)."""
+    H, D = per_row[0].shape[1], per_row[0].shape[3]
+    buffer = np.random.default_rng(9).standard_normal((len(per_row), H, capacity, D)).astype(np.float32)
+    for b, x in enumerate(per_row):
+        buffer[b, :, : x.shape[2]] = x[0]
+    return mx.array(buffer)
+
+
+@pytest.mark.parametrize("T", [1, 4, 16, 20])  # 20: the BLAS's path, each row over its own keys too
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_batch_rows_holding_their_own_key_counts_give_what_each_row_gives_alone(T, kv_bits):
+    """A batch cache's rows (`row_caches.KVRows`) hold 30, 21 and 57 keys in one buffer of 64:
+    attention with key_lengths gives each row what it gives over its own keys alone, to the bit,
+    causal or not, through our kernel and through MLX's ops (the CPU's path without the kernel)."""
+    lengths, rng = (30, 21, 57), np.random.default_rng(T)
+    q = mx.array(rng.standard_normal((3, 8, T, 128)).astype(np.float32))
+    k, v = ([rng.standard_normal((1, 2, n, 128)).astype(np.float32) for n in lengths] for _ in range(2))
+    keys, values = batch_of_rows(k, 64), batch_of_rows(v, 64)
+    if kv_bits:
+        keys, values = (ops.quantize_entries(x, kv_bits, 64) for x in (keys, values))
+    for causal, path in [(False, contextlib.nullcontext), (True, contextlib.nullcontext), (True, ops.differentiable)]:
+        mask = "causal" if causal else None
+        with path():
+            got = ops.scaled_dot_product_attention(q, keys, values, 0.1, mask, lengths)
+            for b, n in enumerate(lengths):
+                row_keys, row_values = (ops.attention._rows(x, b, n) for x in (keys, values))
+                alone = ops.scaled_dot_product_attention(q[b : b + 1], row_keys, row_values, 0.1, mask)
+                assert mx.array_equal(got[b : b + 1], alone).item(), (b, causal, path)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_the_gpu_paths_mask_gives_each_row_its_own_keys(kv_bits):
+    """Where a GPU computes, a batch's rows read their key counts through a mask over one call of
+    MLX's op (`attention._rows_mask`); here on the CPU that call agrees with each row alone within
+    the float32 attention's tolerance (MLX's op sums the masked row in another order)."""
+    lengths, rng = (5, 12), np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((2, 4, 3, 64)).astype(np.float32))
+    keys, values = (batch_of_rows([rng.standard_normal((1, 2, n, 64)).astype(np.float32) for n in lengths], 16)
+                    for _ in range(2))  # fmt: skip
+    if kv_bits:
+        keys, values = (ops.quantize_entries(x, kv_bits, 32) for x in (keys, values))
+    mask = ops.attention._rows_mask(lengths, 3, 16, True)
+    got = ops.attention._mlx_attention(q, keys, values, 0.2, mask)
+    for b, n in enumerate(lengths):
+        row_keys, row_values = (ops.attention._rows(x, b, n) for x in (keys, values))
+        alone = ops.attention._mlx_attention(q[b : b + 1], row_keys, row_values, 0.2, "causal")
+        np.testing.assert_allclose(np.array(got[b : b + 1]), np.array(alone), atol=ATTENTION_TOL, rtol=0)
+
+
+def test_rope_of_batch_rows_at_their_own_positions_equals_each_row_alone():
+    """Rotary embedding with each batch row's offset: the kernel and the pure-MLX form give each row
+    what one call at its own offset gives, to the bit."""
+    x = mx.array(np.random.default_rng(4).standard_normal((3, 4, 2, 128)).astype(np.float32))
+    offsets = (7, 300, 0)
+    for rope in (ops.rope, rotary.rope):
+        together = rope(x, 64, 1e4, offsets)
+        for b, offset in enumerate(offsets):
+            assert mx.array_equal(together[b : b + 1], rope(x[b : b + 1], 64, 1e4, offset)).item()
+
+
+def test_key_lengths_that_do_not_fit_are_refused():
+    q, k, v = (mx.array(x) for x in attention_inputs(2, 4, 2, 1, 5, 16, 8, seed=0))
+    for bad in [mx.array([3, 4], mx.float32), mx.array([3], mx.int32), mx.array([[3, 4]], mx.int32)]:
+        with pytest.raises(ValueError, match="key_lengths"):
+            cpu_extension.extension().attention(q, k, v, 0.25, False, bad)

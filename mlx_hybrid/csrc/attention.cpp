@@ -17,6 +17,7 @@
 // More query tokens (a prompt's chunk): the BLAS's products, with the softmax between them carried
 // across blocks of keys (`prompt_rows`): no score matrix beyond one block's, and no exponentials
 // but ours (MLX's op spends two thirds of a long prompt's attention in its elementwise exp).
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -43,11 +44,18 @@ struct Attention {
     float scale;
     bool causal;
     int bits, group;  // a quantized cache's keys and values (bits 4 or 8, `group` features a scale); 0: float32
+    bool row_keys;    // the last input gives each batch row's keys (rows of a batch cache filled to different lengths)
     bool operator==(const Attention&) const = default;
 };
 
-// How many keys query token t sees: all, or with the causal mask aligned to the last key, as MLX's.
-int keys_seen(const Attention& a, int t) { return a.causal ? a.keys - a.tokens + t + 1 : a.keys; }
+// The keys batch row b holds: all, or the first of its own count (clamped to the keys there are).
+int keys_held(const Attention& a, const std::vector<mx::array>& in, int b) {
+    return a.row_keys ? std::clamp(in.back().data<int32_t>()[b], a.causal ? a.tokens : 1, a.keys) : a.keys;
+}
+
+// How many of the `keys` it holds query token t sees: all, or with the causal mask aligned to the last
+// key, as MLX's.
+int keys_seen(const Attention& a, int keys, int t) { return a.causal ? keys - a.tokens + t + 1 : keys; }
 
 // One KV head's keys or values, as rows of float32: read where they lie (a slice of the cache's grown
 // buffer, by its strides), or decoded from MLX's affine groups (codes of 4 or 8 bits packed in uint32
@@ -235,7 +243,8 @@ void group_rows(const Attention& a, const std::vector<mx::array>& in, float* out
     thread_local std::vector<float> buffer;
     const int group = a.heads / a.kv_heads;
     const auto [keys, values] = head_entries(a, in, b, kvh);
-    const long row_floats = (a.keys + 7) / 8 * 8;  // each row's scores start on a 32-byte boundary
+    const int held = keys_held(a, in, b);
+    const long row_floats = (held + 7) / 8 * 8;  // each row's scores start on a 32-byte boundary
     const long q_floats = a.key_dim + 8;
     float* scratch = aligned_floats(
         buffer, count * (row_floats + q_floats) + (keys.decoded() ? CHUNK_ROWS * std::max(a.key_dim, a.value_dim) : 0));
@@ -252,7 +261,7 @@ void group_rows(const Attention& a, const std::vector<mx::array>& in, float* out
         q[r] = scaled;
         scores[r] = scratch + r * row_floats;
         outs[r] = out + row * a.value_dim;
-        seen[r] = keys_seen(a, t);
+        seen[r] = keys_seen(a, held, t);
     }
     // each block's rows (r0 .. r0 + rows): keys [s0, s0 + n) of a chunk, cut to what its last row sees
     auto in_view = [&](int r0, int rows, int s0, int n) { return std::min(n, seen[r0 + rows - 1] - s0); };
@@ -339,9 +348,10 @@ void prompt_rows(const Attention& a, const std::vector<mx::array>& in, float* ou
     float *top = scores + (long)PROMPT_ROWS * KEY_BLOCK, *sum = top + PROMPT_ROWS;
     int* valid = (int*)(sum + PROMPT_ROWS);
     float *key_rows = sum + 2 * PROMPT_ROWS, *value_rows = key_rows + (long)KEY_BLOCK * a.key_dim;
+    const int held = keys_held(a, in, b);
     int keys_in_view = 0;  // the most any row sees
     for (int r = 0; r < rows; r++) {
-        keys_in_view = std::max(keys_in_view, keys_seen(a, (r0 + r) % a.tokens));
+        keys_in_view = std::max(keys_in_view, keys_seen(a, held, (r0 + r) % a.tokens));
         top[r] = -std::numeric_limits<float>::infinity(), sum[r] = 0.0f;
     }
     std::fill(o, o + (long)rows * a.value_dim, 0.0f);
@@ -349,7 +359,7 @@ void prompt_rows(const Attention& a, const std::vector<mx::array>& in, float* ou
     const int parts = std::min(pool.threads(), rows);
     for (int s0 = 0; s0 < keys_in_view; s0 += KEY_BLOCK) {
         const int count = std::min(KEY_BLOCK, keys_in_view - s0);
-        for (int r = 0; r < rows; r++) valid[r] = std::min(count, keys_seen(a, (r0 + r) % a.tokens) - s0);
+        for (int r = 0; r < rows; r++) valid[r] = std::min(count, keys_seen(a, held, (r0 + r) % a.tokens) - s0);
         const float *k = key_rows, *v = value_rows;
         long k_stride = a.key_dim, v_stride = a.value_dim;
         if (keys.decoded()) {
@@ -410,24 +420,40 @@ void check_attention(const Attention& a, const mx::array& q, const mx::Shape& k,
     if (q.dtype() != mx::float32) throw std::invalid_argument("attention: q in float32");
 }
 
-// q [B, H, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv], float32 -> [B, H, T, Dv]
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+// The inputs with each batch row's key count last, where given (int32 [B]).
+std::vector<mx::array> with_row_keys(Attention& a, std::vector<mx::array> inputs,
+                                     const std::optional<mx::array>& key_lengths) {
+    a.row_keys = key_lengths.has_value();
+    if (!a.row_keys) return inputs;
+    if (key_lengths->dtype() != mx::int32 || key_lengths->shape() != mx::Shape{a.batch})
+        throw std::invalid_argument("attention: key_lengths int32 [B], each batch row's keys");
+    inputs.push_back(*key_lengths);
+    return inputs;
+}
+
+// q [B, H, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv], float32 -> [B, H, T, Dv]; key_lengths: batch row b
+// holds only its first key_lengths[b] keys (the causal mask aligned to its last)
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                    const std::optional<mx::array>& key_lengths) {
     if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
         throw std::invalid_argument("attention: q [B, H, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]");
-    Attention a{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3), scale, causal, 0, 0};
+    Attention a{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3), scale, causal, 0, 0,
+                false};
     if (k.shape(3) != a.key_dim) throw std::invalid_argument("attention: keys of another width than the queries");
     check_attention(a, q, k.shape(), v.shape());
     if (k.dtype() != mx::float32 || v.dtype() != mx::float32)
         throw std::invalid_argument("attention: q, k and v in float32");
     auto stream = mx::default_stream(mx::Device::cpu);
+    auto inputs = with_row_keys(a, {q, k, v}, key_lengths);
     auto primitive = std::make_shared<ScaledDotProductAttention>(stream, a, "ScaledDotProductAttention");
-    return mx::array({a.batch, a.heads, a.tokens, a.value_dim}, mx::float32, primitive, {q, k, v});
+    return mx::array({a.batch, a.heads, a.tokens, a.value_dim}, mx::float32, primitive, std::move(inputs));
 }
 
 // q [B, H, T, Dk] float32 over keys and values held as MLX's affine groups (mx.quantize's codes
 // uint32 [B, Hkv, S, D bits / 32], scales and biases float32 [B, Hkv, S, D / group]) -> [B, H, T, Dv]
 mx::array quantized_attention(const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v,
-                              float scale, bool causal, int bits, int group) {
+                              float scale, bool causal, int bits, int group,
+                              const std::optional<mx::array>& key_lengths) {
     if (k.size() != 3 || v.size() != 3 || q.ndim() != 4)
         throw std::invalid_argument("attention: q [B, H, T, Dk], keys and values each (codes, scales, biases)");
     if ((bits != 4 && bits != 8) || (group != 32 && group != 64 && group != 128))
@@ -442,22 +468,24 @@ mx::array quantized_attention(const mx::array& q, const std::vector<mx::array>& 
             throw std::invalid_argument("attention: codes uint32 and float32 scales and biases of mx.quantize's shapes");
     }
     Attention a{q.shape(0), q.shape(1), k[0].shape(1), q.shape(2), k[0].shape(2), q.shape(3), v[1].shape(3) * group,
-                scale, causal, bits, group};
+                scale, causal, bits, group, false};
     if (k[1].shape(3) * group != a.key_dim)
         throw std::invalid_argument("attention: keys of another width than the queries");
     check_attention(a, q, k[0].shape(), v[0].shape());
     auto stream = mx::default_stream(mx::Device::cpu);
+    auto inputs = with_row_keys(a, {q, k[0], k[1], k[2], v[0], v[1], v[2]}, key_lengths);
     auto primitive = std::make_shared<QuantizedCacheAttention>(stream, a, "QuantizedCacheAttention");
-    return mx::array({a.batch, a.heads, a.tokens, a.value_dim}, mx::float32, primitive,
-                     {q, k[0], k[1], k[2], v[0], v[1], v[2]});
+    return mx::array({a.batch, a.heads, a.tokens, a.value_dim}, mx::float32, primitive, std::move(inputs));
 }
 
 // Rotary embedding, rotate-half layout, from factors computed on the host: y = x c + x[partner] s
 // with c, s [T, D] (reference.py's form: partner i + D'/2 for the first half of the rotary
-// features D', i - D'/2 for the second, itself past them, where c = 1 and s = 0). MLX's form takes
-// four ops (a gather and its views, the fused products); each row here its D values in order.
+// features D', i - D'/2 for the second, itself past them, where c = 1 and s = 0), or [B, T, D]: each
+// batch row's own (rows of a batch at their own positions). MLX's form takes four ops (a gather and its
+// views, the fused products); each row here its D values in order.
 struct Rope {
     int tokens, dim, rotary_dims;
+    long rows_per_set;  // x's rows that take one set of factors: all, or a batch row's
     bool operator==(const Rope&) const = default;
 };
 
@@ -466,7 +494,8 @@ void rotate(const Rope& r, const std::vector<mx::array>& in, std::vector<mx::arr
     float* y = outs[0].data<float>();
     const int half = r.rotary_dims / 2;
     for (long row = 0, rows = (long)(outs[0].size() / r.dim); row < rows; row++) {
-        const float *xr = x + row * r.dim, *cr = c + row % r.tokens * r.dim, *sr = s + row % r.tokens * r.dim;
+        const long factors = (row / r.rows_per_set * r.tokens + row % r.tokens) * r.dim;
+        const float *xr = x + row * r.dim, *cr = c + factors, *sr = s + factors;
         float* yr = y + row * r.dim;
         for (int i = 0; i < r.dim; i++) {
             int partner = i < half ? i + half : i < r.rotary_dims ? i - half : i;
@@ -477,14 +506,19 @@ void rotate(const Rope& r, const std::vector<mx::array>& in, std::vector<mx::arr
 
 using RotaryEmbedding = mlx_hybrid::CpuPrimitive<Rope, rotate>;
 
-// x [..., T, D], c and s [T, D], float32 -> [..., T, D]
+// x [..., T, D], c and s [T, D] (or [B, T, D] for x [B, ..., T, D]), float32 -> [..., T, D]
 mx::array rope(const mx::array& x, const mx::array& c, const mx::array& s, int rotary_dims) {
     if (x.ndim() < 2 || x.dtype() != mx::float32 || c.dtype() != mx::float32 || s.dtype() != mx::float32)
-        throw std::invalid_argument("rope: x [..., T, D], c and s [T, D], float32");
-    Rope r{x.shape(-2), x.shape(-1), rotary_dims};
-    if (c.shape() != mx::Shape{r.tokens, r.dim} || s.shape() != c.shape() || rotary_dims < 0 || rotary_dims % 2 ||
-        rotary_dims > r.dim)
-        throw std::invalid_argument("rope: factors [T, D] for x [..., T, D], an even rotary width up to D");
+        throw std::invalid_argument("rope: x [..., T, D], c and s [T, D] or [B, T, D], float32");
+    const int tokens = x.shape(-2), dim = x.shape(-1);
+    const bool per_batch = c.ndim() == 3;
+    const long rows = std::max(1L, (long)(x.size() / dim));
+    Rope r{tokens, dim, rotary_dims, per_batch ? std::max(1L, rows / std::max(1, x.shape(0))) : rows};
+    const mx::Shape factors = per_batch ? mx::Shape{x.shape(0), tokens, dim} : mx::Shape{tokens, dim};
+    if ((per_batch && x.ndim() < 3) || c.shape() != factors || s.shape() != c.shape() || rotary_dims < 0 ||
+        rotary_dims % 2 || rotary_dims > dim)
+        throw std::invalid_argument("rope: factors [T, D] or [B, T, D] for x [B, ..., T, D], an even rotary width "
+                                    "up to D");
     auto stream = mx::default_stream(mx::Device::cpu);
     return mx::array(x.shape(), mx::float32, std::make_shared<RotaryEmbedding>(stream, r, "RotaryEmbedding"),
                      {x, c, s});
@@ -496,8 +530,10 @@ void mlx_hybrid::bind_attention(nb::module_& m) {
     m.def("rope", &rope, nb::arg("x"), nb::arg("c"), nb::arg("s"), nb::arg("rotary_dims"),
           "x c + x[partner] s over the last axis, rotate-half partners within the first rotary_dims");
     m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
-          "softmax(q k^T scale) v over grouped heads; causal: the mask aligned to the last key");
+          nb::arg("key_lengths").none() = nb::none(),
+          "softmax(q k^T scale) v over grouped heads; causal: the mask aligned to the last key (of each batch "
+          "row's key_lengths where given)");
     m.def("quantized_attention", &quantized_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
-          nb::arg("causal"), nb::arg("bits"), nb::arg("group_size"),
+          nb::arg("causal"), nb::arg("bits"), nb::arg("group_size"), nb::arg("key_lengths").none() = nb::none(),
           "attention as `attention`, the keys and values each mx.quantize's (codes, scales, biases)");
 }

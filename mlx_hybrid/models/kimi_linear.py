@@ -27,7 +27,8 @@ from .layers import (
     check_layer_types,
     top_k_indices,
 )
-from .linear_attention import for_each_row, linear_attention
+from .linear_attention import linear_attention
+from .packed_rows import attend_rows
 from .sharding import prefixed
 from .trunk import HybridModel
 
@@ -161,7 +162,7 @@ class LatentAttention(nn.Module):
         queries = mx.concatenate([q_nope @ self.k_b_proj.swapaxes(-1, -2), q_rope], axis=-1)
         latent, k_rope = mx.split(self.kv_a_proj_with_mqa(x), [self.latent_dim], axis=-1)
         keys = mx.concatenate([self.kv_a_layernorm(latent), k_rope], axis=-1)  # [B, T, L + R]
-        out = for_each_row(self._attend, cache, queries.transpose(0, 2, 1, 3), keys)  # [B, T, H, L]
+        out = attend_rows(self._attend, cache, queries.transpose(0, 2, 1, 3), keys)  # [B, T, H, L]
         out = out.transpose(0, 2, 1, 3) @ self.v_b_proj.swapaxes(-1, -2)  # [B, H, T, v_head_dim]
         return all_sum(self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), self.group)
 
@@ -171,8 +172,8 @@ class LatentAttention(nn.Module):
         if cache is not None:
             (keys,) = cache.update_and_fetch(keys)
         values = ops.leading_features(keys, self.latent_dim)
-        mask = causal_mask_for(queries.shape[2])
-        out = ops.scaled_dot_product_attention(queries, keys, values, self.scale, mask)
+        mask, key_lengths = causal_mask_for(queries.shape[2]), getattr(cache, "key_lengths", None)
+        out = ops.scaled_dot_product_attention(queries, keys, values, self.scale, mask, key_lengths)
         return out.transpose(0, 2, 1, 3)
 
 

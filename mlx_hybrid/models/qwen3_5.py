@@ -27,7 +27,8 @@ from .layers import (
     check_layer_types,
     top_k_indices,
 )
-from .linear_attention import for_each_row, linear_attention
+from .linear_attention import linear_attention
+from .packed_rows import attend_rows
 from .sharding import prefixed
 from .trunk import HybridModel
 from .vision import VisionArgs, VisionTower
@@ -188,8 +189,9 @@ class GatedAttention(nn.Module):
         return specs
 
     def _rope(self, x, position):
-        """position: where the first token sits (int), or every token's 3-D position [3, T]."""
-        if isinstance(position, int):
+        """position: where the first token sits (int; a tuple: each batch row's), or every token's
+        3-D position [3, T]."""
+        if isinstance(position, (int, tuple)):
             return ops.rope(x, self.rope_dims, self.rope_theta, position)
         if self.mrope_section is None:
             raise ValueError("image positions for a model without MRoPE sections")
@@ -201,17 +203,19 @@ class GatedAttention(nn.Module):
         q = self.q_norm(query)
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1))
         v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
-        out = for_each_row(self._attend, cache, q, k, v)
+        out = attend_rows(self._attend, cache, q, k, v)
         return all_sum(self.o_proj(ops.sigmoid_gated(out.reshape(B, T, -1), gate.reshape(B, T, -1))), self.group)
 
     def _attend(self, q, k, v, cache):
-        """Positioned attention of one sequence over its cache; q, k, v and the result [B, T, H, D]."""
+        """Positioned attention of one sequence over its cache, or of a batch's rows over theirs (`KVRowsPass`);
+        q, k, v and the result [B, T, H, D]."""
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         position = cache.rotary_span(q.shape[2]) if cache is not None else 0
         q, k = self._rope(q, position), self._rope(k, position)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = ops.scaled_dot_product_attention(q, k, v, self.scale, causal_mask_for(q.shape[2]))
+        mask, key_lengths = causal_mask_for(q.shape[2]), getattr(cache, "key_lengths", None)
+        out = ops.scaled_dot_product_attention(q, k, v, self.scale, mask, key_lengths)
         return out.transpose(0, 2, 1, 3)
 
 

@@ -26,17 +26,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import activations, backend, cpu_kernels, kernels, reference, rotary, selfcheck
+from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
+    KV_BITS, KV_GROUP_SIZES, leading_features, quantize_entries, scaled_dot_product_attention,
+)
 from .backend import (  # noqa: F401  (where ops compute, for the package)
     backend_name, default_dtype, differentiable, force_reference, kernel_platform, path_key,
 )
-from .cpu_extension import ATTENTION, CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, ROPE
+from .cpu_extension import CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, ROPE
 from .products import (  # noqa: F401  (the products, for the layers)
     MLX_GROUP_SIZES, SIXTEEN_BITS, computes_block_scales, computes_quantized, gather_matmul,
     gather_quantized_matmul, keeps_16bit_weights, linear, quantized_matmul, quantized_product_path,
 )
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
-from .reference import QuantizedEntries
+from .reference import QuantizedEntries  # noqa: F401  (a quantized cache's entries, for the caches)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
 # chunked form's matrices (benchmarks/linear_attention_ops.py --tokens 64 128, pure-MLX
@@ -107,16 +110,17 @@ def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     return reference.l2_normalize(x, eps)
 
 
-def rope(x: mx.array, dims: int, base: float, offset: int) -> mx.array:
+def rope(x: mx.array, dims: int, base: float, offset: int | tuple[int, ...]) -> mx.array:
     """Rotary embedding (rotate-half layout) of the first `dims` features of x [B, H, T, D],
-    for positions offset .. offset + T - 1.
+    for positions offset .. offset + T - 1 (offset: one for all, or a tuple, each batch row's).
 
     mx.fast.rope is one kernel on a GPU; on the CPU it runs as about 25 separate ops,
     where angles computed on the host (cached for the call's positions) and one pass do: our
     kernel, or MLX's gather and fused products.
     """
     if backend.gpu_computes():
-        return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=offset)
+        start = mx.array(offset, mx.int32) if isinstance(offset, tuple) else offset
+        return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=start)
     return rotary.rope(x, dims, base, offset, rotate=_rotate)
 
 
@@ -133,48 +137,6 @@ def _rotate(x, c, s, dims: int) -> mx.array:
     if x.dtype == mx.float32 and backend.cpu_kernel_passed(ROPE, selfcheck.small_rope_case):
         return cpu_kernels.rope(x, c, s, dims)
     return rotary.rotate(x, c, s, dims)
-
-
-def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None) -> mx.array:
-    """mx.fast.scaled_dot_product_attention with mask None or "causal": q [B, H, T, Dk] over
-    k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, H, T, Dv]. On the CPU our kernel: for a few query
-    tokens (decode steps, verify passes) one node where MLX's op makes about 15, each query row's
-    bits the same whatever rows come with it (a verify pass reproduces its decode steps); for more
-    (prompts, images), the BLAS's products with our exponentials between them, 2.9x MLX's op for a
-    prompt chunk over a long cache, 5x for a vision tower's (benchmarks/cpu_attention.py)."""
-    if isinstance(k, QuantizedEntries):
-        return _quantized_cache_attention(q, k, v, scale, mask)
-    float32 = q.dtype == k.dtype == v.dtype == mx.float32
-    if float32 and backend.cpu_kernel_passed(ATTENTION, selfcheck.small_attention_case):
-        return cpu_kernels.attention(q, k, v, scale, mask == "causal")
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-
-# A quantized KV cache's (--kv-bits) forms: mx.quantize's affine groups, in these sizes
-KV_BITS, KV_GROUP_SIZES = (4, 8), (32, 64, 128)
-
-
-def quantize_entries(x: mx.array, bits: int, group_size: int) -> QuantizedEntries:
-    """Keys or values [B, H, T, D] as a quantized KV cache holds them: each token's D features in
-    groups of `group_size`, a scale and bias each (mx.quantize), so a token's codes are the same
-    whatever tokens come with it."""
-    return QuantizedEntries(*mx.quantize(x, group_size=group_size, bits=bits), bits, group_size)
-
-
-def leading_features(entries, features: int):
-    """The first `features` of each cached entry [B, H, S, D], of an array or of `QuantizedEntries`."""
-    return entries.leading(features) if isinstance(entries, QuantizedEntries) else entries[..., :features]
-
-
-def _quantized_cache_attention(q, k: QuantizedEntries, v: QuantizedEntries, scale: float, mask) -> mx.array:
-    """Attention over a quantized cache: on the CPU our kernel (the float32 path's arithmetic on the
-    decoded entries, a few rows decoded at a time: a verify pass reproduces its decode steps), else
-    MLX's quantized products."""
-    float32 = q.dtype == k.scales.dtype == v.scales.dtype == mx.float32
-    variant = (k.bits, k.group_size)
-    if float32 and backend.cpu_kernel_passed(ATTENTION, selfcheck.small_quantized_attention_case, *variant):
-        return cpu_kernels.quantized_attention(q, k, v, scale, mask == "causal")
-    return reference.quantized_attention(q, k, v, scale, mask)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:

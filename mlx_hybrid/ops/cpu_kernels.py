@@ -71,16 +71,17 @@ def rope(x, c, s, dims: int):
     return extension().rope(x, c, s, dims)
 
 
-def attention(q, k, v, scale: float, causal: bool):
-    """`mx.fast.scaled_dot_product_attention` (mask None or causal)."""
-    return extension().attention(q, k, v, scale, causal)
+def attention(q, k, v, scale: float, causal: bool, key_lengths=None):
+    """`mx.fast.scaled_dot_product_attention` (mask None or causal); key_lengths (int32 [B]): each
+    batch row's keys, the causal mask aligned to its last."""
+    return extension().attention(q, k, v, scale, causal, key_lengths)
 
 
-def quantized_attention(q, keys, values, scale: float, causal: bool):
+def quantized_attention(q, keys, values, scale: float, causal: bool, key_lengths=None):
     """`attention` over a quantized cache's keys and values (`reference.QuantizedEntries`, float32
     scales): each decoded as mx.dequantize does, to the float32 floor (one FMA a value)."""
     return extension().quantized_attention(
-        q, list(keys.arrays), list(values.arrays), scale, causal, keys.bits, keys.group_size
+        q, list(keys.arrays), list(values.arrays), scale, causal, keys.bits, keys.group_size, key_lengths
     )
 
 

@@ -320,15 +320,17 @@ class QuantizedEntries(NamedTuple):
 
 
 def quantized_attention(q, keys: QuantizedEntries, values: QuantizedEntries, scale: float, mask=None) -> mx.array:
-    """mx.fast.scaled_dot_product_attention's contract (mask None or "causal") over a quantized
-    cache's keys and values, through MLX's quantized products (q grouped by KV head) and a
-    float32 softmax."""
+    """mx.fast.scaled_dot_product_attention's contract (mask None, "causal" or booleans [B, 1, T, S])
+    over a quantized cache's keys and values, through MLX's quantized products (q grouped by KV head)
+    and a float32 softmax."""
     B, H, T, D = q.shape
     Hkv = keys.codes.shape[1]
     q = (q * scale).reshape(B, Hkv, H // Hkv, T, D)
     quantized = dict(group_size=keys.group_size, bits=keys.bits)
     scores = mx.quantized_matmul(q, *(a[:, :, None] for a in keys.arrays), transpose=True, **quantized)
-    if mask == "causal" and T > 1:
+    if isinstance(mask, mx.array):
+        scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
+    elif mask == "causal" and T > 1:
         S = scores.shape[-1]
         seen = mx.arange(S)[None] <= mx.arange(T)[:, None] + (S - T)
         scores = mx.where(seen, scores, mx.finfo(scores.dtype).min)

@@ -26,13 +26,21 @@ def _inverse_frequencies(dims: int, base: float) -> np.ndarray:
     return base ** (-np.arange(half) / half)
 
 
+@lru_cache(maxsize=4)
+def _rows_rope_factors(offsets: tuple[int, ...], tokens: int, head_dim: int, dims: int, base: float):
+    """Factors c, s [B, T, head_dim] of batch rows whose tokens start at their own offsets: each
+    position's as `_rope_factors` gives it (a pass's attention layers share them)."""
+    positions = np.add.outer(np.asarray(offsets, np.float64), np.arange(tokens, dtype=np.float64))
+    return _factors(positions[..., None] * _inverse_frequencies(dims, base), head_dim)
+
+
 def _factors(angles: np.ndarray, head_dim: int):
-    """c, s [T, head_dim] for angles [T, dims / 2] (see `_rope_factors`)."""
-    half = angles.shape[1]
-    c = np.ones((len(angles), head_dim), np.float32)
-    s = np.zeros((len(angles), head_dim), np.float32)
-    c[:, :half] = c[:, half : 2 * half] = np.cos(angles)
-    s[:, :half], s[:, half : 2 * half] = -np.sin(angles), np.sin(angles)
+    """c, s [..., head_dim] for angles [..., dims / 2] (see `_rope_factors`)."""
+    half = angles.shape[-1]
+    c = np.ones((*angles.shape[:-1], head_dim), np.float32)
+    s = np.zeros((*angles.shape[:-1], head_dim), np.float32)
+    c[..., :half] = c[..., half : 2 * half] = np.cos(angles)
+    s[..., :half], s[..., half : 2 * half] = -np.sin(angles), np.sin(angles)
     return mx.array(c), mx.array(s)
 
 
@@ -60,16 +68,22 @@ def _rotate(x, partner, c, s):
 
 
 def rotate(x: mx.array, c: mx.array, s: mx.array, dims: int) -> mx.array:
-    """x c + x[partner] s for factors c, s [T, D] (see `_rope_factors`), partners as
-    `_rope_partners` gives them."""
+    """x c + x[partner] s for factors c, s [T, D] (see `_rope_factors`), or [B, T, D] for each
+    batch row of x [B, H, T, D], partners as `_rope_partners` gives them."""
+    if c.ndim == 3:
+        c, s = c[:, None], s[:, None]
     return _rotate(x, mx.take(x, _rope_partners(x.shape[-1], dims), axis=-1), c, s)
 
 
-def rope(x: mx.array, dims: int, base: float, offset: int, *, rotate=rotate) -> mx.array:
+def rope(x: mx.array, dims: int, base: float, offset: int | tuple[int, ...], *, rotate=rotate) -> mx.array:
     """Rotary embedding, rotate-half layout (x1, x2 halves of the first `dims` features:
-    x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t. rotate: the op
-    that applies the factors (this pure-MLX form, or `ops`' choice)."""
-    c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
+    x1 cos - x2 sin, x2 cos + x1 sin), of x [B, H, T, D] at positions offset + t (offset: one for
+    all, or each batch row's). rotate: the op that applies the factors (this pure-MLX form, or
+    `ops`' choice)."""
+    if isinstance(offset, tuple):
+        c, s = _rows_rope_factors(offset, x.shape[-2], x.shape[-1], dims, float(base))
+    else:
+        c, s = _rope_factors(range(offset, offset + x.shape[-2]), x.shape[-1], dims, float(base))
     return rotate(x, c, s, dims)
 
 

@@ -197,6 +197,14 @@ def small_attention_case(_platform):
         q = mx.array(rng.standard_normal((1, 4, tokens, 20)).astype(np.float32))
         got += [cpu_kernels.attention(q, k, v, 0.3, causal) for causal in (False, True)]
         want += [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask) for mask in (None, "causal")]
+    # a batch of two rows holding 23 and 17 keys: the second as its keys alone
+    q = mx.array(rng.standard_normal((2, 4, 3, 20)).astype(np.float32))
+    k2, v2, lengths = mx.concatenate([k, k[:, ::-1]]), mx.concatenate([v, v[:, ::-1]]), mx.array([23, 17])
+    got += [cpu_kernels.attention(q, k2, v2, 0.3, causal, lengths)[1:] for causal in (False, True)]
+    want += [
+        mx.fast.scaled_dot_product_attention(q[1:], k2[1:, :, :17], v2[1:, :, :17], scale=0.3, mask=mask)
+        for mask in (None, "causal")
+    ]
     return got, want
 
 
@@ -219,7 +227,10 @@ def small_rope_case(_platform):
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, 2, 3, 20)).astype(np.float32))
     c, s = rotary._rope_factors(range(5, 8), 20, 12, 10000.0)
-    return [cpu_kernels.rope(x, c, s, 12)], [rotary.rotate(x, c, s, 12)]
+    rows = mx.concatenate([x, -x])  # two batch rows at their own positions
+    rows_c, rows_s = rotary._rows_rope_factors((5, 9), 3, 20, 12, 10000.0)
+    got = [cpu_kernels.rope(x, c, s, 12), cpu_kernels.rope(rows, rows_c, rows_s, 12)]
+    return got, [rotary.rotate(x, c, s, 12), rotary.rotate(rows, rows_c, rows_s, 12)]
 
 
 def small_gated_product_case(_platform):
