@@ -11,6 +11,7 @@ import random
 import mlx.core as mx
 
 from mlx_hybrid.drafting import Drafter
+from mlx_hybrid.drafting.base import GroupRow
 
 
 class OracleDrafter(Drafter):
@@ -53,9 +54,14 @@ class OracleDrafter(Drafter):
             inner_drafts = type(inner[0]).draft_rows(inner, ks, samplers, masks)
             mx.eval([tokens for tokens, _ in inner_drafts])  # MLX is lazy: replaced tokens must still run
             ks = [len(tokens) for tokens, _ in inner_drafts]
-            for drafter, inner_drafter in zip(drafters, inner):  # p-min verdicts the verify pass applies
-                drafter.confidence = inner_drafter.confidence
-        return [drafter._replay(k) for drafter, k in zip(drafters, ks)]
+        drafts = [drafter._replay(k) for drafter, k in zip(drafters, ks)]
+        for drafter, (tokens, _) in zip(drafters, drafts):  # the inner drafts' p-min verdicts, on these
+            columns = drafter.inner.drafted_columns if drafter.inner is not None else None
+            drafter.drafted_columns = None if columns is None or not tokens else GroupRow([
+                mx.where(column[columns.row : columns.row + 1] < 0, -1 - token.reshape(1), token.reshape(1))
+                for column, token in zip(columns.columns, tokens)
+            ], 0)  # fmt: skip
+        return drafts
 
     def _replay(self, k: int):
         share = round(self.acceptance * k, 9)  # a rate of a/k means exactly a

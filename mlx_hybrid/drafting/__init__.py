@@ -25,7 +25,7 @@ their top probability falls below `draft_p_min`, as llama.cpp's draft p-min does
 
 from __future__ import annotations
 
-from .base import DEFAULT_DRAFT_P_MIN, DraftHead, Drafter, check_draft_p_min, draft_rows
+from .base import DEFAULT_DRAFT_P_MIN, DraftHead, Drafter, check_draft_p_min, draft_rows, sure_drafts, unmarked
 from .draft_model import DraftModelDrafter
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
@@ -34,4 +34,5 @@ from .settings import AUTO, DRAFTS, SpeculationSettings, make_drafter, resolve_d
 __all__ = [
     "AUTO", "DEFAULT_DRAFT_P_MIN", "DRAFTS", "DraftHead", "DraftModelDrafter", "Drafter", "MTPDrafter",
     "NgramDrafter", "SpeculationSettings", "check_draft_p_min", "draft_rows", "make_drafter", "resolve_draft",
+    "sure_drafts", "unmarked",
 ]  # fmt: skip

@@ -4,7 +4,9 @@ compute distributions."""
 
 from __future__ import annotations
 
+import math
 from itertools import accumulate
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -48,7 +50,17 @@ class DraftHead:
                 top_list.append(mx.exp(row_logprobs.max()))
                 logprobs.append(None if sampler.greedy else self._whole_vocabulary(row_logprobs))
             index, tops = mx.stack(indices), mx.stack(top_list)
-        return (index if self.ids is None else self.ids[index]), logprobs, tops
+        return (index.astype(mx.int32) if self.ids is None else self.ids[index]), logprobs, tops
+
+    def draw_greedy(self, x: mx.array, p_min: float) -> tuple[mx.array, mx.array]:
+        """For x [1, R, E]: each row's most likely token [R] (int32), and the same tokens marked with
+        their p-min verdicts (`marked`; p_min 0: all sure), both left on the device."""
+        logits = self.project(x)[0]  # the argmax and the top logit are exact in any float dtype
+        index = mx.argmax(logits, axis=-1)
+        tokens = index.astype(mx.int32) if self.ids is None else self.ids[index]
+        if p_min <= 0:
+            return tokens, tokens
+        return tokens, _marked(logits.max(axis=-1), mx.logsumexp(logits, axis=-1), math.log(p_min), tokens)
 
     def _allowed_rows(self, allowed: list) -> mx.array:
         """The rows' masks [R, V_head] over the head's own vocabulary."""
@@ -69,6 +81,31 @@ class DraftHead:
         full = mx.full((self.vocab_size,), -mx.inf, dtype=mx.float32)
         full[self.ids] = logprobs
         return full
+
+
+# A draft that carries its p-min verdict to the verify pass: the token t where the drafter was sure
+# (its top probability at least p-min), -1 - t where not; the pass feeds `unmarked` ids and reads the
+# marked ones (`sure_drafts`), so the verdicts cost the read nothing.
+
+
+@mx.compile
+def _marked(top: mx.array, total: mx.array, log_floor: float, tokens: mx.array) -> mx.array:
+    """tokens where e^(top - total) >= e^log_floor, else -1 - tokens (one launch; in float32: a 16-bit
+    log-sum-exp moves the floor by a few percent at most)."""
+    sure = top.astype(mx.float32) - total.astype(mx.float32) >= log_floor
+    return mx.where(sure, tokens, -1 - tokens)
+
+
+@mx.compile
+def unmarked(ids: mx.array) -> mx.array:
+    """Marked drafts as the tokens they are (one launch)."""
+    return mx.where(ids < 0, -1 - ids, ids)
+
+
+def sure_drafts(marked: list[int]) -> list[int]:
+    """The drafts up to the first unsure one, from their marked values."""
+    sure = next((i for i, value in enumerate(marked) if value < 0), len(marked))
+    return marked[:sure]
 
 
 def check_draft_p_min(draft_p_min: float) -> float:
@@ -99,7 +136,7 @@ class Drafter:
     hold nothing (the drafter reads the tokens again on restore)."""
 
     declines_cost = False
-    confidence = None  # see _ConfidentDrafting: p-min verdicts the verify pass applies
+    drafted_columns = None  # see _ConfidentDrafting: a round's marked drafts as its group's columns
 
     def start(self, prompt: list[int], prompt_hidden, first_token: int):
         self.prefill(list(prompt), prompt_hidden)
@@ -147,6 +184,15 @@ def draft_rows(drafters: list, ks: list[int], samplers: list, masks: list | None
     return drafts
 
 
+class GroupRow(NamedTuple):
+    """Row `row` of a drafting group's round, kept column by column: per draft j one array [R] over the
+    group's rows (this row's value at columns[j][row]), so that the engine reads or packs a group's
+    rows at once, whatever their number."""
+
+    columns: list[mx.array]
+    row: int
+
+
 class _ConfidentDrafting(Drafter):
     """The loop shared by drafters that compute distributions: draw, stop below p-min, feed.
 
@@ -162,9 +208,9 @@ class _ConfidentDrafting(Drafter):
         self.head = head
         self.fed_drafts = 0  # drafts of this round the drafting model has read
         self.drafted = False  # whether this round's draft ran
-        # this round's p-min verdicts [drafts] (bool, lazy) where the verify pass applies them (see
-        # draft_rows); None where drafting stopped at the first unsure draft itself
-        self.confidence: mx.array | None = None
+        # this round's drafts, marked with the p-min verdicts the verify pass applies, as columns of its
+        # group (see `_draft_in_lockstep`); None where drafting stopped at the first unsure draft itself
+        self.drafted_columns: GroupRow | None = None
 
     def draft(self, k: int, sampler):
         return self.draft_rows([self], [k], [sampler], [None])[0]
@@ -175,48 +221,60 @@ class _ConfidentDrafting(Drafter):
     @classmethod
     def draft_rows(cls, drafters, ks, samplers, masks):
         """Up to ks[r] (>= 1) drafts for each row (drafters of one `batch_key`), each drawn from
-        what the row's mask allows after its drafts so far.
+        what the row's mask allows after its drafts so far. Below p-min a row stops drafting.
 
-        Below p-min a row stops drafting. Greedy rows without a grammar leave that verdict on the
-        device: they draw all ks[r] drafts, each drafter keeps its drafts' verdicts (`confidence`),
-        and the verify pass cuts the drafts at the first unsure one, which gives the tokens that
-        stopping here gives, read with the pass's own (one wait a round, where deciding here
-        waited after every draft). Other rows decide here."""
+        Greedy rows without a grammar draft in lockstep and leave that verdict on the device
+        (`_draft_in_lockstep`). Other rows decide here, reading the device after every draft."""
         head, p_min = drafters[0].head, drafters[0].draft_p_min
-        deferred = p_min > 0 and all(s.greedy for s in samplers) and all(m is None for m in masks)
+        for drafter in drafters:
+            drafter.drafted, drafter.fed_drafts, drafter.drafted_columns = True, 0, None
+        if all(s.greedy for s in samplers) and all(m is None for m in masks):
+            return cls._draft_in_lockstep(drafters, ks, p_min)
         drafts = [([], []) for _ in drafters]
-        verdicts = [[] for _ in drafters]
         active = list(range(len(drafters)))
         x = cls._open(drafters)
-        for drafter in drafters:
-            drafter.drafted, drafter.fed_drafts, drafter.confidence = True, 0, None
         while True:
             allowed = None
             if any(masks[r] is not None for r in active):  # the grammar reads the drafts' values
                 allowed = [masks[r] and masks[r](_values(drafts[r][0])) for r in active]
             tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active], allowed)
-            if p_min > 0 and not deferred:
+            if p_min > 0:
                 mx.eval(tokens, tops)  # deciding whether to go on needs the values now
                 confident = (tops >= p_min).tolist()
             else:
                 confident = [True] * len(active)
-            sure = tops >= p_min if deferred else None
             going = []
             for i, row in enumerate(active):
                 if confident[i]:
-                    drafts[row][0].append(tokens[i])
+                    drafts[row][0].append(tokens[i : i + 1])
                     drafts[row][1].append(logprobs[i])
-                    if deferred:
-                        verdicts[row].append(sure[i])
                     if len(drafts[row][0]) < ks[row]:
                         going.append(i)
             if not going:
-                if deferred:
-                    for drafter, row_verdicts in zip(drafters, verdicts):
-                        drafter.confidence = mx.stack(row_verdicts)
                 return drafts
             active = [active[i] for i in going]
             feeding = tokens if len(going) == len(tokens) else tokens[mx.array(going)]
             x = cls._feed([drafters[r] for r in active], feeding)
             for row in active:
                 drafters[row].fed_drafts += 1
+
+    @classmethod
+    def _draft_in_lockstep(cls, drafters, ks, p_min: float):
+        """Greedy rows without a grammar: every row draws max(ks) drafts (one head call a draft for
+        all of them; a row asked for fewer keeps its first ks[r]), and each drafter keeps its drafts,
+        marked with their p-min verdicts, as its group's columns (`GroupRow`). The verify pass cuts
+        each row's drafts at its first unsure one, which gives the tokens that stopping here gives,
+        read with the pass's own: one wait a round, where deciding here waited after every draft."""
+        head, tokens, marked = drafters[0].head, [], []
+        x = cls._open(drafters)
+        for _ in range(max(ks)):
+            if tokens:
+                x = cls._feed(drafters, tokens[-1])
+                for drafter in drafters:
+                    drafter.fed_drafts += 1
+            drawn, drawn_marked = head.draw_greedy(x, p_min)
+            tokens.append(drawn)
+            marked.append(drawn_marked)
+        for row, drafter in enumerate(drafters):
+            drafter.drafted_columns = GroupRow(marked, row)
+        return [([column[row : row + 1] for column in tokens[:k]], [None] * k) for row, k in enumerate(ks)]

@@ -29,7 +29,7 @@ class MTPDrafter(_ConfidentDrafting):
         self.cache = KVCache()
         self.pending_hidden = None  # [1, n, E], the trunk's states
         self.pending_next: list[int] = []  # the tokens after the pending hidden states (n, or n - 1)
-        self._carry = None  # this round's last MTP carry: the next draft step's h
+        self._carry = None  # this round's last MTP carry (the group's [1, R, E], its row): the next step's h
 
     def fork(self) -> MTPDrafter:
         return MTPDrafter(self.model, self.draft_p_min, head=self.head)
@@ -71,14 +71,21 @@ class MTPDrafter(_ConfidentDrafting):
     @staticmethod
     def _feed(drafters, tokens):
         caches = row_caches([d.cache for d in drafters], [1] * len(drafters))
-        y, carry = drafters[0]._step(_join([d._carry for d in drafters]), tokens[None], caches)
+        whole = drafters[0]._carry[0]  # the rows that drafted last together, all going on: read as it is
+        in_place = all(d._carry[0] is whole and d._carry[1] == i for i, d in enumerate(drafters))
+        if in_place and whole.shape[1] == len(drafters):
+            h = whole
+        else:
+            h = _join([carry[:, i : i + 1] for carry, i in (d._carry for d in drafters)])
+        y, carry = drafters[0]._step(h, tokens[None], caches)
         return MTPDrafter._keep_carry(drafters, y, carry)
 
     @staticmethod
     def _keep_carry(drafters, y, carry):
-        """Each row's carry is its next step's h; the draft head reads y [1, R, E]."""
+        """Each row's carry is its next step's h (row i of the group's carry [1, R, E]); the draft head
+        reads y [1, R, E]."""
         for i, drafter in enumerate(drafters):
-            drafter._carry = carry[:, i : i + 1]
+            drafter._carry = (carry, i)
         return y
 
     def checkpoint(self):

@@ -51,7 +51,8 @@ class Engine:
     sequence gets a `fork` of; num_draft_tokens and adaptive as in `speculative.DraftingPolicy`.
     prefix_store: where checkpoints are kept (None: a `PrefixStore` of
     `prefix_store.default_budget_bytes()`; a store with max_bytes=0 keeps none in memory).
-    overlap: queue each plain decoding pass before reading the previous one's tokens
+    overlap: queue each plain decoding pass before reading the previous one's tokens, and a
+    speculative round's drafts before building the pass that verifies them
     (None: where a GPU computes, `ops.overlap_decode_steps`).
     kv_bits, kv_group_size: every sequence's attention layers hold their keys and values in 4 or 8
     bits, in groups of kv_group_size features (`cache.QuantizedKVCache`); None: in the compute dtype.
@@ -295,7 +296,7 @@ class Engine:
             return
         for row in self.rows:
             row.take_back()
-        batch = build_batch(self.rows, self.prefill_chunk)
+        batch = build_batch(self.rows, self.prefill_chunk, queue_drafts=self.overlap)
         hidden = run_model(self.model, batch, self.prefill_layer_by_layer)
         self._advance(batch, hidden, choose_tokens(self.model, batch, hidden))
 

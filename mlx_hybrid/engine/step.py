@@ -17,7 +17,7 @@ from itertools import accumulate
 import mlx.core as mx
 
 from ..cache import marks, packed, record_snapshots
-from ..drafting import draft_rows
+from ..drafting import draft_rows, sure_drafts, unmarked
 from ..speculative import accept
 from .prompt_images import join_inserted
 from .rows import Ahead, Row
@@ -30,6 +30,8 @@ class Batch:
     rows: list[Row]
     feeds: list  # per row: prompt tokens (a list), or its token and this round's drafts (an array)
     asked: dict  # decoding row -> (drafts asked for, the drafts' distributions)
+    ids: mx.array  # [N] int32: the feeds packed in the rows' order
+    marked: mx.array  # ids with drafts marked by their p-min verdicts (`drafting.unmarked` gives ids)
 
     @property
     def lengths(self) -> list[int]:
@@ -54,22 +56,23 @@ class Choice:
     verified: int = 0
 
 
-def build_batch(rows: list[Row], prefill_chunk: int) -> Batch:
+def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False) -> Batch:
     """What each row feeds this pass: prompt tokens, at most `prefill_chunk` in all and up to its next
     checkpoint position, or its token and this round's drafts (built on the lazy drafts). Rows left
-    without prefill budget sit the pass out."""
+    without prefill budget sit the pass out. queue_drafts: start the drafts computing (`mx.async_eval`)
+    while the host builds the pass that verifies them."""
     budget = prefill_chunk
-    inputs, asked = {}, {}
+    feeds, asked = {}, {}  # row -> its tokens known to the host (a list), or its lazy drafts after them
     for row in rows:
         if row.prefilling:
             if budget > 0:
                 start = len(row.fed)
                 end = min([len(row.sequence.prompt), start + budget] + [p for p in row.checkpoint_at if p > start])
                 budget -= end - start
-                inputs[row] = row.sequence.prompt[start:end]
+                feeds[row] = row.sequence.prompt[start:end]
         else:
             asked[row] = (row.plan(), [])
-            inputs[row] = mx.array([row.token])
+            feeds[row] = [row.token]
             row.drafts = []
     drafting = [row for row, (k, _) in asked.items() if k]
     if drafting:
@@ -82,10 +85,77 @@ def build_batch(rows: list[Row], prefill_chunk: int) -> Batch:
                 allowed = row.processor.allowed_drafts(row.drafts)  # a forbidden draft is not verified
                 tokens, logprobs, row.drafts = tokens[:allowed], logprobs[:allowed], row.drafts[:allowed]
             asked[row] = (asked[row][0], logprobs)
+            columns = row.drafter.drafted_columns
+            if columns is not None:  # the drafts marked with their verdicts, read back with the pass's
+                tokens = [column[columns.row : columns.row + 1] for column in columns.columns[: len(tokens)]]
             if tokens:
-                inputs[row] = mx.concatenate([inputs[row], mx.stack(tokens).reshape(-1).astype(mx.int32)])
-    fed = [row for row in rows if row in inputs]
-    return Batch(fed, [inputs[row] for row in fed], asked)
+                feeds[row] = (feeds[row], tokens)
+    fed, pieces = _packed([row for row in rows if row in feeds], feeds)
+    marked = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+    ids = unmarked(marked) if any(row.drafter.drafted_columns is not None for row in drafting) else marked
+    if queue_drafts and drafting:
+        mx.async_eval(ids)
+    starts = [0, *accumulate(_fed_count(feeds[row]) for row in fed)]
+    return Batch(fed, [feeds[row] if row.prefilling else ids[s:e] for row, s, e in zip(fed, starts, starts[1:])],
+                 asked, ids, marked)  # fmt: skip
+
+
+def _fed_count(feed) -> int:
+    return len(feed) if isinstance(feed, list) else len(feed[0]) + len(feed[1])
+
+
+def _packed(rows: list[Row], feeds: dict) -> tuple[list[Row], list[mx.array]]:
+    """The rows in the order the pass packs them, and the pieces of their ids [N] (int32): tokens the
+    host knows side by side in one array; a drafting group whose rows all feed as many drafts, unchanged
+    (`GroupRow`), as one block [R, 1 + k] of its tokens and its draft columns: launches that do not grow
+    with the rows. Other drafting rows, each its own."""
+    blocks = {}  # a group's columns -> its rows, where every row of the group feeds them whole
+    for row in rows:
+        columns = _whole_columns(row, feeds[row])
+        if columns is not None:
+            blocks.setdefault(id(columns), []).append(row)
+    blocks = {key: group for key, group in blocks.items() if len(group) == _group_size(group)}
+    order, pieces, known, placed = [], [], [], set()
+    for row in rows:
+        if row in placed:
+            continue
+        columns = _whole_columns(row, feeds[row])
+        group = blocks.get(id(columns)) if columns is not None else None
+        if group is None:
+            order.append(row)
+            feed = feeds[row]
+            if isinstance(feed, list):
+                known += feed
+                continue
+            pieces += [mx.array(known, mx.int32)] if known else []
+            known = []
+            pieces.append(mx.concatenate([mx.array(feed[0], mx.int32), *(t.reshape(1) for t in feed[1])]))
+            continue
+        order += group
+        placed.update(group)
+        pieces += [mx.array(known, mx.int32)] if known else []
+        known = []
+        block = mx.array([[feeds[r][0][0]] + [0] * len(columns) for r in group], mx.int32)
+        for j, column in enumerate(columns):  # a write a column: the tokens the host knows cost no copy
+            block[:, j + 1] = column
+        pieces.append(block.reshape(-1))
+    pieces += [mx.array(known, mx.int32)] if known or not pieces else []
+    return order, pieces
+
+
+def _whole_columns(row: Row, feed) -> list | None:
+    """The draft columns of the row's group where the row feeds every column as drawn."""
+    drafted = getattr(row.drafter, "drafted_columns", None)
+    if isinstance(feed, list) or drafted is None or len(feed[1]) != len(drafted.columns):
+        return None
+    return drafted.columns
+
+
+def _group_size(group: list[Row]) -> int:
+    """How many rows the group's columns hold, where `group` lists them in their order (else 0)."""
+    drafted = [row.drafter.drafted_columns for row in group]
+    in_order = all(d.row == i for i, d in enumerate(drafted))
+    return drafted[0].columns[0].shape[0] if in_order else 0
 
 
 def run_model(model, batch: Batch, layer_by_layer: bool = False) -> mx.array:
@@ -95,7 +165,7 @@ def run_model(model, batch: Batch, layer_by_layer: bool = False) -> mx.array:
     rows, lengths = batch.rows, batch.lengths
     for row, n in zip(rows, lengths):
         record_snapshots(row.cache, not row.prefilling and n > 1)
-    ids = mx.concatenate([mx.array(x) if isinstance(x, list) else x for x in batch.feeds])[None]
+    ids = batch.ids[None]
     inserted = join_inserted([
         row.images.inserted(model, len(row.fed), len(row.fed) + n, start)
         for row, n, (start, _) in zip(rows, lengths, batch.spans) if row.images is not None and row.prefilling
@@ -135,9 +205,7 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
     ]
     # the model's choice at every position in one op (a row whose processor changed its scores: its own)
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if logits is not None else None
-    argmaxes = [argmax[s:e] if row.processor is None and argmax is not None else None
-                for row, s, e in zip(rows, bounds, bounds[1:])]  # fmt: skip
-    targets = _greedy_targets(rows, batch.feeds, scores, argmaxes)
+    targets = _greedy_targets(batch, scores, argmax, bounds)
     choices = []
     for row, feed, x, scored, target in zip(rows, batch.feeds, row_logits, scores, targets):
         if row.prefilling:
@@ -155,30 +223,28 @@ def _ends_prompt(row: Row, fed_now: int) -> bool:
     return len(row.fed) + fed_now == len(row.sequence.prompt)
 
 
-def _greedy_targets(rows, feeds, scores, argmaxes):
+def _greedy_targets(batch: Batch, scores: list, argmax: mx.array | None, bounds: list[int]) -> list:
     """For greedy decoding rows, (drafts, the model's argmax at every position), in one host sync;
-    where the drafter left its p-min verdicts to the pass, the drafts up to the first unsure one.
-    argmaxes: per row its scores' argmax where already computed (None: computed here)."""
-    parts, owners = [], []  # owners: (row, its drafts, whether its verdicts come too)
-    for i, row in enumerate(rows):
-        if not row.prefilling and row.sampler.greedy:
-            n = feeds[i].size - 1
-            verdicts = row.drafter.confidence if row.drafter is not None and n else None
-            argmax = argmaxes[i] if argmaxes[i] is not None else mx.argmax(scores[i], axis=-1).astype(mx.int32)
-            parts += [feeds[i][1:].astype(mx.int32)] if n else []
-            parts += [argmax] + ([verdicts.astype(mx.int32)] if verdicts is not None else [])
-            owners.append((i, n, verdicts is not None))
+    where the drafter marked its drafts with p-min verdicts, the drafts up to the first unsure one.
+    One read of the pass's marked ids, the argmax at every chosen position (`bounds`: each row's
+    there) and each processed row's own argmax: parts that do not grow with the rows."""
+    rows = batch.rows
+    greedy = [i for i, row in enumerate(rows) if not row.prefilling and row.sampler.greedy]
     targets = [None] * len(rows)
-    if parts:
-        flat, at = mx.concatenate(parts).tolist(), 0
-        for i, n, judged in owners:
-            drafts, argmax = flat[at : at + n], flat[at + n : at + 2 * n + 1]
-            at += 2 * n + 1
-            sure = n
-            if judged:
-                verdicts, at = flat[at : at + n], at + n
-                sure = verdicts.index(0) if 0 in verdicts else n
-            targets[i] = (drafts[:sure], argmax[: sure + 1])
+    if not greedy:
+        return targets
+    parts, starts = [batch.marked, argmax], {}  # where each row's argmax starts in the read
+    for i in greedy:
+        if rows[i].processor is None:
+            starts[i] = batch.marked.size + bounds[i]
+        else:
+            starts[i] = sum(part.size for part in parts)
+            parts.append(mx.argmax(scores[i], axis=-1).astype(mx.int32))
+    flat = mx.concatenate(parts).tolist()
+    for i in greedy:
+        s, e = batch.spans[i]
+        drafts = sure_drafts(flat[s + 1 : e])
+        targets[i] = (drafts, flat[starts[i] : starts[i] + len(drafts) + 1])
     return targets
 
 
