@@ -186,8 +186,9 @@ class Sampler:
             return mx.argmax(logits, axis=-1)
         return self.draw(self.log_probs(logits))
 
-    def draw(self, logprobs: mx.array) -> mx.array:
-        """Tokens [...] drawn from log-probabilities [..., V] with the next key; a single row
-        draws the same token whether it comes as [V] or [1, V] (MLX's draw depends on the shape)."""
+    def draw(self, logprobs: mx.array, key: mx.array | None = None) -> mx.array:
+        """Tokens [...] drawn from log-probabilities [..., V] with the next key (or `key`); a single
+        row draws the same token whether it comes as [V] or [1, V] (MLX's draw depends on the shape)."""
         rows = logprobs.reshape(-1, logprobs.shape[-1])
-        return mx.random.categorical(rows, key=self.next_key()).reshape(logprobs.shape[:-1])
+        key = self.next_key() if key is None else key
+        return mx.random.categorical(rows, key=key).reshape(logprobs.shape[:-1])

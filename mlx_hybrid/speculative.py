@@ -120,34 +120,55 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     return drafts[:a] + [targets[a]]
 
 
-def accept_sampled(sampler, drafts: list[int], draft_logprobs, target_logprobs) -> list[int]:
+def sampled_round(sampler, drafts: mx.array, marked: mx.array, draft_logprobs: list, target_logprobs) -> mx.array:
     """Speculative sampling (Leviathan et al., Chen et al.): the output follows the target exactly.
-    draft_logprobs: per draft, the drafter's distribution (None: a point mass); target_logprobs
-    [len(drafts) + 1, V]: the model's at each position."""
-    for i, token in enumerate(drafts):
-        p = mx.exp(target_logprobs[i])
-        q = mx.exp(draft_logprobs[i]) if draft_logprobs[i] is not None else None
-        p_token = p[token]
-        q_token = q[token] if q is not None else mx.array(1.0)
-        u = mx.random.uniform(key=sampler.next_key())
-        if bool(u * q_token < p_token):  # accept with probability min(1, p/q)
-            continue
-        if q is None:  # point-mass draft: the residual is p without that token
-            residual = mx.where(mx.arange(p.shape[-1]) == token, 0.0, p)
-        else:
-            residual = mx.maximum(p - q, 0.0)
-        fallback = sampler.draw(mx.log(residual))
-        return drafts[:i] + [int(fallback)]
-    bonus = sampler.draw(target_logprobs[len(drafts)])
-    return drafts + [int(bonus)]
+    drafts [n] (int32, lazy) as the pass read them, and `marked`, the same with their p-min verdicts
+    (`drafting.unmarked`): the round's drafts are those before the first unsure one, u of them.
+    draft_logprobs: per draft, the drafter's distribution [V] (None: a point mass); target_logprobs
+    [n + 1, V]: the model's at each position. Built on the device, read with the pass's other values:
+    [a, token], the drafts accepted and the model's token after them.
+
+    The rule, draft by draft: accept d_i with probability min(1, p(d_i) / q(d_i)), with u_i from the
+    sampler's next key; at the first rejection a token from the residual max(p - q, 0) (p without d_i
+    for a point mass) with the key after, else the bonus token from position u's p. Every draft's test
+    and residual is computed and the first rejection chosen on the device; the keys are the ones a
+    draft-by-draft loop takes, and the sampler's key is left where that loop leaves it."""
+    n = drafts.size
+    states, keys = [sampler.key], []  # the stream after each key taken, and the keys
+    for _ in range(n + 1):
+        state, key = mx.random.split(states[-1])
+        states.append(state)
+        keys.append(key)
+    keys = mx.stack(keys)
+    sure = mx.cumprod(marked >= 0).sum().astype(mx.int32) if n else mx.array(0, mx.int32)
+    token = sampler.draw(target_logprobs[sure][None], key=keys[sure]).reshape(1)  # all accepted: the bonus
+    accepted = sure
+    if n:
+        p = mx.exp(target_logprobs[:n])
+        p_drafts = mx.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]
+        q = [mx.exp(q) if q is not None else None for q in draft_logprobs]
+        q_drafts = mx.stack([qi[drafts[i]] if qi is not None else mx.array(1.0) for i, qi in enumerate(q)])
+        u = mx.stack([mx.random.uniform(key=keys[i]) for i in range(n)])
+        accepted = mx.minimum(mx.cumprod(u * q_drafts < p_drafts).sum().astype(mx.int32), sure)
+        residuals = mx.stack([
+            mx.maximum(p[i] - qi, 0.0) if qi is not None else mx.where(mx.arange(p.shape[-1]) == drafts[i], 0.0, p[i])
+            for i, qi in enumerate(q)
+        ])  # fmt: skip
+        rejected_at = mx.minimum(accepted, n - 1)
+        fallback = sampler.draw(mx.log(residuals[rejected_at][None]), key=keys[rejected_at + 1])
+        token = mx.where(accepted < sure, fallback.reshape(1), token)
+    # the stream after the keys the loop takes: a + 1 tests and the fallback, or u tests and the bonus
+    sampler.key = mx.stack(states)[mx.where(accepted < sure, accepted + 2, sure + 1)]
+    return mx.concatenate([accepted.reshape(1), token.astype(mx.int32)])
 
 
-def accept(sampler, drafts: list[int], scores, draft_logprobs, greedy_targets: list[int] | None) -> list[int]:
-    """A round's tokens: the drafts the model accepts, then one of its own. Greedy rows bring the
-    model's argmax at each position (greedy_targets); sampling rows its scores [len(drafts) + 1, V]."""
-    if greedy_targets is not None:
-        return accept_greedy(drafts, greedy_targets)
-    return accept_sampled(sampler, drafts, draft_logprobs, sampler.log_probs(scores))
+def accept(drafts: list[int], round_values: list[int], greedy: bool) -> list[int]:
+    """A round's tokens from what the pass read: greedy, the model's argmax at each position
+    (`round_values`); sampling, `sampled_round`'s [a, token]."""
+    if greedy:
+        return accept_greedy(drafts, round_values)
+    accepted, token = round_values
+    return drafts[:accepted] + [token]
 
 
 class DraftingPolicy:

@@ -553,12 +553,13 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
         assert [int(t) for t in drafter.draft(3, Sampler(0.0))[0]] == _latest_continuation(history, 3), seed
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_a_greedy_mtp_pass_with_the_default_p_min_reads_the_device_once(rows):
+@pytest.mark.parametrize("rows, temp", [(1, 0.0), (3, 0.0), (3, 0.8)])
+def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp):
     """The bundled model's head drafts confidently, so deciding p-min while drafting read the device
-    after every draft (7 reads a pass at k=3); the verdicts now stay on the device until the verify
-    pass reads its tokens: one read a pass, whatever the rows. The tokens are those of plain decoding
-    (greedy), each row's as alone."""
+    after every draft (7 reads a pass at k=3), and sampling rows read it again for every draft's
+    acceptance test; the verdicts and the speculative sampling rule now stay on the device until the
+    verify pass reads its tokens: one read a pass, whatever the rows. Each row's tokens are those it
+    gives alone, and greedy, those of plain decoding."""
     from benchmarks.engine_step import DeviceUse
     from mlx_hybrid.drafting import make_drafter
     from mlx_hybrid.loaders import BUNDLED_MODEL
@@ -566,7 +567,7 @@ def test_a_greedy_mtp_pass_with_the_default_p_min_reads_the_device_once(rows):
     model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
     engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), 3, prefix_store=PrefixStore(0))
     prompts = ["def parse_args(", "import os\n", "class Parser:"][:rows]
-    sequences = [engine.submit(prompt, max_tokens=40) for prompt in prompts]
+    sequences = [engine.submit(prompt, max_tokens=40, temp=temp, seed=i) for i, prompt in enumerate(prompts)]
     while any(row.prefilling for row in engine.rows) or not engine.rows:
         engine.step()
     reads = []
@@ -576,6 +577,9 @@ def test_a_greedy_mtp_pass_with_the_default_p_min_reads_the_device_once(rows):
             engine.step()
         reads.append(use.waits)
     assert set(reads) == {1} and all(s.stats.drafted > 0 for s in sequences)
-    for prompt, sequence in zip(prompts, sequences):
-        plain = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, draft=None)
-        assert sequence.tokens == [response.token for response in plain]
+    for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):
+        alone = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, temp=temp, seed=i)
+        assert sequence.tokens == [response.token for response in alone]
+        if temp == 0:
+            plain = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, draft=None)
+            assert sequence.tokens == [response.token for response in plain]

@@ -97,6 +97,12 @@ def _marked(top: mx.array, total: mx.array, log_floor: float, tokens: mx.array) 
 
 
 @mx.compile
+def _marked_by(tops: mx.array, p_min: float, tokens: mx.array) -> mx.array:
+    """tokens where their probability `tops` is at least p_min, else -1 - tokens (one launch)."""
+    return mx.where(tops >= p_min, tokens, -1 - tokens)
+
+
+@mx.compile
 def unmarked(ids: mx.array) -> mx.array:
     """Marked drafts as the tokens they are (one launch)."""
     return mx.where(ids < 0, -1 - ids, ids)
@@ -223,13 +229,14 @@ class _ConfidentDrafting(Drafter):
         """Up to ks[r] (>= 1) drafts for each row (drafters of one `batch_key`), each drawn from
         what the row's mask allows after its drafts so far. Below p-min a row stops drafting.
 
-        Greedy rows without a grammar draft in lockstep and leave that verdict on the device
-        (`_draft_in_lockstep`). Other rows decide here, reading the device after every draft."""
+        Rows without a grammar draft in lockstep and leave that verdict on the device
+        (`_draft_in_lockstep`). Rows with one decide here, reading the device after every draft (the
+        grammar reads the drafts)."""
         head, p_min = drafters[0].head, drafters[0].draft_p_min
         for drafter in drafters:
             drafter.drafted, drafter.fed_drafts, drafter.drafted_columns = True, 0, None
-        if all(s.greedy for s in samplers) and all(m is None for m in masks):
-            return cls._draft_in_lockstep(drafters, ks, p_min)
+        if all(m is None for m in masks):
+            return cls._draft_in_lockstep(drafters, ks, samplers, p_min)
         drafts = [([], []) for _ in drafters]
         active = list(range(len(drafters)))
         x = cls._open(drafters)
@@ -259,22 +266,39 @@ class _ConfidentDrafting(Drafter):
                 drafters[row].fed_drafts += 1
 
     @classmethod
-    def _draft_in_lockstep(cls, drafters, ks, p_min: float):
-        """Greedy rows without a grammar: every row draws max(ks) drafts (one head call a draft for
-        all of them; a row asked for fewer keeps its first ks[r]), and each drafter keeps its drafts,
-        marked with their p-min verdicts, as its group's columns (`GroupRow`). The verify pass cuts
-        each row's drafts at its first unsure one, which gives the tokens that stopping here gives,
-        read with the pass's own: one wait a round, where deciding here waited after every draft."""
-        head, tokens, marked = drafters[0].head, [], []
+    def _draft_in_lockstep(cls, drafters, ks, samplers, p_min: float):
+        """Rows without a grammar: every row draws max(ks) drafts (one head call a draft for all of
+        them; a row asked for fewer keeps its first ks[r]), and each drafter keeps its drafts, marked
+        with their p-min verdicts, as its group's columns (`GroupRow`). The verify pass cuts each
+        row's drafts at its first unsure one, which gives the tokens that stopping here gives, read
+        with the pass's own: one wait a round, where deciding here waited after every draft. A
+        sampling row's random stream is set back, on the device, to where stopping at that draft
+        would have left it (its draws past it are discarded)."""
+        head, greedy = drafters[0].head, all(s.greedy for s in samplers)
+        tokens, marked, logprobs, streams = [], [], [], [[s.key] for s in samplers]
         x = cls._open(drafters)
         for _ in range(max(ks)):
             if tokens:
                 x = cls._feed(drafters, tokens[-1])
                 for drafter in drafters:
                     drafter.fed_drafts += 1
-            drawn, drawn_marked = head.draw_greedy(x, p_min)
+            if greedy:
+                drawn, drawn_marked = head.draw_greedy(x, p_min)
+                drawn_logprobs = [None] * len(drafters)
+            else:
+                drawn, drawn_logprobs, tops = head.draw(x, samplers, None)
+                drawn_marked = _marked_by(tops, p_min, drawn) if p_min > 0 else drawn
+                for stream, sampler in zip(streams, samplers):
+                    stream.append(sampler.key)
             tokens.append(drawn)
             marked.append(drawn_marked)
-        for row, drafter in enumerate(drafters):
+            logprobs.append(drawn_logprobs)
+        for row, (drafter, sampler, k) in enumerate(zip(drafters, samplers, ks)):
             drafter.drafted_columns = GroupRow(marked, row)
-        return [([column[row : row + 1] for column in tokens[:k]], [None] * k) for row, k in enumerate(ks)]
+            if not sampler.greedy:  # the draws a draft-by-draft loop makes: up to the first unsure one
+                sure = mx.cumprod(mx.concatenate([column[row : row + 1] >= 0 for column in marked[:k]])).sum()
+                sampler.key = mx.stack(streams[row])[mx.minimum(sure + 1, k)]
+        return [
+            ([column[row : row + 1] for column in tokens[:k]], [step[row] for step in logprobs[:k]])
+            for row, k in enumerate(ks)
+        ]

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..cache import marks, packed, record_snapshots
 from ..drafting import draft_rows, sure_drafts, unmarked
-from ..speculative import accept
+from ..speculative import accept, sampled_round
 from .prompt_images import join_inserted
 from .rows import Ahead, Row
 
@@ -205,15 +205,14 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
     ]
     # the model's choice at every position in one op (a row whose processor changed its scores: its own)
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if logits is not None else None
-    targets = _greedy_targets(batch, scores, argmax, bounds)
+    rounds = _read_rounds(batch, scores, argmax, bounds)
     choices = []
-    for row, feed, x, scored, target in zip(rows, batch.feeds, row_logits, scores, targets):
+    for row, feed, x, round_ in zip(rows, batch.feeds, row_logits, rounds):
         if row.prefilling:
             choices.append(Choice(x))
             continue
-        drafts = feed[1:].tolist() if target is None else target[0]
-        draft_logprobs = batch.asked[row][1]
-        accepted = accept(row.sampler, drafts, scored, draft_logprobs, None if target is None else target[1])
+        drafts, values = round_
+        accepted = accept(drafts, values, row.sampler.greedy)
         choices.append(Choice(x, row.until_end(accepted), len(drafts), feed.size - 1))
     return choices
 
@@ -223,29 +222,40 @@ def _ends_prompt(row: Row, fed_now: int) -> bool:
     return len(row.fed) + fed_now == len(row.sequence.prompt)
 
 
-def _greedy_targets(batch: Batch, scores: list, argmax: mx.array | None, bounds: list[int]) -> list:
-    """For greedy decoding rows, (drafts, the model's argmax at every position), in one host sync;
-    where the drafter marked its drafts with p-min verdicts, the drafts up to the first unsure one.
-    One read of the pass's marked ids, the argmax at every chosen position (`bounds`: each row's
-    there) and each processed row's own argmax: parts that do not grow with the rows."""
+def _read_rounds(batch: Batch, scores: list, argmax: mx.array | None, bounds: list[int]) -> list:
+    """Per decoding row (None for the others), its drafts and what decides them, in one host sync:
+    greedy, the model's argmax at every position (where the drafter marked its drafts with p-min
+    verdicts, the drafts up to the first unsure one); sampling, the speculative sampling rule's
+    [accepted, token] (`sampled_round`). One read of the pass's marked ids, the argmax at every
+    chosen position (`bounds`: each row's there), each processed greedy row's own argmax and each
+    sampling row's round; the sampling rows' random streams are queued with it."""
     rows = batch.rows
-    greedy = [i for i, row in enumerate(rows) if not row.prefilling and row.sampler.greedy]
-    targets = [None] * len(rows)
-    if not greedy:
-        return targets
-    parts, starts = [batch.marked, argmax], {}  # where each row's argmax starts in the read
-    for i in greedy:
-        if rows[i].processor is None:
+    decoding = [i for i, row in enumerate(rows) if not row.prefilling]
+    rounds = [None] * len(rows)
+    if not decoding:
+        return rounds
+    parts, starts = [batch.marked, argmax], {}  # where each row's values start in the read
+    for i in decoding:
+        row, (s, e) = rows[i], batch.spans[i]
+        if row.sampler.greedy and row.processor is None:
             starts[i] = batch.marked.size + bounds[i]
-        else:
-            starts[i] = sum(part.size for part in parts)
+            continue
+        starts[i] = sum(part.size for part in parts)
+        if row.sampler.greedy:
             parts.append(mx.argmax(scores[i], axis=-1).astype(mx.int32))
+        else:
+            logprobs = row.sampler.log_probs(scores[i])
+            drafts, marked = batch.ids[s + 1 : e], batch.marked[s + 1 : e]
+            parts.append(sampled_round(row.sampler, drafts, marked, batch.asked[row][1], logprobs))
+    streams = [rows[i].sampler.key for i in decoding if not rows[i].sampler.greedy]
+    if streams:
+        mx.async_eval(streams)
     flat = mx.concatenate(parts).tolist()
-    for i in greedy:
-        s, e = batch.spans[i]
+    for i in decoding:
+        (s, e), at = batch.spans[i], starts[i]
         drafts = sure_drafts(flat[s + 1 : e])
-        targets[i] = (drafts, flat[starts[i] : starts[i] + len(drafts) + 1])
-    return targets
+        rounds[i] = (drafts, flat[at : at + (len(drafts) + 1 if rows[i].sampler.greedy else 2)])
+    return rounds
 
 
 def queue_plain_pass(model, rows: list[Row], feeds: list[mx.array]):
