@@ -43,11 +43,16 @@ def test_cli_with_kimi_and_stdin_prompt():
 def test_cli_speculative_decoding_reports_acceptance_and_keeps_the_text():
     args = ["--model", str(FIXTURES / "qwen35moe" / "hf"), "--prompt", "class A:", "--max-tokens", "16"]
     plain = run_cli(*args)
-    for extra in (["--mtp", "--num-draft-tokens", "2"], ["--draft-model", str(FIXTURES / "qwen35moe" / "model.gguf")]):
+    for extra in (
+        ["--mtp", "--num-draft-tokens", "2"], ["--draft-model", str(FIXTURES / "qwen35moe" / "model.gguf")],
+        ["--draft-model", str(FIXTURES / "dflash" / "qwen35moe-b16-l0-2")],  # a DFlash drafter: blocks of 16
+    ):
         spec = run_cli(*args, *extra)
         assert spec.returncode == 0, spec.stderr
         assert spec.stdout == plain.stdout
         assert "of drafts accepted" in spec.stderr and "tokens per trunk pass" in spec.stderr
+    wrong = run_cli(*args, "--draft", "dflash")
+    assert_usage_error(wrong, "needs draft_model=")
 
 
 def test_cli_chat_template_and_verbose():

@@ -21,8 +21,10 @@ from conftest import (
 )
 from mlx_hybrid.cache import KVCache, RecurrentCache
 from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter
+from mlx_hybrid.drafting.dflash import DFlashDrafter
 from mlx_hybrid.engine import Engine, PrefixStore
 from mlx_hybrid.api import prefill
+from mlx_hybrid.models.dflash import load_drafter
 from mlx_hybrid.sampling import Sampler, SamplingParams
 
 _plain = {}
@@ -398,7 +400,7 @@ def _exact_distribution(model, prompt, sampler, depth, processing=None):
 
 @pytest.mark.parametrize(
     "drafter_kind, processed",
-    [("uniform", False), ("point-mass", False), pytest.param("uniform", True, id="processed")],
+    [("uniform", False), ("point-mass", False), pytest.param("uniform", True, id="processed"), ("dflash", False)],
 )
 def test_speculative_sampling_follows_the_target_distribution(drafter_kind, processed):
     """Sampled (x_P, x_P+1, x_P+2) with k=2 against the exact target law (with processors:
@@ -425,6 +427,7 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind, proc
         settings |= processing
     # draws 50 rows at a time (each row's law is its own); later rows resume from the prompt's checkpoint
     rows = 50
+    block_drafter = load_drafter(FIXTURES / "dflash" / "qwen35-b8-l0-2") if drafter_kind == "dflash" else None
     engine = Engine(model, None, None, 2, max_batch=rows, prefix_store=PrefixStore(1 << 30))
     support = sorted({t for outcome in exact for t in outcome})
     counts = {}
@@ -434,6 +437,8 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind, proc
         for i in range(start, start + rows):
             if drafter_kind == "uniform":
                 drafter = UniformDrafter(support[:2] + [7], model.args.vocab_size, seed=i)
+            elif drafter_kind == "dflash":  # its block's distributions, cut at p-min, resumed from checkpoints
+                drafter = DFlashDrafter(model, block_drafter, draft_p_min=0.1)
             else:
                 drafter = OracleDrafter([support[0]] * 4, 0.5, model.args.vocab_size, seed=i)
             # 4 tokens: the first, then a round of 2 drafts (the limit shortens no earlier round)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mlx_hybrid.drafting import AUTO, SpeculationSettings, resolve_draft
 from mlx_hybrid.errors import GenerationError
-from mlx_hybrid.loaders import DTYPES
+from mlx_hybrid.loaders import DTYPES, load_draft_model
 from mlx_hybrid.processors import Grammar
 from mlx_hybrid.sampling import SEED_LIMIT, SamplingParams
 
@@ -221,17 +221,21 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     how = p.add_mutually_exclusive_group()
     how.add_argument(
         "--draft",
-        choices=["mtp", "ngram", "none"],
+        choices=["mtp", "ngram", "dflash", "none"],
         default=None,
-        help="how to draft: the model's MTP head, n-gram lookup in the prompt and output, or no speculation "
-        "(default: mtp where the model has an MTP head, else none)",
+        help="how to draft: the model's MTP head, n-gram lookup in the prompt and output, a DFlash block "
+        "drafter (--draft-model), or no speculation (default: mtp where the model has an MTP head, else none)",
     )
     how.add_argument("--mtp", action="store_const", dest="draft", const="mtp", help="the same as --draft mtp")
     how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
-    how.add_argument("--draft-model", default=None, metavar="PATH", help="speculative decoding with this draft model")
+    how.add_argument(
+        "--draft-model", default=None, metavar="PATH",
+        help="speculative decoding with this draft model, or a DFlash drafter's directory (its config.json "
+        "names DFlashDraftModel)",
+    )  # fmt: skip
     p.add_argument(
-        "--num-draft-tokens", type=at_least(1), default=defaults.num_draft_tokens, metavar="N",
-        help=f"most tokens drafted per round (default: {defaults.num_draft_tokens})",
+        "--num-draft-tokens", type=at_least(1), default=None, metavar="N",
+        help=f"most tokens drafted per round (default: {defaults.num_draft_tokens}; a DFlash drafter's block less one)",
     )
     p.add_argument(
         "--draft-vocab",
@@ -278,8 +282,10 @@ def describe_speculation(args, draft, drafting_model) -> str:
 
     if draft is None and not args.draft_model:
         return "off"
-    kind = "draft model" if args.draft_model else draft
+    kind = draft if draft in ("dflash", "ngram") else "draft model" if args.draft_model else draft
     described = f"{kind}, up to {args.num_draft_tokens} drafts a round"
+    if kind == "dflash":
+        return described + f" (blocks of {drafting_model.args.block_size})"
     if kind != "ngram":
         size = resolved_size(args.draft_vocab, drafting_model.args.vocab_size)
         described += f" over {f'{size} tokens' if size else 'the whole vocabulary'}"
@@ -302,8 +308,11 @@ def load_for_generation(args):
         args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
         pipeline=args.pipeline, mmproj=args.mmproj, mtp=args.mtp_from,
     )  # fmt: skip
-    draft_model = mlx_hybrid.load(args.draft_model, dtype=args.dtype)[0] if args.draft_model else None
-    draft = resolve_draft(model, args.draft or AUTO, draft_model)
+    draft_model = load_draft_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
+    block = getattr(getattr(draft_model, "args", None), "block_size", None)  # a DFlash drafter's
+    draft = resolve_draft(model, args.draft or ("dflash" if block else AUTO), draft_model)
+    if args.num_draft_tokens is None:
+        args.num_draft_tokens = block - 1 if block else SpeculationSettings().num_draft_tokens
     speculation = SpeculationSettings(draft, draft_model, args.num_draft_tokens, args.draft_vocab, args.draft_p_min)
     drafter = speculation.drafter(model, tokenizer)  # built here: its errors are the options'
     described = (

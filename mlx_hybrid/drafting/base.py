@@ -143,6 +143,7 @@ class Drafter:
 
     declines_cost = False
     drafted_columns = None  # see _ConfidentDrafting: a round's marked drafts as its group's columns
+    reads_layers: tuple[int, ...] = ()  # trunk layers whose states it reads in place of the last hidden states
 
     def start(self, prompt: list[int], prompt_hidden, first_token: int):
         self.prefill(list(prompt), prompt_hidden)

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 from ..draft_vocab import draft_vocabulary
 from ..errors import GenerationError
+from ..models.dflash import DFlashDrafter as BlockDrafterModel
 from .base import DEFAULT_DRAFT_P_MIN, check_draft_p_min
+from .dflash import DFlashDrafter
 from .draft_model import DraftModelDrafter
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
-DRAFTS = ("mtp", "ngram")
+DRAFTS = ("mtp", "ngram", "dflash")
 AUTO = "auto"  # the default: the model's MTP head where it has one, else no speculation
 
 
@@ -53,17 +55,32 @@ class SpeculationSettings:
 def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=None, draft_p_min=DEFAULT_DRAFT_P_MIN):
     """The drafter for `stream_generate`'s arguments, or None for plain decoding.
 
-    draft: None or "none" (no speculation), "mtp", "ngram", or "auto" (the MTP head where
-    the model has one and no draft model is given, else none); draft_model: a model of
-    the same vocabulary. draft_vocab: tokens the drafter projects onto (None: the default
-    for the vocabulary's size, 0: all).
+    draft: None or "none" (no speculation), "mtp", "ngram", "dflash", or "auto" (the MTP head
+    where the model has one and no draft model is given, else none); draft_model: a model of
+    the same vocabulary, or a DFlash drafter (`models.dflash.load_drafter`; draft "dflash" or
+    none). draft_vocab: tokens the drafter projects onto (None: the default for the
+    vocabulary's size, 0: all).
     """
     check_draft_p_min(draft_p_min)  # it also decides the rows' backoff by default (see SpeculationSettings)
     draft = resolve_draft(model, draft, draft_model)
+    block_drafter = isinstance(draft_model, BlockDrafterModel)
+    if draft == "dflash" or block_drafter:
+        if not block_drafter:
+            raise GenerationError(
+                "draft='dflash' (--draft dflash) needs draft_model= (--draft-model), a DFlash drafter: its "
+                "directory, loaded by mlx_hybrid.loaders.load_draft_model"
+            )
+        if draft not in (None, "dflash"):
+            raise GenerationError(f"draft={draft!r} with a DFlash drafter as draft_model=: give draft='dflash' or none")
+        if draft_vocab is not None:
+            raise GenerationError("draft_vocab does not apply to a DFlash drafter: it drafts over the target's head")
+        return DFlashDrafter(model, draft_model, draft_p_min)
     if draft is not None and draft_model is not None:
         raise GenerationError("give either draft= or draft_model=, not both")
     if draft is not None and draft not in DRAFTS:
-        raise GenerationError(f"unknown draft {draft!r} (use draft='mtp', 'ngram', 'auto' or None, or draft_model=)")
+        raise GenerationError(
+            f"unknown draft {draft!r} (use draft='mtp', 'ngram', 'dflash', 'auto' or None, or draft_model=)"
+        )
     if draft is None and draft_model is None:
         return None
     if draft == "ngram":

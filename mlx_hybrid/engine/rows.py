@@ -75,15 +75,17 @@ class Row:
             self.drafter.begin(first_token)
             keep_snapshot_buffers(self.cache, self.policy.k)
 
-    def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int, verified: int | None = None):
+    def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int, verified: int | None = None,
+                drafter_states: mx.array | None = None):  # fmt: skip
         """After a pass read [token, `verified` drafts] (default `drafted`) of which the first `drafted`
         were the round's (`asked` for), and gave `hidden` [1, verified + 1, E]: the caches rolled back
-        to the accepted tokens, the drafter and policy told, the next token."""
+        to the accepted tokens, the drafter and policy told (of `drafter_states`, what it reads of the
+        pass; default `hidden`), the next token."""
         verified = drafted if verified is None else verified
         if verified:
             rollback(self.cache, keep=len(accepted), recorded=verified + 1)
         if self.drafter is not None:
-            self.drafter.update(hidden, accepted)
+            self.drafter.update(hidden if drafter_states is None else drafter_states, accepted)
             self.policy.record(drafted, len(accepted) - 1, asked, self.drafter.declines_cost)
         self.fed += [self.token] + accepted[:-1]
         self.last_hidden = hidden[:, len(accepted) - 1 : len(accepted)]

@@ -41,7 +41,7 @@ from .prefix_store import PrefixStore, capture, default_budget_bytes, restore
 from .prompt_images import PromptImages
 from .rows import Row
 from .sequence import Event, Sequence, request_params, token_logprobs
-from .step import Batch, Choice, build_batch, choose_tokens, queue_plain_pass, run_model
+from .step import Batch, Choice, build_batch, choose_tokens, drafter_states, queue_plain_pass, run_model
 
 
 class Engine:
@@ -304,11 +304,11 @@ class Engine:
         """Each row after the pass: a prompt chunk read (and maybe its first token), or a round's
         tokens accepted, the caches rolled back to them and handed out; rows that end leave."""
         for row, feed, (s, e), choice in zip(batch.rows, batch.feeds, batch.spans, choices):
-            row_hidden = hidden[:, s:e]
+            row_hidden, states = hidden[:, s:e], drafter_states(self.model, batch, row, hidden, (s, e))
             if row.prefilling:
-                ended = self._after_prefill(row, feed, row_hidden, choice.logits)
+                ended = self._after_prefill(row, feed, row_hidden, choice.logits, states)
             else:
-                row.advance(row_hidden, choice.accepted, choice.drafted, batch.asked[row][0], choice.verified)
+                row.advance(row_hidden, choice.accepted, choice.drafted, batch.asked[row][0], choice.verified, states)
                 ended = self._emit(row, choice.accepted, choice.logits)
             if ended:
                 self.rows.remove(row)
@@ -329,13 +329,14 @@ class Engine:
             if self._emit(row, [token], ahead.logits):
                 self.rows.remove(row)
 
-    def _after_prefill(self, row: Row, tokens: list[int], hidden: mx.array, logits) -> bool:
-        """After a chunk of the prompt; whether the row ended (its first token may end it)."""
+    def _after_prefill(self, row: Row, tokens: list[int], hidden: mx.array, logits, states: mx.array) -> bool:
+        """After a chunk of the prompt (states: what its drafter reads of it, `step.drafter_states`);
+        whether the row ended (its first token may end it)."""
         row.fed += tokens
         row.last_hidden = hidden[:, -1:]
         if row.drafter is not None:
-            row.drafter.prefill(tokens, hidden)
-        mx.eval(hidden)  # a chunk at a time bounds the activations, as `prompt.prefill` does
+            row.drafter.prefill(tokens, states)
+        mx.eval(hidden, states)  # a chunk at a time bounds the activations, as `prompt.prefill` does
         if len(row.fed) in row.checkpoint_at:
             self._save(row)
         return logits is not None and self._started(row, logits)

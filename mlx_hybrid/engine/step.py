@@ -32,6 +32,7 @@ class Batch:
     asked: dict  # decoding row -> (drafts asked for, the drafts' distributions)
     ids: mx.array  # [N] int32: the feeds packed in the rows' order
     marked: mx.array  # ids with drafts marked by their p-min verdicts (`drafting.unmarked` gives ids)
+    taps: dict | None = None  # trunk layer -> its output [1, N, E], where the rows' drafters read layers
 
     @property
     def lengths(self) -> list[int]:
@@ -170,10 +171,12 @@ def run_model(model, batch: Batch, layer_by_layer: bool = False) -> mx.array:
         row.images.inserted(model, len(row.fed), len(row.fed) + n, start)
         for row, n, (start, _) in zip(rows, lengths, batch.spans) if row.images is not None and row.prefilling
     ])  # fmt: skip
+    layers = {i for row in rows if row.drafter is not None for i in row.drafter.reads_layers}
+    batch.taps = dict.fromkeys(sorted(layers)) if layers else None
     try:
         return model.hidden_states(
             ids, packed([row.cache for row in rows], lengths), inserted,
-            evaluate_each_layer=layer_by_layer and any(row.prefilling for row in rows),
+            evaluate_each_layer=layer_by_layer and any(row.prefilling for row in rows), taps=batch.taps,
         )  # fmt: skip
     finally:
         for row in rows:
@@ -215,6 +218,15 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
         accepted = accept(drafts, values, row.sampler.greedy)
         choices.append(Choice(x, row.until_end(accepted), len(drafts), feed.size - 1))
     return choices
+
+
+def drafter_states(model, batch: Batch, row: Row, hidden: mx.array, span: tuple[int, int]) -> mx.array:
+    """What the row's drafter reads of this pass at its positions: the trunk's hidden states, or the
+    states of the layers it reads (`Drafter.reads_layers`, the model's `states_at`)."""
+    s, e = span
+    if row.drafter is None or not row.drafter.reads_layers:
+        return hidden[:, s:e]
+    return model.states_at({i: batch.taps[i][:, s:e] for i in row.drafter.reads_layers}, row.drafter.reads_layers)
 
 
 def _ends_prompt(row: Row, fed_now: int) -> bool:

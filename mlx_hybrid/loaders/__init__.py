@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
 from ..images import ImageProcessor
 from ..models import architecture
+from ..models.dflash import load_drafter
 from ..models.layers import quantization_of
 from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
@@ -136,6 +138,27 @@ class _Checkpoint(NamedTuple):
     rules: list
     tensors: object
     count: int
+
+
+def load_draft_model(path, dtype=None):
+    """A draft model for speculation (`draft_model=`), from what `load` reads, or a DFlash block drafter
+    (a directory whose config.json names `DFlashDraftModel`; see `models.dflash`)."""
+    resolved = hub.resolve(path) if hub.is_hub_name(path) else Path(path).expanduser()
+    if is_block_drafter(resolved):
+        return load_drafter(resolved, resolve_dtype(dtype))
+    return load(path, dtype=dtype)[0]
+
+
+def is_block_drafter(path: Path) -> bool:
+    """Whether `path` is a DFlash drafter's directory (DFlash2 ones too, which loading refuses by name)."""
+    config = path / "config.json" if path.is_dir() else None
+    if config is None or not config.exists():
+        return False
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    return any(str(name).startswith("DFlash") for name in architectures)
 
 
 def _read_hf(path: Path) -> tuple[_Checkpoint, dict, list]:

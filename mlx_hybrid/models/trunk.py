@@ -122,12 +122,15 @@ class HybridModel(nn.Module):
         """The tokens [n, E] of `images` (each with `patches` and `grid`), in order."""
         return mx.concatenate([self.vision(mx.array(image.patches), image.grid) for image in images])
 
-    def hidden_states(self, ids: mx.array, cache=None, inserted=None, evaluate_each_layer: bool = False) -> mx.array:
+    def hidden_states(
+        self, ids: mx.array, cache=None, inserted=None, evaluate_each_layer: bool = False, taps: dict | None = None
+    ) -> mx.array:
         """The trunk's hidden state before the final norm, [B, T, E]. inserted: (at [n], rows
         [n, E]), embeddings that replace those of the tokens at `at` of a one-row input (an
         image's tokens, from `image_features`). evaluate_each_layer: each layer's output
         evaluated before the next layer is built, so that a long pass holds one layer's
-        intermediates at a time (see `ops.prefill_layer_by_layer`)."""
+        intermediates at a time (see `ops.prefill_layer_by_layer`). taps: layer index -> filled
+        with that layer's output [B, T, E] (what a drafter reads of the trunk's states)."""
         h = self.embed(ids)
         if inserted is not None:
             at, rows = inserted
@@ -142,12 +145,21 @@ class HybridModel(nn.Module):
                 h = layer(h, cache[i] if cache is not None else None)
                 if evaluate_each_layer:
                     mx.eval(h)
+                if taps is not None and i in taps:
+                    taps[i] = h
         if pipeline is not None:
             if pipeline.rank < pipeline.size - 1:
                 h = mx.distributed.send(h, pipeline.rank + 1, group=pipeline.group)
             # the last rank's output, on every rank (the gather also makes the send run)
             h = mx.distributed.all_gather(h, group=pipeline.group)[-h.shape[0] :]
         return h
+
+    def states_at(self, taps: dict, layer_ids) -> mx.array:
+        """The trunk's states at `layer_ids` concatenated per position, [B, T, L E], from the outputs a
+        pass left in `taps` (`hidden_states(..., taps=...)`), numbered as transformers' hidden_states[id
+        + 1], which DFlash drafters were trained on: a layer's output, the last layer's after the norm."""
+        last = len(self.layers) - 1
+        return mx.concatenate([self.norm(taps[i]) if i == last else taps[i] for i in layer_ids], axis=-1)
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         return self.project(self.norm(h))

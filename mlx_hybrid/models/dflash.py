@@ -1,0 +1,190 @@
+"""DFlash block drafters (z-lab, "Block Diffusion for Flash Speculative Decoding"): a few Qwen3 decoder
+layers that propose a whole block of tokens in one non-causal pass, conditioned on the target's hidden
+states, with the target's embedding and output head.
+
+A round: the block [last accepted token, mask x (B - 1)], embedded by the target; the target's hidden
+states at `target_layer_ids` (its layers' outputs, concatenated per position) for the positions the
+drafter has not read yet go through `fc` and `hidden_norm` and enter every layer as keys and values
+ahead of the block's own; the block attends to all of them and to itself (no mask), at rotary
+positions continuing the sequence. The layers' caches keep the context's entries only: the block's are
+dropped after the pass. The block's last B - 1 positions, through the target's head, are the drafts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import ops
+from ..cache import KVCache
+from ..errors import ModelLoadError
+from .layers import MLP, Linear, RMSNorm
+
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+
+@dataclass
+class DFlashArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_config(cls, config: dict) -> DFlashArgs:
+        """The settings of z-lab's config.json (a Qwen3 config with `dflash_config`); what this
+        implementation does not compute is refused by name."""
+        architectures = config.get("architectures") or []
+        if "DFlash2DraftModel" in architectures:
+            raise ModelLoadError(
+                "DFlash2 drafters (DFlash2DraftModel: grouped dynamic convolutions and a candidate selector) are "
+                f"not supported; {DRAFT_ARCHITECTURE} ones are"
+            )
+        if architectures != [DRAFT_ARCHITECTURE]:
+            raise ModelLoadError(f"not a DFlash drafter: architectures {architectures} (expected {DRAFT_ARCHITECTURE})")
+        draft = config.get("dflash_config") or {}
+
+        def setting(name, default=None):
+            return draft.get(name, config.get(name, default))
+
+        layer_types = set(config.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"} or config.get("is_causal") or config.get("use_sliding_window"):
+            raise ModelLoadError("DFlash drafters with causal or sliding-window layers are not supported")
+        missing = [name for name in ("target_layer_ids", "mask_token_id") if setting(name) is None]
+        if missing:
+            raise ModelLoadError(f"the DFlash config lacks {', '.join(missing)}")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ModelLoadError(f"DFlash drafters with rope scaling {rope.get('rope_type', rope.get('type'))!r}")
+        softcap = setting("final_logit_softcapping")
+        return cls(
+            hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"], num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            rms_norm_eps=config["rms_norm_eps"], rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e6)),
+            vocab_size=config["vocab_size"], target_layer_ids=list(setting("target_layer_ids")),
+            block_size=int(setting("block_size", 16)), mask_token_id=int(setting("mask_token_id")),
+            attention_bias=config.get("attention_bias", False),
+            input_embedding_scale=float(setting("input_embedding_scale", 1.0)),
+            output_multiplier=float(setting("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+        )  # fmt: skip
+
+
+class DFlashAttention(nn.Module):
+    """Attention of the block over the context's entries (cached and new) and its own, unmasked."""
+
+    def __init__(self, args: DFlashArgs):
+        super().__init__()
+        E, H, Hkv, D, bias = (args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                              args.attention_bias)  # fmt: skip
+        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = H, Hkv, D, args.rope_theta
+        self.q_proj = Linear(E, H * D, bias=bias)
+        self.k_proj = Linear(E, Hkv * D, bias=bias)
+        self.v_proj = Linear(E, Hkv * D, bias=bias)
+        self.o_proj = Linear(H * D, E, bias=bias)
+        self.q_norm = RMSNorm(D, args.rms_norm_eps)
+        self.k_norm = RMSNorm(D, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+        """x [B, T, E] (the block, normed), context [B, C, E] (the new context's states): the block's
+        output [B, T, E]; the cache gains the context's and the block's entries (the caller drops the
+        block's)."""
+        B, T, _ = x.shape
+        start = cache.offset + context.shape[1]  # the block's first position
+        q = self.q_norm(self.q_proj(x).reshape(B, T, self.num_heads, -1)).transpose(0, 2, 1, 3)
+        both = mx.concatenate([context, x], axis=1)
+        k = self.k_norm(self.k_proj(both).reshape(B, -1, self.num_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(both).reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = ops.rope(q, self.head_dim, self.rope_theta, start)
+        k = ops.rope(k, self.head_dim, self.rope_theta, cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = ops.scaled_dot_product_attention(q, k, v, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, args: DFlashArgs):
+        super().__init__()
+        self.self_attn = DFlashAttention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter's layers. `block_hidden` runs a round; `block_logits` turns its output into the
+    drafts' logits through the target's head."""
+
+    def __init__(self, args: DFlashArgs):
+        super().__init__()
+        self.args = args
+        self.fc = Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = [DFlashLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def block_hidden(self, block_embeddings: mx.array, features: mx.array, cache: list[KVCache]) -> mx.array:
+        """block_embeddings [B, T, E] (the target's embedding of the block's ids), features [B, C, L E] (the
+        target's states at the layer ids for the C positions after those the cache holds): the block's
+        states [B, T, E]; each layer's cache then holds the context up to the block."""
+        scale = self.args.input_embedding_scale
+        x = block_embeddings * scale if scale != 1 else block_embeddings
+        context = self.hidden_norm(self.fc(features))
+        for layer, layer_cache in zip(self.layers, cache):
+            x = layer(x, context, layer_cache)
+        for layer_cache in cache:
+            layer_cache.trim(x.shape[1])
+        return self.norm(x)
+
+    def block_logits(self, hidden: mx.array, project) -> mx.array:
+        """The drafts' logits [B, T - 1, V] from the block's states, through the target's head `project`."""
+        logits = project(hidden[:, 1:])
+        if self.args.output_multiplier != 1:
+            logits = logits * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        return mx.tanh(logits / cap) * cap if cap else logits
+
+
+def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDrafter:
+    """A DFlash drafter from its Hugging Face directory (config.json, safetensors)."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"cannot read the DFlash drafter's config.json in {path}: {error}") from None
+    model = DFlashDrafter(DFlashArgs.from_config(config))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors files in {path}")
+    weights = {name: array.astype(dtype) for file in files for name, array in mx.load(str(file)).items()}
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as error:
+        raise ModelLoadError(f"the DFlash drafter's weights in {path} do not fit its config: {error}") from None
+    mx.eval(model.parameters())
+    return model

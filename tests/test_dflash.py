@@ -1,0 +1,104 @@
+"""DFlash block drafters (`models/dflash.py`) against z-lab's reference (`dflash` 0.1.0 on transformers,
+float32): tiny drafters in z-lab's layout for the fixture targets, three greedy rounds each
+(`tests/fixtures/dflash/make_dflash_refs.py`): given the transformers target's hidden states at the
+drafter's layer ids, our block logits through our target's head equal the reference's at the float32
+floor, round after round (the drafter's cache keeping the context and dropping each block)."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FIXTURES, assert_close_to_floor, load_fixture
+
+import mlx_hybrid
+from mlx_hybrid.drafting import make_drafter
+from mlx_hybrid.engine import Engine, PrefixStore
+from mlx_hybrid.errors import GenerationError, ModelLoadError
+from mlx_hybrid.models.dflash import load_drafter
+
+DRAFTERS = sorted(path for path in (FIXTURES / "dflash").iterdir() if path.is_dir())
+
+
+@pytest.mark.parametrize("drafter_dir", DRAFTERS, ids=[path.name for path in DRAFTERS])
+@pytest.mark.parametrize("source", ["hf", "model.gguf"])
+def test_block_logits_equal_the_reference_round_after_round(drafter_dir, source):
+    family = drafter_dir.name.split("-")[0]
+    target, _ = load_fixture(family, source)
+    drafter = load_drafter(drafter_dir)
+    refs = np.load(drafter_dir / "refs.npz")
+    cache = drafter.make_cache()
+    for r in range(3):
+        block = mx.array(refs[f"block_{r}"])[None]
+        hidden = drafter.block_hidden(target.embed(block), mx.array(refs[f"context_{r}"]), cache)
+        assert cache[0].offset == int(refs[f"start_{r}"])  # the context up to the block, no block entries
+        assert_close_to_floor(drafter.block_logits(hidden, target.project)[0], refs[f"logits_{r}"])
+
+
+@pytest.mark.parametrize("drafter_dir", DRAFTERS, ids=[path.name for path in DRAFTERS])
+@pytest.mark.parametrize("source", ["hf", "model.gguf"])
+def test_the_target_hands_the_drafter_the_states_transformers_gives(drafter_dir, source):
+    """Our target's pass over the prompt, its layers' outputs tapped: the drafter's context features
+    equal those of the transformers target at the float32 floor (its hidden_states[id + 1])."""
+    family = drafter_dir.name.split("-")[0]
+    target, _ = load_fixture(family, source)
+    refs, layer_ids = np.load(drafter_dir / "refs.npz"), load_drafter(drafter_dir).args.target_layer_ids
+    taps = dict.fromkeys(layer_ids)
+    target.hidden_states(mx.array(refs["prompt_ids"]), target.make_cache(), taps=taps)
+    assert_close_to_floor(target.states_at(taps, layer_ids), refs["context_0"])
+
+
+def test_a_drafter_config_it_cannot_compute_is_refused_by_name(tmp_path):
+    source = DRAFTERS[0]
+    for change, message in [
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 drafters .* are not supported"),
+        ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash drafter"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+        ({"dflash_config": {"block_size": 8}}, "lacks target_layer_ids, mask_token_id"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope scaling 'yarn'"),
+    ]:
+        shutil.copytree(source, tmp_path / "d", dirs_exist_ok=True)
+        config = json.loads((source / "config.json").read_text()) | change
+        (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelLoadError, match=message):
+            load_drafter(tmp_path / "d")
+    (tmp_path / "d" / "config.json").write_text((source / "config.json").read_text())
+    (tmp_path / "d" / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no safetensors"):
+        load_drafter(tmp_path / "d")
+
+
+@pytest.mark.parametrize("drafter_dir", DRAFTERS, ids=[path.name for path in DRAFTERS])
+def test_greedy_dflash_speculation_gives_plain_decoding_in_a_batch(drafter_dir):
+    """Three prompts decoded together, each round a full block of drafts verified (random drafters:
+    mostly rejected, each pass rolled back by snapshot): every row's tokens are its plain greedy
+    decoding alone, the drafter fed the target's states at its layers from the prompt chunks and the
+    verify passes."""
+    family = drafter_dir.name.split("-")[0]
+    target, tokenizer = load_fixture(family, "hf")
+    model = load_drafter(drafter_dir)
+    drafter = make_drafter(target, tokenizer, "dflash", model)
+    engine = Engine(target, tokenizer, drafter, model.args.block_size - 1, adaptive=False,
+                    prefix_store=PrefixStore(0), prefill_chunk=16)  # fmt: skip
+    prompts = [[5, 9, 14] * 7, [300, 2, 77], list(range(40, 80))]
+    sequences = [engine.submit(prompt, max_tokens=20, stop_tokens=[]) for prompt in prompts]
+    engine.run()
+    for prompt, sequence in zip(prompts, sequences):
+        plain = mlx_hybrid.stream_generate(target, tokenizer, prompt, max_tokens=20, draft=None, stop_tokens=[])
+        assert sequence.tokens == [response.token for response in plain]
+        assert sequence.stats.drafted > 0
+
+
+def test_a_drafter_for_another_target_is_refused_naming_what_differs():
+    target, tokenizer = load_fixture("kimilinear", "hf")  # hidden size 64 too, 4 layers
+    model = load_drafter(DRAFTERS[0])
+    model.args.target_layer_ids = [1, 7]
+    with pytest.raises(GenerationError, match=r"reads target layers \[1, 7\], but the target has 4"):
+        make_drafter(target, tokenizer, "dflash", model)
+    model = load_drafter(DRAFTERS[0])
+    model.args.hidden_size = 32
+    with pytest.raises(GenerationError, match=r"hidden size \(32\) differs from the target's \(64\)"):
+        make_drafter(target, tokenizer, "dflash", model)
+    with pytest.raises(GenerationError, match="needs draft_model="):
+        make_drafter(target, tokenizer, "dflash")
