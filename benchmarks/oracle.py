@@ -30,6 +30,7 @@ class OracleDrafter(Drafter):
         self.vocab_size = vocab_size
         self.inner = inner
         self.declines_cost = inner is not None and inner.declines_cost
+        self.reads_layers = inner.reads_layers if inner is not None else ()  # the trunk states it reads
         self.rng = random.Random(seed)
         self.position = 0  # index in `continuation` of the next token to draft
 

@@ -7,6 +7,7 @@ import math
 import mlx.core as mx
 
 from ..errors import GenerationError
+from ..parallel import PIPELINE
 from .base import Drafter, GroupRow, _marked, _marked_by, check_draft_p_min
 
 
@@ -86,6 +87,8 @@ class DFlashDrafter(Drafter):
 def check_fits(target, drafter):
     """Refuse a drafter made for another target, naming what differs."""
     args, trunk = drafter.args, target.args
+    if target.parallel is not None and target.parallel.mode == PIPELINE:
+        raise GenerationError("a DFlash drafter reads layers a pipeline's other ranks hold: use tensor parallelism")
     if args.hidden_size != trunk.hidden_size:
         raise GenerationError(
             f"the DFlash drafter's hidden size ({args.hidden_size}) differs from the target's ({trunk.hidden_size})"
