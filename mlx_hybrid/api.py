@@ -58,8 +58,9 @@ def stream_generate(
     Speculative decoding is on by default where the model has an MTP head
     (`draft="auto"`); `draft=None` turns it off. `draft="mtp"` drafts with the model's
     own MTP head, `draft="ngram"` by looking the last tokens up in the prompt and output,
-    `draft_model=` with another model of the same vocabulary; up to
-    `num_draft_tokens` per round. The MTP head and draft models project onto the
+    `draft_model=` with another model of the same vocabulary, or with a DFlash block drafter
+    (`loaders.load_draft_model`; `draft="dflash"`); up to `num_draft_tokens` per round (default
+    3; a DFlash drafter's block less one). The MTP head and draft models project onto the
     `draft_vocab` most frequent tokens (default: 32768 when the vocabulary is larger
     than 65536, else all; 0: all; see `draft_vocab`). Drafting stops when the draft's
     top probability falls below `draft_p_min`; `adaptive_drafting` backs off after

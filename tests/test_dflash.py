@@ -90,6 +90,25 @@ def test_greedy_dflash_speculation_gives_plain_decoding_in_a_batch(drafter_dir):
         assert sequence.stats.drafted > 0
 
 
+def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_cache():
+    """stream_generate(draft="dflash", draft_model=): the block less one drafts a round by default;
+    with a JSON schema and with the attention layers' cache in 8 bits, the tokens those settings give
+    without speculation."""
+    from mlx_hybrid.loaders import load_draft_model
+
+    target, tokenizer = load_fixture("qwen35", "model.gguf")
+    drafter = load_draft_model(DRAFTERS[0])  # blocks of 8 or 16
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for settings in [{}, {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+                     {"kv_bits": 8, "kv_group_size": 32}]:  # fmt: skip
+        plain = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft=None, **settings)
+        spec = list(mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft="dflash",
+                                               draft_model=drafter, draft_p_min=0, **settings))  # fmt: skip
+        assert [r.token for r in spec] == [r.token for r in plain], settings
+    engine = Engine.speculating(target, tokenizer, mlx_hybrid.drafting.SpeculationSettings("dflash", drafter))
+    assert engine.num_draft_tokens == drafter.args.block_size - 1
+
+
 def test_a_drafter_for_another_target_is_refused_naming_what_differs():
     target, tokenizer = load_fixture("kimilinear", "hf")  # hidden size 64 too, 4 layers
     model = load_drafter(DRAFTERS[0])

@@ -235,7 +235,7 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     )  # fmt: skip
     p.add_argument(
         "--num-draft-tokens", type=at_least(1), default=None, metavar="N",
-        help=f"most tokens drafted per round (default: {defaults.num_draft_tokens}; a DFlash drafter's block less one)",
+        help=f"most tokens drafted per round (default: {defaults.draft_tokens}; a DFlash drafter's block less one)",
     )
     p.add_argument(
         "--draft-vocab",
@@ -276,14 +276,14 @@ def fail(message: str, code: int = USAGE_ERROR):
     return code
 
 
-def describe_speculation(args, draft, drafting_model) -> str:
+def describe_speculation(args, draft, drafting_model, draft_tokens: int) -> str:
     """How drafting is set up, for --verbose."""
     from mlx_hybrid.draft_vocab import resolved_size
 
     if draft is None and not args.draft_model:
         return "off"
     kind = draft if draft in ("dflash", "ngram") else "draft model" if args.draft_model else draft
-    described = f"{kind}, up to {args.num_draft_tokens} drafts a round"
+    described = f"{kind}, up to {draft_tokens} drafts a round"
     if kind == "dflash":
         return described + f" (blocks of {drafting_model.args.block_size})"
     if kind != "ngram":
@@ -311,14 +311,12 @@ def load_for_generation(args):
     draft_model = load_draft_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
     block = getattr(getattr(draft_model, "args", None), "block_size", None)  # a DFlash drafter's
     draft = resolve_draft(model, args.draft or ("dflash" if block else AUTO), draft_model)
-    if args.num_draft_tokens is None:
-        args.num_draft_tokens = block - 1 if block else SpeculationSettings().num_draft_tokens
     speculation = SpeculationSettings(draft, draft_model, args.num_draft_tokens, args.draft_vocab, args.draft_p_min)
     drafter = speculation.drafter(model, tokenizer)  # built here: its errors are the options'
     described = (
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
-        f"speculation: {describe_speculation(args, draft, draft_model or model)}"
+        f"speculation: {describe_speculation(args, draft, draft_model or model, speculation.draft_tokens)}"
         + ("; reads images" if model.has_vision else "")
     )
     if args.kv_bits:

@@ -30,17 +30,24 @@ class SpeculationSettings:
     names, the commands' draft options), defaulted here and nowhere else.
 
     draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram"
-    or None; draft_model: a loaded model of the same vocabulary; num_draft_tokens: drafts a round at
-    most; draft_vocab: tokens a drafter projects onto (None: the default for the vocabulary's size,
+    or None; draft_model: a loaded model of the same vocabulary, or a DFlash drafter; num_draft_tokens:
+    drafts a round at most (None: 3, a DFlash drafter's block less one; see `draft_tokens`); draft_vocab: tokens a drafter projects onto (None: the default for the vocabulary's size,
     0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
     off after misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
 
     draft: str | None = AUTO
     draft_model: object = None
-    num_draft_tokens: int = 3
+    num_draft_tokens: int | None = None
     draft_vocab: int | None = None
     draft_p_min: float = DEFAULT_DRAFT_P_MIN
     adaptive_drafting: bool | None = None
+
+    @property
+    def draft_tokens(self) -> int:
+        """The most drafts a round: as given, else a DFlash drafter's block less one, else 3."""
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return self.draft_model.args.block_size - 1 if isinstance(self.draft_model, BlockDrafterModel) else 3
 
     @property
     def adaptive(self) -> bool:

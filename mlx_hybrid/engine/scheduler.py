@@ -99,7 +99,7 @@ class Engine:
         the options as the constructor's."""
         if drafter is None:
             drafter = speculation.drafter(model, tokenizer)
-        return cls(model, tokenizer, drafter, speculation.num_draft_tokens, speculation.adaptive, **options)
+        return cls(model, tokenizer, drafter, speculation.draft_tokens, speculation.adaptive, **options)
 
     # -- requests
 
