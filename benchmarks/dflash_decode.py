@@ -9,7 +9,7 @@ width (`--draft-layers` Qwen3 layers, the target layers z-lab's recipe picks for
 each `--blocks`). Prints, each against plain decoding measured in the same run (plain decoding runs
 again just before every speculative row):
 - the verify pass (1 + k tokens, snapshots on) and one drafter pass (its block, and the block's
-  drafts through the target's head) relative to one decode step;
+  drafts through the target's head over the first `--draft-vocab` ids) relative to one decode step;
 - tokens/s with an oracle at set acceptance rates, k = the block less one (the drafter runs each
   round and its drafts are evaluated before the oracle replaces them, so its cost counts in full),
   and the drafter alone (random weights: its drafts are rejected).
@@ -26,6 +26,8 @@ import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
 import mlx.core as mx  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).parent))
+from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB  # noqa: E402
+from mlx_hybrid.drafting import DraftHead  # noqa: E402
 from mlx_hybrid.drafting.dflash import DFlashDrafter  # noqa: E402
 from mlx_hybrid.models.dflash import DFlashArgs  # noqa: E402
 from mlx_hybrid.models.dflash import DFlashDrafter as DFlashModel  # noqa: E402
@@ -55,8 +57,9 @@ def random_drafter(target, layers: int, block: int, dtype) -> DFlashModel:
     return initialise(DFlashModel(args), 1, dtype)
 
 
-def drafter_cost(target, model: DFlashModel, prompt: list[int]) -> float:
-    """Seconds of one drafter pass: its block over a prompt's worth of context, the drafts' logits."""
+def drafter_cost(target, model: DFlashModel, head: DraftHead, prompt: list[int]) -> float:
+    """Seconds of one drafter pass: its block over a prompt's worth of context, the drafts' logits
+    through `head` (the target's, over the draft vocabulary)."""
     context = mx.random.normal((1, len(prompt), len(model.args.target_layer_ids) * target.args.hidden_size))
     context = context.astype(target.norm.weight.dtype)
     block = mx.array([[prompt[-1]] + [model.args.mask_token_id] * (model.args.block_size - 1)])
@@ -65,7 +68,7 @@ def drafter_cost(target, model: DFlashModel, prompt: list[int]) -> float:
         cache = model.make_cache()
         mx.eval(model.block_hidden(target.embed(block), context[:, :-1], cache))  # the context read once
         hidden = model.block_hidden(target.embed(block), context[:, -1:], cache)  # a round's pass
-        mx.eval(model.block_logits(hidden, target.project))
+        mx.eval(model.block_logits(hidden, head.project))
 
     return timed(one_pass)
 
@@ -79,27 +82,33 @@ def main():
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="the first N ids; 0: all")
     args = p.parse_args()
     from mlx_hybrid.blas import active_blas
 
     dtype = getattr(mx, args.dtype)
     target = random_model(SHAPES[args.shape](), dtype)
     prompt = mx.random.randint(0, target.args.vocab_size, (args.prompt_tokens,)).tolist()
-    print(f"target: {args.shape} (random weights), {args.dtype}, BLAS {active_blas()}, device {mx.default_device()}")
+    vocabulary = list(range(min(args.draft_vocab, target.args.vocab_size))) if args.draft_vocab else None
+    head = DraftHead(target, vocabulary)
+    print(
+        f"target: {args.shape} (random weights), {args.dtype}, BLAS {active_blas()}, device {mx.default_device()}, "
+        f"draft vocabulary {len(vocabulary) if vocabulary else 'all'}"
+    )
     reference, plain_tps = plain_decode(target, prompt, args.tokens)
     print(f"plain decoding: {plain_tps:.2f} tokens/s (baseline)")
     for block in args.blocks:
         model = random_drafter(target, args.draft_layers, block, dtype)
         k = block - 1
         verify, step = verify_cost(target, prompt, k)
-        draft = drafter_cost(target, model, prompt)
+        draft = drafter_cost(target, model, head, prompt)
         print(
             f"\nblock {block} ({args.draft_layers} drafter layers over target layers {model.args.target_layer_ids}):"
             f" verify pass {verify / step:.2f}x a step, drafter pass {draft / step:.2f}x ({step * 1e3:.1f} ms a step)"
         )
         for rate in args.rates:
             make = lambda rate=rate: OracleDrafter(  # noqa: E731
-                reference, rate, target.args.vocab_size, inner=DFlashDrafter(target, model)
+                reference, rate, target.args.vocab_size, inner=DFlashDrafter(target, model, head=head)
             )
             tps, baseline, stats, departs = against_plain(target, prompt, reference, args.tokens, k, make)
             print(

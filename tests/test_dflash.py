@@ -107,6 +107,11 @@ def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_c
         assert [r.token for r in spec] == [r.token for r in plain], settings
     engine = Engine.speculating(target, tokenizer, mlx_hybrid.drafting.SpeculationSettings("dflash", drafter))
     assert engine.num_draft_tokens == drafter.args.block_size - 1
+    # over a reduced vocabulary (the target's head's first rows by the tokenizer's ranking): still plain decoding
+    plain = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft=None)
+    reduced = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft="dflash",
+                                         draft_model=drafter, draft_vocab=64, draft_p_min=0)  # fmt: skip
+    assert [r.token for r in reduced] == [r.token for r in plain]
 
 
 def test_a_drafter_for_another_target_is_refused_naming_what_differs():

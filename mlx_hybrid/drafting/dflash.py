@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ..errors import GenerationError
 from ..parallel import PIPELINE
-from .base import Drafter, GroupRow, _marked, _marked_by, check_draft_p_min
+from .base import DraftHead, Drafter, GroupRow, _marked, _marked_by, check_draft_p_min
 
 
 class DFlashDrafter(Drafter):
@@ -17,22 +17,24 @@ class DFlashDrafter(Drafter):
     It reads the target's states at the drafter's layer ids (`reads_layers`: the engine hands them in
     place of the trunk's last hidden states, from the passes it runs anyway: prompt chunks and verify
     passes), for the accepted positions only, as they come; a round's block is the last accepted
-    token and mask tokens, and its drafts are the block's later positions through the target's head:
-    argmax where greedy, drawn from their distributions (kept for the acceptance rule) where not.
+    token and mask tokens, and its drafts are the block's later positions through the target's head
+    (over a reduced vocabulary where given, as the MTP head's): argmax where greedy, drawn from their
+    distributions (kept for the acceptance rule) where not.
     """
 
     declines_cost = False
 
-    def __init__(self, target, drafter, draft_p_min: float = 0.0):
+    def __init__(self, target, drafter, draft_p_min: float = 0.0, vocabulary=None, head: DraftHead | None = None):
         check_fits(target, drafter)
         self.target, self.model, self.draft_p_min = target, drafter, check_draft_p_min(draft_p_min)
+        self.head = head or DraftHead(target, vocabulary)  # the target's head, over all or some tokens
         self.reads_layers = tuple(drafter.args.target_layer_ids)
         self.cache = drafter.make_cache()
         self.pending = None  # [1, n, L E]: the target's states at positions the drafter has not read
         self.token: int | None = None  # the last accepted token: the next block's first
 
     def fork(self) -> DFlashDrafter:
-        return DFlashDrafter(self.target, self.model, self.draft_p_min)
+        return DFlashDrafter(self.target, self.model, self.draft_p_min, head=self.head)
 
     def batch_key(self):
         return type(self), id(self.model)
@@ -53,20 +55,25 @@ class DFlashDrafter(Drafter):
         block = mx.array([[self.token] + [args.mask_token_id] * (args.block_size - 1)])
         hidden = self.model.block_hidden(self.target.embed(block), self.pending, self.cache)
         self.pending = None
-        logits = self.model.block_logits(hidden, self.target.project)[0, :k]
+        logits = self.model.block_logits(hidden, self.head.project)[0, :k]
         if sampler.greedy:
-            drafts, logprobs = mx.argmax(logits, axis=-1).astype(mx.int32), [None] * k
+            index, logprobs = mx.argmax(logits, axis=-1), [None] * k
+            drafts = self._tokens(index)
             marked = drafts
             if self.draft_p_min > 0:
                 marked = _marked(logits.max(axis=-1), mx.logsumexp(logits, axis=-1), math.log(self.draft_p_min), drafts)
         else:
             distribution = sampler.log_probs(logits)
-            drafts = sampler.draw(distribution).astype(mx.int32)  # the block's positions drawn with one key
-            logprobs, marked = [distribution[j] for j in range(k)], drafts
+            drafts = self._tokens(sampler.draw(distribution))  # the block's positions drawn with one key
+            logprobs, marked = [self.head._whole_vocabulary(distribution[j]) for j in range(k)], drafts
             if self.draft_p_min > 0:
                 marked = _marked_by(mx.exp(distribution.max(axis=-1)), self.draft_p_min, drafts)
         self.drafted_columns = GroupRow([marked[j : j + 1] for j in range(k)], 0)
         return [drafts[j : j + 1] for j in range(k)], logprobs
+
+    def _tokens(self, index: mx.array) -> mx.array:
+        """Token ids [k] (int32) of indices into the head's vocabulary."""
+        return index.astype(mx.int32) if self.head.ids is None else self.head.ids[index]
 
     def update(self, states: mx.array, accepted: list[int]):
         """states [1, n, L E]: the target's at the pass's positions; the first len(accepted) are read

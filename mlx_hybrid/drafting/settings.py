@@ -79,9 +79,8 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
             )
         if draft not in (None, "dflash"):
             raise GenerationError(f"draft={draft!r} with a DFlash drafter as draft_model=: give draft='dflash' or none")
-        if draft_vocab is not None:
-            raise GenerationError("draft_vocab does not apply to a DFlash drafter: it drafts over the target's head")
-        return DFlashDrafter(model, draft_model, draft_p_min)
+        vocabulary = draft_vocabulary(tokenizer, draft_vocab, model.args.vocab_size)
+        return DFlashDrafter(model, draft_model, draft_p_min, vocabulary)
     if draft is not None and draft_model is not None:
         raise GenerationError("give either draft= or draft_model=, not both")
     if draft is not None and draft not in DRAFTS:
