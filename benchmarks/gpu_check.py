@@ -13,7 +13,8 @@ weights, each in bfloat16 and in 4 bits (affine groups of 64, bfloat16 scales, w
 - launches per decode step, both runners: the nodes of one step's graph that are not views, read
   on this device (`step_graph.py` says how it counts);
 - the MTP head drafting k=3 with an oracle replacing its tokens at 80% and at 0% acceptance
-  (adaptive length off; `spec_decode.py`), against plain decoding run just before each;
+  (adaptive length off; `spec_decode.py`), against plain decoding run just before each; a random
+  DFlash drafter (5 layers, blocks of 16, k=15; `dflash_decode.py`) likewise at 80%;
 - 8 sequences at once against 1 (aggregate decode tokens/s; `batch_decode.py`), both runners;
 - whether greedy speculative output equals plain decoding (one row and the batch of 8).
 Targets (written beside the table): decode >= mlx-lm's, prefill >= 1.5x mlx-lm's, MTP at 80%
@@ -42,10 +43,12 @@ import mlx.core as mx  # noqa: I001
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_decode import draft_head, engine_decode, mlx_lm_decode, oracle_drafters  # noqa: E402
 from bench_generate import measure  # noqa: E402
+from dflash_decode import random_drafter  # noqa: E402
 from mlx_hybrid import ops  # noqa: E402
 from mlx_hybrid.ops import kernels, selfcheck  # noqa: E402
 from mlx_hybrid.export import convert  # noqa: E402
 from mlx_hybrid.drafting import MTPDrafter  # noqa: E402
+from mlx_hybrid.drafting.dflash import DFlashDrafter  # noqa: E402
 from mlx_hybrid.export import save_mlx  # noqa: E402
 from mlx_hybrid.loaders import load  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
@@ -58,7 +61,7 @@ PRECISIONS = ("bfloat16", "4-bit")
 DRAFT_TOKENS = 3
 COLUMNS = (
     "model", "weights", "prefill tok/s: ours / mlx-lm", "decode tok/s: ours / mlx-lm", "launches / step: ours / mlx-lm (host time to build it)",
-    "MTP k=3, 80%", "MTP k=3, 0%", "batch 8 / 1: ours, mlx-lm", "greedy spec = plain",
+    "MTP k=3, 80%", "MTP k=3, 0%", "DFlash b16 k=15, 80%", "batch 8 / 1: ours, mlx-lm", "greedy spec = plain",
 )  # fmt: skip
 
 
@@ -128,6 +131,20 @@ def speculation(model, prompt, tokens: int, rate: float):
     return tps / baseline, stats.acceptance_rate, departs
 
 
+def block_speculation(model, prompt, tokens: int, rate: float):
+    """As `speculation`, for a random DFlash drafter of 5 layers drafting blocks of 16 (k=15) over the
+    default draft vocabulary's size (`dflash_decode.py`), its tokens replaced by the oracle."""
+    reference, _ = plain_decode(model, prompt, tokens)
+    block, head = random_drafter(model, 5, 16, model.norm.weight.dtype), draft_head(model)
+
+    def drafter():
+        return OracleDrafter(reference, rate, model.args.vocab_size, inner=DFlashDrafter(model, block, head=head))
+
+    tps, baseline, stats, departs = against_plain(model, prompt, reference, tokens, 15, drafter)
+    print(f"  DFlash + oracle {rate:.0%}: {tps:.2f} vs {baseline:.2f} tokens/s, acceptance {stats.acceptance_rate:.2f}")
+    return tps / baseline, stats.acceptance_rate, departs
+
+
 def batches(model, tokenizer, lm_model, tokens: int):
     """(ours 8 / 1, mlx-lm's 8 / 1, whether speculation left every row of 8 unchanged)."""
     vocab = model.args.vocab_size
@@ -193,6 +210,13 @@ def check(path: Path, args) -> list[str]:
                 departures.append(f"one row at {rate:.0%} departs at token {departs}")
         return cells
 
+    def block_cells():
+        prompt = mx.random.randint(3, model.args.vocab_size, (64,), key=mx.random.key(1)).tolist()
+        ratio, acceptance, departs = block_speculation(model, prompt, args.spec_tokens, 0.8)
+        if departs is not None:
+            departures.append(f"a DFlash row departs at token {departs}")
+        return [f"{ratio:.2f}x (acceptance {acceptance:.2f})"]
+
     def batch_cells():
         ours, theirs, equal = batches(model, tokenizer, lm_model, args.batch_tokens)
         if not equal:
@@ -200,7 +224,8 @@ def check(path: Path, args) -> list[str]:
         return [f"{ours:.2f}x, {theirs:.2f}x"]
 
     cells = attempt("speeds", speed_cells, 2) + attempt("count", launch_cells, 1)
-    cells += attempt("speculation", speculation_cells, 2) + attempt("batch", batch_cells, 1)
+    cells += attempt("speculation", speculation_cells, 2) + attempt("DFlash", block_cells, 1)
+    cells += attempt("batch", batch_cells, 1)
     return [*cells, "no: " + "; ".join(departures) if departures else "yes"]
 
 
