@@ -16,6 +16,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_hybrid.drafting import make_drafter
+from mlx_hybrid.errors import GenerationError
+from mlx_hybrid.models.dflash import load_drafter
 from mlx_hybrid.engine import Engine, ReplicatedEngine
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -35,14 +37,17 @@ def load_measured(path, **split):
     return model, tokenizer, mx.get_peak_memory() - before
 
 
-def generate(model, tokenizer, prompts, draft=None) -> dict:
+def generate(model, tokenizer, prompts, draft=None, block_drafter=None) -> dict:
     """Each prompt's tokens, greedy, and with `draft` also drafting with it greedy ("speculative")
-    and sampled: all rows in one batch through the engine (a split model's step waits on the
-    ranks' sums, so one batch of them all costs what one row does)."""
+    and sampled, and with a DFlash drafter greedy ("dflash"): all rows in one batch through the
+    engine (a split model's step waits on the ranks' sums, so one batch of them all costs what one
+    row does)."""
     ways = {"plain": (None, {})}
     if draft:
         drafter = make_drafter(model, tokenizer, draft, draft_p_min=0.0)
         ways |= {"speculative": (drafter, {}), "sampled": (drafter, {"temp": 0.8, "seed": 7})}
+    if block_drafter is not None:
+        ways["dflash"] = (make_drafter(model, tokenizer, "dflash", block_drafter, draft_p_min=0.0), {})
     engine = Engine(model, tokenizer, num_draft_tokens=3, adaptive=False)
     sequences = {
         way: [
@@ -100,6 +105,16 @@ def check(group, mode: str, spec: str) -> dict:
     layer_diffs = layer_by_layer(model, whole, ids) if mode == "tensor" else []
     prompts = [ref["prompt_ids"][0].tolist(), ref["input_ids"][0, :20].tolist()]
     draft = "mtp" if model.has_mtp else "ngram"
+    # a DFlash drafter made for this family's fixture: its tokens where the split can tap the layers
+    # (tensor parallel), its refusal where it cannot (a pipeline)
+    blocks = sorted(d for d in (FIXTURES / "dflash").iterdir() if d.name.startswith(family + "-"))
+    block_drafter, refused = load_drafter(blocks[0]) if blocks else None, None
+    if block_drafter is not None and mode == "pipeline":
+        try:
+            make_drafter(model, tokenizer, "dflash", block_drafter)
+        except GenerationError as error:
+            refused = str(error)
+        block_drafter = None
     result = {
         "rank": group.rank(),
         "spec": spec,
@@ -113,7 +128,8 @@ def check(group, mode: str, spec: str) -> dict:
         "layers": len(whole.layers),
         "split_load_peak": split_load_peak,
         "whole_load_peak": whole_load_peak,
-        **generate(model, tokenizer, prompts, draft),
+        **generate(model, tokenizer, prompts, draft, block_drafter),
+        "dflash_refused": refused,
         "plain_whole": generate(whole, tokenizer, prompts)["plain"],
         "engine_thread": on_the_engine_thread(model, tokenizer, prompts[0]),
     }
