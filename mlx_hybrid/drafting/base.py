@@ -50,17 +50,23 @@ class DraftHead:
                 top_list.append(mx.exp(row_logprobs.max()))
                 logprobs.append(None if sampler.greedy else self._whole_vocabulary(row_logprobs))
             index, tops = mx.stack(indices), mx.stack(top_list)
-        return (index.astype(mx.int32) if self.ids is None else self.ids[index]), logprobs, tops
+        return self.tokens(index), logprobs, tops
 
     def draw_greedy(self, x: mx.array, p_min: float) -> tuple[mx.array, mx.array]:
         """For x [1, R, E]: each row's most likely token [R] (int32), and the same tokens marked with
         their p-min verdicts (`marked`; p_min 0: all sure), both left on the device."""
-        logits = self.project(x)[0]  # the argmax and the top logit are exact in any float dtype
-        index = mx.argmax(logits, axis=-1)
-        tokens = index.astype(mx.int32) if self.ids is None else self.ids[index]
+        return self.greedy(self.project(x)[0], p_min)
+
+    def greedy(self, logits: mx.array, p_min: float) -> tuple[mx.array, mx.array]:
+        """`draw_greedy` for logits [n, V_head] over the head's vocabulary (as `project` gives them)."""
+        tokens = self.tokens(mx.argmax(logits, axis=-1))  # the argmax and the top logit: exact in any dtype
         if p_min <= 0:
             return tokens, tokens
         return tokens, _marked(logits.max(axis=-1), mx.logsumexp(logits, axis=-1), math.log(p_min), tokens)
+
+    def tokens(self, index: mx.array) -> mx.array:
+        """Token ids (int32) of indices into the head's vocabulary."""
+        return index.astype(mx.int32) if self.ids is None else self.ids[index]
 
     def _allowed_rows(self, allowed: list) -> mx.array:
         """The rows' masks [R, V_head] over the head's own vocabulary."""

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
 from ..errors import GenerationError
 from ..parallel import PIPELINE
-from .base import DraftHead, Drafter, GroupRow, _marked, _marked_by, check_draft_p_min
+from .base import DraftHead, Drafter, GroupRow, _marked_by, check_draft_p_min
 
 
 class DFlashDrafter(Drafter):
@@ -57,23 +55,15 @@ class DFlashDrafter(Drafter):
         self.pending = None
         logits = self.model.block_logits(hidden, self.head.project)[0, :k]
         if sampler.greedy:
-            index, logprobs = mx.argmax(logits, axis=-1), [None] * k
-            drafts = self._tokens(index)
-            marked = drafts
-            if self.draft_p_min > 0:
-                marked = _marked(logits.max(axis=-1), mx.logsumexp(logits, axis=-1), math.log(self.draft_p_min), drafts)
+            (drafts, marked), logprobs = self.head.greedy(logits, self.draft_p_min), [None] * k
         else:
             distribution = sampler.log_probs(logits)
-            drafts = self._tokens(sampler.draw(distribution))  # the block's positions drawn with one key
+            drafts = self.head.tokens(sampler.draw(distribution))  # the block's positions drawn with one key
             logprobs, marked = [self.head._whole_vocabulary(distribution[j]) for j in range(k)], drafts
             if self.draft_p_min > 0:
                 marked = _marked_by(mx.exp(distribution.max(axis=-1)), self.draft_p_min, drafts)
         self.drafted_columns = GroupRow([marked[j : j + 1] for j in range(k)], 0)
         return [drafts[j : j + 1] for j in range(k)], logprobs
-
-    def _tokens(self, index: mx.array) -> mx.array:
-        """Token ids [k] (int32) of indices into the head's vocabulary."""
-        return index.astype(mx.int32) if self.head.ids is None else self.head.ids[index]
 
     def update(self, states: mx.array, accepted: list[int]):
         """states [1, n, L E]: the target's at the pass's positions; the first len(accepted) are read

@@ -29,10 +29,11 @@ class SpeculationSettings:
     """How a request's tokens are drafted, as every entry point takes it (the API's keywords of these
     names, the commands' draft options), defaulted here and nowhere else.
 
-    draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram"
-    or None; draft_model: a loaded model of the same vocabulary, or a DFlash drafter; num_draft_tokens:
-    drafts a round at most (None: 3, a DFlash drafter's block less one; see `draft_tokens`); draft_vocab: tokens a drafter projects onto (None: the default for the vocabulary's size,
-    0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
+    draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram",
+    "dflash" or None; draft_model: a loaded model of the same vocabulary, or a DFlash drafter;
+    num_draft_tokens: drafts a round at most (None: 3, a DFlash drafter's block less one; see
+    `draft_tokens`); draft_vocab: tokens a drafter projects onto (None: the default for the
+    vocabulary's size, 0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
     off after misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
 
     draft: str | None = AUTO

@@ -110,38 +110,39 @@ def _packed(rows: list[Row], feeds: dict) -> tuple[list[Row], list[mx.array]]:
     host knows side by side in one array; a drafting group whose rows all feed as many drafts, unchanged
     (`GroupRow`), as one block [R, 1 + k] of its tokens and its draft columns: launches that do not grow
     with the rows. Other drafting rows, each its own."""
+    whole = {row: _whole_columns(row, feeds[row]) for row in rows}
     blocks = {}  # a group's columns -> its rows, where every row of the group feeds them whole
-    for row in rows:
-        columns = _whole_columns(row, feeds[row])
+    for row, columns in whole.items():
         if columns is not None:
             blocks.setdefault(id(columns), []).append(row)
     blocks = {key: group for key, group in blocks.items() if len(group) == _group_size(group)}
-    order, pieces, known, placed = [], [], [], set()
+    order, parts = [], []  # parts: token lists the host knows, or lazy ids
     for row in rows:
-        if row in placed:
-            continue
-        columns = _whole_columns(row, feeds[row])
-        group = blocks.get(id(columns)) if columns is not None else None
+        group = blocks.get(id(whole[row])) if whole[row] is not None else None
         if group is None:
             order.append(row)
             feed = feeds[row]
-            if isinstance(feed, list):
-                known += feed
-                continue
-            pieces += [mx.array(known, mx.int32)] if known else []
-            known = []
-            pieces.append(mx.concatenate([mx.array(feed[0], mx.int32), *(t.reshape(1) for t in feed[1])]))
+            parts += [feed] if isinstance(feed, list) else [feed[0], mx.concatenate([t.reshape(1) for t in feed[1]])]
+        elif row is group[0]:
+            order += group
+            block = mx.array([[feeds[r][0][0]] + [0] * len(whole[row]) for r in group], mx.int32)
+            for j, column in enumerate(whole[row]):  # a write a column: the tokens the host knows cost no copy
+                block[:, j + 1] = column
+            parts.append(block.reshape(-1))
+    return order, _host_tokens_joined(parts)
+
+
+def _host_tokens_joined(parts: list) -> list[mx.array]:
+    """The parts as arrays, neighbouring token lists the host knows as one."""
+    pieces, known = [], []
+    for part in parts:
+        if isinstance(part, list):
+            known += part
             continue
-        order += group
-        placed.update(group)
         pieces += [mx.array(known, mx.int32)] if known else []
+        pieces.append(part)
         known = []
-        block = mx.array([[feeds[r][0][0]] + [0] * len(columns) for r in group], mx.int32)
-        for j, column in enumerate(columns):  # a write a column: the tokens the host knows cost no copy
-            block[:, j + 1] = column
-        pieces.append(block.reshape(-1))
-    pieces += [mx.array(known, mx.int32)] if known or not pieces else []
-    return order, pieces
+    return pieces + ([mx.array(known, mx.int32)] if known or not pieces else [])
 
 
 def _whole_columns(row: Row, feed) -> list | None:
