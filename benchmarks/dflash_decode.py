@@ -29,21 +29,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB  # noqa: E402
 from mlx_hybrid.drafting import DraftHead  # noqa: E402
 from mlx_hybrid.drafting.dflash import DFlashDrafter  # noqa: E402
-from mlx_hybrid.models.dflash import DFlashArgs  # noqa: E402
+from mlx_hybrid.models.dflash import DFlashArgs, target_layer_ids  # noqa: E402
 from mlx_hybrid.models.dflash import DFlashDrafter as DFlashModel  # noqa: E402
 from mlx_hybrid.models.init import initialise  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 from spec_decode import against_plain, plain_decode, timed, verify_cost  # noqa: E402
-
-
-def layer_ids(target_layers: int, draft_layers: int) -> list[int]:
-    """The target layers z-lab's recipe reads for a drafter of `draft_layers` layers (its
-    `build_target_layer_ids`): spread from layer 1 to the fourth from last."""
-    if draft_layers == 1:
-        return [target_layers // 2]
-    start, end = 1, target_layers - 3
-    return [round(start + i * (end - start) / (draft_layers - 1)) for i in range(draft_layers)]
 
 
 def random_drafter(target, layers: int, block: int, dtype) -> DFlashModel:
@@ -52,7 +43,7 @@ def random_drafter(target, layers: int, block: int, dtype) -> DFlashModel:
         hidden_size=t.hidden_size, intermediate_size=3 * t.hidden_size, num_hidden_layers=layers,
         num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1e7, vocab_size=t.vocab_size,
-        target_layer_ids=layer_ids(t.num_hidden_layers, layers), block_size=block, mask_token_id=t.vocab_size - 1,
+        target_layer_ids=target_layer_ids(t.num_hidden_layers, layers), block_size=block, mask_token_id=t.vocab_size - 1,
     )  # fmt: skip
     return initialise(DFlashModel(args), 1, dtype)
 

@@ -11,8 +11,9 @@ time): `generate_step` for one row, its `BatchGenerator` for more, each stepped 
 mlx-lm runs its gated delta rule as MLX ops wherever Metal is absent (a CUDA GPU too), and
 mx.fast's ops stand as one launch each, as for ours.
 
-For plain greedy decoding and for an MTP pass (k=3, the default p-min, greedy), one step of rows that
-have decoded together for a few steps (the steady state), through the engine's own `step`:
+For plain greedy decoding, an MTP pass (k=3, the default p-min, greedy) and a DFlash pass (a random
+drafter of 5 layers, blocks of 16, k=15, the default p-min, greedy), one step of rows that have decoded
+together for a few steps (the steady state), through the engine's own `step`:
 - launches: the kernels the GPU path launches for the step, counted as `step_graph.py --gpu-path`
   counts them (views apart, a concatenate once per input), over the graphs that the step's blocking
   reads evaluate and the graph of what the rows hold after it;
@@ -43,6 +44,7 @@ from step_graph import gpu_path_graph, graph_nodes, summary  # noqa: E402
 
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB  # noqa: E402
 from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter  # noqa: E402
+from mlx_hybrid.drafting.dflash import DFlashDrafter  # noqa: E402
 from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen35" / "model.gguf"
@@ -101,14 +103,30 @@ def _flat(items) -> list:
     return out
 
 
-def steady_engine(model, tokenizer, rows: int, mtp: bool) -> Engine:
-    """An engine whose `rows` rows have read their prompts and decoded together for a few steps."""
-    # the MTP head as the API's defaults set it up: p-min 0.1, over the first 32768 ids (a large
-    # vocabulary's reduced draft vocabulary; random weights rank no tokens); plain rows overlap their
-    # passes where a GPU computes, as the engine does there
+DRAFTS = {None: "plain decode", "mtp": "MTP pass (k=3)", "dflash": "DFlash (k=15)"}
+
+
+def make_drafter(model, draft: str | None):
+    """The MTP head as the API's defaults set it up: p-min 0.1, over the first 32768 ids (a large
+    vocabulary's reduced draft vocabulary; random weights rank no tokens); or a random DFlash drafter at
+    the target's width (5 layers, blocks of 16: the released Qwen3.5 drafters' shape), the same way."""
     vocabulary = list(range(min(DEFAULT_DRAFT_VOCAB, model.args.vocab_size)))
-    drafter = MTPDrafter(model, DEFAULT_DRAFT_P_MIN, vocabulary) if mtp else None
-    engine = Engine(model, tokenizer, drafter, 3, adaptive=False, max_batch=rows, prefix_store=PrefixStore(0))
+    if draft == "mtp":
+        return MTPDrafter(model, DEFAULT_DRAFT_P_MIN, vocabulary)
+    if draft == "dflash":
+        from dflash_decode import random_drafter
+
+        return DFlashDrafter(model, random_drafter(model, 5, 16, model.norm.weight.dtype), DEFAULT_DRAFT_P_MIN,
+                             vocabulary)  # fmt: skip
+    return None
+
+
+def steady_engine(model, tokenizer, rows: int, draft: str | None) -> Engine:
+    """An engine whose `rows` rows have read their prompts and decoded together for a few steps (plain rows
+    overlap their passes where a GPU computes, as the engine does there)."""
+    drafter = make_drafter(model, draft)
+    k = drafter.default_draft_tokens if drafter is not None else 3
+    engine = Engine(model, tokenizer, drafter, k, adaptive=False, max_batch=rows, prefix_store=PrefixStore(0))
     for row in range(rows):
         engine.submit([3 + row] * (8 + row), max_tokens=10_000, stop_tokens=[])
     for _ in range(rows + 3):
@@ -121,14 +139,17 @@ def held_arrays(engine: Engine) -> list[mx.array]:
     arrays = []
     for row in engine.rows:
         arrays += [a for c in row.cache for a in c.arrays]
-        if row.drafter is not None:
-            arrays += [a for a in row.drafter.cache.arrays] + [row.drafter.pending_hidden]
+        drafter = row.drafter
+        if isinstance(drafter, DFlashDrafter):
+            arrays += [a for c in drafter.cache for a in c.arrays] + [span.states for span in drafter.pending]
+        elif drafter is not None:
+            arrays += [a for a in drafter.cache.arrays] + [drafter.pending_hidden]
         arrays.append(row.last_hidden)
     return [a for a in arrays if isinstance(a, mx.array)]
 
 
-def launches(model, tokenizer, rows: int, mtp: bool) -> tuple[int, DeviceUse]:
-    engine = steady_engine(model, tokenizer, rows, mtp)
+def launches(model, tokenizer, rows: int, draft: str | None) -> tuple[int, DeviceUse]:
+    engine = steady_engine(model, tokenizer, rows, draft)
     use = DeviceUse(graphs=True)
     with use.counting():
         engine.step()
@@ -136,8 +157,8 @@ def launches(model, tokenizer, rows: int, mtp: bool) -> tuple[int, DeviceUse]:
     return summary(use.nodes)["launches"], use
 
 
-def host_ms(model, tokenizer, rows: int, mtp: bool, repeats: int) -> float:
-    engine = steady_engine(model, tokenizer, rows, mtp)
+def host_ms(model, tokenizer, rows: int, draft: str | None, repeats: int) -> float:
+    engine = steady_engine(model, tokenizer, rows, draft)
     times = []
     for _ in range(repeats):
         use = DeviceUse(graphs=False)
@@ -199,11 +220,10 @@ def main():
     with gpu_path_graph():
         model = random_model(SHAPES[args.shape](), mx.bfloat16)
         print(f"{'step':<18} {'rows':>4} {'launches':>9} {'waits':>6} {'queued':>7} {'host ms':>8}")
-        for mtp in (False, True):
+        for draft, name in DRAFTS.items():
             for rows in args.rows:
-                count, use = launches(model, tokenizer, rows, mtp)
-                host = host_ms(tiny, tokenizer, rows, mtp, args.repeats)
-                name = "MTP pass (k=3)" if mtp else "plain decode"
+                count, use = launches(model, tokenizer, rows, draft)
+                host = host_ms(tiny, tokenizer, rows, draft, args.repeats)
                 print(f"{name:<18} {rows:>4} {count:>9} {use.waits:>6} {use.queued:>7} {host:>8.2f}")
         for rows in args.rows if args.mlx_lm else ():
             count, use, host = mlx_lm_counts(args.mlx_lm, rows, args.repeats)

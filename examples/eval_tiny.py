@@ -12,7 +12,11 @@ pass and acceptance by draft position (mean over the prompts) for k = 1..4 and t
 wall-clock speedup over plain decoding measured in this run,
 drafting over the whole vocabulary and over the `--draft-vocab` most frequent tokens
 (1/8 of the 2048, as 32k is of Qwen3.5's 248k), both with exactly k drafts a round,
-then with the default (adaptive) settings.
+then with the default (adaptive) settings; then the same for the model's DFlash drafter
+(the bundled one, examples/train_dflash.py, or --draft-model) at k = 3, 7 and its block
+less one: every block verified whole (p-min 0), then the default settings.
+
+    python examples/eval_tiny.py --draft-model runs/dflash/drafter   # a drafter not installed yet
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from mlx_hybrid.blas import active_blas  # noqa: E402
+from mlx_hybrid.loaders import companion_drafter, load_draft_model  # noqa: E402
 from train_tiny import corpus_files, read  # noqa: E402
 
 
@@ -55,6 +60,7 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--draft-vocab", type=int, default=256, help="the reduced draft vocabulary to compare")
+    p.add_argument("--draft-model", default=None, help="the DFlash drafter (default: the model's own, beside it)")
     args = p.parse_args()
     print(f"BLAS: {active_blas()}")
     model, tokenizer = mlx_hybrid.load(args.model or mlx_hybrid.bundled_model_path())
@@ -95,13 +101,23 @@ def main():
     for label, extra in settings.items():
         for k in (1, 2, 3, 4):
             spec_tokens, tps, per_pass, by_position = run(draft="mtp", num_draft_tokens=k, **extra)
-            results.append((label, k, per_pass, by_position, tps, spec_tokens == plain_tokens))
+            results.append((f"MTP k={k}, {label}", per_pass, by_position, tps, spec_tokens == plain_tokens))
+    drafter = load_draft_model(args.draft_model) if args.draft_model else companion_drafter(model)
+    if drafter is None:
+        print("no DFlash drafter beside the model (give --draft-model)")
+    block = drafter.args.block_size if drafter is not None else 0
+    dflash_settings = {"whole blocks (p-min 0)": dict(draft_p_min=0), "default settings": {}}
+    for label, extra in dflash_settings.items() if drafter is not None else ():
+        for k in sorted({min(3, block - 1), min(7, block - 1), block - 1}):
+            spec_tokens, tps, per_pass, by_position = run(draft="dflash", draft_model=drafter, num_draft_tokens=k,
+                                                          **extra)  # fmt: skip
+            results.append((f"DFlash k={k}, {label}", per_pass, by_position, tps, spec_tokens == plain_tokens))
     _, plain_after, _, _ = run(draft=None)
     plain_tps = (plain_before + plain_after) / 2  # before and after: the machine's drift shows, and averages out
     print(f"plain greedy decoding: {plain_before:.1f} tokens/s before, {plain_after:.1f} after (baseline: the mean)")
-    for label, k, per_pass, by_position, tps, same in results:
+    for label, per_pass, by_position, tps, same in results:
         accepted = ", ".join(f"{rate:.0%}" for rate in by_position)
-        print(f"MTP k={k}, {label}: {per_pass:.2f} tokens per trunk pass, accepted by draft position "
+        print(f"{label}: {per_pass:.2f} tokens per trunk pass, accepted by draft position "
               f"{accepted}, {tps:.1f} tokens/s, speedup {tps / plain_tps:.2f}x, "
               f"same tokens as plain: {same}")  # fmt: skip
 

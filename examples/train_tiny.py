@@ -254,22 +254,28 @@ def learning_rate(step: int, args, time_left: float, total_time: float) -> float
     return args.lr * max(0.05, min(1.0, time_left / (0.2 * total_time)))
 
 
+def compiled_train_step(model, optimizer, loss_fn):
+    """(step, state): step(*inputs) takes one optimizer step on loss_fn(model, *inputs) -> (loss, aux),
+    gradients clipped to norm 1, and returns aux; compiled over the model's and the optimizer's state,
+    which mx.eval(state) evaluates."""
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    def step(*inputs):
+        (_, aux), grads = value_and_grad(model, *inputs)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        return aux
+
+    return mx.compile(step, inputs=state, outputs=state), state
+
+
 def train(model, optimizer, tokens, step, args, out, tqdm):
     def loss_fn(model, ids):
         trunk, mtp = losses(model, ids, trunk_frozen=args.train == "mtp")
         return trunk + args.mtp_weight * mtp, (trunk, mtp)
 
-    value_and_grad = nn.value_and_grad(model, loss_fn)
-    state = [model.state, optimizer.state]
-
-    @mx.compile
-    def train_step(ids):
-        (_, (trunk, mtp)), grads = value_and_grad(model, ids)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        optimizer.update(model, grads)
-        return trunk, mtp
-
-    train_step = mx.compile(train_step, inputs=state, outputs=state)
+    train_step, state = compiled_train_step(model, optimizer, loss_fn)
     total_time = args.minutes * 60
     deadline = time.time() + total_time
     bar = tqdm(initial=step, total=args.steps, desc="training", unit="step")

@@ -23,7 +23,7 @@ from .errors import (  # noqa: E402  (after the BLAS)
 from .api import GenerationResponse, batch_generate, generate, stream_generate  # noqa: E402
 from .drafting import SpeculationSettings  # noqa: E402
 from .engine import Engine  # noqa: E402
-from .loaders import bundled_model_path, load  # noqa: E402
+from .loaders import bundled_drafter_path, bundled_model_path, load  # noqa: E402
 from .processors import Grammar  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 
@@ -40,6 +40,7 @@ __all__ = [
     "SpeculationSettings",
     "UnsupportedArchitectureError",
     "batch_generate",
+    "bundled_drafter_path",
     "bundled_model_path",
     "generate",
     "load",

@@ -72,10 +72,11 @@ class KVRows:
 
     step = 256
 
-    def __init__(self, members: list):
-        """members: the rows' KVCaches, each holding entries (alone or in another batch)."""
+    def __init__(self, members: list, arrays: list[mx.array]):
+        """members: the rows' KVCaches (alone or in another batch, or still empty); arrays: the entries a
+        pass writes next (their heads, widths and dtypes where no member holds any)."""
         held = max(m.offset for m in members)
-        like = members[0].state
+        like = next((m.state for m in members if m.holds_entries), arrays)
         self.size, capacity = len(members), _rounded(held, self.step)
         self.buffers = [mx.zeros((self.size, a.shape[1], capacity, a.shape[3]), a.dtype) for a in like]
         for first, last in _runs_of(members):
@@ -84,8 +85,9 @@ class KVRows:
                 keys = max(m.offset for m in members[rows])
                 parts = [b[source.index : source.index + last - first, :, :keys] for b in source.batch.buffers]
             else:
-                parts, keys = list(source.state), source.offset
-            for buffer, part in zip(self.buffers, parts if keys else ()):
+                keys = source.offset
+                parts = list(source.state) if keys else []
+            for buffer, part in zip(self.buffers, parts):
                 buffer[rows, :, :keys] = part
         for index, member in enumerate(members):
             member.join(self, index)
@@ -93,13 +95,17 @@ class KVRows:
     @classmethod
     def of(cls, members: list) -> KVRowsPass:
         """These rows' batch, as one pass reads and writes it: the one they live in where they are
-        its rows in its order, else a new one."""
+        its rows in its order, else a new one (made at the pass's write)."""
+        return KVRowsPass(members)
+
+    @classmethod
+    def holding(cls, members: list, arrays: list[mx.array]) -> KVRows:
         batch = members[0].batch
         if batch is None or batch.size != len(members) or any(
             m.batch is not batch or m.index != i for i, m in enumerate(members)
         ):
-            batch = cls(members)
-        return KVRowsPass(batch, members)
+            batch = cls(members, arrays)
+        return batch
 
     def write(self, arrays: list[mx.array], offsets: tuple[int, ...]):
         """Each row's T new entries [n, H, T, D] at its own offset."""
@@ -118,26 +124,34 @@ class KVRowsPass:
     """A KVRows as one pass's attention reads it, with what a row's KVCache offers: the rows'
     rotary positions, `update_and_fetch`, and after it each row's key count (`key_lengths`)."""
 
-    def __init__(self, batch: KVRows, members: list):
-        self.batch, self.members = batch, members
+    def __init__(self, members: list):
+        self.members = members
         self.key_lengths: tuple[int, ...] | None = None
 
     def rotary_span(self, count: int) -> tuple[int, ...]:
         return tuple(m.rotary_span(count) for m in self.members)
 
-    def update_and_fetch(self, *entries: mx.array):
+    def update_and_fetch(self, *entries: mx.array, counts: tuple[int, ...] | None = None):
         """Append each row's entries (entries [n, H, T, D]); the batch's entries as views, each
-        row's first `key_lengths` its own."""
+        row's first `key_lengths` its own. counts: row i's first counts[i] entries only are its own (the
+        rest, written after them, are overwritten by its next entries)."""
         first = self.members[0]
         arrays = first.held(entries)
         offsets = tuple(m.offset for m in self.members)
         tokens = arrays[0].shape[2]
-        self.batch.write(arrays, offsets)
-        for member in self.members:
-            member.offset += tokens
-        self.key_lengths = tuple(offset + tokens for offset in offsets)
+        batch = KVRows.holding(self.members, arrays)
+        batch.write(arrays, offsets)
+        counts = counts or (tokens,) * len(offsets)
+        for member, count in zip(self.members, counts):
+            member.offset += count
+        self.key_lengths = tuple(offset + count for offset, count in zip(offsets, counts))
         needed = max(self.key_lengths)
-        return first.fetched([buffer[:, :, :needed] for buffer in self.batch.buffers])
+        return first.fetched([buffer[:, :, :needed] for buffer in batch.buffers])
+
+    def trim(self, n: int):
+        """Each row forgets its last n entries."""
+        for member in self.members:
+            member.trim(n)
 
 
 def _rounded(count: int, step: int) -> int:

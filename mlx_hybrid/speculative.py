@@ -173,15 +173,22 @@ def accept(drafts: list[int], round_values: list[int], greedy: bool) -> list[int
 
 class DraftingPolicy:
     """How many drafts one sequence asks for each round (`plan`: up to num_draft_tokens; 0: a plain
-    step), adapted to what its rounds accept (`record`), and its figures (`stats`)."""
+    step), adapted to what its rounds accept (`record`), and its figures (`stats`).
+
+    adaptive: back off to plain rounds after misses. adaptive_length (a block drafter's rows): ask for
+    as many drafts as the rounds accept, doubling after a round that accepted all it asked for and
+    else two more than it accepted (at least MIN_LENGTH): a verify pass's cost grows with its tokens
+    where the products are compute-bound (a CPU), and a block is often accepted in part."""
 
     # misses in a row before the policy backs off, and the longest run of plain rounds
     MISSES_BEFORE_BACKOFF = 3
     MAX_PLAIN_ROUNDS = 16
+    MIN_LENGTH = 2
 
-    def __init__(self, num_draft_tokens: int, adaptive: bool = False):
+    def __init__(self, num_draft_tokens: int, adaptive: bool = False, adaptive_length: bool = False):
         self.k = check_num_draft_tokens(num_draft_tokens)
-        self.adaptive = adaptive
+        self.adaptive, self.adaptive_length = adaptive, adaptive_length
+        self.length = self.k  # drafts asked for while the length adapts
         self.stats = SpeculativeStats()
         self.misses = 0  # rounds in a row that asked for drafts and accepted none
         self.plain_rounds = 0  # rounds still to run without drafting
@@ -191,13 +198,17 @@ class DraftingPolicy:
         if self.plain_rounds:
             self.plain_rounds -= 1
             return 0
-        return self.k if max_new is None else max(0, min(self.k, max_new - 1))
+        k = self.length if self.adaptive_length else self.k
+        return k if max_new is None else max(0, min(k, max_new - 1))
 
     def record(self, drafted: int, accepted: int, asked: int, declines_cost: bool):
         """After a verify pass of `drafted` drafts (`asked` for) that accepted the first `accepted`;
         declines_cost: whether the drafter's declining to draft cost a pass (adapts as a miss)."""
         if self.adaptive and (drafted or (asked and declines_cost)):
             self._adapt(accepted)
+        if self.adaptive_length and asked:
+            grown = 2 * self.length if accepted == asked else accepted + 2
+            self.length = max(min(self.MIN_LENGTH, self.k), min(self.k, grown))
         self.stats.record(drafted, accepted)
 
     def _adapt(self, accepted: int):

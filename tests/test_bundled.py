@@ -52,6 +52,20 @@ def test_mtp_output_equals_plain_output(bundled, k):
     assert responses[-1].acceptance_rate > 0.2  # a trained head drafts tokens the trunk accepts
 
 
+def test_the_bundled_dflash_drafter_keeps_the_output_and_drafts_what_the_model_accepts(bundled):
+    """draft="dflash" with no drafter named: the one shipped beside the bundled model
+    (examples/train_dflash.py), whole blocks drafted; the text plain decoding gives, alone and in a
+    batch of rows drafting together."""
+    model, tokenizer = bundled
+    plain = mlx_hybrid.generate(model, tokenizer, PROMPT, max_tokens=96, draft=None)
+    responses = list(mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=96, draft="dflash"))
+    assert "".join(r.text for r in responses) == plain
+    assert responses[-1].tokens_per_pass > 1.5  # a trained drafter: its blocks are accepted in part
+    prompts = [PROMPT, "import os\n", "class Config:\n    def __init__(self"]
+    alone = [mlx_hybrid.generate(model, tokenizer, prompt, max_tokens=48, draft=None) for prompt in prompts]
+    assert mlx_hybrid.batch_generate(model, tokenizer, prompts, max_tokens=48, draft="dflash") == alone
+
+
 def test_readme_command_runs_the_bundled_model_with_mtp():
     plain = run_cli("--prompt", "def parse_args(", "--max-tokens", "40", "--no-mtp")
     spec = run_cli("--prompt", "def parse_args(", "--max-tokens", "40")  # MTP is on by default

@@ -46,6 +46,7 @@ def test_cli_speculative_decoding_reports_acceptance_and_keeps_the_text():
     for extra in (
         ["--mtp", "--num-draft-tokens", "2"], ["--draft-model", str(FIXTURES / "qwen35moe" / "model.gguf")],
         ["--draft-model", str(FIXTURES / "dflash" / "qwen35moe-b16-l0-2")],  # a DFlash drafter: blocks of 16
+        ["--draft", "dflash", "--draft-model", str(FIXTURES / "dflash" / "qwen35moe-b16-l0-2")],
     ):
         spec = run_cli(*args, *extra)
         assert spec.returncode == 0, spec.stderr
@@ -53,6 +54,22 @@ def test_cli_speculative_decoding_reports_acceptance_and_keeps_the_text():
         assert "of drafts accepted" in spec.stderr and "tokens per trunk pass" in spec.stderr
     wrong = run_cli(*args, "--draft", "dflash")
     assert_usage_error(wrong, "needs draft_model=")
+    both = run_cli(*args, "--draft", "mtp", "--draft-model", str(FIXTURES / "dflash" / "qwen35moe-b16-l0-2"))
+    assert_usage_error(both, "--draft mtp and --draft-model contradict each other")
+
+
+def test_cli_takes_a_gguf_files_own_dflash_drafter_beside_it(tmp_path):
+    """--draft dflash with no --draft-model: the drafter in <file stem>-dflash beside the GGUF file (as
+    the bundled model ships its own), drafting whole blocks; the text plain decoding gives."""
+    import shutil
+
+    shutil.copy(FIXTURES / "qwen35" / "model.gguf", tmp_path / "m.gguf")
+    shutil.copytree(FIXTURES / "dflash" / "qwen35-b8-l0-2", tmp_path / "m-dflash")
+    args = ["--model", str(tmp_path / "m.gguf"), "--prompt", "def f(", "--max-tokens", "16", "--verbose"]
+    plain, spec = run_cli(*args, "--draft", "none"), run_cli(*args, "--draft", "dflash")
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "speculation: dflash, up to 7 drafts a round (blocks of 8)" in spec.stderr
 
 
 def test_cli_chat_template_and_verbose():

@@ -126,3 +126,88 @@ def test_a_drafter_for_another_target_is_refused_naming_what_differs():
         make_drafter(target, tokenizer, "dflash", model)
     with pytest.raises(GenerationError, match="needs draft_model="):
         make_drafter(target, tokenizer, "dflash")
+
+
+def test_rows_drafting_together_draft_what_each_drafts_alone():
+    """Three rows at other context lengths draft their blocks in one pass of the drafter (their caches
+    one batch, each row's unread context gathered from the passes it came from): each row's block
+    logits are those it gets alone, in the first round (empty caches, prompts of 21, 3 and 40) and the
+    next two (new contexts of 3, 1 and 5 positions, then 2, 8 and 1), and its cache holds as many
+    entries. The float32 floor: a row's products of more than 16 rows go through the BLAS's tiles, which
+    round by the number of rows (the drafts are proposals: the verify pass keeps the tokens exact)."""
+    from mlx_hybrid.drafting.base import StateSpan
+    from mlx_hybrid.drafting.dflash import DFlashDrafter
+
+    target, tokenizer = load_fixture("qwen35", "hf")
+    model = load_drafter(DRAFTERS[1])  # blocks of 8, layers [0, 2]
+    prompts = [[5, 9, 14] * 7, [300, 2, 77], list(range(40, 80))]
+    layers = tuple(model.args.target_layer_ids)
+
+    def states(ids: list[int]) -> mx.array:  # the target's tapped states over ids, as a pass gives them
+        taps = dict.fromkeys(layers)
+        target.hidden_states(mx.array([ids]), taps=taps)
+        return target.states_at(taps, layers)
+
+    def started(prompt):
+        drafter = make_drafter(target, tokenizer, "dflash", model)
+        drafter.prefill(prompt, StateSpan(states(prompt), 0, len(prompt)))
+        drafter.begin(prompt[-1])
+        return drafter
+
+    together, alone = [started(p) for p in prompts], [started(p) for p in prompts]
+    for accepted_counts in [(3, 1, 5), (2, 8, 1), None]:
+        logits = DFlashDrafter.block_logits(together)
+        for row, drafter in enumerate(alone):
+            assert_close_to_floor(logits[row], DFlashDrafter.block_logits([drafter])[0])
+        assert [d.cache[0].offset for d in together] == [d.cache[0].offset for d in alone]
+        if accepted_counts is None:
+            break
+        # a verify pass of the three rows packed: each row reads its accepted positions of the one array
+        feeds = [[d.token] + mx.argmax(logits[r], axis=-1).tolist() for r, d in enumerate(together)]
+        passes = [states(feed) for feed in feeds]
+        packed, start = mx.concatenate(passes, axis=1), 0
+        for row, (count, feed) in enumerate(zip(accepted_counts, feeds)):
+            together[row].update(StateSpan(packed, start, start + len(feed)), feed[1 : count + 1])
+            alone[row].update(StateSpan(passes[row], 0, len(feed)), feed[1 : count + 1])
+            start += len(feed)
+
+
+def test_a_saved_drafter_loads_as_it_was_in_z_labs_layout(tmp_path):
+    """save_drafter (what examples/train_dflash.py writes): the config keys z-lab's directories have where
+    the drafter reads them, and weights that load back to the same block logits."""
+    from mlx_hybrid.models.dflash import save_drafter
+
+    target, _ = load_fixture("qwen35", "hf")
+    source = DRAFTERS[1]
+    model = load_drafter(source)
+    save_drafter(model, tmp_path / "d", num_target_layers=len(target.layers), dtype=mx.float32)
+    theirs, ours = (json.loads((path / "config.json").read_text()) for path in (source, tmp_path / "d"))
+    assert ours["dflash_config"] == theirs["dflash_config"]
+    for key in ("architectures", "model_type", "layer_types", "rope_parameters", "num_target_layers", "head_dim"):
+        assert ours[key] == theirs[key], key
+    again = load_drafter(tmp_path / "d")
+    block, context = mx.array([[7] + [model.args.mask_token_id] * 7]), mx.random.normal((1, 5, 128))
+    logits = [m.block_logits(m.block_hidden(target.embed(block), context, None), target.project) for m in (model, again)]
+    assert mx.array_equal(*logits)
+
+
+def test_block_rows_verify_as_many_drafts_as_their_rounds_accept():
+    """A block drafter's adaptive rows (`DraftingPolicy(adaptive_length=True)`): the first round asks for
+    the whole block; a round that accepts part of what it asked for is followed by one asking for two
+    more than it accepted (never fewer than 2), one that accepts all by one asking for twice as many (up
+    to the block); rows with exactly k drafts a round (adaptive off) ask for k every round."""
+    from mlx_hybrid.speculative import DraftingPolicy
+
+    policy = DraftingPolicy(15, adaptive=True, adaptive_length=True)
+    asked = []
+    for accepted_share in [1 / 15, 1.0, 1.0, 0.5, 0.0, 1.0, 1.0, 1.0]:
+        k = policy.plan()
+        asked.append(k)
+        accepted = round(k * accepted_share)
+        policy.record(k, accepted, k, declines_cost=True)
+    assert asked == [15, 3, 6, 12, 8, 2, 4, 8]
+    assert policy.plan(max_new=3) == 2  # within the tokens still allowed
+    fixed = DraftingPolicy(15, adaptive=False, adaptive_length=False)
+    for _ in range(3):
+        assert fixed.plan() == 15
+        fixed.record(15, 1, 15, declines_cost=True)

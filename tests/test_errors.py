@@ -181,7 +181,7 @@ BAD_COMMAND_LINES = [
     (["--seed", str(2**64)], "--seed"),
     (["--seed", "x"], "--seed"),
     (["--mtp", "--no-mtp"], "--no-mtp: not allowed with argument --mtp"),
-    (["--draft", "none", "--draft-model", "x.gguf"], "--draft-model: not allowed with argument --draft"),
+    (["--draft", "none", "--draft-model", "x.gguf"], "--draft none and --draft-model contradict each other"),
     (["--draft", "eagle"], "--draft: invalid choice"),
     (["--max-tokens", "many"], "--max-tokens"),
     (["--prompt-cache-file", "/nonexistent-dir/cache.safetensors"], "--prompt-cache-file"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the package reads at run time besides its modules
-SHIPPED_SUFFIXES = {".py", ".c", ".cpp", ".h", ".inc", ".metal", ".gguf"}
+SHIPPED_SUFFIXES = {".py", ".c", ".cpp", ".h", ".inc", ".metal", ".gguf", ".json", ".safetensors"}
 
 
 def files_users_need(root: Path) -> set[str]:
@@ -41,11 +41,12 @@ def build_wheel(tree: Path, out: Path) -> Path:
     return wheel
 
 
-def test_a_wheel_carries_every_module_kernel_source_and_the_bundled_model(tmp_path):
+def test_a_wheel_carries_every_module_kernel_source_and_the_bundled_model_and_drafter(tmp_path):
     with zipfile.ZipFile(build_wheel(ROOT, tmp_path)) as wheel:
         carried = {name for name in wheel.namelist() if name.startswith("mlx_hybrid/")}
     needed = files_users_need(ROOT)
     assert "mlx_hybrid/drafting/__init__.py" in needed and "mlx_hybrid/data/tiny-qwen35.gguf" in needed
+    assert "mlx_hybrid/data/tiny-qwen35-dflash/model.safetensors" in needed  # the bundled model's drafter
     assert sorted(needed - carried) == []
     assert sorted(carried - needed) == []  # nothing else: no tests, no build leftovers
 

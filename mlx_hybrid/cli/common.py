@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from mlx_hybrid.drafting import AUTO, SpeculationSettings, resolve_draft
+from mlx_hybrid.drafting.base import DEFAULT_DRAFT_TOKENS
 from mlx_hybrid.errors import GenerationError
 from mlx_hybrid.loaders import DTYPES, load_draft_model
 from mlx_hybrid.processors import Grammar
@@ -228,14 +229,15 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     )
     how.add_argument("--mtp", action="store_const", dest="draft", const="mtp", help="the same as --draft mtp")
     how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
-    how.add_argument(
+    p.add_argument(
         "--draft-model", default=None, metavar="PATH",
         help="speculative decoding with this draft model, or a DFlash drafter's directory (its config.json "
-        "names DFlashDraftModel)",
+        "names DFlashDraftModel; --draft dflash may be given with it). Without it --draft dflash takes the "
+        "model's own drafter: the directory <GGUF file stem>-dflash beside the file, as the bundled model has",
     )  # fmt: skip
     p.add_argument(
         "--num-draft-tokens", type=at_least(1), default=None, metavar="N",
-        help=f"most tokens drafted per round (default: {defaults.draft_tokens}; a DFlash drafter's block less one)",
+        help=f"most tokens drafted per round (default: {DEFAULT_DRAFT_TOKENS}; a DFlash drafter's block less one)",
     )
     p.add_argument(
         "--draft-vocab",
@@ -276,18 +278,18 @@ def fail(message: str, code: int = USAGE_ERROR):
     return code
 
 
-def describe_speculation(args, draft, drafting_model, draft_tokens: int) -> str:
+def describe_speculation(args, draft, drafter, draft_tokens: int) -> str:
     """How drafting is set up, for --verbose."""
     from mlx_hybrid.draft_vocab import resolved_size
 
-    if draft is None and not args.draft_model:
+    if drafter is None:
         return "off"
     kind = draft if draft in ("dflash", "ngram") else "draft model" if args.draft_model else draft
     described = f"{kind}, up to {draft_tokens} drafts a round"
     if kind == "dflash":
-        return described + f" (blocks of {drafting_model.args.block_size})"
+        return described + f" (blocks of {drafter.model.args.block_size})"
     if kind != "ngram":
-        size = resolved_size(args.draft_vocab, drafting_model.args.vocab_size)
+        size = resolved_size(args.draft_vocab, drafter.model.args.vocab_size)  # the MTP head's, a draft model's
         described += f" over {f'{size} tokens' if size else 'the whole vocabulary'}"
     return described + (f", p-min {args.draft_p_min}" if args.draft_p_min > 0 else ", exactly k")
 
@@ -308,6 +310,8 @@ def load_for_generation(args):
         args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
         pipeline=args.pipeline, mmproj=args.mmproj, mtp=args.mtp_from,
     )  # fmt: skip
+    if args.draft_model and args.draft not in (None, "dflash"):
+        raise GenerationError(f"--draft {args.draft} and --draft-model contradict each other: give one")
     draft_model = load_draft_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
     block = getattr(getattr(draft_model, "args", None), "block_size", None)  # a DFlash drafter's
     draft = resolve_draft(model, args.draft or ("dflash" if block else AUTO), draft_model)
@@ -316,7 +320,7 @@ def load_for_generation(args):
     described = (
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
-        f"speculation: {describe_speculation(args, draft, draft_model or model, speculation.draft_tokens)}"
+        f"speculation: {describe_speculation(args, draft, drafter, speculation.draft_tokens_for(drafter))}"
         + ("; reads images" if model.has_vision else "")
     )
     if args.kv_bits:

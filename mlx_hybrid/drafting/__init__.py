@@ -1,4 +1,5 @@
-"""Drafters for speculative decoding: the model's MTP head, a draft model, n-gram lookup.
+"""Drafters for speculative decoding: the model's MTP head, a draft model, n-gram lookup, a DFlash
+block drafter.
 
 Every drafter has the same calls, made by the engine for each of its rows that speculate (one
 drafter a row, `engine.rows.Row`):
@@ -11,10 +12,14 @@ drafter a row, `engine.rows.Row`):
   several rows at once, the drafting model's steps packed into one call per step, each
   row drawn from what its grammar allows (masks);
 - `update(verify_hidden, accepted)`: what the trunk accepted this round (the accepted
-  drafts and the trunk's own next token), with the verify pass's hidden states. The
+  drafts and the trunk's own next token), with the verify pass's hidden states (a drafter
+  that `reads_layers` gets the pass's states at those layers, its `StateSpan`). The
   decoder may skip `draft` for a round; `update` is still called;
 - `declines_cost`: whether drafting nothing still cost a model step (then repeated
   declines make the decoder back off, as repeated rejections do);
+- `default_draft_tokens`: drafts a round where the request names no number (3; a block
+  drafter's block less one); `drafts_blocks`: whether adaptive rows also adapt how many
+  drafts they verify (see `speculative.DraftingPolicy`);
 - `fork()`: a drafter of the same kind with no sequence yet, sharing what is fixed
   (the model, the draft vocabulary's head).
 

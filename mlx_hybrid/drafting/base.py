@@ -17,6 +17,7 @@ from ..errors import GenerationError
 # head with no idea (a random head's top probability is ~0.001 over 32k tokens), while
 # the bundled head keeps 2.73 of its 2.87 tokens per pass at k=3 (0.2: 2.56, 0.5: 2.04).
 DEFAULT_DRAFT_P_MIN = 0.1
+DEFAULT_DRAFT_TOKENS = 3  # drafts a round, where the request and the drafter name no other number
 
 
 class DraftHead:
@@ -150,6 +151,8 @@ class Drafter:
     declines_cost = False
     drafted_columns = None  # see _ConfidentDrafting: a round's marked drafts as its group's columns
     reads_layers: tuple[int, ...] = ()  # trunk layers whose states it reads in place of the last hidden states
+    default_draft_tokens = DEFAULT_DRAFT_TOKENS  # drafts a round unless the request says
+    drafts_blocks = False  # a block a pass, accepted in part: adaptive rows adapt how many they verify
 
     def start(self, prompt: list[int], prompt_hidden, first_token: int):
         self.prefill(list(prompt), prompt_hidden)
@@ -195,6 +198,20 @@ def draft_rows(drafters: list, ks: list[int], samplers: list, masks: list | None
         for i, result in zip(rows, done):
             drafts[i] = result
     return drafts
+
+
+class StateSpan(NamedTuple):
+    """Positions start .. stop of a pass's target states [1, N, ...]: what a drafter that reads the
+    target's layers (`Drafter.reads_layers`) reads of one row, kept with the whole pass's array so that
+    rows drafting together gather theirs in one op."""
+
+    states: mx.array
+    start: int
+    stop: int
+
+    def head(self, count: int) -> StateSpan:
+        """The first `count` positions."""
+        return StateSpan(self.states, self.start, self.start + count)
 
 
 class GroupRow(NamedTuple):

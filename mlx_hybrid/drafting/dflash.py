@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import mlx.core as mx
+import numpy as np
 
 from ..errors import GenerationError
 from ..parallel import PIPELINE
-from .base import DraftHead, Drafter, GroupRow, _marked_by, check_draft_p_min
+from ..row_caches import KVRows
+from .base import DraftHead, Drafter, GroupRow, StateSpan, _join as _joined, _marked_by, check_draft_p_min
 
 
 class DFlashDrafter(Drafter):
@@ -20,7 +24,8 @@ class DFlashDrafter(Drafter):
     distributions (kept for the acceptance rule) where not.
     """
 
-    declines_cost = False
+    declines_cost = True  # a block's pass ran (and in lockstep its drafts were verified) before a cut
+    drafts_blocks = True
 
     def __init__(self, target, drafter, draft_p_min: float = 0.0, vocabulary=None, head: DraftHead | None = None):
         check_fits(target, drafter)
@@ -28,14 +33,15 @@ class DFlashDrafter(Drafter):
         self.head = head or DraftHead(target, vocabulary)  # the target's head, over all or some tokens
         self.reads_layers = tuple(drafter.args.target_layer_ids)
         self.cache = drafter.make_cache()
-        self.pending = None  # [1, n, L E]: the target's states at positions the drafter has not read
+        self.pending: list[StateSpan] = []  # the target's states at positions the drafter has not read
         self.token: int | None = None  # the last accepted token: the next block's first
+        self.default_draft_tokens = drafter.args.block_size - 1  # a whole block
 
     def fork(self) -> DFlashDrafter:
         return DFlashDrafter(self.target, self.model, self.draft_p_min, head=self.head)
 
     def batch_key(self):
-        return type(self), id(self.model)
+        return type(self), id(self.model), self.head, self.draft_p_min  # one pass, one head, one floor
 
     def prefill(self, tokens: list[int], states):
         self._read(states)
@@ -43,42 +49,101 @@ class DFlashDrafter(Drafter):
     def begin(self, first_token: int):
         self.token = first_token
 
-    def _read(self, states):
-        self.pending = states if self.pending is None else mx.concatenate([self.pending, states], axis=1)
+    def _read(self, states: StateSpan | None):
+        if states is not None and states.stop > states.start:
+            self.pending.append(states)
 
     def draft(self, k: int, sampler):
-        """Up to block_size - 1 drafts: the block's first k, each marked with its p-min verdict (the
-        verify pass cuts them at the first unsure one; see `drafting.base.GroupRow`)."""
-        args = self.model.args
-        block = mx.array([[self.token] + [args.mask_token_id] * (args.block_size - 1)])
-        hidden = self.model.block_hidden(self.target.embed(block), self.pending, self.cache)
-        self.pending = None
-        logits = self.model.block_logits(hidden, self.head.project)[0, :k]
-        if sampler.greedy:
-            (drafts, marked), logprobs = self.head.greedy(logits, self.draft_p_min), [None] * k
-        else:
-            distribution = sampler.log_probs(logits)
-            drafts = self.head.tokens(sampler.draw(distribution))  # the block's positions drawn with one key
-            logprobs, marked = [self.head._whole_vocabulary(distribution[j]) for j in range(k)], drafts
-            if self.draft_p_min > 0:
-                marked = _marked_by(mx.exp(distribution.max(axis=-1)), self.draft_p_min, drafts)
-        self.drafted_columns = GroupRow([marked[j : j + 1] for j in range(k)], 0)
-        return [drafts[j : j + 1] for j in range(k)], logprobs
+        return self.draft_rows([self], [k], [sampler], [None])[0]
 
-    def update(self, states: mx.array, accepted: list[int]):
-        """states [1, n, L E]: the target's at the pass's positions; the first len(accepted) are read
-        (the round's token and the drafts accepted), the last accepted token starts the next block."""
-        self._read(states[:, : len(accepted)])
+    @classmethod
+    def draft_rows(cls, drafters, ks, samplers, masks):
+        """Up to block_size - 1 drafts for each row, its block's first ks[r], each marked with its p-min
+        verdict (the verify pass cuts a row's drafts at its first unsure one; see `drafting.base.GroupRow`).
+
+        Greedy rows draft their blocks in one pass of the drafter (their caches one batch,
+        `row_caches.KVRows`; each row's unread context gathered at once): launches that do not grow with
+        the rows. Their drafts may round otherwise than alone, which leaves their tokens as they are. A
+        sampling row drafts alone: what it draws depends on its drafts, and it draws what it draws alone.
+        Grammars do not mask a block (its drafts are proposals; the verify pass applies the grammar)."""
+        greedy = [r for r, sampler in enumerate(samplers) if sampler.greedy]
+        groups = ([greedy] if greedy else []) + [[r] for r, sampler in enumerate(samplers) if not sampler.greedy]
+        drafts = [None] * len(drafters)
+        for rows in groups:
+            done = cls._draft_together([drafters[r] for r in rows], [ks[r] for r in rows], [samplers[r] for r in rows])
+            for row, result in zip(rows, done):
+                drafts[row] = result
+        return drafts
+
+    @staticmethod
+    def block_logits(drafters) -> mx.array:
+        """The rows' blocks' draft logits [R, B - 1, V_head], from one pass of the drafter over each row's
+        unread context (then read) and its cache."""
+        first, args = drafters[0], drafters[0].model.args
+        block = mx.array([[d.token] + [args.mask_token_id] * (args.block_size - 1) for d in drafters])
+        features, counts = _unread_context(drafters)
+        if len(drafters) == 1:
+            cache, counts = first.cache, None
+        else:
+            cache = [KVRows.of([d.cache[i] for d in drafters]) for i in range(len(first.cache))]
+        hidden = first.model.block_hidden(first.target.embed(block), features, cache, counts)
+        for drafter in drafters:
+            drafter.pending = []
+        return first.model.block_logits(hidden, first.head.project)
+
+    @classmethod
+    def _draft_together(cls, drafters, ks, samplers):
+        first = drafters[0]
+        logits = cls.block_logits(drafters)[:, : max(ks)]
+        if samplers[0].greedy:  # a group is greedy rows or one sampling row
+            (drafts, marked), logprobs = first.head.greedy(logits, first.draft_p_min), [[None] * k for k in ks]
+        else:
+            sampler, k, head = samplers[0], ks[0], first.head
+            distribution = sampler.log_probs(logits[0])
+            drafts = marked = head.tokens(sampler.draw(distribution))[None]  # the block's positions, one key
+            logprobs = [[head._whole_vocabulary(distribution[j]) for j in range(k)]]
+            if first.draft_p_min > 0:
+                marked = _marked_by(mx.exp(distribution.max(axis=-1)), first.draft_p_min, drafts)
+        columns = [marked[:, j] for j in range(max(ks))]
+        for row, drafter in enumerate(drafters):
+            drafter.drafted_columns = GroupRow(columns, row)
+        return [([drafts[r, j : j + 1] for j in range(k)], logprobs[r]) for r, k in enumerate(ks)]
+
+    def update(self, states: StateSpan, accepted: list[int]):
+        """states: the target's at the pass's positions; the first len(accepted) are read (the round's
+        token and the drafts accepted), the last accepted token starts the next block."""
+        self._read(states.head(len(accepted)))
         self.token = accepted[-1]
 
     def checkpoint(self) -> dict[str, mx.array]:
         entries = {f"cache.{i}.{j}": a for i, c in enumerate(self.cache) for j, a in enumerate(c.checkpoint())}
-        return entries | ({"pending": self.pending} if self.pending is not None else {})
+        if self.pending:
+            entries["pending"] = _joined([span.states[:, span.start : span.stop] for span in self.pending])
+        return entries
 
     def restore(self, state: dict[str, mx.array], tokens: list[int]):
         for i, layer_cache in enumerate(self.cache):
             layer_cache.restore(tuple(state[f"cache.{i}.{j}"] for j in range(2) if f"cache.{i}.{j}" in state))
-        self.pending = state.get("pending")
+        pending = state.get("pending")
+        self.pending = [StateSpan(pending, 0, pending.shape[1])] if pending is not None else []
+
+
+def _unread_context(drafters) -> tuple[mx.array, tuple[int, ...]]:
+    """The rows' unread target states [R, C, L E] (row r's first counts[r] positions its own, the rest
+    padding) and the counts: one gather from the passes they came from, whatever the number of rows
+    (one row with one span: a view)."""
+    spans = [d.pending for d in drafters]
+    if len(spans) == 1 and len(spans[0]) == 1:
+        span = spans[0][0]
+        return span.states[:, span.start : span.stop], (span.stop - span.start,)
+    sources = list({id(span.states): span.states for row in spans for span in row}.values())
+    bases = dict(zip(map(id, sources), accumulate([0] + [a.shape[1] for a in sources])))
+    positions = [[bases[id(s.states)] + i for s in row for i in range(s.start, s.stop)] for row in spans]
+    counts = tuple(len(p) for p in positions)
+    index = np.zeros((len(spans), max(counts)), np.int32)
+    for row, p in enumerate(positions):
+        index[row, : len(p)] = p
+    return _joined(sources)[0][mx.array(index)], counts
 
 
 def check_fits(target, drafter):

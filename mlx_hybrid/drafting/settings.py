@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from ..draft_vocab import draft_vocabulary
 from ..errors import GenerationError
+from ..loaders import companion_drafter
 from ..models.dflash import DFlashDrafter as BlockDrafterModel
-from .base import DEFAULT_DRAFT_P_MIN, check_draft_p_min
+from .base import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_TOKENS, check_draft_p_min
 from .dflash import DFlashDrafter
 from .draft_model import DraftModelDrafter
 from .mtp import MTPDrafter
@@ -32,7 +33,7 @@ class SpeculationSettings:
     draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram",
     "dflash" or None; draft_model: a loaded model of the same vocabulary, or a DFlash drafter;
     num_draft_tokens: drafts a round at most (None: 3, a DFlash drafter's block less one; see
-    `draft_tokens`); draft_vocab: tokens a drafter projects onto (None: the default for the
+    `draft_tokens_for`); draft_vocab: tokens a drafter projects onto (None: the default for the
     vocabulary's size, 0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
     off after misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
 
@@ -43,12 +44,12 @@ class SpeculationSettings:
     draft_p_min: float = DEFAULT_DRAFT_P_MIN
     adaptive_drafting: bool | None = None
 
-    @property
-    def draft_tokens(self) -> int:
-        """The most drafts a round: as given, else a DFlash drafter's block less one, else 3."""
+    def draft_tokens_for(self, drafter) -> int:
+        """The most drafts a round with `drafter` (one `drafter()` built): as given, else the drafter's
+        default (a DFlash drafter's block less one, else 3)."""
         if self.num_draft_tokens is not None:
             return self.num_draft_tokens
-        return self.draft_model.args.block_size - 1 if isinstance(self.draft_model, BlockDrafterModel) else 3
+        return drafter.default_draft_tokens if drafter is not None else DEFAULT_DRAFT_TOKENS
 
     @property
     def adaptive(self) -> bool:
@@ -66,17 +67,20 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     draft: None or "none" (no speculation), "mtp", "ngram", "dflash", or "auto" (the MTP head
     where the model has one and no draft model is given, else none); draft_model: a model of
     the same vocabulary, or a DFlash drafter (`models.dflash.load_drafter`; draft "dflash" or
-    none). draft_vocab: tokens the drafter projects onto (None: the default for the
-    vocabulary's size, 0: all).
+    none; "dflash" without one takes the model's own, `loaders.companion_drafter`). draft_vocab:
+    tokens the drafter projects onto (None: the default for the vocabulary's size, 0: all).
     """
     check_draft_p_min(draft_p_min)  # it also decides the rows' backoff by default (see SpeculationSettings)
     draft = resolve_draft(model, draft, draft_model)
+    if draft == "dflash" and draft_model is None:
+        draft_model = companion_drafter(model)
     block_drafter = isinstance(draft_model, BlockDrafterModel)
     if draft == "dflash" or block_drafter:
         if not block_drafter:
             raise GenerationError(
                 "draft='dflash' (--draft dflash) needs draft_model= (--draft-model), a DFlash drafter: its "
-                "directory, loaded by mlx_hybrid.loaders.load_draft_model"
+                "directory, loaded by mlx_hybrid.loaders.load_draft_model (a GGUF file's own drafter, the "
+                "directory <file stem>-dflash beside it, is taken by itself)"
             )
         if draft not in (None, "dflash"):
             raise GenerationError(f"draft={draft!r} with a DFlash drafter as draft_model=: give draft='dflash' or none")

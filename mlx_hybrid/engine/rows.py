@@ -76,7 +76,7 @@ class Row:
             keep_snapshot_buffers(self.cache, self.policy.k)
 
     def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int, verified: int | None = None,
-                drafter_states: mx.array | None = None):  # fmt: skip
+                drafter_states=None):  # fmt: skip
         """After a pass read [token, `verified` drafts] (default `drafted`) of which the first `drafted`
         were the round's (`asked` for), and gave `hidden` [1, verified + 1, E]: the caches rolled back
         to the accepted tokens, the drafter and policy told (of `drafter_states`, what it reads of the

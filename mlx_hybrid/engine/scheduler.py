@@ -99,7 +99,7 @@ class Engine:
         the options as the constructor's."""
         if drafter is None:
             drafter = speculation.drafter(model, tokenizer)
-        return cls(model, tokenizer, drafter, speculation.draft_tokens, speculation.adaptive, **options)
+        return cls(model, tokenizer, drafter, speculation.draft_tokens_for(drafter), speculation.adaptive, **options)
 
     # -- requests
 
@@ -155,7 +155,10 @@ class Engine:
             set_positions(cache, prompt_images.positions)
             if drafter is not None:
                 drafter.use_positions(prompt_images.positions)
-        policy = DraftingPolicy(self.num_draft_tokens, self.adaptive) if drafter is not None else None
+        policy = (
+            DraftingPolicy(self.num_draft_tokens, self.adaptive, self.adaptive and drafter.drafts_blocks)
+            if drafter is not None else None
+        )  # fmt: skip
         sequence = Sequence(ids, max_tokens, params.logprobs, stats=policy.stats if policy is not None else None)
         if events is not None:
             sequence.events = events
@@ -329,14 +332,14 @@ class Engine:
             if self._emit(row, [token], ahead.logits):
                 self.rows.remove(row)
 
-    def _after_prefill(self, row: Row, tokens: list[int], hidden: mx.array, logits, states: mx.array) -> bool:
+    def _after_prefill(self, row: Row, tokens: list[int], hidden: mx.array, logits, states) -> bool:
         """After a chunk of the prompt (states: what its drafter reads of it, `step.drafter_states`);
         whether the row ended (its first token may end it)."""
         row.fed += tokens
         row.last_hidden = hidden[:, -1:]
         if row.drafter is not None:
             row.drafter.prefill(tokens, states)
-        mx.eval(hidden, states)  # a chunk at a time bounds the activations, as `prompt.prefill` does
+        mx.eval(hidden, getattr(states, "states", states))  # a chunk at a time bounds the activations
         if len(row.fed) in row.checkpoint_at:
             self._save(row)
         return logits is not None and self._started(row, logits)

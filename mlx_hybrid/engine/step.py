@@ -11,13 +11,14 @@ rows, is the engine's: it owns the rows' lives):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import mlx.core as mx
 
 from ..cache import marks, packed, record_snapshots
 from ..drafting import draft_rows, sure_drafts, unmarked
+from ..drafting.base import StateSpan
 from ..speculative import accept, sampled_round
 from .prompt_images import join_inserted
 from .rows import Ahead, Row
@@ -33,6 +34,7 @@ class Batch:
     ids: mx.array  # [N] int32: the feeds packed in the rows' order
     marked: mx.array  # ids with drafts marked by their p-min verdicts (`drafting.unmarked` gives ids)
     taps: dict | None = None  # trunk layer -> its output [1, N, E], where the rows' drafters read layers
+    tapped: dict = field(default_factory=dict)  # layer ids -> the pass's states there [1, N, L E], made once
 
     @property
     def lengths(self) -> list[int]:
@@ -107,10 +109,11 @@ def _fed_count(feed) -> int:
 
 def _packed(rows: list[Row], feeds: dict) -> tuple[list[Row], list[mx.array]]:
     """The rows in the order the pass packs them, and the pieces of their ids [N] (int32): tokens the
-    host knows side by side in one array; a drafting group whose rows all feed as many drafts, unchanged
-    (`GroupRow`), as one block [R, 1 + k] of its tokens and its draft columns: launches that do not grow
-    with the rows. Other drafting rows, each its own."""
-    whole = {row: _whole_columns(row, feeds[row]) for row in rows}
+    host knows side by side in one array; a drafting group whose rows all feed their first drafts as
+    drawn (`GroupRow`), as one block [R, 1 + k] of its tokens and its draft columns (rows that feed fewer
+    than k: the block's rows cut in one gather): launches that do not grow with the rows. Other
+    drafting rows, each its own."""
+    whole = {row: _group_columns(row, feeds[row]) for row in rows}
     blocks = {}  # a group's columns -> its rows, where every row of the group feeds them whole
     for row, columns in whole.items():
         if columns is not None:
@@ -128,8 +131,16 @@ def _packed(rows: list[Row], feeds: dict) -> tuple[list[Row], list[mx.array]]:
             block = mx.array([[feeds[r][0][0]] + [0] * len(whole[row]) for r in group], mx.int32)
             for j, column in enumerate(whole[row]):  # a write a column: the tokens the host knows cost no copy
                 block[:, j + 1] = column
-            parts.append(block.reshape(-1))
+            parts.append(_rows_cut(block, tuple(len(feeds[r][1]) for r in group)))
     return order, _host_tokens_joined(parts)
+
+
+def _rows_cut(block: mx.array, drafts: tuple[int, ...]) -> mx.array:
+    """A group's block [R, 1 + k] as its rows' ids side by side, row r's token and first drafts[r]."""
+    if all(n == block.shape[1] - 1 for n in drafts):
+        return block.reshape(-1)
+    width = block.shape[1]
+    return block.reshape(-1)[mx.array([r * width + i for r, n in enumerate(drafts) for i in range(1 + n)])]
 
 
 def _host_tokens_joined(parts: list) -> list[mx.array]:
@@ -145,10 +156,10 @@ def _host_tokens_joined(parts: list) -> list[mx.array]:
     return pieces + ([mx.array(known, mx.int32)] if known or not pieces else [])
 
 
-def _whole_columns(row: Row, feed) -> list | None:
-    """The draft columns of the row's group where the row feeds every column as drawn."""
+def _group_columns(row: Row, feed) -> list | None:
+    """The draft columns of the row's group, where the row feeds its first drafts as drawn."""
     drafted = getattr(row.drafter, "drafted_columns", None)
-    if isinstance(feed, list) or drafted is None or len(feed[1]) != len(drafted.columns):
+    if isinstance(feed, list) or drafted is None or len(feed[1]) > len(drafted.columns):
         return None
     return drafted.columns
 
@@ -221,13 +232,17 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
     return choices
 
 
-def drafter_states(model, batch: Batch, row: Row, hidden: mx.array, span: tuple[int, int]) -> mx.array:
+def drafter_states(model, batch: Batch, row: Row, hidden: mx.array, span: tuple[int, int]):
     """What the row's drafter reads of this pass at its positions: the trunk's hidden states, or the
-    states of the layers it reads (`Drafter.reads_layers`, the model's `states_at`)."""
+    states of the layers it reads (`Drafter.reads_layers`, the model's `states_at`) as its span of the
+    whole pass's (made once a pass: rows drafting together gather theirs at once)."""
     s, e = span
-    if row.drafter is None or not row.drafter.reads_layers:
+    layers = row.drafter.reads_layers if row.drafter is not None else ()
+    if not layers:
         return hidden[:, s:e]
-    return model.states_at({i: batch.taps[i][:, s:e] for i in row.drafter.reads_layers}, row.drafter.reads_layers)
+    if layers not in batch.tapped:
+        batch.tapped[layers] = model.states_at(batch.taps, layers)
+    return StateSpan(batch.tapped[layers], s, e)
 
 
 def _ends_prompt(row: Row, fed_now: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -29,6 +30,10 @@ _log = logging.getLogger("mlx_hybrid")
 
 # The default model: a small Qwen3.5 trained with its MTP head (examples/train_tiny.py).
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen35.gguf"
+# A GGUF file's own DFlash drafter, found beside it: `<file stem>-dflash/` (see `companion_drafter`).
+DRAFTER_SUFFIX = "-dflash"
+# The bundled model's (examples/train_dflash.py): `--draft dflash` takes it when no drafter is named.
+BUNDLED_DRAFTER = BUNDLED_MODEL.with_name(BUNDLED_MODEL.stem + DRAFTER_SUFFIX)
 
 # Files at least this large get a progress bar while their tensors load.
 PROGRESS_MIN_BYTES = 256 << 20
@@ -52,6 +57,11 @@ def bundled_model_path() -> Path:
     if not BUNDLED_MODEL.is_file():
         raise ModelLoadError(f"the bundled model is missing ({BUNDLED_MODEL}); name a model with --model")
     return BUNDLED_MODEL
+
+
+def bundled_drafter_path() -> Path:
+    """The DFlash drafter shipped beside the bundled model."""
+    return BUNDLED_DRAFTER
 
 
 def load(
@@ -112,6 +122,7 @@ def load(
         if group is not None and group.size() > 1:
             raise ModelLoadError("an MTP head from another checkpoint is not taken by a split model")
         _attach_mtp_head(model, Path(mtp).expanduser(), dtype)
+    model.loaded_from = path.resolve()
     return model, tokenizer
 
 
@@ -147,6 +158,21 @@ def load_draft_model(path, dtype=None):
     if is_block_drafter(resolved):
         return load_drafter(resolved, resolve_dtype(dtype))
     return load(path, dtype=dtype)[0]
+
+
+def companion_drafter(model):
+    """The DFlash drafter shipped with a model loaded from a GGUF file `X.gguf` (as the bundled model's):
+    the directory `X-dflash` beside it, loaded in the model's compute dtype; None where there is none."""
+    source = getattr(model, "loaded_from", None)
+    if source is None or not source.is_file():
+        return None
+    path = source.with_name(source.stem + DRAFTER_SUFFIX)
+    return _drafter_at(path, model.norm.weight.dtype) if is_block_drafter(path) else None  # the compute dtype
+
+
+@functools.lru_cache(maxsize=4)  # a few MB each; an app's calls share one
+def _drafter_at(path: Path, dtype):
+    return load_drafter(path, dtype)
 
 
 def is_block_drafter(path: Path) -> bool:

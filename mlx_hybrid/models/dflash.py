@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
 
 from .. import ops
 from ..cache import KVCache
@@ -88,6 +91,15 @@ class DFlashArgs:
         )  # fmt: skip
 
 
+def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers z-lab's recipe has a drafter of `num_draft_layers` layers read (its
+    `build_target_layer_ids`): spread from layer 1 to the fourth from last; one layer reads the middle."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
 class DFlashAttention(nn.Module):
     """Attention of the block over the context's entries (cached and new) and its own, unmasked."""
 
@@ -103,21 +115,46 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(D, args.rms_norm_eps)
         self.k_norm = RMSNorm(D, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, context: mx.array, cache, counts: tuple[int, ...] | None = None) -> mx.array:
         """x [B, T, E] (the block, normed), context [B, C, E] (the new context's states): the block's
         output [B, T, E]; the cache gains the context's and the block's entries (the caller drops the
-        block's)."""
+        block's). Without a cache the context is all there is, from position 0 (training).
+
+        counts: rows drafting together (cache a `KVRowsPass`): row b's new context is its first counts[b]
+        entries, the rest padding. Each row's keys are laid out as alone, its context then the block,
+        the padding after them (written past the row's keys, never read)."""
         B, T, _ = x.shape
-        start = cache.offset + context.shape[1]  # the block's first position
-        q = self.q_norm(self.q_proj(x).reshape(B, T, self.num_heads, -1)).transpose(0, 2, 1, 3)
+        C = context.shape[1]
         both = mx.concatenate([context, x], axis=1)
+        if counts is not None:
+            both = mx.take_along_axis(both, _context_then_block(counts, C, T), axis=1)
+        q = self.q_norm(self.q_proj(x).reshape(B, T, self.num_heads, -1)).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(both).reshape(B, -1, self.num_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
         v = self.v_proj(both).reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = ops.rope(q, self.head_dim, self.rope_theta, start)
-        k = ops.rope(k, self.head_dim, self.rope_theta, cache.offset)
-        k, v = cache.update_and_fetch(k, v)
-        out = ops.scaled_dot_product_attention(q, k, v, self.head_dim**-0.5)
+        start = cache.rotary_span(C + T) if cache is not None else 0  # the first new entry's position(s)
+        k = ops.rope(k, self.head_dim, self.rope_theta, start)
+        q = ops.rope(q, self.head_dim, self.rope_theta, start + C if counts is None else _plus(start, counts))
+        if cache is not None:
+            kept = None if counts is None else _plus(counts, T)  # a row's keys: its context and the block
+            k, v = cache.update_and_fetch(k, v) if kept is None else cache.update_and_fetch(k, v, counts=kept)
+        lengths = None if counts is None else cache.key_lengths
+        out = ops.scaled_dot_product_attention(q, k, v, self.head_dim**-0.5, key_lengths=lengths)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+@lru_cache(maxsize=16)
+def _context_then_block(counts: tuple[int, ...], context: int, block: int) -> mx.array:
+    """[R, C + T, 1] int32: per row, positions of [context (C), block (T)] giving its counts[r] context
+    entries, the block, then padding (the block's last entry again)."""
+    index = np.full((len(counts), context + block), context + block - 1, np.int32)
+    for row, n in enumerate(counts):
+        index[row, :n] = np.arange(n)
+        index[row, n : n + block] = context + np.arange(block)
+    return mx.array(index[..., None])
+
+
+def _plus(starts: tuple[int, ...], counts: tuple[int, ...] | int) -> tuple[int, ...]:
+    return tuple(s + n for s, n in zip(starts, counts if isinstance(counts, tuple) else [counts] * len(starts)))
 
 
 class DFlashLayer(nn.Module):
@@ -128,8 +165,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), context, cache)
+    def __call__(self, x: mx.array, context: mx.array, cache, counts=None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context, cache, counts)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -148,16 +185,18 @@ class DFlashDrafter(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    def block_hidden(self, block_embeddings: mx.array, features: mx.array, cache: list[KVCache]) -> mx.array:
+    def block_hidden(self, block_embeddings: mx.array, features: mx.array, cache: list | None, counts=None) -> mx.array:
         """block_embeddings [B, T, E] (the target's embedding of the block's ids), features [B, C, L E] (the
         target's states at the layer ids for the C positions after those the cache holds): the block's
-        states [B, T, E]; each layer's cache then holds the context up to the block."""
+        states [B, T, E]; each layer's cache then holds the context up to the block. cache: per layer a
+        KVCache, or for rows drafting together a `row_caches.KVRowsPass` with each row's context count
+        `counts` (see `DFlashAttention`); None: the features are the whole context (training)."""
         scale = self.args.input_embedding_scale
         x = block_embeddings * scale if scale != 1 else block_embeddings
         context = self.hidden_norm(self.fc(features))
-        for layer, layer_cache in zip(self.layers, cache):
-            x = layer(x, context, layer_cache)
-        for layer_cache in cache:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context, cache[i] if cache is not None else None, counts)
+        for layer_cache in cache or ():
             layer_cache.trim(x.shape[1])
         return self.norm(x)
 
@@ -188,3 +227,27 @@ def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDrafter:
         raise ModelLoadError(f"the DFlash drafter's weights in {path} do not fit its config: {error}") from None
     mx.eval(model.parameters())
     return model
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | Path, num_target_layers: int, dtype=mx.bfloat16):
+    """Write a drafter as z-lab's directories hold one (config.json of a Qwen3 decoder with
+    `dflash_config`, model.safetensors): what `load_drafter` and z-lab's `dflash` read."""
+    args, path = drafter.args, Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": [DRAFT_ARCHITECTURE], "model_type": "qwen3", "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size, "num_hidden_layers": args.num_hidden_layers,
+        "num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
+        "head_dim": args.head_dim, "rms_norm_eps": args.rms_norm_eps, "vocab_size": args.vocab_size,
+        "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
+        "attention_bias": args.attention_bias, "hidden_act": "silu", "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * args.num_hidden_layers, "num_target_layers": num_target_layers,
+        "dtype": str(dtype).split(".")[-1],
+        "dflash_config": {
+            "block_size": args.block_size, "mask_token_id": args.mask_token_id,
+            "target_layer_ids": args.target_layer_ids,
+        },
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = {name: array.astype(dtype) for name, array in tree_flatten(drafter.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
