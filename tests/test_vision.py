@@ -118,6 +118,21 @@ def test_greedy_with_images_matches_transformers(family, source, key, draft):
 
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_dflash_drafting_with_images_matches_transformers(family):
+    """A DFlash drafter (the qwen35 fixture's, which fits these targets' width and depth) over a prompt
+    with two images, every block verified whole: transformers' 24 greedy tokens. The drafter reads
+    the target's states at the image positions too, and numbers its own positions by token."""
+    from mlx_hybrid.models.dflash import load_drafter
+
+    model, tokenizer, ref, prompt, paths, ids = case(family, "hf", "two")
+    drafter = load_drafter(FIXTURES / "dflash" / "qwen35-b8-l0-2")
+    responses = list(mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, images=paths,
+                                                draft="dflash", draft_model=drafter, draft_p_min=0.0))  # fmt: skip
+    assert [r.token for r in responses] == ref["greedy_two"][0, len(ids) :].tolist()
+    assert responses[-1].tokens_per_pass is not None  # it drafted
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_batch_mixing_images_and_text_equals_each_alone(family):
     """Rows with images, without, packed into one pass with prefill chunks that split an image."""
     model, tokenizer = load_fixture(family, "hf")
