@@ -199,6 +199,8 @@ def main():
     p.add_argument("--export-only", action="store_true")
     p.add_argument("--install", action="store_true", help="copy the drafter into the package beside the bundled model")
     args = p.parse_args()
+    if args.init_from is not None and (args.resume or args.export_only):
+        p.error("--init-from starts a run; --resume and --export-only continue one")
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
