@@ -93,13 +93,9 @@ class KVRows:
             member.join(self, index)
 
     @classmethod
-    def of(cls, members: list) -> KVRowsPass:
-        """These rows' batch, as one pass reads and writes it: the one they live in where they are
-        its rows in its order, else a new one (made at the pass's write)."""
-        return KVRowsPass(members)
-
-    @classmethod
-    def holding(cls, members: list, arrays: list[mx.array]) -> KVRows:
+    def of(cls, members: list, arrays: list[mx.array]) -> KVRows:
+        """These rows' batch, for a pass that writes `arrays`: the one they live in where they are its
+        rows in its order, else a new one."""
         batch = members[0].batch
         if batch is None or batch.size != len(members) or any(
             m.batch is not batch or m.index != i for i, m in enumerate(members)
@@ -121,8 +117,9 @@ class KVRows:
 
 
 class KVRowsPass:
-    """A KVRows as one pass's attention reads it, with what a row's KVCache offers: the rows'
-    rotary positions, `update_and_fetch`, and after it each row's key count (`key_lengths`)."""
+    """Rows' KVCaches as one pass's attention reads them, one `KVRows` batch (found or made at the
+    write), with what a row's KVCache offers: the rows' rotary positions, `update_and_fetch`, and after
+    it each row's key count (`key_lengths`)."""
 
     def __init__(self, members: list):
         self.members = members
@@ -139,7 +136,7 @@ class KVRowsPass:
         arrays = first.held(entries)
         offsets = tuple(m.offset for m in self.members)
         tokens = arrays[0].shape[2]
-        batch = KVRows.holding(self.members, arrays)
+        batch = KVRows.of(self.members, arrays)
         batch.write(arrays, offsets)
         counts = counts or (tokens,) * len(offsets)
         for member, count in zip(self.members, counts):

@@ -188,7 +188,7 @@ class DraftingPolicy:
     def __init__(self, num_draft_tokens: int, adaptive: bool = False, adaptive_length: bool = False):
         self.k = check_num_draft_tokens(num_draft_tokens)
         self.adaptive, self.adaptive_length = adaptive, adaptive_length
-        self.length = self.k  # drafts asked for while the length adapts
+        self.length = self.k  # drafts asked for (k unless the length adapts)
         self.stats = SpeculativeStats()
         self.misses = 0  # rounds in a row that asked for drafts and accepted none
         self.plain_rounds = 0  # rounds still to run without drafting
@@ -198,8 +198,7 @@ class DraftingPolicy:
         if self.plain_rounds:
             self.plain_rounds -= 1
             return 0
-        k = self.length if self.adaptive_length else self.k
-        return k if max_new is None else max(0, min(k, max_new - 1))
+        return self.length if max_new is None else max(0, min(self.length, max_new - 1))
 
     def record(self, drafted: int, accepted: int, asked: int, declines_cost: bool):
         """After a verify pass of `drafted` drafts (`asked` for) that accepted the first `accepted`;

@@ -278,13 +278,16 @@ def fail(message: str, code: int = USAGE_ERROR):
     return code
 
 
-def describe_speculation(args, draft, drafter, draft_tokens: int) -> str:
+def describe_speculation(args, drafter, draft_tokens: int) -> str:
     """How drafting is set up, for --verbose."""
     from mlx_hybrid.draft_vocab import resolved_size
+    from mlx_hybrid.drafting import DraftModelDrafter, NgramDrafter
+    from mlx_hybrid.drafting.dflash import DFlashDrafter
 
     if drafter is None:
         return "off"
-    kind = draft if draft in ("dflash", "ngram") else "draft model" if args.draft_model else draft
+    kinds = {DFlashDrafter: "dflash", NgramDrafter: "ngram", DraftModelDrafter: "draft model"}
+    kind = kinds.get(type(drafter), "mtp")
     described = f"{kind}, up to {draft_tokens} drafts a round"
     if kind == "dflash":
         return described + f" (blocks of {drafter.model.args.block_size})"
@@ -313,14 +316,13 @@ def load_for_generation(args):
     if args.draft_model and args.draft not in (None, "dflash"):
         raise GenerationError(f"--draft {args.draft} and --draft-model contradict each other: give one")
     draft_model = load_draft_model(args.draft_model, dtype=args.dtype) if args.draft_model else None
-    block = getattr(getattr(draft_model, "args", None), "block_size", None)  # a DFlash drafter's
-    draft = resolve_draft(model, args.draft or ("dflash" if block else AUTO), draft_model)
+    draft = resolve_draft(model, args.draft or AUTO, draft_model)  # a DFlash drafter as the draft model: dflash
     speculation = SpeculationSettings(draft, draft_model, args.num_draft_tokens, args.draft_vocab, args.draft_p_min)
     drafter = speculation.drafter(model, tokenizer)  # built here: its errors are the options'
     described = (
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
-        f"speculation: {describe_speculation(args, draft, drafter, speculation.draft_tokens_for(drafter))}"
+        f"speculation: {describe_speculation(args, drafter, speculation.draft_tokens_for(drafter))}"
         + ("; reads images" if model.has_vision else "")
     )
     if args.kv_bits:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..parallel import PIPELINE
-from ..row_caches import KVRows
+from ..row_caches import KVRowsPass
 from .base import DraftHead, Drafter, GroupRow, StateSpan, _join as _joined, _marked_by, check_draft_p_min
 
 
@@ -85,7 +85,7 @@ class DFlashDrafter(Drafter):
         if len(drafters) == 1:
             cache, counts = first.cache, None
         else:
-            cache = [KVRows.of([d.cache[i] for d in drafters]) for i in range(len(first.cache))]
+            cache = [KVRowsPass([d.cache[i] for d in drafters]) for i in range(len(first.cache))]
         hidden = first.model.block_hidden(first.target.embed(block), features, cache, counts)
         for drafter in drafters:
             drafter.pending = []

@@ -114,7 +114,7 @@ def _packed(rows: list[Row], feeds: dict) -> tuple[list[Row], list[mx.array]]:
     than k: the block's rows cut in one gather): launches that do not grow with the rows. Other
     drafting rows, each its own."""
     whole = {row: _group_columns(row, feeds[row]) for row in rows}
-    blocks = {}  # a group's columns -> its rows, where every row of the group feeds them whole
+    blocks = {}  # a group's columns -> its rows, where every row of the group feeds its first drafts
     for row, columns in whole.items():
         if columns is not None:
             blocks.setdefault(id(columns), []).append(row)

@@ -9,7 +9,7 @@ from itertools import accumulate
 import mlx.core as mx
 
 from ..cache import KVCache, RowCaches
-from ..row_caches import KVRows
+from ..row_caches import KVRowsPass
 
 
 def in_batches(cache: RowCaches, arrays, batch_key, run_batch, run_alone) -> mx.array:
@@ -56,7 +56,7 @@ def attend_rows(attend, cache, *arrays: mx.array) -> mx.array:
         batched = isinstance(row_cache, KVCache) and row_cache.holds_entries
         return row_cache.form if batched and isinstance(row_cache.rotary_span(n), int) else None
 
-    return in_batches(cache, arrays, batch_key, lambda *inputs: attend(*inputs[:-1], KVRows.of(inputs[-1])), attend)
+    return in_batches(cache, arrays, batch_key, lambda *inputs: attend(*inputs[:-1], KVRowsPass(inputs[-1])), attend)
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
