@@ -7,7 +7,8 @@
 #                                                   # into DIR (default .whl, git-ignored)
 #   bash benchmarks/gpu_check.sh run [DIR] [ARGS]   # on the GPU machine, DIR carried along: installs
 #                                                   # them into its Python, runs gpu_check.py ARGS,
-#                                                   # then row_invariance.py (bfloat16, float32)
+#                                                   # then row_invariance.py (bfloat16, float32) and
+#                                                   # row_kernels.py
 #
 # fetch also writes MLX's CUDA build (a 90 MB wheel) as xz parts of at most 40 MB
 # (mlx-cuda.tar.xz.part-*), for transfers that limit a file's or a call's size; run installs
@@ -46,6 +47,8 @@ run)
     # which ops give a token the bits of its decode step in a verify pass, on this card
     python3 benchmarks/row_invariance.py --dtype bfloat16
     python3 benchmarks/row_invariance.py --dtype float32
+    # the row-invariant kernels' speed against MLX's at 1, 4 and 16 rows
+    python3 benchmarks/row_kernels.py
     ;;
 *)
     echo "usage: bash benchmarks/gpu_check.sh fetch [DIR] | run [DIR] [gpu_check.py arguments]" >&2

@@ -28,6 +28,7 @@ from mlx_hybrid.ops.selfcheck import linear_attention_args
 
 ROWS = (2, 4, 8, 16)
 HIDDEN, FEED_FORWARD, HEADS, KV_HEADS, HEAD_DIM, KEYS = 1024, 3584, 8, 2, 256, 2048
+EXPERTS, EXPERT_WIDTH = 32, 512  # 35B-A3B's experts are 512 wide (of 256: 32 here keeps it small)
 LINEAR_HEADS = reference.HeadShape(16, 16, 128, 128)
 
 
@@ -38,11 +39,24 @@ def random(shape, dtype, key: int, scale: float = 1.0) -> mx.array:
 def products(dtype):
     """op name -> fn(x, y), x and y [1, T, HIDDEN], for the ops whose token t depends on token t alone."""
     weight = random((FEED_FORWARD, HIDDEN), dtype, 1, HIDDEN**-0.5)
-    quantized = mx.quantize(weight, group_size=64, bits=4)
+    quantized = {bits: mx.quantize(weight, group_size=64, bits=bits) for bits in (4, 8)}
     norm_weight = random((HIDDEN,), dtype, 2)
+    experts = random((EXPERTS, EXPERT_WIDTH, HIDDEN), dtype, 3, HIDDEN**-0.5)
+    chosen = mx.array([[[3, 17, 5, 30, 11, 0, 22, 9]]])  # every token the same 8 experts: [1, 1, 8]
+
+    def expert_product(x, _):
+        indices = mx.broadcast_to(chosen, (*x.shape[:2], chosen.shape[-1]))
+        return ops.gather_matmul(mx.expand_dims(x, (-2, -3)), experts.swapaxes(-1, -2), indices)
+
     return {
         "matrix product (x W^T)": lambda x, _: ops.linear(x, weight),
-        "4-bit product (groups of 64)": lambda x, _: ops.quantized_matmul(x, *quantized, group_size=64, bits=4),
+        **{
+            f"{bits}-bit product (groups of 64)": lambda x, _, q=q, bits=bits: ops.quantized_matmul(
+                x, *q, group_size=64, bits=bits
+            )
+            for bits, q in quantized.items()
+        },
+        f"expert product (8 of {EXPERTS}, {HIDDEN} -> {EXPERT_WIDTH})": expert_product,
         "RMSNorm": lambda x, _: ops.rms_norm(x, norm_weight, 1e-6),
         "residual + RMSNorm": lambda x, y: ops.add_rms_norm(x, y, norm_weight, 1e-6)[1],
         "SwiGLU": lambda x, y: ops.swiglu(x, y),
@@ -57,18 +71,29 @@ def row_wise(fn, dtype, rows: int) -> float | None:
     return difference(together, alone)
 
 
-def attention(dtype, rows: int) -> float | None:
-    """A verify pass's T query tokens over a cache (causal) against each token's decode step."""
+def attention(dtype, rows: int, kv_bits: int | None = None) -> float | None:
+    """A verify pass's T query tokens over a cache (causal) against each token's decode step (the
+    cache float, or held as --kv-bits's groups of 64)."""
     k, v = (random((1, KV_HEADS, KEYS, HEAD_DIM), dtype, key) for key in (20, 21))
+    if kv_bits:
+        k, v = (ops.quantize_entries(a, kv_bits, 64) for a in (k, v))
     q = random((1, HEADS, rows, HEAD_DIM), dtype, 22)
     scale = HEAD_DIM**-0.5
     together = ops.scaled_dot_product_attention(q, k, v, scale, mask="causal")
     seen = [KEYS - rows + t + 1 for t in range(rows)]  # the keys token t's decode step has
     alone = [
-        ops.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], scale)
+        ops.scaled_dot_product_attention(q[:, :, t : t + 1], first_keys(k, n), first_keys(v, n), scale)
         for t, n in enumerate(seen)
     ]
     return difference(together, mx.concatenate(alone, axis=2))
+
+
+def first_keys(entries, keys: int):
+    """A cache's first `keys` entries (views), float or quantized."""
+    if isinstance(entries, mx.array):
+        return entries[:, :, :keys]
+    return entries._replace(codes=entries.codes[:, :, :keys], scales=entries.scales[:, :, :keys],
+                            biases=entries.biases[:, :, :keys])  # fmt: skip
 
 
 def linear_attention(dtype, rows: int) -> float | None:
@@ -97,6 +122,7 @@ def main():
     dtype = getattr(mx, args.dtype) if args.dtype else ops.default_dtype()
     checks = {name: (lambda rows, fn=fn: row_wise(fn, dtype, rows)) for name, fn in products(dtype).items()}
     checks["attention over 2048 cached keys"] = lambda rows: attention(dtype, rows)
+    checks["attention over 2048 keys, --kv-bits 8"] = lambda rows: attention(dtype, rows, kv_bits=8)
     checks["linear-attention layer"] = lambda rows: linear_attention(dtype, rows)
     print(f"device {mx.default_device()}, ops {ops.backend_name()}, {dtype}")
     print("| op | " + " | ".join(f"{t} rows" for t in ROWS) + " |")

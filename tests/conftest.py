@@ -8,7 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_hybrid.ops import cpu_extension
+from emulation import emulate
+from mlx_hybrid import ops
+from mlx_hybrid.ops import cpu_extension, kernels, selfcheck
 
 # The processes tests start (CLIs, chat, mlx.launch) take Ctrl-C as in a terminal: a test
 # run started in the background without job control inherits SIGINT ignored, and would
@@ -139,3 +141,17 @@ TOOL_TEMPLATES = {
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}""",
 }
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The GPU's kernels (metal/'s bodies) run on the 'emulated' platform, the g++ emulation; checks
+    start afresh. Everything else computes as on this CPU."""
+
+    def run(spec, launch):  # outputs in their dtypes, as a GPU's runner gives them
+        return [mx.array(o).astype(d) for o, d in zip(emulate(spec, launch)[0], launch.output_dtypes)]
+
+    monkeypatch.setitem(kernels.RUNNERS, "emulated", run)
+    monkeypatch.setattr(ops.backend, "kernel_platform", lambda: "emulated")
+    monkeypatch.setattr(selfcheck, "kernel_usable", {})
+    monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)

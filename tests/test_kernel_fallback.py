@@ -15,26 +15,16 @@ import pytest
 from conftest import REFERENCE_TOL, load_fixture, reference as fixture_reference
 
 import mlx_hybrid
-from emulation import emulate
 from mlx_hybrid import ops
-from mlx_hybrid.ops import kernels, reference, selfcheck
+from mlx_hybrid.ops import kernels, reference, row_kernels, selfcheck
 from mlx_hybrid.ops.selfcheck import linear_attention_args
 from test_ops import OP_TOL, make_inputs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """Kernels run on the 'emulated' platform; checks start afresh."""
-
-    def run(spec, launch):  # outputs in their dtypes, as a GPU's runner gives them
-        return [mx.array(o).astype(d) for o, d in zip(emulate(spec, launch)[0], launch.output_dtypes)]
-
-    monkeypatch.setitem(kernels.RUNNERS, "emulated", run)
-    monkeypatch.setattr(ops.backend, "kernel_platform", lambda: "emulated")
-    monkeypatch.setattr(selfcheck, "kernel_usable", {})
-    monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)
+KERNELS = (kernels.GATED_DELTA, kernels.CONV1D_SILU, kernels.LINEAR_ATTENTION, kernels.ADD_RMS_NORM,
+           row_kernels.ROW_PRODUCT, row_kernels.ROW_ATTENTION)  # fmt: skip
 
 
 def broken_kernel(monkeypatch, tmp_path, spec, old, new):
@@ -42,7 +32,7 @@ def broken_kernel(monkeypatch, tmp_path, spec, old, new):
     source = spec.source
     assert old in source
     (tmp_path / spec.file).write_text(source.replace(old, new))
-    for other in (kernels.GATED_DELTA, kernels.CONV1D_SILU, kernels.LINEAR_ATTENTION):
+    for other in KERNELS:
         if other.file != spec.file:
             (tmp_path / other.file).write_text(other.source)
     monkeypatch.setattr(kernels, "SOURCE_DIRS", [tmp_path])
@@ -176,7 +166,8 @@ def test_models_on_the_layer_body_match_transformers_and_speculate_exactly(emula
         got = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=len(want), **settings)]
         assert got == want, settings
     gpu_kernels = {key: usable for key, usable in selfcheck.kernel_usable.items() if key[1] == "emulated"}
-    layer_kernels = {kernels.LINEAR_ATTENTION.name, kernels.ADD_RMS_NORM.name}
+    layer_kernels = {kernels.LINEAR_ATTENTION.name, kernels.ADD_RMS_NORM.name, row_kernels.ROW_PRODUCT.name,
+                     row_kernels.ROW_ATTENTION.name}  # fmt: skip
     assert {key[0] for key in gpu_kernels} == layer_kernels and all(gpu_kernels.values())
 
 
@@ -234,3 +225,19 @@ def test_the_environment_forces_the_pure_mlx_ops_from_the_start():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["mlx-reference", "False"]
+
+
+def test_a_broken_row_kernel_warns_that_rows_are_no_longer_invariant(emulated, monkeypatch, tmp_path, caplog):
+    """A product body that computes wrongly: one warning naming it and what is lost, then MLX's own
+    product for every call (the same bits as without the kernel)."""
+    broken_kernel(monkeypatch, tmp_path, row_kernels.ROW_PRODUCT, "<T>(total)", "<T>(2.0f * total)")
+    rng = np.random.default_rng(0)
+    x, weight = (
+        mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16) for shape in [(1, 3, 64), (24, 64)]
+    )
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        first, second = ops.linear(x, weight), ops.linear(x, weight)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "row_product.metal" in warnings[0] and "no longer row-invariant" in warnings[0]
+    for got in (first, second):
+        assert np.array_equal(np.array(got.astype(mx.float32)), np.array((x @ weight.T).astype(mx.float32)))

@@ -17,7 +17,8 @@ import pytest
 
 from emulation import emulate
 from mlx_hybrid import ops
-from mlx_hybrid.ops import kernels, reference
+from mlx_hybrid.ops import kernels, reference, row_kernels
+from mlx_hybrid.ops.reference import QuantizedEntries
 from mlx_hybrid.ops.selfcheck import linear_attention_args
 from test_ops import OP_TOL, make_inputs
 
@@ -192,9 +193,26 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
         emulate(kernels.LINEAR_ATTENTION, launch, coverage_dir=tmp_path / f"la{i}")
     x = mx.ones((2, 200))
     emulate(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, x, x[0], 1e-6), coverage_dir=tmp_path / "an0")
+    # products: float and 4-bit, plain (3 rows in a tile of 4, 13 columns) and over experts
+    x, w = mx.ones((3, 64)), mx.ones((2, 13, 64))
+    codes, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    for i, (experts, quantized) in enumerate(itertools.product([False, True], [False, True])):
+        matrices = dict(w=codes, scales=scales, biases=biases, bits=4, group_size=32) if quantized else dict(w=w)
+        if not experts:
+            matrices = {name: a[0] if isinstance(a, mx.array) else a for name, a in matrices.items()}
+        indices = mx.array([0, 1, 1], mx.int32) if experts else None
+        launch = row_kernels.product_launch(x, indices=indices, **matrices)
+        emulate(row_kernels.ROW_PRODUCT, launch, coverage_dir=tmp_path / f"rp{i}")
+    # attention: float and 4-bit entries, causal or not
+    q, entries = mx.ones((1, 2, 2, 32)), mx.ones((1, 1, 5, 32))
+    held = QuantizedEntries(*mx.quantize(entries, group_size=32, bits=4), 4, 32)
+    for i, (causal, quantized) in enumerate(itertools.product([False, True], [False, True])):
+        kv = (held, held) if quantized else (entries, entries)
+        launch = row_kernels.attention_launch(q, *kv, 0.5, causal, mx.array([5], mx.int32))
+        emulate(row_kernels.ROW_ATTENTION, launch, coverage_dir=tmp_path / f"ra{i}")
     for prefix, spec in (
         ("gd", kernels.GATED_DELTA), ("cv", kernels.CONV1D_SILU), ("la", kernels.LINEAR_ATTENTION),
-        ("an", kernels.ADD_RMS_NORM),
+        ("an", kernels.ADD_RMS_NORM), ("rp", row_kernels.ROW_PRODUCT), ("ra", row_kernels.ROW_ATTENTION),
     ):  # fmt: skip
         dead = None  # a line is dead only if no variant ran it
         for build in sorted(tmp_path.glob(f"{prefix}*")):
@@ -203,33 +221,53 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
         assert not dead, f"{spec.file}: lines never executed: {sorted(dead)}"
 
 
+# template arguments as mx.fast.cuda_kernel writes them, and the element types of the inputs and
+# outputs where they are not float (the row kernels: bfloat16 rows over 4- and 8-bit codes)
+CUDA_TEMPLATES = {
+    kernels.GATED_DELTA: "using T = float; constexpr int Dk = 64; constexpr bool VectorGate = true; "
+    "constexpr bool Snapshots = true;",
+    kernels.CONV1D_SILU: "using T = float; constexpr int K = 4; constexpr bool Snapshots = true;",
+    kernels.LINEAR_ATTENTION: "using T = float; constexpr int Dk = 128; constexpr int K = 4; "
+    "constexpr int Columns = 8; constexpr bool VectorGate = true; constexpr bool SigmoidGate = false; "
+    "constexpr bool Snapshots = true;",
+    kernels.ADD_RMS_NORM: "using T = float; constexpr int Threads = 256;",
+    row_kernels.ROW_PRODUCT: "using T = __nv_bfloat16; constexpr int Bits = 4; constexpr int GroupSize = 64; "
+    "constexpr int Rows = 8; constexpr int Columns = 4; constexpr bool Experts = true; constexpr int Share = 8;",
+    row_kernels.ROW_ATTENTION: "using T = __nv_bfloat16; constexpr int Bits = 8; constexpr int GroupSize = 64; "
+    "constexpr int Dk = 256; constexpr int Dv = 256; constexpr bool Causal = true; constexpr int KeyGroups = 16;",
+}
+BF16 = "__nv_bfloat16"
+CUDA_TYPES = {
+    row_kernels.ROW_PRODUCT: {"x": BF16, "w": "uint32_t", "scales": BF16, "biases": BF16, "indices": "int",
+                              "out": BF16},
+    row_kernels.ROW_ATTENTION: {"q": BF16, "k": "uint32_t", "v": "uint32_t", "k_scales": BF16, "k_biases": BF16,
+                                "v_scales": BF16, "v_biases": BF16, "lengths": "int", "out": BF16},
+}  # fmt: skip
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles only; no GPU needed)")
-@pytest.mark.parametrize(
-    "spec", [kernels.GATED_DELTA, kernels.CONV1D_SILU, kernels.LINEAR_ATTENTION, kernels.ADD_RMS_NORM],
-    ids=lambda s: s.file,
-)  # fmt: skip
+@pytest.mark.parametrize("spec", list(CUDA_TEMPLATES), ids=lambda s: s.file)
 def test_cuda_twin_compiles(spec, tmp_path):
-    """The CUDA prelude + the same bodies, wrapped the way mx.fast.cuda_kernel wraps them."""
-    template = {
-        kernels.GATED_DELTA: "using T = float; constexpr int Dk = 64; constexpr bool VectorGate = true; constexpr bool Snapshots = true;",
-        kernels.CONV1D_SILU: "using T = float; constexpr int K = 4; constexpr bool Snapshots = true;",
-        kernels.LINEAR_ATTENTION: "using T = float; constexpr int Dk = 128; constexpr int K = 4; "
-        "constexpr int Columns = 8; constexpr bool VectorGate = true; constexpr bool SigmoidGate = false; "
-        "constexpr bool Snapshots = true;",
-        kernels.ADD_RMS_NORM: "using T = float; constexpr int Threads = 256;",
-    }[spec]
+    """The CUDA prelude + the same bodies, wrapped the way mx.fast.cuda_kernel wraps them (MLX's
+    Shape and Strides: fixed arrays passed by value)."""
+    types = CUDA_TYPES.get(spec, {})
     params = []
     for name in spec.input_names:
-        params.append(f"const float* {name}")
+        params.append(f"const {types.get(name, 'float')}* {name}")
         if f"{name}_shape" in spec.source:
             params.append(f"const __grid_constant__ Shape {name}_shape")
-    params += [f"float* {name}" for name in spec.output_names]
+        if f"{name}_strides" in spec.source:
+            params.append(f"const __grid_constant__ Strides {name}_strides")
+    params += [f"{types.get(name, 'float')}* {name}" for name in spec.output_names]
     code = "\n".join(
         [
+            "#include <cuda_bf16.h>",
+            "#include <cstdint>",
             "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };",
+            "struct Strides { long long d[8]; __device__ long long operator[](int i) const { return d[i]; } };",
             kernels.CUDA_PRELUDE,
             f"__global__ void kernel({', '.join(params)}) {{",
-            template,
+            CUDA_TEMPLATES[spec],
             spec.source,
             "}",
         ]

@@ -35,6 +35,7 @@ class Batch:
     marked: mx.array  # ids with drafts marked by their p-min verdicts (`drafting.unmarked` gives ids)
     taps: dict | None = None  # trunk layer -> its output [1, N, E], where the rows' drafters read layers
     tapped: dict = field(default_factory=dict)  # layer ids -> the pass's states there [1, N, L E], made once
+    prompts_held_back: bool = False  # prompt tokens wait for a pass of their own (build_batch's pass_tokens)
 
     @property
     def lengths(self) -> list[int]:
@@ -59,24 +60,32 @@ class Choice:
     verified: int = 0
 
 
-def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False) -> Batch:
+def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False, pass_tokens: int | None = None,
+                prompts_only: bool = False) -> Batch:  # fmt: skip
     """What each row feeds this pass: prompt tokens, at most `prefill_chunk` in all and up to its next
     checkpoint position, or its token and this round's drafts (built on the lazy drafts). Rows left
     without prefill budget sit the pass out. queue_drafts: start the drafts computing (`mx.async_eval`)
-    while the host builds the pass that verifies them."""
-    budget = prefill_chunk
+    while the host builds the pass that verifies them. pass_tokens: the most tokens a pass that
+    decodes rows may hold (`ops.rows_alike_pass_tokens`), prompt tokens past it held back
+    (`Batch.prompts_held_back`); prompts_only: the decoding rows sit this pass out (if a prompt is read)."""
+    prompts_only = prompts_only and any(row.prefilling for row in rows)
     feeds, asked = {}, {}  # row -> its tokens known to the host (a list), or its lazy drafts after them
     for row in rows:
-        if row.prefilling:
-            if budget > 0:
-                start = len(row.fed)
-                end = min([len(row.sequence.prompt), start + budget] + [p for p in row.checkpoint_at if p > start])
-                budget -= end - start
-                feeds[row] = row.sequence.prompt[start:end]
-        else:
+        if not row.prefilling and not prompts_only:
             asked[row] = (row.plan(), [])
             feeds[row] = [row.token]
             row.drafts = []
+    budget = prefill_chunk
+    if pass_tokens is not None and asked:
+        budget = min(budget, max(0, pass_tokens - sum(1 + k for k, _ in asked.values())))
+    unread = sum(len(row.sequence.prompt) - len(row.fed) for row in rows if row.prefilling)
+    held_back = budget < min(prefill_chunk, unread)
+    for row in rows:
+        if row.prefilling and budget > 0:
+            start = len(row.fed)
+            end = min([len(row.sequence.prompt), start + budget] + [p for p in row.checkpoint_at if p > start])
+            budget -= end - start
+            feeds[row] = row.sequence.prompt[start:end]
     drafting = [row for row, (k, _) in asked.items() if k]
     if drafting:
         masks = [None if row.processor is None else row.processor.draft_mask for row in drafting]
@@ -100,7 +109,7 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False)
         mx.async_eval(ids)
     starts = [0, *accumulate(_fed_count(feeds[row]) for row in fed)]
     return Batch(fed, [feeds[row] if row.prefilling else ids[s:e] for row, s, e in zip(fed, starts, starts[1:])],
-                 asked, ids, marked)  # fmt: skip
+                 asked, ids, marked, prompts_held_back=held_back)  # fmt: skip
 
 
 def _fed_count(feed) -> int:

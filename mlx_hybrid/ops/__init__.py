@@ -25,7 +25,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import activations, backend, cpu_kernels, kernels, reference, rotary, selfcheck
+from . import activations, backend, cpu_kernels, kernels, reference, rotary, row_kernels, selfcheck
 from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
     KV_BITS, KV_GROUP_SIZES, leading_features, quantize_entries, scaled_dot_product_attention,
 )
@@ -183,6 +183,15 @@ def overlap_decode_steps() -> bool:
     tokens/s stepping in turn, 7.5 overlapped).
     """
     return backend.gpu_computes()
+
+
+def rows_alike_pass_tokens() -> int | None:
+    """The most tokens a pass that decodes rows may hold for each row to compute what it computes alone,
+    where the compute path bounds it: a GPU's row-invariant products take passes of up to
+    `row_kernels.ROW_KERNEL_PASS_TOKENS` (8 rows of 16); beyond, MLX's own products tile the rows. None
+    on the CPU, whose products keep a row's sums for any pass up to 16 rows and the BLAS's beyond
+    (docs/speculative.md)."""
+    return row_kernels.ROW_KERNEL_PASS_TOKENS if backend.kernel_platform() else None
 
 
 def prefill_layer_by_layer() -> bool:

@@ -8,7 +8,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cpu_kernels, reference, selfcheck
+from . import backend, cpu_kernels, reference, row_kernels, selfcheck
 from .cpu_extension import ATTENTION
 from .reference import QuantizedEntries
 
@@ -28,7 +28,11 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None,
     BLAS's products with our exponentials between them, 2.9x MLX's op for a prompt chunk over a long
     cache, 5x for a vision tower's (benchmarks/cpu_attention.py). A quantized cache's entries are
     decoded a few rows at a time and take the float32 path's arithmetic. Elsewhere MLX's ops: one
-    call for a whole batch where a GPU computes, its rows' lengths as a mask."""
+    call for a whole batch where a GPU computes, its rows' lengths as a mask, but a GPU's decode steps
+    and verify passes on our row-invariant kernel (`row_kernels`: each query token's bits whatever
+    tokens, rows or keys come with it)."""
+    if mask in (None, "causal") and (platform := _row_kernel_platform(q, k, v, mask == "causal")):
+        return row_kernels.attention(q, k, v, scale, mask == "causal", key_lengths, platform)
     if _kernel_runs(q, k, v):
         lengths = None if key_lengths is None else mx.array(key_lengths, mx.int32)
         if isinstance(k, QuantizedEntries):
@@ -43,6 +47,28 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None,
         _mlx_attention(q[b : b + 1], _rows(k, b, n), _rows(v, b, n), scale, mask) for b, n in enumerate(key_lengths)
     ]
     return mx.concatenate(rows, axis=0)
+
+
+# the widest value head the row kernel takes (its threadgroup memory: 8 groups x 512 floats)
+ROW_KERNEL_MAX_VALUE_DIM = 512
+
+
+def _row_kernel_platform(q, k, v, causal: bool) -> str | None:
+    """The GPU platform whose row-invariant kernel computes this attention, else None."""
+    platform = backend.kernel_platform()
+    if platform is None or q.shape[2] > row_kernels.ROW_KERNEL_TOKENS or q.dtype not in row_kernels.FLOAT_DTYPES:
+        return None
+    if isinstance(k, QuantizedEntries):
+        if k.bits not in row_kernels.QUANTIZED_BITS or (k.bits, k.group_size) != (v.bits, v.group_size):
+            return None
+        bits, group_size, kv_heads, value_dim = k.bits, k.group_size, k.codes.shape[1], v.codes.shape[-1] * 32 // v.bits
+    else:
+        bits, group_size, kv_heads, value_dim = 0, 1, k.shape[1], v.shape[-1]
+    if q.shape[1] % kv_heads or value_dim > ROW_KERNEL_MAX_VALUE_DIM:
+        return None
+    variant = (q.dtype, bits, group_size, q.shape[-1], value_dim, causal)
+    usable = selfcheck.passed(row_kernels.ROW_ATTENTION, row_kernels.small_attention_case, platform, *variant)
+    return platform if usable else None
 
 
 def _kernel_runs(q, k, v) -> bool:

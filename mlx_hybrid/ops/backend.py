@@ -39,9 +39,10 @@ def force_reference() -> bool:
 
 
 def path_key() -> tuple:
-    """What an op's compute path depends on besides its arguments: the device that computes and
-    whether the pure-MLX ops are forced. A path decided once for a key stays right for it."""
-    return mx.default_device() == mx.gpu, forced_by_environment or _DIFFERENTIABLE.get()
+    """What an op's compute path depends on besides its arguments: the GPU kernels' platform (first),
+    the device that computes and whether the pure-MLX ops are forced. A path decided once for a key
+    stays right for it."""
+    return kernel_platform(), mx.default_device() == mx.gpu, forced_by_environment or _DIFFERENTIABLE.get()
 
 
 @lru_cache(maxsize=None)

@@ -32,6 +32,10 @@ class KernelSpec:
     file: str
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
+    # False: inputs arrive as they are (a cache's views), the body reading them through `name_strides`
+    contiguous_inputs: bool = True
+    # what computes the op when this kernel's first-call check fails (named in the warning)
+    fallback: str = "the pure-MLX path"
 
     @property
     def path(self) -> Path:
@@ -181,6 +185,7 @@ namespace metal {
 __device__ inline float exp(float x) { return expf(x); }
 __device__ inline float log(float x) { return logf(x); }
 __device__ inline float rsqrt(float x) { return rsqrtf(x); }
+__device__ inline float fma(float a, float b, float c) { return fmaf(a, b, c); }
 }
 __device__ inline float simd_sum(float value) {
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -197,8 +202,9 @@ __device__ inline float simd_sum(float value) {
 @lru_cache(maxsize=None)
 def _metal_kernel(spec: KernelSpec):
     return mx.fast.metal_kernel(
-        name=spec.name, input_names=list(spec.input_names), output_names=list(spec.output_names), source=spec.source
-    )
+        name=spec.name, input_names=list(spec.input_names), output_names=list(spec.output_names), source=spec.source,
+        ensure_row_contiguous=spec.contiguous_inputs,
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=None)
@@ -209,6 +215,7 @@ def _cuda_kernel(spec: KernelSpec):
         output_names=list(spec.output_names),
         source=spec.source,
         header=CUDA_PRELUDE,
+        ensure_row_contiguous=spec.contiguous_inputs,
     )
 
 

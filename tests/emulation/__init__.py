@@ -11,7 +11,9 @@ attribute table in mlx/backend/common/metal_kernel.cpp at v0.32.1 (lines 52-160 
 the package allows (lines 52-115, 207-209). Inputs are `const device T*` (`const
 constant T*` below 8 elements, which the shim's empty `constant` makes the same here,
 and which the bodies never name), `name_shape` is `const constant int*` when the body
-uses it, outputs are `device T*`, and `thread_position_in_grid` (uint3) and
+uses it, `name_strides` is `const constant int64_t*` (in elements) when the body uses it (the
+inputs of a kernel that takes them as they are: MLX's `ensure_row_contiguous=False`), outputs are
+`device T*`, and `thread_position_in_grid` (uint3) and
 `thread_index_in_simdgroup` (uint) are the attributes the bodies use. MLX makes the
 template arguments template parameters; here they are constants of the same names.
 """
@@ -35,6 +37,7 @@ BUILD = Path(tempfile.gettempdir()) / "mlx_hybrid_kernel_emulation"
 C_TYPES = {
     mx.float32: ("float", np.float32),
     mx.int32: ("int", np.int32),
+    mx.uint32: ("uint", np.uint32),
     mx.bfloat16: ("bfloat", np.uint16),
     mx.float16: ("half", np.uint16),
 }
@@ -47,6 +50,8 @@ def render(spec, launch) -> str:
         params.append(f"const device {C_TYPES[array.dtype][0]}* {name}")
         if f"{name}_shape" in source:
             params.append(f"const constant int* {name}_shape")
+        if f"{name}_strides" in source:
+            params.append(f"const constant int64_t* {name}_strides")
     for name, dtype in zip(spec.output_names, launch.output_dtypes):
         params.append(f"device {C_TYPES[dtype][0]}* {name}")
     constants = []
@@ -98,21 +103,32 @@ def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-def emulate(spec, launch, coverage_dir: Path | None = None):
+def emulate(spec, launch, coverage_dir: Path | None = None, strided: bool = False):
     """Outputs as numpy arrays (16-bit ones as float32), and the number of simd_sum barriers
-    the run went through."""
+    the run went through. strided: the inputs a body reads through their strides lie inside
+    larger buffers (every axis one longer), as a cache's views do, so that no stride is the
+    contiguous one."""
     library = compile_source(render(spec, launch), coverage_dir)
     source = spec.source
     args, keep = [], []
     for name, array in zip(spec.input_names, launch.inputs):
         data = np.ascontiguousarray(np.array(array.view(mx.uint16) if array.itemsize == 2 else array))
         assert data.dtype == C_TYPES[array.dtype][1]
+        takes_strides = f"{name}_strides" in source
+        if strided and takes_strides:
+            buffer = np.zeros([n + 1 for n in data.shape], data.dtype)
+            buffer[tuple(slice(0, n) for n in data.shape)] = data
+            data = buffer[tuple(slice(0, n) for n in data.shape)]
         keep.append(data)
-        args.append(data.ctypes.data_as(ctypes.c_void_p))
+        args.append(ctypes.c_void_p(data.__array_interface__["data"][0]))
         if f"{name}_shape" in source:
             shape = np.array(array.shape, dtype=np.int32)
             keep.append(shape)
             args.append(shape.ctypes.data_as(ctypes.c_void_p))
+        if takes_strides:
+            strides = np.array([n // data.itemsize for n in data.strides], dtype=np.int64)
+            keep.append(strides)
+            args.append(strides.ctypes.data_as(ctypes.c_void_p))
     outputs = [
         np.zeros(shape, dtype=C_TYPES[dtype][1]) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)
     ]

@@ -1,6 +1,6 @@
 // Emulates, on the CPU, exactly the Metal features the kernels in metal/ use:
 // thread positions, simdgroup lanes, simd_sum, threadgroup memory and threadgroup_barrier,
-// address-space qualifiers and metal::exp, log, rsqrt.
+// address-space qualifiers and metal::exp, log, rsqrt, fma.
 //
 // Threads run as fibers, all the threads of a threadgroup at once; they run in turn up to each
 // simd_sum (where the scheduler adds their simdgroup's values and resumes it) or
@@ -28,6 +28,7 @@ namespace metal {
 inline float exp(float x) { return std::exp(x); }
 inline float log(float x) { return std::log(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 }  // namespace metal
 
 // Metal's 16-bit floats, converted from float32 rounding to nearest even, as MLX and the GPUs
