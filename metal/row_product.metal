@@ -7,19 +7,23 @@
 //           scale * code + bias), GroupSize, Rows (rows a threadgroup), Columns (outputs a
 //           simdgroup), Experts (row r multiplies matrix indices[r] of w), Share (rows of out a
 //           row of x: an expert product's choices of one token).
-// Inputs:  x [M / Share, K]; w [E, N, K], or codes [E, N, K * Bits / 32] uint32; scales, biases
-//          [E, N, K / GroupSize] (one element each when Bits is 0); indices [M] int32 (one element
-//          unless Experts: then Rows is 1).
-// Output:  out [M, N].
+// Inputs:  x [..., K] (M / Share rows); w [N, K] or, when Experts, [E, N, K]; or codes [(E,) N, K * Bits
+//          / 32] uint32 with scales, biases [(E,) N, K / GroupSize] (one element each when Bits is 0);
+//          indices [M] int32 or uint32 (one element unless Experts: then Rows is 1).
+// Output:  out [M, N] (any shape of M * N elements).
 // Grid (32, groups * ceil(N / (groups * Columns)), ceil(M / Rows)), threadgroup (32, groups, 1):
 // simdgroup y takes outputs y * Columns ..., threadgroup z rows z * Rows .... Lane l takes the
 // chunks of 8 inputs l, l + 32, ...: a row's output is its lane's fused multiply-adds in input
 // order, then simd_sum, then one rounding to T; nothing of it depends on Rows, Columns or M.
 constexpr int Chunk = 8;
 const uint lane = thread_index_in_simdgroup;
-const int K = x_shape[1];
-const int M = x_shape[0] * Share;
-const int N = w_shape[1];
+const int K = x_shape[x_ndim - 1];
+int x_rows = 1;
+for (int d = 0; d < x_ndim - 1; ++d) {
+    x_rows *= x_shape[d];
+}
+const int M = x_rows * Share;
+const int N = w_shape[Experts ? 1 : 0];
 const int first_row = thread_position_in_grid.z * Rows;
 const int first_column = thread_position_in_grid.y * Columns;
 const int groups = K / GroupSize;

@@ -193,14 +193,14 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
         emulate(kernels.LINEAR_ATTENTION, launch, coverage_dir=tmp_path / f"la{i}")
     x = mx.ones((2, 200))
     emulate(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, x, x[0], 1e-6), coverage_dir=tmp_path / "an0")
-    # products: float and 4-bit, plain (3 rows in a tile of 4, 13 columns) and over experts
-    x, w = mx.ones((3, 64)), mx.ones((2, 13, 64))
+    # products: float and 4-bit, plain (3 rows in a tile of 4, 13 columns) and over experts (3 tokens' rows)
+    x, w = mx.ones((3, 1, 1, 64)), mx.ones((2, 13, 64))
     codes, scales, biases = mx.quantize(w, group_size=32, bits=4)
     for i, (experts, quantized) in enumerate(itertools.product([False, True], [False, True])):
         matrices = dict(w=codes, scales=scales, biases=biases, bits=4, group_size=32) if quantized else dict(w=w)
         if not experts:
             matrices = {name: a[0] if isinstance(a, mx.array) else a for name, a in matrices.items()}
-        indices = mx.array([0, 1, 1], mx.int32) if experts else None
+        indices = mx.array([[0], [1], [1]], mx.int32) if experts else None
         launch = row_kernels.product_launch(x, indices=indices, **matrices)
         emulate(row_kernels.ROW_PRODUCT, launch, coverage_dir=tmp_path / f"rp{i}")
     # attention: float and 4-bit entries, causal or not
@@ -258,6 +258,8 @@ def test_cuda_twin_compiles(spec, tmp_path):
             params.append(f"const __grid_constant__ Shape {name}_shape")
         if f"{name}_strides" in spec.source:
             params.append(f"const __grid_constant__ Strides {name}_strides")
+        if f"{name}_ndim" in spec.source:
+            params.append(f"const __grid_constant__ int {name}_ndim")
     params += [f"{types.get(name, 'float')}* {name}" for name in spec.output_names]
     code = "\n".join(
         [

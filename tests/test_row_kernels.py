@@ -76,10 +76,10 @@ def product_case(rng, K, N, dtype, weights, group_size=64, experts=0):
     return stored, exact
 
 
-def run_product(x, stored, indices=None, share=1):
+def run_product(x, stored, indices=None):
     quantized = {name: stored[name] for name in ("scales", "biases") if name in stored}
     launch = row_kernels.product_launch(x, stored["w"], indices=indices, bits=stored.get("bits", 0),
-                                        group_size=stored.get("group_size", 0), share=share, **quantized)  # fmt: skip
+                                        group_size=stored.get("group_size", 0), **quantized)  # fmt: skip
     return emulated(row_kernels.ROW_PRODUCT, launch)
 
 
@@ -123,13 +123,11 @@ def test_expert_products_gather_each_rows_matrix(weights, share):
     tokens, k, E = 16, 8, 10
     stored, exact = product_case(rng, 2048, 6, mx.bfloat16, weights, 64, experts=E)
     indices = mx.array(rng.integers(0, E, (tokens, k)), mx.uint32)  # as the router's argpartition gives them
-    x = random(rng, (tokens * (1 if share > 1 else k), 2048), mx.bfloat16)
-    got = run_product(x, stored, indices.reshape(-1), share).reshape(tokens, k, -1)
-    per = x.shape[0] // tokens
+    x = random(rng, (tokens, 1 if share > 1 else k, 1, 2048), mx.bfloat16)
+    got = run_product(x, stored, indices)[:, :, 0]  # [tokens, k, N]
     for t in (0, 7, 15):
-        alone = run_product(x[t * per : (t + 1) * per], stored, indices[t], share)
-        np.testing.assert_array_equal(got[t], alone)
-    rows = float64(x).reshape(tokens, per, 1, 2048)
+        np.testing.assert_array_equal(got[t], run_product(x[t : t + 1], stored, indices[t : t + 1])[0, :, 0])
+    rows = float64(x)
     chosen = exact[np.array(indices)]  # [tokens, k, N, K]
     want = (rows @ chosen.swapaxes(-1, -2))[:, :, 0]
     magnitude = (np.abs(rows) @ np.abs(chosen).swapaxes(-1, -2))[:, :, 0]

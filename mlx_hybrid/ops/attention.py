@@ -8,7 +8,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cpu_kernels, reference, row_kernels, selfcheck
+from . import backend, cpu_kernels, kernels, reference, row_kernels, selfcheck
 from .cpu_extension import ATTENTION
 from .reference import QuantizedEntries
 
@@ -31,8 +31,8 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None,
     call for a whole batch where a GPU computes, its rows' lengths as a mask, but a GPU's decode steps
     and verify passes on our row-invariant kernel (`row_kernels`: each query token's bits whatever
     tokens, rows or keys come with it)."""
-    if mask in (None, "causal") and (platform := _row_kernel_platform(q, k, v, mask == "causal")):
-        return row_kernels.attention(q, k, v, scale, mask == "causal", key_lengths, platform)
+    if mask in (None, "causal") and (out := _row_attention(q, k, v, scale, mask == "causal", key_lengths)) is not None:
+        return out
     if _kernel_runs(q, k, v):
         lengths = None if key_lengths is None else mx.array(key_lengths, mx.int32)
         if isinstance(k, QuantizedEntries):
@@ -49,26 +49,18 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None,
     return mx.concatenate(rows, axis=0)
 
 
-# the widest value head the row kernel takes (its threadgroup memory: 8 groups x 512 floats)
-ROW_KERNEL_MAX_VALUE_DIM = 512
-
-
-def _row_kernel_platform(q, k, v, causal: bool) -> str | None:
-    """The GPU platform whose row-invariant kernel computes this attention, else None."""
+def _row_attention(q, k, v, scale: float, causal: bool, key_lengths):
+    """The attention on a GPU's row-invariant kernel, or None where it does not compute this one (the
+    CPU, a prompt, a form it does not read, a variant that failed its first-use check)."""
     platform = backend.kernel_platform()
-    if platform is None or q.shape[2] > row_kernels.ROW_KERNEL_TOKENS or q.dtype not in row_kernels.FLOAT_DTYPES:
+    if platform is None:
         return None
-    if isinstance(k, QuantizedEntries):
-        if k.bits not in row_kernels.QUANTIZED_BITS or (k.bits, k.group_size) != (v.bits, v.group_size):
-            return None
-        bits, group_size, kv_heads, value_dim = k.bits, k.group_size, k.codes.shape[1], v.codes.shape[-1] * 32 // v.bits
-    else:
-        bits, group_size, kv_heads, value_dim = 0, 1, k.shape[1], v.shape[-1]
-    if q.shape[1] % kv_heads or value_dim > ROW_KERNEL_MAX_VALUE_DIM:
+    form = row_kernels.attention_form(q.shape, q.dtype, *row_kernels.entries_of(k, v), causal)
+    if form is None or not selfcheck.passed(row_kernels.ROW_ATTENTION, row_kernels.small_attention_case, platform,
+                                            *form.variant):  # fmt: skip
         return None
-    variant = (q.dtype, bits, group_size, q.shape[-1], value_dim, causal)
-    usable = selfcheck.passed(row_kernels.ROW_ATTENTION, row_kernels.small_attention_case, platform, *variant)
-    return platform if usable else None
+    launch = row_kernels.attention_form_launch(form, q, k, v, scale, row_kernels.key_counts_of(q, k, key_lengths))
+    return kernels.run(row_kernels.ROW_ATTENTION, launch, platform)[0]
 
 
 def _kernel_runs(q, k, v) -> bool:

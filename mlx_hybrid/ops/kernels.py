@@ -34,8 +34,8 @@ class KernelSpec:
     output_names: tuple[str, ...]
     # False: inputs arrive as they are (a cache's views), the body reading them through `name_strides`
     contiguous_inputs: bool = True
-    # what computes the op when this kernel's first-call check fails (named in the warning)
-    fallback: str = "the pure-MLX path"
+    # what computes the op when this kernel's first-call check fails (the warning's last words)
+    fallback: str = "using the pure-MLX path for it"
 
     @property
     def path(self) -> Path:

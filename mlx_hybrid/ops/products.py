@@ -14,7 +14,8 @@ from ..quantized_tensor import BlockScales, QuantizedTensor, no_codes
 from . import backend, cpu_quantized, row_kernels, selfcheck
 from .backend import cpu_kernel_passed, path_key
 from .cpu_extension import QUANTIZED
-from .row_kernels import FLOAT_DTYPES, QUANTIZED_BITS, ROW_PRODUCT
+from .kernels import run
+from .row_kernels import QUANTIZED_BITS, ROW_PRODUCT
 
 SIXTEEN_BITS = (mx.bfloat16, mx.float16)
 
@@ -30,36 +31,36 @@ def keeps_16bit_weights(stored, compute) -> bool:
     )
 
 
-def row_kernel_platform(x: mx.array, tokens: int, weights, group_size: int = 0, share: int = 0) -> str | None:
-    """The GPU platform whose row-invariant product computes this one (a pass of at most
-    ROW_KERNEL_PASS_TOKENS tokens; weights: the matrix's float dtype or its codes' bits; share: 0 for
-    a plain product, else an expert product's rows a row of x), else None."""
+def row_product(x, w, scales=None, biases=None, indices=None, *, bits: int = 0, group_size: int = 0):
+    """x @ W^T on a GPU's row-invariant product (`row_kernels.product_form`'s arguments), or None where it
+    does not compute this one (the CPU, a prompt, a dtype, a variant that failed its first-use check)."""
     platform = backend.kernel_platform()
-    if platform is None or tokens > row_kernels.ROW_KERNEL_PASS_TOKENS or x.dtype not in FLOAT_DTYPES:
+    if platform is None:
         return None
-    rows = 1 if share else row_kernels.rows_a_threadgroup(x.size // x.shape[-1])
-    variant = (x.dtype, weights, group_size, rows, share)
-    return platform if selfcheck.passed(ROW_PRODUCT, row_kernels.small_product_case, platform, *variant) else None
+    form = row_kernels.product_form(x.shape, x.dtype, w.shape, w.dtype, bits, group_size,
+                                    None if indices is None else indices.shape)  # fmt: skip
+    if form is None or not selfcheck.passed(ROW_PRODUCT, row_kernels.small_product_case, platform, *form.variant):
+        return None
+    return run(ROW_PRODUCT, row_kernels.form_launch(form, x, w, scales, biases, indices), platform)[0]
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """x [..., K] @ weight^T ([N, K]) (+ bias) in x's dtype (16-bit weights under float32 x: see
     keeps_16bit_weights); nn.Linear's arithmetic where neither kernel of ours computes it."""
-    if weight.dtype in FLOAT_DTYPES and (platform := row_kernel_platform(x, row_kernels.tokens_of(x), weight.dtype)):
-        out = row_kernels.product(x, weight, platform)
-    elif weight.dtype != x.dtype and keeps_16bit_weights(weight.dtype, x.dtype):
+    out = row_product(x, weight)
+    if out is None and weight.dtype != x.dtype and keeps_16bit_weights(weight.dtype, x.dtype):
         out = cpu_quantized.matmul_16bit(x, weight)
-    elif bias is not None and weight.dtype == x.dtype:
-        return mx.addmm(bias, x, weight.T)
-    else:
+    if out is None:
+        if bias is not None and weight.dtype == x.dtype:
+            return mx.addmm(bias, x, weight.T)
         out = x @ weight.astype(x.dtype).T
     return out if bias is None else out + bias.astype(out.dtype)
 
 
 def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.array:
     """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out]."""
-    if weight_t.dtype in FLOAT_DTYPES and (platform := _expert_row_kernel(x, indices, weight_t.dtype)):
-        return row_kernels.expert_product(x, weight_t.swapaxes(-1, -2), indices, platform)
+    if (out := row_product(x, weight_t.swapaxes(-1, -2), indices=indices)) is not None:
+        return out
     if weight_t.dtype != x.dtype and keeps_16bit_weights(weight_t.dtype, x.dtype):
         weight = weight_t.swapaxes(-1, -2)
         return _on_token_rows(lambda rows, flat: cpu_quantized.gather_matmul_16bit(rows, weight, flat), x, indices)
@@ -67,12 +68,6 @@ def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array) -> mx.arra
         # MLX's CPU gather_mm is float32-only
         return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
     return mx.gather_mm(x, weight_t, rhs_indices=indices)
-
-
-def _expert_row_kernel(x, indices, weights, group_size: int = 0) -> str | None:
-    """row_kernel_platform for an expert product of x [..., 1 or k, 1, K] and indices [..., k]."""
-    tokens = indices.size // indices.shape[-1]
-    return row_kernel_platform(x, tokens, weights, group_size, row_kernels.rows_of_x(x, indices))
 
 
 def _on_token_rows(product, x: mx.array, indices: mx.array) -> mx.array:
@@ -128,9 +123,8 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     if affine and bits in QUANTIZED_BITS and key and key[0]:  # key[0]: path_key's GPU kernel platform
 
         def product(x, w, scales, biases):
-            if platform := row_kernel_platform(x, row_kernels.tokens_of(x), bits, group_size):
-                return row_kernels.product(x, w, platform, scales, biases, bits=bits, group_size=group_size)
-            return mlx_product(x, w, scales, biases)
+            out = row_product(x, w, scales, biases, bits=bits, group_size=group_size)
+            return mlx_product(x, w, scales, biases) if out is None else out
 
         return product
     if _cpu_quantized_kernels(bits, group_size, block or scales_dtype):
@@ -154,8 +148,8 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
     [..., k, 1, N], in x's dtype."""
     biases = no_codes(scales) if biases is None else biases
     affine = block is None and bits in QUANTIZED_BITS and group_size in MLX_GROUP_SIZES
-    if affine and (platform := _expert_row_kernel(x, indices, bits, group_size)):
-        return row_kernels.expert_product(x, w, indices, platform, scales, biases, bits=bits, group_size=group_size)
+    if affine and (out := row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)) is not None:
+        return out
     if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
         out = _on_token_rows(
             lambda rows, flat: cpu_quantized.gather_quantized_matmul(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from .kernels import KernelSpec, Launch, run
 from .reference import QuantizedEntries
 
-NOT_INVARIANT = "MLX's own kernel, no longer row-invariant (greedy speculation may leave plain decoding)"
+NOT_INVARIANT = "using MLX's own kernel for it, no longer row-invariant (greedy speculation may leave plain decoding)"
 ROW_PRODUCT = KernelSpec(
     "mlx_hybrid_row_product", "row_product.metal", ("x", "w", "scales", "biases", "indices"), ("out",),
     fallback=NOT_INVARIANT,
@@ -56,29 +57,55 @@ def _unused(dtype=mx.float32) -> mx.array:
     return unused
 
 
-def product_launch(x, w, scales=None, biases=None, indices=None, *, bits: int = 0, group_size: int = 0,
-                   share: int = 1) -> Launch:  # fmt: skip
-    """x [M / share, K] @ W^T -> [M, N] in x's dtype: w [N, K] (float) or MLX's affine codes [N, K * bits
-    / 32] with scales and biases; with indices [M] (int32 or uint32, as a router's top-k gives them), w
-    is [E, N, ...] and row r multiplies matrix indices[r] (row r's input x[r // share])."""
-    experts = indices is not None
-    if not experts:
-        w, scales, biases = (a[None] if a is not None else None for a in (w, scales, biases))
-    M, N = x.shape[0] * share, w.shape[1]
+class ProductForm(NamedTuple):
+    """What a product launch of one shape takes, made once (a step launches a hundred or more)."""
+
+    variant: tuple  # the first-use check's key: (dtype, weights: dtype or bits, group size, rows, share)
+    template: list
+    grid: tuple
+    threadgroup: tuple
+    output_shape: tuple
+
+
+@lru_cache(maxsize=4096)
+def product_form(x_shape, dtype, w_shape, w_dtype, bits: int, group_size: int, indices_shape) -> ProductForm | None:
+    """The launch of x [..., K] @ W^T (w [N, K] float, or MLX's affine codes when bits; with indices_shape
+    [..., k], w [E, N, ...] and x [..., 1 or k, 1, K]: an expert product, [..., k, 1, N]); None where the
+    row kernel does not take it (more than ROW_KERNEL_PASS_TOKENS tokens, a dtype it does not read)."""
+    experts = indices_shape is not None
+    tokens = math.prod(indices_shape[:-1]) if experts else math.prod(x_shape[:-1])
+    if tokens > ROW_KERNEL_PASS_TOKENS or dtype not in FLOAT_DTYPES or not (bits or w_dtype in FLOAT_DTYPES):
+        return None
+    share = (indices_shape[-1] if x_shape[-3] == 1 else 1) if experts else 1
+    N = w_shape[1 if experts else 0]
+    M = math.prod(x_shape[:-1]) * share
     rows = 1 if experts else rows_a_threadgroup(M)
     columns = COLUMNS_A_SIMDGROUP if N >= COLUMNS_A_SIMDGROUP else 1
     simdgroups = min(SIMDGROUPS, math.ceil(N / columns))
+    template = [("T", dtype), ("Bits", bits), ("GroupSize", group_size or 1), ("Rows", rows), ("Columns", columns),
+                ("Experts", experts), ("Share", share)]  # fmt: skip
+    grid = (32, simdgroups * math.ceil(N / (simdgroups * columns)), math.ceil(M / rows))
+    out_shape = (*indices_shape, 1, N) if experts else (*x_shape[:-1], N)
+    variant = (dtype, bits or w_dtype, group_size, rows, share if experts else 0)
+    return ProductForm(variant, template, grid, (32, simdgroups, 1), out_shape)
+
+
+def form_launch(form: ProductForm, x, w, scales=None, biases=None, indices=None) -> Launch:
+    """A product's launch of this form (unread inputs: a one-element array)."""
     unused = _unused()
     return Launch(
         inputs=[x, w, unused if scales is None else scales, unused if biases is None else biases,
-                indices if experts else _unused(mx.int32)],  # fmt: skip
-        template=[("T", x.dtype), ("Bits", bits), ("GroupSize", group_size or 1), ("Rows", rows),
-                  ("Columns", columns), ("Experts", experts), ("Share", share)],  # fmt: skip
-        grid=(32, simdgroups * math.ceil(N / (simdgroups * columns)), math.ceil(M / rows)),
-        threadgroup=(32, simdgroups, 1),
-        output_shapes=[(M, N)],
+                _unused(mx.int32) if indices is None else indices],  # fmt: skip
+        template=form.template, grid=form.grid, threadgroup=form.threadgroup, output_shapes=[form.output_shape],
         output_dtypes=[x.dtype],
-    )
+    )  # fmt: skip
+
+
+def product_launch(x, w, scales=None, biases=None, indices=None, *, bits: int = 0, group_size: int = 0) -> Launch:
+    """`product_form`'s launch for these arrays (indices: int32 or uint32, as a router's top-k gives them)."""
+    chosen = None if indices is None else indices.shape
+    return form_launch(product_form(x.shape, x.dtype, w.shape, w.dtype, bits, group_size, chosen), x, w, scales,
+                       biases, indices)  # fmt: skip
 
 
 def rows_a_threadgroup(rows: int) -> int:
@@ -87,40 +114,67 @@ def rows_a_threadgroup(rows: int) -> int:
     return min(ROWS_A_THREADGROUP, 1 << (rows - 1).bit_length())
 
 
-def rows_of_x(x: mx.array, indices: mx.array) -> int:
-    """An expert product's rows a row of x [..., 1 or k, 1, K] feeds (indices [..., k])."""
-    return indices.shape[-1] if x.shape[-3] == 1 else 1
-
-
 def key_groups(value_dim: int) -> int:
     """Simdgroups a query token's keys are dealt to: fixed by the head size alone, so every call of a
     layer sums alike (16 x 256 floats of threadgroup memory at most)."""
     return 16 if value_dim <= 256 else 8
 
 
-def attention_launch(q, k, v, scale: float, causal: bool, lengths: mx.array) -> Launch:
-    """q [B, H, T, Dk] over k, v (arrays or a quantized cache's `QuantizedEntries`), row b's first
-    lengths[b] keys -> [B, H, T, Dv] in q's dtype."""
-    B, H, T, Dk = q.shape
-    quantized = not isinstance(k, mx.array)
-    if quantized:
-        Dv = v.codes.shape[-1] * 32 // v.bits
-        arrays = [k.codes, v.codes, k.scales, k.biases, v.scales, v.biases]
-        bits, group_size = k.bits, k.group_size
+# the widest value head the row attention takes (its threadgroup memory: 8 groups x 512 floats)
+MAX_VALUE_DIM = 512
+
+
+class AttentionForm(NamedTuple):
+    """What an attention launch of one shape takes, made once."""
+
+    variant: tuple  # the first-use check's key: (dtype, bits, group size, Dk, Dv, causal)
+    template: list
+    grid: tuple
+    threadgroup: tuple
+    output_shape: tuple
+
+
+def entries_of(k, v) -> tuple:
+    """(KV heads, value head size, bits, group size) of a cache's keys and values (arrays: 0 bits, or
+    `QuantizedEntries`); bits None where keys and values are held in other forms."""
+    if isinstance(k, mx.array):
+        return k.shape[1], v.shape[-1], 0, 1
+    same = (k.bits, k.group_size) == (v.bits, v.group_size)
+    return k.codes.shape[1], v.codes.shape[-1] * 32 // v.bits, k.bits if same else None, k.group_size
+
+
+@lru_cache(maxsize=1024)
+def attention_form(q_shape, dtype, kv_heads: int, value_dim: int, bits, group_size: int, causal: bool):
+    """The launch of q [B, H, T, Dk] over a cache of these entries (`entries_of`), or None where the row
+    attention does not take it (more than ROW_KERNEL_TOKENS query tokens a row, a dtype or form)."""
+    B, H, T, Dk = q_shape
+    if T > ROW_KERNEL_TOKENS or dtype not in FLOAT_DTYPES or H % kv_heads or value_dim > MAX_VALUE_DIM:
+        return None
+    if bits is None or (bits and bits not in QUANTIZED_BITS):
+        return None
+    groups = key_groups(value_dim)
+    template = [("T", dtype), ("Bits", bits), ("GroupSize", group_size), ("Dk", Dk), ("Dv", value_dim),
+                ("Causal", causal), ("KeyGroups", groups)]  # fmt: skip
+    variant = (dtype, bits, group_size, Dk, value_dim, causal)
+    return AttentionForm(variant, template, (32, groups, B * H * T), (32, groups, 1), (B, H, T, value_dim))
+
+
+def attention_form_launch(form: AttentionForm, q, k, v, scale: float, lengths: mx.array) -> Launch:
+    """An attention's launch of this form: row b of q over its first lengths[b] keys."""
+    if isinstance(k, mx.array):
+        arrays = [k, v, *[_unused(q.dtype)] * 4]
     else:
-        Dv = v.shape[-1]
-        arrays = [k, v] + [_unused(q.dtype)] * 4
-        bits, group_size = 0, 1
-    groups = key_groups(Dv)
+        arrays = [k.codes, v.codes, k.scales, k.biases, v.scales, v.biases]
     return Launch(
-        inputs=[q, *arrays, lengths, _scale(scale)],
-        template=[("T", q.dtype), ("Bits", bits), ("GroupSize", group_size), ("Dk", Dk), ("Dv", Dv),
-                  ("Causal", causal), ("KeyGroups", groups)],  # fmt: skip
-        grid=(32, groups, B * H * T),
-        threadgroup=(32, groups, 1),
-        output_shapes=[(B, H, T, Dv)],
-        output_dtypes=[q.dtype],
-    )
+        inputs=[q, *arrays, lengths, _scale(scale)], template=form.template, grid=form.grid,
+        threadgroup=form.threadgroup, output_shapes=[form.output_shape], output_dtypes=[q.dtype],
+    )  # fmt: skip
+
+
+def attention_launch(q, k, v, scale: float, causal: bool, lengths: mx.array) -> Launch:
+    """`attention_form`'s launch for these arrays."""
+    form = attention_form(q.shape, q.dtype, *entries_of(k, v), causal)
+    return attention_form_launch(form, q, k, v, scale, lengths)
 
 
 @lru_cache(maxsize=64)
@@ -134,32 +188,23 @@ def key_counts(counts: tuple[int, ...]) -> mx.array:
     return mx.array(counts, mx.int32)
 
 
-def product(x, w, platform: str, scales=None, biases=None, *, bits: int = 0, group_size: int = 0) -> mx.array:
-    """x [..., K] @ W^T for w [N, K] (float, or MLX's affine codes with scales and biases)."""
-    flat = x.reshape(-1, x.shape[-1])
-    launch = product_launch(flat, w, scales, biases, bits=bits, group_size=group_size)
-    return run(ROW_PRODUCT, launch, platform)[0].reshape(*x.shape[:-1], -1)
+def product(x, w, platform: str, scales=None, biases=None, indices=None, *, bits: int = 0, group_size: int = 0):
+    """x [..., K] @ W^T for w [N, K] (float, or MLX's affine codes with scales and biases); with indices
+    [..., k], x [..., 1 or k, 1, K] against the matrices of w [E, N, ...] they choose: [..., k, 1, N]."""
+    launch = product_launch(x, w, scales, biases, indices, bits=bits, group_size=group_size)
+    return run(ROW_PRODUCT, launch, platform)[0]
 
 
-def expert_product(x, w, indices, platform: str, scales=None, biases=None, *, bits=0, group_size=0) -> mx.array:
-    """x [..., 1 or k, 1, K] against the matrices of w [E, N, ...] chosen by indices [..., k]:
-    [..., k, 1, N]."""
-    flat = x.reshape(-1, x.shape[-1])
-    launch = product_launch(flat, w, scales, biases, indices.reshape(-1), bits=bits, group_size=group_size,
-                            share=rows_of_x(x, indices))  # fmt: skip
-    return run(ROW_PRODUCT, launch, platform)[0].reshape(*indices.shape, 1, -1)
+def key_counts_of(q, k, key_lengths) -> mx.array:
+    """The kernel's `lengths`: each row's key count (key_lengths None: every row holds all keys)."""
+    keys = (k if isinstance(k, mx.array) else k.codes).shape[2]
+    return key_counts(tuple(key_lengths) if key_lengths is not None else (keys,) * q.shape[0])
 
 
 def attention(q, k, v, scale: float, causal: bool, key_lengths, platform: str) -> mx.array:
-    """ops.scaled_dot_product_attention's arguments (key_lengths None: every row holds all keys)."""
-    keys = (k.codes if not isinstance(k, mx.array) else k).shape[2]
-    counts = key_counts(tuple(key_lengths) if key_lengths is not None else (keys,) * q.shape[0])
-    return run(ROW_ATTENTION, attention_launch(q, k, v, scale, causal, counts), platform)[0]
-
-
-def tokens_of(x: mx.array) -> int:
-    """Tokens of a product's input [..., K]: its rows."""
-    return x.size // x.shape[-1]
+    """ops.scaled_dot_product_attention's arguments on the row attention."""
+    launch = attention_launch(q, k, v, scale, causal, key_counts_of(q, k, key_lengths))
+    return run(ROW_ATTENTION, launch, platform)[0]
 
 
 def _random(rng, shape, dtype) -> mx.array:
@@ -191,7 +236,7 @@ def small_product_case(platform, dtype, weights, group_size: int, rows: int, sha
         k = max(share, 2)
         x = _random(rng, (rows, 1 if share > 1 else k, 1, K), dtype)
         indices = mx.array(rng.integers(0, E, (rows, k)), mx.int32)
-        got = expert_product(x, indices=indices, platform=platform, **stored)
+        got = product(x, indices=indices, platform=platform, **stored)
         want = (x.astype(mx.float32) @ wide[indices].swapaxes(-1, -2))  # [rows, k, 1, N]
         return [got], [want.astype(dtype)]
     x = _random(rng, (rows, K), dtype)

@@ -55,7 +55,7 @@ def _check(spec, small_case, platform, *variant) -> bool:
         problem = f"failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e})"
     if problem is not None:
         described = ", ".join(map(str, variant))
-        message = f"the {platform} kernel {spec.file} ({described}) {problem}; using {spec.fallback} for it"
+        message = f"the {platform} kernel {spec.file} ({described}) {problem}; {spec.fallback}"
         if _strict_kernels():
             raise KernelError(message + " (MLX_HYBRID_STRICT_KERNELS=1 makes this an error)")
         _log.warning("mlx_hybrid: %s", message)

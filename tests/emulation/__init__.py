@@ -12,7 +12,8 @@ the package allows (lines 52-115, 207-209). Inputs are `const device T*` (`const
 constant T*` below 8 elements, which the shim's empty `constant` makes the same here,
 and which the bodies never name), `name_shape` is `const constant int*` when the body
 uses it, `name_strides` is `const constant int64_t*` (in elements) when the body uses it (the
-inputs of a kernel that takes them as they are: MLX's `ensure_row_contiguous=False`), outputs are
+inputs of a kernel that takes them as they are: MLX's `ensure_row_contiguous=False`), `name_ndim`
+`const constant int&` when the body uses it, outputs are
 `device T*`, and `thread_position_in_grid` (uint3) and
 `thread_index_in_simdgroup` (uint) are the attributes the bodies use. MLX makes the
 template arguments template parameters; here they are constants of the same names.
@@ -52,6 +53,8 @@ def render(spec, launch) -> str:
             params.append(f"const constant int* {name}_shape")
         if f"{name}_strides" in source:
             params.append(f"const constant int64_t* {name}_strides")
+        if f"{name}_ndim" in source:
+            params.append(f"const constant int& {name}_ndim")
     for name, dtype in zip(spec.output_names, launch.output_dtypes):
         params.append(f"device {C_TYPES[dtype][0]}* {name}")
     constants = []
@@ -129,6 +132,10 @@ def emulate(spec, launch, coverage_dir: Path | None = None, strided: bool = Fals
             strides = np.array([n // data.itemsize for n in data.strides], dtype=np.int64)
             keep.append(strides)
             args.append(strides.ctypes.data_as(ctypes.c_void_p))
+        if f"{name}_ndim" in source:  # a reference: its address
+            ndim = np.array([array.ndim], dtype=np.int32)
+            keep.append(ndim)
+            args.append(ndim.ctypes.data_as(ctypes.c_void_p))
     outputs = [
         np.zeros(shape, dtype=C_TYPES[dtype][1]) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)
     ]
