@@ -15,7 +15,7 @@ from . import backend, cpu_quantized, row_kernels, selfcheck
 from .backend import cpu_kernel_passed, path_key
 from .cpu_extension import QUANTIZED
 from .kernels import run
-from .row_kernels import QUANTIZED_BITS, ROW_PRODUCT
+from .row_kernels import ROW_PRODUCT
 
 SIXTEEN_BITS = (mx.bfloat16, mx.float16)
 
@@ -120,7 +120,7 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     def mlx_product(x, w, scales, biases):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits).astype(dtype)
 
-    if affine and bits in QUANTIZED_BITS and key and key[0]:  # key[0]: path_key's GPU kernel platform
+    if affine and key and key[0]:  # key[0]: path_key's GPU kernel platform
 
         def product(x, w, scales, biases):
             out = row_product(x, w, scales, biases, bits=bits, group_size=group_size)
@@ -147,8 +147,8 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype."""
     biases = no_codes(scales) if biases is None else biases
-    affine = block is None and bits in QUANTIZED_BITS and group_size in MLX_GROUP_SIZES
-    if affine and (out := row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)) is not None:
+    out = None if block is not None else row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)
+    if out is not None:
         return out
     if _cpu_quantized_kernels(bits, group_size, block or scales.dtype):
         out = _on_token_rows(

@@ -42,7 +42,7 @@ ROW_ATTENTION = KernelSpec(
 ROW_KERNEL_TOKENS = 16
 ROW_KERNEL_PASS_TOKENS = 8 * ROW_KERNEL_TOKENS
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-QUANTIZED_BITS = (4, 8)
+QUANTIZED_BITS, GROUP_SIZES = (4, 8), (32, 64, 128)  # MLX's affine codes the bodies read
 ROWS_A_THREADGROUP = 8  # rows one threadgroup multiplies with the weights it reads once
 COLUMNS_A_SIMDGROUP = 4
 SIMDGROUPS = 4  # a product's threadgroup: 128 threads
@@ -74,7 +74,9 @@ def product_form(x_shape, dtype, w_shape, w_dtype, bits: int, group_size: int, i
     row kernel does not take it (more than ROW_KERNEL_PASS_TOKENS tokens, a dtype it does not read)."""
     experts = indices_shape is not None
     tokens = math.prod(indices_shape[:-1]) if experts else math.prod(x_shape[:-1])
-    if tokens > ROW_KERNEL_PASS_TOKENS or dtype not in FLOAT_DTYPES or not (bits or w_dtype in FLOAT_DTYPES):
+    if tokens > ROW_KERNEL_PASS_TOKENS or dtype not in FLOAT_DTYPES:
+        return None
+    if (bits not in QUANTIZED_BITS or group_size not in GROUP_SIZES) if bits else w_dtype not in FLOAT_DTYPES:
         return None
     share = (indices_shape[-1] if x_shape[-3] == 1 else 1) if experts else 1
     N = w_shape[1 if experts else 0]
@@ -150,7 +152,7 @@ def attention_form(q_shape, dtype, kv_heads: int, value_dim: int, bits, group_si
     B, H, T, Dk = q_shape
     if T > ROW_KERNEL_TOKENS or dtype not in FLOAT_DTYPES or H % kv_heads or value_dim > MAX_VALUE_DIM:
         return None
-    if bits is None or (bits and bits not in QUANTIZED_BITS):
+    if bits is None or (bits and (bits not in QUANTIZED_BITS or group_size not in GROUP_SIZES)):
         return None
     groups = key_groups(value_dim)
     template = [("T", dtype), ("Bits", bits), ("GroupSize", group_size), ("Dk", Dk), ("Dv", value_dim),
