@@ -70,7 +70,7 @@ def make(directory: Path, llama_bin: Path, types: list[str]):
         save_gguf(random_model(args, mx.float32), tokenizer, source, matrix_dtype=np.float32)
     # the importance matrix from this script's own text; the MTP block, which that text never
     # reaches, in Q4_K
-    if not imatrix.is_file():
+    if not imatrix.is_file() and set(types) & set(WITH_IMATRIX):
         run([llama_bin / "llama-imatrix", "-m", source, "-f", __file__, "-o", imatrix, "-c", "128"])
     for type_name in types:
         options = ["--imatrix", imatrix, "--tensor-type", rf"blk\.{args.num_hidden_layers}\.=q4_k"]
@@ -85,13 +85,13 @@ def run(command: list):
         sys.exit(f"{' '.join(map(str, command))} failed")
 
 
-def run_ours(path: Path, tokens: int, dequantize: bool) -> dict:
+def run_ours(path: Path, tokens: int, dequantize: bool, activations: str = "float32") -> dict:
     import mlx_hybrid  # (OpenBLAS before MLX)
 
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
-    model, tokenizer = mlx_hybrid.load(path, dequantize=dequantize)
+    model, tokenizer = mlx_hybrid.load(path, dequantize=dequantize, cpu_activations=activations)
     if dequantize:  # 16-bit matrices too: every weight float32
         model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
@@ -111,7 +111,9 @@ def run_llama_cpp(path: Path, tokens: int, threads: int, llama_bin: Path) -> dic
     return {"decode": json.loads(out)[0]["avg_ts"], "peak_gib": peak}
 
 
-RUNNERS = ("mlx-hybrid", "dequantized", "llama.cpp")
+# ours with float32 activations, with llama.cpp's 8-bit ones (cpu_activations="int8"; the types that
+# take them), with every matrix dequantized; llama.cpp
+RUNNERS = ("mlx-hybrid", "int8", "dequantized", "llama.cpp")
 
 
 def measure_in_child(runner: str, path: Path, args) -> dict:
@@ -127,7 +129,8 @@ def child(args):
     if runner == "llama.cpp":
         result = run_llama_cpp(Path(path), args.tokens, args.threads, args.llama_bin)
     else:
-        result = run_ours(Path(path), args.tokens, dequantize=runner == "dequantized")
+        result = run_ours(Path(path), args.tokens, dequantize=runner == "dequantized",
+                          activations="int8" if runner == "int8" else "float32")  # fmt: skip
         result["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps(result))
 

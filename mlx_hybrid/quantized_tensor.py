@@ -87,6 +87,22 @@ MXFP4 = BlockScales(
 )  # fmt: skip
 
 
+# GGUF's Q8_0: 8-bit codes q + 128 a group of 32, one float16 d a group (code 1), bias -128 d
+Q8_0 = BlockScales(1, 1, 1, -128.0)
+# GGUF's Q4_K and Q5_K: float16 d and -dmin a block of 8 groups, codes sc_j and m_j a group of 32
+K_QUANT = BlockScales(8, 2, 2)
+# GGUF's Q6_K: one float16 d a block of 16 groups of 16, a signed code sc_j a group, bias -32 d sc_j
+Q6_K = BlockScales(16, 1, 1, -32.0)
+
+# How a GGUF file's products compute where the CPU computes (`load(cpu_activations=)`): with float32
+# activations (what the file's dequantized weights compute), or as llama.cpp computes them, each row
+# of activations quantized to 8 bits and multiplied in integers
+CPU_ACTIVATIONS = ("float32", "int8")
+# the types whose products take 8-bit activations so far: name -> (bits, group size, block form), in
+# the order of the CPU kernel's type numbers
+INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K)}
+
+
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides
 # affine: mode -> (bits, group size, form)
 FLOAT_MODES = {"mxfp4": (4, 32, MXFP4)}

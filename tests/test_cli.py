@@ -32,6 +32,19 @@ def test_cli_compact_loading():
     assert_usage_error(hf, "compact loading applies to GGUF files")
 
 
+def test_cli_takes_llama_cpps_8_bit_activations():
+    """--cpu-activations int8 computes as load(cpu_activations="int8"); a file it does not compute is refused by
+    name."""
+    path = FIXTURES / "qwen35" / "model-Q8_0.gguf"
+    result = run_cli("--model", str(path), "--cpu-activations", "int8", "--prompt", "def f(", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    model, tok = mlx_hybrid.load(path, cpu_activations="int8")
+    assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, "def f(", max_tokens=8).rstrip("\n")
+    refused = run_cli("--model", str(FIXTURES / "qwen35" / "model-Q4_K_M.gguf"), "--cpu-activations", "int8",
+                      "--prompt", "hi")  # fmt: skip
+    assert_usage_error(refused, "Q8_0, Q4_K, Q6_K tensors so far")
+
+
 def test_cli_with_kimi_and_stdin_prompt():
     result = run_cli(
         "--model", str(FIXTURES / "kimilinear" / "hf"), "--prompt", "-", "--max-tokens", "8", stdin="import os\n"

@@ -43,6 +43,14 @@ def add_model_arguments(p: argparse.ArgumentParser):
         "x86-64 CPU kernels run, most types are already held as stored, exactly",
     )
     p.add_argument(
+        "--cpu-activations",
+        choices=["float32", "int8"],
+        default="float32",
+        help="how a --model GGUF's quantized products compute on the CPU: float32 (default: what its dequantized "
+        "weights compute) or int8 (as llama.cpp computes them: each row of activations quantized to 8 bits, "
+        "integer sums; Q8_0 files so far, others refused by name)",
+    )
+    p.add_argument(
         "--mmproj",
         default=None,
         metavar="FILE",
@@ -311,7 +319,7 @@ def load_for_generation(args):
         raise GenerationError("--pipeline splits a model over the processes of an mlx.launch run; this is one process")
     model, tokenizer = mlx_hybrid.load(
         args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
-        pipeline=args.pipeline, mmproj=args.mmproj, mtp=args.mtp_from,
+        pipeline=args.pipeline, mmproj=args.mmproj, mtp=args.mtp_from, cpu_activations=args.cpu_activations,
     )  # fmt: skip
     if args.draft_model and args.draft not in (None, "dflash"):
         raise GenerationError(f"--draft {args.draft} and --draft-model contradict each other: give one")

@@ -32,6 +32,7 @@ void bind_norms(nanobind::module_& m);
 void bind_linear_attention(nanobind::module_& m);
 void bind_attention(nanobind::module_& m);
 void bind_gated_product(nanobind::module_& m);
+void bind_int8_products(nanobind::module_& m);
 
 // The target of the units' AVX2 functions (within what cpu_supported() checks; the quantized
 // products' body, compiled per instruction set, names its own).

@@ -24,7 +24,8 @@ from ..parallel import PIPELINE, TENSOR
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
 from .common import RankPart, fill_model, rename
-from .quantized import dequantized_notice
+from ..quantized_tensor import CPU_ACTIVATIONS
+from .quantized import block_type_name, dequantized_notice
 
 _log = logging.getLogger("mlx_hybrid")
 
@@ -74,6 +75,7 @@ def load(
     pipeline: bool = False,
     mmproj=None,
     mtp=None,
+    cpu_activations: str = "float32",
 ):
     """Load a model and its tokenizer from a `.gguf` file, an HF checkpoint directory, or a
     Hugging Face hub name (`org/repo`, `org/repo:file.gguf`; see `loaders.hub`).
@@ -94,6 +96,12 @@ def load(
     mtp: the checkpoint the model was converted from (an HF directory or a GGUF file), to take the
     MTP head from where the model has none (mlx-lm's and mlx-vlm's conversions drop it): only its
     `mtp.*` tensors are read; the head is quantized as the model is. A head of another shape is refused.
+
+    cpu_activations (GGUF files, where the CPU computes): "float32" (the default), each quantized
+    product computes what the file's dequantized weights compute; "int8", as llama.cpp computes it on
+    x86: each row of activations quantized to the type's 8-bit blocks and multiplied in integers, for
+    products of up to 16 rows (decode steps, verify passes; a prompt's take float32 activations).
+    Q8_0 and Q4_K tensors so far: a file holding other types is refused by name.
 
     group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
     `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank
@@ -122,8 +130,31 @@ def load(
         if group is not None and group.size() > 1:
             raise ModelLoadError("an MTP head from another checkpoint is not taken by a split model")
         _attach_mtp_head(model, Path(mtp).expanduser(), dtype)
+    _set_cpu_activations(model, cpu_activations, path)
     model.loaded_from = path.resolve()
     return model, tokenizer
+
+
+def _set_cpu_activations(model, activations: str, path: Path):
+    """Every quantized product of the model takes `activations` (see `load`), or the load is refused."""
+    if activations not in CPU_ACTIVATIONS:
+        raise ModelLoadError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, got {activations!r}")
+    if activations == "float32":
+        return
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes a GGUF file as llama.cpp does; a "
+                             "Hugging Face or MLX checkpoint computes with float activations")  # fmt: skip
+    modules = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" in m]
+    refused = {}
+    for module in modules:
+        if reason := ops.int8_activations(module.bits, module.group_size, module.block):
+            refused.setdefault(reason, set()).add(block_type_name(module.bits, module.group_size, module.block))
+    if refused:
+        reason, names = next(iter(refused.items()))
+        raise ModelLoadError(f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "
+                             f"this file holds {', '.join(sorted(names))} tensors")  # fmt: skip
+    for module in modules:
+        module.activations = activations
 
 
 class _Split:

@@ -51,7 +51,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ops
-from ..quantized_tensor import GROUP_SIZE, MXFP4, BlockScales, GridBlocks, QuantizedTensor
+from ..quantized_tensor import GROUP_SIZE, K_QUANT, MXFP4, Q6_K, Q8_0, BlockScales, GridBlocks, QuantizedTensor
 
 
 def _f16(block_bytes: np.ndarray) -> np.ndarray:
@@ -234,14 +234,14 @@ def _iq3_s(b):
 
 # GGML type name -> (bits, values per group, block parser, the block form's scales)
 BLOCK_TYPES = {
-    "Q8_0": (8, 32, _q8_0, BlockScales(1, 1, 1, -128.0)),
+    "Q8_0": (8, 32, _q8_0, Q8_0),
     "Q4_0": (4, 32, _q4_0, BlockScales(1, 1, 1, -8.0)),
     "Q4_1": (4, 32, _q4_1, BlockScales(1, 2, 1)),
     "Q5_0": (5, 32, _q5_0, BlockScales(1, 1, 1, -16.0)),
     "Q5_1": (5, 32, _q5_1, BlockScales(1, 2, 1)),
-    "Q4_K": (4, 32, _q4_k, BlockScales(8, 2, 2)),
-    "Q5_K": (5, 32, _q5_k, BlockScales(8, 2, 2)),
-    "Q6_K": (6, 16, _q6_k, BlockScales(16, 1, 1, -32.0)),
+    "Q4_K": (4, 32, _q4_k, K_QUANT),
+    "Q5_K": (5, 32, _q5_k, K_QUANT),
+    "Q6_K": (6, 16, _q6_k, Q6_K),
     "Q2_K": (2, 16, _q2_k, BlockScales(16, 2, 2, code_bits=4)),
     "Q3_K": (3, 16, _q3_k, BlockScales(16, 1, 1, -4.0)),
     "IQ4_NL": (4, 32, _iq4_nl, BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)),
@@ -251,6 +251,15 @@ BLOCK_TYPES = {
     "TQ2_0": (2, 32, _tq2_0, BlockScales(8, 1, 0, -1.0)),
     "TQ1_0": (2, 32, _tq1_0, BlockScales(8, 1, 0, -1.0)),  # (GRID_TYPES' blocks where our kernels compute)
 }
+
+
+def block_type_name(bits: int, group_size: int, block) -> str:
+    """The GGML type a quantized tensor in this form holds (or "MLX's affine groups" for none)."""
+    if isinstance(block, GridBlocks):
+        return block.type_name
+    held = (bits, group_size, block)
+    return next((name for name, (*layout, _, form) in BLOCK_TYPES.items() if (*layout, form) == held),
+                "MLX's affine groups")  # fmt: skip
 
 
 # GGML type name -> its blocks as stored, where our kernels multiply them (else BLOCK_TYPES' form,

@@ -32,6 +32,7 @@ class VocabularySubsetHead(nn.Module):
             self.biases = projection["biases"][ids] if "biases" in projection else None
             self.group_size, self.bits = projection.group_size, projection.bits
             self.block = getattr(projection, "block", None)
+            self.activations = projection.activations
         mx.eval(self.parameters())
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -68,7 +68,7 @@ def quantized_product(x: mx.array, module) -> mx.array:
     such as mxfp4), in x's dtype, through `ops` (our CPU kernels where they run)."""
     return ops.quantized_matmul(
         x, module["weight"], module["scales"], module.get("biases"),
-        group_size=module.group_size, bits=module.bits, block=module.block,
+        group_size=module.group_size, bits=module.bits, block=module.block, activations=module.activations,
     )  # fmt: skip
 
 
@@ -83,6 +83,7 @@ class QuantizedLinear(nn.QuantizedLinear):
     """Computes in the input's dtype (see `quantized_product`)."""
 
     block = None  # a BlockScales where scales and biases are a block form's factors and codes
+    activations = "float32"  # "int8": a GGUF file's products as llama.cpp computes them (`load(cpu_activations=)`)
 
     @property
     def input_order(self) -> mx.array | None:
@@ -99,10 +100,12 @@ class QuantizedLinear(nn.QuantizedLinear):
         # the product's path is decided once per input dtype and `ops.path_key`, and kept beside the
         # parameters (a decode step runs hundreds of these: each costs the host this call, the key's
         # and the kernel's)
-        key, chosen = (x.dtype, self["scales"].dtype, self.block, ops.path_key()), self.__dict__.get("_path")
+        key = (x.dtype, self["scales"].dtype, self.block, self.activations, ops.path_key())
+        chosen = self.__dict__.get("_path")
         if chosen is None or chosen[0] != key:
-            dtype, scales_dtype, block, where = key
-            path = ops.quantized_product_path(dtype, self.bits, self.group_size, block, scales_dtype, *where)
+            dtype, scales_dtype, block, activations, where = key
+            path = ops.quantized_product_path(dtype, self.bits, self.group_size, block, scales_dtype, activations,
+                                              *where)  # fmt: skip
             chosen = self.__dict__["_path"] = (key, path)  # not a parameter: beside the module's tree
         out = chosen[1](x, self["weight"], self["scales"], self.get("biases"))
         return out + self["bias"].astype(out.dtype) if "bias" in self else out
@@ -150,6 +153,7 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     """Looks rows up in float32: MLX's own gives its scales' dtype (16 bits when loaded compact)."""
 
     block = None  # as QuantizedLinear's
+    activations = "float32"
 
     def __call__(self, x):
         biases = self.get("biases")
@@ -190,6 +194,8 @@ class QuantizedSwitchLinear(nn.Module):
     """SwitchLinear with MLX-quantized experts (gathered quantized matmul): affine, or a mode
     held as a block form (see `mode_form`: weight and scales, no biases)."""
 
+    activations = "float32"  # as QuantizedLinear's
+
     def __init__(self, shape, group_size: int, bits: int, mode: str = "affine"):
         super().__init__()
         E, out, inp = shape
@@ -202,7 +208,7 @@ class QuantizedSwitchLinear(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return ops.gather_quantized_matmul(
             x, self.weight, self.scales, self.get("biases"), indices, group_size=self.group_size, bits=self.bits,
-            block=self.block,
+            block=self.block, activations=self.activations,
         )  # fmt: skip
 
 

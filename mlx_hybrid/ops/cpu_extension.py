@@ -44,7 +44,8 @@ NORMS = CpuKernel("norms", "rms_norm.cpp")
 ATTENTION = CpuKernel("attention", "attention.cpp")
 ROPE = CpuKernel("rotary embedding", "attention.cpp")  # attention's unit, a first-call check of its own
 GATED_PRODUCT = CpuKernel("gated products", "gated_product.cpp")
-KERNELS = (QUANTIZED, LINEAR_ATTENTION, GATED_DELTA, CONV1D, NORMS, ATTENTION, ROPE, GATED_PRODUCT)
+INT8_PRODUCTS = CpuKernel("products with 8-bit activations", "int8_products.cpp")
+KERNELS = (QUANTIZED, LINEAR_ATTENTION, GATED_DELTA, CONV1D, NORMS, ATTENTION, ROPE, GATED_PRODUCT, INT8_PRODUCTS)
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
 _UNITS = [_CSRC / name for name in (*dict.fromkeys(kernel.file for kernel in KERNELS), "cpu_kernels.cpp")]

@@ -191,3 +191,130 @@ def small_case_16bit(_platform, dtype):
     got.append(gather_matmul_16bit(x[:2, None], w, indices))
     want.append(mx.stack([dense[row] @ x[t] for t, row in enumerate(indices.tolist())]))
     return got, want
+
+
+def int8_matmul(x, w, factors, codes, held_type: int) -> mx.array:
+    """x [..., K] (at most 16 rows) @ W^T for a GGUF matrix held as the package holds its type
+    (`quantized_tensor.INT8_TYPES`, numbered in order: packed codes, float16 factors, int8 codes), as
+    llama.cpp computes it on x86: each row quantized to the type's 8-bit blocks, integer block sums:
+    float32 [..., N]."""
+    return extension().int8_matmul(x, w, factors, codes, held_type)
+
+
+def int8_gather_matmul(x, w, factors, codes, indices, held_type: int) -> mx.array:
+    """`int8_matmul` for x [T, 1 or k, K] against the matrices of w [E, N, ...] chosen by indices [T, k]:
+    float32 [T, k, N]."""
+    return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type)
+
+
+def q8_0_reference(x: np.ndarray, codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q8_0 product the slow obvious way (float64 sums): x [M, K] float32, the weight's
+    signed codes [N, K] and float16 d [N, K / 32]. Each row of x quantized as llama.cpp's
+    quantize_row_q8_0 on x86 quantizes it (d_x = max |x| / 127 as float16, codes rounded half to even
+    from x * (127 / max |x|)), integer sums a block, times d_w d_x."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    largest = np.abs(blocks).max(-1)
+    d_x = (largest / np.float32(127)).astype(np.float16).astype(np.float64)
+    inverse = np.where(largest != 0, np.float32(127) / np.where(largest != 0, largest, 1), 0).astype(np.float32)
+    q_x = np.rint(blocks * inverse[..., None]).astype(np.int64)
+    sums = np.einsum("mbi,nbi->mnb", q_x, codes.reshape(codes.shape[0], -1, 32).astype(np.int64))
+    return (sums * d_x[:, None, :] * d.astype(np.float64)[None]).sum(-1)
+
+
+def q8_k_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x [M, K] as llama.cpp's quantize_row_q8_K quantizes them: per block of 256 the value of
+    largest magnitude v (the first of equals), codes min(127, round-half-even(x * (-127 / v))) and
+    d = 1 / (-127 / v), all in float32 (a block of zeros: codes and d 0). Codes [M, K], d [M, K / 256]."""
+    blocks = x.reshape(x.shape[0], -1, 256).astype(np.float32)
+    at = np.abs(blocks).argmax(-1)
+    largest = np.take_along_axis(blocks, at[..., None], -1)[..., 0]
+    inverse = np.where(largest != 0, np.float32(-127) / np.where(largest != 0, largest, 1), 0).astype(np.float32)
+    codes = np.minimum(127, np.rint(blocks * inverse[..., None])).astype(np.int64)
+    d = np.where(inverse != 0, np.float32(1) / np.where(inverse != 0, inverse, 1), 0).astype(np.float32)
+    return codes.reshape(x.shape), d
+
+
+def q4_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray):
+    """llama.cpp's Q4_K product the slow obvious way (float64 sums): x [M, K] float32 quantized as
+    `q8_k_rows`, the weight's 4-bit values q [N, K], float16 d and dmin [N, K / 256] and 6-bit sc and m
+    [N, K / 32]: per block d_w d_x sum_j sc_j (q . x codes over group j) - dmin_w d_x sum_j m_j
+    (the group's x codes)."""
+    codes, d_x = q8_k_rows(x)
+    groups = codes.reshape(len(x), -1, 32)
+    dots = np.einsum("mgi,ngi->mng", groups, q.reshape(len(q), -1, 32).astype(np.int64))
+    scaled = (dots * sc[None]).reshape(len(x), len(q), -1, 8).sum(-1)
+    mins = (groups.sum(-1)[:, None] * m[None]).reshape(len(x), len(q), -1, 8).sum(-1)
+    wide = d_x.astype(np.float64)[:, None]
+    return (scaled * d.astype(np.float64)[None] * wide - mins * dmin.astype(np.float64)[None] * wide).sum(-1)
+
+
+def q6_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q6_K product the slow obvious way (float64 sums): x [M, K] float32 quantized as
+    `q8_k_rows`, the weight's 6-bit values q [N, K], float16 d [N, K / 256] and signed sc [N, K / 16]:
+    per block d_w d_x sum_j sc_j ((q - 32) . x codes over group j of 16)."""
+    codes, d_x = q8_k_rows(x)
+    dots = np.einsum("mgi,ngi->mng", codes.reshape(len(x), -1, 16), q.reshape(len(q), -1, 16).astype(np.int64) - 32)
+    blocks = (dots * sc[None]).reshape(len(x), len(q), -1, 16).sum(-1)
+    return (blocks * d.astype(np.float64)[None] * d_x.astype(np.float64)[:, None]).sum(-1)
+
+
+def held_q6_k(q, d, sc) -> tuple[mx.array, mx.array, mx.array]:
+    """A Q6_K matrix (values q [..., K], float16 d [..., K / 256], signed sc [..., K / 16]) as the package
+    holds it: 6-bit values packed from the lowest bits up, the factors, the codes."""
+    fours = q.astype(np.uint32).reshape(*q.shape[:-1], -1, 4) << np.array([0, 6, 12, 18], np.uint32)
+    packed = fours.sum(-1, dtype=np.uint32).view(np.uint8).reshape(*q.shape[:-1], -1, 4)[..., :3]
+    words = np.ascontiguousarray(packed.reshape(*q.shape[:-1], -1)).view(np.uint32)
+    return mx.array(words), mx.array(d.astype(np.float16)), mx.array(sc.astype(np.int8))
+
+
+def random_q6_k(rng, shape):
+    """Random Q6_K weights [..., N, K]: values, d of either sign, signed 8-bit sc."""
+    *lead, N, K = shape
+    d = (rng.uniform(-1, 1, (*lead, N, K // 256)) / 256).astype(np.float16)
+    return rng.integers(0, 64, shape).astype(np.uint8), d, rng.integers(-128, 128, (*lead, N, K // 16))
+
+
+def held_q8_0(codes: np.ndarray, d: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
+    """A Q8_0 matrix (signed codes [..., K], float16 d [..., K / 32]) as the package holds it: (w,
+    factors, codes)."""
+    w = mx.array((codes.astype(np.int16) + 128).astype(np.uint8).view(np.uint32))
+    return w, mx.array(d), mx.ones(d.shape, mx.int8)
+
+
+def held_q4_k(q, d, dmin, sc, m) -> tuple[mx.array, mx.array, mx.array]:
+    """A Q4_K matrix (values q [..., K], float16 d, dmin [..., K / 256], codes sc, m [..., K / 32]) as the
+    package holds it: (nibbles a value at a time, factors (d, -dmin) a block, codes (sc, m) a group)."""
+    nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    factors = np.stack([d, -dmin], -1).reshape(*d.shape[:-1], -1).astype(np.float16)
+    codes = np.stack([sc, m], -1).reshape(*sc.shape[:-1], -1).astype(np.int8)
+    return mx.array(np.ascontiguousarray(nibbles).view(np.uint32)), mx.array(factors), mx.array(codes)
+
+
+def random_q4_k(rng, shape):
+    """Random Q4_K weights [..., N, K]: values, d and dmin of either sign's magnitude, 6-bit sc and m."""
+    *lead, N, K = shape
+    q = rng.integers(0, 16, shape).astype(np.uint8)
+    d, dmin = ((rng.uniform(0, 1, (*lead, N, K // 256)) / 64).astype(np.float16) for _ in range(2))
+    sc, m = (rng.integers(0, 64, (*lead, N, K // 32)) for _ in range(2))
+    return q, d, dmin, sc, m
+
+
+def small_case_int8(_platform):
+    """A first-use check of the products with 8-bit activations: 1 and 9 rows and gathered experts
+    against the references, for each type (Q8_0, Q4_K, Q6_K)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    indices = np.array([[2, 0], [1, 2]], np.uint32)
+    codes = rng.integers(-127, 128, (3, 24, 512)).astype(np.int8)
+    d = (rng.uniform(-1, 1, (3, 24, 16)) / 64).astype(np.float16)
+    k_quant, six_bits = random_q4_k(rng, (3, 24, 512)), random_q6_k(rng, (3, 24, 512))
+    cases = [(held_q8_0(codes, d), lambda rows, e: q8_0_reference(rows, codes[e], d[e]), 0),
+             (held_q4_k(*k_quant), lambda rows, e: q4_k_reference(rows, *(a[e] for a in k_quant)), 1),
+             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2)]  # fmt: skip
+    got, want = [], []
+    for held, reference, held_type in cases:
+        got += [int8_matmul(mx.array(x[:rows]), *(a[1] for a in held), held_type) for rows in (1, 9)]
+        want += [reference(x[:rows], 1) for rows in (1, 9)]
+        got.append(int8_gather_matmul(mx.array(x[:2, None]), *held, mx.array(indices), held_type))
+        want.append(np.stack([[reference(x[t : t + 1], e)[0] for e in row] for t, row in enumerate(indices)]))
+    return got, [mx.array(a.astype(np.float32)) for a in want]

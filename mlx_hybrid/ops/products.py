@@ -10,10 +10,10 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..quantized_tensor import BlockScales, QuantizedTensor, no_codes
+from ..quantized_tensor import INT8_TYPES, BlockScales, QuantizedTensor, no_codes
 from . import backend, cpu_quantized, row_kernels, selfcheck
 from .backend import cpu_kernel_passed, path_key
-from .cpu_extension import QUANTIZED
+from .cpu_extension import INT8_PRODUCTS, QUANTIZED
 from .kernels import run
 from .row_kernels import ROW_PRODUCT
 
@@ -102,20 +102,55 @@ def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> boo
     return _cpu_quantized_kernels(bits, group_size, block)
 
 
-def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None,
+                     activations: str = "float32"):  # fmt: skip
     """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
     form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
-    float32, and MLX would promote a 16-bit model's products, and everything after, to float32)."""
-    product = quantized_product_path(x.dtype, bits, group_size, block, scales.dtype, *path_key())
+    float32, and MLX would promote a 16-bit model's products, and everything after, to float32).
+    activations "int8": a GGUF block form's products as llama.cpp computes them on the CPU
+    (`int8_activations`)."""
+    product = quantized_product_path(x.dtype, bits, group_size, block, scales.dtype, activations, *path_key())
     return product(x, w, scales, biases)
 
 
+# Products of up to this many rows (decode steps, verify passes) take 8-bit activations where asked;
+# longer ones (prompts) the float32 path
+INT8_ROWS = 16
+
+
+def int8_type(bits: int, group_size: int, block) -> int | None:
+    """The CPU kernel's number of the GGUF type held in this layout, where it takes 8-bit activations."""
+    return next((i for i, held in enumerate(INT8_TYPES.values()) if held == (bits, group_size, block)), None)
+
+
+def int8_activations(bits: int, group_size: int, block) -> str | None:
+    """Why products in this layout cannot take llama.cpp's 8-bit activations here, or None where they
+    can (a type with an int8 kernel; our CPU kernels, built and checked)."""
+    if int8_type(bits, group_size, block) is None:
+        return "llama.cpp's 8-bit activations are computed for " + ", ".join(INT8_TYPES) + " tensors so far"
+    if backend.gpu_computes():
+        return "they are computed where the CPU computes, and this process computes on the GPU"
+    if not cpu_kernel_passed(INT8_PRODUCTS, cpu_quantized.small_case_int8):
+        return "they need this package's CPU kernels (x86-64 with AVX2), which do not run here"
+    return None
+
+
 @lru_cache(maxsize=None)
-def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtype, *key) -> Callable:
+def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtype, activations, *key) -> Callable:
     """`quantized_matmul` for inputs of `dtype` and this layout, its path decided once for the
     `backend.path_key` it was asked under: a function (x, w, scales, biases) -> x @ W^T in dtype that
     calls the kernel directly (a layer's product costs the host two Python calls more)."""
     affine = group_size in MLX_GROUP_SIZES and block is None
+    if activations == "int8" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
+        float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
+        held_type = int8_type(bits, group_size, block)
+
+        def int8_product(x, w, scales, biases):
+            if x.size // x.shape[-1] > INT8_ROWS:
+                return float_path(x, w, scales, biases)
+            return cpu_quantized.int8_matmul(x, w, scales, biases, held_type)
+
+        return int8_product
 
     def mlx_product(x, w, scales, biases):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits).astype(dtype)
@@ -143,9 +178,14 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     return dequantized
 
 
-def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
+def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None,
+                            activations: str = "float32") -> mx.array:  # fmt: skip
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
-    [..., k, 1, N], in x's dtype."""
+    [..., k, 1, N], in x's dtype (activations: as `quantized_matmul`'s)."""
+    tokens, held_type = indices.size // indices.shape[-1], int8_type(bits, group_size, block)
+    if activations == "int8" and x.dtype == mx.float32 and tokens <= INT8_ROWS and held_type is not None:
+        return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
+                                                                                   held_type), x, indices)  # fmt: skip
     biases = no_codes(scales) if biases is None else biases
     out = None if block is not None else row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)
     if out is not None:

@@ -1,0 +1,317 @@
+// GGUF products with llama.cpp's arithmetic on x86 (AVX2): each row of x quantized alone to the
+// type's companion blocks as llama.cpp quantizes it, integer dot products, the block scales applied
+// in llama.cpp's order. A row's result depends on that row alone.
+// - Q8_0 x Q8_0 (ggml_vec_dot_q8_0_q8_0): per block of 32, d = max |x| / 127 rounded to float16,
+//   codes round-half-even(x * 127 / max |x|); the block's integer products in 8 lanes of 4, each
+//   lane's sum times d_w * d_x added into its float lane (a fused multiply-add), the 8 lanes summed by
+//   a fixed tree.
+// - Q4_K x Q8_K (ggml_gemv_q4_K_8x8_q8_K, the repacked form llama.cpp's x86 build multiplies Q4_K
+//   in): per block of 256, d_x = 1 / (-127 / x_max) with x_max the value of largest magnitude, codes
+//   min(127, nearest(x * -127 / x_max)); the block's sum of sc_j * (codes . x codes) over its groups
+//   of 32 and its sum of m_j * (the group's x codes), both exact integers, each into its float
+//   accumulator (fused multiply-adds by d_w d_x and dmin_w d_x), the second subtracted at the end.
+//
+// The weight is held as the package holds the type (loaders/quantized.py): packed codes (Q8_0's
+// q + 128 in bytes, Q4_K's nibbles a value at a time), float16 factors (Q8_0: d a group; Q4_K: d and
+// -dmin a block) and int8 codes (Q4_K: sc_j and m_j a group). Products of up to 16 rows (decode
+// steps and verify passes) take this path; the Python side sends longer ones to the float path.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cpu_kernels.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using mlx_hybrid::Pool;
+
+namespace {
+
+constexpr int BLOCK = 32;           // Q8_0's values a block; Q4_K's a group
+constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
+constexpr int MAX_ROWS = 16;        // rows a call quantizes and multiplies (decode steps, verify passes)
+constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
+
+enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2 };
+
+struct Q8Shape {
+    int rows, inputs, outputs;  // M, K, N
+    int chosen = 0;             // an expert product's matrices a token (k), else 0
+    bool shared = false;        // an expert product's x: one row a token for all its k choices
+    Type type = Q8_0;
+    bool operator==(const Q8Shape&) const = default;
+};
+
+// Rows of x quantized for a type: codes [rows, K] (Q4_K's in the order its nibbles are read: each
+// 64 values' even ones, then their odd ones), each block's d, each group's sum of codes (Q4_K).
+struct QuantizedRows {
+    std::vector<int8_t> codes;
+    std::vector<float> d;
+    std::vector<int32_t> group_sums;
+};
+
+// llama.cpp's quantize_row_q8_0 (x86): the block's largest magnitude m, d = m / 127 stored as
+// float16 (round to nearest even), the codes round-to-nearest-even(x * (127 / m)) (0 when m is 0).
+__attribute__((target("avx2,fma,f16c"))) void quantize_row(const float* x, int K, int8_t* codes, float* d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / BLOCK; b++) {
+        __m256 v[4], magnitude = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * BLOCK + 8 * i);
+            magnitude = _mm256_max_ps(magnitude, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 max4 = _mm_max_ps(_mm256_extractf128_ps(magnitude, 1), _mm256_castps256_ps128(magnitude));
+        max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+        max4 = _mm_max_ss(max4, _mm_movehdup_ps(max4));
+        const float largest = _mm_cvtss_f32(max4);
+        d[b] = _cvtsh_ss(_cvtss_sh(largest / 127.0f, 0));
+        const __m256 scale = _mm256_set1_ps(largest != 0.0f ? 127.0f / largest : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], scale), _MM_FROUND_TO_NEAREST_INT |
+                                                                                  _MM_FROUND_NO_EXC));
+        // int32 -> int8 in order: packs interleave 128-bit halves, the permute puts them back
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(codes + b * BLOCK), packed);
+    }
+}
+
+// llama.cpp's quantize_row_q8_K (x86 takes its reference code); codes stored in value order, or for
+// Q4_K's reading of nibbles (each 64 values' even ones, then their odd ones).
+void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int32_t* group_sums, bool nibble_order) {
+    int8_t ordered[SUPER_BLOCK];
+    for (int b = 0; b < K / SUPER_BLOCK; b++) {
+        const float* v = x + b * SUPER_BLOCK;
+        float largest = 0, signed_largest = 0;
+        for (int i = 0; i < SUPER_BLOCK; i++) {
+            if (std::fabs(v[i]) > largest) largest = std::fabs(v[i]), signed_largest = v[i];
+        }
+        const float inverse = largest != 0 ? -127.0f / signed_largest : 0.0f;
+        d[b] = largest != 0 ? 1 / inverse : 0.0f;
+        for (int i = 0; i < SUPER_BLOCK; i++)  // nearbyint: to nearest, ties to even, as llama.cpp's nearest_int
+            ordered[i] = largest != 0 ? (int8_t)std::min(127, (int)std::nearbyint(inverse * v[i])) : 0;
+        for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
+            int32_t sum = 0;
+            for (int i = 0; i < BLOCK; i++) sum += ordered[g * BLOCK + i];
+            group_sums[b * SUPER_BLOCK / BLOCK + g] = sum;
+        }
+        for (int chunk = 0; chunk < SUPER_BLOCK / 64; chunk++)
+            for (int i = 0; i < 32; i++) {
+                const int even = nibble_order ? 2 * i : i, odd = nibble_order ? 2 * i + 1 : 32 + i;
+                codes[b * SUPER_BLOCK + chunk * 64 + i] = ordered[chunk * 64 + even];
+                codes[b * SUPER_BLOCK + chunk * 64 + 32 + i] = ordered[chunk * 64 + odd];
+            }
+    }
+}
+
+// ggml_gemv_q4_K_8x8_q8_K's arithmetic for one weight row (nibbles, factors d and -dmin a block, codes
+// sc_j and m_j a group) and one quantized row of x.
+__attribute__((target("avx2,fma,f16c"))) float dot_row_q4_k(const uint8_t* w, const uint16_t* factors,
+                                                            const int8_t* w_codes, const int8_t* x,
+                                                            const float* x_d, const int32_t* x_sums, int blocks) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    float acc = 0.0f, acc_mins = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        __m256i sums = _mm256_setzero_si256();
+        int32_t mins = 0;
+        for (int chunk = 0; chunk < SUPER_BLOCK / 64; chunk++) {  // two groups: 32 bytes of nibbles
+            const int g = b * 8 + 2 * chunk;
+            const __m256i bits = _mm256_loadu_si256((const __m256i*)(w + b * SUPER_BLOCK / 2 + chunk * 32));
+            const int8_t* xs = x + b * SUPER_BLOCK + chunk * 64;
+            // bytes 0-15: group g's values, 16-31: group g + 1's; low nibbles the even ones
+            const __m256i x_even = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(xs + 16)),
+                                                    _mm_loadu_si128((const __m128i*)xs));
+            const __m256i x_odd = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(xs + 48)),
+                                                   _mm_loadu_si128((const __m128i*)(xs + 32)));
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(bits, low), x_even),
+                                                   _mm256_maddubs_epi16(high, x_odd));
+            const __m256i scales =
+                _mm256_set_m128i(_mm_set1_epi16(w_codes[2 * (g + 1)]), _mm_set1_epi16(w_codes[2 * g]));
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, scales));
+            mins += w_codes[2 * g + 1] * x_sums[g] + w_codes[2 * (g + 1) + 1] * x_sums[g + 1];
+        }
+        __m128i four = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        four = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+        const int32_t sum = _mm_cvtsi128_si32(four) + _mm_extract_epi32(four, 1);
+        const float d = _cvtsh_ss(factors[2 * b]), minus_dmin = _cvtsh_ss(factors[2 * b + 1]);
+        acc = std::fma((float)sum, d * x_d[b], acc);
+        acc_mins = std::fma((float)mins, -minus_dmin * x_d[b], acc_mins);
+    }
+    return acc - acc_mins;
+}
+
+// Q6_K's 6-bit values, 32 from the 24 bytes at p (a value every 6 bits from the lowest), as bytes in
+// order. Reads 28 bytes: the last run of a buffer comes through a padded copy (`end`).
+__attribute__((target("avx2,fma,f16c"))) inline __m256i unpack_6bit_run(const uint8_t* p, const uint8_t* end) {
+    uint8_t padded[32] = {};
+    if (p + 28 > end) {
+        std::memcpy(padded, p, 24);
+        p = padded;
+    }
+    // lane g of each half: its group of 3 bytes (4 values) as the low 24 bits
+    const __m256i bytes =
+        _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(p + 12)), _mm_loadu_si128((const __m128i*)p));
+    const __m256i lanes = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1, 0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8,
+                                -1, 9, 10, 11, -1));
+    // value t of a lane (bits 6t..6t+5) to byte t
+    const __m256i v0 = _mm256_and_si256(lanes, _mm256_set1_epi32(0x3F));
+    const __m256i v1 = _mm256_and_si256(_mm256_slli_epi32(lanes, 2), _mm256_set1_epi32(0x3F00));
+    const __m256i v2 = _mm256_and_si256(_mm256_slli_epi32(lanes, 4), _mm256_set1_epi32(0x3F0000));
+    const __m256i v3 = _mm256_and_si256(_mm256_slli_epi32(lanes, 6), _mm256_set1_epi32(0x3F000000));
+    return _mm256_or_si256(_mm256_or_si256(v0, v1), _mm256_or_si256(v2, v3));
+}
+
+// ggml_vec_dot_q6_K_q8_K's AVX2 arithmetic for one weight row (6-bit values, a float16 d a block,
+// signed sc a group of 16) and one row of x quantized to Q8_K (in value order): per run of 32 values,
+// (q - 32) times x's codes in pairs, times the run's two scales in lanes of 4, the lanes summed over
+// the block as integers, then each lane's sum times d_w d_x into its float lane; the lanes' tree.
+__attribute__((target("avx2,fma,f16c"))) float dot_row_q6_k(const uint8_t* w, const uint8_t* end,
+                                                            const uint16_t* factors, const int8_t* sc,
+                                                            const int8_t* x, const float* x_d, int blocks) {
+    const __m256i m32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i sums = _mm256_setzero_si256();
+        for (int run = 0; run < SUPER_BLOCK / 32; run++) {
+            const __m256i q = unpack_6bit_run(w + (b * SUPER_BLOCK + run * 32) * 6 / 8, end);
+            const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + b * SUPER_BLOCK + run * 32));
+            const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(q, qx), _mm256_maddubs_epi16(m32, qx));
+            const int g = b * 16 + 2 * run;
+            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, pairs));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[b])), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return mlx_hybrid::sum_lanes(acc);
+}
+
+// ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and one
+// quantized row of x.
+__attribute__((target("avx2,fma,f16c"))) float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x,
+                                                       const float* x_d, int blocks) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i qw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + b * BLOCK)), flip);  // q - 128
+        const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + b * BLOCK));
+        // |w| times x with w's sign: unsigned by signed bytes, pairs into 16 bits, then fours into 32
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, pairs));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), sums, acc);
+    }
+    return mlx_hybrid::sum_lanes(acc);
+}
+
+// y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
+// matrix it multiplies (the one matrix, or matrix indices[m]).
+void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const float* x = in[0].data<float>();
+    const uint8_t* w = in[1].data<uint8_t>();
+    const uint16_t* factors = in[2].data<uint16_t>();
+    const int8_t* w_codes = in[3].data<int8_t>();
+    const uint32_t* indices = s.chosen ? in[4].data<uint32_t>() : nullptr;
+    float* y = outs[0].data<float>();
+    const int M = s.rows, K = s.inputs, N = s.outputs, x_rows = s.shared ? M / s.chosen : M;
+    const bool k_quant = s.type != Q8_0;
+    const int blocks = K / (k_quant ? SUPER_BLOCK : BLOCK), groups = K / BLOCK;
+    QuantizedRows q{std::vector<int8_t>((size_t)x_rows * K), std::vector<float>((size_t)x_rows * blocks),
+                    std::vector<int32_t>((size_t)x_rows * groups)};
+    for (int r = 0; r < x_rows; r++) {
+        if (k_quant)
+            quantize_row_q8_k(x + (long)r * K, K, q.codes.data() + (long)r * K, q.d.data() + (long)r * blocks,
+                              q.group_sums.data() + (long)r * groups, s.type == Q4_K);
+        else
+            quantize_row(x + (long)r * K, K, q.codes.data() + (long)r * K, q.d.data() + (long)r * blocks);
+    }
+    // bytes of packed codes, float16 factors and int8 codes a weight row
+    const long row_bytes = s.type == Q4_K ? K / 2 : s.type == Q6_K ? K * 6 / 8 : K;
+    const long row_factors = s.type == Q4_K ? 2 * blocks : blocks, row_codes = s.type == Q6_K ? K / 16 : 2 * groups;
+    const uint8_t* w_end = w + in[1].nbytes();  // the 6-bit reads stop short of it
+    const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
+    Pool::get().run(parts, (long)N * K * (s.chosen ? M : 1) >= (1L << 18), [&](int part) {
+        const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
+        for (int m = 0; m < M; m++) {
+            const long matrix = indices ? indices[m] : 0, r = s.shared ? m / s.chosen : m;
+            const int8_t* codes = q.codes.data() + r * K;
+            const float* d = q.d.data() + r * blocks;
+            for (long n = first; n < end; n++) {
+                const long row = matrix * N + n;
+                const uint8_t* w_row = w + row * row_bytes;
+                const uint16_t* factor_row = factors + row * row_factors;
+                const int8_t* code_row = w_codes + row * row_codes;
+                y[(long)m * N + n] =
+                    s.type == Q4_K   ? dot_row_q4_k(w_row, factor_row, code_row, codes, d,
+                                                    q.group_sums.data() + r * groups, blocks)
+                    : s.type == Q6_K ? dot_row_q6_k(w_row, w_end, factor_row, code_row, codes, d, blocks)
+                                     : dot_row(w_row, factor_row, codes, d, blocks);
+            }
+        }
+    });
+}
+
+using Q8Product = mlx_hybrid::CpuPrimitive<Q8Shape, compute>;
+
+// The shapes a type's held matrix [..., N, K] has: packed codes (uint32 words), float16 factors and
+// int8 codes a row; throws unless w, factors and codes (the last axes) have them.
+void check_held(Type type, int K, const mx::array& w, const mx::array& factors, const mx::array& codes) {
+    const int words = type == Q4_K ? K / 8 : type == Q6_K ? K * 6 / 32 : K / 4;
+    const int factor_count = type == Q4_K ? 2 * K / SUPER_BLOCK : type == Q6_K ? K / SUPER_BLOCK : K / BLOCK;
+    const int code_count = type == Q4_K ? 2 * K / BLOCK : type == Q6_K ? K / 16 : 0;
+    if (K % (type == Q8_0 ? BLOCK : SUPER_BLOCK) || w.dtype() != mx::uint32 || factors.dtype() != mx::float16 ||
+        codes.dtype() != mx::int8 || w.shape(-1) != words || factors.shape(-1) != factor_count ||
+        (code_count && codes.shape(-1) != code_count) || factors.shape(-2) != w.shape(-2))
+        throw std::invalid_argument("int8 products: the held matrix does not fit x's K (" + std::to_string(K) +
+                                    ") as its type holds it");
+}
+
+// x [..., K] float32 (at most 16 rows) @ W^T for W [N, K] held as `type` (w packed codes, factors,
+// codes: see the top) -> float32 [..., N]
+mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
+                      int type) {
+    if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
+        type < Q8_0 || type > Q6_K)
+        throw std::invalid_argument(
+            "int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K) or 2 (Q6_K)");
+    const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
+    check_held((Type)type, K, w, factors, codes);
+    if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
+    auto shape = x.shape();
+    shape.back() = N;
+    auto stream = mx::default_stream(mx::Device::cpu);
+    Q8Shape s{M, K, N, 0, false, (Type)type};
+    return mx::array(shape, mx::float32, std::make_shared<Q8Product>(stream, s, "Int8Product"),
+                     {x, w, factors, codes});
+}
+
+// x [T, 1 or k, K] float32 against the matrices of w [E, N, ...] (held as `type`) chosen by indices
+// [T, k] -> float32 [T, k, N]
+mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
+                             const mx::array& indices, int type) {
+    if (x.dtype() != mx::float32 || x.ndim() != 3 || w.ndim() != 3 || factors.ndim() != 3 || indices.ndim() != 2 ||
+        indices.shape(0) != x.shape(0) || (x.shape(1) != 1 && x.shape(1) != indices.shape(1)) ||
+        type < Q8_0 || type > Q6_K)
+        throw std::invalid_argument("int8_gather_matmul: x float32 [T, 1 or k, K], matrices [E, N, ...] of type 0 "
+                                    "(Q8_0), 1 (Q4_K) or 2 (Q6_K), indices [T, k]");
+    const int K = x.shape(2), N = w.shape(1), k = indices.shape(1), M = indices.shape(0) * k;
+    check_held((Type)type, K, w, factors, codes);
+    auto stream = mx::default_stream(mx::Device::cpu);
+    Q8Shape s{M, K, N, k, x.shape(1) == 1, (Type)type};
+    return mx::array({indices.shape(0), k, N}, mx::float32,
+                     std::make_shared<Q8Product>(stream, s, "Int8GatherProduct"),
+                     {x, w, factors, codes, mx::astype(indices, mx::uint32)});
+}
+
+}  // namespace
+
+void mlx_hybrid::bind_int8_products(nb::module_& m) {
+    m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
+          nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K) as llama.cpp computes it");
+    m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
+          nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
+}

@@ -1,0 +1,235 @@
+"""GGUF products with llama.cpp's 8-bit activations (`load(cpu_activations="int8")`): our CPU kernel
+(csrc/int8_products.cpp) against the arithmetic written the slow obvious way
+(`cpu_quantized.q8_0_reference`: each row quantized as llama.cpp's quantize_row_q8_0, integer sums a
+block, float scales), and the models on it.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+import mlx_hybrid
+from mlx_hybrid import ModelLoadError, ops
+from mlx_hybrid.ops import cpu_quantized
+
+pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
+FLOAT32_EPS = 2.0**-23
+
+
+Q8_0, Q4_K, Q6_K = 0, 1, 2  # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
+
+
+def q8_0_matrix(rng, shape, scale=1 / 256):
+    """Random Q8_0 weights [..., N, K]: signed codes, float16 d's, and the package's held form."""
+    codes = rng.integers(-127, 128, shape).astype(np.int8)
+    d = (rng.uniform(-1, 1, (*shape[:-1], shape[-1] // 32)) * scale).astype(np.float16)
+    return codes, d, cpu_quantized.held_q8_0(codes, d)
+
+
+def q8_0_product(x, held):
+    return np.array(cpu_quantized.int8_matmul(mx.array(x) if isinstance(x, np.ndarray) else x, *held, Q8_0))
+
+
+def assert_at_float32_floor(got, want, x, codes, d):
+    """got within float32 accumulation of the float64 reference: per block one product of d's and an
+    exact integer sum, the blocks' sums in float32 (at most blocks * eps of their absolute sum)."""
+    blocks = codes.shape[-1] // 32
+    magnitude = (np.abs(x).reshape(len(x), -1, 32).max(-1) / 127) @ (np.abs(d).astype(np.float64) * 32 * 127).T
+    assert (np.abs(np.asarray(got) - want) <= blocks * FLOAT32_EPS * magnitude + 1e-30).all()
+
+
+@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+def test_q8_0_products_are_llama_cpps_arithmetic_and_row_invariant(K):
+    rng = np.random.default_rng(K)
+    codes, d, held = q8_0_matrix(rng, (24, K))
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    alone = np.concatenate([q8_0_product(x[r : r + 1], held) for r in range(16)])
+    for rows in (2, 4, 8, 16):
+        np.testing.assert_array_equal(q8_0_product(x[:rows], held), alone[:rows], err_msg=f"{rows} rows")
+    assert_at_float32_floor(alone, cpu_quantized.q8_0_reference(x, codes, d), x, codes, d)
+
+
+def test_q8_0_products_are_exact_where_the_arithmetic_is():
+    """Rows whose blocks hold integers up to 127 with one of 127 (d_x = 1, the codes the values) and
+    d_w powers of two: every sum and scale exact in float32, so the kernel gives the reference exactly
+    (a code rounded the other way, or a scale misplaced, would show)."""
+    rng = np.random.default_rng(1)
+    codes, _, _ = q8_0_matrix(rng, (8, 256))
+    d = (2.0 ** rng.integers(-8, -2, (8, 8))).astype(np.float16)
+    x = rng.integers(-126, 127, (3, 256)).astype(np.float32)
+    x[:, ::32] = 127  # each block's largest magnitude
+    got = q8_0_product(x, cpu_quantized.held_q8_0(codes, d))
+    np.testing.assert_array_equal(got, cpu_quantized.q8_0_reference(x, codes, d).astype(np.float32))
+
+
+def test_q8_0_rounds_codes_half_to_even_and_zero_blocks_to_zero():
+    """x * 127 / max |x| exactly halfway (2.5 -> 2, 3.5 -> 4, as AVX2's rounding) and a block of zeros."""
+    codes, _, _ = q8_0_matrix(np.random.default_rng(2), (4, 64))
+    x = np.zeros((1, 64), np.float32)
+    x[0, 0], x[0, 1], x[0, 2] = 127, 2.5, 3.5  # the second block all zeros
+    got = q8_0_product(x, cpu_quantized.held_q8_0(codes, np.ones((4, 2), np.float16)))
+    w = codes.astype(np.int64)
+    np.testing.assert_array_equal(got[0], (127 * w[:, 0] + 2 * w[:, 1] + 4 * w[:, 2]).astype(np.float32))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one row a token", "a row a choice"])
+def test_q8_0_expert_products_gather_each_tokens_matrices(shared):
+    rng = np.random.default_rng(3)
+    codes, d, held = q8_0_matrix(rng, (6, 10, 512))
+    indices = rng.integers(0, 6, (5, 3)).astype(np.uint32)
+    x = rng.standard_normal((5, 1 if shared else 3, 512)).astype(np.float32)
+    got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *held, mx.array(indices), Q8_0))
+    for t in range(5):
+        for j, e in enumerate(indices[t]):
+            row = x[t, 0 if shared else j][None]
+            assert_at_float32_floor(got[t, j][None], cpu_quantized.q8_0_reference(row, codes[e], d[e]), row,
+                                    codes[e], d[e])  # fmt: skip
+    alone = np.array(cpu_quantized.int8_gather_matmul(mx.array(x[2:3]), *held, mx.array(indices[2:3]), Q8_0))
+    np.testing.assert_array_equal(got[2], alone[0])
+
+
+def test_q8_0_product_of_a_view():
+    rng = np.random.default_rng(4)
+    _, _, held = q8_0_matrix(rng, (8, 128))
+    view = mx.array(rng.standard_normal((3, 256)).astype(np.float32))[:, ::2]
+    np.testing.assert_array_equal(q8_0_product(view, held), q8_0_product(mx.contiguous(view), held))
+
+
+def q4_k_product(x, held):
+    return np.array(cpu_quantized.int8_matmul(mx.array(x), *held, Q4_K))
+
+
+@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+def test_q4_k_products_are_llama_cpps_arithmetic_and_row_invariant(K):
+    """Rows quantized to Q8_K, each block's two integer sums, their float accumulators (the repacked
+    gemv's order): every row the same bits alone or with others, at the float32 floor of the float64
+    reference (2 accumulators of K / 256 terms each)."""
+    rng = np.random.default_rng(K + 1)
+    weights = cpu_quantized.random_q4_k(rng, (20, K))
+    held = cpu_quantized.held_q4_k(*weights)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    alone = np.concatenate([q4_k_product(x[r : r + 1], held) for r in range(16)])
+    for rows in (2, 4, 8, 16):
+        np.testing.assert_array_equal(q4_k_product(x[:rows], held), alone[:rows], err_msg=f"{rows} rows")
+    want = cpu_quantized.q4_k_reference(x, *weights)
+    q, d, dmin, sc, m = weights
+    _, d_x = cpu_quantized.q8_k_rows(x)
+    blocks = K // 256
+    # each block's two terms at most 127 * 15 * 63 * 256 (and 127 * 63 * 256) times d_w d_x, dmin_w d_x
+    magnitude = np.abs(d_x).astype(np.float64) @ (d.astype(np.float64) * 127 * 15 * 63 * 256 + dmin * 127 * 63 * 256).T
+    assert (np.abs(alone - want) <= 2 * blocks * FLOAT32_EPS * magnitude).all()
+
+
+def test_q4_k_products_are_exact_where_the_arithmetic_is():
+    """Each block's largest value -127 (d_x = 1: the codes the values), integer values elsewhere,
+    d and dmin powers of two: every sum and scale exact, the reference met exactly."""
+    rng = np.random.default_rng(6)
+    q, _, _, sc, m = cpu_quantized.random_q4_k(rng, (8, 512))
+    d, dmin = ((2.0 ** rng.integers(-12, -6, (8, 2))).astype(np.float16) for _ in range(2))
+    x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
+    x[:, ::256] = -127
+    got = q4_k_product(x, cpu_quantized.held_q4_k(q, d, dmin, sc, m))
+    np.testing.assert_array_equal(got, cpu_quantized.q4_k_reference(x, q, d, dmin, sc, m).astype(np.float32))
+
+
+def test_q8_k_quantization_is_llama_cpps():
+    """The value of largest magnitude sets the scale with its sign (-127 / v), the first of equal
+    magnitudes wins, codes above 127 are cut to 127, ties round to even: against values worked by hand."""
+    x = np.zeros((1, 256), np.float32)
+    x[0, :6] = [-2.0, 2.0, 1.0, 0.99, -0.0119, 0.0119]
+    codes, d = cpu_quantized.q8_k_rows(x)
+    # v = -2 (before the 2): -127 / -2 = 63.5, so 2 -> 127, -2 -> -127, 1 -> 63.5 -> 64 (even), 0.99 -> 63
+    assert codes[0, :4].tolist() == [-127, 127, 64, 63] and d[0, 0] == np.float32(1) / np.float32(63.5)
+    # the kernel agrees through a product that reads codes one by one: a unit matrix picks them out
+    eye = np.zeros((4, 256), np.uint8)
+    eye[np.arange(4), np.arange(4)] = 1
+    ones = (np.ones((4, 1)) * 2.0**-8).astype(np.float16)
+    held = cpu_quantized.held_q4_k(eye, ones, np.zeros((4, 1), np.float16), np.ones((4, 8)), np.zeros((4, 8)))
+    np.testing.assert_array_equal(q4_k_product(x, held)[0] / (d[0, 0] * 2.0**-8), [-127, 127, 64, 63])
+
+
+def test_q4_k_expert_products():
+    rng = np.random.default_rng(7)
+    weights = cpu_quantized.random_q4_k(rng, (5, 12, 512))
+    held = cpu_quantized.held_q4_k(*weights)
+    indices = rng.integers(0, 5, (4, 2)).astype(np.uint32)
+    x = rng.standard_normal((4, 1, 512)).astype(np.float32)
+    got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *held, mx.array(indices), Q4_K))
+    for t in range(4):
+        for j, e in enumerate(indices[t]):
+            np.testing.assert_array_equal(got[t, j], q4_k_product(x[t], tuple(a[int(e)] for a in held))[0])
+
+
+def q6_k_product(x, held):
+    return np.array(cpu_quantized.int8_matmul(mx.array(x), *held, Q6_K))
+
+
+@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+def test_q6_k_products_are_llama_cpps_arithmetic_and_row_invariant(K):
+    """Rows quantized to Q8_K, (q - 32) times their codes in exact integer lanes, a fused multiply-add
+    a block: every row the same bits alone or with others, at the float32 floor of the float64
+    reference (8 lanes of K / 256 terms, then their tree)."""
+    rng = np.random.default_rng(K + 2)
+    weights = cpu_quantized.random_q6_k(rng, (20, K))
+    held = cpu_quantized.held_q6_k(*weights)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    alone = np.concatenate([q6_k_product(x[r : r + 1], held) for r in range(16)])
+    for rows in (2, 4, 8, 16):
+        np.testing.assert_array_equal(q6_k_product(x[:rows], held), alone[:rows], err_msg=f"{rows} rows")
+    q, d, sc = weights
+    _, d_x = cpu_quantized.q8_k_rows(x)
+    # a block's terms at most 127 * 32 * 128 * 256 times |d_w d_x|
+    magnitude = np.abs(d_x).astype(np.float64) @ np.abs(d.astype(np.float64)).T * 127 * 32 * 128 * 256
+    want = cpu_quantized.q6_k_reference(x, *weights)
+    assert (np.abs(alone - want) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
+
+
+def test_q6_k_products_are_exact_where_the_arithmetic_is():
+    rng = np.random.default_rng(8)
+    q, _, sc = cpu_quantized.random_q6_k(rng, (8, 512))
+    d = (2.0 ** rng.integers(-14, -8, (8, 2))).astype(np.float16)
+    x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
+    x[:, ::256] = -127
+    got = q6_k_product(x, cpu_quantized.held_q6_k(q, d, sc))
+    np.testing.assert_array_equal(got, cpu_quantized.q6_k_reference(x, q, d, sc).astype(np.float32))
+
+
+def test_q6_k_expert_products():
+    rng = np.random.default_rng(9)
+    weights = cpu_quantized.random_q6_k(rng, (5, 12, 512))
+    held = cpu_quantized.held_q6_k(*weights)
+    indices = rng.integers(0, 5, (4, 2)).astype(np.uint32)
+    x = rng.standard_normal((4, 2, 512)).astype(np.float32)
+    got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *held, mx.array(indices), Q6_K))
+    for t in range(4):
+        for j, e in enumerate(indices[t]):
+            np.testing.assert_array_equal(got[t, j], q6_k_product(x[t, j : j + 1], tuple(a[int(e)] for a in held))[0])
+
+
+def test_a_q8_0_file_with_int8_activations_verifies_as_it_decodes():
+    """The Q8_0 fixture on 8-bit activations: a 16-token verify pass gives each token its decode step's
+    logits to the bit; greedy MTP speculation gives plain decoding's tokens; and the products did
+    take the 8-bit path (the logits differ from the float32 path's)."""
+    path = FIXTURES / "qwen35" / "model-Q8_0.gguf"
+    model, tokenizer = mlx_hybrid.load(path, cpu_activations="int8")
+    floats, _ = mlx_hybrid.load(path)
+    ids = list(range(3, 23))
+    caches = model.make_cache(), model.make_cache()
+    for cache in caches:
+        mx.eval(model(mx.array([ids[:4]]), cache))
+    together = np.array(model(mx.array([ids[4:20]]), caches[0]))
+    alone = np.concatenate([np.array(model(mx.array([[t]]), caches[1])) for t in ids[4:20]], axis=1)
+    np.testing.assert_array_equal(together, alone)
+    assert not np.array_equal(np.array(model(mx.array([ids[:4]]))), np.array(floats(mx.array([ids[:4]]))))
+    plain = mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24)
+    assert mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24, draft="mtp", num_draft_tokens=3) == plain
+
+
+def test_int8_activations_are_refused_where_they_are_not_computed():
+    with pytest.raises(ModelLoadError, match="Q8_0, Q4_K, Q6_K tensors so far; this file holds .*Q5_0"):
+        mlx_hybrid.load(FIXTURES / "qwen35" / "model-Q4_K_M.gguf", cpu_activations="int8")
+    with pytest.raises(ModelLoadError, match="computes with float activations"):
+        mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
+    with pytest.raises(ModelLoadError, match="cpu_activations must be one of float32, int8, got 'int4'"):
+        mlx_hybrid.load(FIXTURES / "qwen35" / "model-Q8_0.gguf", cpu_activations="int4")
