@@ -81,8 +81,7 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     writer.add_value_length(args.head_dim)
     rope_dims = int(args.head_dim * args.partial_rotary_factor)
     writer.add_rope_dimension_count(rope_dims)
-    # text positions share one section: all rotary pairs in the first
-    writer.add_rope_dimension_sections([rope_dims // 2, 0, 0, 0])
+    writer.add_rope_dimension_sections(rope_sections(args, rope_dims))
     writer.add_ssm_conv_kernel(args.linear_conv_kernel_dim)
     writer.add_ssm_state_size(args.linear_key_head_dim)
     writer.add_ssm_group_count(args.linear_num_key_heads)
@@ -125,6 +124,17 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def rope_sections(args, rope_dims: int) -> list[int]:
+    """MRoPE's sections (t, h, w, unused) as llama.cpp's converter writes them: the model's own, else
+    (plain rotary positions) sections that reach every rotary pair. llama.cpp's interleaved MRoPE gives
+    pair i the position of section i mod 3 while i < 3 * that section, and a pair none reaches the
+    fourth position, 0 for text: [d, 0, 0] would leave two pairs in three unrotated."""
+    if getattr(args, "mrope_section", None):
+        return [*args.mrope_section, 0]
+    pairs = rope_dims // 2
+    return [(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0]
 
 
 def hf_config(args, tokenizer) -> dict:

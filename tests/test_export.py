@@ -21,6 +21,27 @@ def test_gguf_export_matches_llama_cpp_converter(tmp_path):
         np.testing.assert_allclose(ours[name].reshape(theirs[name].shape), theirs[name], atol=1e-6, err_msg=name)
 
 
+def test_gguf_export_writes_the_rope_sections_llama_cpp_reads(tmp_path):
+    """The HF checkpoint's MRoPE sections as llama.cpp's converter writes them, and for a model with plain
+    rotary positions (the bundled one) sections that reach every rotary pair (llama.cpp rotates a pair no
+    section reaches by position 0: [d, 0, 0] left two pairs in three unrotated, and llama.cpp's logits
+    of the bundled model 0.4 from ours)."""
+
+    def sections(path):
+        reader = gguf.GGUFReader(str(path))
+        field = next(f for name, f in reader.fields.items() if name.endswith("rope.dimension_sections"))
+        return [int(field.parts[i][0]) for i in field.data]
+
+    model, tokenizer = load_fixture("qwen35", "hf")
+    save_gguf(model, tokenizer, tmp_path / "out.gguf")
+    assert sections(tmp_path / "out.gguf") == sections(FIXTURES / "qwen35" / "model.gguf") == [2, 1, 1, 0]
+    bundled, bundled_tokenizer = mlx_hybrid.load(mlx_hybrid.bundled_model_path())
+    assert bundled.args.partial_rotary_factor * bundled.args.head_dim == 16  # 8 rotary pairs
+    assert sections(mlx_hybrid.bundled_model_path()) == [3, 3, 2, 0]
+    save_gguf(bundled, bundled_tokenizer, tmp_path / "bundled.gguf")
+    assert sections(tmp_path / "bundled.gguf") == [3, 3, 2, 0]
+
+
 def test_gguf_export_in_float16_keeps_what_llama_cpp_computes_in_float32(tmp_path):
     """Matrices in float16, but the conv's weight, norms and decay parameters in float32, as llama.cpp's
     converter writes them: its ssm_conv op refuses a float16 weight (it aborted loading such a file)."""
