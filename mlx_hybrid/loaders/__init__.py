@@ -21,10 +21,10 @@ from ..models import architecture
 from ..models.dflash import load_drafter
 from ..models.layers import quantization_of
 from ..parallel import PIPELINE, TENSOR
+from ..quantized_tensor import CPU_ACTIVATIONS
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
 from .common import RankPart, fill_model, rename
-from ..quantized_tensor import CPU_ACTIVATIONS
 from .quantized import block_type_name, dequantized_notice
 
 _log = logging.getLogger("mlx_hybrid")
@@ -101,7 +101,7 @@ def load(
     product computes what the file's dequantized weights compute; "int8", as llama.cpp computes it on
     x86: each row of activations quantized to the type's 8-bit blocks and multiplied in integers, for
     products of up to 16 rows (decode steps, verify passes; a prompt's take float32 activations).
-    Q8_0 and Q4_K tensors so far: a file holding other types is refused by name.
+    Q8_0, Q4_K and Q6_K tensors so far: a file holding other types is refused by name.
 
     group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
     `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank
