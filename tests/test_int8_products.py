@@ -1,7 +1,7 @@
 """GGUF products with llama.cpp's 8-bit activations (`load(cpu_activations="int8")`): our CPU kernel
 (csrc/int8_products.cpp) against the arithmetic written the slow obvious way
-(`cpu_quantized.q8_0_reference`: each row quantized as llama.cpp's quantize_row_q8_0, integer sums a
-block, float scales), and the models on it.
+(`cpu_quantized.q8_0_reference`, `q4_k_reference`, `q6_k_reference`: each row quantized as llama.cpp
+quantizes it, integer sums a block, float scales), and the models on it.
 """
 
 import hashlib
@@ -32,8 +32,17 @@ def q8_0_matrix(rng, shape, scale=1 / 256):
     return codes, d, cpu_quantized.held_q8_0(codes, d)
 
 
-def q8_0_product(x, held):
-    return np.array(cpu_quantized.int8_matmul(mx.array(x) if isinstance(x, np.ndarray) else x, *held, Q8_0))
+def product(x, held, held_type: int) -> np.ndarray:
+    """x (numpy or MLX) @ W^T for a held matrix of the kernel's type `held_type`."""
+    return np.array(cpu_quantized.int8_matmul(mx.array(x) if isinstance(x, np.ndarray) else x, *held, held_type))
+
+
+def rows_alone_as_together(x, held, held_type: int) -> np.ndarray:
+    """Each of x's 16 rows alone; asserts 2, 4, 8 and 16 of them at once give the same bits."""
+    alone = np.concatenate([product(x[r : r + 1], held, held_type) for r in range(16)])
+    for rows in (2, 4, 8, 16):
+        np.testing.assert_array_equal(product(x[:rows], held, held_type), alone[:rows], err_msg=f"{rows} rows")
+    return alone
 
 
 def assert_at_float32_floor(got, want, x, codes, d):
@@ -49,9 +58,7 @@ def test_q8_0_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     rng = np.random.default_rng(K)
     codes, d, held = q8_0_matrix(rng, (24, K))
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = np.concatenate([q8_0_product(x[r : r + 1], held) for r in range(16)])
-    for rows in (2, 4, 8, 16):
-        np.testing.assert_array_equal(q8_0_product(x[:rows], held), alone[:rows], err_msg=f"{rows} rows")
+    alone = rows_alone_as_together(x, held, Q8_0)
     assert_at_float32_floor(alone, cpu_quantized.q8_0_reference(x, codes, d), x, codes, d)
 
 
@@ -64,7 +71,7 @@ def test_q8_0_products_are_exact_where_the_arithmetic_is():
     d = (2.0 ** rng.integers(-8, -2, (8, 8))).astype(np.float16)
     x = rng.integers(-126, 127, (3, 256)).astype(np.float32)
     x[:, ::32] = 127  # each block's largest magnitude
-    got = q8_0_product(x, cpu_quantized.held_q8_0(codes, d))
+    got = product(x, cpu_quantized.held_q8_0(codes, d), Q8_0)
     np.testing.assert_array_equal(got, cpu_quantized.q8_0_reference(x, codes, d).astype(np.float32))
 
 
@@ -73,7 +80,7 @@ def test_q8_0_rounds_codes_half_to_even_and_zero_blocks_to_zero():
     codes, _, _ = q8_0_matrix(np.random.default_rng(2), (4, 64))
     x = np.zeros((1, 64), np.float32)
     x[0, 0], x[0, 1], x[0, 2] = 127, 2.5, 3.5  # the second block all zeros
-    got = q8_0_product(x, cpu_quantized.held_q8_0(codes, np.ones((4, 2), np.float16)))
+    got = product(x, cpu_quantized.held_q8_0(codes, np.ones((4, 2), np.float16)), Q8_0)
     w = codes.astype(np.int64)
     np.testing.assert_array_equal(got[0], (127 * w[:, 0] + 2 * w[:, 1] + 4 * w[:, 2]).astype(np.float32))
 
@@ -98,11 +105,7 @@ def test_q8_0_product_of_a_view():
     rng = np.random.default_rng(4)
     _, _, held = q8_0_matrix(rng, (8, 128))
     view = mx.array(rng.standard_normal((3, 256)).astype(np.float32))[:, ::2]
-    np.testing.assert_array_equal(q8_0_product(view, held), q8_0_product(mx.contiguous(view), held))
-
-
-def q4_k_product(x, held):
-    return np.array(cpu_quantized.int8_matmul(mx.array(x), *held, Q4_K))
+    np.testing.assert_array_equal(product(view, held, Q8_0), product(mx.contiguous(view), held, Q8_0))
 
 
 @pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
@@ -114,9 +117,7 @@ def test_q4_k_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     weights = cpu_quantized.random_q4_k(rng, (20, K))
     held = cpu_quantized.held_q4_k(*weights)
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = np.concatenate([q4_k_product(x[r : r + 1], held) for r in range(16)])
-    for rows in (2, 4, 8, 16):
-        np.testing.assert_array_equal(q4_k_product(x[:rows], held), alone[:rows], err_msg=f"{rows} rows")
+    alone = rows_alone_as_together(x, held, Q4_K)
     want = cpu_quantized.q4_k_reference(x, *weights)
     q, d, dmin, sc, m = weights
     _, d_x = cpu_quantized.q8_k_rows(x)
@@ -134,7 +135,7 @@ def test_q4_k_products_are_exact_where_the_arithmetic_is():
     d, dmin = ((2.0 ** rng.integers(-12, -6, (8, 2))).astype(np.float16) for _ in range(2))
     x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    got = q4_k_product(x, cpu_quantized.held_q4_k(q, d, dmin, sc, m))
+    got = product(x, cpu_quantized.held_q4_k(q, d, dmin, sc, m), Q4_K)
     np.testing.assert_array_equal(got, cpu_quantized.q4_k_reference(x, q, d, dmin, sc, m).astype(np.float32))
 
 
@@ -151,23 +152,7 @@ def test_q8_k_quantization_is_llama_cpps():
     eye[np.arange(4), np.arange(4)] = 1
     ones = (np.ones((4, 1)) * 2.0**-8).astype(np.float16)
     held = cpu_quantized.held_q4_k(eye, ones, np.zeros((4, 1), np.float16), np.ones((4, 8)), np.zeros((4, 8)))
-    np.testing.assert_array_equal(q4_k_product(x, held)[0] / (d[0, 0] * 2.0**-8), [-127, 127, 64, 63])
-
-
-def test_q4_k_expert_products():
-    rng = np.random.default_rng(7)
-    weights = cpu_quantized.random_q4_k(rng, (5, 12, 512))
-    held = cpu_quantized.held_q4_k(*weights)
-    indices = rng.integers(0, 5, (4, 2)).astype(np.uint32)
-    x = rng.standard_normal((4, 1, 512)).astype(np.float32)
-    got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *held, mx.array(indices), Q4_K))
-    for t in range(4):
-        for j, e in enumerate(indices[t]):
-            np.testing.assert_array_equal(got[t, j], q4_k_product(x[t], tuple(a[int(e)] for a in held))[0])
-
-
-def q6_k_product(x, held):
-    return np.array(cpu_quantized.int8_matmul(mx.array(x), *held, Q6_K))
+    np.testing.assert_array_equal(product(x, held, Q4_K)[0] / (d[0, 0] * 2.0**-8), [-127, 127, 64, 63])
 
 
 @pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
@@ -179,9 +164,7 @@ def test_q6_k_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     weights = cpu_quantized.random_q6_k(rng, (20, K))
     held = cpu_quantized.held_q6_k(*weights)
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = np.concatenate([q6_k_product(x[r : r + 1], held) for r in range(16)])
-    for rows in (2, 4, 8, 16):
-        np.testing.assert_array_equal(q6_k_product(x[:rows], held), alone[:rows], err_msg=f"{rows} rows")
+    alone = rows_alone_as_together(x, held, Q6_K)
     q, d, sc = weights
     _, d_x = cpu_quantized.q8_k_rows(x)
     # a block's terms at most 127 * 32 * 128 * 256 times |d_w d_x|
@@ -196,20 +179,26 @@ def test_q6_k_products_are_exact_where_the_arithmetic_is():
     d = (2.0 ** rng.integers(-14, -8, (8, 2))).astype(np.float16)
     x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    got = q6_k_product(x, cpu_quantized.held_q6_k(q, d, sc))
+    got = product(x, cpu_quantized.held_q6_k(q, d, sc), Q6_K)
     np.testing.assert_array_equal(got, cpu_quantized.q6_k_reference(x, q, d, sc).astype(np.float32))
 
 
-def test_q6_k_expert_products():
-    rng = np.random.default_rng(9)
-    weights = cpu_quantized.random_q6_k(rng, (5, 12, 512))
-    held = cpu_quantized.held_q6_k(*weights)
+@pytest.mark.parametrize(
+    "held_type, weights, held, shared",
+    [(Q4_K, cpu_quantized.random_q4_k, cpu_quantized.held_q4_k, True),
+     (Q6_K, cpu_quantized.random_q6_k, cpu_quantized.held_q6_k, False)],
+    ids=["Q4_K, one row a token", "Q6_K, a row a choice"],
+)  # fmt: skip
+def test_k_quant_expert_products_give_each_row_its_product_alone(held_type, weights, held, shared):
+    rng = np.random.default_rng(7 + held_type)
+    matrices = held(*weights(rng, (5, 12, 512)))
     indices = rng.integers(0, 5, (4, 2)).astype(np.uint32)
-    x = rng.standard_normal((4, 2, 512)).astype(np.float32)
-    got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *held, mx.array(indices), Q6_K))
+    x = rng.standard_normal((4, 1 if shared else 2, 512)).astype(np.float32)
+    got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *matrices, mx.array(indices), held_type))
     for t in range(4):
         for j, e in enumerate(indices[t]):
-            np.testing.assert_array_equal(got[t, j], q6_k_product(x[t, j : j + 1], tuple(a[int(e)] for a in held))[0])
+            row = x[t, 0 if shared else j][None]
+            np.testing.assert_array_equal(got[t, j], product(row, tuple(a[int(e)] for a in matrices), held_type)[0])
 
 
 def test_a_q8_0_file_with_int8_activations_verifies_as_it_decodes():

@@ -37,6 +37,10 @@ constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
 enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2 };
 
+// the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
+// float16 conversions
+#define INT8_FN __attribute__((target("avx2,fma,f16c")))
+
 struct Q8Shape {
     int rows, inputs, outputs;  // M, K, N
     int chosen = 0;             // an expert product's matrices a token (k), else 0
@@ -55,7 +59,7 @@ struct QuantizedRows {
 
 // llama.cpp's quantize_row_q8_0 (x86): the block's largest magnitude m, d = m / 127 stored as
 // float16 (round to nearest even), the codes round-to-nearest-even(x * (127 / m)) (0 when m is 0).
-__attribute__((target("avx2,fma,f16c"))) void quantize_row(const float* x, int K, int8_t* codes, float* d) {
+INT8_FN void quantize_row(const float* x, int K, int8_t* codes, float* d) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < K / BLOCK; b++) {
         __m256 v[4], magnitude = _mm256_setzero_ps();
@@ -110,9 +114,8 @@ void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int32_t* 
 
 // ggml_gemv_q4_K_8x8_q8_K's arithmetic for one weight row (nibbles, factors d and -dmin a block, codes
 // sc_j and m_j a group) and one quantized row of x.
-__attribute__((target("avx2,fma,f16c"))) float dot_row_q4_k(const uint8_t* w, const uint16_t* factors,
-                                                            const int8_t* w_codes, const int8_t* x,
-                                                            const float* x_d, const int32_t* x_sums, int blocks) {
+INT8_FN float dot_row_q4_k(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* x,
+                           const float* x_d, const int32_t* x_sums, int blocks) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     float acc = 0.0f, acc_mins = 0.0f;
     for (int b = 0; b < blocks; b++) {
@@ -147,7 +150,7 @@ __attribute__((target("avx2,fma,f16c"))) float dot_row_q4_k(const uint8_t* w, co
 
 // Q6_K's 6-bit values, 32 from the 24 bytes at p (a value every 6 bits from the lowest), as bytes in
 // order. Reads 28 bytes: the last run of a buffer comes through a padded copy (`end`).
-__attribute__((target("avx2,fma,f16c"))) inline __m256i unpack_6bit_run(const uint8_t* p, const uint8_t* end) {
+INT8_FN inline __m256i unpack_6bit_run(const uint8_t* p, const uint8_t* end) {
     uint8_t padded[32] = {};
     if (p + 28 > end) {
         std::memcpy(padded, p, 24);
@@ -171,9 +174,8 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i unpack_6bit_run(const ui
 // signed sc a group of 16) and one row of x quantized to Q8_K (in value order): per run of 32 values,
 // (q - 32) times x's codes in pairs, times the run's two scales in lanes of 4, the lanes summed over
 // the block as integers, then each lane's sum times d_w d_x into its float lane; the lanes' tree.
-__attribute__((target("avx2,fma,f16c"))) float dot_row_q6_k(const uint8_t* w, const uint8_t* end,
-                                                            const uint16_t* factors, const int8_t* sc,
-                                                            const int8_t* x, const float* x_d, int blocks) {
+INT8_FN float dot_row_q6_k(const uint8_t* w, const uint8_t* end, const uint16_t* factors, const int8_t* sc,
+                           const int8_t* x, const float* x_d, int blocks) {
     const __m256i m32 = _mm256_set1_epi8(32);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -193,8 +195,7 @@ __attribute__((target("avx2,fma,f16c"))) float dot_row_q6_k(const uint8_t* w, co
 
 // ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and one
 // quantized row of x.
-__attribute__((target("avx2,fma,f16c"))) float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x,
-                                                       const float* x_d, int blocks) {
+INT8_FN float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const float* x_d, int blocks) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {

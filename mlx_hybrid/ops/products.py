@@ -182,8 +182,11 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
                             activations: str = "float32") -> mx.array:  # fmt: skip
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype (activations: as `quantized_matmul`'s)."""
-    tokens, held_type = indices.size // indices.shape[-1], int8_type(bits, group_size, block)
-    if activations == "int8" and x.dtype == mx.float32 and tokens <= INT8_ROWS and held_type is not None:
+    tokens = indices.size // indices.shape[-1]
+    if activations == "int8" and x.dtype == mx.float32 and tokens <= INT8_ROWS and (
+        int8_activations(bits, group_size, block) is None
+    ):
+        held_type = int8_type(bits, group_size, block)
         return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
                                                                                    held_type), x, indices)  # fmt: skip
     biases = no_codes(scales) if biases is None else biases
