@@ -165,6 +165,9 @@ class QuantizedTensor:
     block: BlockScales | GridBlocks | None = None  # set: the block form (see BlockScales), or a grid type's blocks
     # set: column p holds the matrix's column column_order[p] (products take x[..., column_order])
     column_order: mx.array | None = None
+    # its products compute over the file's blocks as they are (llama.cpp's 8-bit activations): a
+    # reordering of its columns takes its inputs reordered (`column_order`), never a cut per group
+    whole_blocks: bool = False
 
     @property
     def grid(self) -> bool:
@@ -205,7 +208,7 @@ class QuantizedTensor:
         its `per_group` form; None where a cut falls inside a group or a packed word."""
         if self.column_order is not None:  # a cut of its columns is not one of the matrix's
             return None
-        for form in (self, self.per_group()):
+        for form in (self,) if self.whole_blocks else (self, self.per_group()):
             if all(c % (self.group_size * form.groups_per_cut) == 0 for c in columns):
                 return form
         return None

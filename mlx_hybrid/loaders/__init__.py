@@ -124,7 +124,7 @@ def load(
     else:
         model, tokenizer = _load_gguf(
             path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact,
-            mmproj=mmproj,
+            mmproj=mmproj, whole_blocks=cpu_activations == "int8",
         )  # fmt: skip
     if mtp is not None:
         if group is not None and group.size() > 1:
@@ -260,10 +260,11 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
     return model, tokenizer
 
 
-def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool, mmproj=None):
+def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool, compact: bool, mmproj=None,
+               whole_blocks: bool = False):  # fmt: skip
     # compact scales: bfloat16 for a bfloat16 model (products stay in it), else float16
     compact_scales = (mx.bfloat16 if dtype == mx.bfloat16 else mx.float16) if compact else None
-    checkpoint, meta = _read_gguf(path, keep_quantized, compact_scales, dtype)
+    checkpoint, meta = _read_gguf(path, keep_quantized, compact_scales, dtype, whole_blocks)
     module, args = checkpoint.module, checkpoint.args
     projector = _projector_path(path, mmproj, args.model_type)
     if projector is not None:
@@ -365,7 +366,8 @@ def _same_setting(a, b) -> bool:
     return a == b
 
 
-def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dtype=None) -> tuple[_Checkpoint, object]:
+def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dtype=None,
+               whole_blocks: bool = False) -> tuple[_Checkpoint, object]:  # fmt: skip
     """A GGUF file's checkpoint and its metadata; with dtype (the compute dtype), a warning for
     each quantized type it will dequantize."""
     reader = gguf_file.open_gguf(path)
@@ -377,7 +379,7 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
     module = architecture(model_type)
     shapes = gguf_file.tensor_shapes(reader)
     args = make_args(meta, module, shapes)
-    tensors = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales)
+    tensors = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales, whole_blocks)
     if keep_quantized and dtype is not None:
         stored = [(t.tensor_type.name, math.prod(t.shape), t.n_bytes) for t in reader.tensors]
         for line in dequantized_notice(stored, dtype, compact_scales is not None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -147,12 +147,14 @@ def gguf_block_name(name: str, n_layer: int) -> str:
     return f"blk.{index}." + name[m.end() :]
 
 
-def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scales=None):
+def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scales=None, whole_blocks: bool = False):
     """Source tensors with `blk.N.` renamed to our block paths (MTP blocks come after the trunk).
 
     Each comes with a loader giving an mx.array, or a QuantizedTensor where the block
     type maps exactly onto MLX's affine groups (and keep_quantized), or, when compact
     (compact_scales: a dtype), where `quantized.from_gguf_blocks` re-quantizes it.
+    whole_blocks: the tensors' products compute over the file's blocks as llama.cpp's do (8-bit
+    activations), so their columns are never cut apart (`QuantizedTensor.whole_blocks`).
     """
     from gguf.quants import dequantize
 
@@ -160,7 +162,7 @@ def block_names(reader, n_layer: int, keep_quantized: bool = True, compact_scale
         if keep_quantized:
             quantized = from_gguf_blocks(np.asarray(t.data), t.tensor_type.name, compact_scales)
             if quantized is not None:
-                return quantized
+                return replace(quantized, whole_blocks=True) if whole_blocks else quantized
         if t.tensor_type.name in ("F16", "BF16") and len(t.shape) > 1:
             # matrices as stored (the model's loader casts what it does not keep in 16 bits)
             raw = np.asarray(t.data)
