@@ -89,6 +89,10 @@ MXFP4 = BlockScales(
 
 # GGUF's Q8_0: 8-bit codes q + 128 a group of 32, one float16 d a group (code 1), bias -128 d
 Q8_0 = BlockScales(1, 1, 1, -128.0)
+# GGUF's Q5_0: 5-bit values a group of 32, d a group (code 1), bias -16 d
+Q5_0 = BlockScales(1, 1, 1, -16.0)
+# GGUF's Q4_1 and Q5_1: float16 d and m a group (codes 1)
+D_AND_M = BlockScales(1, 2, 1)
 # GGUF's Q4_K and Q5_K: float16 d and -dmin a block of 8 groups, codes sc_j and m_j a group of 32
 K_QUANT = BlockScales(8, 2, 2)
 # GGUF's Q6_K: one float16 d a block of 16 groups of 16, a signed code sc_j a group, bias -32 d sc_j
@@ -100,12 +104,22 @@ Q6_K = BlockScales(16, 1, 1, -32.0)
 CPU_ACTIVATIONS = ("float32", "int8")
 # the types whose products take 8-bit activations so far: name -> (bits, group size, block form), in
 # the order of the CPU kernel's type numbers
-INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K)}
+INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
+              "Q5_1": (5, 32, D_AND_M)}  # fmt: skip
 
 
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides
 # affine: mode -> (bits, group size, form)
 FLOAT_MODES = {"mxfp4": (4, 32, MXFP4)}
+
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned bits-bit integers [..., n] (n a multiple of 32) -> MLX's little-endian bit stream
+    as uint32 [..., n * bits / 32]: each 8 values fill `bits` bytes."""
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    words = np.bitwise_or.reduce(q.reshape(*q.shape[:-1], -1, 8).astype(np.uint64) << shifts, axis=-1)
+    packed = words[..., None].view(np.uint8)[..., :bits]  # little-endian words: their low bytes
+    return np.ascontiguousarray(packed).reshape(*q.shape[:-1], -1).view(np.uint32)
 
 
 def no_codes(scales: mx.array) -> mx.array:

@@ -5,16 +5,20 @@
 //   codes round-half-even(x * 127 / max |x|); the block's integer products in 8 lanes of 4, each
 //   lane's sum times d_w * d_x added into its float lane (a fused multiply-add), the 8 lanes summed by
 //   a fixed tree.
+// - Q5_0 x Q8_0 and Q5_1 x Q8_1 (ggml_vec_dot_q5_0_q8_0, ggml_vec_dot_q5_1_q8_1): as Q8_0, with
+//   Q8_1's s (d times the codes' sum, float16) times m_w into one more float sum.
 // - Q4_K x Q8_K (ggml_gemv_q4_K_8x8_q8_K, the repacked form llama.cpp's x86 build multiplies Q4_K
-//   in): per block of 256, d_x = 1 / (-127 / x_max) with x_max the value of largest magnitude, codes
-//   min(127, nearest(x * -127 / x_max)); the block's sum of sc_j * (codes . x codes) over its groups
-//   of 32 and its sum of m_j * (the group's x codes), both exact integers, each into its float
-//   accumulator (fused multiply-adds by d_w d_x and dmin_w d_x), the second subtracted at the end.
+//   matrices of rows in eights in; others ggml_vec_dot_q4_K_q8_K): per block of 256, d_x = 1 /
+//   (-127 / x_max) with x_max the value of largest magnitude, codes min(127, nearest(x * -127 /
+//   x_max)); the block's sums of sc_j * (codes . x codes) over its groups of 32 and of m_j * (the
+//   group's x codes), exact integers, into float accumulators (fused multiply-adds by d_w d_x and
+//   dmin_w d_x), the second subtracted at the end. Q6_K x Q8_K (ggml_vec_dot_q6_K_q8_K) likewise.
 //
-// The weight is held as the package holds the type (loaders/quantized.py): packed codes (Q8_0's
-// q + 128 in bytes, Q4_K's nibbles a value at a time), float16 factors (Q8_0: d a group; Q4_K: d and
-// -dmin a block) and int8 codes (Q4_K: sc_j and m_j a group). Products of up to 16 rows (decode
-// steps and verify passes) take this path; the Python side sends longer ones to the float path.
+// The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
+// (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
+// factors (Q8_0, Q5_0: d a group; Q5_1: d and m a group; Q4_K: d and -dmin a block) and int8 codes
+// (Q4_K: sc_j and m_j a group). Products of up to 16 rows (decode steps and verify passes) take this
+// path; the Python side sends longer ones to the float path.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,7 +39,8 @@ constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
 constexpr int MAX_ROWS = 16;        // rows a call quantizes and multiplies (decode steps, verify passes)
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
-enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2 };
+enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4 };
+constexpr int TYPES = 5;
 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
 // float16 conversions
@@ -52,16 +57,26 @@ struct Q8Shape {
 // Rows of x quantized for a type: codes [rows, K] (Q4_K's in the order its nibbles are read: each
 // 64 values' even ones, then their odd ones), each block's d, and what the weight rows share of x:
 // Q4_K's group sums of codes as int16 (0, sum) pairs, 16 a block (m_j's products in one madd);
-// Q6_K's 32 (x_2i + x_2i+1) a code pair (the -32 of q - 32, as maddubs(32, x) gives it).
+// Q6_K's 32 (x_2i + x_2i+1) a code pair (the -32 of q - 32, as maddubs(32, x) gives it), Q5_0's
+// 16 (x_2i + x_2i+1) likewise; Q5_1's Q8_1 blocks: each block's s, d times its sum of codes as float16.
 struct QuantizedRows {
     std::vector<int8_t> codes;
     std::vector<float> d;
     std::vector<int16_t> shared;
+    std::vector<float> s;
 };
+
+// the sum of a vector's 8 int32 lanes (exact)
+INT8_FN inline int32_t sum_int_lanes(__m256i v) {
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    four = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+    return _mm_cvtsi128_si32(four) + _mm_extract_epi32(four, 1);
+}
 
 // llama.cpp's quantize_row_q8_0 (x86): the block's largest magnitude m, d = m / 127 stored as
 // float16 (round to nearest even), the codes round-to-nearest-even(x * (127 / m)) (0 when m is 0).
-INT8_FN void quantize_row(const float* x, int K, int8_t* codes, float* d) {
+// With `s`, quantize_row_q8_1's too: s = d (unrounded) times the codes' sum, as float16.
+INT8_FN void quantize_row(const float* x, int K, int8_t* codes, float* d, float* s = nullptr) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < K / BLOCK; b++) {
         __m256 v[4], magnitude = _mm256_setzero_ps();
@@ -83,6 +98,10 @@ INT8_FN void quantize_row(const float* x, int K, int8_t* codes, float* d) {
         __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i*)(codes + b * BLOCK), packed);
+        if (s) {
+            const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            s[b] = _cvtsh_ss(_cvtss_sh(largest / 127.0f * (float)sum_int_lanes(sum), 0));
+        }
     }
 }
 
@@ -120,13 +139,6 @@ void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int16_t* 
                 codes[b * SUPER_BLOCK + chunk * 64 + 32 + i] = ordered[chunk * 64 + odd];
             }
     }
-}
-
-// the sum of a vector's 8 int32 lanes (exact)
-INT8_FN inline int32_t sum_int_lanes(__m256i v) {
-    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    four = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
-    return _mm_cvtsi128_si32(four) + _mm_extract_epi32(four, 1);
 }
 
 // A run's scales, the low half's from one int16 of a block's scales and the high half's from
@@ -267,6 +279,64 @@ INT8_FN float dot_row_q6_k(const uint8_t* w, const uint16_t* factors, const int8
     return mlx_hybrid::sum_lanes(acc);
 }
 
+// MLX's 5-bit values, 32 from the 20 bytes at p (8 values every 5 bytes, from the lowest bits), as
+// bytes in order. Reads those 20 bytes only (16 at p, 16 at p + 4).
+INT8_FN inline __m256i unpack_5bit_run(const uint8_t* p) {
+    const __m256i bytes =
+        _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(p + 4)), _mm_loadu_si128((const __m128i*)p));
+    // word i of each half (values 0-7, then 8-15 of its 16): the two bytes holding value i, which
+    // starts at bit 5i; the high half's bytes 10-19 sit at 6-15 of its load
+    const __m256i first = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 1, 2, 2, 3, 3, 4, 3, 4, 4, 5, 6, 7, 6, 7, 7, 8, 7, 8, 8, 9, 9, 10, 9,
+                                10, 10, 11));
+    const __m256i second = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(5, 6, 5, 6, 6, 7, 6, 7, 7, 8, 8, 9, 8, 9, 9, 10, 11, 12, 11, 12, 12, 13, 12, 13, 13, 14,
+                                14, 15, 14, 15, 15, -1));  // (value 31 needs byte 19 alone)
+    // value i to bits 11-15 (times 2^(11 - its shift 5i mod 8)), then down to bits 0-4
+    const __m256i up = _mm256_setr_epi16(1 << 11, 1 << 6, 1 << 9, 1 << 4, 1 << 7, 1 << 10, 1 << 5, 1 << 8, 1 << 11,
+                                         1 << 6, 1 << 9, 1 << 4, 1 << 7, 1 << 10, 1 << 5, 1 << 8);
+    const __m256i low = _mm256_srli_epi16(_mm256_mullo_epi16(first, up), 11);
+    const __m256i high = _mm256_srli_epi16(_mm256_mullo_epi16(second, up), 11);
+    return _mm256_packus_epi16(low, high);
+}
+
+// ggml_vec_dot_q5_0_q8_0's AVX2 arithmetic for one weight row (5-bit values q, d a block: q - 16
+// times d) and one row of x quantized to Q8_0 (with its pair sums as QuantizedRows holds them):
+// per block, (q - 16) times x's codes in lanes of 4 as integers, each lane times d_w d_x into its
+// float lane; the lanes' tree.
+INT8_FN float dot_row_q5_0(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const int16_t* x_pairs,
+                           const float* x_d, int blocks) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i q = unpack_5bit_run(w + b * 20);
+        const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32))),
+                                               _mm256_loadu_si256((const __m256i*)(x_pairs + b * 16)));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), sums, acc);
+    }
+    return mlx_hybrid::sum_lanes(acc);
+}
+
+// ggml_vec_dot_q5_1_q8_1's AVX2 arithmetic for one weight row (5-bit values q, d and m a block: q d + m)
+// and one row of x quantized to Q8_1: per block, q times x's codes in lanes of 4 as integers, each
+// lane times d_w d_x into its float lane, and m_w times x's s into one float (fused multiply-adds);
+// the lanes' tree plus that sum.
+INT8_FN float dot_row_q5_1(const uint8_t* w, const uint16_t* factors, const int8_t* x, const float* x_d,
+                           const float* x_s, int blocks) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        mins = std::fma(_cvtsh_ss(factors[2 * b + 1]), x_s[b], mins);
+        const __m256i q = unpack_5bit_run(w + b * 20);
+        const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32)));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(_cvtsh_ss(factors[2 * b]) * x_d[b]), acc);
+    }
+    return mlx_hybrid::sum_lanes(acc) + mins;
+}
+
 // ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and one
 // quantized row of x.
 INT8_FN float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const float* x_d, int blocks) {
@@ -283,6 +353,23 @@ INT8_FN float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x, co
     return mlx_hybrid::sum_lanes(acc);
 }
 
+// A type's held matrix, a row of K inputs: uint32 words of packed values, float16 factors, int8 codes;
+// and its x rows' blocks (Q8_K's 256 values, else Q8_0's or Q8_1's 32).
+struct Layout {
+    long words, factors, codes;
+    int x_block;
+};
+
+Layout layout_of(Type type, long K) {
+    switch (type) {
+        case Q4_K: return {K / 8, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
+        case Q6_K: return {K * 6 / 32, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
+        case Q5_0: return {K * 5 / 32, K / BLOCK, K / BLOCK, BLOCK};
+        case Q5_1: return {K * 5 / 32, 2 * K / BLOCK, K / BLOCK, BLOCK};
+        default: return {K / 4, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
+    }
+}
+
 // y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
 // matrix it multiplies (the one matrix, or matrix indices[m]).
 void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
@@ -293,21 +380,23 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const uint32_t* indices = s.chosen ? in[4].data<uint32_t>() : nullptr;
     float* y = outs[0].data<float>();
     const int M = s.rows, K = s.inputs, N = s.outputs, x_rows = s.shared ? M / s.chosen : M;
-    const bool k_quant = s.type != Q8_0;
-    const int blocks = K / (k_quant ? SUPER_BLOCK : BLOCK), groups = K / BLOCK;
+    const Layout held = layout_of(s.type, K);
+    const int blocks = K / held.x_block;
     const long row_shared = K / 2;  // QuantizedRows' `shared` a row (Q4_K uses K / 16)
     QuantizedRows q{std::vector<int8_t>((size_t)x_rows * K), std::vector<float>((size_t)x_rows * blocks),
-                    std::vector<int16_t>((size_t)x_rows * row_shared)};
+                    std::vector<int16_t>((size_t)x_rows * row_shared), std::vector<float>((size_t)x_rows * blocks)};
     for (int r = 0; r < x_rows; r++) {
-        if (k_quant)
-            quantize_row_q8_k(x + (long)r * K, K, q.codes.data() + (long)r * K, q.d.data() + (long)r * blocks,
-                              q.shared.data() + r * row_shared, s.type);
-        else
-            quantize_row(x + (long)r * K, K, q.codes.data() + (long)r * K, q.d.data() + (long)r * blocks);
+        int8_t* codes = q.codes.data() + (long)r * K;
+        float* d = q.d.data() + (long)r * blocks;
+        int16_t* shared = q.shared.data() + r * row_shared;
+        if (held.x_block == SUPER_BLOCK) {
+            quantize_row_q8_k(x + (long)r * K, K, codes, d, shared, s.type);
+            continue;
+        }
+        quantize_row(x + (long)r * K, K, codes, d, s.type == Q5_1 ? q.s.data() + (long)r * blocks : nullptr);
+        for (int i = 0; s.type == Q5_0 && i < K / 2; i++) shared[i] = (int16_t)(16 * (codes[2 * i] + codes[2 * i + 1]));
     }
-    // bytes of packed codes, float16 factors and int8 codes a weight row
-    const long row_bytes = s.type == Q4_K ? K / 2 : s.type == Q6_K ? K * 6 / 8 : K;
-    const long row_factors = s.type == Q4_K ? 2 * blocks : blocks, row_codes = s.type == Q6_K ? K / 16 : 2 * groups;
+    const long row_bytes = 4 * held.words;
     const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
     const bool repacked = N % 8 == 0;  // llama.cpp's x86 build repacks Q4_K matrices of rows in eights
     Pool::get().run(parts, (long)N * K * (s.chosen ? M : 1) >= (1L << 18), [&](int part) {
@@ -324,13 +413,19 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time)
                 for (long line = 0; line < row_bytes; line += 64)
                     _mm_prefetch((const char*)(w_row + 4096 + line), _MM_HINT_T0);
-                const uint16_t* factor_row = factors + row * row_factors;
-                const int8_t* code_row = w_codes + row * row_codes;
-                y[(long)m * N + n] =
-                    s.type == Q4_K   ? (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(w_row, factor_row, code_row,
-                                                                                    codes, d, shared, blocks)
-                    : s.type == Q6_K ? dot_row_q6_k(w_row, factor_row, code_row, codes, shared, d, blocks)
-                                     : dot_row(w_row, factor_row, codes, d, blocks);
+                const uint16_t* factor_row = factors + row * held.factors;
+                const int8_t* code_row = w_codes + row * held.codes;
+                float& out = y[(long)m * N + n];
+                switch (s.type) {
+                    case Q4_K:
+                        out = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(w_row, factor_row, code_row, codes, d,
+                                                                               shared, blocks);
+                        break;
+                    case Q6_K: out = dot_row_q6_k(w_row, factor_row, code_row, codes, shared, d, blocks); break;
+                    case Q5_0: out = dot_row_q5_0(w_row, factor_row, codes, shared, d, blocks); break;
+                    case Q5_1: out = dot_row_q5_1(w_row, factor_row, codes, d, q.s.data() + r * blocks, blocks); break;
+                    default: out = dot_row(w_row, factor_row, codes, d, blocks);
+                }
             }
         }
     });
@@ -338,15 +433,12 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
 
 using Q8Product = mlx_hybrid::CpuPrimitive<Q8Shape, compute>;
 
-// The shapes a type's held matrix [..., N, K] has: packed codes (uint32 words), float16 factors and
-// int8 codes a row; throws unless w, factors and codes (the last axes) have them.
+// Throws unless w, factors and codes (the last axes) hold a matrix of `type` with K inputs (`layout_of`).
 void check_held(Type type, int K, const mx::array& w, const mx::array& factors, const mx::array& codes) {
-    const int words = type == Q4_K ? K / 8 : type == Q6_K ? K * 6 / 32 : K / 4;
-    const int factor_count = type == Q4_K ? 2 * K / SUPER_BLOCK : type == Q6_K ? K / SUPER_BLOCK : K / BLOCK;
-    const int code_count = type == Q4_K ? 2 * K / BLOCK : type == Q6_K ? K / 16 : 0;
-    if (K % (type == Q8_0 ? BLOCK : SUPER_BLOCK) || w.dtype() != mx::uint32 || factors.dtype() != mx::float16 ||
-        codes.dtype() != mx::int8 || w.shape(-1) != words || factors.shape(-1) != factor_count ||
-        (code_count && codes.shape(-1) != code_count) || factors.shape(-2) != w.shape(-2))
+    const Layout held = layout_of(type, K);
+    if (K % held.x_block || w.dtype() != mx::uint32 || factors.dtype() != mx::float16 || codes.dtype() != mx::int8 ||
+        w.shape(-1) != held.words || factors.shape(-1) != held.factors || codes.shape(-1) != held.codes ||
+        factors.shape(-2) != w.shape(-2))
         throw std::invalid_argument("int8 products: the held matrix does not fit x's K (" + std::to_string(K) +
                                     ") as its type holds it");
 }
@@ -356,9 +448,9 @@ void check_held(Type type, int K, const mx::array& w, const mx::array& factors, 
 mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
                       int type) {
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
-        type < Q8_0 || type > Q6_K)
-        throw std::invalid_argument(
-            "int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K) or 2 (Q6_K)");
+        type < 0 || type >= TYPES)
+        throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
+                                    "2 (Q6_K), 3 (Q5_0) or 4 (Q5_1)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -376,9 +468,9 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
                              const mx::array& indices, int type) {
     if (x.dtype() != mx::float32 || x.ndim() != 3 || w.ndim() != 3 || factors.ndim() != 3 || indices.ndim() != 2 ||
         indices.shape(0) != x.shape(0) || (x.shape(1) != 1 && x.shape(1) != indices.shape(1)) ||
-        type < Q8_0 || type > Q6_K)
-        throw std::invalid_argument("int8_gather_matmul: x float32 [T, 1 or k, K], matrices [E, N, ...] of type 0 "
-                                    "(Q8_0), 1 (Q4_K) or 2 (Q6_K), indices [T, k]");
+        type < 0 || type >= TYPES)
+        throw std::invalid_argument("int8_gather_matmul: x float32 [T, 1 or k, K], matrices [E, N, ...] of a type "
+                                    "int8_matmul takes, indices [T, k]");
     const int K = x.shape(2), N = w.shape(1), k = indices.shape(1), M = indices.shape(0) * k;
     check_held((Type)type, K, w, factors, codes);
     auto stream = mx::default_stream(mx::Device::cpu);
@@ -392,7 +484,8 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K) as llama.cpp computes it");
+          nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1) as llama.cpp "
+          "computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
 }

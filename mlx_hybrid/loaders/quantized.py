@@ -51,7 +51,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ops
-from ..quantized_tensor import GROUP_SIZE, K_QUANT, MXFP4, Q6_K, Q8_0, BlockScales, GridBlocks, QuantizedTensor
+from ..quantized_tensor import (
+    D_AND_M, GROUP_SIZE, K_QUANT, MXFP4, Q5_0, Q6_K, Q8_0, BlockScales, GridBlocks, QuantizedTensor, pack,
+)
 
 
 def _f16(block_bytes: np.ndarray) -> np.ndarray:
@@ -236,9 +238,9 @@ def _iq3_s(b):
 BLOCK_TYPES = {
     "Q8_0": (8, 32, _q8_0, Q8_0),
     "Q4_0": (4, 32, _q4_0, BlockScales(1, 1, 1, -8.0)),
-    "Q4_1": (4, 32, _q4_1, BlockScales(1, 2, 1)),
-    "Q5_0": (5, 32, _q5_0, BlockScales(1, 1, 1, -16.0)),
-    "Q5_1": (5, 32, _q5_1, BlockScales(1, 2, 1)),
+    "Q4_1": (4, 32, _q4_1, D_AND_M),
+    "Q5_0": (5, 32, _q5_0, Q5_0),
+    "Q5_1": (5, 32, _q5_1, D_AND_M),
     "Q4_K": (4, 32, _q4_k, K_QUANT),
     "Q5_K": (5, 32, _q5_k, K_QUANT),
     "Q6_K": (6, 16, _q6_k, Q6_K),
@@ -276,15 +278,6 @@ REQUANTIZED_BITS = {
     "Q6_K": 6, "Q3_K": 4, "Q2_K": 3, "IQ4_NL": 5, "IQ4_XS": 5,
     "IQ3_XXS": 4, "IQ2_S": 3, "IQ2_XS": 3, "IQ2_XXS": 3,
 }  # fmt: skip
-
-
-def pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Unsigned bits-bit integers [..., n] (n a multiple of 32) -> MLX's little-endian bit stream
-    as uint32 [..., n * bits / 32]: each 8 values fill `bits` bytes."""
-    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
-    words = np.bitwise_or.reduce(q.reshape(*q.shape[:-1], -1, 8).astype(np.uint64) << shifts, axis=-1)
-    packed = words[..., None].view(np.uint8)[..., :bits]  # little-endian words: their low bytes
-    return np.ascontiguousarray(packed).reshape(*q.shape[:-1], -1).view(np.uint32)
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, compact_scales=None) -> QuantizedTensor | None:

@@ -14,7 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor, no_codes
+from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor, no_codes, pack
 from .cpu_extension import extension
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -207,18 +207,41 @@ def int8_gather_matmul(x, w, factors, codes, indices, held_type: int) -> mx.arra
     return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type)
 
 
-def q8_0_reference(x: np.ndarray, codes: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """llama.cpp's Q8_0 product the slow obvious way (float64 sums): x [M, K] float32, the weight's
-    signed codes [N, K] and float16 d [N, K / 32]. Each row of x quantized as llama.cpp's
-    quantize_row_q8_0 on x86 quantizes it (d_x = max |x| / 127 as float16, codes rounded half to even
-    from x * (127 / max |x|)), integer sums a block, times d_w d_x."""
+def q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows x [M, K] as llama.cpp's quantize_row_q8_0 and quantize_row_q8_1 on x86 quantize them: per
+    block of 32, d = max |x| / 127, codes rounded half to even from x * (127 / max |x|); codes [M, K / 32,
+    32], d as float16 [M, K / 32] (float64), and Q8_1's s, d (unrounded) times the codes' sum as
+    float16 (float64)."""
     blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
     largest = np.abs(blocks).max(-1)
-    d_x = (largest / np.float32(127)).astype(np.float16).astype(np.float64)
+    d = largest / np.float32(127)
     inverse = np.where(largest != 0, np.float32(127) / np.where(largest != 0, largest, 1), 0).astype(np.float32)
     q_x = np.rint(blocks * inverse[..., None]).astype(np.int64)
+    s = (d * q_x.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float64)
+    return q_x, d.astype(np.float16).astype(np.float64), s
+
+
+def q8_0_reference(x: np.ndarray, codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q8_0 product the slow obvious way (float64 sums): x [M, K] float32 quantized as
+    `q8_0_rows`, the weight's signed codes [N, K] and float16 d [N, K / 32]: integer sums a block,
+    times d_w d_x."""
+    q_x, d_x, _ = q8_0_rows(x)
     sums = np.einsum("mbi,nbi->mnb", q_x, codes.reshape(codes.shape[0], -1, 32).astype(np.int64))
     return (sums * d_x[:, None, :] * d.astype(np.float64)[None]).sum(-1)
+
+
+def q5_0_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q5_0 product the slow obvious way: the weight's 5-bit values q [N, K] (q - 16 times
+    its block's d) and float16 d [N, K / 32]: `q8_0_reference` of the signed values."""
+    return q8_0_reference(x, q.astype(np.int64) - 16, d)
+
+
+def q5_1_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q5_1 product the slow obvious way (float64 sums): x quantized as `q8_0_rows` (Q8_1:
+    with s), the weight's 5-bit values q [N, K] (q d + m), float16 d and m [N, K / 32]: per block
+    d_w d_x (q . x codes) + m_w s_x."""
+    _, _, s_x = q8_0_rows(x)
+    return q8_0_reference(x, q.astype(np.int64), d) + s_x @ m.astype(np.float64).T
 
 
 def q8_k_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -261,10 +284,21 @@ def q6_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, sc: np.ndarray) 
 def held_q6_k(q, d, sc) -> tuple[mx.array, mx.array, mx.array]:
     """A Q6_K matrix (values q [..., K], float16 d [..., K / 256], signed sc [..., K / 16]) as the package
     holds it: 6-bit values packed from the lowest bits up, the factors, the codes."""
-    fours = q.astype(np.uint32).reshape(*q.shape[:-1], -1, 4) << np.array([0, 6, 12, 18], np.uint32)
-    packed = fours.sum(-1, dtype=np.uint32).view(np.uint8).reshape(*q.shape[:-1], -1, 4)[..., :3]
-    words = np.ascontiguousarray(packed.reshape(*q.shape[:-1], -1)).view(np.uint32)
-    return mx.array(words), mx.array(d.astype(np.float16)), mx.array(sc.astype(np.int8))
+    return mx.array(pack(q, 6)), mx.array(d.astype(np.float16)), mx.array(sc.astype(np.int8))
+
+
+def held_q5(q, d, m=None) -> tuple[mx.array, mx.array, mx.array]:
+    """A Q5_0 matrix (values q [..., K], float16 d [..., K / 32]), or Q5_1 with m [..., K / 32], as the
+    package holds it: 5-bit values packed from the lowest bits up, factors d (and m) a group, codes 1."""
+    factors = d if m is None else np.stack([d, m], -1).reshape(*d.shape[:-1], -1)
+    return mx.array(pack(q, 5)), mx.array(factors.astype(np.float16)), mx.ones(d.shape, mx.int8)
+
+
+def random_q5(rng, shape, with_m: bool):
+    """Random Q5_0 (or Q5_1: with m) weights [..., N, K]: values, d (and m) of either sign."""
+    *lead, N, K = shape
+    scales = [(rng.uniform(-1, 1, (*lead, N, K // 32)) / 64).astype(np.float16) for _ in range(1 + with_m)]
+    return rng.integers(0, 32, shape).astype(np.uint8), *scales
 
 
 def random_q6_k(rng, shape):
@@ -301,16 +335,19 @@ def random_q4_k(rng, shape):
 
 def small_case_int8(_platform):
     """A first-use check of the products with 8-bit activations: 1 and 9 rows and gathered experts
-    against the references, for each type (Q8_0, Q4_K, Q6_K)."""
+    against the references, for each type (Q8_0, Q4_K, Q6_K, Q5_0, Q5_1)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((9, 512)).astype(np.float32)
     indices = np.array([[2, 0], [1, 2]], np.uint32)
     codes = rng.integers(-127, 128, (3, 24, 512)).astype(np.int8)
     d = (rng.uniform(-1, 1, (3, 24, 16)) / 64).astype(np.float16)
     k_quant, six_bits = random_q4_k(rng, (3, 24, 512)), random_q6_k(rng, (3, 24, 512))
+    five_bits, with_m = random_q5(rng, (3, 24, 512), False), random_q5(rng, (3, 24, 512), True)
     cases = [(held_q8_0(codes, d), lambda rows, e: q8_0_reference(rows, codes[e], d[e]), 0),
              (held_q4_k(*k_quant), lambda rows, e: q4_k_reference(rows, *(a[e] for a in k_quant)), 1),
-             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2)]  # fmt: skip
+             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2),
+             (held_q5(*five_bits), lambda rows, e: q5_0_reference(rows, *(a[e] for a in five_bits)), 3),
+             (held_q5(*with_m), lambda rows, e: q5_1_reference(rows, *(a[e] for a in with_m)), 4)]  # fmt: skip
     got, want = [], []
     for held, reference, held_type in cases:
         got += [int8_matmul(mx.array(x[:rows]), *(a[1] for a in held), held_type) for rows in (1, 9)]
