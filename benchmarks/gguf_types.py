@@ -205,17 +205,17 @@ def main():
         return statistics.median(runs) if runs else float("nan")
 
     print(f"\n32 tokens after an 8-token prompt, {args.threads} threads; medians of {args.rounds}; decode in tokens/s")
-    print("| type | file GiB | weights / file | peak / file | decode | dequantized decode | llama.cpp decode | "
-          "decode / llama.cpp | llama.cpp peak / file |")  # fmt: skip
-    print("| --- " * 9 + "|")
+    print("| type | file GiB | weights / file | peak / file | decode | int8 decode | dequantized decode | "
+          "llama.cpp decode | decode / llama.cpp | int8 / llama.cpp | llama.cpp peak / file |")  # fmt: skip
+    print("| --- " * 11 + "|")
     for type_name in args.types:
         size = file_of(args.dir, type_name).stat().st_size
-        ours = median(type_name, "mlx-hybrid", "decode")
+        ours, int8 = median(type_name, "mlx-hybrid", "decode"), median(type_name, "int8", "decode")
         theirs = median(type_name, "llama.cpp", "decode")
         print(f"| {type_name} | {size / 2**30:.2f} | {median(type_name, 'mlx-hybrid', 'weights') / size:.2f}x | "
-              f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | "
+              f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | {int8:.2f} | "
               f"{median(type_name, 'dequantized', 'decode'):.2f} | {theirs:.2f} | {ours / theirs:.2f}x | "
-              f"{median(type_name, 'llama.cpp', 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
+              f"{int8 / theirs:.2f}x | {median(type_name, 'llama.cpp', 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -93,6 +93,13 @@ Q8_0 = BlockScales(1, 1, 1, -128.0)
 Q5_0 = BlockScales(1, 1, 1, -16.0)
 # GGUF's Q4_1 and Q5_1: float16 d and m a group (codes 1)
 D_AND_M = BlockScales(1, 2, 1)
+# GGUF's Q4_0: 4-bit values a group of 32, d a group (code 1), bias -8 d
+Q4_0 = BlockScales(1, 1, 1, -8.0)
+# IQ4_NL's 16 values (ggml's kvalues_iq4nl) plus 128: unsigned bytes, and the group affine in
+# them (bias -128 times the scale)
+IQ4_NL_TABLE = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
+# GGUF's IQ4_NL: 4-bit indices into those values, d a group (code 1)
+IQ4_NL = BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)
 # GGUF's Q4_K and Q5_K: float16 d and -dmin a block of 8 groups, codes sc_j and m_j a group of 32
 K_QUANT = BlockScales(8, 2, 2)
 # GGUF's Q6_K: one float16 d a block of 16 groups of 16, a signed code sc_j a group, bias -32 d sc_j
@@ -105,7 +112,8 @@ CPU_ACTIVATIONS = ("float32", "int8")
 # the types whose products take 8-bit activations so far: name -> (bits, group size, block form), in
 # the order of the CPU kernel's type numbers
 INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
-              "Q5_1": (5, 32, D_AND_M)}  # fmt: skip
+              "Q5_1": (5, 32, D_AND_M), "Q4_0": (4, 32, Q4_0), "Q4_1": (4, 32, D_AND_M),
+              "IQ4_NL": (4, 32, IQ4_NL)}  # fmt: skip
 
 
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="nee
 FLOAT32_EPS = 2.0**-23
 
 
-Q8_0, Q4_K, Q6_K, Q5_0, Q5_1 = 0, 1, 2, 3, 4  # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
+# the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
+Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL = range(8)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -191,53 +192,73 @@ def test_q6_k_products_are_exact_where_the_arithmetic_is():
     np.testing.assert_array_equal(got, cpu_quantized.q6_k_reference(x, q, d, sc).astype(np.float32))
 
 
-FIVE_BITS = pytest.mark.parametrize("held_type", [Q5_0, Q5_1], ids=["Q5_0", "Q5_1"])
+def reference_of(held_type: int):
+    """A 32-value type's numpy reference (x, q, d[, m])."""
+    return {Q5_0: lambda x, q, d: cpu_quantized.offset_reference(x, q, d, 16),
+            Q4_0: lambda x, q, d: cpu_quantized.offset_reference(x, q, d, 8),
+            Q5_1: cpu_quantized.d_and_m_reference, Q4_1: cpu_quantized.d_and_m_reference,
+            IQ4_NL: cpu_quantized.iq4_nl_reference}[held_type]  # fmt: skip
 
 
-@FIVE_BITS
+# the 32-value types: (kernel type, bits, with m, the largest magnitude of a value)
+B32_TYPES = pytest.mark.parametrize(
+    "held_type, bits, with_m, largest",
+    [(Q5_0, 5, False, 16), (Q5_1, 5, True, 31), (Q4_0, 4, False, 8), (Q4_1, 4, True, 15), (IQ4_NL, 4, False, 127)],
+    ids=["Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL"],
+)
+# llama.cpp's x86 build repacks Q4_0 and IQ4_NL matrices of rows in eights (ggml_gemv_q4_0_8x8_q8_0:
+# a block's sum one integer), others as stored (lanes of 4)
+B32_ROWS = pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
+
+
+@B32_ROWS
+@B32_TYPES
 @pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
-def test_q5_products_are_llama_cpps_arithmetic_and_row_invariant(K, held_type):
-    """Rows quantized to Q8_0 (Q8_1: with s), q - 16 (Q5_1: q) times their codes in exact integer lanes,
-    a fused multiply-add a block (Q5_1: m_w s_x into one more sum): every row the same bits alone or
-    with others, at the float32 floor of the float64 reference (8 lanes of K / 32 terms, their tree,
-    and K / 32 terms more)."""
-    rng = np.random.default_rng(K + held_type)
-    weights = cpu_quantized.random_q5(rng, (20, K), held_type == Q5_1)
+def test_32_value_products_are_llama_cpps_arithmetic_and_row_invariant(K, held_type, bits, with_m, largest, N):
+    """Rows quantized to Q8_0 (Q8_1: with s), the values (q - 16, q - 8, q, IQ4_NL's table) times the
+    codes as exact integers, a fused multiply-add a block (Q5_1, Q4_1: m_w s_x into one more sum):
+    every row the same bits alone or with others, at the float32 floor of the float64 reference (K / 32
+    terms an accumulator, then at most 4 sums of lanes and accumulators)."""
+    rng = np.random.default_rng(K + held_type + N)
+    weights = cpu_quantized.random_b32(rng, (N, K), bits, with_m)
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, cpu_quantized.held_q5(*weights), held_type)
-    reference = cpu_quantized.q5_1_reference if held_type == Q5_1 else cpu_quantized.q5_0_reference
+    alone = rows_alone_as_together(x, cpu_quantized.held_b32(weights[0], bits, *weights[1:]), held_type)
     _, d_x, s_x = cpu_quantized.q8_0_rows(x)
-    # a block's terms at most 127 * 31 * 32 times |d_w d_x|, and |m_w s_x|
-    magnitude = np.abs(d_x) @ np.abs(weights[1].astype(np.float64)).T * 127 * 31 * 32
-    if held_type == Q5_1:
+    # a block's terms at most 127 * largest * 32 times |d_w d_x|, and |m_w s_x|
+    magnitude = np.abs(d_x) @ np.abs(weights[1].astype(np.float64)).T * 127 * largest * 32
+    if with_m:
         magnitude += np.abs(s_x) @ np.abs(weights[2].astype(np.float64)).T
-    assert (np.abs(alone - reference(x, *weights)) <= (K // 32 + 3) * FLOAT32_EPS * magnitude).all()
+    want = reference_of(held_type)(x, *weights)
+    assert (np.abs(alone - want) <= (K // 32 + 4) * FLOAT32_EPS * magnitude).all()
 
 
-@FIVE_BITS
-def test_q5_products_are_exact_where_the_arithmetic_is(held_type):
+@B32_ROWS
+@B32_TYPES
+def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, with_m, largest, N):
     """Each block's largest magnitude 127 (d_x = 1: the codes the values), integer values elsewhere, d
     and m powers of two: every sum and scale exact, the reference met exactly."""
     rng = np.random.default_rng(9)
-    q, *scales = cpu_quantized.random_q5(rng, (8, 512), held_type == Q5_1)
-    scales = [(2.0 ** rng.integers(-12, -6, (8, 16))).astype(np.float16) for _ in scales]
+    q = rng.integers(0, 2**bits, (N, 512)).astype(np.uint8)
+    scales = [(2.0 ** rng.integers(-12, -6, (N, 16))).astype(np.float16) for _ in range(1 + with_m)]
     x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
     x[:, ::32] = 127
-    reference = cpu_quantized.q5_1_reference if held_type == Q5_1 else cpu_quantized.q5_0_reference
-    got = product(x, cpu_quantized.held_q5(q, *scales), held_type)
-    np.testing.assert_array_equal(got, reference(x, q, *scales).astype(np.float32))
+    got = product(x, cpu_quantized.held_b32(q, bits, *scales), held_type)
+    np.testing.assert_array_equal(got, reference_of(held_type)(x, q, *scales).astype(np.float32))
 
 
 @pytest.mark.parametrize(
     "held_type, weights, held, shared",
     [(Q4_K, cpu_quantized.random_q4_k, cpu_quantized.held_q4_k, True),
      (Q6_K, cpu_quantized.random_q6_k, cpu_quantized.held_q6_k, False),
-     (Q5_1, lambda rng, shape: cpu_quantized.random_q5(rng, shape, True), cpu_quantized.held_q5, True)],
-    ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q5_1, one row a token"],
+     (Q5_1, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 5, True),
+      lambda q, d, m: cpu_quantized.held_b32(q, 5, d, m), True),
+     (IQ4_NL, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 4, False),
+      lambda q, d: cpu_quantized.held_b32(q, 4, d), False)],
+    ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q5_1, one row a token", "IQ4_NL, rows in eights"],
 )  # fmt: skip
 def test_expert_products_give_each_row_its_product_alone(held_type, weights, held, shared):
     rng = np.random.default_rng(7 + held_type)
-    matrices = held(*weights(rng, (5, 12, 512)))
+    matrices = held(*weights(rng, (5, 16, 512)))
     indices = rng.integers(0, 5, (4, 2)).astype(np.uint32)
     x = rng.standard_normal((4, 1 if shared else 2, 512)).astype(np.float32)
     got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *matrices, mx.array(indices), held_type))
@@ -267,7 +288,7 @@ def test_a_q8_0_file_with_int8_activations_verifies_as_it_decodes():
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="Q8_0, Q4_K, Q6_K, Q5_0, Q5_1 tensors so far; this file holds .*Q2_K"):
+    with pytest.raises(ModelLoadError, match="Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL tensors so far; this file holds .*Q2_K"):
         mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-Q2_K.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
@@ -330,16 +351,18 @@ def test_the_bundled_model_computes_what_llama_cpp_computes(type_name, tmp_path)
         np.testing.assert_allclose(step[list(ids)], values, atol=0.02, rtol=0)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "IQ4_NL"])
 def test_a_random_fixture_computes_what_llama_cpp_computes(type_name):
-    """The random Qwen3.5 fixture in Q8_0 and in Q4_K_M (Q4_K, Q6_K, and Q5_0 / Q5_1 where its rows are
-    too short for K-quants; llama.cpp's converter and llama-quantize) on 8-bit activations: llama.cpp's
-    24 greedy tokens, its top-2 logits within 1e-4 (measured 5e-8 both: float32 roundings of logits
-    near 10 in the norms and attention, in another order, would be about 1e-5). Random weights make
-    every rounding difference grow: the float32-activation path leaves llama.cpp's tokens at the third
-    step (Q8_0, at a top-2 gap of 0.11) and at the first (Q4_K_M)."""
+    """The random Qwen3.5 fixture in Q8_0, Q4_K_M (Q4_K, Q6_K, and Q5_0 / Q5_1 where its rows are too
+    short for K-quants), Q4_0, Q4_1 and IQ4_NL (llama.cpp's converter and llama-quantize) on 8-bit
+    activations: llama.cpp's 24 greedy tokens, its top-2 logits within 1e-4 (measured 5e-8: float32
+    roundings of logits near 10 in the norms and attention, in another order, would be about 1e-5).
+    Random weights make every rounding difference grow: the float32-activation path leaves
+    llama.cpp's tokens within the first 4 steps (Q8_0 at the third, at a top-2 gap of 0.11)."""
     record = json.loads((FIXTURES / "llama-cpp" / f"random-qwen35-{type_name}.json").read_text())
-    model, _ = mlx_hybrid.load(FIXTURES / "qwen35" / f"model-{type_name}.gguf", cpu_activations="int8")
+    path = FIXTURES / "qwen35" / f"model-{type_name}.gguf"
+    model, _ = mlx_hybrid.load(path if path.exists() else FIXTURES / "llama-cpp" / f"random-qwen35-{type_name}.gguf",
+                               cpu_activations="int8")  # fmt: skip
     tokens, logits = greedy_token_by_token(model, record["prompt"], len(record["greedy"]))
     assert tokens == record["greedy"]
     for step, top in zip(logits, record["top"]):

@@ -5,8 +5,10 @@
 //   codes round-half-even(x * 127 / max |x|); the block's integer products in 8 lanes of 4, each
 //   lane's sum times d_w * d_x added into its float lane (a fused multiply-add), the 8 lanes summed by
 //   a fixed tree.
-// - Q5_0 x Q8_0 and Q5_1 x Q8_1 (ggml_vec_dot_q5_0_q8_0, ggml_vec_dot_q5_1_q8_1): as Q8_0, with
-//   Q8_1's s (d times the codes' sum, float16) times m_w into one more float sum.
+// - Q5_0, Q4_0 and IQ4_NL x Q8_0, Q5_1 and Q4_1 x Q8_1 (ggml_vec_dot_q5_0_q8_0 and the others): as
+//   Q8_0, with Q8_1's s (d times the codes' sum, float16) times m_w into one more float sum; Q4_0 and
+//   IQ4_NL matrices of rows in eights as llama.cpp's x86 build repacks them (ggml_gemv_q4_0_8x8_q8_0:
+//   a block's sum one integer, times d_w d_x into the row's one accumulator).
 // - Q4_K x Q8_K (ggml_gemv_q4_K_8x8_q8_K, the repacked form llama.cpp's x86 build multiplies Q4_K
 //   matrices of rows in eights in; others ggml_vec_dot_q4_K_q8_K): per block of 256, d_x = 1 /
 //   (-127 / x_max) with x_max the value of largest magnitude, codes min(127, nearest(x * -127 /
@@ -39,8 +41,8 @@ constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
 constexpr int MAX_ROWS = 16;        // rows a call quantizes and multiplies (decode steps, verify passes)
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
-enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4 };
-constexpr int TYPES = 5;
+enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7 };
+constexpr int TYPES = 8;
 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
 // float16 conversions
@@ -300,16 +302,31 @@ INT8_FN inline __m256i unpack_5bit_run(const uint8_t* p) {
     return _mm256_packus_epi16(low, high);
 }
 
-// ggml_vec_dot_q5_0_q8_0's AVX2 arithmetic for one weight row (5-bit values q, d a block: q - 16
-// times d) and one row of x quantized to Q8_0 (with its pair sums as QuantizedRows holds them):
-// per block, (q - 16) times x's codes in lanes of 4 as integers, each lane times d_w d_x into its
-// float lane; the lanes' tree.
-INT8_FN float dot_row_q5_0(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const int16_t* x_pairs,
-                           const float* x_d, int blocks) {
+// MLX's 4-bit values (a byte's low nibble first), 32 from the 16 bytes at p, as bytes in order.
+INT8_FN inline __m256i unpack_4bit_run(const uint8_t* p) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i*)p), low = _mm_set1_epi8(0x0F);
+    const __m128i even = _mm_and_si128(bytes, low), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    return _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
+}
+
+template <int BITS>
+INT8_FN inline __m256i unpack_run(const uint8_t* p) {
+    if constexpr (BITS == 4) return unpack_4bit_run(p);
+    else return unpack_5bit_run(p);
+}
+
+// ggml_vec_dot_q5_0_q8_0's (BITS 5: q - 16 times d) and ggml_vec_dot_q4_0_q8_0's (BITS 4: q - 8, the
+// Q4_0 matrices llama.cpp does not repack) AVX2 arithmetic for one weight row (values q, d a block)
+// and one row of x quantized to Q8_0 (with its pair sums times the offset, as QuantizedRows holds
+// them): per block, (q - offset) times x's codes in lanes of 4 as integers, each lane times d_w d_x
+// into its float lane; the lanes' tree.
+template <int BITS>
+INT8_FN float dot_row_offset(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const int16_t* x_pairs,
+                             const float* x_d, int blocks) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const __m256i q = unpack_5bit_run(w + b * 20);
+        const __m256i q = unpack_run<BITS>(w + b * 4 * BITS);
         const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32))),
                                                _mm256_loadu_si256((const __m256i*)(x_pairs + b * 16)));
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
@@ -318,23 +335,90 @@ INT8_FN float dot_row_q5_0(const uint8_t* w, const uint16_t* w_d, const int8_t* 
     return mlx_hybrid::sum_lanes(acc);
 }
 
-// ggml_vec_dot_q5_1_q8_1's AVX2 arithmetic for one weight row (5-bit values q, d and m a block: q d + m)
-// and one row of x quantized to Q8_1: per block, q times x's codes in lanes of 4 as integers, each
-// lane times d_w d_x into its float lane, and m_w times x's s into one float (fused multiply-adds);
-// the lanes' tree plus that sum.
-INT8_FN float dot_row_q5_1(const uint8_t* w, const uint16_t* factors, const int8_t* x, const float* x_d,
-                           const float* x_s, int blocks) {
+// ggml_vec_dot_q5_1_q8_1's (BITS 5) and ggml_vec_dot_q4_1_q8_1's (BITS 4) AVX2 arithmetic for one
+// weight row (values q, d and m a block: q d + m) and one row of x quantized to Q8_1: per block, q
+// times x's codes in lanes of 4 as integers, each lane times d_w d_x into its float lane, and m_w
+// times x's s into one float (fused multiply-adds); the lanes' tree plus that sum.
+template <int BITS>
+INT8_FN float dot_row_d_and_m(const uint8_t* w, const uint16_t* factors, const int8_t* x, const float* x_d,
+                              const float* x_s, int blocks) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
     for (int b = 0; b < blocks; b++) {
         mins = std::fma(_cvtsh_ss(factors[2 * b + 1]), x_s[b], mins);
-        const __m256i q = unpack_5bit_run(w + b * 20);
+        const __m256i q = unpack_run<BITS>(w + b * 4 * BITS);
         const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32)));
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
         acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(_cvtsh_ss(factors[2 * b]) * x_d[b]), acc);
     }
     return mlx_hybrid::sum_lanes(acc) + mins;
+}
+
+// IQ4_NL's 16 values (ggml's kvalues_iq4nl), in both halves: a shuffle by the 4-bit index reads them
+INT8_FN inline __m256i iq4_nl_values() {
+    return _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113, -127, -104, -83,
+                            -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+
+// signed bytes v times signed codes x, in int32 lanes of 4 (llama.cpp's: |v| times x with v's sign)
+INT8_FN inline __m256i signed_lanes(__m256i v, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)),
+                             _mm256_set1_epi16(1));
+}
+
+// ggml_vec_dot_iq4_nl_q8_0's AVX2 arithmetic (the IQ4_NL matrices llama.cpp does not repack) for one
+// weight row (4-bit indices into IQ4_NL's values, d a block) and one row of x quantized to Q8_0: per
+// block, values times codes in lanes of 4 as integers, each lane times d_x d_w into its float lane,
+// even and odd blocks apart; the two added, their lanes' tree; an odd count's last block's sum times
+// d_x d_w added after.
+INT8_FN float dot_row_iq4_nl(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const float* x_d, int blocks) {
+    const __m256i values = iq4_nl_values();
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int pairs = blocks / 2 * 2;
+    for (int b = 0; b < pairs; b++) {
+        const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + b * 16));
+        const __m256 sums = _mm256_cvtepi32_ps(signed_lanes(v, _mm256_loadu_si256((const __m256i*)(x + b * 32))));
+        acc[b % 2] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(w_d[b])), sums, acc[b % 2]);
+    }
+    float sum = mlx_hybrid::sum_lanes(_mm256_add_ps(acc[0], acc[1]));
+    if (pairs < blocks) {
+        const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + pairs * 16));
+        const int32_t total = sum_int_lanes(signed_lanes(v, _mm256_loadu_si256((const __m256i*)(x + pairs * 32))));
+        sum = sum + x_d[pairs] * _cvtsh_ss(w_d[pairs]) * (float)total;  // (not fused, as llama.cpp's build)
+    }
+    return sum;
+}
+
+// ggml_gemv_q4_0_8x8_q8_0's and ggml_gemv_iq4_nl_8x8_q8_0's arithmetic (the Q4_0 and IQ4_NL matrices
+// of rows in eights llama.cpp's x86 build repacks): 8 weight rows at a time (each `row_bytes` and
+// `row_factors` apart), per block each row's values (Q4_0: q - 8; IQ4_NL: its table's) times x's
+// codes as one exact integer, times d_w d_x into that row's float accumulator. Writes out[0..7].
+INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const uint16_t* w_d, long row_factors, const int8_t* x,
+                           const float* x_d, int blocks, bool iq4_nl, float* out) {
+    const __m256i values = iq4_nl ? iq4_nl_values()
+                                  : _mm256_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6,
+                                                     -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m256i xs = _mm256_loadu_si256((const __m256i*)(x + b * 32));
+        __m256i lanes[8];
+        for (int r = 0; r < 8; r++)
+            lanes[r] = signed_lanes(_mm256_shuffle_epi8(values, unpack_4bit_run(w + r * row_bytes + b * 16)), xs);
+        // the 8 rows' sums in one vector: pairwise sums within halves, then the halves added
+        const __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]),
+                                                _mm256_hadd_epi32(lanes[2], lanes[3]));
+        const __m256i last = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[4], lanes[5]),
+                                               _mm256_hadd_epi32(lanes[6], lanes[7]));
+        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(first, last, 0x20),
+                                              _mm256_permute2x128_si256(first, last, 0x31));
+        const __m128i d16 = _mm_setr_epi16(w_d[b], w_d[row_factors + b], w_d[2 * row_factors + b],
+                                           w_d[3 * row_factors + b], w_d[4 * row_factors + b], w_d[5 * row_factors + b],
+                                           w_d[6 * row_factors + b], w_d[7 * row_factors + b]);
+        const __m256 scales = _mm256_mul_ps(_mm256_cvtph_ps(d16), _mm256_set1_ps(x_d[b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc);
+    }
+    _mm256_storeu_ps(out, acc);
 }
 
 // ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and one
@@ -366,6 +450,8 @@ Layout layout_of(Type type, long K) {
         case Q6_K: return {K * 6 / 32, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
         case Q5_0: return {K * 5 / 32, K / BLOCK, K / BLOCK, BLOCK};
         case Q5_1: return {K * 5 / 32, 2 * K / BLOCK, K / BLOCK, BLOCK};
+        case Q4_0: case IQ4_NL: return {K / 8, K / BLOCK, K / BLOCK, BLOCK};
+        case Q4_1: return {K / 8, 2 * K / BLOCK, K / BLOCK, BLOCK};
         default: return {K / 4, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
     }
 }
@@ -393,12 +479,15 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
             quantize_row_q8_k(x + (long)r * K, K, codes, d, shared, s.type);
             continue;
         }
-        quantize_row(x + (long)r * K, K, codes, d, s.type == Q5_1 ? q.s.data() + (long)r * blocks : nullptr);
-        for (int i = 0; s.type == Q5_0 && i < K / 2; i++) shared[i] = (int16_t)(16 * (codes[2 * i] + codes[2 * i + 1]));
+        const bool q8_1 = s.type == Q5_1 || s.type == Q4_1;
+        quantize_row(x + (long)r * K, K, codes, d, q8_1 ? q.s.data() + (long)r * blocks : nullptr);
+        const int offset = s.type == Q5_0 ? 16 : s.type == Q4_0 ? 8 : 0;  // of the values, q - offset
+        for (int i = 0; offset && i < K / 2; i++) shared[i] = (int16_t)(offset * (codes[2 * i] + codes[2 * i + 1]));
     }
     const long row_bytes = 4 * held.words;
     const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
-    const bool repacked = N % 8 == 0;  // llama.cpp's x86 build repacks Q4_K matrices of rows in eights
+    // llama.cpp's x86 build repacks Q4_K, Q4_0 and IQ4_NL matrices of rows in eights
+    const bool repacked = N % 8 == 0, eights = repacked && (s.type == Q4_0 || s.type == IQ4_NL);
     Pool::get().run(parts, (long)N * K * (s.chosen ? M : 1) >= (1L << 18), [&](int part) {
         const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
         for (int m = 0; m < M; m++) {
@@ -406,15 +495,16 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
             const int8_t* codes = q.codes.data() + r * K;
             const float* d = q.d.data() + r * blocks;
             const int16_t* shared = q.shared.data() + r * row_shared;
-            for (long n = first; n < end; n++) {
+            for (long n = first; n < end; n += eights ? 8 : 1) {
                 const long row = matrix * N + n;
                 const uint8_t* w_row = w + row * row_bytes;
                 // the codes 4 KiB ahead into the cache as this row is read (measured best of 1-8 KiB: the
                 // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time)
-                for (long line = 0; line < row_bytes; line += 64)
+                for (long line = 0; line < (eights ? 8 : 1) * row_bytes; line += 64)
                     _mm_prefetch((const char*)(w_row + 4096 + line), _MM_HINT_T0);
                 const uint16_t* factor_row = factors + row * held.factors;
                 const int8_t* code_row = w_codes + row * held.codes;
+                const float* x_s = q.s.data() + r * blocks;
                 float& out = y[(long)m * N + n];
                 switch (s.type) {
                     case Q4_K:
@@ -422,8 +512,17 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                                                                                shared, blocks);
                         break;
                     case Q6_K: out = dot_row_q6_k(w_row, factor_row, code_row, codes, shared, d, blocks); break;
-                    case Q5_0: out = dot_row_q5_0(w_row, factor_row, codes, shared, d, blocks); break;
-                    case Q5_1: out = dot_row_q5_1(w_row, factor_row, codes, d, q.s.data() + r * blocks, blocks); break;
+                    case Q5_0: out = dot_row_offset<5>(w_row, factor_row, codes, shared, d, blocks); break;
+                    case Q5_1: out = dot_row_d_and_m<5>(w_row, factor_row, codes, d, x_s, blocks); break;
+                    case Q4_1: out = dot_row_d_and_m<4>(w_row, factor_row, codes, d, x_s, blocks); break;
+                    case Q4_0: case IQ4_NL:
+                        if (eights)
+                            dot_rows8_b32(w_row, row_bytes, factor_row, held.factors, codes, d, blocks,
+                                          s.type == IQ4_NL, &out);
+                        else
+                            out = s.type == Q4_0 ? dot_row_offset<4>(w_row, factor_row, codes, shared, d, blocks)
+                                                 : dot_row_iq4_nl(w_row, factor_row, codes, d, blocks);
+                        break;
                     default: out = dot_row(w_row, factor_row, codes, d, blocks);
                 }
             }
@@ -450,7 +549,7 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
         type < 0 || type >= TYPES)
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
-                                    "2 (Q6_K), 3 (Q5_0) or 4 (Q5_1)");
+                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1) or 7 (IQ4_NL)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -484,8 +583,8 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1) as llama.cpp "
-          "computes it");
+          nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
+          "7: IQ4_NL) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
 }

@@ -52,7 +52,8 @@ import numpy as np
 
 from .. import ops
 from ..quantized_tensor import (
-    D_AND_M, GROUP_SIZE, K_QUANT, MXFP4, Q5_0, Q6_K, Q8_0, BlockScales, GridBlocks, QuantizedTensor, pack,
+    D_AND_M, GROUP_SIZE, IQ4_NL, IQ4_NL_TABLE, K_QUANT, MXFP4, Q4_0, Q5_0, Q6_K, Q8_0, BlockScales, GridBlocks,
+    QuantizedTensor, pack,
 )
 
 
@@ -169,9 +170,6 @@ def _q3_k(b):
     return low | (high << 2), _f16(b[..., 108:110]), codes.astype(np.int8)[..., None]
 
 
-# IQ4_NL's 16 values (ggml's kvalues_iq4nl) plus 128: unsigned bytes, and the group affine in
-# them (bias -128 times the scale)
-IQ4_NL_TABLE = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
 
 
 def _iq4_nl(b):
@@ -237,7 +235,7 @@ def _iq3_s(b):
 # GGML type name -> (bits, values per group, block parser, the block form's scales)
 BLOCK_TYPES = {
     "Q8_0": (8, 32, _q8_0, Q8_0),
-    "Q4_0": (4, 32, _q4_0, BlockScales(1, 1, 1, -8.0)),
+    "Q4_0": (4, 32, _q4_0, Q4_0),
     "Q4_1": (4, 32, _q4_1, D_AND_M),
     "Q5_0": (5, 32, _q5_0, Q5_0),
     "Q5_1": (5, 32, _q5_1, D_AND_M),
@@ -246,7 +244,7 @@ BLOCK_TYPES = {
     "Q6_K": (6, 16, _q6_k, Q6_K),
     "Q2_K": (2, 16, _q2_k, BlockScales(16, 2, 2, code_bits=4)),
     "Q3_K": (3, 16, _q3_k, BlockScales(16, 1, 1, -4.0)),
-    "IQ4_NL": (4, 32, _iq4_nl, BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)),
+    "IQ4_NL": (4, 32, _iq4_nl, IQ4_NL),
     "IQ4_XS": (4, 32, _iq4_xs, BlockScales(8, 1, 1, -128.0, table=IQ4_NL_TABLE)),
     "IQ3_S": (4, 32, _iq3_s, BlockScales(8, 1, 1, -7.5)),
     "MXFP4": (4, 32, _mxfp4, MXFP4),

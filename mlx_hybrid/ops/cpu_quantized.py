@@ -14,7 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..quantized_tensor import BlockScales, GridBlocks, QuantizedTensor, no_codes, pack
+from ..quantized_tensor import IQ4_NL_TABLE, BlockScales, GridBlocks, QuantizedTensor, no_codes, pack
 from .cpu_extension import extension
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -230,16 +230,23 @@ def q8_0_reference(x: np.ndarray, codes: np.ndarray, d: np.ndarray) -> np.ndarra
     return (sums * d_x[:, None, :] * d.astype(np.float64)[None]).sum(-1)
 
 
-def q5_0_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """llama.cpp's Q5_0 product the slow obvious way: the weight's 5-bit values q [N, K] (q - 16 times
-    its block's d) and float16 d [N, K / 32]: `q8_0_reference` of the signed values."""
-    return q8_0_reference(x, q.astype(np.int64) - 16, d)
+def offset_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, offset: int) -> np.ndarray:
+    """llama.cpp's Q5_0 (offset 16) and Q4_0 (offset 8) products the slow obvious way: the weight's
+    values q [N, K] (q - offset times its block's d) and float16 d [N, K / 32]: `q8_0_reference` of the
+    signed values."""
+    return q8_0_reference(x, q.astype(np.int64) - offset, d)
 
 
-def q5_1_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """llama.cpp's Q5_1 product the slow obvious way (float64 sums): x quantized as `q8_0_rows` (Q8_1:
-    with s), the weight's 5-bit values q [N, K] (q d + m), float16 d and m [N, K / 32]: per block
-    d_w d_x (q . x codes) + m_w s_x."""
+def iq4_nl_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """llama.cpp's IQ4_NL product the slow obvious way: the weight's 4-bit indices q [N, K] into
+    IQ4_NL's values (`IQ4_NL_TABLE` less 128) and float16 d [N, K / 32]: `q8_0_reference` of the values."""
+    return q8_0_reference(x, np.array(IQ4_NL_TABLE, np.int64)[q] - 128, d)
+
+
+def d_and_m_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """llama.cpp's Q5_1 and Q4_1 products the slow obvious way (float64 sums): x quantized as
+    `q8_0_rows` (Q8_1: with s), the weight's values q [N, K] (q d + m), float16 d and m [N, K / 32]: per
+    block d_w d_x (q . x codes) + m_w s_x."""
     _, _, s_x = q8_0_rows(x)
     return q8_0_reference(x, q.astype(np.int64), d) + s_x @ m.astype(np.float64).T
 
@@ -287,18 +294,19 @@ def held_q6_k(q, d, sc) -> tuple[mx.array, mx.array, mx.array]:
     return mx.array(pack(q, 6)), mx.array(d.astype(np.float16)), mx.array(sc.astype(np.int8))
 
 
-def held_q5(q, d, m=None) -> tuple[mx.array, mx.array, mx.array]:
-    """A Q5_0 matrix (values q [..., K], float16 d [..., K / 32]), or Q5_1 with m [..., K / 32], as the
-    package holds it: 5-bit values packed from the lowest bits up, factors d (and m) a group, codes 1."""
+def held_b32(q, bits: int, d, m=None) -> tuple[mx.array, mx.array, mx.array]:
+    """A matrix of GGUF's 32-value blocks of 4 or 5 bits (values q [..., K], float16 d [..., K / 32];
+    Q4_1 and Q5_1 with m [..., K / 32]) as the package holds it: values packed from the lowest bits
+    up, factors d (and m) a group, codes 1."""
     factors = d if m is None else np.stack([d, m], -1).reshape(*d.shape[:-1], -1)
-    return mx.array(pack(q, 5)), mx.array(factors.astype(np.float16)), mx.ones(d.shape, mx.int8)
+    return mx.array(pack(q, bits)), mx.array(factors.astype(np.float16)), mx.ones(d.shape, mx.int8)
 
 
-def random_q5(rng, shape, with_m: bool):
-    """Random Q5_0 (or Q5_1: with m) weights [..., N, K]: values, d (and m) of either sign."""
+def random_b32(rng, shape, bits: int, with_m: bool):
+    """Random weights [..., N, K] in 32-value blocks of `bits`-bit values: values, d (and m) of either sign."""
     *lead, N, K = shape
     scales = [(rng.uniform(-1, 1, (*lead, N, K // 32)) / 64).astype(np.float16) for _ in range(1 + with_m)]
-    return rng.integers(0, 32, shape).astype(np.uint8), *scales
+    return rng.integers(0, 2**bits, shape).astype(np.uint8), *scales
 
 
 def random_q6_k(rng, shape):
@@ -335,19 +343,24 @@ def random_q4_k(rng, shape):
 
 def small_case_int8(_platform):
     """A first-use check of the products with 8-bit activations: 1 and 9 rows and gathered experts
-    against the references, for each type (Q8_0, Q4_K, Q6_K, Q5_0, Q5_1)."""
+    against the references, for each type (`quantized_tensor.INT8_TYPES`)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((9, 512)).astype(np.float32)
     indices = np.array([[2, 0], [1, 2]], np.uint32)
     codes = rng.integers(-127, 128, (3, 24, 512)).astype(np.int8)
     d = (rng.uniform(-1, 1, (3, 24, 16)) / 64).astype(np.float16)
     k_quant, six_bits = random_q4_k(rng, (3, 24, 512)), random_q6_k(rng, (3, 24, 512))
-    five_bits, with_m = random_q5(rng, (3, 24, 512), False), random_q5(rng, (3, 24, 512), True)
     cases = [(held_q8_0(codes, d), lambda rows, e: q8_0_reference(rows, codes[e], d[e]), 0),
              (held_q4_k(*k_quant), lambda rows, e: q4_k_reference(rows, *(a[e] for a in k_quant)), 1),
-             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2),
-             (held_q5(*five_bits), lambda rows, e: q5_0_reference(rows, *(a[e] for a in five_bits)), 3),
-             (held_q5(*with_m), lambda rows, e: q5_1_reference(rows, *(a[e] for a in with_m)), 4)]  # fmt: skip
+             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2)]  # fmt: skip
+    # the 32-value types (5, 4 and 4 bits with an offset, Q5_1 and Q4_1 with m, IQ4_NL's table)
+    for held_type, bits, with_m, reference in [(3, 5, False, lambda x, q, d: offset_reference(x, q, d, 16)),
+                                               (4, 5, True, d_and_m_reference),
+                                               (5, 4, False, lambda x, q, d: offset_reference(x, q, d, 8)),
+                                               (6, 4, True, d_and_m_reference), (7, 4, False, iq4_nl_reference)]:
+        weights = random_b32(rng, (3, 24, 512), bits, with_m)
+        cases.append((held_b32(weights[0], bits, *weights[1:]),
+                      lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), held_type))  # fmt: skip
     got, want = [], []
     for held, reference, held_type in cases:
         got += [int8_matmul(mx.array(x[:rows]), *(a[1] for a in held), held_type) for rows in (1, 9)]
