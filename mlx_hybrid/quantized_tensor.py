@@ -113,7 +113,7 @@ CPU_ACTIVATIONS = ("float32", "int8")
 # the order of the CPU kernel's type numbers
 INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
               "Q5_1": (5, 32, D_AND_M), "Q4_0": (4, 32, Q4_0), "Q4_1": (4, 32, D_AND_M),
-              "IQ4_NL": (4, 32, IQ4_NL)}  # fmt: skip
+              "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT)}  # fmt: skip
 
 
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides

@@ -1,6 +1,6 @@
 """GGUF products with llama.cpp's 8-bit activations (`load(cpu_activations="int8")`): our CPU kernel
 (csrc/int8_products.cpp) against the arithmetic written the slow obvious way
-(`cpu_quantized.q8_0_reference`, `q4_k_reference`, `q6_k_reference`: each row quantized as llama.cpp
+(`cpu_quantized.q8_0_reference`, `k_quant_reference`, `q6_k_reference`, ...: each row quantized as llama.cpp
 quantizes it, integer sums a block, float scales), and the models on it.
 """
 
@@ -24,7 +24,7 @@ FLOAT32_EPS = 2.0**-23
 
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
-Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL = range(8)
+Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K = range(9)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -110,42 +110,46 @@ def test_q8_0_product_of_a_view():
     np.testing.assert_array_equal(product(view, held, Q8_0), product(mx.contiguous(view), held, Q8_0))
 
 
-# llama.cpp's x86 build multiplies Q4_K matrices of rows in eights repacked (ggml_gemv_q4_K_8x8_q8_K),
-# others as stored (ggml_vec_dot_q4_K_q8_K): two orders of the float sums
-Q4_K_ROWS = pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
+# Q4_K and Q5_K: the kernel's type and the values' bits. llama.cpp's x86 build multiplies Q4_K matrices
+# of rows in eights repacked (ggml_gemv_q4_K_8x8_q8_K), others and Q5_K as stored (ggml_vec_dot_q4_K_q8_K,
+# ggml_vec_dot_q5_K_q8_K): orders of the float sums
+K_QUANTS = pytest.mark.parametrize(
+    "held_type, bits, N", [(Q4_K, 4, 24), (Q4_K, 4, 20), (Q5_K, 5, 24)], ids=["Q4_K, rows in eights", "Q4_K", "Q5_K"]
+)
 
 
-@Q4_K_ROWS
+@K_QUANTS
 @pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
-def test_q4_k_products_are_llama_cpps_arithmetic_and_row_invariant(K, N):
-    """Rows quantized to Q8_K, each block's integer sums (one and one of the mins, or 8 lanes and 4),
-    their float accumulators: every row the same bits alone or with others, at the float32 floor of
+def test_k_quant_products_are_llama_cpps_arithmetic_and_row_invariant(K, held_type, bits, N):
+    """Rows quantized to Q8_K, each block's integer sums (one and one of the mins, or 8 lanes and 4 or
+    1), their float accumulators: every row the same bits alone or with others, at the float32 floor of
     the float64 reference (K / 256 terms an accumulator, then at most 3 sums of lanes, twice)."""
-    rng = np.random.default_rng(K + 1)
-    weights = cpu_quantized.random_q4_k(rng, (N, K))
-    held = cpu_quantized.held_q4_k(*weights)
+    rng = np.random.default_rng(K + N + bits)
+    weights = cpu_quantized.random_k_quant(rng, (N, K), bits)
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, held, Q4_K)
-    want = cpu_quantized.q4_k_reference(x, *weights)
+    alone = rows_alone_as_together(x, cpu_quantized.held_k_quant(weights[0], bits, *weights[1:]), held_type)
+    want = cpu_quantized.k_quant_reference(x, *weights)
     q, d, dmin, sc, m = weights
     _, d_x = cpu_quantized.q8_k_rows(x)
     blocks = K // 256
-    # each block's two terms at most 127 * 15 * 63 * 256 (and 127 * 63 * 256) times d_w d_x, dmin_w d_x
-    magnitude = np.abs(d_x).astype(np.float64) @ (d.astype(np.float64) * 127 * 15 * 63 * 256 + dmin * 127 * 63 * 256).T
+    # each block's two terms at most 127 * q_max * 63 * 256 (and 127 * 63 * 256) times d_w d_x, dmin_w d_x
+    largest = 2**bits - 1
+    wide_d, wide_dmin = d.astype(np.float64), dmin.astype(np.float64)
+    magnitude = np.abs(d_x).astype(np.float64) @ (wide_d * 127 * largest * 63 * 256 + wide_dmin * 127 * 63 * 256).T
     assert (np.abs(alone - want) <= 2 * (blocks + 3) * FLOAT32_EPS * magnitude).all()
 
 
-@pytest.mark.parametrize("N", [8, 4], ids=["rows in eights", "other rows"])
-def test_q4_k_products_are_exact_where_the_arithmetic_is(N):
-    """Each block's largest value -127 (d_x = 1: the codes the values), integer values elsewhere,
-    d and dmin powers of two: every sum and scale exact, the reference met exactly."""
+@K_QUANTS
+def test_k_quant_products_are_exact_where_the_arithmetic_is(held_type, bits, N):
+    """Each block's largest value -127 (d_x = 1: the codes the values), integers of at most 15 elsewhere,
+    d and dmin a power of two a row: every sum (below 2^24) and scale exact, the reference met exactly."""
     rng = np.random.default_rng(6)
-    q, _, _, sc, m = cpu_quantized.random_q4_k(rng, (N, 512))
-    d, dmin = ((2.0 ** rng.integers(-12, -6, (N, 2))).astype(np.float16) for _ in range(2))
-    x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
+    q, _, _, sc, m = cpu_quantized.random_k_quant(rng, (N, 512), bits)
+    d, dmin = ((2.0 ** rng.integers(-12, -6, (N, 1)) * np.ones((N, 2))).astype(np.float16) for _ in range(2))
+    x = rng.integers(-15, 16, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    got = product(x, cpu_quantized.held_q4_k(q, d, dmin, sc, m), Q4_K)
-    np.testing.assert_array_equal(got, cpu_quantized.q4_k_reference(x, q, d, dmin, sc, m).astype(np.float32))
+    got = product(x, cpu_quantized.held_k_quant(q, bits, d, dmin, sc, m), held_type)
+    np.testing.assert_array_equal(got, cpu_quantized.k_quant_reference(x, q, d, dmin, sc, m).astype(np.float32))
 
 
 def test_q8_k_quantization_is_llama_cpps():
@@ -160,7 +164,7 @@ def test_q8_k_quantization_is_llama_cpps():
     eye = np.zeros((4, 256), np.uint8)
     eye[np.arange(4), np.arange(4)] = 1
     ones = (np.ones((4, 1)) * 2.0**-8).astype(np.float16)
-    held = cpu_quantized.held_q4_k(eye, ones, np.zeros((4, 1), np.float16), np.ones((4, 8)), np.zeros((4, 8)))
+    held = cpu_quantized.held_k_quant(eye, 4, ones, np.zeros((4, 1), np.float16), np.ones((4, 8)), np.zeros((4, 8)))
     np.testing.assert_array_equal(product(x, held, Q4_K)[0] / (d[0, 0] * 2.0**-8), [-127, 127, 64, 63])
 
 
@@ -248,7 +252,7 @@ def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, wi
 
 @pytest.mark.parametrize(
     "held_type, weights, held, shared",
-    [(Q4_K, cpu_quantized.random_q4_k, cpu_quantized.held_q4_k, True),
+    [(Q4_K, cpu_quantized.random_k_quant, lambda q, *rest: cpu_quantized.held_k_quant(q, 4, *rest), True),
      (Q6_K, cpu_quantized.random_q6_k, cpu_quantized.held_q6_k, False),
      (Q5_1, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 5, True),
       lambda q, d, m: cpu_quantized.held_b32(q, 5, d, m), True),
@@ -288,7 +292,7 @@ def test_a_q8_0_file_with_int8_activations_verifies_as_it_decodes():
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL tensors so far; this file holds .*Q2_K"):
+    with pytest.raises(ModelLoadError, match="Q4_0, Q4_1, IQ4_NL, Q5_K tensors so far; this file holds .*Q2_K"):
         mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-Q2_K.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
@@ -310,22 +314,26 @@ def greedy_token_by_token(model, prompt, steps):
     return tokens, logits
 
 
+# the types gguf's Python package writes as llama-quantize does (byte for byte)
+WRITTEN_HERE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
 def bundled_file(type_name: str, record: dict, directory: Path) -> Path:
-    """The bundled model as llama-quantize wrote it in `type_name`: Q8_0 written here (save_gguf with
-    gguf's Q8_0 blocks), K-quants as kept (gguf's Python package does not write them); every tensor
-    checked against the hashes of llama-quantize's file."""
-    if type_name != "Q8_0":
+    """The bundled model as llama-quantize wrote it in `type_name`: the types gguf writes written here
+    (save_gguf with gguf's blocks), others as kept (gguf's Python package does not write K-quants);
+    every tensor checked against the hashes of llama-quantize's file."""
+    if type_name not in WRITTEN_HERE:
         path = FIXTURES / "llama-cpp" / f"bundled-{type_name}.gguf"
     else:
         bundled, tokenizer = mlx_hybrid.load(mlx_hybrid.bundled_model_path())
-        q8_0 = gguf.GGMLQuantizationType.Q8_0
 
         def encode(name, array):
-            if record["tensors"][name][0] != "Q8_0":
+            held = gguf.GGMLQuantizationType[record["tensors"][name][0]]
+            if held == gguf.GGMLQuantizationType.F32:
                 return None
-            return gguf.quants.quantize(np.asarray(array, np.float32), q8_0), q8_0
+            return gguf.quants.quantize(np.asarray(array, np.float32), held), held
 
-        path = directory / "bundled-Q8_0.gguf"
+        path = directory / f"bundled-{type_name}.gguf"
         save_gguf(bundled, tokenizer, path, encode_matrix=encode)
     held = {t.name: [t.tensor_type.name, hashlib.sha256(np.asarray(t.data).tobytes()).hexdigest()]
             for t in gguf.GGUFReader(str(path)).tensors}  # fmt: skip
@@ -333,15 +341,16 @@ def bundled_file(type_name: str, record: dict, directory: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_the_bundled_model_computes_what_llama_cpp_computes(type_name, tmp_path):
-    """The bundled model in llama-quantize's Q8_0 and Q4_K_M (Q4_K, Q6_K; Q4_K matrices of 4 rows,
-    which llama.cpp multiplies unpacked, and value-head columns reordered by their inputs) on 8-bit
-    activations: llama.cpp's greedy tokens for 32 steps and its top-5 logits each step within 0.02
-    (fixtures/llama-cpp: its CPU build, the prompt a token a decode call as here, its KV cache in
-    float32 as ours). Measured 0.0095 (Q8_0) and 0.0099 (Q4_K_M): the float32 spread of the norms,
-    attention and recurrence, computed in another order. The float32-activation path is 0.066 and
-    0.072 away: this tolerance tells them apart."""
+    """The bundled model in llama-quantize's types (Q4_K_M: Q4_K, Q6_K; Q4_K matrices of 4 rows, which
+    llama.cpp multiplies unpacked, and value-head columns reordered by their inputs; the 32-value types
+    with their embedding in Q8_0) on 8-bit activations: llama.cpp's greedy tokens for 32 steps and its
+    top-5 logits each step within 0.02 (fixtures/llama-cpp: its CPU build, the prompt a token a decode
+    call as here, its KV cache in float32 as ours). Measured 0.0095 (Q8_0), 0.0099 (Q4_K_M), 0.013
+    (Q5_1), below 1e-5 (Q4_0, Q4_1, Q5_0): at most steps within 1e-4, at a few an activation's code
+    rounds the other way after a float32 difference upstream (the norms, attention and recurrence,
+    computed in another order). The float32-activation path is 0.03-0.07 away."""
     record = json.loads((FIXTURES / "llama-cpp" / f"bundled-{type_name}.json").read_text())
     model, _ = mlx_hybrid.load(bundled_file(type_name, record, tmp_path), cpu_activations="int8")
     tokens, logits = greedy_token_by_token(model, record["prompt"], len(record["greedy"]))

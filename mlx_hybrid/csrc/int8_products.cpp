@@ -14,7 +14,8 @@
 //   (-127 / x_max) with x_max the value of largest magnitude, codes min(127, nearest(x * -127 /
 //   x_max)); the block's sums of sc_j * (codes . x codes) over its groups of 32 and of m_j * (the
 //   group's x codes), exact integers, into float accumulators (fused multiply-adds by d_w d_x and
-//   dmin_w d_x), the second subtracted at the end. Q6_K x Q8_K (ggml_vec_dot_q6_K_q8_K) likewise.
+//   dmin_w d_x), the second subtracted at the end. Q6_K and Q5_K x Q8_K (ggml_vec_dot_q6_K_q8_K,
+//   ggml_vec_dot_q5_K_q8_K) likewise, in lanes.
 //
 // The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
@@ -41,8 +42,8 @@ constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
 constexpr int MAX_ROWS = 16;        // rows a call quantizes and multiplies (decode steps, verify passes)
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
-enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7 };
-constexpr int TYPES = 8;
+enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8 };
+constexpr int TYPES = 9;
 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
 // float16 conversions
@@ -315,6 +316,36 @@ INT8_FN inline __m256i unpack_run(const uint8_t* p) {
     else return unpack_5bit_run(p);
 }
 
+// ggml_vec_dot_q5_K_q8_K's AVX2 arithmetic for one weight row (5-bit values, factors d and -dmin a
+// block, codes sc_j and m_j a group) and one row of x quantized to Q8_K (in value order, its group sums
+// as QuantizedRows holds them): per block, lane k of 8 sums the block's values 4k..4k+3 of every group
+// times its sc_j as integers, then times d_w d_x into its float lane; m_j times the groups' sums, one
+// integer, times -dmin_w d_x into one float (fused multiply-adds); the lanes' tree plus that sum.
+INT8_FN float dot_row_q5_k(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* x,
+                           const float* x_d, const int16_t* x_sums, int blocks) {
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w_codes + 16 * b)));
+        const __m256i first = _mm256_permute2x128_si256(codes, codes, 0x00);
+        const __m256i last = _mm256_permute2x128_si256(codes, codes, 0x11);
+        const int32_t group_mins =
+            sum_int_lanes(_mm256_madd_epi16(codes, _mm256_loadu_si256((const __m256i*)(x_sums + 16 * b))));
+        mins = std::fma(x_d[b] * _cvtsh_ss(factors[2 * b + 1]), (float)group_mins, mins);
+        __m256i sums = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
+            const int at = b * SUPER_BLOCK + g * BLOCK;
+            const __m256i pairs = _mm256_maddubs_epi16(unpack_5bit_run(w + at * 5 / 8),
+                                                       _mm256_loadu_si256((const __m256i*)(x + at)));
+            const int word = 2 * (g % 4);  // sc_g's word in its half of the block's codes
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pick_scales(g < 4 ? first : last, word, word), pairs));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[2 * b])), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return mlx_hybrid::sum_lanes(acc) + mins;
+}
+
 // ggml_vec_dot_q5_0_q8_0's (BITS 5: q - 16 times d) and ggml_vec_dot_q4_0_q8_0's (BITS 4: q - 8, the
 // Q4_0 matrices llama.cpp does not repack) AVX2 arithmetic for one weight row (values q, d a block)
 // and one row of x quantized to Q8_0 (with its pair sums times the offset, as QuantizedRows holds
@@ -452,6 +483,7 @@ Layout layout_of(Type type, long K) {
         case Q5_1: return {K * 5 / 32, 2 * K / BLOCK, K / BLOCK, BLOCK};
         case Q4_0: case IQ4_NL: return {K / 8, K / BLOCK, K / BLOCK, BLOCK};
         case Q4_1: return {K / 8, 2 * K / BLOCK, K / BLOCK, BLOCK};
+        case Q5_K: return {K * 5 / 32, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
         default: return {K / 4, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
     }
 }
@@ -512,6 +544,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                                                                                shared, blocks);
                         break;
                     case Q6_K: out = dot_row_q6_k(w_row, factor_row, code_row, codes, shared, d, blocks); break;
+                    case Q5_K: out = dot_row_q5_k(w_row, factor_row, code_row, codes, d, shared, blocks); break;
                     case Q5_0: out = dot_row_offset<5>(w_row, factor_row, codes, shared, d, blocks); break;
                     case Q5_1: out = dot_row_d_and_m<5>(w_row, factor_row, codes, d, x_s, blocks); break;
                     case Q4_1: out = dot_row_d_and_m<4>(w_row, factor_row, codes, d, x_s, blocks); break;
@@ -549,7 +582,7 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
         type < 0 || type >= TYPES)
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
-                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1) or 7 (IQ4_NL)");
+                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL) or 8 (Q5_K)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -584,7 +617,7 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
-          "7: IQ4_NL) as llama.cpp computes it");
+          "7: IQ4_NL, 8: Q5_K) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
 }

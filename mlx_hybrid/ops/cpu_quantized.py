@@ -264,11 +264,12 @@ def q8_k_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(x.shape), d
 
 
-def q4_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray):
-    """llama.cpp's Q4_K product the slow obvious way (float64 sums): x [M, K] float32 quantized as
-    `q8_k_rows`, the weight's 4-bit values q [N, K], float16 d and dmin [N, K / 256] and 6-bit sc and m
-    [N, K / 32]: per block d_w d_x sum_j sc_j (q . x codes over group j) - dmin_w d_x sum_j m_j
-    (the group's x codes)."""
+def k_quant_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
+                      m: np.ndarray) -> np.ndarray:  # fmt: skip
+    """llama.cpp's Q4_K and Q5_K products the slow obvious way (float64 sums): x [M, K] float32 quantized
+    as `q8_k_rows`, the weight's values q [N, K], float16 d and dmin [N, K / 256] and 6-bit sc and m
+    [N, K / 32]: per block d_w d_x sum_j sc_j (q . x codes over group j) - dmin_w d_x sum_j m_j (the
+    group's x codes)."""
     codes, d_x = q8_k_rows(x)
     groups = codes.reshape(len(x), -1, 32)
     dots = np.einsum("mgi,ngi->mng", groups, q.reshape(len(q), -1, 32).astype(np.int64))
@@ -323,19 +324,19 @@ def held_q8_0(codes: np.ndarray, d: np.ndarray) -> tuple[mx.array, mx.array, mx.
     return w, mx.array(d), mx.ones(d.shape, mx.int8)
 
 
-def held_q4_k(q, d, dmin, sc, m) -> tuple[mx.array, mx.array, mx.array]:
-    """A Q4_K matrix (values q [..., K], float16 d, dmin [..., K / 256], codes sc, m [..., K / 32]) as the
-    package holds it: (nibbles a value at a time, factors (d, -dmin) a block, codes (sc, m) a group)."""
-    nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+def held_k_quant(q, bits: int, d, dmin, sc, m) -> tuple[mx.array, mx.array, mx.array]:
+    """A Q4_K (bits 4) or Q5_K (5) matrix (values q [..., K], float16 d, dmin [..., K / 256], codes sc, m
+    [..., K / 32]) as the package holds it: (values packed from the lowest bits up, factors (d, -dmin) a
+    block, codes (sc, m) a group)."""
     factors = np.stack([d, -dmin], -1).reshape(*d.shape[:-1], -1).astype(np.float16)
     codes = np.stack([sc, m], -1).reshape(*sc.shape[:-1], -1).astype(np.int8)
-    return mx.array(np.ascontiguousarray(nibbles).view(np.uint32)), mx.array(factors), mx.array(codes)
+    return mx.array(pack(q, bits)), mx.array(factors), mx.array(codes)
 
 
-def random_q4_k(rng, shape):
-    """Random Q4_K weights [..., N, K]: values, d and dmin of either sign's magnitude, 6-bit sc and m."""
+def random_k_quant(rng, shape, bits: int = 4):
+    """Random Q4_K or Q5_K weights [..., N, K]: values, d and dmin of either sign's magnitude, 6-bit sc and m."""
     *lead, N, K = shape
-    q = rng.integers(0, 16, shape).astype(np.uint8)
+    q = rng.integers(0, 2**bits, shape).astype(np.uint8)
     d, dmin = ((rng.uniform(0, 1, (*lead, N, K // 256)) / 64).astype(np.float16) for _ in range(2))
     sc, m = (rng.integers(0, 64, (*lead, N, K // 32)) for _ in range(2))
     return q, d, dmin, sc, m
@@ -349,10 +350,14 @@ def small_case_int8(_platform):
     indices = np.array([[2, 0], [1, 2]], np.uint32)
     codes = rng.integers(-127, 128, (3, 24, 512)).astype(np.int8)
     d = (rng.uniform(-1, 1, (3, 24, 16)) / 64).astype(np.float16)
-    k_quant, six_bits = random_q4_k(rng, (3, 24, 512)), random_q6_k(rng, (3, 24, 512))
+    four_bits, five_bits = random_k_quant(rng, (3, 24, 512), 4), random_k_quant(rng, (3, 24, 512), 5)
+    six_bits = random_q6_k(rng, (3, 24, 512))
     cases = [(held_q8_0(codes, d), lambda rows, e: q8_0_reference(rows, codes[e], d[e]), 0),
-             (held_q4_k(*k_quant), lambda rows, e: q4_k_reference(rows, *(a[e] for a in k_quant)), 1),
-             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2)]  # fmt: skip
+             (held_k_quant(four_bits[0], 4, *four_bits[1:]),
+              lambda rows, e: k_quant_reference(rows, *(a[e] for a in four_bits)), 1),
+             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2),
+             (held_k_quant(five_bits[0], 5, *five_bits[1:]),
+              lambda rows, e: k_quant_reference(rows, *(a[e] for a in five_bits)), 8)]  # fmt: skip
     # the 32-value types (5, 4 and 4 bits with an offset, Q5_1 and Q4_1 with m, IQ4_NL's table)
     for held_type, bits, with_m, reference in [(3, 5, False, lambda x, q, d: offset_reference(x, q, d, 16)),
                                                (4, 5, True, d_and_m_reference),
