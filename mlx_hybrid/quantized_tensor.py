@@ -104,6 +104,10 @@ IQ4_NL = BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)
 K_QUANT = BlockScales(8, 2, 2)
 # GGUF's Q6_K: one float16 d a block of 16 groups of 16, a signed code sc_j a group, bias -32 d sc_j
 Q6_K = BlockScales(16, 1, 1, -32.0)
+# GGUF's Q3_K: likewise with 3-bit values, codes sc_j - 32, bias -4 d (sc_j - 32)
+Q3_K = BlockScales(16, 1, 1, -4.0)
+# GGUF's Q2_K: float16 d and -dmin a block of 16 groups of 16, codes sc_j and m_j the nibbles of a byte
+Q2_K = BlockScales(16, 2, 2, code_bits=4)
 
 # How a GGUF file's products compute where the CPU computes (`load(cpu_activations=)`): with float32
 # activations (what the file's dequantized weights compute), or as llama.cpp computes them, each row
@@ -113,7 +117,8 @@ CPU_ACTIVATIONS = ("float32", "int8")
 # the order of the CPU kernel's type numbers
 INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
               "Q5_1": (5, 32, D_AND_M), "Q4_0": (4, 32, Q4_0), "Q4_1": (4, 32, D_AND_M),
-              "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT)}  # fmt: skip
+              "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT), "Q3_K": (3, 16, Q3_K),
+              "Q2_K": (2, 16, Q2_K)}  # fmt: skip
 
 
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides

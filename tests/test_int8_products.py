@@ -1,6 +1,6 @@
 """GGUF products with llama.cpp's 8-bit activations (`load(cpu_activations="int8")`): our CPU kernel
 (csrc/int8_products.cpp) against the arithmetic written the slow obvious way
-(`cpu_quantized.q8_0_reference`, `k_quant_reference`, `q6_k_reference`, ...: each row quantized as llama.cpp
+(`cpu_quantized.q8_0_reference`, `k_quant_reference`, `groups16_reference`, ...: each row quantized as llama.cpp
 quantizes it, integer sums a block, float scales), and the models on it.
 """
 
@@ -24,7 +24,7 @@ FLOAT32_EPS = 2.0**-23
 
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
-Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K = range(9)
+Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K = range(11)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -168,32 +168,59 @@ def test_q8_k_quantization_is_llama_cpps():
     np.testing.assert_array_equal(product(x, held, Q4_K)[0] / (d[0, 0] * 2.0**-8), [-127, 127, 64, 63])
 
 
+# the types of groups of 16: (kernel type, bits, the values' offset; Q2_K: none, its mins apart)
+GROUPS16 = pytest.mark.parametrize("held_type, bits, offset", [(Q6_K, 6, 32), (Q3_K, 3, 4), (Q2_K, 2, 0)],
+                                   ids=["Q6_K", "Q3_K", "Q2_K"])  # fmt: skip
+
+
+def groups16_case(rng, held_type, bits, offset, shape):
+    """Random weights of a groups-of-16 type (Q2_K too): the held matrix and its reference (x -> float64)."""
+    if held_type == Q2_K:
+        weights = cpu_quantized.random_q2_k(rng, shape)
+        return cpu_quantized.held_q2_k(*weights), lambda x: cpu_quantized.q2_k_reference(x, *weights)
+    weights = cpu_quantized.random_groups16(rng, shape, bits)
+    held = cpu_quantized.held_groups16(weights[0], bits, *weights[1:])
+    return held, lambda x: cpu_quantized.groups16_reference(x, *weights, offset)
+
+
+@GROUPS16
 @pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
-def test_q6_k_products_are_llama_cpps_arithmetic_and_row_invariant(K):
-    """Rows quantized to Q8_K, (q - 32) times their codes in exact integer lanes, a fused multiply-add
-    a block: every row the same bits alone or with others, at the float32 floor of the float64
-    reference (8 lanes of K / 256 terms, then their tree)."""
-    rng = np.random.default_rng(K + 2)
-    weights = cpu_quantized.random_q6_k(rng, (20, K))
-    held = cpu_quantized.held_q6_k(*weights)
+def test_groups_of_16_products_are_llama_cpps_arithmetic_and_row_invariant(K, held_type, bits, offset):
+    """Rows quantized to Q8_K, (q - offset) times their codes in exact integer lanes (Q2_K: q, and m_j
+    times the codes' sums of 16 in lanes of two groups), fused multiply-adds a block: every row the same
+    bits alone or with others, at the float32 floor of the float64 reference (8 lanes of K / 256 terms
+    (Q2_K: twice that), then their tree)."""
+    rng = np.random.default_rng(K + held_type)
+    held, reference = groups16_case(rng, held_type, bits, offset, (20, K))
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, held, Q6_K)
-    q, d, sc = weights
+    alone = rows_alone_as_together(x, held, held_type)
     _, d_x = cpu_quantized.q8_k_rows(x)
-    # a block's terms at most 127 * 32 * 128 * 256 times |d_w d_x|
-    magnitude = np.abs(d_x).astype(np.float64) @ np.abs(d.astype(np.float64)).T * 127 * 32 * 128 * 256
-    want = cpu_quantized.q6_k_reference(x, *weights)
-    assert (np.abs(alone - want) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
+    # a block's terms at most 127 * 128 * 256 times the largest |value| and |d_w d_x| (Q2_K: sc and m
+    # at most 15, values at most 3, both factors)
+    factors = np.abs(np.array(held[1]).astype(np.float64).reshape(20, K // 256, -1)).sum(-1)
+    largest = 3 * 15 if held_type == Q2_K else max(offset, 2**bits - offset) * 128
+    magnitude = np.abs(d_x).astype(np.float64) @ factors.T * 127 * largest * 256
+    rounds = 2 * K // 256 if held_type == Q2_K else K // 256
+    assert (np.abs(alone - reference(x)) <= (rounds + 3) * FLOAT32_EPS * magnitude).all()
 
 
-def test_q6_k_products_are_exact_where_the_arithmetic_is():
+@GROUPS16
+def test_groups_of_16_products_are_exact_where_the_arithmetic_is(held_type, bits, offset):
+    """Each block's largest value -127 (d_x = 1: the codes the values), integers of at most 15 elsewhere,
+    the factors a power of two a row: every sum (below 2^24) and scale exact, the reference met exactly."""
     rng = np.random.default_rng(8)
-    q, _, sc = cpu_quantized.random_q6_k(rng, (8, 512))
-    d = (2.0 ** rng.integers(-14, -8, (8, 2))).astype(np.float16)
-    x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
+    q = rng.integers(0, 2**bits, (8, 512)).astype(np.uint8)
+    sc = rng.integers(0, 16, (8, 32))
+    d = (2.0 ** rng.integers(-14, -8, (8, 1)) * np.ones((8, 2))).astype(np.float16)
+    x = rng.integers(-15, 16, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    got = product(x, cpu_quantized.held_q6_k(q, d, sc), Q6_K)
-    np.testing.assert_array_equal(got, cpu_quantized.q6_k_reference(x, q, d, sc).astype(np.float32))
+    if held_type == Q2_K:
+        m = rng.integers(0, 16, (8, 32))
+        held, want = cpu_quantized.held_q2_k(q, d, d, sc, m), cpu_quantized.q2_k_reference(x, q, d, d, sc, m)
+    else:
+        held = cpu_quantized.held_groups16(q, bits, d, sc)
+        want = cpu_quantized.groups16_reference(x, q, d, sc, offset)
+    np.testing.assert_array_equal(product(x, held, held_type), want.astype(np.float32))
 
 
 def reference_of(held_type: int):
@@ -253,12 +280,14 @@ def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, wi
 @pytest.mark.parametrize(
     "held_type, weights, held, shared",
     [(Q4_K, cpu_quantized.random_k_quant, lambda q, *rest: cpu_quantized.held_k_quant(q, 4, *rest), True),
-     (Q6_K, cpu_quantized.random_q6_k, cpu_quantized.held_q6_k, False),
+     (Q6_K, cpu_quantized.random_groups16, lambda q, *rest: cpu_quantized.held_groups16(q, 6, *rest), False),
+     (Q2_K, cpu_quantized.random_q2_k, cpu_quantized.held_q2_k, True),
      (Q5_1, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 5, True),
       lambda q, d, m: cpu_quantized.held_b32(q, 5, d, m), True),
      (IQ4_NL, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 4, False),
       lambda q, d: cpu_quantized.held_b32(q, 4, d), False)],
-    ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q5_1, one row a token", "IQ4_NL, rows in eights"],
+    ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q2_K, one row a token", "Q5_1, one row a token",
+         "IQ4_NL, rows in eights"],
 )  # fmt: skip
 def test_expert_products_give_each_row_its_product_alone(held_type, weights, held, shared):
     rng = np.random.default_rng(7 + held_type)
@@ -292,8 +321,8 @@ def test_a_q8_0_file_with_int8_activations_verifies_as_it_decodes():
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="Q4_0, Q4_1, IQ4_NL, Q5_K tensors so far; this file holds .*Q2_K"):
-        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-Q2_K.gguf", cpu_activations="int8")
+    with pytest.raises(ModelLoadError, match="Q5_K, Q3_K, Q2_K tensors so far; this file holds .*IQ4_XS"):
+        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-IQ4_XS.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="cpu_activations must be one of float32, int8, got 'int4'"):
@@ -347,8 +376,8 @@ def test_the_bundled_model_computes_what_llama_cpp_computes(type_name, tmp_path)
     llama.cpp multiplies unpacked, and value-head columns reordered by their inputs; the 32-value types
     with their embedding in Q8_0) on 8-bit activations: llama.cpp's greedy tokens for 32 steps and its
     top-5 logits each step within 0.02 (fixtures/llama-cpp: its CPU build, the prompt a token a decode
-    call as here, its KV cache in float32 as ours). Measured 0.0095 (Q8_0), 0.0099 (Q4_K_M), 0.013
-    (Q5_1), below 1e-5 (Q4_0, Q4_1, Q5_0): at most steps within 1e-4, at a few an activation's code
+    call as here, its KV cache in float32 as ours; its AVX2 build, whose arithmetic this path computes).
+    Measured 0.0095 (Q8_0), 0.015 (Q4_K_M), 0.013 (Q5_1), below 1e-5 (Q4_0, Q4_1, Q5_0): at most steps within 1e-4, at a few an activation's code
     rounds the other way after a float32 difference upstream (the norms, attention and recurrence,
     computed in another order). The float32-activation path is 0.03-0.07 away."""
     record = json.loads((FIXTURES / "llama-cpp" / f"bundled-{type_name}.json").read_text())

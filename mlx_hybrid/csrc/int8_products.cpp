@@ -14,8 +14,8 @@
 //   (-127 / x_max) with x_max the value of largest magnitude, codes min(127, nearest(x * -127 /
 //   x_max)); the block's sums of sc_j * (codes . x codes) over its groups of 32 and of m_j * (the
 //   group's x codes), exact integers, into float accumulators (fused multiply-adds by d_w d_x and
-//   dmin_w d_x), the second subtracted at the end. Q6_K and Q5_K x Q8_K (ggml_vec_dot_q6_K_q8_K,
-//   ggml_vec_dot_q5_K_q8_K) likewise, in lanes.
+//   dmin_w d_x), the second subtracted at the end. Q6_K, Q5_K, Q3_K and Q2_K x Q8_K
+//   (ggml_vec_dot_q6_K_q8_K and the others, as llama.cpp's AVX2 build computes them) likewise, in lanes.
 //
 // The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
@@ -42,8 +42,8 @@ constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
 constexpr int MAX_ROWS = 16;        // rows a call quantizes and multiplies (decode steps, verify passes)
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
-enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8 };
-constexpr int TYPES = 9;
+enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10 };
+constexpr int TYPES = 11;
 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
 // float16 conversions
@@ -59,9 +59,9 @@ struct Q8Shape {
 
 // Rows of x quantized for a type: codes [rows, K] (Q4_K's in the order its nibbles are read: each
 // 64 values' even ones, then their odd ones), each block's d, and what the weight rows share of x:
-// Q4_K's group sums of codes as int16 (0, sum) pairs, 16 a block (m_j's products in one madd);
-// Q6_K's 32 (x_2i + x_2i+1) a code pair (the -32 of q - 32, as maddubs(32, x) gives it), Q5_0's
-// 16 (x_2i + x_2i+1) likewise; Q5_1's Q8_1 blocks: each block's s, d times its sum of codes as float16.
+// Q4_K's and Q5_K's group sums of codes as int16 (0, sum) pairs, 16 a block (m_j's products in one
+// madd); Q2_K's and Q6_K's sums of 16 codes (llama.cpp's bsums); Q3_K's 4 (x_2i + x_2i+1) a code pair
+// (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's 8 likewise; Q5_1's Q8_1 blocks: each block's s, d times its sum of codes as float16.
 struct QuantizedRows {
     std::vector<int8_t> codes;
     std::vector<float> d;
@@ -123,9 +123,15 @@ void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int16_t* 
         d[b] = largest != 0 ? 1 / inverse : 0.0f;
         for (int i = 0; i < SUPER_BLOCK; i++)  // nearbyint: to nearest, ties to even, as llama.cpp's nearest_int
             ordered[i] = largest != 0 ? (int8_t)std::min(127, (int)std::nearbyint(inverse * v[i])) : 0;
-        if (type == Q6_K) {
+        if (type == Q3_K) {  // the offset of its values (q - 4) times code pairs
             for (int i = 0; i < SUPER_BLOCK / 2; i++)
-                shared[b * SUPER_BLOCK / 2 + i] = (int16_t)(32 * (ordered[2 * i] + ordered[2 * i + 1]));
+                shared[b * SUPER_BLOCK / 2 + i] = (int16_t)(4 * (ordered[2 * i] + ordered[2 * i + 1]));
+        } else if (type == Q2_K || type == Q6_K) {  // sums of 16 codes (llama.cpp's bsums)
+            for (int g = 0; g < SUPER_BLOCK / 16; g++) {
+                int16_t sum = 0;
+                for (int i = 0; i < 16; i++) sum += ordered[g * 16 + i];
+                shared[b * 16 + g] = sum;
+            }
         } else {
             for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
                 int16_t sum = 0;
@@ -254,12 +260,13 @@ INT8_FN inline __m256i unpack_6bit_run(const uint8_t* p) {
 }
 
 // ggml_vec_dot_q6_K_q8_K's AVX2 arithmetic for one weight row (6-bit values, a float16 d a block,
-// signed sc a group of 16) and one row of x quantized to Q8_K (in value order, with its pair sums as
-// QuantizedRows holds them): per run of 32 values, (q - 32) times x's codes in pairs, times the run's
-// two scales in lanes of 4, the lanes summed over the block as integers, then each lane's sum times
-// d_w d_x into its float lane; the lanes' tree.
+// signed sc a group of 16) and one row of x quantized to Q8_K (in value order, with its sums of 16 as
+// QuantizedRows holds them): per run of 32 values, q times x's codes in pairs, times the run's two
+// scales in lanes of 4, the lanes summed over the block as integers; less 32 times sc_j times group
+// j's sum of codes, two groups a lane; then each lane's sum times d_w d_x into its float lane; the
+// lanes' tree.
 INT8_FN float dot_row_q6_k(const uint8_t* w, const uint16_t* factors, const int8_t* sc, const int8_t* x,
-                           const int16_t* x_pairs, const float* x_d, int blocks) {
+                           const int16_t* x_sums, const float* x_d, int blocks) {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         // the block's 16 scales as int16: runs 0-3's and 4-7's in both halves (dword r: run r's pair)
@@ -271,12 +278,12 @@ INT8_FN float dot_row_q6_k(const uint8_t* w, const uint16_t* factors, const int8
         for (int run = 0; run < SUPER_BLOCK / 32; run++) {
             const int at = b * SUPER_BLOCK + run * 32;
             const __m256i q = unpack_6bit_run(w + at * 6 / 8);
-            const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + at));
-            const __m256i pairs =
-                _mm256_sub_epi16(_mm256_maddubs_epi16(q, qx), _mm256_loadu_si256((const __m256i*)(x_pairs + at / 2)));
+            const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + at)));
             const __m256i scales = pick_scales(run < 4 ? first : last, 2 * (run % 4), 2 * (run % 4) + 1);
             sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, pairs));
         }
+        const __m256i offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums + 16 * b)), all);
+        sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offsets, 5));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[b])), _mm256_cvtepi32_ps(sums), acc);
     }
     return mlx_hybrid::sum_lanes(acc);
@@ -344,6 +351,80 @@ INT8_FN float dot_row_q5_k(const uint8_t* w, const uint16_t* factors, const int8
         acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[2 * b])), _mm256_cvtepi32_ps(sums), acc);
     }
     return mlx_hybrid::sum_lanes(acc) + mins;
+}
+
+// MLX's 3-bit values, 32 from the 12 bytes at p (8 values every 3 bytes, from the lowest bits), as
+// bytes in order. Reads those 12 bytes only (8 at p, 8 at p + 4).
+INT8_FN inline __m256i unpack_3bit_run(const uint8_t* p) {
+    const __m256i bytes = _mm256_set_m128i(_mm_loadl_epi64((const __m128i*)(p + 4)), _mm_loadl_epi64((const __m128i*)p));
+    // word i of each half (values 0-7, then 8-15 of its 16): the two bytes holding value i, which starts
+    // at bit 3i; the high half's bytes 6-11 sit at 2-7 of its load
+    const __m256i first = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 3, 4, 3, 4, 3, 4, 4, 5, 4,
+                                5));
+    const __m256i second = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 6, 7, 6, 7, 6, 7, 7, -1,
+                                7, -1));  // (values 14, 15 and 30, 31 need their first byte alone)
+    // value i to bits 13-15 (times 2^(13 - its shift 3i mod 8)), then down to bits 0-2
+    const __m256i up = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 12, 1 << 9, 1 << 6, 1 << 11, 1 << 8, 1 << 13,
+                                         1 << 10, 1 << 7, 1 << 12, 1 << 9, 1 << 6, 1 << 11, 1 << 8);
+    const __m256i low = _mm256_srli_epi16(_mm256_mullo_epi16(first, up), 13);
+    const __m256i high = _mm256_srli_epi16(_mm256_mullo_epi16(second, up), 13);
+    return _mm256_packus_epi16(low, high);
+}
+
+// MLX's 2-bit values, 32 from the 8 bytes at p (4 a byte, from the lowest bits), as bytes in order.
+INT8_FN inline __m256i unpack_2bit_run(const uint8_t* p) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i*)p), three = _mm_set1_epi8(3);
+    const __m128i v0 = _mm_and_si128(bytes, three), v1 = _mm_and_si128(_mm_srli_epi16(bytes, 2), three);
+    const __m128i v2 = _mm_and_si128(_mm_srli_epi16(bytes, 4), three), v3 = _mm_and_si128(_mm_srli_epi16(bytes, 6), three);
+    const __m128i v01 = _mm_unpacklo_epi8(v0, v1), v23 = _mm_unpacklo_epi8(v2, v3);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(v01, v23), _mm_unpacklo_epi16(v01, v23));
+}
+
+// ggml_vec_dot_q3_K_q8_K's and ggml_vec_dot_q2_K_q8_K's AVX2 arithmetic for one weight row (3- or
+// 2-bit values, d (Q2_K: and -dmin) a block, a signed sc_j (Q2_K: the nibbles sc_j, m_j of a byte) a
+// group of 16) and one row of x quantized to Q8_K (in value order, with what QuantizedRows shares):
+// per run of 32 values, (q - 4) or q times x's codes in pairs, times the run's two scales in lanes of
+// 4, the lanes summed over the block as integers, then each lane's sum times d_w d_x into its float
+// lane; Q2_K's m_j times x's sums of 16, in lanes of two groups, times -dmin_w d_x into the same lanes
+// first; the lanes' tree.
+template <int BITS>
+INT8_FN float dot_row_low_k(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* x,
+                            const int16_t* x_shared, const float* x_d, int blocks) {
+    constexpr bool with_mins = BITS == 2;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m128i codes = _mm_loadu_si128((const __m128i*)(w_codes + 16 * b));
+        __m256i all = _mm256_cvtepi8_epi16(codes);
+        if constexpr (with_mins) {
+            const __m128i nibbles = _mm_set1_epi8(0x0F);
+            const __m256i mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(codes, 4), nibbles));
+            const __m256i group_mins = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(x_shared + 16 * b)));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[2 * b + 1])),
+                                  _mm256_cvtepi32_ps(group_mins), acc);
+            all = _mm256_cvtepi8_epi16(_mm_and_si128(codes, nibbles));
+        }
+        const __m256i first = _mm256_permute2x128_si256(all, all, 0x00);
+        const __m256i last = _mm256_permute2x128_si256(all, all, 0x11);
+        __m256i sums = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int run = 0; run < SUPER_BLOCK / 32; run++) {
+            const int at = b * SUPER_BLOCK + run * 32;
+            const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + at));
+            __m256i pairs;
+            if constexpr (with_mins)
+                pairs = _mm256_maddubs_epi16(unpack_2bit_run(w + at / 4), qx);
+            else
+                pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(unpack_3bit_run(w + at * 3 / 8), qx),
+                                         _mm256_loadu_si256((const __m256i*)(x_shared + at / 2)));
+            const __m256i scales = pick_scales(run < 4 ? first : last, 2 * (run % 4), 2 * (run % 4) + 1);
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, pairs));
+        }
+        const float d = x_d[b] * _cvtsh_ss(factors[with_mins ? 2 * b : b]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return mlx_hybrid::sum_lanes(acc);
 }
 
 // ggml_vec_dot_q5_0_q8_0's (BITS 5: q - 16 times d) and ggml_vec_dot_q4_0_q8_0's (BITS 4: q - 8, the
@@ -484,6 +565,8 @@ Layout layout_of(Type type, long K) {
         case Q4_0: case IQ4_NL: return {K / 8, K / BLOCK, K / BLOCK, BLOCK};
         case Q4_1: return {K / 8, 2 * K / BLOCK, K / BLOCK, BLOCK};
         case Q5_K: return {K * 5 / 32, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
+        case Q3_K: return {K * 3 / 32, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
+        case Q2_K: return {K / 16, 2 * K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
         default: return {K / 4, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
     }
 }
@@ -545,6 +628,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         break;
                     case Q6_K: out = dot_row_q6_k(w_row, factor_row, code_row, codes, shared, d, blocks); break;
                     case Q5_K: out = dot_row_q5_k(w_row, factor_row, code_row, codes, d, shared, blocks); break;
+                    case Q3_K: out = dot_row_low_k<3>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
+                    case Q2_K: out = dot_row_low_k<2>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
                     case Q5_0: out = dot_row_offset<5>(w_row, factor_row, codes, shared, d, blocks); break;
                     case Q5_1: out = dot_row_d_and_m<5>(w_row, factor_row, codes, d, x_s, blocks); break;
                     case Q4_1: out = dot_row_d_and_m<4>(w_row, factor_row, codes, d, x_s, blocks); break;
@@ -582,7 +667,8 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
         type < 0 || type >= TYPES)
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
-                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL) or 8 (Q5_K)");
+                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K) "
+                                    "or 10 (Q2_K)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -617,7 +703,7 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
-          "7: IQ4_NL, 8: Q5_K) as llama.cpp computes it");
+          "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
 }

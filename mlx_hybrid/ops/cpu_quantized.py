@@ -279,20 +279,58 @@ def k_quant_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndar
     return (scaled * d.astype(np.float64)[None] * wide - mins * dmin.astype(np.float64)[None] * wide).sum(-1)
 
 
-def q6_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    """llama.cpp's Q6_K product the slow obvious way (float64 sums): x [M, K] float32 quantized as
-    `q8_k_rows`, the weight's 6-bit values q [N, K], float16 d [N, K / 256] and signed sc [N, K / 16]:
-    per block d_w d_x sum_j sc_j ((q - 32) . x codes over group j of 16)."""
+def groups16_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, sc: np.ndarray, offset: int) -> np.ndarray:
+    """llama.cpp's Q6_K (offset 32) and Q3_K (offset 4) products the slow obvious way (float64 sums): x
+    [M, K] float32 quantized as `q8_k_rows`, the weight's values q [N, K], float16 d [N, K / 256] and
+    signed sc [N, K / 16]: per block d_w d_x sum_j sc_j ((q - offset) . x codes over group j of 16)."""
     codes, d_x = q8_k_rows(x)
-    dots = np.einsum("mgi,ngi->mng", codes.reshape(len(x), -1, 16), q.reshape(len(q), -1, 16).astype(np.int64) - 32)
+    groups = q.reshape(len(q), -1, 16).astype(np.int64) - offset
+    dots = np.einsum("mgi,ngi->mng", codes.reshape(len(x), -1, 16), groups)
     blocks = (dots * sc[None]).reshape(len(x), len(q), -1, 16).sum(-1)
     return (blocks * d.astype(np.float64)[None] * d_x.astype(np.float64)[:, None]).sum(-1)
 
 
-def held_q6_k(q, d, sc) -> tuple[mx.array, mx.array, mx.array]:
-    """A Q6_K matrix (values q [..., K], float16 d [..., K / 256], signed sc [..., K / 16]) as the package
-    holds it: 6-bit values packed from the lowest bits up, the factors, the codes."""
-    return mx.array(pack(q, 6)), mx.array(d.astype(np.float16)), mx.array(sc.astype(np.int8))
+def q2_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
+                   m: np.ndarray) -> np.ndarray:  # fmt: skip
+    """llama.cpp's Q2_K product the slow obvious way (float64 sums): x quantized as `q8_k_rows`, the
+    weight's 2-bit values q [N, K], float16 d and dmin [N, K / 256], 4-bit sc and m [N, K / 16]: per
+    block d_w d_x sum_j sc_j (q . x codes over group j of 16) - dmin_w d_x sum_j m_j (the group's codes)."""
+    codes, d_x = q8_k_rows(x)
+    groups = codes.reshape(len(x), -1, 16)
+    dots = np.einsum("mgi,ngi->mng", groups, q.reshape(len(q), -1, 16).astype(np.int64))
+    scaled = (dots * sc[None]).reshape(len(x), len(q), -1, 16).sum(-1)
+    mins = (groups.sum(-1)[:, None] * m[None]).reshape(len(x), len(q), -1, 16).sum(-1)
+    wide = d_x.astype(np.float64)[:, None]
+    return (scaled * d.astype(np.float64)[None] * wide - mins * dmin.astype(np.float64)[None] * wide).sum(-1)
+
+
+def held_groups16(q, bits: int, d, sc) -> tuple[mx.array, mx.array, mx.array]:
+    """A Q6_K (bits 6) or Q3_K (3) matrix (values q [..., K], float16 d [..., K / 256], signed sc [...,
+    K / 16]) as the package holds it: values packed from the lowest bits up, the factors, the codes."""
+    return mx.array(pack(q, bits)), mx.array(d.astype(np.float16)), mx.array(sc.astype(np.int8))
+
+
+def random_groups16(rng, shape, bits: int = 6):
+    """Random Q6_K (or Q3_K: bits 3) weights [..., N, K]: values, d of either sign, signed 8-bit sc."""
+    *lead, N, K = shape
+    d = (rng.uniform(-1, 1, (*lead, N, K // 256)) / 256).astype(np.float16)
+    return rng.integers(0, 2**bits, shape).astype(np.uint8), d, rng.integers(-128, 128, (*lead, N, K // 16))
+
+
+def held_q2_k(q, d, dmin, sc, m) -> tuple[mx.array, mx.array, mx.array]:
+    """A Q2_K matrix (values q [..., K], float16 d, dmin [..., K / 256], 4-bit sc, m [..., K / 16]) as the
+    package holds it: (values packed, factors (d, -dmin) a block, codes sc | m << 4 a group)."""
+    factors = np.stack([d, -dmin], -1).reshape(*d.shape[:-1], -1).astype(np.float16)
+    codes = (sc.astype(np.uint8) | (m.astype(np.uint8) << 4)).view(np.int8)
+    return mx.array(pack(q, 2)), mx.array(factors), mx.array(codes)
+
+
+def random_q2_k(rng, shape):
+    """Random Q2_K weights [..., N, K]: values, d and dmin of either sign's magnitude, 4-bit sc and m."""
+    *lead, N, K = shape
+    d, dmin = ((rng.uniform(0, 1, (*lead, N, K // 256)) / 64).astype(np.float16) for _ in range(2))
+    sc, m = (rng.integers(0, 16, (*lead, N, K // 16)) for _ in range(2))
+    return rng.integers(0, 4, shape).astype(np.uint8), d, dmin, sc, m
 
 
 def held_b32(q, bits: int, d, m=None) -> tuple[mx.array, mx.array, mx.array]:
@@ -308,13 +346,6 @@ def random_b32(rng, shape, bits: int, with_m: bool):
     *lead, N, K = shape
     scales = [(rng.uniform(-1, 1, (*lead, N, K // 32)) / 64).astype(np.float16) for _ in range(1 + with_m)]
     return rng.integers(0, 2**bits, shape).astype(np.uint8), *scales
-
-
-def random_q6_k(rng, shape):
-    """Random Q6_K weights [..., N, K]: values, d of either sign, signed 8-bit sc."""
-    *lead, N, K = shape
-    d = (rng.uniform(-1, 1, (*lead, N, K // 256)) / 256).astype(np.float16)
-    return rng.integers(0, 64, shape).astype(np.uint8), d, rng.integers(-128, 128, (*lead, N, K // 16))
 
 
 def held_q8_0(codes: np.ndarray, d: np.ndarray) -> tuple[mx.array, mx.array, mx.array]:
@@ -351,11 +382,16 @@ def small_case_int8(_platform):
     codes = rng.integers(-127, 128, (3, 24, 512)).astype(np.int8)
     d = (rng.uniform(-1, 1, (3, 24, 16)) / 64).astype(np.float16)
     four_bits, five_bits = random_k_quant(rng, (3, 24, 512), 4), random_k_quant(rng, (3, 24, 512), 5)
-    six_bits = random_q6_k(rng, (3, 24, 512))
+    six_bits, three_bits, two_bits = random_groups16(rng, (3, 24, 512)), random_groups16(rng, (3, 24, 512), 3), \
+        random_q2_k(rng, (3, 24, 512))
     cases = [(held_q8_0(codes, d), lambda rows, e: q8_0_reference(rows, codes[e], d[e]), 0),
              (held_k_quant(four_bits[0], 4, *four_bits[1:]),
               lambda rows, e: k_quant_reference(rows, *(a[e] for a in four_bits)), 1),
-             (held_q6_k(*six_bits), lambda rows, e: q6_k_reference(rows, *(a[e] for a in six_bits)), 2),
+             (held_groups16(six_bits[0], 6, *six_bits[1:]),
+              lambda rows, e: groups16_reference(rows, *(a[e] for a in six_bits), 32), 2),
+             (held_groups16(three_bits[0], 3, *three_bits[1:]),
+              lambda rows, e: groups16_reference(rows, *(a[e] for a in three_bits), 4), 9),
+             (held_q2_k(*two_bits), lambda rows, e: q2_k_reference(rows, *(a[e] for a in two_bits)), 10),
              (held_k_quant(five_bits[0], 5, *five_bits[1:]),
               lambda rows, e: k_quant_reference(rows, *(a[e] for a in five_bits)), 8)]  # fmt: skip
     # the 32-value types (5, 4 and 4 bits with an offset, Q5_1 and Q4_1 with m, IQ4_NL's table)
