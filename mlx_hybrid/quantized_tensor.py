@@ -100,6 +100,8 @@ Q4_0 = BlockScales(1, 1, 1, -8.0)
 IQ4_NL_TABLE = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
 # GGUF's IQ4_NL: 4-bit indices into those values, d a group (code 1)
 IQ4_NL = BlockScales(1, 1, 1, -128.0, table=IQ4_NL_TABLE)
+# GGUF's IQ4_XS: likewise, d a block of 8 groups, codes ls_j - 32 a group
+IQ4_XS = BlockScales(8, 1, 1, -128.0, table=IQ4_NL_TABLE)
 # GGUF's Q4_K and Q5_K: float16 d and -dmin a block of 8 groups, codes sc_j and m_j a group of 32
 K_QUANT = BlockScales(8, 2, 2)
 # GGUF's Q6_K: one float16 d a block of 16 groups of 16, a signed code sc_j a group, bias -32 d sc_j
@@ -118,7 +120,7 @@ CPU_ACTIVATIONS = ("float32", "int8")
 INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
               "Q5_1": (5, 32, D_AND_M), "Q4_0": (4, 32, Q4_0), "Q4_1": (4, 32, D_AND_M),
               "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT), "Q3_K": (3, 16, Q3_K),
-              "Q2_K": (2, 16, Q2_K)}  # fmt: skip
+              "Q2_K": (2, 16, Q2_K), "IQ4_XS": (4, 32, IQ4_XS)}  # fmt: skip
 
 
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides

@@ -40,9 +40,9 @@ def test_cli_takes_llama_cpps_8_bit_activations():
     assert result.returncode == 0, result.stderr
     model, tok = mlx_hybrid.load(path, cpu_activations="int8")
     assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, "def f(", max_tokens=8).rstrip("\n")
-    refused = run_cli("--model", str(FIXTURES / "gguf-types" / "qwen35-IQ4_XS.gguf"), "--cpu-activations", "int8",
+    refused = run_cli("--model", str(FIXTURES / "gguf-types" / "qwen35-IQ3_S.gguf"), "--cpu-activations", "int8",
                       "--prompt", "hi")  # fmt: skip
-    assert_usage_error(refused, "Q5_K, Q3_K, Q2_K tensors so far")
+    assert_usage_error(refused, "Q3_K, Q2_K, IQ4_XS tensors so far")
 
 
 def test_cli_with_kimi_and_stdin_prompt():

@@ -24,7 +24,7 @@ FLOAT32_EPS = 2.0**-23
 
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
-Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K = range(11)
+Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS = range(12)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -223,6 +223,33 @@ def test_groups_of_16_products_are_exact_where_the_arithmetic_is(held_type, bits
     np.testing.assert_array_equal(product(x, held, held_type), want.astype(np.float32))
 
 
+@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+def test_iq4_xs_products_are_llama_cpps_arithmetic_and_row_invariant(K):
+    """Rows quantized to Q8_K, IQ4_NL's values times the codes in lanes of 4 times the group's ls_j - 32,
+    exact integers, a fused multiply-add a block: every row the same bits alone or with others, at the
+    float32 floor of the float64 reference (8 lanes of K / 256 terms, then their tree)."""
+    rng = np.random.default_rng(K + IQ4_XS)
+    weights = cpu_quantized.random_iq4_xs(rng, (20, K))
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    alone = rows_alone_as_together(x, cpu_quantized.held_iq4_xs(*weights), IQ4_XS)
+    _, d_x = cpu_quantized.q8_k_rows(x)
+    # a block's terms at most 127 * 127 * 32 * 256 times |d_w d_x|
+    magnitude = np.abs(d_x).astype(np.float64) @ np.abs(weights[1].astype(np.float64)).T * 127 * 127 * 32 * 256
+    assert (np.abs(alone - cpu_quantized.iq4_xs_reference(x, *weights)) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
+
+
+def test_iq4_xs_products_are_exact_where_the_arithmetic_is():
+    """Each block's largest value -127 (d_x = 1), integers of at most 15 elsewhere, d a power of two a
+    row: every sum (below 2^24) and scale exact, the reference met exactly."""
+    rng = np.random.default_rng(10)
+    q, _, ls = cpu_quantized.random_iq4_xs(rng, (8, 512))
+    d = (2.0 ** rng.integers(-14, -8, (8, 1)) * np.ones((8, 2))).astype(np.float16)
+    x = rng.integers(-15, 16, (3, 512)).astype(np.float32)
+    x[:, ::256] = -127
+    got = product(x, cpu_quantized.held_iq4_xs(q, d, ls), IQ4_XS)
+    np.testing.assert_array_equal(got, cpu_quantized.iq4_xs_reference(x, q, d, ls).astype(np.float32))
+
+
 def reference_of(held_type: int):
     """A 32-value type's numpy reference (x, q, d[, m])."""
     return {Q5_0: lambda x, q, d: cpu_quantized.offset_reference(x, q, d, 16),
@@ -321,8 +348,8 @@ def test_a_q8_0_file_with_int8_activations_verifies_as_it_decodes():
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="Q5_K, Q3_K, Q2_K tensors so far; this file holds .*IQ4_XS"):
-        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-IQ4_XS.gguf", cpu_activations="int8")
+    with pytest.raises(ModelLoadError, match="Q3_K, Q2_K, IQ4_XS tensors so far; this file holds .*IQ3_S"):
+        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-IQ3_S.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="cpu_activations must be one of float32, int8, got 'int4'"):

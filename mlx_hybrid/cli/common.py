@@ -48,7 +48,7 @@ def add_model_arguments(p: argparse.ArgumentParser):
         default="float32",
         help="how a --model GGUF's quantized products compute on the CPU: float32 (default: what its dequantized "
         "weights compute) or int8 (as llama.cpp computes them: each row of activations quantized to 8 bits, "
-        "integer sums; Q8_0, K-quant, Q5_0/1, Q4_0/1 and IQ4_NL files so far, others refused by name)",
+        "integer sums; Q8_0, K-quant, Q5_0/1, Q4_0/1, IQ4_NL and IQ4_XS files so far, others refused by name)",
     )
     p.add_argument(
         "--mmproj",

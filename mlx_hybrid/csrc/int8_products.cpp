@@ -15,7 +15,8 @@
 //   x_max)); the block's sums of sc_j * (codes . x codes) over its groups of 32 and of m_j * (the
 //   group's x codes), exact integers, into float accumulators (fused multiply-adds by d_w d_x and
 //   dmin_w d_x), the second subtracted at the end. Q6_K, Q5_K, Q3_K and Q2_K x Q8_K
-//   (ggml_vec_dot_q6_K_q8_K and the others, as llama.cpp's AVX2 build computes them) likewise, in lanes.
+//   (ggml_vec_dot_q6_K_q8_K and the others, as llama.cpp's AVX2 build computes them) likewise, in lanes;
+//   IQ4_XS x Q8_K (ggml_vec_dot_iq4_xs_q8_K) too, with IQ4_NL's values.
 //
 // The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
@@ -42,8 +43,11 @@ constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
 constexpr int MAX_ROWS = 16;        // rows a call quantizes and multiplies (decode steps, verify passes)
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
-enum Type { Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10 };
-constexpr int TYPES = 11;
+enum Type {
+    Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
+    IQ4_XS = 11
+};
+constexpr int TYPES = 12;
 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
 // float16 conversions
@@ -502,6 +506,28 @@ INT8_FN float dot_row_iq4_nl(const uint8_t* w, const uint16_t* w_d, const int8_t
     return sum;
 }
 
+// ggml_vec_dot_iq4_xs_q8_K's AVX2 arithmetic for one weight row (4-bit indices into IQ4_NL's values,
+// d a block, a signed ls_j - 32 a group of 32) and one row of x quantized to Q8_K (in value order):
+// per block, the values times the codes in lanes of 4, times the group's ls_j - 32, summed as integers,
+// then each lane times d_w d_x into its float lane; the lanes' tree.
+INT8_FN float dot_row_iq4_xs(const uint8_t* w, const uint16_t* w_d, const int8_t* w_codes, const int8_t* x,
+                             const float* x_d, int blocks) {
+    const __m256i values = iq4_nl_values();
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i sums = _mm256_setzero_si256();
+        for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
+            const int at = b * SUPER_BLOCK + g * BLOCK;
+            const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + at / 2));
+            const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + at));
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(qx, v));
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(w_codes[b * 8 + g])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return mlx_hybrid::sum_lanes(acc);
+}
+
 // ggml_gemv_q4_0_8x8_q8_0's and ggml_gemv_iq4_nl_8x8_q8_0's arithmetic (the Q4_0 and IQ4_NL matrices
 // of rows in eights llama.cpp's x86 build repacks): 8 weight rows at a time (each `row_bytes` and
 // `row_factors` apart), per block each row's values (Q4_0: q - 8; IQ4_NL: its table's) times x's
@@ -567,6 +593,7 @@ Layout layout_of(Type type, long K) {
         case Q5_K: return {K * 5 / 32, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
         case Q3_K: return {K * 3 / 32, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
         case Q2_K: return {K / 16, 2 * K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
+        case IQ4_XS: return {K / 8, K / SUPER_BLOCK, K / BLOCK, SUPER_BLOCK};
         default: return {K / 4, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
     }
 }
@@ -630,6 +657,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     case Q5_K: out = dot_row_q5_k(w_row, factor_row, code_row, codes, d, shared, blocks); break;
                     case Q3_K: out = dot_row_low_k<3>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
                     case Q2_K: out = dot_row_low_k<2>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
+                    case IQ4_XS: out = dot_row_iq4_xs(w_row, factor_row, code_row, codes, d, blocks); break;
                     case Q5_0: out = dot_row_offset<5>(w_row, factor_row, codes, shared, d, blocks); break;
                     case Q5_1: out = dot_row_d_and_m<5>(w_row, factor_row, codes, d, x_s, blocks); break;
                     case Q4_1: out = dot_row_d_and_m<4>(w_row, factor_row, codes, d, x_s, blocks); break;
@@ -667,8 +695,8 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
         type < 0 || type >= TYPES)
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
-                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K) "
-                                    "or 10 (Q2_K)");
+                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K), "
+                                    "10 (Q2_K) or 11 (IQ4_XS)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -703,7 +731,7 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
-          "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K) as llama.cpp computes it");
+          "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
 }

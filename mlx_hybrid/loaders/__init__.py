@@ -101,8 +101,8 @@ def load(
     product computes what the file's dequantized weights compute; "int8", as llama.cpp computes it on
     x86: each row of activations quantized to the type's 8-bit blocks and multiplied in integers, for
     products of up to 16 rows (decode steps, verify passes; a prompt's take float32 activations).
-    Q8_0, K-quant (Q6_K to Q2_K), Q5_0, Q5_1, Q4_0, Q4_1 and IQ4_NL tensors so far: a file holding
-    other types is refused by name.
+    Q8_0, K-quant (Q6_K to Q2_K), Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL and IQ4_XS tensors so far: a file
+    holding other types is refused by name.
 
     group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
     `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank

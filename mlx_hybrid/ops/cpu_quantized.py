@@ -243,6 +243,17 @@ def iq4_nl_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
     return q8_0_reference(x, np.array(IQ4_NL_TABLE, np.int64)[q] - 128, d)
 
 
+def iq4_xs_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, ls: np.ndarray) -> np.ndarray:
+    """llama.cpp's IQ4_XS product the slow obvious way (float64 sums): x quantized as `q8_k_rows`, the
+    weight's 4-bit indices q [N, K] into IQ4_NL's values, float16 d [N, K / 256] and signed ls_j - 32
+    [N, K / 32]: per block d_w d_x sum_j ls_j (values . x codes over group j)."""
+    codes, d_x = q8_k_rows(x)
+    values = np.array(IQ4_NL_TABLE, np.int64)[q] - 128
+    dots = np.einsum("mgi,ngi->mng", codes.reshape(len(x), -1, 32), values.reshape(len(q), -1, 32))
+    blocks = (dots * ls[None]).reshape(len(x), len(q), -1, 8).sum(-1)
+    return (blocks * d.astype(np.float64)[None] * d_x.astype(np.float64)[:, None]).sum(-1)
+
+
 def d_and_m_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     """llama.cpp's Q5_1 and Q4_1 products the slow obvious way (float64 sums): x quantized as
     `q8_0_rows` (Q8_1: with s), the weight's values q [N, K] (q d + m), float16 d and m [N, K / 32]: per
@@ -333,6 +344,19 @@ def random_q2_k(rng, shape):
     return rng.integers(0, 4, shape).astype(np.uint8), d, dmin, sc, m
 
 
+def held_iq4_xs(q, d, ls) -> tuple[mx.array, mx.array, mx.array]:
+    """An IQ4_XS matrix (indices q [..., K], float16 d [..., K / 256], signed ls_j - 32 [..., K / 32]) as the
+    package holds it: indices packed, the factors, the codes."""
+    return mx.array(pack(q, 4)), mx.array(d.astype(np.float16)), mx.array(ls.astype(np.int8))
+
+
+def random_iq4_xs(rng, shape):
+    """Random IQ4_XS weights [..., N, K]: indices, d of either sign, ls_j - 32 in [-32, 31]."""
+    *lead, N, K = shape
+    d = (rng.uniform(-1, 1, (*lead, N, K // 256)) / 256).astype(np.float16)
+    return rng.integers(0, 16, shape).astype(np.uint8), d, rng.integers(-32, 32, (*lead, N, K // 32))
+
+
 def held_b32(q, bits: int, d, m=None) -> tuple[mx.array, mx.array, mx.array]:
     """A matrix of GGUF's 32-value blocks of 4 or 5 bits (values q [..., K], float16 d [..., K / 32];
     Q4_1 and Q5_1 with m [..., K / 32]) as the package holds it: values packed from the lowest bits
@@ -384,6 +408,7 @@ def small_case_int8(_platform):
     four_bits, five_bits = random_k_quant(rng, (3, 24, 512), 4), random_k_quant(rng, (3, 24, 512), 5)
     six_bits, three_bits, two_bits = random_groups16(rng, (3, 24, 512)), random_groups16(rng, (3, 24, 512), 3), \
         random_q2_k(rng, (3, 24, 512))
+    xs_four = random_iq4_xs(rng, (3, 24, 512))
     cases = [(held_q8_0(codes, d), lambda rows, e: q8_0_reference(rows, codes[e], d[e]), 0),
              (held_k_quant(four_bits[0], 4, *four_bits[1:]),
               lambda rows, e: k_quant_reference(rows, *(a[e] for a in four_bits)), 1),
@@ -392,6 +417,7 @@ def small_case_int8(_platform):
              (held_groups16(three_bits[0], 3, *three_bits[1:]),
               lambda rows, e: groups16_reference(rows, *(a[e] for a in three_bits), 4), 9),
              (held_q2_k(*two_bits), lambda rows, e: q2_k_reference(rows, *(a[e] for a in two_bits)), 10),
+             (held_iq4_xs(*xs_four), lambda rows, e: iq4_xs_reference(rows, *(a[e] for a in xs_four)), 11),
              (held_k_quant(five_bits[0], 5, *five_bits[1:]),
               lambda rows, e: k_quant_reference(rows, *(a[e] for a in five_bits)), 8)]  # fmt: skip
     # the 32-value types (5, 4 and 4 bits with an offset, Q5_1 and Q4_1 with m, IQ4_NL's table)
