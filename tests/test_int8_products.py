@@ -328,11 +328,12 @@ def test_expert_products_give_each_row_its_product_alone(held_type, weights, hel
             np.testing.assert_array_equal(got[t, j], product(row, tuple(a[int(e)] for a in matrices), held_type)[0])
 
 
-def test_a_q8_0_file_with_int8_activations_verifies_as_it_decodes():
-    """The Q8_0 fixture on 8-bit activations: a 16-token verify pass gives each token its decode step's
-    logits to the bit; greedy MTP speculation gives plain decoding's tokens; and the products did
-    take the 8-bit path (the logits differ from the float32 path's)."""
-    path = FIXTURES / "qwen35" / "model-Q8_0.gguf"
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M"])
+def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
+    """The Q8_0 and Q4_K_M fixtures on 8-bit activations: a 16-token verify pass gives each token its
+    decode step's logits to the bit; greedy MTP speculation gives plain decoding's tokens; and the
+    products did take the 8-bit path (the logits differ from the float32 path's)."""
+    path = FIXTURES / "qwen35" / f"model-{type_name}.gguf"
     model, tokenizer = mlx_hybrid.load(path, cpu_activations="int8")
     floats, _ = mlx_hybrid.load(path)
     ids = list(range(3, 23))

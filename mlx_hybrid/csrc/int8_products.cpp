@@ -528,33 +528,87 @@ INT8_FN float dot_row_iq4_xs(const uint8_t* w, const uint16_t* w_d, const int8_t
     return mlx_hybrid::sum_lanes(acc);
 }
 
+// The float16 d of 8 rows (`row_factors` apart) for blocks b..b+7: out[j] holds block b + j's, row r
+// in lane r (an 8 x 8 transpose of the rows' loads).
+INT8_FN inline void row_scales8(const uint16_t* w_d, long row_factors, int b, __m256 (&out)[8]) {
+    __m128i v[8], t[8], u[8];
+    for (int r = 0; r < 8; r++) v[r] = _mm_loadu_si128((const __m128i*)(w_d + r * row_factors + b));
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm_unpacklo_epi16(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm_unpackhi_epi16(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) {
+            u[4 * i + 2 * h] = _mm_unpacklo_epi32(t[4 * i + h], t[4 * i + 2 + h]);
+            u[4 * i + 2 * h + 1] = _mm_unpackhi_epi32(t[4 * i + h], t[4 * i + 2 + h]);
+        }
+    for (int j = 0; j < 4; j++) {
+        out[2 * j] = _mm256_cvtph_ps(_mm_unpacklo_epi64(u[j], u[4 + j]));
+        out[2 * j + 1] = _mm256_cvtph_ps(_mm_unpackhi_epi64(u[j], u[4 + j]));
+    }
+}
+
+// Row r's values (Q4_0: q, IQ4_NL: its table's) of two blocks at p times x's codes split as
+// dot_rows8_b32 takes them: int32 lanes, the low half's summing to the first block's products, the
+// high half's to the second's.
+INT8_FN inline __m256i two_blocks(const uint8_t* p, __m256i x_even, __m256i x_odd, bool iq4_nl) {
+    const __m256i low = _mm256_set1_epi8(0x0F), bytes = _mm256_loadu_si256((const __m256i*)p);
+    const __m256i even = _mm256_and_si256(bytes, low), odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    if (!iq4_nl)  // q from 0 to 15: the pairs' sums fit 16 bits (Q4_0's -8 is taken a block)
+        return _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(even, x_even), _mm256_maddubs_epi16(odd, x_odd)),
+            _mm256_set1_epi16(1));
+    const __m256i values = iq4_nl_values();
+    return _mm256_add_epi32(signed_lanes(_mm256_shuffle_epi8(values, even), x_even),
+                            signed_lanes(_mm256_shuffle_epi8(values, odd), x_odd));
+}
+
 // ggml_gemv_q4_0_8x8_q8_0's and ggml_gemv_iq4_nl_8x8_q8_0's arithmetic (the Q4_0 and IQ4_NL matrices
 // of rows in eights llama.cpp's x86 build repacks): 8 weight rows at a time (each `row_bytes` and
 // `row_factors` apart), per block each row's values (Q4_0: q - 8; IQ4_NL: its table's) times x's
-// codes as one exact integer, times d_w d_x into that row's float accumulator. Writes out[0..7].
+// codes as one exact integer, times d_w d_x into that row's float accumulator. A block's sum is one
+// integer, so its terms come in any order: x's codes are taken split, two blocks at a time (the
+// blocks' even values, then their odd ones: a byte's low nibbles, then its high ones; a last odd
+// block alone), with each block's sum of codes (Q4_0's -8). Writes out[0..7].
 INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const uint16_t* w_d, long row_factors, const int8_t* x,
-                           const float* x_d, int blocks, bool iq4_nl, float* out) {
-    const __m256i values = iq4_nl ? iq4_nl_values()
-                                  : _mm256_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6,
-                                                     -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        const __m256i xs = _mm256_loadu_si256((const __m256i*)(x + b * 32));
-        __m256i lanes[8];
-        for (int r = 0; r < 8; r++)
-            lanes[r] = signed_lanes(_mm256_shuffle_epi8(values, unpack_4bit_run(w + r * row_bytes + b * 16)), xs);
-        // the 8 rows' sums in one vector: pairwise sums within halves, then the halves added
+                           const int16_t* x_sums, const float* x_d, int blocks, bool iq4_nl, float* out) {
+    __m256 acc = _mm256_setzero_ps(), row_d[8];
+    for (int b = 0; b < blocks; b += 2) {
+        const bool pair = b + 1 < blocks;
+        if (b % 8 == 0 && b + 8 <= blocks) row_scales8(w_d, row_factors, b, row_d);
+        for (int j = b; j < b + 1 + pair && j >= blocks / 8 * 8; j++)  // the last blocks short of 8: each d alone
+            row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
+                w_d[j], w_d[row_factors + j], w_d[2 * row_factors + j], w_d[3 * row_factors + j],
+                w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j], w_d[7 * row_factors + j]));
+        __m256i x_even, x_odd, lanes[8];
+        if (pair) {
+            x_even = _mm256_loadu_si256((const __m256i*)(x + b * 32));
+            x_odd = _mm256_loadu_si256((const __m256i*)(x + b * 32 + 32));
+        } else {  // the last block alone: its even codes, then its odd ones, in the low halves
+            x_even = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x + b * 32)));
+            x_odd = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x + b * 32 + 16)));
+        }
+        for (int r = 0; r < 8; r++) {
+            const uint8_t* p = w + r * row_bytes + b * 16;
+            if (pair) {
+                lanes[r] = two_blocks(p, x_even, x_odd, iq4_nl);
+            } else {
+                uint8_t last[32] = {};  // (the block's 16 bytes, read without passing the row's end)
+                std::memcpy(last, p, 16);
+                lanes[r] = two_blocks(last, x_even, x_odd, iq4_nl);
+            }
+        }
+        // each block's 8 row sums: pairwise sums within halves (a half is a block), then the halves
         const __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]),
                                                 _mm256_hadd_epi32(lanes[2], lanes[3]));
         const __m256i last = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[4], lanes[5]),
                                                _mm256_hadd_epi32(lanes[6], lanes[7]));
-        const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(first, last, 0x20),
-                                              _mm256_permute2x128_si256(first, last, 0x31));
-        const __m128i d16 = _mm_setr_epi16(w_d[b], w_d[row_factors + b], w_d[2 * row_factors + b],
-                                           w_d[3 * row_factors + b], w_d[4 * row_factors + b], w_d[5 * row_factors + b],
-                                           w_d[6 * row_factors + b], w_d[7 * row_factors + b]);
-        const __m256 scales = _mm256_mul_ps(_mm256_cvtph_ps(d16), _mm256_set1_ps(x_d[b]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc);
+        for (int j = 0; j < 1 + pair; j++) {
+            __m256i sums = _mm256_permute2x128_si256(first, last, j ? 0x31 : 0x20);
+            if (!iq4_nl) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x_sums[b + j]));
+            const __m256 scales = _mm256_mul_ps(row_d[(b + j) % 8], _mm256_set1_ps(x_d[b + j]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc);
+        }
     }
     _mm256_storeu_ps(out, acc);
 }
@@ -609,6 +663,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     float* y = outs[0].data<float>();
     const int M = s.rows, K = s.inputs, N = s.outputs, x_rows = s.shared ? M / s.chosen : M;
     const Layout held = layout_of(s.type, K);
+    // llama.cpp's x86 build repacks Q4_K, Q4_0 and IQ4_NL matrices of rows in eights
+    const bool repacked = N % 8 == 0, eights = repacked && (s.type == Q4_0 || s.type == IQ4_NL);
     const int blocks = K / held.x_block;
     const long row_shared = K / 2;  // QuantizedRows' `shared` a row (Q4_K uses K / 16)
     QuantizedRows q{std::vector<int8_t>((size_t)x_rows * K), std::vector<float>((size_t)x_rows * blocks),
@@ -623,13 +679,28 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
         }
         const bool q8_1 = s.type == Q5_1 || s.type == Q4_1;
         quantize_row(x + (long)r * K, K, codes, d, q8_1 ? q.s.data() + (long)r * blocks : nullptr);
+        if (eights) {  // codes split as dot_rows8_b32 takes them, two blocks at a time, and each block's sum
+            for (int b = 0; b < blocks; b += 2) {
+                const int count = std::min(2, blocks - b), half = count * BLOCK / 2;
+                int8_t pair[2 * BLOCK];
+                std::memcpy(pair, codes + b * BLOCK, count * BLOCK);
+                for (int j = 0; j < count; j++) {
+                    int16_t sum = 0;
+                    for (int i = 0; i < BLOCK / 2; i++) {
+                        const int8_t even = pair[j * BLOCK + 2 * i], odd = pair[j * BLOCK + 2 * i + 1];
+                        codes[b * BLOCK + j * BLOCK / 2 + i] = even, codes[b * BLOCK + half + j * BLOCK / 2 + i] = odd;
+                        sum += even + odd;
+                    }
+                    shared[b + j] = sum;
+                }
+            }
+            continue;
+        }
         const int offset = s.type == Q5_0 ? 16 : s.type == Q4_0 ? 8 : 0;  // of the values, q - offset
         for (int i = 0; offset && i < K / 2; i++) shared[i] = (int16_t)(offset * (codes[2 * i] + codes[2 * i + 1]));
     }
     const long row_bytes = 4 * held.words;
     const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
-    // llama.cpp's x86 build repacks Q4_K, Q4_0 and IQ4_NL matrices of rows in eights
-    const bool repacked = N % 8 == 0, eights = repacked && (s.type == Q4_0 || s.type == IQ4_NL);
     Pool::get().run(parts, (long)N * K * (s.chosen ? M : 1) >= (1L << 18), [&](int part) {
         const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
         for (int m = 0; m < M; m++) {
@@ -663,7 +734,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     case Q4_1: out = dot_row_d_and_m<4>(w_row, factor_row, codes, d, x_s, blocks); break;
                     case Q4_0: case IQ4_NL:
                         if (eights)
-                            dot_rows8_b32(w_row, row_bytes, factor_row, held.factors, codes, d, blocks,
+                            dot_rows8_b32(w_row, row_bytes, factor_row, held.factors, codes, shared, d, blocks,
                                           s.type == IQ4_NL, &out);
                         else
                             out = s.type == Q4_0 ? dot_row_offset<4>(w_row, factor_row, codes, shared, d, blocks)
