@@ -235,7 +235,8 @@ def test_iq4_xs_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     _, d_x = cpu_quantized.q8_k_rows(x)
     # a block's terms at most 127 * 127 * 32 * 256 times |d_w d_x|
     magnitude = np.abs(d_x).astype(np.float64) @ np.abs(weights[1].astype(np.float64)).T * 127 * 127 * 32 * 256
-    assert (np.abs(alone - cpu_quantized.iq4_xs_reference(x, *weights)) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
+    want = cpu_quantized.iq4_xs_reference(x, *weights)
+    assert (np.abs(alone - want) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
 
 
 def test_iq4_xs_products_are_exact_where_the_arithmetic_is():
@@ -403,11 +404,12 @@ def test_the_bundled_model_computes_what_llama_cpp_computes(type_name, tmp_path)
     """The bundled model in llama-quantize's types (Q4_K_M: Q4_K, Q6_K; Q4_K matrices of 4 rows, which
     llama.cpp multiplies unpacked, and value-head columns reordered by their inputs; the 32-value types
     with their embedding in Q8_0) on 8-bit activations: llama.cpp's greedy tokens for 32 steps and its
-    top-5 logits each step within 0.02 (fixtures/llama-cpp: its CPU build, the prompt a token a decode
-    call as here, its KV cache in float32 as ours; its AVX2 build, whose arithmetic this path computes).
-    Measured 0.0095 (Q8_0), 0.015 (Q4_K_M), 0.013 (Q5_1), below 1e-5 (Q4_0, Q4_1, Q5_0): at most steps within 1e-4, at a few an activation's code
-    rounds the other way after a float32 difference upstream (the norms, attention and recurrence,
-    computed in another order). The float32-activation path is 0.03-0.07 away."""
+    top-5 logits each step within 0.02 (fixtures/llama-cpp: its CPU build for AVX2, whose arithmetic this
+    path computes, the prompt a token a decode call as here, its KV cache in float32 as ours). Measured
+    0.0095 (Q8_0), 0.015 (Q4_K_M), 0.013 (Q5_1), below 1e-5 (Q4_0, Q4_1, Q5_0): at most steps within
+    1e-4, at a few an activation's code rounds the other way after a float32 difference upstream (the
+    norms, attention and recurrence, computed in another order). The float32-activation path is
+    0.03-0.07 away."""
     record = json.loads((FIXTURES / "llama-cpp" / f"bundled-{type_name}.json").read_text())
     model, _ = mlx_hybrid.load(bundled_file(type_name, record, tmp_path), cpu_activations="int8")
     tokens, logits = greedy_token_by_token(model, record["prompt"], len(record["greedy"]))

@@ -65,7 +65,9 @@ struct Q8Shape {
 // 64 values' even ones, then their odd ones), each block's d, and what the weight rows share of x:
 // Q4_K's and Q5_K's group sums of codes as int16 (0, sum) pairs, 16 a block (m_j's products in one
 // madd); Q2_K's and Q6_K's sums of 16 codes (llama.cpp's bsums); Q3_K's 4 (x_2i + x_2i+1) a code pair
-// (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's 8 likewise; Q5_1's Q8_1 blocks: each block's s, d times its sum of codes as float16.
+// (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's 8 likewise (Q4_0 and IQ4_NL
+// rows in eights: each block's sum of codes); Q5_1's and Q4_1's Q8_1 blocks: each block's s, d times
+// its sum of codes as float16.
 struct QuantizedRows {
     std::vector<int8_t> codes;
     std::vector<float> d;
@@ -360,15 +362,16 @@ INT8_FN float dot_row_q5_k(const uint8_t* w, const uint16_t* factors, const int8
 // MLX's 3-bit values, 32 from the 12 bytes at p (8 values every 3 bytes, from the lowest bits), as
 // bytes in order. Reads those 12 bytes only (8 at p, 8 at p + 4).
 INT8_FN inline __m256i unpack_3bit_run(const uint8_t* p) {
-    const __m256i bytes = _mm256_set_m128i(_mm_loadl_epi64((const __m128i*)(p + 4)), _mm_loadl_epi64((const __m128i*)p));
+    const __m256i bytes =
+        _mm256_set_m128i(_mm_loadl_epi64((const __m128i*)(p + 4)), _mm_loadl_epi64((const __m128i*)p));
     // word i of each half (values 0-7, then 8-15 of its 16): the two bytes holding value i, which starts
     // at bit 3i; the high half's bytes 6-11 sit at 2-7 of its load
     const __m256i first = _mm256_shuffle_epi8(
-        bytes, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 3, 4, 3, 4, 3, 4, 4, 5, 4,
-                                5));
+        bytes, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 3, 4, 3, 4, 3, 4, 4,
+                                5, 4, 5));
     const __m256i second = _mm256_shuffle_epi8(
-        bytes, _mm256_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 6, 7, 6, 7, 6, 7, 7, -1,
-                                7, -1));  // (values 14, 15 and 30, 31 need their first byte alone)
+        bytes, _mm256_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6, 5, 6, 5, 6, 5, 6, 6, 7, 6, 7, 6, 7, 7,
+                                -1, 7, -1));  // (values 14, 15 and 30, 31 need their first byte alone)
     // value i to bits 13-15 (times 2^(13 - its shift 3i mod 8)), then down to bits 0-2
     const __m256i up = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 12, 1 << 9, 1 << 6, 1 << 11, 1 << 8, 1 << 13,
                                          1 << 10, 1 << 7, 1 << 12, 1 << 9, 1 << 6, 1 << 11, 1 << 8);
@@ -381,7 +384,8 @@ INT8_FN inline __m256i unpack_3bit_run(const uint8_t* p) {
 INT8_FN inline __m256i unpack_2bit_run(const uint8_t* p) {
     const __m128i bytes = _mm_loadl_epi64((const __m128i*)p), three = _mm_set1_epi8(3);
     const __m128i v0 = _mm_and_si128(bytes, three), v1 = _mm_and_si128(_mm_srli_epi16(bytes, 2), three);
-    const __m128i v2 = _mm_and_si128(_mm_srli_epi16(bytes, 4), three), v3 = _mm_and_si128(_mm_srli_epi16(bytes, 6), three);
+    const __m128i v2 = _mm_and_si128(_mm_srli_epi16(bytes, 4), three);
+    const __m128i v3 = _mm_and_si128(_mm_srli_epi16(bytes, 6), three);
     const __m128i v01 = _mm_unpacklo_epi8(v0, v1), v23 = _mm_unpacklo_epi8(v2, v3);
     return _mm256_set_m128i(_mm_unpackhi_epi16(v01, v23), _mm_unpacklo_epi16(v01, v23));
 }
@@ -431,44 +435,29 @@ INT8_FN float dot_row_low_k(const uint8_t* w, const uint16_t* factors, const int
     return mlx_hybrid::sum_lanes(acc);
 }
 
-// ggml_vec_dot_q5_0_q8_0's (BITS 5: q - 16 times d) and ggml_vec_dot_q4_0_q8_0's (BITS 4: q - 8, the
-// Q4_0 matrices llama.cpp does not repack) AVX2 arithmetic for one weight row (values q, d a block)
-// and one row of x quantized to Q8_0 (with its pair sums times the offset, as QuantizedRows holds
-// them): per block, (q - offset) times x's codes in lanes of 4 as integers, each lane times d_w d_x
-// into its float lane; the lanes' tree.
-template <int BITS>
-INT8_FN float dot_row_offset(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const int16_t* x_pairs,
-                             const float* x_d, int blocks) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        const __m256i q = unpack_run<BITS>(w + b * 4 * BITS);
-        const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32))),
-                                               _mm256_loadu_si256((const __m256i*)(x_pairs + b * 16)));
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), sums, acc);
-    }
-    return mlx_hybrid::sum_lanes(acc);
-}
-
-// ggml_vec_dot_q5_1_q8_1's (BITS 5) and ggml_vec_dot_q4_1_q8_1's (BITS 4) AVX2 arithmetic for one
-// weight row (values q, d and m a block: q d + m) and one row of x quantized to Q8_1: per block, q
-// times x's codes in lanes of 4 as integers, each lane times d_w d_x into its float lane, and m_w
-// times x's s into one float (fused multiply-adds); the lanes' tree plus that sum.
-template <int BITS>
-INT8_FN float dot_row_d_and_m(const uint8_t* w, const uint16_t* factors, const int8_t* x, const float* x_d,
-                              const float* x_s, int blocks) {
+// The 32-value types' AVX2 arithmetic for one weight row and one row of x quantized to Q8_0 (with its
+// pair sums times the offset, as QuantizedRows holds them) or Q8_1: ggml_vec_dot_q5_0_q8_0's (BITS 5,
+// q - 16 times d) and ggml_vec_dot_q4_0_q8_0's (BITS 4, q - 8; the Q4_0 matrices llama.cpp does not
+// repack), per block (q - offset) times x's codes in lanes of 4 as integers, each lane times d_w d_x
+// into its float lane, the lanes' tree; with WITH_M, ggml_vec_dot_q5_1_q8_1's and
+// ggml_vec_dot_q4_1_q8_1's (q d + m: factors d and m a block), q times the codes likewise, and m_w
+// times x's s into one float (fused multiply-adds), added to the tree's sum.
+template <int BITS, bool WITH_M>
+INT8_FN float dot_row_b32(const uint8_t* w, const uint16_t* factors, const int8_t* x, const int16_t* x_pairs,
+                          const float* x_d, const float* x_s, int blocks) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
     for (int b = 0; b < blocks; b++) {
-        mins = std::fma(_cvtsh_ss(factors[2 * b + 1]), x_s[b], mins);
+        if constexpr (WITH_M) mins = std::fma(_cvtsh_ss(factors[2 * b + 1]), x_s[b], mins);
         const __m256i q = unpack_run<BITS>(w + b * 4 * BITS);
-        const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32)));
+        __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32)));
+        if constexpr (!WITH_M) pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_pairs + b * 16)));
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(_cvtsh_ss(factors[2 * b]) * x_d[b]), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(factors[WITH_M ? 2 * b : b]) * x_d[b]), sums, acc);
     }
-    return mlx_hybrid::sum_lanes(acc) + mins;
+    if constexpr (WITH_M) return mlx_hybrid::sum_lanes(acc) + mins;
+    return mlx_hybrid::sum_lanes(acc);
 }
 
 // IQ4_NL's 16 values (ggml's kvalues_iq4nl), in both halves: a shuffle by the 4-bit index reads them
@@ -579,7 +568,8 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const uint16_t* w_d
         for (int j = b; j < b + 1 + pair && j >= blocks / 8 * 8; j++)  // the last blocks short of 8: each d alone
             row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
                 w_d[j], w_d[row_factors + j], w_d[2 * row_factors + j], w_d[3 * row_factors + j],
-                w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j], w_d[7 * row_factors + j]));
+                w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j],
+                w_d[7 * row_factors + j]));
         __m256i x_even, x_odd, lanes[8];
         if (pair) {
             x_even = _mm256_loadu_si256((const __m256i*)(x + b * 32));
@@ -729,16 +719,17 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     case Q3_K: out = dot_row_low_k<3>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
                     case Q2_K: out = dot_row_low_k<2>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
                     case IQ4_XS: out = dot_row_iq4_xs(w_row, factor_row, code_row, codes, d, blocks); break;
-                    case Q5_0: out = dot_row_offset<5>(w_row, factor_row, codes, shared, d, blocks); break;
-                    case Q5_1: out = dot_row_d_and_m<5>(w_row, factor_row, codes, d, x_s, blocks); break;
-                    case Q4_1: out = dot_row_d_and_m<4>(w_row, factor_row, codes, d, x_s, blocks); break;
+                    case Q5_0: out = dot_row_b32<5, false>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
+                    case Q5_1: out = dot_row_b32<5, true>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
+                    case Q4_1: out = dot_row_b32<4, true>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
                     case Q4_0: case IQ4_NL:
                         if (eights)
                             dot_rows8_b32(w_row, row_bytes, factor_row, held.factors, codes, shared, d, blocks,
                                           s.type == IQ4_NL, &out);
                         else
-                            out = s.type == Q4_0 ? dot_row_offset<4>(w_row, factor_row, codes, shared, d, blocks)
-                                                 : dot_row_iq4_nl(w_row, factor_row, codes, d, blocks);
+                            out = s.type == Q4_0
+                                      ? dot_row_b32<4, false>(w_row, factor_row, codes, shared, d, x_s, blocks)
+                                      : dot_row_iq4_nl(w_row, factor_row, codes, d, blocks);
                         break;
                     default: out = dot_row(w_row, factor_row, codes, d, blocks);
                 }
@@ -801,8 +792,9 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("type"), "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
-          "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS) as llama.cpp computes it");
+          nb::arg("type"),
+          "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, 7: IQ4_NL, "
+          "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
 }
