@@ -276,16 +276,16 @@ def q8_k_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def k_quant_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
-                      m: np.ndarray) -> np.ndarray:  # fmt: skip
-    """llama.cpp's Q4_K and Q5_K products the slow obvious way (float64 sums): x [M, K] float32 quantized
-    as `q8_k_rows`, the weight's values q [N, K], float16 d and dmin [N, K / 256] and 6-bit sc and m
-    [N, K / 32]: per block d_w d_x sum_j sc_j (q . x codes over group j) - dmin_w d_x sum_j m_j (the
-    group's x codes)."""
+                      m: np.ndarray, group: int = 32) -> np.ndarray:  # fmt: skip
+    """llama.cpp's Q4_K and Q5_K (groups of 32) and Q2_K (groups of 16) products the slow obvious way
+    (float64 sums): x [M, K] float32 quantized as `q8_k_rows`, the weight's values q [N, K], float16 d
+    and dmin [N, K / 256] and codes sc and m [N, K / group]: per block d_w d_x sum_j sc_j (q . x codes
+    over group j) - dmin_w d_x sum_j m_j (the group's x codes)."""
     codes, d_x = q8_k_rows(x)
-    groups = codes.reshape(len(x), -1, 32)
-    dots = np.einsum("mgi,ngi->mng", groups, q.reshape(len(q), -1, 32).astype(np.int64))
-    scaled = (dots * sc[None]).reshape(len(x), len(q), -1, 8).sum(-1)
-    mins = (groups.sum(-1)[:, None] * m[None]).reshape(len(x), len(q), -1, 8).sum(-1)
+    groups = codes.reshape(len(x), -1, group)
+    dots = np.einsum("mgi,ngi->mng", groups, q.reshape(len(q), -1, group).astype(np.int64))
+    scaled = (dots * sc[None]).reshape(len(x), len(q), -1, 256 // group).sum(-1)
+    mins = (groups.sum(-1)[:, None] * m[None]).reshape(len(x), len(q), -1, 256 // group).sum(-1)
     wide = d_x.astype(np.float64)[:, None]
     return (scaled * d.astype(np.float64)[None] * wide - mins * dmin.astype(np.float64)[None] * wide).sum(-1)
 
@@ -303,16 +303,9 @@ def groups16_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, sc: np.ndarr
 
 def q2_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
                    m: np.ndarray) -> np.ndarray:  # fmt: skip
-    """llama.cpp's Q2_K product the slow obvious way (float64 sums): x quantized as `q8_k_rows`, the
-    weight's 2-bit values q [N, K], float16 d and dmin [N, K / 256], 4-bit sc and m [N, K / 16]: per
-    block d_w d_x sum_j sc_j (q . x codes over group j of 16) - dmin_w d_x sum_j m_j (the group's codes)."""
-    codes, d_x = q8_k_rows(x)
-    groups = codes.reshape(len(x), -1, 16)
-    dots = np.einsum("mgi,ngi->mng", groups, q.reshape(len(q), -1, 16).astype(np.int64))
-    scaled = (dots * sc[None]).reshape(len(x), len(q), -1, 16).sum(-1)
-    mins = (groups.sum(-1)[:, None] * m[None]).reshape(len(x), len(q), -1, 16).sum(-1)
-    wide = d_x.astype(np.float64)[:, None]
-    return (scaled * d.astype(np.float64)[None] * wide - mins * dmin.astype(np.float64)[None] * wide).sum(-1)
+    """llama.cpp's Q2_K product the slow obvious way: `k_quant_reference` over groups of 16 (2-bit values,
+    4-bit sc and m [N, K / 16])."""
+    return k_quant_reference(x, q, d, dmin, sc, m, group=16)
 
 
 def held_groups16(q, bits: int, d, sc) -> tuple[mx.array, mx.array, mx.array]:
