@@ -129,16 +129,13 @@ void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int16_t* 
         d[b] = largest != 0 ? 1 / inverse : 0.0f;
         for (int i = 0; i < SUPER_BLOCK; i++)  // nearbyint: to nearest, ties to even, as llama.cpp's nearest_int
             ordered[i] = largest != 0 ? (int8_t)std::min(127, (int)std::nearbyint(inverse * v[i])) : 0;
-        if (type == Q3_K) {  // the offset of its values (q - 4) times code pairs
-            for (int i = 0; i < SUPER_BLOCK / 2; i++)
-                shared[b * SUPER_BLOCK / 2 + i] = (int16_t)(4 * (ordered[2 * i] + ordered[2 * i + 1]));
-        } else if (type == Q2_K || type == Q6_K) {  // sums of 16 codes (llama.cpp's bsums)
+        if (type == Q2_K || type == Q6_K) {  // sums of 16 codes (llama.cpp's bsums)
             for (int g = 0; g < SUPER_BLOCK / 16; g++) {
                 int16_t sum = 0;
                 for (int i = 0; i < 16; i++) sum += ordered[g * 16 + i];
                 shared[b * 16 + g] = sum;
             }
-        } else {
+        } else if (type == Q4_K || type == Q5_K) {
             for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
                 int16_t sum = 0;
                 for (int i = 0; i < BLOCK; i++) sum += ordered[g * BLOCK + i];
@@ -265,36 +262,6 @@ INT8_FN inline __m256i unpack_6bit_run(const uint8_t* p) {
                            _mm256_and_si256(_mm256_slli_epi16(words, 2), _mm256_set1_epi16(0x3F00)));
 }
 
-// ggml_vec_dot_q6_K_q8_K's AVX2 arithmetic for one weight row (6-bit values, a float16 d a block,
-// signed sc a group of 16) and one row of x quantized to Q8_K (in value order, with its sums of 16 as
-// QuantizedRows holds them): per run of 32 values, q times x's codes in pairs, times the run's two
-// scales in lanes of 4, the lanes summed over the block as integers; less 32 times sc_j times group
-// j's sum of codes, two groups a lane; then each lane's sum times d_w d_x into its float lane; the
-// lanes' tree.
-INT8_FN float dot_row_q6_k(const uint8_t* w, const uint16_t* factors, const int8_t* sc, const int8_t* x,
-                           const int16_t* x_sums, const float* x_d, int blocks) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        // the block's 16 scales as int16: runs 0-3's and 4-7's in both halves (dword r: run r's pair)
-        const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sc + b * 16)));
-        const __m256i first = _mm256_permute2x128_si256(all, all, 0x00);
-        const __m256i last = _mm256_permute2x128_si256(all, all, 0x11);
-        __m256i sums = _mm256_setzero_si256();
-#pragma GCC unroll 8  // (the scales' shuffles then constants)
-        for (int run = 0; run < SUPER_BLOCK / 32; run++) {
-            const int at = b * SUPER_BLOCK + run * 32;
-            const __m256i q = unpack_6bit_run(w + at * 6 / 8);
-            const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + at)));
-            const __m256i scales = pick_scales(run < 4 ? first : last, 2 * (run % 4), 2 * (run % 4) + 1);
-            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, pairs));
-        }
-        const __m256i offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums + 16 * b)), all);
-        sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offsets, 5));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[b])), _mm256_cvtepi32_ps(sums), acc);
-    }
-    return mlx_hybrid::sum_lanes(acc);
-}
-
 // MLX's 5-bit values, 32 from the 20 bytes at p (8 values every 5 bytes, from the lowest bits), as
 // bytes in order. Reads those 20 bytes only (16 at p, 16 at p + 4).
 INT8_FN inline __m256i unpack_5bit_run(const uint8_t* p) {
@@ -321,12 +288,6 @@ INT8_FN inline __m256i unpack_4bit_run(const uint8_t* p) {
     const __m128i bytes = _mm_loadu_si128((const __m128i*)p), low = _mm_set1_epi8(0x0F);
     const __m128i even = _mm_and_si128(bytes, low), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
     return _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
-}
-
-template <int BITS>
-INT8_FN inline __m256i unpack_run(const uint8_t* p) {
-    if constexpr (BITS == 4) return unpack_4bit_run(p);
-    else return unpack_5bit_run(p);
 }
 
 // ggml_vec_dot_q5_K_q8_K's AVX2 arithmetic for one weight row (5-bit values, factors d and -dmin a
@@ -390,16 +351,27 @@ INT8_FN inline __m256i unpack_2bit_run(const uint8_t* p) {
     return _mm256_set_m128i(_mm_unpackhi_epi16(v01, v23), _mm_unpacklo_epi16(v01, v23));
 }
 
-// ggml_vec_dot_q3_K_q8_K's and ggml_vec_dot_q2_K_q8_K's AVX2 arithmetic for one weight row (3- or
-// 2-bit values, d (Q2_K: and -dmin) a block, a signed sc_j (Q2_K: the nibbles sc_j, m_j of a byte) a
-// group of 16) and one row of x quantized to Q8_K (in value order, with what QuantizedRows shares):
-// per run of 32 values, (q - 4) or q times x's codes in pairs, times the run's two scales in lanes of
-// 4, the lanes summed over the block as integers, then each lane's sum times d_w d_x into its float
-// lane; Q2_K's m_j times x's sums of 16, in lanes of two groups, times -dmin_w d_x into the same lanes
-// first; the lanes' tree.
+// MLX's BITS-bit values, 32 from the 4 * BITS bytes at p, as bytes in order.
 template <int BITS>
-INT8_FN float dot_row_low_k(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* x,
-                            const int16_t* x_shared, const float* x_d, int blocks) {
+INT8_FN inline __m256i unpack_run(const uint8_t* p) {
+    if constexpr (BITS == 2) return unpack_2bit_run(p);
+    else if constexpr (BITS == 3) return unpack_3bit_run(p);
+    else if constexpr (BITS == 4) return unpack_4bit_run(p);
+    else if constexpr (BITS == 5) return unpack_5bit_run(p);
+    else return unpack_6bit_run(p);
+}
+
+// The groups-of-16 K-quants' AVX2 arithmetic, ggml_vec_dot_q6_K_q8_K's (BITS 6), ..._q3_K_q8_K's (3)
+// and ..._q2_K_q8_K's (2), for one weight row (values q, d (Q2_K: and -dmin) a block, a signed sc_j
+// (Q2_K: the nibbles sc_j, m_j of a byte) a group of 16) and one row of x quantized to Q8_K (in value
+// order, with what QuantizedRows shares): per run of 32 values, q times x's codes in pairs (Q3_K: q -
+// 4, its -4 a pair), times the run's two scales in lanes of 4, the lanes summed over the block as
+// integers (Q6_K: less 32 times sc_j times group j's sum of codes, two groups a lane), then each
+// lane's sum times d_w d_x into its float lane; Q2_K's m_j times x's sums of 16, in lanes of two
+// groups, times -dmin_w d_x into the same lanes first; the lanes' tree.
+template <int BITS>
+INT8_FN float dot_row_groups16(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* x,
+                               const int16_t* x_shared, const float* x_d, int blocks) {
     constexpr bool with_mins = BITS == 2;
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -413,21 +385,23 @@ INT8_FN float dot_row_low_k(const uint8_t* w, const uint16_t* factors, const int
                                   _mm256_cvtepi32_ps(group_mins), acc);
             all = _mm256_cvtepi8_epi16(_mm_and_si128(codes, nibbles));
         }
+        // the block's 16 scales as int16: runs 0-3's and 4-7's in both halves (dword r: run r's pair)
         const __m256i first = _mm256_permute2x128_si256(all, all, 0x00);
         const __m256i last = _mm256_permute2x128_si256(all, all, 0x11);
         __m256i sums = _mm256_setzero_si256();
-#pragma GCC unroll 8
+#pragma GCC unroll 8  // (the scales' shuffles then constants)
         for (int run = 0; run < SUPER_BLOCK / 32; run++) {
             const int at = b * SUPER_BLOCK + run * 32;
-            const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + at));
-            __m256i pairs;
-            if constexpr (with_mins)
-                pairs = _mm256_maddubs_epi16(unpack_2bit_run(w + at / 4), qx);
-            else
-                pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(unpack_3bit_run(w + at * 3 / 8), qx),
-                                         _mm256_loadu_si256((const __m256i*)(x_shared + at / 2)));
+            __m256i pairs =
+                _mm256_maddubs_epi16(unpack_run<BITS>(w + at * BITS / 8), _mm256_loadu_si256((const __m256i*)(x + at)));
+            if constexpr (BITS == 3)
+                pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_shared + at / 2)));
             const __m256i scales = pick_scales(run < 4 ? first : last, 2 * (run % 4), 2 * (run % 4) + 1);
             sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, pairs));
+        }
+        if constexpr (BITS == 6) {
+            const __m256i offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_shared + 16 * b)), all);
+            sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offsets, 5));
         }
         const float d = x_d[b] * _cvtsh_ss(factors[with_mins ? 2 * b : b]);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
@@ -466,10 +440,14 @@ INT8_FN inline __m256i iq4_nl_values() {
                             -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
 }
 
-// signed bytes v times signed codes x, in int32 lanes of 4 (llama.cpp's: |v| times x with v's sign)
+// signed bytes v times signed codes x, in int16 sums of pairs (llama.cpp's: |v| times x with v's sign)
+INT8_FN inline __m256i signed_pairs(__m256i v, __m256i x) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
+}
+
+// the same in int32 lanes of 4
 INT8_FN inline __m256i signed_lanes(__m256i v, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)),
-                             _mm256_set1_epi16(1));
+    return _mm256_madd_epi16(signed_pairs(v, x), _mm256_set1_epi16(1));
 }
 
 // ggml_vec_dot_iq4_nl_q8_0's AVX2 arithmetic (the IQ4_NL matrices llama.cpp does not repack) for one
@@ -508,8 +486,7 @@ INT8_FN float dot_row_iq4_xs(const uint8_t* w, const uint16_t* w_d, const int8_t
         for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
             const int at = b * SUPER_BLOCK + g * BLOCK;
             const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + at / 2));
-            const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + at));
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(qx, v));
+            const __m256i pairs = signed_pairs(v, _mm256_loadu_si256((const __m256i*)(x + at)));
             sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(w_codes[b * 8 + g])));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), _mm256_cvtepi32_ps(sums), acc);
@@ -606,14 +583,11 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const uint16_t* w_d
 // ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and one
 // quantized row of x.
 INT8_FN float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const float* x_d, int blocks) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const __m256i qw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + b * BLOCK)), flip);  // q - 128
-        const __m256i qx = _mm256_loadu_si256((const __m256i*)(x + b * BLOCK));
-        // |w| times x with w's sign: unsigned by signed bytes, pairs into 16 bits, then fours into 32
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, pairs));
+        const __m256 sums = _mm256_cvtepi32_ps(signed_lanes(qw, _mm256_loadu_si256((const __m256i*)(x + b * BLOCK))));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), sums, acc);
     }
     return mlx_hybrid::sum_lanes(acc);
@@ -663,12 +637,11 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
         int8_t* codes = q.codes.data() + (long)r * K;
         float* d = q.d.data() + (long)r * blocks;
         int16_t* shared = q.shared.data() + r * row_shared;
-        if (held.x_block == SUPER_BLOCK) {
-            quantize_row_q8_k(x + (long)r * K, K, codes, d, shared, s.type);
-            continue;
-        }
         const bool q8_1 = s.type == Q5_1 || s.type == Q4_1;
-        quantize_row(x + (long)r * K, K, codes, d, q8_1 ? q.s.data() + (long)r * blocks : nullptr);
+        if (held.x_block == SUPER_BLOCK)
+            quantize_row_q8_k(x + (long)r * K, K, codes, d, shared, s.type);
+        else
+            quantize_row(x + (long)r * K, K, codes, d, q8_1 ? q.s.data() + (long)r * blocks : nullptr);
         if (eights) {  // codes split as dot_rows8_b32 takes them, two blocks at a time, and each block's sum
             for (int b = 0; b < blocks; b += 2) {
                 const int count = std::min(2, blocks - b), half = count * BLOCK / 2;
@@ -686,7 +659,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
             }
             continue;
         }
-        const int offset = s.type == Q5_0 ? 16 : s.type == Q4_0 ? 8 : 0;  // of the values, q - offset
+        const int offset = s.type == Q5_0 ? 16 : s.type == Q4_0 ? 8 : s.type == Q3_K ? 4 : 0;  // values q - offset
         for (int i = 0; offset && i < K / 2; i++) shared[i] = (int16_t)(offset * (codes[2 * i] + codes[2 * i + 1]));
     }
     const long row_bytes = 4 * held.words;
@@ -714,10 +687,10 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         out = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(w_row, factor_row, code_row, codes, d,
                                                                                shared, blocks);
                         break;
-                    case Q6_K: out = dot_row_q6_k(w_row, factor_row, code_row, codes, shared, d, blocks); break;
+                    case Q6_K: out = dot_row_groups16<6>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
                     case Q5_K: out = dot_row_q5_k(w_row, factor_row, code_row, codes, d, shared, blocks); break;
-                    case Q3_K: out = dot_row_low_k<3>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
-                    case Q2_K: out = dot_row_low_k<2>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
+                    case Q3_K: out = dot_row_groups16<3>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
+                    case Q2_K: out = dot_row_groups16<2>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
                     case IQ4_XS: out = dot_row_iq4_xs(w_row, factor_row, code_row, codes, d, blocks); break;
                     case Q5_0: out = dot_row_b32<5, false>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
                     case Q5_1: out = dot_row_b32<5, true>(w_row, factor_row, codes, shared, d, x_s, blocks); break;

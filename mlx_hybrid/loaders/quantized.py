@@ -170,8 +170,6 @@ def _q3_k(b):
     return low | (high << 2), _f16(b[..., 108:110]), codes.astype(np.int8)[..., None]
 
 
-
-
 def _iq4_nl(b):
     return _q4_0(b)  # the same layout: indices into the value table instead of values
 

@@ -118,6 +118,7 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
 INT8_ROWS = 16
 
 
+@lru_cache(maxsize=None)  # (asked on every expert product with 8-bit activations)
 def int8_type(bits: int, group_size: int, block) -> int | None:
     """The CPU kernel's number of the GGUF type held in this layout, where it takes 8-bit activations."""
     return next((i for i, held in enumerate(INT8_TYPES.values()) if held == (bits, group_size, block)), None)
