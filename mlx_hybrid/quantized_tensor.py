@@ -111,18 +111,6 @@ Q3_K = BlockScales(16, 1, 1, -4.0)
 # GGUF's Q2_K: float16 d and -dmin a block of 16 groups of 16, codes sc_j and m_j the nibbles of a byte
 Q2_K = BlockScales(16, 2, 2, code_bits=4)
 
-# How a GGUF file's products compute where the CPU computes (`load(cpu_activations=)`): with float32
-# activations (what the file's dequantized weights compute), or as llama.cpp computes them, each row
-# of activations quantized to 8 bits and multiplied in integers
-CPU_ACTIVATIONS = ("float32", "int8")
-# the types whose products take 8-bit activations so far: name -> (bits, group size, block form), in
-# the order of the CPU kernel's type numbers
-INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
-              "Q5_1": (5, 32, D_AND_M), "Q4_0": (4, 32, Q4_0), "Q4_1": (4, 32, D_AND_M),
-              "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT), "Q3_K": (3, 16, Q3_K),
-              "Q2_K": (2, 16, Q2_K), "IQ4_XS": (4, 32, IQ4_XS)}  # fmt: skip
-
-
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides
 # affine: mode -> (bits, group size, form)
 FLOAT_MODES = {"mxfp4": (4, 32, MXFP4)}
@@ -180,6 +168,26 @@ class GridBlocks:
         from gguf.quants import dequantize
 
         return mx.array(dequantize(np.array(blocks), GGMLQuantizationType[self.type_name]).astype(np.float32))
+
+
+# GGML type name -> its blocks as stored, where our kernels multiply them (loaders/quantized.py: else
+# its BLOCK_TYPES' form, or dequantized)
+GRID_TYPES = {name: GridBlocks(name, size) for name, size in
+              [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110), ("IQ1_S", 50),
+               ("IQ1_M", 56), ("TQ1_0", 54)]}  # fmt: skip
+
+# How a GGUF file's products compute where the CPU computes (`load(cpu_activations=)`): with float32
+# activations (what the file's dequantized weights compute), or as llama.cpp computes them, each row
+# of activations quantized to 8 bits and multiplied in integers
+CPU_ACTIVATIONS = ("float32", "int8")
+# the types whose products take 8-bit activations so far: name -> (bits, group size, block form), in
+# the order of the CPU kernel's type numbers
+INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
+              "Q5_1": (5, 32, D_AND_M), "Q4_0": (4, 32, Q4_0), "Q4_1": (4, 32, D_AND_M),
+              "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT), "Q3_K": (3, 16, Q3_K),
+              "Q2_K": (2, 16, Q2_K), "IQ4_XS": (4, 32, IQ4_XS),
+              **{name: (GridBlocks.BITS, GridBlocks.VALUES, GRID_TYPES[name])
+                 for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")}}  # fmt: skip
 
 
 @dataclass

@@ -18,13 +18,16 @@ import mlx_hybrid
 from mlx_hybrid import ModelLoadError, ops
 from mlx_hybrid.export import save_gguf
 from mlx_hybrid.ops import cpu_quantized
+from mlx_hybrid.loaders.quantized import from_gguf_blocks
+from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES
 
 pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
 FLOAT32_EPS = 2.0**-23
 
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
-Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS = range(12)
+Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S = \
+    range(17)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -34,16 +37,17 @@ def q8_0_matrix(rng, shape, scale=1 / 256):
     return codes, d, cpu_quantized.held_q8_0(codes, d)
 
 
-def product(x, held, held_type: int) -> np.ndarray:
-    """x (numpy or MLX) @ W^T for a held matrix of the kernel's type `held_type`."""
-    return np.array(cpu_quantized.int8_matmul(mx.array(x) if isinstance(x, np.ndarray) else x, *held, held_type))
+def product(x, held, held_type: int, grid=None) -> np.ndarray:
+    """x (numpy or MLX) @ W^T for a held matrix of the kernel's type `held_type` (a grid type's with its grid)."""
+    x = mx.array(x) if isinstance(x, np.ndarray) else x
+    return np.array(cpu_quantized.int8_matmul(x, *held, held_type, grid))
 
 
-def rows_alone_as_together(x, held, held_type: int) -> np.ndarray:
+def rows_alone_as_together(x, held, held_type: int, grid=None) -> np.ndarray:
     """Each of x's 16 rows alone; asserts 2, 4, 8 and 16 of them at once give the same bits."""
-    alone = np.concatenate([product(x[r : r + 1], held, held_type) for r in range(16)])
+    alone = np.concatenate([product(x[r : r + 1], held, held_type, grid) for r in range(16)])
     for rows in (2, 4, 8, 16):
-        np.testing.assert_array_equal(product(x[:rows], held, held_type), alone[:rows], err_msg=f"{rows} rows")
+        np.testing.assert_array_equal(product(x[:rows], held, held_type, grid), alone[:rows], err_msg=f"{rows} rows")
     return alone
 
 
@@ -305,6 +309,82 @@ def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, wi
     np.testing.assert_array_equal(got, reference_of(held_type)(x, q, *scales).astype(np.float32))
 
 
+# the grid types with 8-bit activations: their kernel type numbers
+GRID_KERNEL_TYPES = {"IQ2_XXS": IQ2_XXS, "IQ2_XS": IQ2_XS, "IQ2_S": IQ2_S, "IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S}
+GRID_KINDS = pytest.mark.parametrize("type_name", sorted(GRID_KERNEL_TYPES))
+
+
+def grid_matrix(shape, type_name: str, seed: int):
+    """A random grid-type matrix: (its blocks as numpy, the held (w, factors, codes), its grid)."""
+    tensor = cpu_quantized.random_grid_weights(shape, GRID_TYPES[type_name], seed)
+    held = (tensor.weight, tensor.scales, tensor.biases)
+    return np.array(tensor.weight), held, cpu_quantized.grid_of(type_name)
+
+
+@GRID_KINDS
+@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+def test_grid_products_are_llama_cpps_arithmetic_and_row_invariant(K, type_name):
+    """Rows quantized to Q8_K, each 32 values' signed grid values times the codes in lanes of 4 times
+    2 s + 1 as exact integers, a fused multiply-add a block, the lanes' tree times 1 / divisor: every
+    row the same bits alone or with others, at the float32 floor of the float64 reference (8 lanes of
+    K / 256 terms, then their tree)."""
+    blocks, held, grid = grid_matrix((20, K), type_name, K)
+    x = np.random.default_rng(K).standard_normal((16, K)).astype(np.float32)
+    alone = rows_alone_as_together(x, held, GRID_KERNEL_TYPES[type_name], grid)
+    want = cpu_quantized.grid_reference(x, blocks, type_name)
+    integers, d = cpu_quantized.grid_integers(blocks, type_name)
+    _, d_x = cpu_quantized.q8_k_rows(x)
+    # a block's terms at most 127 * (its largest integer) * 256 times |d_w d_x| / divisor
+    largest = np.abs(integers).reshape(len(blocks), -1, 256).max(-1)
+    divisor = cpu_quantized.GRID_DIVISORS[type_name]
+    magnitude = np.abs(d_x).astype(np.float64) @ (np.abs(d.astype(np.float64)) * largest).T * 127 * 256 / divisor
+    assert (np.abs(alone - want) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
+
+
+@GRID_KINDS
+def test_grid_products_are_exact_where_the_arithmetic_is(type_name):
+    """Each block's largest value -127 (d_x = 1), integers of at most 7 elsewhere, d a power of two a
+    block: every integer sum (below 2^24 in magnitude) and scale exact, the reference met exactly."""
+    blocks, _, grid = grid_matrix((8, 512), type_name, 11)
+    rng = np.random.default_rng(11)
+    d = (2.0 ** rng.integers(-14, -8, (8, 2)) * rng.choice([-1, 1], (8, 2))).astype(np.float16)
+    with_d = blocks.reshape(8, 2, -1).copy()
+    with_d[..., 0:2] = d[..., None].view(np.uint8)
+    blocks = with_d.reshape(8, -1)
+    x = rng.integers(-7, 8, (3, 512)).astype(np.float32)
+    x[:, ::256] = -127
+    held = (mx.array(blocks), mx.zeros((8, 0), mx.float16), mx.zeros((8, 0), mx.int8))
+    got = product(x, held, GRID_KERNEL_TYPES[type_name], grid)
+    np.testing.assert_array_equal(got, cpu_quantized.grid_reference(x, blocks, type_name).astype(np.float32))
+
+
+@GRID_KINDS
+@pytest.mark.parametrize("shared", [True, False], ids=["one row a token", "a row a choice"])
+def test_grid_expert_products_give_each_row_its_product_alone(type_name, shared):
+    _, held, grid = grid_matrix((5, 16, 512), type_name, 12)
+    rng = np.random.default_rng(12)
+    indices = rng.integers(0, 5, (4, 2)).astype(np.uint32)
+    x = rng.standard_normal((4, 1 if shared else 2, 512)).astype(np.float32)
+    held_type = GRID_KERNEL_TYPES[type_name]
+    got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *held, mx.array(indices), held_type, grid))
+    for t in range(4):
+        for j, e in enumerate(indices[t]):
+            row = x[t, 0 if shared else j][None]
+            np.testing.assert_array_equal(got[t, j], product(row, tuple(a[int(e)] for a in held), held_type, grid)[0])
+
+
+def test_a_grid_type_takes_its_grid_and_others_none():
+    _, held, grid = grid_matrix((8, 256), "IQ2_XXS", 13)
+    x = mx.zeros((1, 256))
+    with pytest.raises(ValueError, match="a grid type takes its grid"):
+        cpu_quantized.int8_matmul(x, *held, IQ2_XXS)
+    with pytest.raises(ValueError, match="a grid type takes its grid"):
+        cpu_quantized.int8_matmul(x, *held, IQ2_XXS, cpu_quantized.grid_of("IQ2_XS"))  # 512 rows, not 256
+    _, _, q8_0 = q8_0_matrix(np.random.default_rng(13), (8, 256))
+    with pytest.raises(ValueError, match="the others none"):
+        cpu_quantized.int8_matmul(x, *q8_0, Q8_0, grid)
+
+
 @pytest.mark.parametrize(
     "held_type, weights, held, shared",
     [(Q4_K, cpu_quantized.random_k_quant, lambda q, *rest: cpu_quantized.held_k_quant(q, 4, *rest), True),
@@ -350,8 +430,8 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="Q3_K, Q2_K, IQ4_XS tensors so far; this file holds .*IQ3_S"):
-        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-IQ3_S.gguf", cpu_activations="int8")
+    with pytest.raises(ModelLoadError, match="IQ3_XXS, IQ3_S tensors so far; this file holds .*IQ1_M"):
+        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-IQ1_M.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="cpu_activations must be one of float32, int8, got 'int4'"):
@@ -399,17 +479,17 @@ def bundled_file(type_name: str, record: dict, directory: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ2_XXS"])
 def test_the_bundled_model_computes_what_llama_cpp_computes(type_name, tmp_path):
     """The bundled model in llama-quantize's types (Q4_K_M: Q4_K, Q6_K; Q4_K matrices of 4 rows, which
     llama.cpp multiplies unpacked, and value-head columns reordered by their inputs; the 32-value types
-    with their embedding in Q8_0) on 8-bit activations: llama.cpp's greedy tokens for 32 steps and its
-    top-5 logits each step within 0.02 (fixtures/llama-cpp: its CPU build for AVX2, whose arithmetic this
-    path computes, the prompt a token a decode call as here, its KV cache in float32 as ours). Measured
-    0.0095 (Q8_0), 0.015 (Q4_K_M), 0.013 (Q5_1), below 1e-5 (Q4_0, Q4_1, Q5_0): at most steps within
-    1e-4, at a few an activation's code rounds the other way after a float32 difference upstream (the
-    norms, attention and recurrence, computed in another order). The float32-activation path is
-    0.03-0.07 away."""
+    with their embedding in Q8_0; IQ2_XXS with Q2_K, Q5_K and Q8_0 beside it) on 8-bit activations:
+    llama.cpp's greedy tokens for 32 steps and its top-5 logits each step within 0.02 (fixtures/llama-cpp:
+    its CPU build for AVX2, whose arithmetic this path computes, the prompt a token a decode call as
+    here, its KV cache in float32 as ours). Measured 0.0095 (Q8_0), 0.015 (Q4_K_M), 0.013 (Q5_1), 0.011
+    (IQ2_XXS), below 1e-5 (Q4_0, Q4_1, Q5_0): at most steps within 1e-4, at a few an activation's code
+    rounds the other way after a float32 difference upstream (the norms, attention and recurrence,
+    computed in another order). The float32-activation path is 0.03-0.07 away."""
     record = json.loads((FIXTURES / "llama-cpp" / f"bundled-{type_name}.json").read_text())
     model, _ = mlx_hybrid.load(bundled_file(type_name, record, tmp_path), cpu_activations="int8")
     tokens, logits = greedy_token_by_token(model, record["prompt"], len(record["greedy"]))
@@ -417,6 +497,20 @@ def test_the_bundled_model_computes_what_llama_cpp_computes(type_name, tmp_path)
     for step, top in zip(logits, record["top"]):
         ids, values = zip(*top)
         np.testing.assert_allclose(step[list(ids)], values, atol=0.02, rtol=0)
+
+
+VEC_DOTS = np.load(FIXTURES / "llama-cpp" / "vec-dot.npz")
+
+
+@pytest.mark.parametrize("type_name", sorted({key.rsplit("_", 1)[0] for key in VEC_DOTS.files}))
+def test_products_are_llama_cpps_to_the_bit(type_name):
+    """Random blocks of each type against llama.cpp's own products of them (vec-dot.npz: its CPU build for
+    AVX2, ggml-cpu's quantization of x and the type's vec_dot, as its mul_mat calls them): the same bits."""
+    blocks, x, want = (VEC_DOTS[f"{type_name}_{part}"] for part in ("blocks", "x", "out"))
+    tensor = from_gguf_blocks(blocks, type_name)
+    held_type = next(i for i, name in enumerate(INT8_TYPES) if name == type_name)
+    got = product(x, (tensor.weight, tensor.scales, tensor.biases), held_type, cpu_quantized.int8_grid(tensor.block))
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "IQ4_NL"])

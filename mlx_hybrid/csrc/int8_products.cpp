@@ -17,24 +17,33 @@
 //   dmin_w d_x), the second subtracted at the end. Q6_K, Q5_K, Q3_K and Q2_K x Q8_K
 //   (ggml_vec_dot_q6_K_q8_K and the others, as llama.cpp's AVX2 build computes them) likewise, in lanes;
 //   IQ4_XS x Q8_K (ggml_vec_dot_iq4_xs_q8_K) too, with IQ4_NL's values.
+// - IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S x Q8_K (ggml_vec_dot_iq2_xxs_q8_K and the others): each
+//   32 values decoded from the file's block to signed grid values (gguf_grid.h), times the codes in
+//   lanes of 4, times the scale 2 s + 1 as integers; a block's lanes times d_w d_x into the float
+//   lanes, their tree divided by the type's divisor (8, 4 or 1: a power of two).
 //
 // The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
 // factors (Q8_0, Q5_0: d a group; Q5_1: d and m a group; Q4_K: d and -dmin a block) and int8 codes
-// (Q4_K: sc_j and m_j a group). Products of up to 16 rows (decode steps and verify passes) take this
+// (Q4_K: sc_j and m_j a group); the grid types as the file's blocks (uint8) with their grid. Products of up to 16 rows (decode steps and verify passes) take this
 // path; the Python side sends longer ones to the float path.
+#include <nanobind/stl/optional.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
 #include "cpu_kernels.h"
+#include "gguf_grid.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
 using mlx_hybrid::Pool;
+namespace grid = mlx_hybrid::gguf_grid;
 
 namespace {
 
@@ -45,9 +54,12 @@ constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
 enum Type {
     Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
-    IQ4_XS = 11
+    IQ4_XS = 11, IQ2_XXS = 12, IQ2_XS = 13, IQ2_S = 14, IQ3_XXS = 15, IQ3_S = 16
 };
-constexpr int TYPES = 12;
+constexpr int TYPES = 17;
+// the grid types, in gguf_grid's order of them
+constexpr bool is_grid_type(Type type) { return type >= IQ2_XXS; }
+constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); }
 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
 // float16 conversions
@@ -450,6 +462,35 @@ INT8_FN inline __m256i signed_lanes(__m256i v, __m256i x) {
     return _mm256_madd_epi16(signed_pairs(v, x), _mm256_set1_epi16(1));
 }
 
+// ggml_vec_dot_iq2_xxs_q8_K's AVX2 arithmetic and its siblings' (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) for
+// one row of the file's blocks and one row of x quantized to Q8_K (in value order): per block, lane k
+// of 8 sums values 4k..4k+3 of every 32 (signed grid values times the codes) times their scale 2 s + 1
+// (IQ2_XS's and IQ2_S's: one a 16 values) as integers, then times d_w d_x into its float lane (a fused
+// multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's 0.125f, 0.25f: exact).
+template <int VALUES>
+INT8_FN float dot_row_grid(const uint8_t* row, const uint8_t* grid_rows, const int8_t* x, const float* x_d,
+                           int blocks) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
+        __m256i sums = _mm256_setzero_si256();
+        for (int sub = 0; sub < 8; sub++) {
+            const __m256i v = grid::grid_lanes<VALUES>(row, 8 * b + sub, grid_rows);
+            __m256i scale;
+            if constexpr (grid::grid_group_size(VALUES) == 16)  // word pairs 0-7: the first 16 values
+                scale = _mm256_setr_m128i(_mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub) + 1)),
+                                          _mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub + 1) + 1)));
+            else
+                scale = _mm256_set1_epi16((short)(2 * grid::grid_code(VALUES, block, sub) + 1));
+            const __m256i codes = _mm256_loadu_si256((const __m256i*)(x + b * SUPER_BLOCK + sub * BLOCK));
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(signed_pairs(v, codes), scale));
+        }
+        const float d = _cvtsh_ss(grid::grid_d(VALUES, block)) * x_d[b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
+    }
+    return mlx_hybrid::sum_lanes(acc) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
+}
+
 // ggml_vec_dot_iq4_nl_q8_0's AVX2 arithmetic (the IQ4_NL matrices llama.cpp does not repack) for one
 // weight row (4-bit indices into IQ4_NL's values, d a block) and one row of x quantized to Q8_0: per
 // block, values times codes in lanes of 4 as integers, each lane times d_x d_w into its float lane,
@@ -593,26 +634,28 @@ INT8_FN float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x, co
     return mlx_hybrid::sum_lanes(acc);
 }
 
-// A type's held matrix, a row of K inputs: uint32 words of packed values, float16 factors, int8 codes;
-// and its x rows' blocks (Q8_K's 256 values, else Q8_0's or Q8_1's 32).
+// A type's held matrix, a row of K inputs: bytes of packed values (the grid types': of the file's
+// blocks), float16 factors, int8 codes; and its x rows' blocks (Q8_K's 256 values, else Q8_0's or
+// Q8_1's 32).
 struct Layout {
-    long words, factors, codes;
+    long bytes, factors, codes;
     int x_block;
 };
 
 Layout layout_of(Type type, long K) {
+    if (is_grid_type(type)) return {K / SUPER_BLOCK * grid::grid_block_bytes(grid_values(type)), 0, 0, SUPER_BLOCK};
     switch (type) {
-        case Q4_K: return {K / 8, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
-        case Q6_K: return {K * 6 / 32, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
-        case Q5_0: return {K * 5 / 32, K / BLOCK, K / BLOCK, BLOCK};
-        case Q5_1: return {K * 5 / 32, 2 * K / BLOCK, K / BLOCK, BLOCK};
-        case Q4_0: case IQ4_NL: return {K / 8, K / BLOCK, K / BLOCK, BLOCK};
-        case Q4_1: return {K / 8, 2 * K / BLOCK, K / BLOCK, BLOCK};
-        case Q5_K: return {K * 5 / 32, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
-        case Q3_K: return {K * 3 / 32, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
-        case Q2_K: return {K / 16, 2 * K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
-        case IQ4_XS: return {K / 8, K / SUPER_BLOCK, K / BLOCK, SUPER_BLOCK};
-        default: return {K / 4, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
+        case Q4_K: return {K / 2, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
+        case Q6_K: return {K * 6 / 8, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
+        case Q5_0: return {K * 5 / 8, K / BLOCK, K / BLOCK, BLOCK};
+        case Q5_1: return {K * 5 / 8, 2 * K / BLOCK, K / BLOCK, BLOCK};
+        case Q4_0: case IQ4_NL: return {K / 2, K / BLOCK, K / BLOCK, BLOCK};
+        case Q4_1: return {K / 2, 2 * K / BLOCK, K / BLOCK, BLOCK};
+        case Q5_K: return {K * 5 / 8, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
+        case Q3_K: return {K * 3 / 8, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
+        case Q2_K: return {K / 4, 2 * K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
+        case IQ4_XS: return {K / 2, K / SUPER_BLOCK, K / BLOCK, SUPER_BLOCK};
+        default: return {K, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
     }
 }
 
@@ -624,6 +667,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const uint16_t* factors = in[2].data<uint16_t>();
     const int8_t* w_codes = in[3].data<int8_t>();
     const uint32_t* indices = s.chosen ? in[4].data<uint32_t>() : nullptr;
+    const uint8_t* grid_rows = is_grid_type(s.type) ? in.back().data<uint8_t>() : nullptr;  // (the last input)
     float* y = outs[0].data<float>();
     const int M = s.rows, K = s.inputs, N = s.outputs, x_rows = s.shared ? M / s.chosen : M;
     const Layout held = layout_of(s.type, K);
@@ -662,7 +706,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
         const int offset = s.type == Q5_0 ? 16 : s.type == Q4_0 ? 8 : s.type == Q3_K ? 4 : 0;  // values q - offset
         for (int i = 0; offset && i < K / 2; i++) shared[i] = (int16_t)(offset * (codes[2 * i] + codes[2 * i + 1]));
     }
-    const long row_bytes = 4 * held.words;
+    const long row_bytes = held.bytes;
     const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
     Pool::get().run(parts, (long)N * K * (s.chosen ? M : 1) >= (1L << 18), [&](int part) {
         const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
@@ -704,6 +748,11 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                                       ? dot_row_b32<4, false>(w_row, factor_row, codes, shared, d, x_s, blocks)
                                       : dot_row_iq4_nl(w_row, factor_row, codes, d, blocks);
                         break;
+                    case IQ2_XXS: out = dot_row_grid<grid::IQ2_XXS>(w_row, grid_rows, codes, d, blocks); break;
+                    case IQ2_XS: out = dot_row_grid<grid::IQ2_XS>(w_row, grid_rows, codes, d, blocks); break;
+                    case IQ2_S: out = dot_row_grid<grid::IQ2_S>(w_row, grid_rows, codes, d, blocks); break;
+                    case IQ3_XXS: out = dot_row_grid<grid::IQ3_XXS>(w_row, grid_rows, codes, d, blocks); break;
+                    case IQ3_S: out = dot_row_grid<grid::IQ3_S>(w_row, grid_rows, codes, d, blocks); break;
                     default: out = dot_row(w_row, factor_row, codes, d, blocks);
                 }
             }
@@ -713,61 +762,79 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
 
 using Q8Product = mlx_hybrid::CpuPrimitive<Q8Shape, compute>;
 
-// Throws unless w, factors and codes (the last axes) hold a matrix of `type` with K inputs (`layout_of`).
-void check_held(Type type, int K, const mx::array& w, const mx::array& factors, const mx::array& codes) {
+// Throws unless w, factors and codes (the last axes) hold a matrix of `type` with K inputs (`layout_of`),
+// and a grid type comes with its grid (uint8 [entries, magnitudes a row]) and no other.
+void check_held(Type type, int K, const mx::array& w, const mx::array& factors, const mx::array& codes,
+                const std::optional<mx::array>& grid) {
     const Layout held = layout_of(type, K);
-    if (K % held.x_block || w.dtype() != mx::uint32 || factors.dtype() != mx::float16 || codes.dtype() != mx::int8 ||
-        w.shape(-1) != held.words || factors.shape(-1) != held.factors || codes.shape(-1) != held.codes ||
-        factors.shape(-2) != w.shape(-2))
+    const bool grid_type = is_grid_type(type);
+    if (K % held.x_block || w.dtype() != (grid_type ? mx::uint8 : mx::uint32) || factors.dtype() != mx::float16 ||
+        codes.dtype() != mx::int8 || w.shape(-1) * (long)w.itemsize() != held.bytes ||
+        factors.shape(-1) != held.factors || codes.shape(-1) != held.codes || factors.shape(-2) != w.shape(-2))
         throw std::invalid_argument("int8 products: the held matrix does not fit x's K (" + std::to_string(K) +
                                     ") as its type holds it");
+    const int values = grid_type ? grid_values(type) : 0;
+    if (grid.has_value() != grid_type ||
+        (grid_type && (grid->dtype() != mx::uint8 || grid->ndim() != 2 ||
+                       grid->shape(0) != grid::GRID_ENTRIES[values - grid::GRID_FIRST] ||
+                       grid->shape(1) != grid::grid_magnitudes(values))))
+        throw std::invalid_argument("int8 products: a grid type takes its grid (uint8 [entries, magnitudes]), "
+                                    "the others none");
+}
+
+// the primitive's inputs: the product's, then a grid type's grid
+std::vector<mx::array> with_grid(std::vector<mx::array> inputs, const std::optional<mx::array>& grid) {
+    if (grid) inputs.push_back(*grid);
+    return inputs;
 }
 
 // x [..., K] float32 (at most 16 rows) @ W^T for W [N, K] held as `type` (w packed codes, factors,
 // codes: see the top) -> float32 [..., N]
 mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
-                      int type) {
+                      int type, const std::optional<mx::array>& grid) {
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
         type < 0 || type >= TYPES)
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
                                     "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K), "
-                                    "10 (Q2_K) or 11 (IQ4_XS)");
+                                    "10 (Q2_K), 11 (IQ4_XS), 12 (IQ2_XXS), 13 (IQ2_XS), 14 (IQ2_S), "
+                                    "15 (IQ3_XXS) or 16 (IQ3_S)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
-    check_held((Type)type, K, w, factors, codes);
+    check_held((Type)type, K, w, factors, codes, grid);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
     auto shape = x.shape();
     shape.back() = N;
     auto stream = mx::default_stream(mx::Device::cpu);
     Q8Shape s{M, K, N, 0, false, (Type)type};
     return mx::array(shape, mx::float32, std::make_shared<Q8Product>(stream, s, "Int8Product"),
-                     {x, w, factors, codes});
+                     with_grid({x, w, factors, codes}, grid));
 }
 
 // x [T, 1 or k, K] float32 against the matrices of w [E, N, ...] (held as `type`) chosen by indices
 // [T, k] -> float32 [T, k, N]
 mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
-                             const mx::array& indices, int type) {
+                             const mx::array& indices, int type, const std::optional<mx::array>& grid) {
     if (x.dtype() != mx::float32 || x.ndim() != 3 || w.ndim() != 3 || factors.ndim() != 3 || indices.ndim() != 2 ||
         indices.shape(0) != x.shape(0) || (x.shape(1) != 1 && x.shape(1) != indices.shape(1)) ||
         type < 0 || type >= TYPES)
         throw std::invalid_argument("int8_gather_matmul: x float32 [T, 1 or k, K], matrices [E, N, ...] of a type "
                                     "int8_matmul takes, indices [T, k]");
     const int K = x.shape(2), N = w.shape(1), k = indices.shape(1), M = indices.shape(0) * k;
-    check_held((Type)type, K, w, factors, codes);
+    check_held((Type)type, K, w, factors, codes, grid);
     auto stream = mx::default_stream(mx::Device::cpu);
     Q8Shape s{M, K, N, k, x.shape(1) == 1, (Type)type};
     return mx::array({indices.shape(0), k, N}, mx::float32,
                      std::make_shared<Q8Product>(stream, s, "Int8GatherProduct"),
-                     {x, w, factors, codes, mx::astype(indices, mx::uint32)});
+                     with_grid({x, w, factors, codes, mx::astype(indices, mx::uint32)}, grid));
 }
 
 }  // namespace
 
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("type"),
+          nb::arg("type"), nb::arg("grid") = nb::none(),
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, 7: IQ4_NL, "
-          "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS) as llama.cpp computes it");
+          "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, 16: IQ3_S; the "
+          "grid types with their grid) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("indices"), nb::arg("type"), "int8_matmul against the matrices each token chose (experts)");
+          nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), "int8_matmul against the matrices each token chose (experts)");
 }

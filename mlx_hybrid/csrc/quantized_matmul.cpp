@@ -32,6 +32,7 @@
 #include <stdexcept>
 
 #include "cpu_kernels.h"
+#include "gguf_grid.h"
 
 // The BLAS sgemm MLX calls, resolved as MLX's own is: OpenBLAS (behind the forwarding
 // library) where mlx_hybrid opened it into the global scope, else MLX's BLAS.
@@ -41,6 +42,7 @@ extern "C" void cblas_sgemm(int, int, int, int, int, int, float, const float*, i
 namespace nb = nanobind;
 namespace mx = mlx::core;
 using mlx_hybrid::Pool;
+using namespace mlx_hybrid::gguf_grid;
 
 namespace {
 
@@ -67,97 +69,6 @@ struct Packing {
     static constexpr int READ_BYTES = BITS == 4 || BITS == 8 || BITS == 16 ? 32 : 2 * BITS + 16;
     static constexpr int MASK = (1 << BITS) - 1;
 };
-
-// What a packed value stands for: an unsigned integer (times its group's scale, plus its bias),
-// a 4-bit index into the layout's table of 16 unsigned bytes (likewise: IQ4_NL's values plus
-// 128, with a bias of -128 times the scale), or (16 bits) a bfloat16 or float16 weight. The
-// grid types (GRID_FIRST on) are not packed values but GGUF's blocks as the file stores them:
-// see "GGUF's grid types" below.
-enum Values { INTEGERS = 0, TABLE = 1, BFLOAT16 = 2, FLOAT16 = 3, IQ2_XXS = 4, IQ2_XS = 5, IQ2_S = 6, IQ3_XXS = 7,
-              IQ3_S = 8, IQ1_S = 9, IQ1_M = 10, TQ1_0 = 11 };
-constexpr int GRID_FIRST = IQ2_XXS;
-constexpr bool is_grid(int values) { return values >= GRID_FIRST; }
-
-// ---------------------------------------------------------------------------------------
-// GGUF's grid types, read as stored: blocks of 256 values, each a float16 d and then, for each
-// 32 values (a step of the 8-bit kernel), indices into a grid of 8 or 4 magnitudes a row, eight
-// sign bits a row of 8, and a 4-bit scale code s (one, or two for halves of 16). A value is
-// d (2 s + 1) / GRID_DIVISOR * magnitude * sign. The IQ1 types' grid rows are signed already
-// (-1, 0, 1), their codes 3 bits, and a delta of +-1/8 is added to each value (one a step for
-// IQ1_S, one a row of 8 for IQ1_M): d (2 s + 1) / 8 times 8 g +- 1, integers again, so their grid
-// comes times 8. The grids (`grid`, uint8 [entries, 8 or 4]) come from the caller, gguf-py's
-// tables; the kernel decodes a step into 32 signed bytes, which it multiplies as it does 8-bit
-// values (small integers: exact).
-// TQ1_0, ternary, is decoded the same way with no grid: five values -1, 0, 1 a byte in base 3
-// (scaled so that the i-th is the top bits of the byte times 3^i), then a float16 d last.
-// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0
-constexpr int GRID_BLOCK_BYTES[] = {66, 74, 82, 98, 110, 50, 56, 54};
-constexpr int GRID_ENTRIES[] = {256, 512, 1024, 256, 512, 2048, 2048, 0};
-constexpr int GRID_DIVISOR[] = {8, 8, 8, 4, 1, 8, 8, 1};
-constexpr int grid_block_bytes(int values) { return GRID_BLOCK_BYTES[values - GRID_FIRST]; }
-constexpr int grid_magnitudes(int values) { return values == IQ3_XXS || values == IQ3_S ? 4 : 8; }  // a grid row's
-// the values a scale code covers: IQ2_XS's and IQ2_S's codes are nibbles, one a half step, and
-// IQ1_M's one a half step
-constexpr int grid_group_size(int values) { return values == IQ2_XS || values == IQ2_S || values == IQ1_M ? 16 : 32; }
-
-// IQ2_XXS, IQ2_XS and IQ3_XXS store 7 sign bits a row of 8, the eighth making the count of
-// minus signs even (llama.cpp's ksigns_iq2xs): the byte of all eight for each 7 bits.
-constexpr std::array<uint8_t, 128> SIGNS_OF_7_BITS = [] {
-    std::array<uint8_t, 128> table{};
-    for (int i = 0; i < 128; i++) table[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
-    return table;
-}();
-
-// For each byte of 8 sign bits, the 8 bytes that negate a row of 8 values: 0xFF where its bit is
-// set (x ^ mask - mask is -x there, x elsewhere); and the same for each 7 sign bits.
-constexpr std::array<uint64_t, 256> SIGN_MASKS = [] {
-    std::array<uint64_t, 256> table{};
-    for (int i = 0; i < 256; i++)
-        for (int bit = 0; bit < 8; bit++)
-            if (i >> bit & 1) table[i] |= 0xFFULL << (8 * bit);
-    return table;
-}();
-constexpr std::array<uint64_t, 128> SIGN_MASKS_OF_7_BITS = [] {
-    std::array<uint64_t, 128> table{};
-    for (int i = 0; i < 128; i++) table[i] = SIGN_MASKS[SIGNS_OF_7_BITS[i]];
-    return table;
-}();
-
-inline uint32_t load_u32(const uint8_t* p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-inline uint16_t load_u16(const uint8_t* p) {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return v;
-}
-
-// A block's d, as float16 bits: its first two bytes, but IQ1_M's, whose four nibbles are the
-// top ones of its four 16-bit scale words, and TQ1_0's, its last two.
-inline uint16_t grid_d(int values, const uint8_t* block) {
-    if (values == TQ1_0) return load_u16(block + 52);
-    if (values != IQ1_M) return load_u16(block);
-    uint16_t d = 0;
-    for (int i = 0; i < 4; i++) d |= (load_u16(block + 48 + 2 * i) >> 12) << (4 * i);
-    return d;
-}
-
-// The scale code of group g (of grid_group_size values) in a block.
-inline int grid_code(int values, const uint8_t* block, int g) {
-    switch (values) {
-        case IQ2_XXS: return load_u32(block + 2 + 8 * g + 4) >> 28;
-        case IQ2_XS: return block[66 + g / 2] >> (4 * (g % 2)) & 15;
-        case IQ2_S: return block[74 + g / 2] >> (4 * (g % 2)) & 15;
-        case IQ3_XXS: return load_u32(block + 66 + 4 * g) >> 28;
-        case IQ1_S: return load_u16(block + 34 + 2 * g) >> 12 & 7;
-        case IQ1_M: return load_u16(block + 48 + 2 * (g / 4)) >> (3 * (g % 4)) & 7;
-        case TQ1_0: return 0;  // d alone
-        default: return block[106 + g / 2] >> (4 * (g % 2)) & 15;  // IQ3_S
-    }
-}
 
 // float32 scales or biases from their stored dtype
 enum ScaleType { F32 = 0, F16 = 1, BF16 = 2 };

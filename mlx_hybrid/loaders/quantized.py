@@ -52,8 +52,8 @@ import numpy as np
 
 from .. import ops
 from ..quantized_tensor import (
-    D_AND_M, GROUP_SIZE, IQ4_NL, IQ4_XS, K_QUANT, MXFP4, Q2_K, Q3_K, Q4_0, Q5_0, Q6_K, Q8_0, BlockScales, GridBlocks,
-    QuantizedTensor, pack,
+    D_AND_M, GRID_TYPES, GROUP_SIZE, IQ4_NL, IQ4_XS, K_QUANT, MXFP4, Q2_K, Q3_K, Q4_0, Q5_0, Q6_K, Q8_0, BlockScales,
+    GridBlocks, QuantizedTensor, pack,
 )
 
 
@@ -258,13 +258,6 @@ def block_type_name(bits: int, group_size: int, block) -> str:
     held = (bits, group_size, block)
     return next((name for name, (*layout, _, form) in BLOCK_TYPES.items() if (*layout, form) == held),
                 "MLX's affine groups")  # fmt: skip
-
-
-# GGML type name -> its blocks as stored, where our kernels multiply them (else BLOCK_TYPES' form,
-# or dequantized)
-GRID_TYPES = {name: GridBlocks(name, size) for name, size in
-              [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110), ("IQ1_S", 50),
-               ("IQ1_M", 56), ("TQ1_0", 54)]}  # fmt: skip
 
 
 # Compact loading: types with no exact form in MLX's affine groups (of 32 or more) that are

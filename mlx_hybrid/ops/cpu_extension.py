@@ -49,7 +49,7 @@ KERNELS = (QUANTIZED, LINEAR_ATTENTION, GATED_DELTA, CONV1D, NORMS, ATTENTION, R
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
 _UNITS = [_CSRC / name for name in (*dict.fromkeys(kernel.file for kernel in KERNELS), "cpu_kernels.cpp")]
-_SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "quantized_matmul_body.inc"]
+_SOURCES = [*_UNITS, _CSRC / "cpu_kernels.h", _CSRC / "gguf_grid.h", _CSRC / "quantized_matmul_body.inc"]
 _MODULE = "cpu_kernels_ext"
 
 _log = logging.getLogger("mlx_hybrid")

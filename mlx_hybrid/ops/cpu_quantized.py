@@ -14,7 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..quantized_tensor import IQ4_NL_TABLE, BlockScales, GridBlocks, QuantizedTensor, no_codes, pack
+from ..quantized_tensor import GRID_TYPES, IQ4_NL_TABLE, BlockScales, GridBlocks, QuantizedTensor, no_codes, pack
 from .cpu_extension import extension
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -193,18 +193,23 @@ def small_case_16bit(_platform, dtype):
     return got, want
 
 
-def int8_matmul(x, w, factors, codes, held_type: int) -> mx.array:
+def int8_matmul(x, w, factors, codes, held_type: int, grid: mx.array | None = None) -> mx.array:
     """x [..., K] (at most 16 rows) @ W^T for a GGUF matrix held as the package holds its type
-    (`quantized_tensor.INT8_TYPES`, numbered in order: packed codes, float16 factors, int8 codes), as
-    llama.cpp computes it on x86: each row quantized to the type's 8-bit blocks, integer block sums:
-    float32 [..., N]."""
-    return extension().int8_matmul(x, w, factors, codes, held_type)
+    (`quantized_tensor.INT8_TYPES`, numbered in order: packed codes, float16 factors, int8 codes; a grid
+    type's blocks and empty factors and codes, with its `grid_of`), as llama.cpp computes it on x86: each
+    row quantized to the type's 8-bit blocks, integer block sums: float32 [..., N]."""
+    return extension().int8_matmul(x, w, factors, codes, held_type, grid)
 
 
-def int8_gather_matmul(x, w, factors, codes, indices, held_type: int) -> mx.array:
+def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.array | None = None) -> mx.array:
     """`int8_matmul` for x [T, 1 or k, K] against the matrices of w [E, N, ...] chosen by indices [T, k]:
     float32 [T, k, N]."""
-    return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type)
+    return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type, grid)
+
+
+def int8_grid(block) -> mx.array | None:
+    """What `int8_matmul` takes beside a matrix of this form: a grid type's grid, else None."""
+    return grid_of(block.type_name) if isinstance(block, GridBlocks) else None
 
 
 def q8_0_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -306,6 +311,38 @@ def q2_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray
     """llama.cpp's Q2_K product the slow obvious way: `k_quant_reference` over groups of 16 (2-bit values,
     4-bit sc and m [N, K / 16])."""
     return k_quant_reference(x, q, d, dmin, sc, m, group=16)
+
+
+# the grid types with 8-bit activations: llama.cpp's factor of each block's float sum (0.125f, 0.25f:
+# d (2 s + 1) / divisor times the signed grid values)
+GRID_DIVISORS = {"IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 4, "IQ3_S": 1}
+
+
+def grid_integers(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A grid type's weights as integers: the blocks [N, K / 256 * block bytes] dequantized by gguf-py,
+    divided by each block's d / divisor: (2 s + 1) times the signed grid value [N, K] (int64, exact: at
+    most 31 * 62 in magnitude, rounded from float32 quotients within 1e-3 of them), and d [N, K / 256]
+    (float16; a block of d 0 is all zeros)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    N = blocks.shape[0]
+    d = blocks.reshape(N, -1, GRID_TYPES[type_name].block_bytes)[..., 0:2].copy().view(np.float16)[..., 0]
+    weights = dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64).reshape(N, -1, 256)
+    unit = d.astype(np.float64)[..., None] / GRID_DIVISORS[type_name]
+    integers = np.rint(np.divide(weights, unit, out=np.zeros_like(weights), where=unit != 0)).astype(np.int64)
+    return integers.reshape(N, -1), d
+
+
+def grid_reference(x: np.ndarray, blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S products the slow obvious way (float64 sums):
+    x [M, K] quantized as `q8_k_rows`, the weight's integers (`grid_integers`) times x's codes summed a
+    block, times d_w d_x / the type's divisor."""
+    codes, d_x = q8_k_rows(x)
+    integers, d = grid_integers(blocks, type_name)
+    sums = np.einsum("mbi,nbi->mnb", codes.reshape(len(x), -1, 256), integers.reshape(len(integers), -1, 256))
+    scale = d_x.astype(np.float64)[:, None] * d.astype(np.float64)[None] / GRID_DIVISORS[type_name]
+    return (sums * scale).sum(-1)
 
 
 def held_groups16(q, bits: int, d, sc) -> tuple[mx.array, mx.array, mx.array]:
@@ -421,10 +458,17 @@ def small_case_int8(_platform):
         weights = random_b32(rng, (3, 24, 512), bits, with_m)
         cases.append((held_b32(weights[0], bits, *weights[1:]),
                       lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), held_type))  # fmt: skip
+    # the grid types, numbered from 12 in INT8_TYPES' order
+    for held_type, name in enumerate(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"), 12):
+        tensor = random_grid_weights((3, 24, 512), GRID_TYPES[name], held_type)
+        blocks = np.array(tensor.weight)
+        cases.append(((tensor.weight, tensor.scales, tensor.biases),
+                      lambda rows, e, b=blocks, n=name: grid_reference(rows, b[e], n), held_type, grid_of(name)))
     got, want = [], []
-    for held, reference, held_type in cases:
-        got += [int8_matmul(mx.array(x[:rows]), *(a[1] for a in held), held_type) for rows in (1, 9)]
+    for held, reference, held_type, *grid in cases:
+        grid = grid[0] if grid else None
+        got += [int8_matmul(mx.array(x[:rows]), *(a[1] for a in held), held_type, grid) for rows in (1, 9)]
         want += [reference(x[:rows], 1) for rows in (1, 9)]
-        got.append(int8_gather_matmul(mx.array(x[:2, None]), *held, mx.array(indices), held_type))
+        got.append(int8_gather_matmul(mx.array(x[:2, None]), *held, mx.array(indices), held_type, grid))
         want.append(np.stack([[reference(x[t : t + 1], e)[0] for e in row] for t, row in enumerate(indices)]))
     return got, [mx.array(a.astype(np.float32)) for a in want]

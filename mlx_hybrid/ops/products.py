@@ -144,12 +144,12 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     affine = group_size in MLX_GROUP_SIZES and block is None
     if activations == "int8" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
-        held_type = int8_type(bits, group_size, block)
+        held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
 
         def int8_product(x, w, scales, biases):
             if x.size // x.shape[-1] > INT8_ROWS:
                 return float_path(x, w, scales, biases)
-            return cpu_quantized.int8_matmul(x, w, scales, biases, held_type)
+            return cpu_quantized.int8_matmul(x, w, scales, biases, held_type, grid)
 
         return int8_product
 
@@ -187,9 +187,9 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
     if activations == "int8" and x.dtype == mx.float32 and tokens <= INT8_ROWS and (
         int8_activations(bits, group_size, block) is None
     ):
-        held_type = int8_type(bits, group_size, block)
+        held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
         return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
-                                                                                   held_type), x, indices)  # fmt: skip
+                                                                                   held_type, grid), x, indices)  # fmt: skip
     biases = no_codes(scales) if biases is None else biases
     out = None if block is not None else row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)
     if out is not None:

@@ -1,0 +1,210 @@
+// GGUF's grid types and TQ1_0 read as the file stores them: what a block holds and how a step of 32
+// values decodes to signed bytes. Shared by the float-activation products (quantized_matmul.cpp) and
+// the 8-bit ones (int8_products.cpp), which multiply the same decoded bytes.
+#pragma once
+
+#include <immintrin.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+
+namespace mlx_hybrid::gguf_grid {
+
+// (AVX2 functions inlined into callers of that target or a wider one)
+#define GRID_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+// What a packed value stands for: an unsigned integer (times its group's scale, plus its bias),
+// a 4-bit index into the layout's table of 16 unsigned bytes (likewise: IQ4_NL's values plus
+// 128, with a bias of -128 times the scale), or (16 bits) a bfloat16 or float16 weight. The
+// grid types (GRID_FIRST on) are not packed values but GGUF's blocks as the file stores them:
+// see "GGUF's grid types" below.
+enum Values { INTEGERS = 0, TABLE = 1, BFLOAT16 = 2, FLOAT16 = 3, IQ2_XXS = 4, IQ2_XS = 5, IQ2_S = 6, IQ3_XXS = 7,
+              IQ3_S = 8, IQ1_S = 9, IQ1_M = 10, TQ1_0 = 11 };
+constexpr int GRID_FIRST = IQ2_XXS;
+constexpr bool is_grid(int values) { return values >= GRID_FIRST; }
+
+// ---------------------------------------------------------------------------------------
+// GGUF's grid types, read as stored: blocks of 256 values, each a float16 d and then, for each
+// 32 values (a step of the 8-bit kernel), indices into a grid of 8 or 4 magnitudes a row, eight
+// sign bits a row of 8, and a 4-bit scale code s (one, or two for halves of 16). A value is
+// d (2 s + 1) / GRID_DIVISOR * magnitude * sign. The IQ1 types' grid rows are signed already
+// (-1, 0, 1), their codes 3 bits, and a delta of +-1/8 is added to each value (one a step for
+// IQ1_S, one a row of 8 for IQ1_M): d (2 s + 1) / 8 times 8 g +- 1, integers again, so their grid
+// comes times 8. The grids (`grid`, uint8 [entries, 8 or 4]) come from the caller, gguf-py's
+// tables; the kernel decodes a step into 32 signed bytes, which it multiplies as it does 8-bit
+// values (small integers: exact).
+// TQ1_0, ternary, is decoded the same way with no grid: five values -1, 0, 1 a byte in base 3
+// (scaled so that the i-th is the top bits of the byte times 3^i), then a float16 d last.
+// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0
+constexpr int GRID_BLOCK_BYTES[] = {66, 74, 82, 98, 110, 50, 56, 54};
+constexpr int GRID_ENTRIES[] = {256, 512, 1024, 256, 512, 2048, 2048, 0};
+constexpr int GRID_DIVISOR[] = {8, 8, 8, 4, 1, 8, 8, 1};
+constexpr int grid_block_bytes(int values) { return GRID_BLOCK_BYTES[values - GRID_FIRST]; }
+constexpr int grid_magnitudes(int values) { return values == IQ3_XXS || values == IQ3_S ? 4 : 8; }  // a grid row's
+// the values a scale code covers: IQ2_XS's and IQ2_S's codes are nibbles, one a half step, and
+// IQ1_M's one a half step
+constexpr int grid_group_size(int values) { return values == IQ2_XS || values == IQ2_S || values == IQ1_M ? 16 : 32; }
+
+// IQ2_XXS, IQ2_XS and IQ3_XXS store 7 sign bits a row of 8, the eighth making the count of
+// minus signs even (llama.cpp's ksigns_iq2xs): the byte of all eight for each 7 bits.
+constexpr std::array<uint8_t, 128> SIGNS_OF_7_BITS = [] {
+    std::array<uint8_t, 128> table{};
+    for (int i = 0; i < 128; i++) table[i] = (uint8_t)(i | (__builtin_popcount(i) & 1) << 7);
+    return table;
+}();
+
+// For each byte of 8 sign bits, the 8 bytes that negate a row of 8 values: 0xFF where its bit is
+// set (x ^ mask - mask is -x there, x elsewhere); and the same for each 7 sign bits.
+constexpr std::array<uint64_t, 256> SIGN_MASKS = [] {
+    std::array<uint64_t, 256> table{};
+    for (int i = 0; i < 256; i++)
+        for (int bit = 0; bit < 8; bit++)
+            if (i >> bit & 1) table[i] |= 0xFFULL << (8 * bit);
+    return table;
+}();
+constexpr std::array<uint64_t, 128> SIGN_MASKS_OF_7_BITS = [] {
+    std::array<uint64_t, 128> table{};
+    for (int i = 0; i < 128; i++) table[i] = SIGN_MASKS[SIGNS_OF_7_BITS[i]];
+    return table;
+}();
+
+inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+// A block's d, as float16 bits: its first two bytes, but IQ1_M's, whose four nibbles are the
+// top ones of its four 16-bit scale words, and TQ1_0's, its last two.
+inline uint16_t grid_d(int values, const uint8_t* block) {
+    if (values == TQ1_0) return load_u16(block + 52);
+    if (values != IQ1_M) return load_u16(block);
+    uint16_t d = 0;
+    for (int i = 0; i < 4; i++) d |= (load_u16(block + 48 + 2 * i) >> 12) << (4 * i);
+    return d;
+}
+
+// The scale code of group g (of grid_group_size values) in a block.
+inline int grid_code(int values, const uint8_t* block, int g) {
+    switch (values) {
+        case IQ2_XXS: return load_u32(block + 2 + 8 * g + 4) >> 28;
+        case IQ2_XS: return block[66 + g / 2] >> (4 * (g % 2)) & 15;
+        case IQ2_S: return block[74 + g / 2] >> (4 * (g % 2)) & 15;
+        case IQ3_XXS: return load_u32(block + 66 + 4 * g) >> 28;
+        case IQ1_S: return load_u16(block + 34 + 2 * g) >> 12 & 7;
+        case IQ1_M: return load_u16(block + 48 + 2 * (g / 4)) >> (3 * (g % 4)) & 7;
+        case TQ1_0: return 0;  // d alone
+        default: return block[106 + g / 2] >> (4 * (g % 2)) & 15;  // IQ3_S
+    }
+}
+
+// The 32 values of a step as signed bytes, in order: their magnitudes (four grid rows of 8, or
+// eight of 4) and the masks that negate them (SIGN_MASKS: one a row of 8 values).
+GRID_INLINE __m256i signed_magnitudes(__m256i magnitudes, uint64_t m0, uint64_t m1, uint64_t m2, uint64_t m3) {
+    const __m256i minus = _mm256_setr_epi64x((long long)m0, (long long)m1, (long long)m2, (long long)m3);
+    return _mm256_sub_epi8(_mm256_xor_si256(magnitudes, minus), minus);  // two's complement where negative
+}
+
+// Step `sub` (32 values) of a TQ1_0 block as signed bytes -1, 0, 1. Value i of a byte b is
+// ((b 3^i mod 256) 3) >> 8, less 1: the first 32 bytes hold values 32 i + m (steps 0-4), the next
+// 16 values 160 + 16 i + m (steps 5-7), the last 4 (qh) values 240 + 4 i + j (step 7's upper half).
+GRID_INLINE __m256i ternary_lanes(const uint8_t* block, int sub) {
+    static constexpr uint8_t POWERS[] = {1, 3, 9, 27, 81};
+    __m256i bytes, powers;
+    if (sub < 5) {
+        bytes = _mm256_loadu_si256((const __m256i*)block);
+        powers = _mm256_set1_epi8((char)POWERS[sub]);
+    } else if (sub < 7) {
+        const int i = 2 * (sub - 5);
+        bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(block + 32)));
+        powers = _mm256_setr_m128i(_mm_set1_epi8((char)POWERS[i]), _mm_set1_epi8((char)POWERS[i + 1]));
+    } else {
+        bytes = _mm256_setr_m128i(_mm_loadu_si128((const __m128i*)(block + 32)),
+                                  _mm_set1_epi32((int)load_u32(block + 48)));
+        powers = _mm256_setr_m128i(_mm_set1_epi8((char)POWERS[4]),
+                                   _mm_setr_epi8(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27));
+    }
+    // bytes times powers mod 256, then times 3, top byte: in 16-bit lanes, even and odd bytes apart
+    const __m256i low = _mm256_set1_epi16(0xFF), three = _mm256_set1_epi16(3);
+    __m256i even = _mm256_mullo_epi16(_mm256_and_si256(bytes, low), _mm256_and_si256(powers, low));
+    __m256i odd = _mm256_mullo_epi16(_mm256_srli_epi16(bytes, 8), _mm256_srli_epi16(powers, 8));
+    even = _mm256_and_si256(even, low), odd = _mm256_and_si256(odd, low);
+    even = _mm256_srli_epi16(_mm256_mullo_epi16(even, three), 8);
+    odd = _mm256_srli_epi16(_mm256_mullo_epi16(odd, three), 8);
+    return _mm256_sub_epi8(_mm256_or_si256(even, _mm256_slli_epi16(odd, 8)), _mm256_set1_epi8(1));
+}
+
+// Step `step` (32 values) of a grid type's row `row`: the signed values as bytes, in order.
+template <int VALUES>
+GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid) {
+    const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
+    const int sub = step % 8;  // the 32 values' place in the block
+    auto row8 = [grid](int index) {
+        long long v;
+        memcpy(&v, grid + 8 * index, 8);
+        return v;
+    };
+    auto row4 = [grid](int index) { return (int)load_u32(grid + 4 * index); };
+    // four 7-bit sign fields of a word (bits 0-27)
+    auto masks_of_word = [](uint32_t word, int j) { return SIGN_MASKS_OF_7_BITS[word >> (7 * j) & 127]; };
+    if constexpr (VALUES == IQ2_XXS) {  // 4 index bytes, then a word of 4 x 7 sign bits and the code
+        const uint8_t* q = block + 2 + 8 * sub;
+        const uint32_t word = load_u32(q + 4);
+        return signed_magnitudes(_mm256_setr_epi64x(row8(q[0]), row8(q[1]), row8(q[2]), row8(q[3])),
+                                 masks_of_word(word, 0), masks_of_word(word, 1), masks_of_word(word, 2),
+                                 masks_of_word(word, 3));
+    } else if constexpr (VALUES == IQ2_XS) {  // 4 16-bit words: a 9-bit index and 7 sign bits
+        uint16_t w[4];
+        memcpy(w, block + 2 + 8 * sub, 8);
+        return signed_magnitudes(
+            _mm256_setr_epi64x(row8(w[0] & 511), row8(w[1] & 511), row8(w[2] & 511), row8(w[3] & 511)),
+            SIGN_MASKS_OF_7_BITS[w[0] >> 9], SIGN_MASKS_OF_7_BITS[w[1] >> 9], SIGN_MASKS_OF_7_BITS[w[2] >> 9],
+            SIGN_MASKS_OF_7_BITS[w[3] >> 9]);
+    } else if constexpr (VALUES == IQ2_S) {  // 4 index bytes, 2 high bits each in qh, 4 sign bytes
+        const uint8_t *q = block + 2 + 4 * sub, *signs = block + 34 + 4 * sub, high = block[66 + sub];
+        auto index = [&](int j) { return q[j] | (high >> (2 * j) & 3) << 8; };
+        return signed_magnitudes(_mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))),
+                                 SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]],
+                                 SIGN_MASKS[signs[3]]);
+    } else if constexpr (VALUES == IQ3_XXS) {  // 8 index bytes; a word of signs and code after the block's indices
+        const uint8_t* q = block + 2 + 8 * sub;
+        const uint32_t word = load_u32(block + 66 + 4 * sub);
+        return signed_magnitudes(_mm256_setr_epi32(row4(q[0]), row4(q[1]), row4(q[2]), row4(q[3]), row4(q[4]),
+                                                   row4(q[5]), row4(q[6]), row4(q[7])),
+                                 masks_of_word(word, 0), masks_of_word(word, 1), masks_of_word(word, 2),
+                                 masks_of_word(word, 3));
+    } else if constexpr (VALUES == IQ1_S) {  // 4 index bytes, then the step's word: 3 high bits each, the delta's sign
+        const uint8_t* q = block + 2 + 4 * sub;
+        const uint32_t word = load_u16(block + 34 + 2 * sub);
+        auto index = [&](int j) { return q[j] | (word >> (3 * j) & 7) << 8; };
+        const __m256i rows = _mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3)));
+        return _mm256_add_epi8(rows, _mm256_set1_epi8(word >> 15 ? -1 : 1));  // 8 g +- 1
+    } else if constexpr (VALUES == IQ1_M) {  // 4 index bytes, a nibble each in qh: 3 high bits, the row's delta sign
+        const uint8_t* q = block + 4 * sub;
+        const uint32_t high = load_u16(block + 32 + 2 * sub);
+        auto index = [&](int j) { return q[j] | (high >> (4 * j) & 7) << 8; };
+        auto delta = [&](int j) { return (long long)(high >> (4 * j + 3) & 1 ? -1LL : 0x0101010101010101LL); };
+        const __m256i rows = _mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3)));
+        return _mm256_add_epi8(rows, _mm256_setr_epi64x(delta(0), delta(1), delta(2), delta(3)));  // 8 g +- 1
+    } else if constexpr (VALUES == TQ1_0) {
+        return ternary_lanes(block, sub);
+    } else {  // IQ3_S: 8 index bytes, a ninth bit each in qh, 4 sign bytes
+        const uint8_t *q = block + 2 + 8 * sub, *signs = block + 74 + 4 * sub, high = block[66 + sub];
+        auto index = [&](int j) { return row4(q[j] | (high >> j & 1) << 8); };
+        return signed_magnitudes(_mm256_setr_epi32(index(0), index(1), index(2), index(3), index(4), index(5),
+                                                   index(6), index(7)),
+                                 SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]],
+                                 SIGN_MASKS[signs[3]]);
+    }
+}
+
+#undef GRID_INLINE
+
+}  // namespace mlx_hybrid::gguf_grid
