@@ -187,7 +187,7 @@ INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q
               "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT), "Q3_K": (3, 16, Q3_K),
               "Q2_K": (2, 16, Q2_K), "IQ4_XS": (4, 32, IQ4_XS),
               **{name: (GridBlocks.BITS, GridBlocks.VALUES, GRID_TYPES[name])
-                 for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")}}  # fmt: skip
+                 for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")}}  # fmt: skip
 
 
 @dataclass

@@ -26,8 +26,8 @@ FLOAT32_EPS = 2.0**-23
 
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
-Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S = \
-    range(17)
+(Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+ IQ1_S, IQ1_M) = range(19)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -310,7 +310,8 @@ def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, wi
 
 
 # the grid types with 8-bit activations: their kernel type numbers
-GRID_KERNEL_TYPES = {"IQ2_XXS": IQ2_XXS, "IQ2_XS": IQ2_XS, "IQ2_S": IQ2_S, "IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S}
+GRID_KERNEL_TYPES = {"IQ2_XXS": IQ2_XXS, "IQ2_XS": IQ2_XS, "IQ2_S": IQ2_S, "IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S,
+                     "IQ1_S": IQ1_S, "IQ1_M": IQ1_M}
 GRID_KINDS = pytest.mark.parametrize("type_name", sorted(GRID_KERNEL_TYPES))
 
 
@@ -348,9 +349,9 @@ def test_grid_products_are_exact_where_the_arithmetic_is(type_name):
     blocks, _, grid = grid_matrix((8, 512), type_name, 11)
     rng = np.random.default_rng(11)
     d = (2.0 ** rng.integers(-14, -8, (8, 2)) * rng.choice([-1, 1], (8, 2))).astype(np.float16)
-    with_d = blocks.reshape(8, 2, -1).copy()
-    with_d[..., 0:2] = d[..., None].view(np.uint8)
-    blocks = with_d.reshape(8, -1)
+    blocks = blocks.reshape(8, 2, -1).copy()
+    cpu_quantized.with_grid_d(blocks, type_name, d)
+    blocks = blocks.reshape(8, -1)
     x = rng.integers(-7, 8, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
     held = (mx.array(blocks), mx.zeros((8, 0), mx.float16), mx.zeros((8, 0), mx.int8))
@@ -430,8 +431,8 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="IQ3_XXS, IQ3_S tensors so far; this file holds .*IQ1_M"):
-        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-IQ1_M.gguf", cpu_activations="int8")
+    with pytest.raises(ModelLoadError, match="IQ1_S, IQ1_M tensors so far; this file holds .*TQ2_0"):
+        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-TQ2_0.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="cpu_activations must be one of float32, int8, got 'int4'"):

@@ -141,16 +141,46 @@ GRID_INLINE __m256i ternary_lanes(const uint8_t* block, int sub) {
     return _mm256_sub_epi8(_mm256_or_si256(even, _mm256_slli_epi16(odd, 8)), _mm256_set1_epi8(1));
 }
 
+// Row `index` of a grid of rows of 8 magnitudes, as 8 bytes.
+inline long long grid_row8(const uint8_t* grid, int index) {
+    long long v;
+    memcpy(&v, grid + 8 * index, 8);
+    return v;
+}
+
+// IQ1_S's and IQ1_M's step `sub` (32 values) of a block: its grid rows (8 g for g -1, 0 or 1) and its
+// deltas (+-1 a value: one for the step's 32 values (IQ1_S), one a row of 8 (IQ1_M)); the values, times
+// 8, are their sums.
+struct Iq1Step {
+    __m256i rows, deltas;
+};
+template <int VALUES>
+GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid) {
+    int index[4];
+    __m256i deltas;
+    if constexpr (VALUES == IQ1_S) {  // 4 index bytes, then the step's word: 3 high bits each, the delta's sign
+        const uint8_t* q = block + 2 + 4 * sub;
+        const uint32_t word = load_u16(block + 34 + 2 * sub);
+        for (int j = 0; j < 4; j++) index[j] = q[j] | (word >> (3 * j) & 7) << 8;
+        deltas = _mm256_set1_epi8(word >> 15 ? -1 : 1);
+    } else {  // IQ1_M: 4 index bytes, a nibble each in qh: 3 high bits, the row's delta sign
+        const uint8_t* q = block + 4 * sub;
+        const uint32_t high = load_u16(block + 32 + 2 * sub);
+        for (int j = 0; j < 4; j++) index[j] = q[j] | (high >> (4 * j) & 7) << 8;
+        auto delta = [&](int j) { return (long long)(high >> (4 * j + 3) & 1 ? -1LL : 0x0101010101010101LL); };
+        deltas = _mm256_setr_epi64x(delta(0), delta(1), delta(2), delta(3));
+    }
+    return {_mm256_setr_epi64x(grid_row8(grid, index[0]), grid_row8(grid, index[1]), grid_row8(grid, index[2]),
+                               grid_row8(grid, index[3])),
+            deltas};
+}
+
 // Step `step` (32 values) of a grid type's row `row`: the signed values as bytes, in order.
 template <int VALUES>
 GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid) {
     const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
     const int sub = step % 8;  // the 32 values' place in the block
-    auto row8 = [grid](int index) {
-        long long v;
-        memcpy(&v, grid + 8 * index, 8);
-        return v;
-    };
+    auto row8 = [grid](int index) { return grid_row8(grid, index); };
     auto row4 = [grid](int index) { return (int)load_u32(grid + 4 * index); };
     // four 7-bit sign fields of a word (bits 0-27)
     auto masks_of_word = [](uint32_t word, int j) { return SIGN_MASKS_OF_7_BITS[word >> (7 * j) & 127]; };
@@ -180,19 +210,9 @@ GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid
                                                    row4(q[5]), row4(q[6]), row4(q[7])),
                                  masks_of_word(word, 0), masks_of_word(word, 1), masks_of_word(word, 2),
                                  masks_of_word(word, 3));
-    } else if constexpr (VALUES == IQ1_S) {  // 4 index bytes, then the step's word: 3 high bits each, the delta's sign
-        const uint8_t* q = block + 2 + 4 * sub;
-        const uint32_t word = load_u16(block + 34 + 2 * sub);
-        auto index = [&](int j) { return q[j] | (word >> (3 * j) & 7) << 8; };
-        const __m256i rows = _mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3)));
-        return _mm256_add_epi8(rows, _mm256_set1_epi8(word >> 15 ? -1 : 1));  // 8 g +- 1
-    } else if constexpr (VALUES == IQ1_M) {  // 4 index bytes, a nibble each in qh: 3 high bits, the row's delta sign
-        const uint8_t* q = block + 4 * sub;
-        const uint32_t high = load_u16(block + 32 + 2 * sub);
-        auto index = [&](int j) { return q[j] | (high >> (4 * j) & 7) << 8; };
-        auto delta = [&](int j) { return (long long)(high >> (4 * j + 3) & 1 ? -1LL : 0x0101010101010101LL); };
-        const __m256i rows = _mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3)));
-        return _mm256_add_epi8(rows, _mm256_setr_epi64x(delta(0), delta(1), delta(2), delta(3)));  // 8 g +- 1
+    } else if constexpr (VALUES == IQ1_S || VALUES == IQ1_M) {
+        const Iq1Step parts = iq1_step<VALUES>(block, sub, grid);
+        return _mm256_add_epi8(parts.rows, parts.deltas);  // 8 g +- 1
     } else if constexpr (VALUES == TQ1_0) {
         return ternary_lanes(block, sub);
     } else {  // IQ3_S: 8 index bytes, a ninth bit each in qh, 4 sign bytes

@@ -17,10 +17,11 @@
 //   dmin_w d_x), the second subtracted at the end. Q6_K, Q5_K, Q3_K and Q2_K x Q8_K
 //   (ggml_vec_dot_q6_K_q8_K and the others, as llama.cpp's AVX2 build computes them) likewise, in lanes;
 //   IQ4_XS x Q8_K (ggml_vec_dot_iq4_xs_q8_K) too, with IQ4_NL's values.
-// - IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S x Q8_K (ggml_vec_dot_iq2_xxs_q8_K and the others): each
-//   32 values decoded from the file's block to signed grid values (gguf_grid.h), times the codes in
-//   lanes of 4, times the scale 2 s + 1 as integers; a block's lanes times d_w d_x into the float
-//   lanes, their tree divided by the type's divisor (8, 4 or 1: a power of two).
+// - IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M x Q8_K (ggml_vec_dot_iq2_xxs_q8_K and the
+//   others): each 32 values decoded from the file's block to signed grid values (gguf_grid.h), times the
+//   codes in lanes of 4, times the scale 2 s + 1 as integers; a block's lanes times d_w d_x into the
+//   float lanes, their tree divided by the type's divisor (8, 4 or 1: a power of two); the IQ1 types'
+//   deltas in a sum of their own.
 //
 // The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
@@ -54,9 +55,9 @@ constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
 enum Type {
     Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
-    IQ4_XS = 11, IQ2_XXS = 12, IQ2_XS = 13, IQ2_S = 14, IQ3_XXS = 15, IQ3_S = 16
+    IQ4_XS = 11, IQ2_XXS = 12, IQ2_XS = 13, IQ2_S = 14, IQ3_XXS = 15, IQ3_S = 16, IQ1_S = 17, IQ1_M = 18
 };
-constexpr int TYPES = 17;
+constexpr int TYPES = 19;
 // the grid types, in gguf_grid's order of them
 constexpr bool is_grid_type(Type type) { return type >= IQ2_XXS; }
 constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); }
@@ -462,20 +463,25 @@ INT8_FN inline __m256i signed_lanes(__m256i v, __m256i x) {
     return _mm256_madd_epi16(signed_pairs(v, x), _mm256_set1_epi16(1));
 }
 
-// ggml_vec_dot_iq2_xxs_q8_K's AVX2 arithmetic and its siblings' (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) for
-// one row of the file's blocks and one row of x quantized to Q8_K (in value order): per block, lane k
-// of 8 sums values 4k..4k+3 of every 32 (signed grid values times the codes) times their scale 2 s + 1
-// (IQ2_XS's and IQ2_S's: one a 16 values) as integers, then times d_w d_x into its float lane (a fused
-// multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's 0.125f, 0.25f: exact).
+// ggml_vec_dot_iq2_xxs_q8_K's AVX2 arithmetic and its siblings' (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
+// IQ1_M) for one row of the file's blocks and one row of x quantized to Q8_K (in value order): per
+// block, lane k of 8 sums values 4k..4k+3 of every 32 (signed grid values times the codes) times their
+// scale 2 s + 1 (IQ2_XS's, IQ2_S's and IQ1_M's: one a 16 values) as integers, then times d_w d_x into
+// its float lane (a fused multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's
+// 0.125f, 0.25f: exact). The IQ1 types' grid values are -1, 0 and 1 and their deltas of +-1/8 a sum of
+// their own: the deltas times the codes times the scales, likewise in lanes (IQ1_M), or one integer a
+// block (IQ1_S), into float sums by fused multiply-adds; their tree (IQ1_M) times 1/8 added at the end.
 template <int VALUES>
 INT8_FN float dot_row_grid(const uint8_t* row, const uint8_t* grid_rows, const int8_t* x, const float* x_d,
                            int blocks) {
-    __m256 acc = _mm256_setzero_ps();
+    constexpr bool IQ1 = VALUES == grid::IQ1_S || VALUES == grid::IQ1_M;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), acc_deltas = _mm256_setzero_ps();
+    float acc_delta = 0.0f;  // IQ1_S's
     for (int b = 0; b < blocks; b++) {
         const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums = _mm256_setzero_si256(), delta_sums = _mm256_setzero_si256();
         for (int sub = 0; sub < 8; sub++) {
-            const __m256i v = grid::grid_lanes<VALUES>(row, 8 * b + sub, grid_rows);
             __m256i scale;
             if constexpr (grid::grid_group_size(VALUES) == 16)  // word pairs 0-7: the first 16 values
                 scale = _mm256_setr_m128i(_mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub) + 1)),
@@ -483,11 +489,24 @@ INT8_FN float dot_row_grid(const uint8_t* row, const uint8_t* grid_rows, const i
             else
                 scale = _mm256_set1_epi16((short)(2 * grid::grid_code(VALUES, block, sub) + 1));
             const __m256i codes = _mm256_loadu_si256((const __m256i*)(x + b * SUPER_BLOCK + sub * BLOCK));
+            __m256i v;
+            if constexpr (IQ1) {
+                const grid::Iq1Step step = grid::iq1_step<VALUES>(block, sub, grid_rows);
+                v = _mm256_sign_epi8(ones, step.rows);  // (the grid's rows are 8 g)
+                delta_sums = _mm256_add_epi32(delta_sums, _mm256_madd_epi16(signed_pairs(step.deltas, codes), scale));
+            } else {
+                v = grid::grid_lanes<VALUES>(row, 8 * b + sub, grid_rows);
+            }
             sums = _mm256_add_epi32(sums, _mm256_madd_epi16(signed_pairs(v, codes), scale));
         }
         const float d = _cvtsh_ss(grid::grid_d(VALUES, block)) * x_d[b];
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
+        if constexpr (VALUES == grid::IQ1_M)
+            acc_deltas = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(delta_sums), acc_deltas);
+        if constexpr (VALUES == grid::IQ1_S) acc_delta = std::fma(d, (float)sum_int_lanes(delta_sums), acc_delta);
     }
+    if constexpr (VALUES == grid::IQ1_S) return mlx_hybrid::sum_lanes(acc) + 0.125f * acc_delta;
+    if constexpr (VALUES == grid::IQ1_M) return mlx_hybrid::sum_lanes(acc) + 0.125f * mlx_hybrid::sum_lanes(acc_deltas);
     return mlx_hybrid::sum_lanes(acc) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
 }
 
@@ -753,6 +772,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     case IQ2_S: out = dot_row_grid<grid::IQ2_S>(w_row, grid_rows, codes, d, blocks); break;
                     case IQ3_XXS: out = dot_row_grid<grid::IQ3_XXS>(w_row, grid_rows, codes, d, blocks); break;
                     case IQ3_S: out = dot_row_grid<grid::IQ3_S>(w_row, grid_rows, codes, d, blocks); break;
+                    case IQ1_S: out = dot_row_grid<grid::IQ1_S>(w_row, grid_rows, codes, d, blocks); break;
+                    case IQ1_M: out = dot_row_grid<grid::IQ1_M>(w_row, grid_rows, codes, d, blocks); break;
                     default: out = dot_row(w_row, factor_row, codes, d, blocks);
                 }
             }
@@ -797,7 +818,7 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
                                     "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K), "
                                     "10 (Q2_K), 11 (IQ4_XS), 12 (IQ2_XXS), 13 (IQ2_XS), 14 (IQ2_S), "
-                                    "15 (IQ3_XXS) or 16 (IQ3_S)");
+                                    "15 (IQ3_XXS), 16 (IQ3_S), 17 (IQ1_S) or 18 (IQ1_M)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes, grid);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -833,7 +854,8 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("type"), nb::arg("grid") = nb::none(),
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, 7: IQ4_NL, "
-          "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, 16: IQ3_S; the "
+          "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, 16: IQ3_S, 17: IQ1_S, "
+          "18: IQ1_M; the "
           "grid types with their grid) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), "int8_matmul against the matrices each token chose (experts)");

@@ -51,16 +51,32 @@ def random_grid_weights(shape, grid: GridBlocks, seed: int = 0) -> QuantizedTens
     *lead, N, K = shape
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (*lead, N, K // GridBlocks.VALUES, grid.block_bytes), dtype=np.uint8)
-    d = (rng.uniform(-1, 1, blocks.shape[:-1]) / 256).astype(np.float16).view(np.uint16)
-    if grid.type_name == "IQ1_M":  # d's four nibbles are the top ones of its four 16-bit scale words
-        words = blocks[..., 48:56].copy().view(np.uint16)
-        nibbles = (d[..., None] >> (4 * np.arange(4, dtype=np.uint16))) & 0xF
-        blocks[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12)).astype(np.uint16).view(np.uint8)
-    elif grid.type_name == "TQ1_0":  # d last
-        blocks[..., -2:] = d[..., None].view(np.uint8)
-    else:
-        blocks[..., :2] = d[..., None].view(np.uint8)
+    d = (rng.uniform(-1, 1, blocks.shape[:-1]) / 256).astype(np.float16)
+    with_grid_d(blocks, grid.type_name, d)
     return GridBlocks.tensor(mx.array(blocks.reshape(*lead, N, -1)), grid)
+
+
+def with_grid_d(blocks: np.ndarray, type_name: str, d: np.ndarray):
+    """Writes each block's d (float16 [...]) into a grid type's blocks [..., block bytes]: its first two
+    bytes; IQ1_M's as the top nibbles of its four 16-bit scale words; TQ1_0's last."""
+    bits = d.astype(np.float16).view(np.uint16)
+    if type_name == "IQ1_M":
+        words = blocks[..., 48:56].copy().view(np.uint16)
+        nibbles = (bits[..., None] >> (4 * np.arange(4, dtype=np.uint16))) & 0xF
+        blocks[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12)).astype(np.uint16).view(np.uint8)
+    elif type_name == "TQ1_0":
+        blocks[..., -2:] = bits[..., None].view(np.uint8)
+    else:
+        blocks[..., :2] = bits[..., None].view(np.uint8)
+
+
+def grid_d(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """Each block's d (float16 [...]) of a grid type's blocks [..., block bytes] (`with_grid_d`'s place)."""
+    if type_name == "IQ1_M":
+        nibbles = blocks[..., 48:56].copy().view(np.uint16) >> 12
+        return (nibbles << (4 * np.arange(4, dtype=np.uint16))).sum(-1).astype(np.uint16).view(np.float16)
+    at = slice(-2, None) if type_name == "TQ1_0" else slice(0, 2)
+    return blocks[..., at].copy().view(np.float16)[..., 0]
 
 
 def random_weights(shape, bits: int, group_size: int, seed: int = 0):
@@ -315,19 +331,20 @@ def q2_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray
 
 # the grid types with 8-bit activations: llama.cpp's factor of each block's float sum (0.125f, 0.25f:
 # d (2 s + 1) / divisor times the signed grid values)
-GRID_DIVISORS = {"IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 4, "IQ3_S": 1}
+GRID_DIVISORS = {"IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 4, "IQ3_S": 1, "IQ1_S": 8, "IQ1_M": 8}
+# (the IQ1 types': d (2 s + 1) (g +- 1/8) = d (2 s + 1) / 8 times the integer 8 g +- 1)
 
 
 def grid_integers(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
     """A grid type's weights as integers: the blocks [N, K / 256 * block bytes] dequantized by gguf-py,
     divided by each block's d / divisor: (2 s + 1) times the signed grid value [N, K] (int64, exact: at
-    most 31 * 62 in magnitude, rounded from float32 quotients within 1e-3 of them), and d [N, K / 256]
+    most 31 * 62 in magnitude (IQ1: 15 * 9), rounded from float32 quotients within 1e-3 of them), and d [N, K / 256]
     (float16; a block of d 0 is all zeros)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     N = blocks.shape[0]
-    d = blocks.reshape(N, -1, GRID_TYPES[type_name].block_bytes)[..., 0:2].copy().view(np.float16)[..., 0]
+    d = grid_d(blocks.reshape(N, -1, GRID_TYPES[type_name].block_bytes), type_name)
     weights = dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64).reshape(N, -1, 256)
     unit = d.astype(np.float64)[..., None] / GRID_DIVISORS[type_name]
     integers = np.rint(np.divide(weights, unit, out=np.zeros_like(weights), where=unit != 0)).astype(np.int64)
@@ -335,9 +352,9 @@ def grid_integers(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.nd
 
 
 def grid_reference(x: np.ndarray, blocks: np.ndarray, type_name: str) -> np.ndarray:
-    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S products the slow obvious way (float64 sums):
-    x [M, K] quantized as `q8_k_rows`, the weight's integers (`grid_integers`) times x's codes summed a
-    block, times d_w d_x / the type's divisor."""
+    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M products the slow obvious way
+    (float64 sums): x [M, K] quantized as `q8_k_rows`, the weight's integers (`grid_integers`) times x's
+    codes summed a block, times d_w d_x / the type's divisor."""
     codes, d_x = q8_k_rows(x)
     integers, d = grid_integers(blocks, type_name)
     sums = np.einsum("mbi,nbi->mnb", codes.reshape(len(x), -1, 256), integers.reshape(len(integers), -1, 256))
@@ -459,7 +476,7 @@ def small_case_int8(_platform):
         cases.append((held_b32(weights[0], bits, *weights[1:]),
                       lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), held_type))  # fmt: skip
     # the grid types, numbered from 12 in INT8_TYPES' order
-    for held_type, name in enumerate(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"), 12):
+    for held_type, name in enumerate(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"), 12):
         tensor = random_grid_weights((3, 24, 512), GRID_TYPES[name], held_type)
         blocks = np.array(tensor.weight)
         cases.append(((tensor.weight, tensor.scales, tensor.biases),
