@@ -110,6 +110,9 @@ Q6_K = BlockScales(16, 1, 1, -32.0)
 Q3_K = BlockScales(16, 1, 1, -4.0)
 # GGUF's Q2_K: float16 d and -dmin a block of 16 groups of 16, codes sc_j and m_j the nibbles of a byte
 Q2_K = BlockScales(16, 2, 2, code_bits=4)
+# GGUF's TQ2_0 (and TQ1_0 where it is not held as the file's blocks): 2-bit values q a group of 32, one
+# float16 d a block of 8 groups, no codes, bias -d (q - 1: ternary)
+TERNARY = BlockScales(8, 1, 0, -1.0)
 
 # MLX's quantization modes held as block forms (MLX's weight and scales, no biases), besides
 # affine: mode -> (bits, group size, form)
@@ -187,7 +190,8 @@ INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q
               "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT), "Q3_K": (3, 16, Q3_K),
               "Q2_K": (2, 16, Q2_K), "IQ4_XS": (4, 32, IQ4_XS),
               **{name: (GridBlocks.BITS, GridBlocks.VALUES, GRID_TYPES[name])
-                 for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")}}  # fmt: skip
+                 for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0")},
+              "TQ2_0": (2, 32, TERNARY)}  # fmt: skip
 
 
 @dataclass

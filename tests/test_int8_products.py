@@ -27,7 +27,7 @@ FLOAT32_EPS = 2.0**-23
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
 (Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
- IQ1_S, IQ1_M) = range(19)
+ IQ1_S, IQ1_M, TQ1_0, TQ2_0) = range(21)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -311,7 +311,7 @@ def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, wi
 
 # the grid types with 8-bit activations: their kernel type numbers
 GRID_KERNEL_TYPES = {"IQ2_XXS": IQ2_XXS, "IQ2_XS": IQ2_XS, "IQ2_S": IQ2_S, "IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S,
-                     "IQ1_S": IQ1_S, "IQ1_M": IQ1_M}
+                     "IQ1_S": IQ1_S, "IQ1_M": IQ1_M, "TQ1_0": TQ1_0}
 GRID_KINDS = pytest.mark.parametrize("type_name", sorted(GRID_KERNEL_TYPES))
 
 
@@ -374,6 +374,32 @@ def test_grid_expert_products_give_each_row_its_product_alone(type_name, shared)
             np.testing.assert_array_equal(got[t, j], product(row, tuple(a[int(e)] for a in held), held_type, grid)[0])
 
 
+@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+def test_tq2_0_products_are_llama_cpps_arithmetic_and_row_invariant(K):
+    """Rows quantized to Q8_K, the values 0 to 2 times the codes in lanes of 4, less the codes by their sums
+    of 16 (the -1), exact integers, a fused multiply-add a block: every row the same bits alone or with
+    others, at the float32 floor of the float64 reference (8 lanes of K / 256 terms, then their tree)."""
+    rng = np.random.default_rng(K + TQ2_0)
+    q, d = cpu_quantized.random_ternary(rng, (20, K))
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    alone = rows_alone_as_together(x, cpu_quantized.held_ternary(q, d), TQ2_0)
+    _, d_x = cpu_quantized.q8_k_rows(x)
+    # a block's terms at most 2 * 127 * 256 times |d_w d_x|
+    magnitude = np.abs(d_x).astype(np.float64) @ np.abs(d.astype(np.float64)).T * 2 * 127 * 256
+    assert (np.abs(alone - cpu_quantized.ternary_reference(x, q, d)) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
+
+
+def test_tq2_0_products_are_exact_where_the_arithmetic_is():
+    """Each block's largest value -127 (d_x = 1), integers elsewhere, d a power of two: exact."""
+    rng = np.random.default_rng(14)
+    q, _ = cpu_quantized.random_ternary(rng, (8, 512))
+    d = (2.0 ** rng.integers(-14, -8, (8, 2)) * rng.choice([-1, 1], (8, 2))).astype(np.float16)
+    x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
+    x[:, ::256] = -127
+    got = product(x, cpu_quantized.held_ternary(q, d), TQ2_0)
+    np.testing.assert_array_equal(got, cpu_quantized.ternary_reference(x, q, d).astype(np.float32))
+
+
 def test_a_grid_type_takes_its_grid_and_others_none():
     _, held, grid = grid_matrix((8, 256), "IQ2_XXS", 13)
     x = mx.zeros((1, 256))
@@ -394,9 +420,10 @@ def test_a_grid_type_takes_its_grid_and_others_none():
      (Q5_1, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 5, True),
       lambda q, d, m: cpu_quantized.held_b32(q, 5, d, m), True),
      (IQ4_NL, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 4, False),
-      lambda q, d: cpu_quantized.held_b32(q, 4, d), False)],
+      lambda q, d: cpu_quantized.held_b32(q, 4, d), False),
+     (TQ2_0, cpu_quantized.random_ternary, cpu_quantized.held_ternary, False)],
     ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q2_K, one row a token", "Q5_1, one row a token",
-         "IQ4_NL, rows in eights"],
+         "IQ4_NL, rows in eights", "TQ2_0, a row a choice"],
 )  # fmt: skip
 def test_expert_products_give_each_row_its_product_alone(held_type, weights, held, shared):
     rng = np.random.default_rng(7 + held_type)
@@ -431,8 +458,8 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="IQ1_S, IQ1_M tensors so far; this file holds .*TQ2_0"):
-        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35-TQ2_0.gguf", cpu_activations="int8")
+    with pytest.raises(ModelLoadError, match="TQ1_0, TQ2_0 tensors so far; this file holds .*MXFP4"):
+        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35moe-MXFP4_MOE.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="cpu_activations must be one of float32, int8, got 'int4'"):

@@ -21,7 +21,8 @@
 //   others): each 32 values decoded from the file's block to signed grid values (gguf_grid.h), times the
 //   codes in lanes of 4, times the scale 2 s + 1 as integers; a block's lanes times d_w d_x into the
 //   float lanes, their tree divided by the type's divisor (8, 4 or 1: a power of two); the IQ1 types'
-//   deltas in a sum of their own.
+//   deltas in a sum of their own. TQ1_0 and TQ2_0 x Q8_K (ggml_vec_dot_tq1_0_q8_K, ..._tq2_0_q8_K) likewise
+//   in lanes, their -1 by the codes' sums of 16.
 //
 // The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
@@ -55,11 +56,12 @@ constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 
 enum Type {
     Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
-    IQ4_XS = 11, IQ2_XXS = 12, IQ2_XS = 13, IQ2_S = 14, IQ3_XXS = 15, IQ3_S = 16, IQ1_S = 17, IQ1_M = 18
+    IQ4_XS = 11, IQ2_XXS = 12, IQ2_XS = 13, IQ2_S = 14, IQ3_XXS = 15, IQ3_S = 16, IQ1_S = 17, IQ1_M = 18, TQ1_0 = 19,
+    TQ2_0 = 20
 };
-constexpr int TYPES = 19;
-// the grid types, in gguf_grid's order of them
-constexpr bool is_grid_type(Type type) { return type >= IQ2_XXS; }
+constexpr int TYPES = 21;
+// the types held as the file's blocks (the grid types and TQ1_0), in gguf_grid's order of them
+constexpr bool is_grid_type(Type type) { return type >= IQ2_XXS && type <= TQ1_0; }
 constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); }
 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
@@ -142,7 +144,7 @@ void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int16_t* 
         d[b] = largest != 0 ? 1 / inverse : 0.0f;
         for (int i = 0; i < SUPER_BLOCK; i++)  // nearbyint: to nearest, ties to even, as llama.cpp's nearest_int
             ordered[i] = largest != 0 ? (int8_t)std::min(127, (int)std::nearbyint(inverse * v[i])) : 0;
-        if (type == Q2_K || type == Q6_K) {  // sums of 16 codes (llama.cpp's bsums)
+        if (type == Q2_K || type == Q6_K || type == TQ1_0 || type == TQ2_0) {  // sums of 16 codes (llama.cpp's bsums)
             for (int g = 0; g < SUPER_BLOCK / 16; g++) {
                 int16_t sum = 0;
                 for (int i = 0; i < 16; i++) sum += ordered[g * 16 + i];
@@ -510,6 +512,34 @@ INT8_FN float dot_row_grid(const uint8_t* row, const uint8_t* grid_rows, const i
     return mlx_hybrid::sum_lanes(acc) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
 }
 
+// ggml_vec_dot_tq1_0_q8_K's and ggml_vec_dot_tq2_0_q8_K's AVX2 arithmetic for one weight row (TQ1_0: the
+// file's blocks, decoded as gguf_grid.h's ternary_lanes; TQ2_0: 2-bit values packed, d a block) and one
+// row of x quantized to Q8_K (in value order, its sums of 16 codes): per block, lane k of 8 sums values
+// 4k..4k+3 of every 32 (q, 0 to 2, times the codes) less the codes 32k..32k+31 (llama.cpp's -1 taken by
+// the sums of 16, as its 16-bit lanes take them), then times d_w d_x into its float lane (a fused
+// multiply-add); the lanes' tree.
+template <bool TQ1>
+INT8_FN float dot_row_ternary(const uint8_t* w, const uint16_t* factors, const int8_t* x, const float* x_d,
+                              const int16_t* x_sums, int blocks) {
+    constexpr int BLOCK_BYTES = TQ1 ? grid::grid_block_bytes(grid::TQ1_0) : SUPER_BLOCK / 4;
+    const __m256i one_byte = _mm256_set1_epi8(1), one_word = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t* block = w + (long)b * BLOCK_BYTES;
+        __m256i sums = _mm256_setzero_si256();
+        for (int sub = 0; sub < 8; sub++) {
+            const __m256i q = TQ1 ? _mm256_add_epi8(grid::ternary_lanes(block, sub), one_byte)
+                                  : unpack_run<2>(block + sub * BLOCK / 4);
+            const __m256i codes = _mm256_loadu_si256((const __m256i*)(x + b * SUPER_BLOCK + sub * BLOCK));
+            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(q, codes), one_word));
+        }
+        const __m256i minus = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums + 16 * b)), one_word);
+        const float d = x_d[b] * _cvtsh_ss(TQ1 ? grid::grid_d(grid::TQ1_0, block) : factors[b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums, minus)), _mm256_set1_ps(d), acc);
+    }
+    return mlx_hybrid::sum_lanes(acc);
+}
+
 // ggml_vec_dot_iq4_nl_q8_0's AVX2 arithmetic (the IQ4_NL matrices llama.cpp does not repack) for one
 // weight row (4-bit indices into IQ4_NL's values, d a block) and one row of x quantized to Q8_0: per
 // block, values times codes in lanes of 4 as integers, each lane times d_x d_w into its float lane,
@@ -674,6 +704,7 @@ Layout layout_of(Type type, long K) {
         case Q3_K: return {K * 3 / 8, K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
         case Q2_K: return {K / 4, 2 * K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
         case IQ4_XS: return {K / 2, K / SUPER_BLOCK, K / BLOCK, SUPER_BLOCK};
+        case TQ2_0: return {K / 4, K / SUPER_BLOCK, 0, SUPER_BLOCK};
         default: return {K, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
     }
 }
@@ -774,6 +805,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     case IQ3_S: out = dot_row_grid<grid::IQ3_S>(w_row, grid_rows, codes, d, blocks); break;
                     case IQ1_S: out = dot_row_grid<grid::IQ1_S>(w_row, grid_rows, codes, d, blocks); break;
                     case IQ1_M: out = dot_row_grid<grid::IQ1_M>(w_row, grid_rows, codes, d, blocks); break;
+                    case TQ1_0: out = dot_row_ternary<true>(w_row, factor_row, codes, d, shared, blocks); break;
+                    case TQ2_0: out = dot_row_ternary<false>(w_row, factor_row, codes, d, shared, blocks); break;
                     default: out = dot_row(w_row, factor_row, codes, d, blocks);
                 }
             }
@@ -818,7 +851,7 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
                                     "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K), "
                                     "10 (Q2_K), 11 (IQ4_XS), 12 (IQ2_XXS), 13 (IQ2_XS), 14 (IQ2_S), "
-                                    "15 (IQ3_XXS), 16 (IQ3_S), 17 (IQ1_S) or 18 (IQ1_M)");
+                                    "15 (IQ3_XXS), 16 (IQ3_S), 17 (IQ1_S), 18 (IQ1_M), 19 (TQ1_0) or 20 (TQ2_0)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes, grid);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -855,8 +888,8 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
           nb::arg("type"), nb::arg("grid") = nb::none(),
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, 7: IQ4_NL, "
           "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, 16: IQ3_S, 17: IQ1_S, "
-          "18: IQ1_M; the "
-          "grid types with their grid) as llama.cpp computes it");
+          "18: IQ1_M, 19: TQ1_0, 20: TQ2_0; the types held as the file's blocks with their grid) as llama.cpp "
+          "computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), "int8_matmul against the matrices each token chose (experts)");
 }

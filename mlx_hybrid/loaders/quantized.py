@@ -52,8 +52,8 @@ import numpy as np
 
 from .. import ops
 from ..quantized_tensor import (
-    D_AND_M, GRID_TYPES, GROUP_SIZE, IQ4_NL, IQ4_XS, K_QUANT, MXFP4, Q2_K, Q3_K, Q4_0, Q5_0, Q6_K, Q8_0, BlockScales,
-    GridBlocks, QuantizedTensor, pack,
+    D_AND_M, GRID_TYPES, GROUP_SIZE, IQ4_NL, IQ4_XS, K_QUANT, MXFP4, Q2_K, Q3_K, Q4_0, Q5_0, Q6_K, Q8_0, TERNARY,
+    BlockScales, GridBlocks, QuantizedTensor, pack,
 )
 
 
@@ -246,8 +246,8 @@ BLOCK_TYPES = {
     "IQ4_XS": (4, 32, _iq4_xs, IQ4_XS),
     "IQ3_S": (4, 32, _iq3_s, BlockScales(8, 1, 1, -7.5)),
     "MXFP4": (4, 32, _mxfp4, MXFP4),
-    "TQ2_0": (2, 32, _tq2_0, BlockScales(8, 1, 0, -1.0)),
-    "TQ1_0": (2, 32, _tq1_0, BlockScales(8, 1, 0, -1.0)),  # (GRID_TYPES' blocks where our kernels compute)
+    "TQ2_0": (2, 32, _tq2_0, TERNARY),
+    "TQ1_0": (2, 32, _tq1_0, TERNARY),  # (GRID_TYPES' blocks where our kernels compute)
 }
 
 

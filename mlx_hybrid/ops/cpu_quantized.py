@@ -331,8 +331,8 @@ def q2_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray
 
 # the grid types with 8-bit activations: llama.cpp's factor of each block's float sum (0.125f, 0.25f:
 # d (2 s + 1) / divisor times the signed grid values)
-GRID_DIVISORS = {"IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 4, "IQ3_S": 1, "IQ1_S": 8, "IQ1_M": 8}
-# (the IQ1 types': d (2 s + 1) (g +- 1/8) = d (2 s + 1) / 8 times the integer 8 g +- 1)
+GRID_DIVISORS = {"IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 4, "IQ3_S": 1, "IQ1_S": 8, "IQ1_M": 8, "TQ1_0": 1}
+# (the IQ1 types': d (2 s + 1) (g +- 1/8) = d (2 s + 1) / 8 times the integer 8 g +- 1; TQ1_0's: d (q - 1))
 
 
 def grid_integers(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -352,7 +352,7 @@ def grid_integers(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.nd
 
 
 def grid_reference(x: np.ndarray, blocks: np.ndarray, type_name: str) -> np.ndarray:
-    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M products the slow obvious way
+    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and TQ1_0 products the slow obvious way
     (float64 sums): x [M, K] quantized as `q8_k_rows`, the weight's integers (`grid_integers`) times x's
     codes summed a block, times d_w d_x / the type's divisor."""
     codes, d_x = q8_k_rows(x)
@@ -373,6 +373,24 @@ def random_groups16(rng, shape, bits: int = 6):
     *lead, N, K = shape
     d = (rng.uniform(-1, 1, (*lead, N, K // 256)) / 256).astype(np.float16)
     return rng.integers(0, 2**bits, shape).astype(np.uint8), d, rng.integers(-128, 128, (*lead, N, K // 16))
+
+
+def ternary_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """llama.cpp's TQ2_0 product the slow obvious way: `groups16_reference` of the values q - 1 (q [N, K]
+    0 to 2, float16 d [N, K / 256]), every group's code 1."""
+    return groups16_reference(x, q, d, np.ones((len(q), q.shape[-1] // 16), np.int64), 1)
+
+
+def held_ternary(q, d) -> tuple[mx.array, mx.array, mx.array]:
+    """A TQ2_0 matrix (values q [..., K], float16 d [..., K / 256]) as the package holds it: values packed,
+    d a block, no codes."""
+    return mx.array(pack(q, 2)), mx.array(d.astype(np.float16)), mx.zeros((*d.shape[:-1], 0), mx.int8)
+
+
+def random_ternary(rng, shape):
+    """Random TQ2_0 weights [..., N, K]: values 0 to 2, d of either sign."""
+    *lead, N, K = shape
+    return rng.integers(0, 3, shape).astype(np.uint8), (rng.uniform(-1, 1, (*lead, N, K // 256)) / 64).astype(np.float16)
 
 
 def held_q2_k(q, d, dmin, sc, m) -> tuple[mx.array, mx.array, mx.array]:
@@ -476,11 +494,13 @@ def small_case_int8(_platform):
         cases.append((held_b32(weights[0], bits, *weights[1:]),
                       lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), held_type))  # fmt: skip
     # the grid types, numbered from 12 in INT8_TYPES' order
-    for held_type, name in enumerate(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"), 12):
+    for held_type, name in enumerate(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0"), 12):
         tensor = random_grid_weights((3, 24, 512), GRID_TYPES[name], held_type)
         blocks = np.array(tensor.weight)
         cases.append(((tensor.weight, tensor.scales, tensor.biases),
                       lambda rows, e, b=blocks, n=name: grid_reference(rows, b[e], n), held_type, grid_of(name)))
+    ternary = random_ternary(rng, (3, 24, 512))
+    cases.append((held_ternary(*ternary), lambda rows, e: ternary_reference(rows, *(a[e] for a in ternary)), 20))
     got, want = [], []
     for held, reference, held_type, *grid in cases:
         grid = grid[0] if grid else None
