@@ -191,7 +191,7 @@ INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q
               "Q2_K": (2, 16, Q2_K), "IQ4_XS": (4, 32, IQ4_XS),
               **{name: (GridBlocks.BITS, GridBlocks.VALUES, GRID_TYPES[name])
                  for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0")},
-              "TQ2_0": (2, 32, TERNARY)}  # fmt: skip
+              "TQ2_0": (2, 32, TERNARY), "MXFP4": (4, 32, MXFP4)}  # fmt: skip
 
 
 @dataclass

@@ -27,7 +27,7 @@ FLOAT32_EPS = 2.0**-23
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
 (Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
- IQ1_S, IQ1_M, TQ1_0, TQ2_0) = range(21)
+ IQ1_S, IQ1_M, TQ1_0, TQ2_0, MXFP4) = range(22)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -400,6 +400,37 @@ def test_tq2_0_products_are_exact_where_the_arithmetic_is():
     np.testing.assert_array_equal(got, cpu_quantized.ternary_reference(x, q, d).astype(np.float32))
 
 
+@pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
+@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+def test_mxfp4_products_are_llama_cpps_arithmetic_and_row_invariant(K, N):
+    """Rows quantized to Q8_0, MXFP4's values (twice E2M1's) times the codes as exact integers, a fused
+    multiply-add a block by 2^(e - 128) d_x (rows in eights as llama.cpp repacks them, others in lanes):
+    every row the same bits alone or with others, at the float32 floor of the float64 reference (K / 32
+    terms an accumulator, then at most 4 sums of lanes and accumulators)."""
+    rng = np.random.default_rng(K + N + MXFP4)
+    q, e = cpu_quantized.random_mxfp4(rng, (N, K))
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    alone = rows_alone_as_together(x, cpu_quantized.held_mxfp4(q, e), MXFP4)
+    _, d_x, _ = cpu_quantized.q8_0_rows(x)
+    # a block's terms at most 127 * 12 * 32 times |d_w d_x|
+    magnitude = np.abs(d_x) @ np.ldexp(1.0, e.astype(np.int64) - 128).T * 127 * 12 * 32
+    assert (np.abs(alone - cpu_quantized.mxfp4_reference(x, q, e)) <= (K // 32 + 4) * FLOAT32_EPS * magnitude).all()
+
+
+@pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
+def test_mxfp4_products_are_exact_where_the_arithmetic_is(N):
+    """Each block's largest magnitude 127 (d_x = 1), integers elsewhere, scales 2^-4 to 2^-1: every sum and
+    scale exact (a block's sum below 2^16, times 3 octaves of scales, 16 blocks: within float32's 24 bits),
+    the reference met exactly."""
+    rng = np.random.default_rng(15)
+    q, _ = cpu_quantized.random_mxfp4(rng, (N, 512))
+    e = rng.integers(124, 128, (N, 16)).astype(np.uint8)
+    x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
+    x[:, ::32] = 127
+    got = product(x, cpu_quantized.held_mxfp4(q, e), MXFP4)
+    np.testing.assert_array_equal(got, cpu_quantized.mxfp4_reference(x, q, e).astype(np.float32))
+
+
 def test_a_grid_type_takes_its_grid_and_others_none():
     _, held, grid = grid_matrix((8, 256), "IQ2_XXS", 13)
     x = mx.zeros((1, 256))
@@ -421,9 +452,10 @@ def test_a_grid_type_takes_its_grid_and_others_none():
       lambda q, d, m: cpu_quantized.held_b32(q, 5, d, m), True),
      (IQ4_NL, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 4, False),
       lambda q, d: cpu_quantized.held_b32(q, 4, d), False),
-     (TQ2_0, cpu_quantized.random_ternary, cpu_quantized.held_ternary, False)],
+     (TQ2_0, cpu_quantized.random_ternary, cpu_quantized.held_ternary, False),
+     (MXFP4, cpu_quantized.random_mxfp4, cpu_quantized.held_mxfp4, True)],
     ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q2_K, one row a token", "Q5_1, one row a token",
-         "IQ4_NL, rows in eights", "TQ2_0, a row a choice"],
+         "IQ4_NL, rows in eights", "TQ2_0, a row a choice", "MXFP4, rows in eights"],
 )  # fmt: skip
 def test_expert_products_give_each_row_its_product_alone(held_type, weights, held, shared):
     rng = np.random.default_rng(7 + held_type)
@@ -458,8 +490,6 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
-    with pytest.raises(ModelLoadError, match="TQ1_0, TQ2_0 tensors so far; this file holds .*MXFP4"):
-        mlx_hybrid.load(FIXTURES / "gguf-types" / "qwen35moe-MXFP4_MOE.gguf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="computes with float activations"):
         mlx_hybrid.load(FIXTURES / "qwen35" / "hf", cpu_activations="int8")
     with pytest.raises(ModelLoadError, match="cpu_activations must be one of float32, int8, got 'int4'"):

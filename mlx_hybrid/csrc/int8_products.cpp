@@ -5,10 +5,11 @@
 //   codes round-half-even(x * 127 / max |x|); the block's integer products in 8 lanes of 4, each
 //   lane's sum times d_w * d_x added into its float lane (a fused multiply-add), the 8 lanes summed by
 //   a fixed tree.
-// - Q5_0, Q4_0 and IQ4_NL x Q8_0, Q5_1 and Q4_1 x Q8_1 (ggml_vec_dot_q5_0_q8_0 and the others): as
-//   Q8_0, with Q8_1's s (d times the codes' sum, float16) times m_w into one more float sum; Q4_0 and
-//   IQ4_NL matrices of rows in eights as llama.cpp's x86 build repacks them (ggml_gemv_q4_0_8x8_q8_0:
-//   a block's sum one integer, times d_w d_x into the row's one accumulator).
+// - Q5_0, Q4_0, IQ4_NL and MXFP4 x Q8_0, Q5_1 and Q4_1 x Q8_1 (ggml_vec_dot_q5_0_q8_0 and the others):
+//   as Q8_0, with Q8_1's s (d times the codes' sum, float16) times m_w into one more float sum; Q4_0,
+//   IQ4_NL and MXFP4 matrices of rows in eights as llama.cpp's x86 build repacks them
+//   (ggml_gemv_q4_0_8x8_q8_0: a block's sum one integer, times d_w d_x into the row's one accumulator);
+//   MXFP4's scale 2^(e - 128) with twice the E2M1 values.
 // - Q4_K x Q8_K (ggml_gemv_q4_K_8x8_q8_K, the repacked form llama.cpp's x86 build multiplies Q4_K
 //   matrices of rows in eights in; others ggml_vec_dot_q4_K_q8_K): per block of 256, d_x = 1 /
 //   (-127 / x_max) with x_max the value of largest magnitude, codes min(127, nearest(x * -127 /
@@ -57,9 +58,9 @@ constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
 enum Type {
     Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
     IQ4_XS = 11, IQ2_XXS = 12, IQ2_XS = 13, IQ2_S = 14, IQ3_XXS = 15, IQ3_S = 16, IQ1_S = 17, IQ1_M = 18, TQ1_0 = 19,
-    TQ2_0 = 20
+    TQ2_0 = 20, MXFP4 = 21
 };
-constexpr int TYPES = 21;
+constexpr int TYPES = 22;
 // the types held as the file's blocks (the grid types and TQ1_0), in gguf_grid's order of them
 constexpr bool is_grid_type(Type type) { return type >= IQ2_XXS && type <= TQ1_0; }
 constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); }
@@ -455,6 +456,36 @@ INT8_FN inline __m256i iq4_nl_values() {
                             -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
 }
 
+// MXFP4's 16 values, twice the E2M1 values (ggml's kvalues_mxfp4), likewise
+INT8_FN inline __m256i mxfp4_values() {
+    return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2,
+                            -3, -4, -6, -8, -12);
+}
+
+// ggml's E8M0 to float times 1/2 (GGML_E8M0_TO_FP32_HALF): 2^(e - 128), exact (e < 2: subnormal)
+inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float v;
+    std::memcpy(&v, &bits, 4);
+    return v;
+}
+
+// The 4-bit types of 32-value blocks that take values from their indices: Q4_0 (q, its -8 taken a
+// block), IQ4_NL's and MXFP4's tables (float16 d a block; MXFP4: an E8M0 exponent a block)
+enum Nibbles { Q4_0_VALUES, IQ4_NL_VALUES, MXFP4_VALUES };
+
+template <Nibbles KIND>
+INT8_FN inline __m256i nibble_values() {
+    return KIND == MXFP4_VALUES ? mxfp4_values() : iq4_nl_values();
+}
+
+// block b's weight scale: its float16 d, or MXFP4's 2^(e - 128)
+template <Nibbles KIND>
+INT8_FN inline float block_scale(const void* scales, long b) {
+    if constexpr (KIND == MXFP4_VALUES) return e8m0_half(((const uint8_t*)scales)[b]);
+    return _cvtsh_ss(((const uint16_t*)scales)[b]);
+}
+
 // signed bytes v times signed codes x, in int16 sums of pairs (llama.cpp's: |v| times x with v's sign)
 INT8_FN inline __m256i signed_pairs(__m256i v, __m256i x) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
@@ -540,25 +571,28 @@ INT8_FN float dot_row_ternary(const uint8_t* w, const uint16_t* factors, const i
     return mlx_hybrid::sum_lanes(acc);
 }
 
-// ggml_vec_dot_iq4_nl_q8_0's AVX2 arithmetic (the IQ4_NL matrices llama.cpp does not repack) for one
-// weight row (4-bit indices into IQ4_NL's values, d a block) and one row of x quantized to Q8_0: per
-// block, values times codes in lanes of 4 as integers, each lane times d_x d_w into its float lane,
-// even and odd blocks apart; the two added, their lanes' tree; an odd count's last block's sum times
-// d_x d_w added after.
-INT8_FN float dot_row_iq4_nl(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const float* x_d, int blocks) {
-    const __m256i values = iq4_nl_values();
+// ggml_vec_dot_iq4_nl_q8_0's and ggml_vec_dot_mxfp4_q8_0's AVX2 arithmetic (the matrices llama.cpp
+// does not repack) for one weight row (4-bit indices into IQ4_NL's or MXFP4's values, a scale a block)
+// and one row of x quantized to Q8_0: per block, values times codes in lanes of 4 as integers, each
+// lane times d_x d_w into its float lane, even and odd blocks apart; the two added, their lanes' tree;
+// an odd count's last block's sum times d_x d_w added after (as llama.cpp's build: IQ4_NL's a product
+// then a sum, MXFP4's fused).
+template <Nibbles KIND>
+INT8_FN float dot_row_table(const uint8_t* w, const void* w_scales, const int8_t* x, const float* x_d, int blocks) {
+    const __m256i values = nibble_values<KIND>();
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const int pairs = blocks / 2 * 2;
     for (int b = 0; b < pairs; b++) {
         const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + b * 16));
         const __m256 sums = _mm256_cvtepi32_ps(signed_lanes(v, _mm256_loadu_si256((const __m256i*)(x + b * 32))));
-        acc[b % 2] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(w_d[b])), sums, acc[b % 2]);
+        acc[b % 2] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * block_scale<KIND>(w_scales, b)), sums, acc[b % 2]);
     }
     float sum = mlx_hybrid::sum_lanes(_mm256_add_ps(acc[0], acc[1]));
     if (pairs < blocks) {
         const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + pairs * 16));
         const int32_t total = sum_int_lanes(signed_lanes(v, _mm256_loadu_si256((const __m256i*)(x + pairs * 32))));
-        sum = sum + x_d[pairs] * _cvtsh_ss(w_d[pairs]) * (float)total;  // (not fused, as llama.cpp's build)
+        const float d = x_d[pairs] * block_scale<KIND>(w_scales, pairs);
+        sum = KIND == MXFP4_VALUES ? std::fma(d, (float)total, sum) : sum + d * (float)total;
     }
     return sum;
 }
@@ -604,39 +638,49 @@ INT8_FN inline void row_scales8(const uint16_t* w_d, long row_factors, int b, __
     }
 }
 
-// Row r's values (Q4_0: q, IQ4_NL: its table's) of two blocks at p times x's codes split as
+// Row r's values (Q4_0: q; IQ4_NL, MXFP4: their table's) of two blocks at p times x's codes split as
 // dot_rows8_b32 takes them: int32 lanes, the low half's summing to the first block's products, the
 // high half's to the second's.
-INT8_FN inline __m256i two_blocks(const uint8_t* p, __m256i x_even, __m256i x_odd, bool iq4_nl) {
+template <Nibbles KIND>
+INT8_FN inline __m256i two_blocks(const uint8_t* p, __m256i x_even, __m256i x_odd) {
     const __m256i low = _mm256_set1_epi8(0x0F), bytes = _mm256_loadu_si256((const __m256i*)p);
     const __m256i even = _mm256_and_si256(bytes, low), odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-    if (!iq4_nl)  // q from 0 to 15: the pairs' sums fit 16 bits (Q4_0's -8 is taken a block)
+    if constexpr (KIND == Q4_0_VALUES)  // q from 0 to 15: the pairs' sums fit 16 bits (the -8 is taken a block)
         return _mm256_madd_epi16(
             _mm256_add_epi16(_mm256_maddubs_epi16(even, x_even), _mm256_maddubs_epi16(odd, x_odd)),
             _mm256_set1_epi16(1));
-    const __m256i values = iq4_nl_values();
+    const __m256i values = nibble_values<KIND>();
     return _mm256_add_epi32(signed_lanes(_mm256_shuffle_epi8(values, even), x_even),
                             signed_lanes(_mm256_shuffle_epi8(values, odd), x_odd));
 }
 
-// ggml_gemv_q4_0_8x8_q8_0's and ggml_gemv_iq4_nl_8x8_q8_0's arithmetic (the Q4_0 and IQ4_NL matrices
-// of rows in eights llama.cpp's x86 build repacks): 8 weight rows at a time (each `row_bytes` and
-// `row_factors` apart), per block each row's values (Q4_0: q - 8; IQ4_NL: its table's) times x's
-// codes as one exact integer, times d_w d_x into that row's float accumulator. A block's sum is one
-// integer, so its terms come in any order: x's codes are taken split, two blocks at a time (the
-// blocks' even values, then their odd ones: a byte's low nibbles, then its high ones; a last odd
-// block alone), with each block's sum of codes (Q4_0's -8). Writes out[0..7].
-INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const uint16_t* w_d, long row_factors, const int8_t* x,
-                           const int16_t* x_sums, const float* x_d, int blocks, bool iq4_nl, float* out) {
+// ggml_gemv_q4_0_8x8_q8_0's, ggml_gemv_iq4_nl_8x8_q8_0's and ggml_gemv_mxfp4_8x8_q8_0's arithmetic
+// (the Q4_0, IQ4_NL and MXFP4 matrices of rows in eights llama.cpp's x86 build repacks): 8 weight rows
+// at a time (each `row_bytes` and `row_factors` apart), per block each row's values (Q4_0: q - 8;
+// IQ4_NL, MXFP4: their table's) times x's codes as one exact integer, times d_w d_x into that row's
+// float accumulator. A block's sum is one integer, so its terms come in any order: x's codes are taken
+// split, two blocks at a time (the blocks' even values, then their odd ones: a byte's low nibbles, then
+// its high ones; a last odd block alone), with each block's sum of codes (Q4_0's -8). Writes out[0..7].
+template <Nibbles KIND>
+INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scales, long row_factors, const int8_t* x,
+                           const int16_t* x_sums, const float* x_d, int blocks, float* out) {
+    const uint16_t* w_d = (const uint16_t*)w_scales;
     __m256 acc = _mm256_setzero_ps(), row_d[8];
     for (int b = 0; b < blocks; b += 2) {
         const bool pair = b + 1 < blocks;
-        if (b % 8 == 0 && b + 8 <= blocks) row_scales8(w_d, row_factors, b, row_d);
-        for (int j = b; j < b + 1 + pair && j >= blocks / 8 * 8; j++)  // the last blocks short of 8: each d alone
-            row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
-                w_d[j], w_d[row_factors + j], w_d[2 * row_factors + j], w_d[3 * row_factors + j],
-                w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j],
-                w_d[7 * row_factors + j]));
+        if (KIND != MXFP4_VALUES && b % 8 == 0 && b + 8 <= blocks) row_scales8(w_d, row_factors, b, row_d);
+        for (int j = b; j < b + 1 + pair; j++) {
+            if (KIND == MXFP4_VALUES) {
+                float scales[8];
+                for (int r = 0; r < 8; r++) scales[r] = block_scale<KIND>(w_scales, r * row_factors + j);
+                row_d[j % 8] = _mm256_loadu_ps(scales);
+            } else if (j >= blocks / 8 * 8) {  // the last blocks short of 8: each d alone
+                row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
+                    w_d[j], w_d[row_factors + j], w_d[2 * row_factors + j], w_d[3 * row_factors + j],
+                    w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j],
+                    w_d[7 * row_factors + j]));
+            }
+        }
         __m256i x_even, x_odd, lanes[8];
         if (pair) {
             x_even = _mm256_loadu_si256((const __m256i*)(x + b * 32));
@@ -648,11 +692,11 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const uint16_t* w_d
         for (int r = 0; r < 8; r++) {
             const uint8_t* p = w + r * row_bytes + b * 16;
             if (pair) {
-                lanes[r] = two_blocks(p, x_even, x_odd, iq4_nl);
+                lanes[r] = two_blocks<KIND>(p, x_even, x_odd);
             } else {
                 uint8_t last[32] = {};  // (the block's 16 bytes, read without passing the row's end)
                 std::memcpy(last, p, 16);
-                lanes[r] = two_blocks(last, x_even, x_odd, iq4_nl);
+                lanes[r] = two_blocks<KIND>(last, x_even, x_odd);
             }
         }
         // each block's 8 row sums: pairwise sums within halves (a half is a block), then the halves
@@ -662,7 +706,7 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const uint16_t* w_d
                                                _mm256_hadd_epi32(lanes[6], lanes[7]));
         for (int j = 0; j < 1 + pair; j++) {
             __m256i sums = _mm256_permute2x128_si256(first, last, j ? 0x31 : 0x20);
-            if (!iq4_nl) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x_sums[b + j]));
+            if (KIND == Q4_0_VALUES) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x_sums[b + j]));
             const __m256 scales = _mm256_mul_ps(row_d[(b + j) % 8], _mm256_set1_ps(x_d[b + j]));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc);
         }
@@ -705,6 +749,7 @@ Layout layout_of(Type type, long K) {
         case Q2_K: return {K / 4, 2 * K / SUPER_BLOCK, K / 16, SUPER_BLOCK};
         case IQ4_XS: return {K / 2, K / SUPER_BLOCK, K / BLOCK, SUPER_BLOCK};
         case TQ2_0: return {K / 4, K / SUPER_BLOCK, 0, SUPER_BLOCK};
+        case MXFP4: return {K / 2, K / BLOCK, 0, BLOCK};
         default: return {K, K / BLOCK, K / BLOCK, BLOCK};  // Q8_0
     }
 }
@@ -714,15 +759,16 @@ Layout layout_of(Type type, long K) {
 void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     const float* x = in[0].data<float>();
     const uint8_t* w = in[1].data<uint8_t>();
-    const uint16_t* factors = in[2].data<uint16_t>();
+    const uint8_t* factors = in[2].data<uint8_t>();  // (float16, MXFP4's uint8 exponents)
+    const long factor_size = in[2].itemsize();
     const int8_t* w_codes = in[3].data<int8_t>();
     const uint32_t* indices = s.chosen ? in[4].data<uint32_t>() : nullptr;
     const uint8_t* grid_rows = is_grid_type(s.type) ? in.back().data<uint8_t>() : nullptr;  // (the last input)
     float* y = outs[0].data<float>();
     const int M = s.rows, K = s.inputs, N = s.outputs, x_rows = s.shared ? M / s.chosen : M;
     const Layout held = layout_of(s.type, K);
-    // llama.cpp's x86 build repacks Q4_K, Q4_0 and IQ4_NL matrices of rows in eights
-    const bool repacked = N % 8 == 0, eights = repacked && (s.type == Q4_0 || s.type == IQ4_NL);
+    // llama.cpp's x86 build repacks Q4_K, Q4_0, IQ4_NL and MXFP4 matrices of rows in eights
+    const bool repacked = N % 8 == 0, eights = repacked && (s.type == Q4_0 || s.type == IQ4_NL || s.type == MXFP4);
     const int blocks = K / held.x_block;
     const long row_shared = K / 2;  // QuantizedRows' `shared` a row (Q4_K uses K / 16)
     QuantizedRows q{std::vector<int8_t>((size_t)x_rows * K), std::vector<float>((size_t)x_rows * blocks),
@@ -772,7 +818,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time)
                 for (long line = 0; line < (eights ? 8 : 1) * row_bytes; line += 64)
                     _mm_prefetch((const char*)(w_row + 4096 + line), _MM_HINT_T0);
-                const uint16_t* factor_row = factors + row * held.factors;
+                const uint8_t* scales = factors + row * held.factors * factor_size;
+                const uint16_t* factor_row = (const uint16_t*)scales;
                 const int8_t* code_row = w_codes + row * held.codes;
                 const float* x_s = q.s.data() + r * blocks;
                 float& out = y[(long)m * N + n];
@@ -789,14 +836,26 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     case Q5_0: out = dot_row_b32<5, false>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
                     case Q5_1: out = dot_row_b32<5, true>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
                     case Q4_1: out = dot_row_b32<4, true>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
-                    case Q4_0: case IQ4_NL:
+                    case Q4_0:
                         if (eights)
-                            dot_rows8_b32(w_row, row_bytes, factor_row, held.factors, codes, shared, d, blocks,
-                                          s.type == IQ4_NL, &out);
+                            dot_rows8_b32<Q4_0_VALUES>(w_row, row_bytes, scales, held.factors, codes, shared, d,
+                                                       blocks, &out);
                         else
-                            out = s.type == Q4_0
-                                      ? dot_row_b32<4, false>(w_row, factor_row, codes, shared, d, x_s, blocks)
-                                      : dot_row_iq4_nl(w_row, factor_row, codes, d, blocks);
+                            out = dot_row_b32<4, false>(w_row, factor_row, codes, shared, d, x_s, blocks);
+                        break;
+                    case IQ4_NL:
+                        if (eights)
+                            dot_rows8_b32<IQ4_NL_VALUES>(w_row, row_bytes, scales, held.factors, codes, shared, d,
+                                                         blocks, &out);
+                        else
+                            out = dot_row_table<IQ4_NL_VALUES>(w_row, scales, codes, d, blocks);
+                        break;
+                    case MXFP4:
+                        if (eights)
+                            dot_rows8_b32<MXFP4_VALUES>(w_row, row_bytes, scales, held.factors, codes, shared, d,
+                                                        blocks, &out);
+                        else
+                            out = dot_row_table<MXFP4_VALUES>(w_row, scales, codes, d, blocks);
                         break;
                     case IQ2_XXS: out = dot_row_grid<grid::IQ2_XXS>(w_row, grid_rows, codes, d, blocks); break;
                     case IQ2_XS: out = dot_row_grid<grid::IQ2_XS>(w_row, grid_rows, codes, d, blocks); break;
@@ -822,7 +881,8 @@ void check_held(Type type, int K, const mx::array& w, const mx::array& factors, 
                 const std::optional<mx::array>& grid) {
     const Layout held = layout_of(type, K);
     const bool grid_type = is_grid_type(type);
-    if (K % held.x_block || w.dtype() != (grid_type ? mx::uint8 : mx::uint32) || factors.dtype() != mx::float16 ||
+    if (K % held.x_block || w.dtype() != (grid_type ? mx::uint8 : mx::uint32) ||
+        factors.dtype() != (type == MXFP4 ? mx::uint8 : mx::float16) ||
         codes.dtype() != mx::int8 || w.shape(-1) * (long)w.itemsize() != held.bytes ||
         factors.shape(-1) != held.factors || codes.shape(-1) != held.codes || factors.shape(-2) != w.shape(-2))
         throw std::invalid_argument("int8 products: the held matrix does not fit x's K (" + std::to_string(K) +
@@ -851,7 +911,8 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
                                     "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K), "
                                     "10 (Q2_K), 11 (IQ4_XS), 12 (IQ2_XXS), 13 (IQ2_XS), 14 (IQ2_S), "
-                                    "15 (IQ3_XXS), 16 (IQ3_S), 17 (IQ1_S), 18 (IQ1_M), 19 (TQ1_0) or 20 (TQ2_0)");
+                                    "15 (IQ3_XXS), 16 (IQ3_S), 17 (IQ1_S), 18 (IQ1_M), 19 (TQ1_0), 20 (TQ2_0) or "
+                                    "21 (MXFP4)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes, grid);
     if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
@@ -888,7 +949,7 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
           nb::arg("type"), nb::arg("grid") = nb::none(),
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, 7: IQ4_NL, "
           "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, 16: IQ3_S, 17: IQ1_S, "
-          "18: IQ1_M, 19: TQ1_0, 20: TQ2_0; the types held as the file's blocks with their grid) as llama.cpp "
+          "18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks with their grid) as llama.cpp "
           "computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), "int8_matmul against the matrices each token chose (experts)");

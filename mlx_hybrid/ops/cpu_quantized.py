@@ -264,6 +264,30 @@ def iq4_nl_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
     return q8_0_reference(x, np.array(IQ4_NL_TABLE, np.int64)[q] - 128, d)
 
 
+# MXFP4's values as llama.cpp multiplies them (kvalues_mxfp4: twice the E2M1 values)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)
+
+
+def mxfp4_reference(x: np.ndarray, q: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """llama.cpp's MXFP4 product the slow obvious way: the weight's 4-bit indices q [N, K] into
+    `MXFP4_VALUES` and E8M0 exponents e [N, K / 32] (uint8), each block's scale 2^(e - 128):
+    `q8_0_reference` of the values."""
+    return q8_0_reference(x, MXFP4_VALUES[q], np.ldexp(1.0, e.astype(np.int64) - 128))
+
+
+def held_mxfp4(q, e) -> tuple[mx.array, mx.array, mx.array]:
+    """An MXFP4 matrix (indices q [..., K], exponents e [..., K / 32]) as the package holds it (MLX's
+    mxfp4 mode): indices packed, the exponents, no codes."""
+    return mx.array(pack(q, 4)), mx.array(e.astype(np.uint8)), mx.zeros((*e.shape[:-1], 0), mx.int8)
+
+
+def random_mxfp4(rng, shape):
+    """Random MXFP4 weights [..., N, K]: indices, exponents 2^-128 (e 0), 2^-127 (1) and 2^-12 to 2^2."""
+    *lead, N, K = shape
+    e = rng.choice(np.r_[0, 1, 116:131], (*lead, N, K // 32)).astype(np.uint8)
+    return rng.integers(0, 16, shape).astype(np.uint8), e
+
+
 def iq4_xs_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, ls: np.ndarray) -> np.ndarray:
     """llama.cpp's IQ4_XS product the slow obvious way (float64 sums): x quantized as `q8_k_rows`, the
     weight's 4-bit indices q [N, K] into IQ4_NL's values, float16 d [N, K / 256] and signed ls_j - 32
@@ -499,8 +523,9 @@ def small_case_int8(_platform):
         blocks = np.array(tensor.weight)
         cases.append(((tensor.weight, tensor.scales, tensor.biases),
                       lambda rows, e, b=blocks, n=name: grid_reference(rows, b[e], n), held_type, grid_of(name)))
-    ternary = random_ternary(rng, (3, 24, 512))
+    ternary, mxfp4 = random_ternary(rng, (3, 24, 512)), random_mxfp4(rng, (3, 24, 512))
     cases.append((held_ternary(*ternary), lambda rows, e: ternary_reference(rows, *(a[e] for a in ternary)), 20))
+    cases.append((held_mxfp4(*mxfp4), lambda rows, e: mxfp4_reference(rows, *(a[e] for a in mxfp4)), 21))
     got, want = [], []
     for held, reference, held_type, *grid in cases:
         grid = grid[0] if grid else None

@@ -149,7 +149,8 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
         def int8_product(x, w, scales, biases):
             if x.size // x.shape[-1] > INT8_ROWS:
                 return float_path(x, w, scales, biases)
-            return cpu_quantized.int8_matmul(x, w, scales, biases, held_type, grid)
+            codes = no_codes(scales) if biases is None else biases  # (none in MLX's mxfp4 mode)
+            return cpu_quantized.int8_matmul(x, w, scales, codes, held_type, grid)
 
         return int8_product
 
@@ -188,7 +189,8 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
         int8_activations(bits, group_size, block) is None
     ):
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
-        return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
+        codes = no_codes(scales) if biases is None else biases
+        return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, codes, flat,
                                                                                    held_type, grid), x, indices)  # fmt: skip
     biases = no_codes(scales) if biases is None else biases
     out = None if block is not None else row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)
