@@ -16,7 +16,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_hybrid.drafting import make_drafter
-from mlx_hybrid.errors import GenerationError
+from mlx_hybrid.errors import GenerationError, ModelLoadError
 from mlx_hybrid.models.dflash import load_drafter
 from mlx_hybrid.engine import Engine, ReplicatedEngine
 
@@ -98,7 +98,8 @@ def check(group, mode: str, spec: str) -> dict:
     path = FIXTURES / family / file
     ref = np.load(FIXTURES / family / "ref.npz")
     model, tokenizer, split_load_peak = load_measured(path, group=group, pipeline=mode == "pipeline")
-    whole, _, whole_load_peak = load_measured(path)
+    # the whole model computing as the split one: a tensor-parallel split's products take float32 activations
+    whole, _, whole_load_peak = load_measured(path, **({} if mode == "pipeline" else {"cpu_activations": "float32"}))
 
     ids = mx.array(ref["input_ids"])
     logits_diff = mx.abs(model(ids) - whole(ids)).max().item()
@@ -115,6 +116,12 @@ def check(group, mode: str, spec: str) -> dict:
         except GenerationError as error:
             refused = str(error)
         block_drafter = None
+    int8_refused = None  # llama.cpp's 8-bit activations asked of a tensor-parallel split
+    if mode == "tensor" and path.suffix == ".gguf":
+        try:
+            mlx_hybrid.load(path, group=group, cpu_activations="int8")
+        except ModelLoadError as error:
+            int8_refused = str(error)
     result = {
         "rank": group.rank(),
         "spec": spec,
@@ -130,6 +137,7 @@ def check(group, mode: str, spec: str) -> dict:
         "whole_load_peak": whole_load_peak,
         **generate(model, tokenizer, prompts, draft, block_drafter),
         "dflash_refused": refused,
+        "int8_refused": int8_refused,
         "plain_whole": generate(whole, tokenizer, prompts)["plain"],
         "engine_thread": on_the_engine_thread(model, tokenizer, prompts[0]),
     }

@@ -33,16 +33,22 @@ def test_cli_compact_loading():
 
 
 def test_cli_takes_llama_cpps_8_bit_activations():
-    """--cpu-activations int8 computes as load(cpu_activations="int8"); a file it does not compute is refused by
-    name."""
+    """--cpu-activations int8 (the default for a GGUF file here) and float32 compute as load() does with them;
+    a checkpoint it does not compute is refused by name."""
     path = FIXTURES / "qwen35" / "model-Q8_0.gguf"
-    result = run_cli("--model", str(path), "--cpu-activations", "int8", "--prompt", "def f(", "--max-tokens", "8")
-    assert result.returncode == 0, result.stderr
-    model, tok = mlx_hybrid.load(path, cpu_activations="int8")
-    assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, "def f(", max_tokens=8).rstrip("\n")
-    refused = run_cli("--model", str(FIXTURES / "gguf-types" / "qwen35-IQ3_S.gguf"), "--cpu-activations", "int8",
-                      "--prompt", "hi")  # fmt: skip
-    assert_usage_error(refused, "Q3_K, Q2_K, IQ4_XS tensors so far")
+    texts = {}
+    for activations in ("int8", "float32"):
+        result = run_cli("--model", str(path), "--cpu-activations", activations, "--prompt", "class A:",
+                         "--max-tokens", "8")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        model, tok = mlx_hybrid.load(path, cpu_activations=activations)
+        texts[activations] = mlx_hybrid.generate(model, tok, "class A:", max_tokens=8).rstrip("\n")
+        assert result.stdout.rstrip("\n") == texts[activations]
+    assert texts["int8"] != texts["float32"]  # (this prompt's 8 tokens tell the two apart)
+    default = run_cli("--model", str(path), "--prompt", "class A:", "--max-tokens", "8")
+    assert default.stdout.rstrip("\n") == texts["int8"]
+    refused = run_cli("--model", str(FIXTURES / "qwen35" / "hf"), "--cpu-activations", "int8", "--prompt", "hi")
+    assert_usage_error(refused, "computes with float activations")
 
 
 def test_cli_with_kimi_and_stdin_prompt():

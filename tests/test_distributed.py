@@ -96,6 +96,8 @@ def test_greedy_tokens_equal_plain_speculative_and_served(results):
                     assert "a pipeline's other ranks" in r["dflash_refused"], (spec, rank)
                 else:
                     assert r["dflash"] == r["plain_whole"], (spec, rank)
+            if spec.endswith(".gguf") and r["describe"].startswith("tensor"):  # a product's parts summed: refused
+                assert "a tensor-parallel split sums its ranks' parts" in r["int8_refused"], (spec, rank)
         served = per_rank[0]["engine_thread"]  # rank 0 serving from the engine's thread, as a server does
         assert served["tokens"] == per_rank[0]["plain_whole"][0], spec
         assert served["restart"] == "this split engine has stopped, and the other ranks with it", spec

@@ -476,7 +476,7 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
     products did take the 8-bit path (the logits differ from the float32 path's)."""
     path = FIXTURES / "qwen35" / f"model-{type_name}.gguf"
     model, tokenizer = mlx_hybrid.load(path, cpu_activations="int8")
-    floats, _ = mlx_hybrid.load(path)
+    floats, _ = mlx_hybrid.load(path, cpu_activations="float32")
     ids = list(range(3, 23))
     caches = model.make_cache(), model.make_cache()
     for cache in caches:
@@ -487,6 +487,20 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
     assert not np.array_equal(np.array(model(mx.array([ids[:4]]))), np.array(floats(mx.array([ids[:4]]))))
     plain = mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24)
     assert mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24, draft="mtp", num_draft_tokens=3) == plain
+
+
+def test_a_gguf_file_computes_llama_cpps_arithmetic_by_default():
+    """load() without cpu_activations: a GGUF file's quantized products as llama.cpp computes them (here, where
+    the CPU kernels compute them); float32 activations where asked, and for a checkpoint of another runtime."""
+    path = FIXTURES / "qwen35" / "model-Q4_K_M.gguf"
+    ids = mx.array([list(range(3, 11))])
+    default, _ = mlx_hybrid.load(path)
+    int8, _ = mlx_hybrid.load(path, cpu_activations="int8")
+    floats, _ = mlx_hybrid.load(path, cpu_activations="float32")
+    np.testing.assert_array_equal(np.array(default(ids)), np.array(int8(ids)))
+    assert not np.array_equal(np.array(default(ids)), np.array(floats(ids)))
+    hf, _ = mlx_hybrid.load(FIXTURES / "qwen35" / "mlx-lm-4bit")
+    assert {m.activations for _, m in hf.named_modules() if hasattr(m, "activations")} == {"float32"}
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():

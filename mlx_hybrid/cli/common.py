@@ -45,10 +45,10 @@ def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--cpu-activations",
         choices=["float32", "int8"],
-        default="float32",
-        help="how a --model GGUF's quantized products compute on the CPU: float32 (default: what its dequantized "
-        "weights compute) or int8 (as llama.cpp computes them: each row of activations quantized to 8 bits, "
-        "integer sums; Q8_0, K-quant, Q5_0/1, Q4_0/1, IQ4_NL and IQ4_XS files so far, others refused by name)",
+        default=None,
+        help="how a --model GGUF's quantized products compute on the CPU: int8 (as llama.cpp computes them: each "
+        "row of activations quantized to 8 bits, integer sums) or float32 (what its dequantized weights compute). "
+        "Default: int8 for a GGUF file where this package's x86-64 CPU kernels compute it, float32 elsewhere",
     )
     p.add_argument(
         "--mmproj",

@@ -75,7 +75,7 @@ def load(
     pipeline: bool = False,
     mmproj=None,
     mtp=None,
-    cpu_activations: str = "float32",
+    cpu_activations: str | None = None,
 ):
     """Load a model and its tokenizer from a `.gguf` file, an HF checkpoint directory, or a
     Hugging Face hub name (`org/repo`, `org/repo:file.gguf`; see `loaders.hub`).
@@ -97,12 +97,15 @@ def load(
     MTP head from where the model has none (mlx-lm's and mlx-vlm's conversions drop it): only its
     `mtp.*` tensors are read; the head is quantized as the model is. A head of another shape is refused.
 
-    cpu_activations (GGUF files, where the CPU computes): "float32" (the default), each quantized
-    product computes what the file's dequantized weights compute; "int8", as llama.cpp computes it on
-    x86: each row of activations quantized to the type's 8-bit blocks and multiplied in integers, for
-    products of up to 16 rows (decode steps, verify passes; a prompt's take float32 activations).
-    Q8_0, K-quant (Q6_K to Q2_K), Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL and IQ4_XS tensors so far: a file
-    holding other types is refused by name.
+    cpu_activations: how a GGUF file's quantized products compute where the CPU computes. "int8", as
+    llama.cpp computes them on x86: each row of activations quantized to the type's 8-bit blocks and
+    multiplied in integers, for products of up to 16 rows (decode steps, verify passes; a prompt's take
+    float32 activations), every quantized GGUF type; refused by name where it is not computed (a Hugging
+    Face or MLX checkpoint, a GPU, a CPU without this package's kernels, tensors re-quantized by
+    compact=True). "float32": each product computes what the file's dequantized weights compute. None
+    (the default): the file's own runtime's arithmetic, "int8" for a GGUF file where it is computed (every
+    quantized tensor of a GGUF type, each product whole in one process: alone or in a pipeline's layers),
+    else "float32" (a tensor-parallel split sums its ranks' parts of each product).
 
     group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
     `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank
@@ -110,6 +113,8 @@ def load(
     """
     path = hub.resolve(path) if hub.is_hub_name(path) else Path(path).expanduser()
     dtype = resolve_dtype(dtype)
+    if cpu_activations is not None and cpu_activations not in CPU_ACTIVATIONS:
+        raise ModelLoadError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, got {cpu_activations!r}")
     if compact and dequantize:
         raise ValueError("compact and dequantize exclude each other")
     if not path.exists():
@@ -125,27 +130,41 @@ def load(
     else:
         model, tokenizer = _load_gguf(
             path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact,
-            mmproj=mmproj, whole_blocks=cpu_activations == "int8",
+            mmproj=mmproj, whole_blocks=cpu_activations == "int8" or (
+                cpu_activations is None and _whole_products(group, pipeline) and ops.int8_activations_computed()),
         )  # fmt: skip
     if mtp is not None:
         if group is not None and group.size() > 1:
             raise ModelLoadError("an MTP head from another checkpoint is not taken by a split model")
         _attach_mtp_head(model, Path(mtp).expanduser(), dtype)
-    _set_cpu_activations(model, cpu_activations, path)
+    _set_cpu_activations(model, cpu_activations, path, _whole_products(group, pipeline))
     model.loaded_from = path.resolve()
     return model, tokenizer
 
 
-def _set_cpu_activations(model, activations: str, path: Path):
-    """Every quantized product of the model takes `activations` (see `load`), or the load is refused."""
-    if activations not in CPU_ACTIVATIONS:
-        raise ModelLoadError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, got {activations!r}")
+def _whole_products(group, pipeline: bool) -> bool:
+    """Whether each product is computed whole in one process: alone, or a pipeline's layers (a tensor-parallel
+    split sums the ranks' parts of a product, which is not llama.cpp's arithmetic)."""
+    return group is None or group.size() == 1 or pipeline
+
+
+def _set_cpu_activations(model, activations: str | None, path: Path, whole_products: bool):
+    """Every quantized product of the model takes `activations` (see `load`), or the load is refused; None:
+    "int8" for a GGUF file whose every product takes it here, whole, else "float32"."""
+    modules = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" in m]
+    if activations is None:
+        computed = whole_products and not path.is_dir() and modules and not any(
+            ops.int8_activations(m.bits, m.group_size, m.block) for m in modules)  # fmt: skip
+        activations = "int8" if computed else "float32"
     if activations == "float32":
         return
     if path.is_dir():
         raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes a GGUF file as llama.cpp does; a "
                              "Hugging Face or MLX checkpoint computes with float activations")  # fmt: skip
-    modules = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" in m]
+    if not whole_products:
+        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes each product whole, as llama.cpp "
+                             "does; a tensor-parallel split sums its ranks' parts of it (pipeline=True, "
+                             "--pipeline, keeps products whole)")  # fmt: skip
     refused = {}
     for module in modules:
         if reason := ops.int8_activations(module.bits, module.group_size, module.block):

@@ -35,7 +35,8 @@ from .backend import (  # noqa: F401  (where ops compute, for the package)
 from .cpu_extension import CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, ROPE
 from .products import (  # noqa: F401  (the products, for the layers)
     MLX_GROUP_SIZES, SIXTEEN_BITS, computes_block_scales, computes_quantized, gather_matmul,
-    gather_quantized_matmul, int8_activations, keeps_16bit_weights, linear, quantized_matmul, quantized_product_path,
+    gather_quantized_matmul, int8_activations, int8_activations_computed, keeps_16bit_weights, linear,
+    quantized_matmul, quantized_product_path,
 )
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)

@@ -124,14 +124,20 @@ def int8_type(bits: int, group_size: int, block) -> int | None:
     return next((i for i, held in enumerate(INT8_TYPES.values()) if held == (bits, group_size, block)), None)
 
 
+def int8_activations_computed() -> bool:
+    """Whether products with llama.cpp's 8-bit activations compute in this process (the CPU, with our
+    kernels built and checked)."""
+    return not backend.gpu_computes() and cpu_kernel_passed(INT8_PRODUCTS, cpu_quantized.small_case_int8)
+
+
 def int8_activations(bits: int, group_size: int, block) -> str | None:
     """Why products in this layout cannot take llama.cpp's 8-bit activations here, or None where they
     can (a type with an int8 kernel; our CPU kernels, built and checked)."""
     if int8_type(bits, group_size, block) is None:
-        return "llama.cpp's 8-bit activations are computed for " + ", ".join(INT8_TYPES) + " tensors so far"
+        return "llama.cpp's 8-bit activations are computed for GGUF's types (" + ", ".join(INT8_TYPES) + ")"
     if backend.gpu_computes():
         return "they are computed where the CPU computes, and this process computes on the GPU"
-    if not cpu_kernel_passed(INT8_PRODUCTS, cpu_quantized.small_case_int8):
+    if not int8_activations_computed():
         return "they need this package's CPU kernels (x86-64 with AVX2), which do not run here"
     return None
 
