@@ -14,7 +14,9 @@ llama-bench).
 
 Each measurement runs in a process of its own, so that its peak resident memory is its own:
 - mlx-hybrid: `load` (weights after load: the bytes of the model's arrays), then 32 greedy tokens
-  after an 8-token prompt, timed from the second token;
+  after an 8-token prompt, timed from the second token (a GGUF file's default: llama.cpp's 8-bit
+  activations where the CPU kernels run);
+- "float32": the same with `load(cpu_activations="float32")`, what the dequantized weights compute;
 - "dequantized": the same with `load(dequantize=True)` and every weight in float32 (what a type
   without kernels of its own costs);
 - llama.cpp: `llama-bench -p 0 -n 32` (its token-generation rate) with the same threads.
@@ -85,7 +87,7 @@ def run(command: list):
         sys.exit(f"{' '.join(map(str, command))} failed")
 
 
-def run_ours(path: Path, tokens: int, dequantize: bool, activations: str = "float32") -> dict:
+def run_ours(path: Path, tokens: int, dequantize: bool, activations: str | None = None) -> dict:
     import mlx_hybrid  # (OpenBLAS before MLX)
 
     import mlx.core as mx
@@ -111,9 +113,9 @@ def run_llama_cpp(path: Path, tokens: int, threads: int, llama_bin: Path) -> dic
     return {"decode": json.loads(out)[0]["avg_ts"], "peak_gib": peak}
 
 
-# ours with float32 activations, with llama.cpp's 8-bit ones (cpu_activations="int8"; the types that
-# take them), with every matrix dequantized; llama.cpp
-RUNNERS = ("mlx-hybrid", "int8", "dequantized", "llama.cpp")
+# ours as load() computes a file (llama.cpp's 8-bit activations), with float32 activations, with every
+# matrix dequantized; llama.cpp
+RUNNERS = ("mlx-hybrid", "float32", "dequantized", "llama.cpp")
 
 
 def measure_in_child(runner: str, path: Path, args) -> dict:
@@ -130,18 +132,20 @@ def child(args):
         result = run_llama_cpp(Path(path), args.tokens, args.threads, args.llama_bin)
     else:
         result = run_ours(Path(path), args.tokens, dequantize=runner == "dequantized",
-                          activations="int8" if runner == "int8" else "float32")  # fmt: skip
+                          activations="float32" if runner == "float32" else None)  # fmt: skip
         result["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps(result))
 
 
 def kernels(rounds: int):
     """One decode step's product per type, the kernel alone: 1 row against a 3584 x 1024 matrix
-    (the 0.8B shape's gate projection) of random values in the type's layout."""
+    (the 0.8B shape's gate projection) of random values in the type's layout, with float32 activations
+    and with llama.cpp's 8-bit ones ("int8")."""
     import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
 
     import mlx.core as mx
 
+    from mlx_hybrid import ops
     from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
     from mlx_hybrid.ops import cpu_quantized
 
@@ -158,6 +162,10 @@ def kernels(rounds: int):
     for name, q in tensors.items():
         products[name] = lambda q=q: cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size,
                                                                    q.bits, q.block)  # fmt: skip
+        if not ops.int8_activations(q.bits, q.group_size, q.block):
+            products[f"{name} int8"] = lambda q=q: ops.quantized_matmul(
+                x, q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits, block=q.block,
+                activations="int8")  # fmt: skip
     print(f"1 x {k} @ ({n} x {k})^T, the best of {rounds} rounds of 300")
     for name, product in products.items():
         mx.eval(product())
@@ -167,7 +175,7 @@ def kernels(rounds: int):
             for _ in range(300):
                 mx.eval(product())
             best = min(best, (time.perf_counter() - start) / 300)
-        print(f"{name:15s} {best * 1e6:7.0f} us")
+        print(f"{name:15s} {best * 1e6:7.0f} us", flush=True)
 
 
 def main():
@@ -205,17 +213,17 @@ def main():
         return statistics.median(runs) if runs else float("nan")
 
     print(f"\n32 tokens after an 8-token prompt, {args.threads} threads; medians of {args.rounds}; decode in tokens/s")
-    print("| type | file GiB | weights / file | peak / file | decode | int8 decode | dequantized decode | "
-          "llama.cpp decode | decode / llama.cpp | int8 / llama.cpp | llama.cpp peak / file |")  # fmt: skip
+    print("| type | file GiB | weights / file | peak / file | decode | float32 decode | dequantized decode | "
+          "llama.cpp decode | decode / llama.cpp | float32 / llama.cpp | llama.cpp peak / file |")  # fmt: skip
     print("| --- " * 11 + "|")
     for type_name in args.types:
         size = file_of(args.dir, type_name).stat().st_size
-        ours, int8 = median(type_name, "mlx-hybrid", "decode"), median(type_name, "int8", "decode")
+        ours, floats = median(type_name, "mlx-hybrid", "decode"), median(type_name, "float32", "decode")
         theirs = median(type_name, "llama.cpp", "decode")
         print(f"| {type_name} | {size / 2**30:.2f} | {median(type_name, 'mlx-hybrid', 'weights') / size:.2f}x | "
-              f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | {int8:.2f} | "
+              f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | {floats:.2f} | "
               f"{median(type_name, 'dequantized', 'decode'):.2f} | {theirs:.2f} | {ours / theirs:.2f}x | "
-              f"{int8 / theirs:.2f}x | {median(type_name, 'llama.cpp', 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
+              f"{floats / theirs:.2f}x | {median(type_name, 'llama.cpp', 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ leave each output as it was, token for token.
     python benchmarks/same_outputs.py --out before.json       # on the commit before
     python benchmarks/same_outputs.py --compare before.json   # on the change: exit 1 on any difference
 
-Runs on the fixture checkpoints (tests/fixtures), each family's HF and GGUF files: plain greedy and
+Runs on the fixture checkpoints (tests/fixtures), each family's HF and GGUF files (float32 and
+quantized; `--cpu-activations` as load() takes it, for a quantized file's products): plain greedy and
 sampled decoding (seeded), MTP speculation greedy and sampled at k = 1 and 3 (adaptive and not),
 n-gram and draft-model speculation, a batch of prompts with mixed settings and lengths, penalties and
 logit bias, a JSON schema grammar with and without drafts, logprobs, a stop at max_tokens, and a
@@ -34,8 +35,8 @@ def tokens_of(model, tokenizer, prompt, **kwargs) -> dict:
     return {"tokens": [r.token for r in out], "finish": out[-1].finish_reason if out else None}
 
 
-def cases(family: str, path: Path) -> dict:
-    model, tokenizer = load(path)
+def cases(family: str, path: Path, cpu_activations: str | None = None) -> dict:
+    model, tokenizer = load(path, **({"cpu_activations": cpu_activations} if path.suffix == ".gguf" else {}))
     has_mtp = getattr(model, "mtp", None) is not None
     prompt = PROMPTS[0]
     out = {
@@ -103,13 +104,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="write the outputs here")
     p.add_argument("--compare", type=Path, help="compare with outputs written before; exit 1 on a difference")
+    p.add_argument("--cpu-activations", choices=["float32", "int8"], default=None,
+                   help="how the GGUF files' quantized products compute (default: load()'s)")
     args = p.parse_args()
     sources = {f"{family}/{kind}": FIXTURES / family / kind for family in ("qwen35", "qwen35moe", "qwen3next",
-               "kimilinear") for kind in ("hf", "model.gguf")}  # fmt: skip
+               "kimilinear") for kind in ("hf", "model.gguf", "model-Q8_0.gguf", "model-Q4_K_M.gguf")}  # fmt: skip
     outputs = {}
     for name, path in sources.items():
         if path.exists():
-            outputs[name] = cases(name, path)
+            outputs[name] = cases(name, path, args.cpu_activations)
             print(f"{name}: {len(outputs[name])} cases", flush=True)
     if args.out:
         args.out.write_text(json.dumps(outputs, indent=1))

@@ -112,6 +112,16 @@ GRID_INLINE __m256i signed_magnitudes(__m256i magnitudes, uint64_t m0, uint64_t 
     return _mm256_sub_epi8(_mm256_xor_si256(magnitudes, minus), minus);  // two's complement where negative
 }
 
+// The masks that negate 32 values (0xFF where a value's sign bit is set) from their 32 sign bits, the
+// lowest first (IQ3_S's 4 sign bytes): each byte spread over its 8 values, then each value's bit.
+GRID_INLINE __m256i sign_masks_of_bits(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                      2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
 // Step `sub` (32 values) of a TQ1_0 block as signed bytes -1, 0, 1. Value i of a byte b is
 // ((b 3^i mod 256) 3) >> 8, less 1: the first 32 bytes hold values 32 i + m (steps 0-4), the next
 // 16 values 160 + 16 i + m (steps 5-7), the last 4 (qh) values 240 + 4 i + j (step 7's upper half).
@@ -215,13 +225,15 @@ GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid
         return _mm256_add_epi8(parts.rows, parts.deltas);  // 8 g +- 1
     } else if constexpr (VALUES == TQ1_0) {
         return ternary_lanes(block, sub);
-    } else {  // IQ3_S: 8 index bytes, a ninth bit each in qh, 4 sign bytes
-        const uint8_t *q = block + 2 + 8 * sub, *signs = block + 74 + 4 * sub, high = block[66 + sub];
-        auto index = [&](int j) { return row4(q[j] | (high >> j & 1) << 8); };
-        return signed_magnitudes(_mm256_setr_epi32(index(0), index(1), index(2), index(3), index(4), index(5),
-                                                   index(6), index(7)),
-                                 SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]],
-                                 SIGN_MASKS[signs[3]]);
+    } else {  // IQ3_S: 8 index bytes, a ninth bit each in qh (bit j moved to bit 8), 4 sign bytes
+        // (the 8 rows gathered in one instruction: 1.7-1.9x faster here than 8 loads and inserts on an
+        // Intel Xeon with AVX-512; the other grid types' products were not faster so)
+        const uint8_t *q = block + 2 + 8 * sub, high = block[66 + sub];
+        const __m256i ninth = _mm256_and_si256(
+            _mm256_sllv_epi32(_mm256_set1_epi32(high), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)), _mm256_set1_epi32(256));
+        const __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)), ninth);
+        const __m256i minus = sign_masks_of_bits(load_u32(block + 74 + 4 * sub));
+        return _mm256_sub_epi8(_mm256_xor_si256(_mm256_i32gather_epi32((const int*)grid, index, 4), minus), minus);
     }
 }
 

@@ -714,6 +714,17 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scale
     _mm256_storeu_ps(out, acc);
 }
 
+// An IQ4_NL or MXFP4 product: 8 rows at once where llama.cpp repacks the matrix (rows in eights), else
+// the row's (dot_rows8_b32's and dot_row_table's arguments).
+template <Nibbles KIND>
+INT8_FN void table_product(bool eights, const uint8_t* w, long row_bytes, const void* w_scales, long row_factors,
+                           const int8_t* x, const int16_t* x_sums, const float* x_d, int blocks, float* out) {
+    if (eights)
+        dot_rows8_b32<KIND>(w, row_bytes, w_scales, row_factors, x, x_sums, x_d, blocks, out);
+    else
+        *out = dot_row_table<KIND>(w, w_scales, x, x_d, blocks);
+}
+
 // ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and one
 // quantized row of x.
 INT8_FN float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const float* x_d, int blocks) {
@@ -844,18 +855,12 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                             out = dot_row_b32<4, false>(w_row, factor_row, codes, shared, d, x_s, blocks);
                         break;
                     case IQ4_NL:
-                        if (eights)
-                            dot_rows8_b32<IQ4_NL_VALUES>(w_row, row_bytes, scales, held.factors, codes, shared, d,
-                                                         blocks, &out);
-                        else
-                            out = dot_row_table<IQ4_NL_VALUES>(w_row, scales, codes, d, blocks);
+                        table_product<IQ4_NL_VALUES>(eights, w_row, row_bytes, scales, held.factors, codes, shared, d,
+                                                     blocks, &out);
                         break;
                     case MXFP4:
-                        if (eights)
-                            dot_rows8_b32<MXFP4_VALUES>(w_row, row_bytes, scales, held.factors, codes, shared, d,
-                                                        blocks, &out);
-                        else
-                            out = dot_row_table<MXFP4_VALUES>(w_row, scales, codes, d, blocks);
+                        table_product<MXFP4_VALUES>(eights, w_row, row_bytes, scales, held.factors, codes, shared, d,
+                                                    blocks, &out);
                         break;
                     case IQ2_XXS: out = dot_row_grid<grid::IQ2_XXS>(w_row, grid_rows, codes, d, blocks); break;
                     case IQ2_XS: out = dot_row_grid<grid::IQ2_XS>(w_row, grid_rows, codes, d, blocks); break;
