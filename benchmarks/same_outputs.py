@@ -36,7 +36,8 @@ def tokens_of(model, tokenizer, prompt, **kwargs) -> dict:
 
 
 def cases(family: str, path: Path, cpu_activations: str | None = None) -> dict:
-    model, tokenizer = load(path, **({"cpu_activations": cpu_activations} if path.suffix == ".gguf" else {}))
+    model, tokenizer = load(path, **({"cpu_activations": cpu_activations} if cpu_activations and path.suffix == ".gguf"
+                                     else {}))  # fmt: skip
     has_mtp = getattr(model, "mtp", None) is not None
     prompt = PROMPTS[0]
     out = {
