@@ -150,7 +150,10 @@ def main():
     group = mx.distributed.init()
     mode, specs = sys.argv[1], sys.argv[2:]
     for spec in specs:
-        print(json.dumps(check(group, mode, spec)), flush=True)
+        # one write, the line and its end (print writes them apart where Python's output is unbuffered, as
+        # under mlx.launch, and the ranks' lines could interleave there)
+        sys.stdout.write(json.dumps(check(group, mode, spec)) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
