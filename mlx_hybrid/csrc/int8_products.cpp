@@ -28,8 +28,9 @@
 // The weight is held as the package holds the type (loaders/quantized.py, `layout_of`): packed codes
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
 // factors (Q8_0, Q5_0: d a group; Q5_1: d and m a group; Q4_K: d and -dmin a block) and int8 codes
-// (Q4_K: sc_j and m_j a group); the grid types as the file's blocks (uint8) with their grid. Products of up to 16 rows (decode steps and verify passes) take this
-// path; the Python side sends longer ones to the float path.
+// (Q4_K: sc_j and m_j a group); the grid types and TQ1_0 as the file's blocks (uint8) with their grid.
+// Products of up to 16 rows (decode steps and verify passes) take this path; the Python side sends
+// longer ones to the float path.
 #include <nanobind/stl/optional.h>
 
 #include <algorithm>
@@ -952,10 +953,11 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("type"), nb::arg("grid") = nb::none(),
-          "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, 7: IQ4_NL, "
-          "8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, 16: IQ3_S, 17: IQ1_S, "
-          "18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks with their grid) as llama.cpp "
-          "computes it");
+          "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
+          "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, "
+          "16: IQ3_S, 17: IQ1_S, 18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks "
+          "with their grid) as llama.cpp computes it");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), "int8_matmul against the matrices each token chose (experts)");
+          nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(),
+          "int8_matmul against the matrices each token chose (experts)");
 }

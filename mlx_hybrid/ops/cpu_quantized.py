@@ -278,7 +278,8 @@ def mxfp4_reference(x: np.ndarray, q: np.ndarray, e: np.ndarray) -> np.ndarray:
 def held_mxfp4(q, e) -> tuple[mx.array, mx.array, mx.array]:
     """An MXFP4 matrix (indices q [..., K], exponents e [..., K / 32]) as the package holds it (MLX's
     mxfp4 mode): indices packed, the exponents, no codes."""
-    return mx.array(pack(q, 4)), mx.array(e.astype(np.uint8)), mx.zeros((*e.shape[:-1], 0), mx.int8)
+    exponents = mx.array(e.astype(np.uint8))
+    return mx.array(pack(q, 4)), exponents, no_codes(exponents)
 
 
 def random_mxfp4(rng, shape):
@@ -408,13 +409,15 @@ def ternary_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray
 def held_ternary(q, d) -> tuple[mx.array, mx.array, mx.array]:
     """A TQ2_0 matrix (values q [..., K], float16 d [..., K / 256]) as the package holds it: values packed,
     d a block, no codes."""
-    return mx.array(pack(q, 2)), mx.array(d.astype(np.float16)), mx.zeros((*d.shape[:-1], 0), mx.int8)
+    factors = mx.array(d.astype(np.float16))
+    return mx.array(pack(q, 2)), factors, no_codes(factors)
 
 
 def random_ternary(rng, shape):
     """Random TQ2_0 weights [..., N, K]: values 0 to 2, d of either sign."""
     *lead, N, K = shape
-    return rng.integers(0, 3, shape).astype(np.uint8), (rng.uniform(-1, 1, (*lead, N, K // 256)) / 64).astype(np.float16)
+    d = (rng.uniform(-1, 1, (*lead, N, K // 256)) / 64).astype(np.float16)
+    return rng.integers(0, 3, shape).astype(np.uint8), d
 
 
 def held_q2_k(q, d, dmin, sc, m) -> tuple[mx.array, mx.array, mx.array]:

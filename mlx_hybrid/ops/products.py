@@ -191,14 +191,13 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype (activations: as `quantized_matmul`'s)."""
     tokens = indices.size // indices.shape[-1]
+    biases = no_codes(scales) if biases is None else biases  # (none in MLX's float modes)
     if activations == "int8" and x.dtype == mx.float32 and tokens <= INT8_ROWS and (
         int8_activations(bits, group_size, block) is None
     ):
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
-        codes = no_codes(scales) if biases is None else biases
-        return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, codes, flat,
+        return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
                                                                                    held_type, grid), x, indices)  # fmt: skip
-    biases = no_codes(scales) if biases is None else biases
     out = None if block is not None else row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)
     if out is not None:
         return out
