@@ -19,7 +19,7 @@ from mlx_hybrid import ModelLoadError, ops
 from mlx_hybrid.export import save_gguf
 from mlx_hybrid.ops import cpu_quantized
 from mlx_hybrid.loaders.quantized import from_gguf_blocks
-from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES
+from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks
 
 pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
 FLOAT32_EPS = 2.0**-23
@@ -354,8 +354,8 @@ def test_grid_products_are_exact_where_the_arithmetic_is(type_name):
     blocks = blocks.reshape(8, -1)
     x = rng.integers(-7, 8, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    held = (mx.array(blocks), mx.zeros((8, 0), mx.float16), mx.zeros((8, 0), mx.int8))
-    got = product(x, held, GRID_KERNEL_TYPES[type_name], grid)
+    tensor = GridBlocks.tensor(mx.array(blocks), GRID_TYPES[type_name])
+    got = product(x, (tensor.weight, tensor.scales, tensor.biases), GRID_KERNEL_TYPES[type_name], grid)
     np.testing.assert_array_equal(got, cpu_quantized.grid_reference(x, blocks, type_name).astype(np.float32))
 
 

@@ -107,9 +107,11 @@ inline int grid_code(int values, const uint8_t* block, int g) {
 
 // The 32 values of a step as signed bytes, in order: their magnitudes (four grid rows of 8, or
 // eight of 4) and the masks that negate them (SIGN_MASKS: one a row of 8 values).
-GRID_INLINE __m256i signed_magnitudes(__m256i magnitudes, uint64_t m0, uint64_t m1, uint64_t m2, uint64_t m3) {
-    const __m256i minus = _mm256_setr_epi64x((long long)m0, (long long)m1, (long long)m2, (long long)m3);
+GRID_INLINE __m256i negated(__m256i magnitudes, __m256i minus) {
     return _mm256_sub_epi8(_mm256_xor_si256(magnitudes, minus), minus);  // two's complement where negative
+}
+GRID_INLINE __m256i signed_magnitudes(__m256i magnitudes, uint64_t m0, uint64_t m1, uint64_t m2, uint64_t m3) {
+    return negated(magnitudes, _mm256_setr_epi64x((long long)m0, (long long)m1, (long long)m2, (long long)m3));
 }
 
 // The masks that negate 32 values (0xFF where a value's sign bit is set) from their 32 sign bits, the
@@ -233,8 +235,8 @@ GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid
         const __m256i ninth =
             _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(high), shifts), _mm256_set1_epi32(256));
         const __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)), ninth);
-        const __m256i minus = sign_masks_of_bits(load_u32(block + 74 + 4 * sub));
-        return _mm256_sub_epi8(_mm256_xor_si256(_mm256_i32gather_epi32((const int*)grid, index, 4), minus), minus);
+        return negated(_mm256_i32gather_epi32((const int*)grid, index, 4),
+                       sign_masks_of_bits(load_u32(block + 74 + 4 * sub)));
     }
 }
 

@@ -363,8 +363,8 @@ GRID_DIVISORS = {"IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 4, "IQ3_S": 1
 def grid_integers(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
     """A grid type's weights as integers: the blocks [N, K / 256 * block bytes] dequantized by gguf-py,
     divided by each block's d / divisor: (2 s + 1) times the signed grid value [N, K] (int64, exact: at
-    most 31 * 62 in magnitude (IQ1: 15 * 9), rounded from float32 quotients within 1e-3 of them), and d [N, K / 256]
-    (float16; a block of d 0 is all zeros)."""
+    most 31 * 62 in magnitude (IQ1: 15 * 9), rounded from float32 quotients within 1e-3 of them), and d
+    [N, K / 256] (float16; a block of d 0 is all zeros)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -377,8 +377,8 @@ def grid_integers(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.nd
 
 
 def grid_reference(x: np.ndarray, blocks: np.ndarray, type_name: str) -> np.ndarray:
-    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and TQ1_0 products the slow obvious way
-    (float64 sums): x [M, K] quantized as `q8_k_rows`, the weight's integers (`grid_integers`) times x's
+    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and TQ1_0 products the slow obvious
+    way (float64 sums): x [M, K] quantized as `q8_k_rows`, the weight's integers (`grid_integers`) times x's
     codes summed a block, times d_w d_x / the type's divisor."""
     codes, d_x = q8_k_rows(x)
     integers, d = grid_integers(blocks, type_name)
