@@ -3,7 +3,7 @@ beside llama.cpp's on the same file, in the same run.
 
     python benchmarks/gguf_types.py --make bench_models/gguf-types --llama-bin DIR   # once: the files
     python benchmarks/gguf_types.py --dir bench_models/gguf-types --llama-bin DIR
-    python benchmarks/gguf_types.py --kernels         # each type's product alone
+    python benchmarks/gguf_types.py --kernels [--rows 512]   # each type's product alone
 
 --make writes random weights at Qwen3.5-0.8B's shape (shapes.py) as a float32 GGUF in
 llama.cpp's layout (mlx_hybrid.export), then one file per type made by llama.cpp's own
@@ -13,13 +13,14 @@ importance matrix from `llama-imatrix`). DIR (--llama-bin) holds llama.cpp's `ll
 llama-bench).
 
 Each measurement runs in a process of its own, so that its peak resident memory is its own:
-- mlx-hybrid: `load` (weights after load: the bytes of the model's arrays), then 32 greedy tokens
-  after an 8-token prompt, timed from the second token (a GGUF file's default: llama.cpp's 8-bit
-  activations where the CPU kernels run);
+- mlx-hybrid: `load` (weights after load: the bytes of the model's arrays), a 512-token prompt's
+  prefill (the best of 3, `--prefill`; its hidden states, as generation reads a prompt), then 32
+  greedy tokens after an 8-token prompt, timed from the second token (a GGUF file's default:
+  llama.cpp's 8-bit activations where the CPU kernels run);
 - "float32": the same with `load(cpu_activations="float32")`, what the dequantized weights compute;
 - "dequantized": the same with `load(dequantize=True)` and every weight in float32 (what a type
   without kernels of its own costs);
-- llama.cpp: `llama-bench -p 0 -n 32` (its token-generation rate) with the same threads.
+- llama.cpp: `llama-bench -p 512 -n 32` (its prompt and token-generation rates) with the same threads.
 Rounds alternate the runners; medians are printed, the ratios against llama.cpp and against
 the file's size.
 """
@@ -87,30 +88,39 @@ def run(command: list):
         sys.exit(f"{' '.join(map(str, command))} failed")
 
 
-def run_ours(path: Path, tokens: int, dequantize: bool, activations: str | None = None) -> dict:
+def run_ours(path: Path, tokens: int, prompt_tokens: int, dequantize: bool, activations: str | None = None) -> dict:
     import mlx_hybrid  # (OpenBLAS before MLX)
 
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
+    from mlx_hybrid.prompt import prefill
+
     model, tokenizer = mlx_hybrid.load(path, dequantize=dequantize, cpu_activations=activations)
     if dequantize:  # 16-bit matrices too: every weight float32
         model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    prefill_s = float("inf")
+    for _ in range(3 if prompt_tokens else 0):
+        start = time.perf_counter()
+        mx.eval(prefill(model, [PROMPT[i % len(PROMPT)] + i % 7 for i in range(prompt_tokens)], model.make_cache()))
+        prefill_s = min(prefill_s, time.perf_counter() - start)
     times = [time.perf_counter() for _ in mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens,
                                                                        draft=None)]  # fmt: skip
-    return {"decode": (len(times) - 1) / (times[-1] - times[0]), "weights": weights}
+    return {"decode": (len(times) - 1) / (times[-1] - times[0]), "prefill": prompt_tokens / prefill_s,
+            "weights": weights}
 
 
-def run_llama_cpp(path: Path, tokens: int, threads: int, llama_bin: Path) -> dict:
-    command = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads),
-               "-r", "1", "-o", "json"]  # fmt: skip
+def run_llama_cpp(path: Path, tokens: int, prompt_tokens: int, threads: int, llama_bin: Path) -> dict:
+    command = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", str(prompt_tokens), "-n", str(tokens),
+               "-t", str(threads), "-r", "1", "-o", "json"]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = process.communicate()
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
     if process.returncode:
         raise RuntimeError(err.strip().splitlines()[-1] if err.strip() else f"exit {process.returncode}")
-    return {"decode": json.loads(out)[0]["avg_ts"], "peak_gib": peak}
+    rates = {"prefill" if test["n_prompt"] else "decode": test["avg_ts"] for test in json.loads(out)}
+    return rates | {"peak_gib": peak}
 
 
 # ours as load() computes a file (llama.cpp's 8-bit activations), with float32 activations, with every
@@ -123,24 +133,26 @@ def measure_in_child(runner: str, path: Path, args) -> dict:
     from quantized_cpu import json_of_child
 
     return json_of_child([__file__, "--child", runner, str(path), "--tokens", str(args.tokens),
-                          "--threads", str(args.threads), "--llama-bin", str(args.llama_bin)], args)  # fmt: skip
+                          "--prefill", str(args.prefill), "--threads", str(args.threads),
+                          "--llama-bin", str(args.llama_bin)], args)  # fmt: skip
 
 
 def child(args):
     runner, path = args.child
     if runner == "llama.cpp":
-        result = run_llama_cpp(Path(path), args.tokens, args.threads, args.llama_bin)
+        result = run_llama_cpp(Path(path), args.tokens, args.prefill, args.threads, args.llama_bin)
     else:
-        result = run_ours(Path(path), args.tokens, dequantize=runner == "dequantized",
+        result = run_ours(Path(path), args.tokens, args.prefill, dequantize=runner == "dequantized",
                           activations="float32" if runner == "float32" else None)  # fmt: skip
         result["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps(result))
 
 
-def kernels(rounds: int):
-    """One decode step's product per type, the kernel alone: 1 row against a 3584 x 1024 matrix
-    (the 0.8B shape's gate projection) of random values in the type's layout, with float32 activations
-    and with llama.cpp's 8-bit ones ("int8")."""
+def kernels(rounds: int, rows: int):
+    """One decode step's product per type, the kernel alone: 1 row (`rows`: a verify pass's, a prompt's)
+    against a 3584 x 1024 matrix (the 0.8B shape's gate projection) of random values in the type's
+    layout, with float32 activations and with llama.cpp's 8-bit ones ("int8"; where a type's products of
+    more than 16 rows keep float32 activations, its int8 line times that path)."""
     import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
 
     import mlx.core as mx
@@ -150,7 +162,7 @@ def kernels(rounds: int):
     from mlx_hybrid.ops import cpu_quantized
 
     n, k = 3584, 1024
-    x = mx.random.normal((1, k))
+    x = mx.random.normal((rows, k))
     dense = mx.random.normal((n, k)) / 8
     products = {"float32 (BLAS)": lambda: x @ dense.T}
     for dtype in (mx.bfloat16, mx.float16):
@@ -166,15 +178,16 @@ def kernels(rounds: int):
             products[f"{name} int8"] = lambda q=q: ops.quantized_matmul(
                 x, q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits, block=q.block,
                 activations="int8")  # fmt: skip
-    print(f"1 x {k} @ ({n} x {k})^T, the best of {rounds} rounds of 300")
+    calls = max(1, 300 // rows)
+    print(f"{rows} x {k} @ ({n} x {k})^T, the best of {rounds} rounds of {calls}")
     for name, product in products.items():
         mx.eval(product())
         best = float("inf")
         for _ in range(rounds):
             start = time.perf_counter()
-            for _ in range(300):
+            for _ in range(calls):
                 mx.eval(product())
-            best = min(best, (time.perf_counter() - start) / 300)
+            best = min(best, (time.perf_counter() - start) / calls)
         print(f"{name:15s} {best * 1e6:7.0f} us", flush=True)
 
 
@@ -187,13 +200,15 @@ def main():
     p.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measured (0: none)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--timeout", type=float, default=900, help="seconds a single measurement may take")
     p.add_argument("--kernels", action="store_true", help="time each type's product alone (no files) and stop")
+    p.add_argument("--rows", type=int, default=1, help="--kernels: rows of x a product (1: a decode step's)")
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.kernels:
-        return kernels(max(args.rounds, 3))
+        return kernels(max(args.rounds, 3), args.rows)
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")
     if args.make:
@@ -216,6 +231,7 @@ def main():
     print("| type | file GiB | weights / file | peak / file | decode | float32 decode | dequantized decode | "
           "llama.cpp decode | decode / llama.cpp | float32 / llama.cpp | llama.cpp peak / file |")  # fmt: skip
     print("| --- " * 11 + "|")
+    prefill_rows = []
     for type_name in args.types:
         size = file_of(args.dir, type_name).stat().st_size
         ours, floats = median(type_name, "mlx-hybrid", "decode"), median(type_name, "float32", "decode")
@@ -224,6 +240,12 @@ def main():
               f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | {floats:.2f} | "
               f"{median(type_name, 'dequantized', 'decode'):.2f} | {theirs:.2f} | {ours / theirs:.2f}x | "
               f"{floats / theirs:.2f}x | {median(type_name, 'llama.cpp', 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
+        prefill_rows.append(f"| {type_name} | " + " | ".join(f"{median(type_name, runner, 'prefill'):.1f}"
+                                                             for runner in ("mlx-hybrid", "float32", "llama.cpp")) + " |")
+    if args.prefill:
+        print(f"\n{args.prefill}-token prefill in tokens/s")
+        print("| type | prefill | float32 prefill | llama.cpp prefill |\n" + "| --- " * 4 + "|")
+        print("\n".join(prefill_rows))
 
 
 if __name__ == "__main__":

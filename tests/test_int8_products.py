@@ -44,10 +44,13 @@ def product(x, held, held_type: int, grid=None) -> np.ndarray:
 
 
 def rows_alone_as_together(x, held, held_type: int, grid=None) -> np.ndarray:
-    """Each of x's 16 rows alone; asserts 2, 4, 8 and 16 of them at once give the same bits."""
+    """Each of x's 16 rows alone; asserts 2 to 16 of them at once, and 27 (a prompt's many rows: the 16,
+    then 11 again), give the same bits (the kernels take rows in tiles of 4 or 8, the last one short)."""
     alone = np.concatenate([product(x[r : r + 1], held, held_type, grid) for r in range(16)])
-    for rows in (2, 4, 8, 16):
+    for rows in (2, 3, 4, 7, 8, 16):
         np.testing.assert_array_equal(product(x[:rows], held, held_type, grid), alone[:rows], err_msg=f"{rows} rows")
+    many = product(np.concatenate([x[:16], x[:11]]), held, held_type, grid)
+    np.testing.assert_array_equal(many, np.concatenate([alone, alone[:11]]), err_msg="27 rows")
     return alone
 
 
@@ -487,6 +490,20 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
     assert not np.array_equal(np.array(model(mx.array([ids[:4]]))), np.array(floats(mx.array([ids[:4]]))))
     plain = mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24)
     assert mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24, draft="mtp", num_draft_tokens=3) == plain
+
+
+def test_a_q4_k_m_file_computes_many_rows_as_it_computes_one():
+    """The bundled model in llama-quantize's Q4_K_M (Q4_K and Q6_K matrices, whose products take 8-bit
+    activations at any row count): 20 sequences' tokens in one pass give each its own pass's logits to
+    the bit (past 16 rows, where other types' products take float32 activations), and not the float32
+    path's."""
+    path = FIXTURES / "llama-cpp" / "bundled-Q4_K_M.gguf"
+    model, _ = mlx_hybrid.load(path)
+    floats, _ = mlx_hybrid.load(path, cpu_activations="float32")
+    rows = mx.array([[t] for t in range(3, 23)])
+    together = np.array(model(rows))
+    np.testing.assert_array_equal(together, np.concatenate([np.array(model(row[None])) for row in rows]))
+    assert not np.array_equal(together, np.array(floats(rows)))
 
 
 def test_a_gguf_file_computes_llama_cpps_arithmetic_by_default():

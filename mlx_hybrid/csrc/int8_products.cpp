@@ -29,8 +29,9 @@
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
 // factors (Q8_0, Q5_0: d a group; Q5_1: d and m a group; Q4_K: d and -dmin a block) and int8 codes
 // (Q4_K: sc_j and m_j a group); the grid types and TQ1_0 as the file's blocks (uint8) with their grid.
-// Products of up to 16 rows (decode steps and verify passes) take this path; the Python side sends
-// longer ones to the float path.
+// Any number of rows: rows of x are taken up to 8 at a time (Q4_K matrices of rows in eights: 4 rows of
+// x against 8 weight rows), each weight row decoded once for them, each output's arithmetic the same as
+// for its row alone. The Python side (ops/products.py) decides which products take this path.
 #include <nanobind/stl/optional.h>
 
 #include <algorithm>
@@ -40,6 +41,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cpu_kernels.h"
 #include "gguf_grid.h"
@@ -53,8 +55,9 @@ namespace {
 
 constexpr int BLOCK = 32;           // Q8_0's values a block; Q4_K's a group
 constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
-constexpr int MAX_ROWS = 16;        // rows a call quantizes and multiplies (decode steps, verify passes)
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
+constexpr int TILE_ROWS = 8;        // rows of x the tiled products take at a time
+constexpr int Q4_K_TILE_ROWS = 4;   // dot_rows8_q4_k's (its 8 weight rows' values fill half the registers)
 
 enum Type {
     Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
@@ -213,6 +216,102 @@ INT8_FN float dot_row_q4_k(const uint8_t* w, const uint16_t* factors, const int8
         acc_mins = std::fma((float)mins, -minus_dmin * x_d[b], acc_mins);
     }
     return acc - acc_mins;
+}
+
+// v[j] lane i becomes v[i] lane j (8 x 8 int32)
+INT8_FN inline void transpose8_epi32(__m256i (&v)[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+        v[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+    }
+}
+
+// the int32 at p, in every lane
+INT8_FN inline __m256i broadcast4(const void* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// dot_row_q4_k's arithmetic for R rows of x and 8 weight rows at once (the matrix's rows n..n+7, each
+// `row_bytes`, `row_factors` and `row_codes` apart; out[r] gets x row r's 8 products), for prompts and
+// batches: a block's sum per output is one exact integer, so it is taken with the 8 weight rows in
+// the lanes (each lane 4 nibble bytes of its row, times x's 4 codes in every lane), and its float steps
+// are dot_row_q4_k's, lane by lane.
+template <int R>
+INT8_FN void dot_rows8_q4_k(const uint8_t* w, long row_bytes, const uint16_t* factors, long row_factors,
+                            const int8_t* w_codes, long row_codes, const int8_t* const* x, const float* const* x_d,
+                            const int16_t* const* x_sums, int blocks, float* const* out) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    // (sc_j, m_j) -> (sc_j, sc_j) in every dword
+    const __m256i scale_pair = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5,
+                                                4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    __m256 acc[R], acc_mins[R];
+    for (int r = 0; r < R; r++) acc[r] = acc_mins[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i groups[8];  // then groups[j] lane n: weight row n's (sc_j, m_j) as int16
+        for (int n = 0; n < 8; n++)
+            groups[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w_codes + n * row_codes + 16 * b)));
+        transpose8_epi32(groups);
+        uint16_t d_bits[8], minus_dmin_bits[8];
+        for (int n = 0; n < 8; n++)
+            d_bits[n] = factors[n * row_factors + 2 * b], minus_dmin_bits[n] = factors[n * row_factors + 2 * b + 1];
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d_bits));
+        const __m256 dmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)minus_dmin_bits)),
+                                          _mm256_set1_ps(-0.0f));
+        __m256i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
+            // the 8 rows' 16 nibble bytes of group g, 4 a lane: rows 0-3 in the low half, 4-7 in the high
+            const long at = (long)b * SUPER_BLOCK / 2 + g * 16;
+            __m256i t[4];
+            for (int n = 0; n < 4; n++)
+                t[n] = _mm256_loadu2_m128i((const __m128i*)(w + (n + 4) * row_bytes + at),
+                                           (const __m128i*)(w + n * row_bytes + at));
+            const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
+            const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
+            const __m256i quads[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2),
+                                      _mm256_unpacklo_epi64(a1, a3), _mm256_unpackhi_epi64(a1, a3)};
+            __m256i even[4], odd[4];  // values 2i and 2i + 1 of bytes 4q..4q+3 (quad q)
+            for (int q = 0; q < 4; q++)
+                even[q] = _mm256_and_si256(quads[q], low), odd[q] = _mm256_and_si256(_mm256_srli_epi16(quads[q], 4), low);
+            const __m256i scales = _mm256_shuffle_epi8(groups[g], scale_pair);
+            // x's codes of group g: its even values, then (32 on) its odd ones (QuantizedRows' order)
+            const long x_at = (long)b * SUPER_BLOCK + g / 2 * 64 + g % 2 * 16;
+            for (int r = 0; r < R; r++) {
+                const int8_t* xs = x[r] + x_at;
+                // 8 products of at most 15 x 127 a lane: the int16 sums stay within 30480
+                __m256i pairs = _mm256_maddubs_epi16(even[0], broadcast4(xs));
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(odd[0], broadcast4(xs + 32)));
+                for (int q = 1; q < 4; q++) {
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(even[q], broadcast4(xs + 4 * q)));
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(odd[q], broadcast4(xs + 32 + 4 * q)));
+                }
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scales));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            // m_j times group j's sum of x codes (held as (0, sum) pairs), summed over the block
+            __m256i mins = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++)
+                mins = _mm256_add_epi32(mins, _mm256_madd_epi16(groups[j], broadcast4(x_sums[r] + 16 * b + 2 * j)));
+            const __m256 x_scale = _mm256_set1_ps(x_d[r][b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, x_scale), acc[r]);
+            acc_mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, x_scale), acc_mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], _mm256_sub_ps(acc[r], acc_mins[r]));
 }
 
 // ggml_vec_dot_q4_K_q8_K's AVX2 arithmetic, for the Q4_K matrices llama.cpp does not repack (rows
@@ -385,45 +484,57 @@ INT8_FN inline __m256i unpack_run(const uint8_t* p) {
 // 4, its -4 a pair), times the run's two scales in lanes of 4, the lanes summed over the block as
 // integers (Q6_K: less 32 times sc_j times group j's sum of codes, two groups a lane), then each
 // lane's sum times d_w d_x into its float lane; Q2_K's m_j times x's sums of 16, in lanes of two
-// groups, times -dmin_w d_x into the same lanes first; the lanes' tree.
-template <int BITS>
-INT8_FN float dot_row_groups16(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* x,
-                               const int16_t* x_shared, const float* x_d, int blocks) {
+// groups, times -dmin_w d_x into the same lanes first; the lanes' tree. R rows of x at once (x[r],
+// x_shared[r], x_d[r]; *out[r] gets row r's product), each weight run unpacked once for them.
+template <int BITS, int R = 1>
+INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes,
+                               const int8_t* const* x, const int16_t* const* x_shared, const float* const* x_d,
+                               int blocks, float* const* out) {
     constexpr bool with_mins = BITS == 2;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const __m128i codes = _mm_loadu_si128((const __m128i*)(w_codes + 16 * b));
         __m256i all = _mm256_cvtepi8_epi16(codes);
         if constexpr (with_mins) {
             const __m128i nibbles = _mm_set1_epi8(0x0F);
             const __m256i mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(codes, 4), nibbles));
-            const __m256i group_mins = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(x_shared + 16 * b)));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[2 * b + 1])),
-                                  _mm256_cvtepi32_ps(group_mins), acc);
+            for (int r = 0; r < R; r++) {
+                const __m256i group_mins =
+                    _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(x_shared[r] + 16 * b)));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * _cvtsh_ss(factors[2 * b + 1])),
+                                         _mm256_cvtepi32_ps(group_mins), acc[r]);
+            }
             all = _mm256_cvtepi8_epi16(_mm_and_si128(codes, nibbles));
         }
         // the block's 16 scales as int16: runs 0-3's and 4-7's in both halves (dword r: run r's pair)
         const __m256i first = _mm256_permute2x128_si256(all, all, 0x00);
         const __m256i last = _mm256_permute2x128_si256(all, all, 0x11);
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8  // (the scales' shuffles then constants)
         for (int run = 0; run < SUPER_BLOCK / 32; run++) {
             const int at = b * SUPER_BLOCK + run * 32;
-            __m256i pairs =
-                _mm256_maddubs_epi16(unpack_run<BITS>(w + at * BITS / 8), _mm256_loadu_si256((const __m256i*)(x + at)));
-            if constexpr (BITS == 3)
-                pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_shared + at / 2)));
+            const __m256i q = unpack_run<BITS>(w + at * BITS / 8);
             const __m256i scales = pick_scales(run < 4 ? first : last, 2 * (run % 4), 2 * (run % 4) + 1);
-            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(scales, pairs));
+            for (int r = 0; r < R; r++) {
+                __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x[r] + at)));
+                if constexpr (BITS == 3)
+                    pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_shared[r] + at / 2)));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(scales, pairs));
+            }
         }
-        if constexpr (BITS == 6) {
-            const __m256i offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_shared + 16 * b)), all);
-            sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offsets, 5));
+        for (int r = 0; r < R; r++) {
+            if constexpr (BITS == 6) {
+                const __m256i offsets =
+                    _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_shared[r] + 16 * b)), all);
+                sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(offsets, 5));
+            }
+            const float d = x_d[r][b] * _cvtsh_ss(factors[with_mins ? 2 * b : b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums[r]), acc[r]);
         }
-        const float d = x_d[b] * _cvtsh_ss(factors[with_mins ? 2 * b : b]);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
     }
-    return mlx_hybrid::sum_lanes(acc);
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
 // The 32-value types' AVX2 arithmetic for one weight row and one row of x quantized to Q8_0 (with its
@@ -766,6 +877,14 @@ Layout layout_of(Type type, long K) {
     }
 }
 
+// f(std::integral_constant<int, rows>) for 1 to MOST rows: a kernel's row count as a template argument
+template <int MOST, typename F>
+void with_rows(int rows, F&& f) {
+    if constexpr (MOST > 1)
+        if (rows < MOST) return with_rows<MOST - 1>(rows, f);
+    f(std::integral_constant<int, MOST>{});
+}
+
 // y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
 // matrix it multiplies (the one matrix, or matrix indices[m]).
 void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
@@ -785,7 +904,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const long row_shared = K / 2;  // QuantizedRows' `shared` a row (Q4_K uses K / 16)
     QuantizedRows q{std::vector<int8_t>((size_t)x_rows * K), std::vector<float>((size_t)x_rows * blocks),
                     std::vector<int16_t>((size_t)x_rows * row_shared), std::vector<float>((size_t)x_rows * blocks)};
-    for (int r = 0; r < x_rows; r++) {
+    // each row alone; in parallel where the rows are many (a prompt's)
+    Pool::get().run(x_rows, (long)x_rows * K >= (1L << 15), [&](int r) {
         int8_t* codes = q.codes.data() + (long)r * K;
         float* d = q.d.data() + (long)r * blocks;
         int16_t* shared = q.shared.data() + r * row_shared;
@@ -809,70 +929,106 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     shared[b + j] = sum;
                 }
             }
-            continue;
+            return;
         }
         const int offset = s.type == Q5_0 ? 16 : s.type == Q4_0 ? 8 : s.type == Q3_K ? 4 : 0;  // values q - offset
         for (int i = 0; offset && i < K / 2; i++) shared[i] = (int16_t)(offset * (codes[2 * i] + codes[2 * i + 1]));
-    }
+    });
     const long row_bytes = held.bytes;
     const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
-    Pool::get().run(parts, (long)N * K * (s.chosen ? M : 1) >= (1L << 18), [&](int part) {
+    // rows of x taken at a time where they share the matrix (not an expert product's), each weight row
+    // read once for them; Q4_K matrices of rows in eights take 8 weight rows at a time too (one row of x
+    // alone: dot_row_q4_k, the same arithmetic)
+    const bool q4_k_eights = s.type == Q4_K && repacked && M > 1;
+    const int tile = indices ? 1 : q4_k_eights ? Q4_K_TILE_ROWS : TILE_ROWS;
+    Pool::get().run(parts, (long)N * K * M >= (1L << 18), [&](int part) {
         const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
-        for (int m = 0; m < M; m++) {
-            const long matrix = indices ? indices[m] : 0, r = s.shared ? m / s.chosen : m;
-            const int8_t* codes = q.codes.data() + r * K;
-            const float* d = q.d.data() + r * blocks;
-            const int16_t* shared = q.shared.data() + r * row_shared;
-            for (long n = first; n < end; n += eights ? 8 : 1) {
+        for (int m = 0; m < M; m += tile) {
+            const int rows = std::min(tile, M - m);
+            const long matrix = indices ? indices[m] : 0;
+            const int8_t* codes[TILE_ROWS];
+            const float *d[TILE_ROWS], *x_s[TILE_ROWS];
+            const int16_t* shared[TILE_ROWS];
+            for (int i = 0; i < rows; i++) {
+                const long r = s.shared ? (m + i) / s.chosen : m + i;
+                codes[i] = q.codes.data() + r * K, d[i] = q.d.data() + r * blocks;
+                shared[i] = q.shared.data() + r * row_shared, x_s[i] = q.s.data() + r * blocks;
+            }
+            for (long n = first; n < end; n += eights || q4_k_eights ? 8 : 1) {
                 const long row = matrix * N + n;
                 const uint8_t* w_row = w + row * row_bytes;
                 // the codes 4 KiB ahead into the cache as this row is read (measured best of 1-8 KiB: the
                 // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time)
-                for (long line = 0; line < (eights ? 8 : 1) * row_bytes; line += 64)
+                for (long line = 0; line < (eights || q4_k_eights ? 8 : 1) * row_bytes; line += 64)
                     _mm_prefetch((const char*)(w_row + 4096 + line), _MM_HINT_T0);
                 const uint8_t* scales = factors + row * held.factors * factor_size;
                 const uint16_t* factor_row = (const uint16_t*)scales;
                 const int8_t* code_row = w_codes + row * held.codes;
-                const float* x_s = q.s.data() + r * blocks;
-                float& out = y[(long)m * N + n];
-                switch (s.type) {
-                    case Q4_K:
-                        out = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(w_row, factor_row, code_row, codes, d,
-                                                                               shared, blocks);
-                        break;
-                    case Q6_K: out = dot_row_groups16<6>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
-                    case Q5_K: out = dot_row_q5_k(w_row, factor_row, code_row, codes, d, shared, blocks); break;
-                    case Q3_K: out = dot_row_groups16<3>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
-                    case Q2_K: out = dot_row_groups16<2>(w_row, factor_row, code_row, codes, shared, d, blocks); break;
-                    case IQ4_XS: out = dot_row_iq4_xs(w_row, factor_row, code_row, codes, d, blocks); break;
-                    case Q5_0: out = dot_row_b32<5, false>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
-                    case Q5_1: out = dot_row_b32<5, true>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
-                    case Q4_1: out = dot_row_b32<4, true>(w_row, factor_row, codes, shared, d, x_s, blocks); break;
-                    case Q4_0:
-                        if (eights)
-                            dot_rows8_b32<Q4_0_VALUES>(w_row, row_bytes, scales, held.factors, codes, shared, d,
-                                                       blocks, &out);
-                        else
-                            out = dot_row_b32<4, false>(w_row, factor_row, codes, shared, d, x_s, blocks);
-                        break;
-                    case IQ4_NL:
-                        table_product<IQ4_NL_VALUES>(eights, w_row, row_bytes, scales, held.factors, codes, shared, d,
-                                                     blocks, &out);
-                        break;
-                    case MXFP4:
-                        table_product<MXFP4_VALUES>(eights, w_row, row_bytes, scales, held.factors, codes, shared, d,
-                                                    blocks, &out);
-                        break;
-                    case IQ2_XXS: out = dot_row_grid<grid::IQ2_XXS>(w_row, grid_rows, codes, d, blocks); break;
-                    case IQ2_XS: out = dot_row_grid<grid::IQ2_XS>(w_row, grid_rows, codes, d, blocks); break;
-                    case IQ2_S: out = dot_row_grid<grid::IQ2_S>(w_row, grid_rows, codes, d, blocks); break;
-                    case IQ3_XXS: out = dot_row_grid<grid::IQ3_XXS>(w_row, grid_rows, codes, d, blocks); break;
-                    case IQ3_S: out = dot_row_grid<grid::IQ3_S>(w_row, grid_rows, codes, d, blocks); break;
-                    case IQ1_S: out = dot_row_grid<grid::IQ1_S>(w_row, grid_rows, codes, d, blocks); break;
-                    case IQ1_M: out = dot_row_grid<grid::IQ1_M>(w_row, grid_rows, codes, d, blocks); break;
-                    case TQ1_0: out = dot_row_ternary<true>(w_row, factor_row, codes, d, shared, blocks); break;
-                    case TQ2_0: out = dot_row_ternary<false>(w_row, factor_row, codes, d, shared, blocks); break;
-                    default: out = dot_row(w_row, factor_row, codes, d, blocks);
+                float* out[TILE_ROWS];
+                for (int i = 0; i < rows; i++) out[i] = y + (long)(m + i) * N + n;
+                if (q4_k_eights) {
+                    with_rows<Q4_K_TILE_ROWS>(rows, [&](auto R) {
+                        dot_rows8_q4_k<decltype(R)::value>(w_row, row_bytes, factor_row, held.factors, code_row,
+                                                           held.codes, codes, d, shared, blocks, out);
+                    });
+                    continue;
+                }
+                if (s.type == Q6_K || s.type == Q3_K || s.type == Q2_K) {
+                    with_rows<TILE_ROWS>(rows, [&](auto R) {
+                        constexpr int ROWS = decltype(R)::value;
+                        auto product = s.type == Q6_K ? dot_rows_groups16<6, ROWS>
+                                       : s.type == Q3_K ? dot_rows_groups16<3, ROWS> : dot_rows_groups16<2, ROWS>;
+                        product(w_row, factor_row, code_row, codes, shared, d, blocks, out);
+                    });
+                    continue;
+                }
+                for (int i = 0; i < rows; i++) {
+                    const int8_t* x_codes = codes[i];
+                    const float* x_d = d[i];
+                    const int16_t* x_shared = shared[i];
+                    float& o = *out[i];
+                    switch (s.type) {
+                        case Q4_K:
+                            o = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(w_row, factor_row, code_row, x_codes,
+                                                                             x_d, x_shared, blocks);
+                            break;
+                        case Q5_K: o = dot_row_q5_k(w_row, factor_row, code_row, x_codes, x_d, x_shared, blocks); break;
+                        case IQ4_XS: o = dot_row_iq4_xs(w_row, factor_row, code_row, x_codes, x_d, blocks); break;
+                        case Q5_0:
+                            o = dot_row_b32<5, false>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                            break;
+                        case Q5_1:
+                            o = dot_row_b32<5, true>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                            break;
+                        case Q4_1:
+                            o = dot_row_b32<4, true>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                            break;
+                        case Q4_0:
+                            if (eights)
+                                dot_rows8_b32<Q4_0_VALUES>(w_row, row_bytes, scales, held.factors, x_codes, x_shared,
+                                                           x_d, blocks, &o);
+                            else
+                                o = dot_row_b32<4, false>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                            break;
+                        case IQ4_NL:
+                            table_product<IQ4_NL_VALUES>(eights, w_row, row_bytes, scales, held.factors, x_codes,
+                                                         x_shared, x_d, blocks, &o);
+                            break;
+                        case MXFP4:
+                            table_product<MXFP4_VALUES>(eights, w_row, row_bytes, scales, held.factors, x_codes,
+                                                        x_shared, x_d, blocks, &o);
+                            break;
+                        case IQ2_XXS: o = dot_row_grid<grid::IQ2_XXS>(w_row, grid_rows, x_codes, x_d, blocks); break;
+                        case IQ2_XS: o = dot_row_grid<grid::IQ2_XS>(w_row, grid_rows, x_codes, x_d, blocks); break;
+                        case IQ2_S: o = dot_row_grid<grid::IQ2_S>(w_row, grid_rows, x_codes, x_d, blocks); break;
+                        case IQ3_XXS: o = dot_row_grid<grid::IQ3_XXS>(w_row, grid_rows, x_codes, x_d, blocks); break;
+                        case IQ3_S: o = dot_row_grid<grid::IQ3_S>(w_row, grid_rows, x_codes, x_d, blocks); break;
+                        case IQ1_S: o = dot_row_grid<grid::IQ1_S>(w_row, grid_rows, x_codes, x_d, blocks); break;
+                        case IQ1_M: o = dot_row_grid<grid::IQ1_M>(w_row, grid_rows, x_codes, x_d, blocks); break;
+                        case TQ1_0: o = dot_row_ternary<true>(w_row, factor_row, x_codes, x_d, x_shared, blocks); break;
+                        case TQ2_0: o = dot_row_ternary<false>(w_row, factor_row, x_codes, x_d, x_shared, blocks); break;
+                        default: o = dot_row(w_row, factor_row, x_codes, x_d, blocks);
+                    }
                 }
             }
         }
@@ -908,7 +1064,7 @@ std::vector<mx::array> with_grid(std::vector<mx::array> inputs, const std::optio
     return inputs;
 }
 
-// x [..., K] float32 (at most 16 rows) @ W^T for W [N, K] held as `type` (w packed codes, factors,
+// x [..., K] float32 @ W^T for W [N, K] held as `type` (w packed codes, factors,
 // codes: see the top) -> float32 [..., N]
 mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
                       int type, const std::optional<mx::array>& grid) {
@@ -921,7 +1077,6 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
                                     "21 (MXFP4)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes, grid);
-    if (M > MAX_ROWS) throw std::invalid_argument("int8_matmul: at most 16 rows");
     auto shape = x.shape();
     shape.back() = N;
     auto stream = mx::default_stream(mx::Device::cpu);

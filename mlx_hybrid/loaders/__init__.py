@@ -99,8 +99,8 @@ def load(
 
     cpu_activations: how a GGUF file's quantized products compute where the CPU computes. "int8", as
     llama.cpp computes them on x86: each row of activations quantized to the type's 8-bit blocks and
-    multiplied in integers, for products of up to 16 rows (decode steps, verify passes; a prompt's take
-    float32 activations), every quantized GGUF type; refused by name where it is not computed (a Hugging
+    multiplied in integers, every quantized GGUF type, for products of up to 16 rows (decode steps, verify
+    passes), and of any rows for Q4_K and Q6_K matrices (a prompt's other products take float32 ones); refused by name where it is not computed (a Hugging
     Face or MLX checkpoint, a GPU, a CPU without this package's kernels, tensors re-quantized by
     compact=True). "float32": each product computes what the file's dequantized weights compute. None
     (the default): the file's own runtime's arithmetic, "int8" for a GGUF file where it is computed (every

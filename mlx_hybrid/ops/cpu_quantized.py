@@ -210,7 +210,7 @@ def small_case_16bit(_platform, dtype):
 
 
 def int8_matmul(x, w, factors, codes, held_type: int, grid: mx.array | None = None) -> mx.array:
-    """x [..., K] (at most 16 rows) @ W^T for a GGUF matrix held as the package holds its type
+    """x [..., K] (any rows) @ W^T for a GGUF matrix held as the package holds its type
     (`quantized_tensor.INT8_TYPES`, numbered in order: packed codes, float16 factors, int8 codes; a grid
     type's blocks and empty factors and codes, with its `grid_of`), as llama.cpp computes it on x86: each
     row quantized to the type's 8-bit blocks, integer block sums: float32 [..., N]."""

@@ -114,8 +114,11 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
 
 
 # Products of up to this many rows (decode steps, verify passes) take 8-bit activations where asked;
-# longer ones (prompts) the float32 path
+# longer ones (prompts, large batches) too for the types whose kernel multiplies many rows at least as
+# fast as the float32 path does (Q4_K and Q6_K: a Q4_K_M file's 512-token prefill 151-158 tokens/s
+# against 151, docs/benchmarks.md), the float32 path for the others and for expert products
 INT8_ROWS = 16
+INT8_EVERY_ROW = ("Q4_K", "Q6_K")
 
 
 @lru_cache(maxsize=None)  # (asked on every expert product with 8-bit activations)
@@ -151,9 +154,10 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     if activations == "int8" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
+        every_row = list(INT8_TYPES)[held_type] in INT8_EVERY_ROW
 
         def int8_product(x, w, scales, biases):
-            if x.size // x.shape[-1] > INT8_ROWS:
+            if x.size // x.shape[-1] > INT8_ROWS and not every_row:
                 return float_path(x, w, scales, biases)
             codes = no_codes(scales) if biases is None else biases  # (none in MLX's mxfp4 mode)
             return cpu_quantized.int8_matmul(x, w, scales, codes, held_type, grid)
