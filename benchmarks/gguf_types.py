@@ -134,7 +134,8 @@ def measure_in_child(runner: str, path: Path, args) -> dict:
 
     return json_of_child([__file__, "--child", runner, str(path), "--tokens", str(args.tokens),
                           "--prefill", str(args.prefill), "--threads", str(args.threads),
-                          "--llama-bin", str(args.llama_bin)], args)  # fmt: skip
+                          "--llama-bin", str(args.llama_bin)]
+                         + (["--instruction-set", args.instruction_set] if args.instruction_set else []), args)  # fmt: skip
 
 
 def child(args):
@@ -142,6 +143,12 @@ def child(args):
     if runner == "llama.cpp":
         result = run_llama_cpp(Path(path), args.tokens, args.prefill, args.threads, args.llama_bin)
     else:
+        if args.instruction_set:
+            import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
+
+            from mlx_hybrid.ops import cpu_quantized
+
+            cpu_quantized.extension().use_instruction_set(args.instruction_set)
         result = run_ours(Path(path), args.tokens, args.prefill, dequantize=runner == "dequantized",
                           activations="float32" if runner == "float32" else None)  # fmt: skip
         result["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -201,6 +208,9 @@ def main():
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measured (0: none)")
+    p.add_argument("--instruction-set", choices=("avx2", "avx512"),
+                   help="our kernels' build (default: the CPU's best); with OPENBLAS_CORETYPE=Haswell, an AVX2 "
+                        "machine's instructions on an AVX-512 one")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--timeout", type=float, default=900, help="seconds a single measurement may take")
     p.add_argument("--kernels", action="store_true", help="time each type's product alone (no files) and stop")

@@ -10,7 +10,7 @@ import pytest
 
 from emulation import emulate
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_extension, kernels, selfcheck
+from mlx_hybrid.ops import cpu_extension, cpu_quantized, kernels, selfcheck
 
 # The processes tests start (CLIs, chat, mlx.launch) take Ctrl-C as in a terminal: a test
 # run started in the background without job control inherits SIGINT ignored, and would
@@ -44,6 +44,23 @@ def assert_close_to_floor(got, want):
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=FLOAT32_FLOOR * max(float(np.abs(want).max()), 1.0), rtol=0)
+
+
+def assert_every_instruction_set_agrees(products):
+    """products() -> arrays: the same bits from each build of our CPU kernels this CPU runs (AVX2;
+    AVX-512 where it has it)."""
+    extension = cpu_quantized.extension()
+    results = {}
+    try:
+        for name in extension.instruction_sets():
+            extension.use_instruction_set(name)
+            results[name] = [np.array(product) for product in products()]
+    finally:
+        extension.use_instruction_set(None)
+    first, *others = results.values()
+    for other in others:
+        for a, b in zip(first, other):
+            np.testing.assert_array_equal(a, b)
 
 
 def load_fixture(family: str, source: str):

@@ -8,7 +8,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, assert_close_to_floor, cpu_kernel_tests, reference
+from conftest import FIXTURES, assert_close_to_floor, assert_every_instruction_set_agrees, cpu_kernel_tests, reference
 
 import mlx_hybrid
 from mlx_hybrid import ops
@@ -123,22 +123,6 @@ def test_every_instruction_set_gives_the_same_bits(type_name):
                  for *parts, layout in ((q.weight, q.scales, q.biases, group_size, bits, block),
                                         (w, scales, biases, 32, bits, None))]
     )  # fmt: skip
-
-
-def assert_every_instruction_set_agrees(products):
-    """products() -> arrays: the same bits from each build this CPU runs."""
-    extension = cpu_quantized.extension()
-    results = {}
-    try:
-        for name in extension.instruction_sets():
-            extension.use_instruction_set(name)
-            results[name] = [np.array(product) for product in products()]
-    finally:
-        extension.use_instruction_set(None)
-    first, *others = results.values()
-    for other in others:
-        for a, b in zip(first, other):
-            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 20])

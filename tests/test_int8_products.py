@@ -12,14 +12,14 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, assert_every_instruction_set_agrees
 
 import mlx_hybrid
 from mlx_hybrid import ModelLoadError, ops
 from mlx_hybrid.export import save_gguf
 from mlx_hybrid.ops import cpu_quantized
 from mlx_hybrid.loaders.quantized import from_gguf_blocks
-from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks
+from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks, no_codes
 
 pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
 FLOAT32_EPS = 2.0**-23
@@ -490,6 +490,24 @@ def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
     assert not np.array_equal(np.array(model(mx.array([ids[:4]]))), np.array(floats(mx.array([ids[:4]]))))
     plain = mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24)
     assert mlx_hybrid.generate(model, tokenizer, "def f(", max_tokens=24, draft="mtp", num_draft_tokens=3) == plain
+
+
+@pytest.mark.skipif(len(cpu_quantized.extension().instruction_sets()) < 2, reason="this CPU runs one build only")
+@pytest.mark.parametrize("type_name", list(INT8_TYPES))
+def test_every_instruction_set_gives_the_same_bits(type_name):
+    """Each type's 8-bit product from the AVX2 build and the AVX-512 one (the groups-of-16 K-quants' two
+    runs a register) at 1, 3, 16 and 27 rows: the same bits, so a file computes alike on either CPU."""
+    bits, group_size, block = INT8_TYPES[type_name]
+    if type_name in GRID_TYPES:
+        q = cpu_quantized.random_grid_weights((40, 512), GRID_TYPES[type_name])
+    else:
+        q = cpu_quantized.random_block_weights((40, 512), bits, group_size, block)
+    codes = no_codes(q.scales) if q.biases is None else q.biases
+    x = mx.random.normal((27, 512), key=mx.random.key(3))
+    assert_every_instruction_set_agrees(
+        lambda: [cpu_quantized.int8_matmul(x[:rows], q.weight, q.scales, codes, list(INT8_TYPES).index(type_name),
+                                           cpu_quantized.int8_grid(q.block)) for rows in (1, 3, 16, 27)]
+    )  # fmt: skip
 
 
 def test_a_q4_k_m_file_computes_many_rows_as_it_computes_one():

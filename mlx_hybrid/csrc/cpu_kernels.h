@@ -34,6 +34,10 @@ void bind_attention(nanobind::module_& m);
 void bind_gated_product(nanobind::module_& m);
 void bind_int8_products(nanobind::module_& m);
 
+// Whether the products run their AVX-512 builds: the CPU has AVX-512 (F, VL, BW, DQ) and
+// use_instruction_set left them on (quantized_matmul.cpp)
+bool avx512_in_use();
+
 // The target of the units' AVX2 functions (within what cpu_supported() checks; the quantized
 // products' body, compiled per instruction set, names its own).
 #define AVX2_FN __attribute__((target("avx2,fma")))

@@ -56,8 +56,10 @@ namespace {
 constexpr int BLOCK = 32;           // Q8_0's values a block; Q4_K's a group
 constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
-constexpr int TILE_ROWS = 8;        // rows of x the tiled products take at a time
-constexpr int Q4_K_TILE_ROWS = 4;   // dot_rows8_q4_k's (its 8 weight rows' values fill half the registers)
+// rows of x the products take at a time: the groups-of-16 K-quants' AVX-512 body 16 (its 32 registers),
+// their AVX2 one 8, Q4_K matrices of rows in eights 4 (dot_rows8_q4_k: 8 weight rows' values fill half
+// the registers), the others 8
+constexpr int TILE_ROWS = 16;
 
 enum Type {
     Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
@@ -72,6 +74,9 @@ constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); 
 // the target of this unit's vector functions: AVX2 and FMA (cpu_kernels.h's AVX2_FN) and F16C's
 // float16 conversions
 #define INT8_FN __attribute__((target("avx2,fma,f16c")))
+// and of their AVX-512 bodies (where the CPU has AVX-512 F, VL, BW and DQ: `mlx_hybrid::avx512_in_use`),
+// each the AVX2 one's arithmetic to the bit
+#define INT8_WIDE_FN __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
 
 struct Q8Shape {
     int rows, inputs, outputs;  // M, K, N
@@ -137,18 +142,38 @@ INT8_FN void quantize_row(const float* x, int K, int8_t* codes, float* d, float*
 // llama.cpp's quantize_row_q8_K (x86 takes its reference code); codes stored in value order, or for
 // Q4_K's reading of nibbles (each 64 values' even ones, then their odd ones); `shared` as the type's
 // kernel reads it (QuantizedRows).
-void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int16_t* shared, Type type) {
-    int8_t ordered[SUPER_BLOCK];
+INT8_FN void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int16_t* shared, Type type) {
+    alignas(32) int8_t ordered[SUPER_BLOCK];
+    const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int b = 0; b < K / SUPER_BLOCK; b++) {
         const float* v = x + b * SUPER_BLOCK;
-        float largest = 0, signed_largest = 0;
-        for (int i = 0; i < SUPER_BLOCK; i++) {
-            if (std::fabs(v[i]) > largest) largest = std::fabs(v[i]), signed_largest = v[i];
-        }
+        // the largest magnitude, then the first value of it (the reference's strict > keeps the first)
+        __m256 most = _mm256_setzero_ps();
+        for (int i = 0; i < SUPER_BLOCK; i += 8) most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude_mask));
+        __m128 four = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+        four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+        const float largest = _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+        float signed_largest = 0;
+        for (int i = 0; largest != 0; i++)
+            if (std::fabs(v[i]) == largest) {
+                signed_largest = v[i];
+                break;
+            }
         const float inverse = largest != 0 ? -127.0f / signed_largest : 0.0f;
         d[b] = largest != 0 ? 1 / inverse : 0.0f;
-        for (int i = 0; i < SUPER_BLOCK; i++)  // nearbyint: to nearest, ties to even, as llama.cpp's nearest_int
-            ordered[i] = largest != 0 ? (int8_t)std::min(127, (int)std::nearbyint(inverse * v[i])) : 0;
+        // min(127, to nearest with ties to even (llama.cpp's nearest_int) of inverse * v); all 0 where largest is
+        const __m256 scale = _mm256_set1_ps(inverse);
+        for (int i = 0; i < SUPER_BLOCK; i += 32) {
+            __m256i q[4];
+            for (int j = 0; j < 4; j++)
+                q[j] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_round_ps(
+                                            _mm256_mul_ps(scale, _mm256_loadu_ps(v + i + 8 * j)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                                        _mm256_set1_epi32(127));
+            __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_store_si256((__m256i*)(ordered + i), packed);
+        }
         if (type == Q2_K || type == Q6_K || type == TQ1_0 || type == TQ2_0) {  // sums of 16 codes (llama.cpp's bsums)
             for (int g = 0; g < SUPER_BLOCK / 16; g++) {
                 int16_t sum = 0;
@@ -486,37 +511,64 @@ INT8_FN inline __m256i unpack_run(const uint8_t* p) {
 // lane's sum times d_w d_x into its float lane; Q2_K's m_j times x's sums of 16, in lanes of two
 // groups, times -dmin_w d_x into the same lanes first; the lanes' tree. R rows of x at once (x[r],
 // x_shared[r], x_d[r]; *out[r] gets row r's product), each weight run unpacked once for them.
+template <int BITS>
+struct Groups16Block {
+    __m256i scales;  // the block's 16 scales as int16 (Q2_K: sc_j)
+    __m256i first, last;  // runs 0-3's and 4-7's scales in both halves (dword r: run r's pair)
+};
+
+// A block's scales; Q2_K's m_j times each row's sums of 16 into its lanes (acc[r]) first
+template <int BITS, int R>
+INT8_FN inline Groups16Block<BITS> groups16_block(const uint16_t* factors, const int8_t* w_codes,
+                                                  const int16_t* const* x_shared, const float* const* x_d, int b,
+                                                  __m256 (&acc)[R]) {
+    const __m128i codes = _mm_loadu_si128((const __m128i*)(w_codes + 16 * b));
+    __m256i all = _mm256_cvtepi8_epi16(codes);
+    if constexpr (BITS == 2) {
+        const __m128i nibbles = _mm_set1_epi8(0x0F);
+        const __m256i mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(codes, 4), nibbles));
+        for (int r = 0; r < R; r++) {
+            const __m256i group_mins = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(x_shared[r] + 16 * b)));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * _cvtsh_ss(factors[2 * b + 1])),
+                                     _mm256_cvtepi32_ps(group_mins), acc[r]);
+        }
+        all = _mm256_cvtepi8_epi16(_mm_and_si128(codes, nibbles));
+    }
+    return {all, _mm256_permute2x128_si256(all, all, 0x00), _mm256_permute2x128_si256(all, all, 0x11)};
+}
+
+// run `run`'s two scales in lanes of 4 (pick_scales of the block's half it is in)
+template <int BITS>
+INT8_FN inline __m256i run_scales(const Groups16Block<BITS>& block, int run) {
+    return pick_scales(run < 4 ? block.first : block.last, 2 * (run % 4), 2 * (run % 4) + 1);
+}
+
+// A row's block sums (lanes) into its float lanes: Q6_K's less 32 sc_j times the sums of 16, times d_w d_x
+template <int BITS>
+INT8_FN inline void groups16_block_end(const Groups16Block<BITS>& block, __m256i sums, const uint16_t* factors,
+                                       const int16_t* x_shared, float x_d, int b, __m256& acc) {
+    if constexpr (BITS == 6) {
+        const __m256i offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_shared + 16 * b)), block.scales);
+        sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offsets, 5));
+    }
+    const float d = x_d * _cvtsh_ss(factors[BITS == 2 ? 2 * b : b]);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
+}
+
 template <int BITS, int R = 1>
 INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes,
                                const int8_t* const* x, const int16_t* const* x_shared, const float* const* x_d,
                                int blocks, float* const* out) {
-    constexpr bool with_mins = BITS == 2;
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const __m128i codes = _mm_loadu_si128((const __m128i*)(w_codes + 16 * b));
-        __m256i all = _mm256_cvtepi8_epi16(codes);
-        if constexpr (with_mins) {
-            const __m128i nibbles = _mm_set1_epi8(0x0F);
-            const __m256i mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(codes, 4), nibbles));
-            for (int r = 0; r < R; r++) {
-                const __m256i group_mins =
-                    _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(x_shared[r] + 16 * b)));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * _cvtsh_ss(factors[2 * b + 1])),
-                                         _mm256_cvtepi32_ps(group_mins), acc[r]);
-            }
-            all = _mm256_cvtepi8_epi16(_mm_and_si128(codes, nibbles));
-        }
-        // the block's 16 scales as int16: runs 0-3's and 4-7's in both halves (dword r: run r's pair)
-        const __m256i first = _mm256_permute2x128_si256(all, all, 0x00);
-        const __m256i last = _mm256_permute2x128_si256(all, all, 0x11);
+        const Groups16Block<BITS> block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
         __m256i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8  // (the scales' shuffles then constants)
         for (int run = 0; run < SUPER_BLOCK / 32; run++) {
             const int at = b * SUPER_BLOCK + run * 32;
-            const __m256i q = unpack_run<BITS>(w + at * BITS / 8);
-            const __m256i scales = pick_scales(run < 4 ? first : last, 2 * (run % 4), 2 * (run % 4) + 1);
+            const __m256i q = unpack_run<BITS>(w + at * BITS / 8), scales = run_scales(block, run);
             for (int r = 0; r < R; r++) {
                 __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x[r] + at)));
                 if constexpr (BITS == 3)
@@ -524,14 +576,41 @@ INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const 
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(scales, pairs));
             }
         }
-        for (int r = 0; r < R; r++) {
-            if constexpr (BITS == 6) {
-                const __m256i offsets =
-                    _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_shared[r] + 16 * b)), all);
-                sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(offsets, 5));
+        for (int r = 0; r < R; r++) groups16_block_end(block, sums[r], factors, x_shared[r], x_d[r][b], b, acc[r]);
+    }
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
+}
+
+// dot_rows_groups16 with AVX-512 (BW): two runs a register (the even runs in the low half, the odd
+// ones in the high), the halves added at the block's end. The lanes' integer sums are exact, so they
+// are the AVX2 body's to the bit, and so is everything after them.
+template <int BITS, int R = 1>
+INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes,
+                                         const int8_t* const* x, const int16_t* const* x_shared,
+                                         const float* const* x_d, int blocks, float* const* out) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const Groups16Block<BITS> block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
+        __m512i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int run = 0; run < SUPER_BLOCK / 32; run += 2) {
+            const int at = b * SUPER_BLOCK + run * 32;
+            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_run<BITS>(w + at * BITS / 8)),
+                                                 unpack_run<BITS>(w + (at + 32) * BITS / 8), 1);
+            const __m512i scales = _mm512_inserti64x4(_mm512_castsi256_si512(run_scales(block, run)),
+                                                      run_scales(block, run + 1), 1);
+            for (int r = 0; r < R; r++) {
+                __m512i pairs = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r] + at));
+                if constexpr (BITS == 3) pairs = _mm512_sub_epi16(pairs, _mm512_loadu_si512(x_shared[r] + at / 2));
+                sums[r] = _mm512_add_epi32(sums[r], _mm512_madd_epi16(scales, pairs));
             }
-            const float d = x_d[r][b] * _cvtsh_ss(factors[with_mins ? 2 * b : b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i halves =
+                _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
+            groups16_block_end(block, halves, factors, x_shared[r], x_d[r][b], b, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
@@ -877,12 +956,13 @@ Layout layout_of(Type type, long K) {
     }
 }
 
-// f(std::integral_constant<int, rows>) for 1 to MOST rows: a kernel's row count as a template argument
+// f(std::integral_constant<int, R>{}, first) for the rows [first, first + R) of a tile of `rows` (at
+// most 2 MOST - 1), R powers of two from MOST down: a kernel's row count as a template argument, five
+// of them for tiles of up to 16 rows
 template <int MOST, typename F>
-void with_rows(int rows, F&& f) {
-    if constexpr (MOST > 1)
-        if (rows < MOST) return with_rows<MOST - 1>(rows, f);
-    f(std::integral_constant<int, MOST>{});
+void by_powers_of_two(int rows, F&& f, int first = 0) {
+    if (rows >= MOST) f(std::integral_constant<int, MOST>{}, first), rows -= MOST, first += MOST;
+    if constexpr (MOST > 1) by_powers_of_two<MOST / 2>(rows, f, first);
 }
 
 // y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
@@ -940,7 +1020,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     // read once for them; Q4_K matrices of rows in eights take 8 weight rows at a time too (one row of x
     // alone: dot_row_q4_k, the same arithmetic)
     const bool q4_k_eights = s.type == Q4_K && repacked && M > 1;
-    const int tile = indices ? 1 : q4_k_eights ? Q4_K_TILE_ROWS : TILE_ROWS;
+    const bool wide = mlx_hybrid::avx512_in_use(), groups16 = s.type == Q6_K || s.type == Q3_K || s.type == Q2_K;
+    const int tile = indices ? 1 : q4_k_eights ? 4 : groups16 && wide && K <= 2048 ? 16 : 8;
     Pool::get().run(parts, (long)N * K * M >= (1L << 18), [&](int part) {
         const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
         for (int m = 0; m < M; m += tile) {
@@ -967,18 +1048,22 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 float* out[TILE_ROWS];
                 for (int i = 0; i < rows; i++) out[i] = y + (long)(m + i) * N + n;
                 if (q4_k_eights) {
-                    with_rows<Q4_K_TILE_ROWS>(rows, [&](auto R) {
+                    by_powers_of_two<4>(rows, [&](auto R, int i) {
                         dot_rows8_q4_k<decltype(R)::value>(w_row, row_bytes, factor_row, held.factors, code_row,
-                                                           held.codes, codes, d, shared, blocks, out);
+                                                           held.codes, codes + i, d + i, shared + i, blocks, out + i);
                     });
                     continue;
                 }
-                if (s.type == Q6_K || s.type == Q3_K || s.type == Q2_K) {
-                    with_rows<TILE_ROWS>(rows, [&](auto R) {
+                if (groups16) {
+                    by_powers_of_two<TILE_ROWS>(rows, [&](auto R, int i) {
                         constexpr int ROWS = decltype(R)::value;
-                        auto product = s.type == Q6_K ? dot_rows_groups16<6, ROWS>
-                                       : s.type == Q3_K ? dot_rows_groups16<3, ROWS> : dot_rows_groups16<2, ROWS>;
-                        product(w_row, factor_row, code_row, codes, shared, d, blocks, out);
+                        // (a row alone, a decode step's, waits on memory: the AVX2 body, without the wide
+                        // registers' cost)
+                        const bool wide_rows = wide && ROWS > 1;
+                        auto product = s.type == Q6_K   ? wide_rows ? dot_rows_groups16_wide<6, ROWS> : dot_rows_groups16<6, ROWS>
+                                       : s.type == Q3_K ? wide_rows ? dot_rows_groups16_wide<3, ROWS> : dot_rows_groups16<3, ROWS>
+                                       : wide_rows      ? dot_rows_groups16_wide<2, ROWS> : dot_rows_groups16<2, ROWS>;
+                        product(w_row, factor_row, code_row, codes + i, shared + i, d + i, blocks, out + i);
                     });
                     continue;
                 }

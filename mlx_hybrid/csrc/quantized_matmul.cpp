@@ -162,10 +162,14 @@ Isa isa_for(Level level) {
     return {avx2::rows_product<BITS, VALUES>, avx2::dequantize_rows<BITS, VALUES>};
 }
 
+Level level_in_use() {
+    const int chosen = chosen_level.load(std::memory_order_relaxed);
+    return chosen < 0 ? cpu_level() : (Level)chosen;
+}
+
 // The kernels for `bits`-bit values standing for `values`.
 Isa isa(int bits, Values values) {
-    int chosen = chosen_level.load(std::memory_order_relaxed);
-    Level level = chosen < 0 ? cpu_level() : (Level)chosen;
+    const Level level = level_in_use();
     if (values == TABLE && bits == 4) return isa_for<4, TABLE>(level);
     if (values == BFLOAT16 && bits == 16) return isa_for<16, BFLOAT16>(level);
     if (values == FLOAT16 && bits == 16) return isa_for<16, FLOAT16>(level);
@@ -473,6 +477,8 @@ mx::array gather_grid_matmul(const mx::array& x, const mx::array& blocks, const 
 }
 
 }  // namespace
+
+bool mlx_hybrid::avx512_in_use() { return level_in_use() == AVX512; }
 
 void mlx_hybrid::bind_quantized_matmul(nb::module_& m) {
     m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),

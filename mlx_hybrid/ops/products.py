@@ -114,9 +114,9 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
 
 
 # Products of up to this many rows (decode steps, verify passes) take 8-bit activations where asked;
-# longer ones (prompts, large batches) too for the types whose kernel multiplies many rows at least as
-# fast as the float32 path does (Q4_K and Q6_K: a Q4_K_M file's 512-token prefill 151-158 tokens/s
-# against 151, docs/benchmarks.md), the float32 path for the others and for expert products
+# longer ones (prompts, large batches) too for the types whose kernels multiply many rows at least as
+# fast as the float32 path on an AVX2 CPU (Q4_K, Q6_K: docs/benchmarks.md), the float32 path for the
+# others and for expert products
 INT8_ROWS = 16
 INT8_EVERY_ROW = ("Q4_K", "Q6_K")
 
