@@ -502,15 +502,7 @@ INT8_FN inline __m256i unpack_run(const uint8_t* p) {
     else return unpack_6bit_run(p);
 }
 
-// The groups-of-16 K-quants' AVX2 arithmetic, ggml_vec_dot_q6_K_q8_K's (BITS 6), ..._q3_K_q8_K's (3)
-// and ..._q2_K_q8_K's (2), for one weight row (values q, d (Q2_K: and -dmin) a block, a signed sc_j
-// (Q2_K: the nibbles sc_j, m_j of a byte) a group of 16) and one row of x quantized to Q8_K (in value
-// order, with what QuantizedRows shares): per run of 32 values, q times x's codes in pairs (Q3_K: q -
-// 4, its -4 a pair), times the run's two scales in lanes of 4, the lanes summed over the block as
-// integers (Q6_K: less 32 times sc_j times group j's sum of codes, two groups a lane), then each
-// lane's sum times d_w d_x into its float lane; Q2_K's m_j times x's sums of 16, in lanes of two
-// groups, times -dmin_w d_x into the same lanes first; the lanes' tree. R rows of x at once (x[r],
-// x_shared[r], x_d[r]; *out[r] gets row r's product), each weight run unpacked once for them.
+// A groups-of-16 K-quant block's scales, as dot_rows_groups16 reads them
 template <int BITS>
 struct Groups16Block {
     __m256i scales;  // the block's 16 scales as int16 (Q2_K: sc_j)
@@ -555,6 +547,15 @@ INT8_FN inline void groups16_block_end(const Groups16Block<BITS>& block, __m256i
     acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
 }
 
+// The groups-of-16 K-quants' AVX2 arithmetic, ggml_vec_dot_q6_K_q8_K's (BITS 6), ..._q3_K_q8_K's (3)
+// and ..._q2_K_q8_K's (2), for one weight row (values q, d (Q2_K: and -dmin) a block, a signed sc_j
+// (Q2_K: the nibbles sc_j, m_j of a byte) a group of 16) and one row of x quantized to Q8_K (in value
+// order, with what QuantizedRows shares): per run of 32 values, q times x's codes in pairs (Q3_K: q -
+// 4, its -4 a pair), times the run's two scales in lanes of 4, the lanes summed over the block as
+// integers (Q6_K: less 32 times sc_j times group j's sum of codes, two groups a lane), then each
+// lane's sum times d_w d_x into its float lane; Q2_K's m_j times x's sums of 16, in lanes of two
+// groups, times -dmin_w d_x into the same lanes first; the lanes' tree. R rows of x at once (x[r],
+// x_shared[r], x_d[r]; *out[r] gets row r's product), each weight run unpacked once for them.
 template <int BITS, int R = 1>
 INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes,
                                const int8_t* const* x, const int16_t* const* x_shared, const float* const* x_d,
