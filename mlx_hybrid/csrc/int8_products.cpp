@@ -917,17 +917,29 @@ INT8_FN void table_product(bool eights, const uint8_t* w, long row_bytes, const 
         *out = dot_row_table<KIND>(w, w_scales, x, x_d, blocks);
 }
 
-// ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and one
-// quantized row of x.
-INT8_FN float dot_row(const uint8_t* w, const uint16_t* w_d, const int8_t* x, const float* x_d, int blocks) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc = _mm256_setzero_ps();
+// ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and R
+// quantized rows of x (x[r], x_d[r]; *out[r] gets row r's product), each block's codes and their
+// magnitudes (signed_lanes' |v|) taken once for them.
+template <int R = 1>
+INT8_FN void dot_rows_q8_0(const uint8_t* w, const uint16_t* w_d, const int8_t* const* x, const float* const* x_d,
+                           int blocks, float* const* out) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int8_t* rows[R];
+    const float* row_d[R];
+    for (int r = 0; r < R; r++) rows[r] = x[r], row_d[r] = x_d[r];
     for (int b = 0; b < blocks; b++) {
         const __m256i qw = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + b * BLOCK)), flip);  // q - 128
-        const __m256 sums = _mm256_cvtepi32_ps(signed_lanes(qw, _mm256_loadu_si256((const __m256i*)(x + b * BLOCK))));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), sums, acc);
+        const __m256i magnitudes = _mm256_sign_epi8(qw, qw);
+        const float d_w = _cvtsh_ss(w_d[b]);
+        for (int r = 0; r < R; r++) {
+            const __m256i codes = _mm256_loadu_si256((const __m256i*)(rows[r] + b * BLOCK));
+            const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(codes, qw)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * row_d[r][b]), _mm256_cvtepi32_ps(lanes), acc[r]);
+        }
     }
-    return mlx_hybrid::sum_lanes(acc);
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
 // A type's held matrix, a row of K inputs: bytes of packed values (the grid types': of the file's
@@ -1055,6 +1067,12 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     });
                     continue;
                 }
+                if (s.type == Q8_0) {
+                    by_powers_of_two<8>(rows, [&](auto R, int i) {
+                        dot_rows_q8_0<decltype(R)::value>(w_row, factor_row, codes + i, d + i, blocks, out + i);
+                    });
+                    continue;
+                }
                 if (groups16) {
                     by_powers_of_two<TILE_ROWS>(rows, [&](auto R, int i) {
                         constexpr int ROWS = decltype(R)::value;
@@ -1113,7 +1131,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         case IQ1_M: o = dot_row_grid<grid::IQ1_M>(w_row, grid_rows, x_codes, x_d, blocks); break;
                         case TQ1_0: o = dot_row_ternary<true>(w_row, factor_row, x_codes, x_d, x_shared, blocks); break;
                         case TQ2_0: o = dot_row_ternary<false>(w_row, factor_row, x_codes, x_d, x_shared, blocks); break;
-                        default: o = dot_row(w_row, factor_row, x_codes, x_d, blocks);
+                        default: break;  // (Q8_0: dot_rows_q8_0 above)
                     }
                 }
             }
