@@ -99,13 +99,14 @@ def load(
 
     cpu_activations: how a GGUF file's quantized products compute where the CPU computes. "int8", as
     llama.cpp computes them on x86: each row of activations quantized to the type's 8-bit blocks and
-    multiplied in integers, every quantized GGUF type, for products of up to 16 rows (decode steps, verify
-    passes), and of any rows for Q4_K and Q6_K matrices (a prompt's other products take float32 ones); refused by name where it is not computed (a Hugging
-    Face or MLX checkpoint, a GPU, a CPU without this package's kernels, tensors re-quantized by
-    compact=True). "float32": each product computes what the file's dequantized weights compute. None
-    (the default): the file's own runtime's arithmetic, "int8" for a GGUF file where it is computed (every
-    quantized tensor of a GGUF type, each product whole in one process: alone or in a pipeline's layers),
-    else "float32" (a tensor-parallel split sums its ranks' parts of each product).
+    multiplied in integers, every quantized GGUF type, for products of up to 16 rows (decode steps,
+    verify passes) and Q4_K and Q6_K products of any rows (a prompt's other products take float32 ones);
+    refused by name where it is not computed (a Hugging Face or MLX checkpoint, a GPU, a CPU without
+    this package's kernels, tensors re-quantized by compact=True). "float32": each product computes what
+    the file's dequantized weights compute. None (the default): the file's own runtime's arithmetic,
+    "int8" for a GGUF file where it is computed (every quantized tensor of a GGUF type, each product
+    whole in one process: alone or in a pipeline's layers), else "float32" (a tensor-parallel split sums
+    its ranks' parts of each product).
 
     group: an `mx.distributed` group of several ranks (`mx.distributed.init()` under
     `mlx.launch`) to split the model over: tensor parallel, or consecutive layers per rank
