@@ -175,6 +175,22 @@ def test_q8_k_quantization_is_llama_cpps():
     np.testing.assert_array_equal(product(x, held, Q4_K)[0] / (d[0, 0] * 2.0**-8), [-127, 127, 64, 63])
 
 
+def test_q8_k_quantization_takes_a_nan_as_llama_cpp_does():
+    """A NaN activation is passed over for the block's largest magnitude (the reference's strict >) and
+    gets the code 0 (llama.cpp's nearest_int of a NaN): the product is the one of the row with a 0 there,
+    whatever block it falls in, and the quantization stays within the row (no search past its end)."""
+    rng = np.random.default_rng(17)
+    q, *rest = cpu_quantized.random_k_quant(rng, (8, 512))
+    held = cpu_quantized.held_k_quant(q, 4, *rest)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    x[:, [5, 300]] = 0
+    with_nan = x.copy()
+    with_nan[0, 5], with_nan[1, 300], with_nan[2, 5] = np.nan, np.nan, np.nan
+    with_nan[2, 256:] = np.nan  # a block of NaN alone: as a block of zeros
+    x[2, 256:] = 0
+    np.testing.assert_array_equal(product(with_nan, held, Q4_K), product(x, held, Q4_K))
+
+
 # the types of groups of 16: (kernel type, bits, the values' offset; Q2_K: none, its mins apart)
 GROUPS16 = pytest.mark.parametrize("held_type, bits, offset", [(Q6_K, 6, 32), (Q3_K, 3, 4), (Q2_K, 2, 0)],
                                    ids=["Q6_K", "Q3_K", "Q2_K"])  # fmt: skip

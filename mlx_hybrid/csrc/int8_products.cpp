@@ -29,9 +29,8 @@
 // (Q8_0's q + 128 in bytes, Q4_K's nibbles a value at a time, 5 and 6 bits as MLX packs them), float16
 // factors (Q8_0, Q5_0: d a group; Q5_1: d and m a group; Q4_K: d and -dmin a block) and int8 codes
 // (Q4_K: sc_j and m_j a group); the grid types and TQ1_0 as the file's blocks (uint8) with their grid.
-// Any number of rows: rows of x are taken up to 8 at a time (Q4_K matrices of rows in eights: 4 rows of
-// x against 8 weight rows), each weight row decoded once for them, each output's arithmetic the same as
-// for its row alone. The Python side (ops/products.py) decides which products take this path.
+// Any number of rows: rows of x are taken up to 16 at a time (TILE_ROWS' comment), each weight row
+// decoded once for them, each output's arithmetic the same as for its row alone. The Python side (ops/products.py) decides which products take this path.
 #include <nanobind/stl/optional.h>
 
 #include <algorithm>
@@ -56,9 +55,9 @@ namespace {
 constexpr int BLOCK = 32;           // Q8_0's values a block; Q4_K's a group
 constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
 constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
-// rows of x the products take at a time: the groups-of-16 K-quants' AVX-512 body 16 (its 32 registers),
-// their AVX2 one 8, Q4_K matrices of rows in eights 4 (dot_rows8_q4_k: 8 weight rows' values fill half
-// the registers), the others 8
+// rows of x the products take at a time: the groups-of-16 K-quants' AVX-512 body 16 (its 32 registers)
+// where K <= 2048 (16 rows of codes within L1), else 8 as their AVX2 one; Q4_K matrices of rows in
+// eights 4 (dot_rows8_q4_k: 8 weight rows' values fill half the registers); the others 8
 constexpr int TILE_ROWS = 16;
 
 enum Type {
@@ -147,29 +146,34 @@ INT8_FN void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, i
     const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int b = 0; b < K / SUPER_BLOCK; b++) {
         const float* v = x + b * SUPER_BLOCK;
-        // the largest magnitude, then the first value of it (the reference's strict > keeps the first)
+        // the largest magnitude, then the first value of it (the reference's strict > keeps the first and
+        // passes over NaN: max_ps returns its second operand where either is NaN)
         __m256 most = _mm256_setzero_ps();
-        for (int i = 0; i < SUPER_BLOCK; i += 8) most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude_mask));
+        for (int i = 0; i < SUPER_BLOCK; i += 8)
+            most = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), magnitude_mask), most);
         __m128 four = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
         four = _mm_max_ps(four, _mm_movehl_ps(four, four));
         const float largest = _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
         float signed_largest = 0;
-        for (int i = 0; largest != 0; i++)
+        for (int i = 0; largest != 0 && i < SUPER_BLOCK; i++)
             if (std::fabs(v[i]) == largest) {
                 signed_largest = v[i];
                 break;
             }
         const float inverse = largest != 0 ? -127.0f / signed_largest : 0.0f;
         d[b] = largest != 0 ? 1 / inverse : 0.0f;
-        // min(127, to nearest with ties to even (llama.cpp's nearest_int) of inverse * v); all 0 where largest is
+        // min(127, to nearest with ties to even (llama.cpp's nearest_int) of inverse * v); all 0 where largest
+        // is; a NaN product (a NaN value, or an infinite one times 0) 0, as llama.cpp's nearest_int makes it
         const __m256 scale = _mm256_set1_ps(inverse);
+        const __m256i nan_code = _mm256_set1_epi32(INT32_MIN);  // (what cvtps gives NaN)
         for (int i = 0; i < SUPER_BLOCK; i += 32) {
             __m256i q[4];
-            for (int j = 0; j < 4; j++)
-                q[j] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_round_ps(
-                                            _mm256_mul_ps(scale, _mm256_loadu_ps(v + i + 8 * j)),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+            for (int j = 0; j < 4; j++) {
+                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(scale, _mm256_loadu_ps(v + i + 8 * j)),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                q[j] = _mm256_min_epi32(_mm256_andnot_si256(_mm256_cmpeq_epi32(q[j], nan_code), q[j]),
                                         _mm256_set1_epi32(127));
+            }
             __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_store_si256((__m256i*)(ordered + i), packed);
@@ -270,10 +274,11 @@ INT8_FN inline __m256i broadcast4(const void* p) {
 }
 
 // dot_row_q4_k's arithmetic for R rows of x and 8 weight rows at once (the matrix's rows n..n+7, each
-// `row_bytes`, `row_factors` and `row_codes` apart; out[r] gets x row r's 8 products), for prompts and
-// batches: a block's sum per output is one exact integer, so it is taken with the 8 weight rows in
-// the lanes (each lane 4 nibble bytes of its row, times x's 4 codes in every lane), and its float steps
-// are dot_row_q4_k's, lane by lane.
+// `row_bytes`, `row_factors` and `row_codes` apart; out[r] gets x row r's 8 products), for prompts,
+// batches and verify passes: a block's sum per output is one exact integer, so it is taken with the 8
+// weight rows in the lanes (each lane 4 nibble bytes of its row, times x's 4 codes in every lane), and
+// its float steps are dot_row_q4_k's, lane by lane. (A row of x alone, a decode step, keeps
+// dot_row_q4_k: this one for it decoded a Q4_K_M file 4-7% slower.)
 template <int R>
 INT8_FN void dot_rows8_q4_k(const uint8_t* w, long row_bytes, const uint16_t* factors, long row_factors,
                             const int8_t* w_codes, long row_codes, const int8_t* const* x, const float* const* x_d,
