@@ -293,9 +293,13 @@ B32_TYPES = pytest.mark.parametrize(
 B32_ROWS = pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
 
 
+# (33 blocks: the repacked kernels' last block alone)
+ODD_BLOCKS = 1056
+
+
 @B32_ROWS
 @B32_TYPES
-@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+@pytest.mark.parametrize("K", [1024, 3584, ODD_BLOCKS], ids=["0.8B hidden", "0.8B feed-forward", "odd blocks"])
 def test_32_value_products_are_llama_cpps_arithmetic_and_row_invariant(K, held_type, bits, with_m, largest, N):
     """Rows quantized to Q8_0 (Q8_1: with s), the values (q - 16, q - 8, q, IQ4_NL's table) times the
     codes as exact integers, a fused multiply-add a block (Q5_1, Q4_1: m_w s_x into one more sum):
@@ -420,7 +424,7 @@ def test_tq2_0_products_are_exact_where_the_arithmetic_is():
 
 
 @pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
-@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+@pytest.mark.parametrize("K", [1024, 3584, ODD_BLOCKS], ids=["0.8B hidden", "0.8B feed-forward", "odd blocks"])
 def test_mxfp4_products_are_llama_cpps_arithmetic_and_row_invariant(K, N):
     """Rows quantized to Q8_0, MXFP4's values (twice E2M1's) times the codes as exact integers, a fused
     multiply-add a block by 2^(e - 128) d_x (rows in eights as llama.cpp repacks them, others in lanes):

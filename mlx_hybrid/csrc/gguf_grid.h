@@ -160,6 +160,9 @@ inline long long grid_row8(const uint8_t* grid, int index) {
     return v;
 }
 
+// IQ1_S's step `sub`'s delta sign, +1 or -1 (its word's top bit)
+inline int iq1_s_sign(const uint8_t* block, int sub) { return load_u16(block + 34 + 2 * sub) >> 15 ? -1 : 1; }
+
 // IQ1_S's and IQ1_M's step `sub` (32 values) of a block: its grid rows (8 g for g -1, 0 or 1) and its
 // deltas (+-1 a value: one for the step's 32 values (IQ1_S), one a row of 8 (IQ1_M)); the values, times
 // 8, are their sums.
@@ -174,7 +177,7 @@ GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid)
         const uint8_t* q = block + 2 + 4 * sub;
         const uint32_t word = load_u16(block + 34 + 2 * sub);
         for (int j = 0; j < 4; j++) index[j] = q[j] | (word >> (3 * j) & 7) << 8;
-        deltas = _mm256_set1_epi8(word >> 15 ? -1 : 1);
+        deltas = _mm256_set1_epi8((char)iq1_s_sign(block, sub));
     } else {  // IQ1_M: 4 index bytes, a nibble each in qh: 3 high bits, the row's delta sign
         const uint8_t* q = block + 4 * sub;
         const uint32_t high = load_u16(block + 32 + 2 * sub);

@@ -30,7 +30,8 @@
 // factors (Q8_0, Q5_0: d a group; Q5_1: d and m a group; Q4_K: d and -dmin a block) and int8 codes
 // (Q4_K: sc_j and m_j a group); the grid types and TQ1_0 as the file's blocks (uint8) with their grid.
 // Any number of rows: rows of x are taken up to 16 at a time (TILE_ROWS' comment), each weight row
-// decoded once for them, each output's arithmetic the same as for its row alone. The Python side (ops/products.py) decides which products take this path.
+// decoded once for them, each output's arithmetic the same as for its row alone. The Python side
+// (ops/products.py) decides which products take this path.
 #include <nanobind/stl/optional.h>
 
 #include <algorithm>
@@ -88,10 +89,10 @@ struct Q8Shape {
 // Rows of x quantized for a type: codes [rows, K] (Q4_K's in the order its nibbles are read: each
 // 64 values' even ones, then their odd ones), each block's d, and what the weight rows share of x:
 // Q4_K's and Q5_K's group sums of codes as int16 (0, sum) pairs, 16 a block (m_j's products in one
-// madd); Q2_K's and Q6_K's sums of 16 codes (llama.cpp's bsums); Q3_K's 4 (x_2i + x_2i+1) a code pair
-// (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's 8 likewise (Q4_0 and IQ4_NL
-// rows in eights: each block's sum of codes); Q5_1's and Q4_1's Q8_1 blocks: each block's s, d times
-// its sum of codes as float16.
+// madd); Q2_K's, Q6_K's, TQ1_0's, TQ2_0's and IQ1_S's sums of 16 codes (llama.cpp's bsums); Q3_K's
+// 4 (x_2i + x_2i+1) a code pair (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's 8
+// likewise (Q4_0, IQ4_NL and MXFP4 rows in eights: each block's sum of codes); Q5_1's and Q4_1's Q8_1
+// blocks: each block's s, d times its sum of codes as float16.
 struct QuantizedRows {
     std::vector<int8_t> codes;
     std::vector<float> d;
@@ -178,7 +179,7 @@ INT8_FN void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, i
             packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_store_si256((__m256i*)(ordered + i), packed);
         }
-        if (type == Q2_K || type == Q6_K || type == TQ1_0 || type == TQ2_0) {  // sums of 16 codes (llama.cpp's bsums)
+        if (type == Q2_K || type == Q6_K || type == TQ1_0 || type == TQ2_0 || type == IQ1_S) {  // sums of 16 codes
             for (int g = 0; g < SUPER_BLOCK / 16; g++) {
                 int16_t sum = 0;
                 for (int i = 0; i < 16; i++) sum += ordered[g * 16 + i];
@@ -440,30 +441,41 @@ INT8_FN inline __m256i unpack_4bit_run(const uint8_t* p) {
 // block, codes sc_j and m_j a group) and one row of x quantized to Q8_K (in value order, its group sums
 // as QuantizedRows holds them): per block, lane k of 8 sums the block's values 4k..4k+3 of every group
 // times its sc_j as integers, then times d_w d_x into its float lane; m_j times the groups' sums, one
-// integer, times -dmin_w d_x into one float (fused multiply-adds); the lanes' tree plus that sum.
-INT8_FN float dot_row_q5_k(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* x,
-                           const float* x_d, const int16_t* x_sums, int blocks) {
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+// integer, times -dmin_w d_x into one float (fused multiply-adds); the lanes' tree plus that sum. R rows
+// of x at once (x[r], x_d[r], x_sums[r]; *out[r] gets row r's product), each run unpacked once for them.
+template <int R = 1>
+INT8_FN void dot_rows_q5_k(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes, const int8_t* const* x,
+                           const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
+    __m256 acc[R];
+    float mins[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
     for (int b = 0; b < blocks; b++) {
         const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w_codes + 16 * b)));
         const __m256i first = _mm256_permute2x128_si256(codes, codes, 0x00);
         const __m256i last = _mm256_permute2x128_si256(codes, codes, 0x11);
-        const int32_t group_mins =
-            sum_int_lanes(_mm256_madd_epi16(codes, _mm256_loadu_si256((const __m256i*)(x_sums + 16 * b))));
-        mins = std::fma(x_d[b] * _cvtsh_ss(factors[2 * b + 1]), (float)group_mins, mins);
-        __m256i sums = _mm256_setzero_si256();
+        const float minus_dmin = _cvtsh_ss(factors[2 * b + 1]), d = _cvtsh_ss(factors[2 * b]);
+        __m256i sums[R];
+        for (int r = 0; r < R; r++) {
+            const int32_t group_mins =
+                sum_int_lanes(_mm256_madd_epi16(codes, _mm256_loadu_si256((const __m256i*)(x_sums[r] + 16 * b))));
+            mins[r] = std::fma(x_d[r][b] * minus_dmin, (float)group_mins, mins[r]);
+            sums[r] = _mm256_setzero_si256();
+        }
 #pragma GCC unroll 8
         for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
             const int at = b * SUPER_BLOCK + g * BLOCK;
-            const __m256i pairs = _mm256_maddubs_epi16(unpack_5bit_run(w + at * 5 / 8),
-                                                       _mm256_loadu_si256((const __m256i*)(x + at)));
+            const __m256i q = unpack_5bit_run(w + at * 5 / 8);
             const int word = 2 * (g % 4);  // sc_g's word in its half of the block's codes
-            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pick_scales(g < 4 ? first : last, word, word), pairs));
+            const __m256i scales = pick_scales(g < 4 ? first : last, word, word);
+            for (int r = 0; r < R; r++) {
+                const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x[r] + at)));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(scales, pairs));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * _cvtsh_ss(factors[2 * b])), _mm256_cvtepi32_ps(sums), acc);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * d), _mm256_cvtepi32_ps(sums[r]), acc[r]);
     }
-    return mlx_hybrid::sum_lanes(acc) + mins;
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]) + mins[r];
 }
 
 // MLX's 3-bit values, 32 from the 12 bytes at p (8 values every 3 bytes, from the lowest bits), as
@@ -628,23 +640,32 @@ INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* facto
 // repack), per block (q - offset) times x's codes in lanes of 4 as integers, each lane times d_w d_x
 // into its float lane, the lanes' tree; with WITH_M, ggml_vec_dot_q5_1_q8_1's and
 // ggml_vec_dot_q4_1_q8_1's (q d + m: factors d and m a block), q times the codes likewise, and m_w
-// times x's s into one float (fused multiply-adds), added to the tree's sum.
-template <int BITS, bool WITH_M>
-INT8_FN float dot_row_b32(const uint8_t* w, const uint16_t* factors, const int8_t* x, const int16_t* x_pairs,
-                          const float* x_d, const float* x_s, int blocks) {
+// times x's s into one float (fused multiply-adds), added to the tree's sum. R rows of x at once (x[r],
+// x_pairs[r], x_d[r], x_s[r]; *out[r] gets row r's product), each block unpacked once for them.
+template <int BITS, bool WITH_M, int R = 1>
+INT8_FN void dot_rows_b32(const uint8_t* w, const uint16_t* factors, const int8_t* const* x,
+                          const int16_t* const* x_pairs, const float* const* x_d, const float* const* x_s, int blocks,
+                          float* const* out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc[R];
+    float mins[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
     for (int b = 0; b < blocks; b++) {
-        if constexpr (WITH_M) mins = std::fma(_cvtsh_ss(factors[2 * b + 1]), x_s[b], mins);
         const __m256i q = unpack_run<BITS>(w + b * 4 * BITS);
-        __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x + b * 32)));
-        if constexpr (!WITH_M) pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_pairs + b * 16)));
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(factors[WITH_M ? 2 * b : b]) * x_d[b]), sums, acc);
+        const float d_w = _cvtsh_ss(factors[WITH_M ? 2 * b : b]);
+        for (int r = 0; r < R; r++) {
+            if constexpr (WITH_M) mins[r] = std::fma(_cvtsh_ss(factors[2 * b + 1]), x_s[r][b], mins[r]);
+            __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x[r] + b * 32)));
+            if constexpr (!WITH_M)
+                pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_pairs[r] + b * 16)));
+            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * x_d[r][b]), sums, acc[r]);
+        }
     }
-    if constexpr (WITH_M) return mlx_hybrid::sum_lanes(acc) + mins;
-    return mlx_hybrid::sum_lanes(acc);
+    for (int r = 0; r < R; r++) {
+        const float sum = mlx_hybrid::sum_lanes(acc[r]);
+        *out[r] = WITH_M ? sum + mins[r] : sum;
+    }
 }
 
 // IQ4_NL's 16 values (ggml's kvalues_iq4nl), in both halves: a shuffle by the 4-bit index reads them
@@ -683,14 +704,15 @@ INT8_FN inline float block_scale(const void* scales, long b) {
     return _cvtsh_ss(((const uint16_t*)scales)[b]);
 }
 
-// signed bytes v times signed codes x, in int16 sums of pairs (llama.cpp's: |v| times x with v's sign)
-INT8_FN inline __m256i signed_pairs(__m256i v, __m256i x) {
-    return _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
+// signed bytes v (their magnitudes given, taken once for many rows of x) times signed codes x, in int16
+// sums of pairs (llama.cpp's: |v| times x with v's sign)
+INT8_FN inline __m256i signed_pairs(__m256i magnitudes, __m256i v, __m256i x) {
+    return _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, v));
 }
 
 // the same in int32 lanes of 4
-INT8_FN inline __m256i signed_lanes(__m256i v, __m256i x) {
-    return _mm256_madd_epi16(signed_pairs(v, x), _mm256_set1_epi16(1));
+INT8_FN inline __m256i signed_lanes(__m256i magnitudes, __m256i v, __m256i x) {
+    return _mm256_madd_epi16(signed_pairs(magnitudes, v, x), _mm256_set1_epi16(1));
 }
 
 // ggml_vec_dot_iq2_xxs_q8_K's AVX2 arithmetic and its siblings' (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
@@ -700,17 +722,27 @@ INT8_FN inline __m256i signed_lanes(__m256i v, __m256i x) {
 // its float lane (a fused multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's
 // 0.125f, 0.25f: exact). The IQ1 types' grid values are -1, 0 and 1 and their deltas of +-1/8 a sum of
 // their own: the deltas times the codes times the scales, likewise in lanes (IQ1_M), or one integer a
-// block (IQ1_S), into float sums by fused multiply-adds; their tree (IQ1_M) times 1/8 added at the end.
-template <int VALUES>
-INT8_FN float dot_row_grid(const uint8_t* row, const uint8_t* grid_rows, const int8_t* x, const float* x_d,
-                           int blocks) {
+// block (IQ1_S: a step's one sign times x's sums of 16, x_sums), into float sums by fused multiply-adds;
+// their tree (IQ1_M) times 1/8 added at the end. R rows of x at once (x[r], x_d[r], x_sums[r]; *out[r]
+// gets row r's product), each grid row looked up once for them.
+template <int VALUES, int R = 1>
+INT8_FN void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
+                           const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
     constexpr bool IQ1 = VALUES == grid::IQ1_S || VALUES == grid::IQ1_M;
     const __m256i ones = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), acc_deltas = _mm256_setzero_ps();
-    float acc_delta = 0.0f;  // IQ1_S's
+    __m256 acc[R], acc_deltas[R];
+    float acc_delta[R];  // IQ1_S's
+    for (int r = 0; r < R; r++) acc[r] = acc_deltas[r] = _mm256_setzero_ps(), acc_delta[r] = 0.0f;
     for (int b = 0; b < blocks; b++) {
         const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
-        __m256i sums = _mm256_setzero_si256(), delta_sums = _mm256_setzero_si256();
+        __m256i sums[R], delta_sums[R];
+        for (int r = 0; r < R; r++) sums[r] = delta_sums[r] = _mm256_setzero_si256();
+        // IQ1_S: each step's sign times its scale, for its two sums of 16 codes (stored here, read after
+        // the steps: a vector load right after the stores would wait for them)
+        int16_t signed_scales[16];
+        for (int sub = 0; VALUES == grid::IQ1_S && sub < 8; sub++)
+            signed_scales[2 * sub] = signed_scales[2 * sub + 1] =
+                (int16_t)(grid::iq1_s_sign(block, sub) * (2 * grid::grid_code(VALUES, block, sub) + 1));
         for (int sub = 0; sub < 8; sub++) {
             __m256i scale;
             if constexpr (grid::grid_group_size(VALUES) == 16)  // word pairs 0-7: the first 16 values
@@ -718,26 +750,43 @@ INT8_FN float dot_row_grid(const uint8_t* row, const uint8_t* grid_rows, const i
                                           _mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub + 1) + 1)));
             else
                 scale = _mm256_set1_epi16((short)(2 * grid::grid_code(VALUES, block, sub) + 1));
-            const __m256i codes = _mm256_loadu_si256((const __m256i*)(x + b * SUPER_BLOCK + sub * BLOCK));
-            __m256i v;
+            __m256i v, deltas = _mm256_setzero_si256();
             if constexpr (IQ1) {
                 const grid::Iq1Step step = grid::iq1_step<VALUES>(block, sub, grid_rows);
                 v = _mm256_sign_epi8(ones, step.rows);  // (the grid's rows are 8 g)
-                delta_sums = _mm256_add_epi32(delta_sums, _mm256_madd_epi16(signed_pairs(step.deltas, codes), scale));
+                deltas = step.deltas;
             } else {
                 v = grid::grid_lanes<VALUES>(row, 8 * b + sub, grid_rows);
             }
-            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(signed_pairs(v, codes), scale));
+            const __m256i magnitudes = _mm256_sign_epi8(v, v), delta_magnitudes = _mm256_sign_epi8(deltas, deltas);
+            for (int r = 0; r < R; r++) {
+                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + sub * BLOCK));
+                if constexpr (VALUES == grid::IQ1_M)
+                    delta_sums[r] = _mm256_add_epi32(
+                        delta_sums[r], _mm256_madd_epi16(signed_pairs(delta_magnitudes, deltas, codes), scale));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(signed_pairs(magnitudes, v, codes), scale));
+            }
         }
-        const float d = _cvtsh_ss(grid::grid_d(VALUES, block)) * x_d[b];
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums), acc);
-        if constexpr (VALUES == grid::IQ1_M)
-            acc_deltas = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(delta_sums), acc_deltas);
-        if constexpr (VALUES == grid::IQ1_S) acc_delta = std::fma(d, (float)sum_int_lanes(delta_sums), acc_delta);
+        const float d_w = _cvtsh_ss(grid::grid_d(VALUES, block));
+        for (int r = 0; r < R; r++) {
+            const float d = d_w * x_d[r][b];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+            if constexpr (VALUES == grid::IQ1_M)
+                acc_deltas[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(delta_sums[r]), acc_deltas[r]);
+            if constexpr (VALUES == grid::IQ1_S) {  // the block's deltas times x's sums of 16 codes, one integer
+                const __m256i delta_lanes = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)signed_scales),
+                                                              _mm256_loadu_si256((const __m256i*)(x_sums[r] + 16 * b)));
+                acc_delta[r] = std::fma(d, (float)sum_int_lanes(delta_lanes), acc_delta[r]);
+            }
+        }
     }
-    if constexpr (VALUES == grid::IQ1_S) return mlx_hybrid::sum_lanes(acc) + 0.125f * acc_delta;
-    if constexpr (VALUES == grid::IQ1_M) return mlx_hybrid::sum_lanes(acc) + 0.125f * mlx_hybrid::sum_lanes(acc_deltas);
-    return mlx_hybrid::sum_lanes(acc) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
+    for (int r = 0; r < R; r++) {
+        if constexpr (VALUES == grid::IQ1_S) *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * acc_delta[r];
+        else if constexpr (VALUES == grid::IQ1_M)
+            *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * mlx_hybrid::sum_lanes(acc_deltas[r]);
+        else
+            *out[r] = mlx_hybrid::sum_lanes(acc[r]) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
+    }
 }
 
 // ggml_vec_dot_tq1_0_q8_K's and ggml_vec_dot_tq2_0_q8_K's AVX2 arithmetic for one weight row (TQ1_0: the
@@ -745,27 +794,34 @@ INT8_FN float dot_row_grid(const uint8_t* row, const uint8_t* grid_rows, const i
 // row of x quantized to Q8_K (in value order, its sums of 16 codes): per block, lane k of 8 sums values
 // 4k..4k+3 of every 32 (q, 0 to 2, times the codes) less the codes 32k..32k+31 (llama.cpp's -1 taken by
 // the sums of 16, as its 16-bit lanes take them), then times d_w d_x into its float lane (a fused
-// multiply-add); the lanes' tree.
-template <bool TQ1>
-INT8_FN float dot_row_ternary(const uint8_t* w, const uint16_t* factors, const int8_t* x, const float* x_d,
-                              const int16_t* x_sums, int blocks) {
+// multiply-add); the lanes' tree. R rows of x at once (x[r], x_d[r], x_sums[r]; *out[r] gets row r's).
+template <bool TQ1, int R = 1>
+INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const int8_t* const* x,
+                              const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
     constexpr int BLOCK_BYTES = TQ1 ? grid::grid_block_bytes(grid::TQ1_0) : SUPER_BLOCK / 4;
     const __m256i one_byte = _mm256_set1_epi8(1), one_word = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const uint8_t* block = w + (long)b * BLOCK_BYTES;
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         for (int sub = 0; sub < 8; sub++) {
             const __m256i q = TQ1 ? _mm256_add_epi8(grid::ternary_lanes(block, sub), one_byte)
                                   : unpack_run<2>(block + sub * BLOCK / 4);
-            const __m256i codes = _mm256_loadu_si256((const __m256i*)(x + b * SUPER_BLOCK + sub * BLOCK));
-            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(q, codes), one_word));
+            for (int r = 0; r < R; r++) {
+                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + sub * BLOCK));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, codes), one_word));
+            }
         }
-        const __m256i minus = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums + 16 * b)), one_word);
-        const float d = x_d[b] * _cvtsh_ss(TQ1 ? grid::grid_d(grid::TQ1_0, block) : factors[b]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums, minus)), _mm256_set1_ps(d), acc);
+        const float d_w = _cvtsh_ss(TQ1 ? grid::grid_d(grid::TQ1_0, block) : factors[b]);
+        for (int r = 0; r < R; r++) {
+            const __m256i minus = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums[r] + 16 * b)), one_word);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[r], minus)),
+                                     _mm256_set1_ps(x_d[r][b] * d_w), acc[r]);
+        }
     }
-    return mlx_hybrid::sum_lanes(acc);
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
 // ggml_vec_dot_iq4_nl_q8_0's and ggml_vec_dot_mxfp4_q8_0's AVX2 arithmetic (the matrices llama.cpp
@@ -773,46 +829,65 @@ INT8_FN float dot_row_ternary(const uint8_t* w, const uint16_t* factors, const i
 // and one row of x quantized to Q8_0: per block, values times codes in lanes of 4 as integers, each
 // lane times d_x d_w into its float lane, even and odd blocks apart; the two added, their lanes' tree;
 // an odd count's last block's sum times d_x d_w added after (as llama.cpp's build: IQ4_NL's a product
-// then a sum, MXFP4's fused).
-template <Nibbles KIND>
-INT8_FN float dot_row_table(const uint8_t* w, const void* w_scales, const int8_t* x, const float* x_d, int blocks) {
+// then a sum, MXFP4's fused). R rows of x at once (x[r], x_d[r]; *out[r] gets row r's product).
+template <Nibbles KIND, int R = 1>
+INT8_FN void dot_rows_table(const uint8_t* w, const void* w_scales, const int8_t* const* x, const float* const* x_d,
+                            int blocks, float* const* out) {
     const __m256i values = nibble_values<KIND>();
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int pairs = blocks / 2 * 2;
     for (int b = 0; b < pairs; b++) {
         const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + b * 16));
-        const __m256 sums = _mm256_cvtepi32_ps(signed_lanes(v, _mm256_loadu_si256((const __m256i*)(x + b * 32))));
-        acc[b % 2] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[b] * block_scale<KIND>(w_scales, b)), sums, acc[b % 2]);
+        const __m256i magnitudes = _mm256_sign_epi8(v, v);
+        const float d_w = block_scale<KIND>(w_scales, b);
+        for (int r = 0; r < R; r++) {
+            const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + b * 32));
+            const __m256 sums = _mm256_cvtepi32_ps(signed_lanes(magnitudes, v, codes));
+            acc[r][b % 2] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * d_w), sums, acc[r][b % 2]);
+        }
     }
-    float sum = mlx_hybrid::sum_lanes(_mm256_add_ps(acc[0], acc[1]));
-    if (pairs < blocks) {
-        const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + pairs * 16));
-        const int32_t total = sum_int_lanes(signed_lanes(v, _mm256_loadu_si256((const __m256i*)(x + pairs * 32))));
-        const float d = x_d[pairs] * block_scale<KIND>(w_scales, pairs);
-        sum = KIND == MXFP4_VALUES ? std::fma(d, (float)total, sum) : sum + d * (float)total;
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(_mm256_add_ps(acc[r][0], acc[r][1]));
+    if (pairs == blocks) return;
+    const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + pairs * 16));
+    const __m256i magnitudes = _mm256_sign_epi8(v, v);
+    for (int r = 0; r < R; r++) {
+        const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + pairs * 32));
+        const int32_t total = sum_int_lanes(signed_lanes(magnitudes, v, codes));
+        const float d = x_d[r][pairs] * block_scale<KIND>(w_scales, pairs);
+        *out[r] = KIND == MXFP4_VALUES ? std::fma(d, (float)total, *out[r]) : *out[r] + d * (float)total;
     }
-    return sum;
 }
 
 // ggml_vec_dot_iq4_xs_q8_K's AVX2 arithmetic for one weight row (4-bit indices into IQ4_NL's values,
 // d a block, a signed ls_j - 32 a group of 32) and one row of x quantized to Q8_K (in value order):
 // per block, the values times the codes in lanes of 4, times the group's ls_j - 32, summed as integers,
-// then each lane times d_w d_x into its float lane; the lanes' tree.
-INT8_FN float dot_row_iq4_xs(const uint8_t* w, const uint16_t* w_d, const int8_t* w_codes, const int8_t* x,
-                             const float* x_d, int blocks) {
+// then each lane times d_w d_x into its float lane; the lanes' tree. R rows of x at once (x[r], x_d[r];
+// *out[r] gets row r's product), each run's values looked up once for them.
+template <int R = 1>
+INT8_FN void dot_rows_iq4_xs(const uint8_t* w, const uint16_t* w_d, const int8_t* w_codes, const int8_t* const* x,
+                             const float* const* x_d, int blocks, float* const* out) {
     const __m256i values = iq4_nl_values();
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m256i sums = _mm256_setzero_si256();
+        __m256i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
             const int at = b * SUPER_BLOCK + g * BLOCK;
             const __m256i v = _mm256_shuffle_epi8(values, unpack_4bit_run(w + at / 2));
-            const __m256i pairs = signed_pairs(v, _mm256_loadu_si256((const __m256i*)(x + at)));
-            sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(w_codes[b * 8 + g])));
+            const __m256i magnitudes = _mm256_sign_epi8(v, v);
+            const __m256i scale = _mm256_set1_epi16(w_codes[b * 8 + g]);
+            for (int r = 0; r < R; r++) {
+                const __m256i pairs = signed_pairs(magnitudes, v, _mm256_loadu_si256((const __m256i*)(x[r] + at)));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scale));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(w_d[b]) * x_d[b]), _mm256_cvtepi32_ps(sums), acc);
+        const float d_w = _cvtsh_ss(w_d[b]);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * x_d[r][b]), _mm256_cvtepi32_ps(sums[r]), acc[r]);
     }
-    return mlx_hybrid::sum_lanes(acc);
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
 // The float16 d of 8 rows (`row_factors` apart) for blocks b..b+7: out[j] holds block b + j's, row r
@@ -835,20 +910,35 @@ INT8_FN inline void row_scales8(const uint16_t* w_d, long row_factors, int b, __
     }
 }
 
-// Row r's values (Q4_0: q; IQ4_NL, MXFP4: their table's) of two blocks at p times x's codes split as
-// dot_rows8_b32 takes them: int32 lanes, the low half's summing to the first block's products, the
-// high half's to the second's.
+// A weight row's values of two blocks as dot_rows8_b32 multiplies them: a byte's low nibbles (the
+// blocks' even values), then its high ones (odd); IQ4_NL's and MXFP4's looked up in their table, with
+// their magnitudes (signed_pairs')
+struct NibbleRow {
+    __m256i even, odd, even_magnitudes, odd_magnitudes;
+};
+
+// the 32 bytes at p as a NibbleRow
 template <Nibbles KIND>
-INT8_FN inline __m256i two_blocks(const uint8_t* p, __m256i x_even, __m256i x_odd) {
+INT8_FN inline NibbleRow nibble_row(const uint8_t* p) {
     const __m256i low = _mm256_set1_epi8(0x0F), bytes = _mm256_loadu_si256((const __m256i*)p);
     const __m256i even = _mm256_and_si256(bytes, low), odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    if constexpr (KIND == Q4_0_VALUES) return {even, odd, even, odd};
+    const __m256i values = nibble_values<KIND>();
+    const __m256i even_values = _mm256_shuffle_epi8(values, even), odd_values = _mm256_shuffle_epi8(values, odd);
+    return {even_values, odd_values, _mm256_sign_epi8(even_values, even_values),
+            _mm256_sign_epi8(odd_values, odd_values)};
+}
+
+// A row's values of two blocks times x's codes split as dot_rows8_b32 takes them: int32 lanes, the low
+// half's summing to the first block's products, the high half's to the second's.
+template <Nibbles KIND>
+INT8_FN inline __m256i two_blocks(const NibbleRow& v, __m256i x_even, __m256i x_odd) {
     if constexpr (KIND == Q4_0_VALUES)  // q from 0 to 15: the pairs' sums fit 16 bits (the -8 is taken a block)
         return _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(even, x_even), _mm256_maddubs_epi16(odd, x_odd)),
+            _mm256_add_epi16(_mm256_maddubs_epi16(v.even, x_even), _mm256_maddubs_epi16(v.odd, x_odd)),
             _mm256_set1_epi16(1));
-    const __m256i values = nibble_values<KIND>();
-    return _mm256_add_epi32(signed_lanes(_mm256_shuffle_epi8(values, even), x_even),
-                            signed_lanes(_mm256_shuffle_epi8(values, odd), x_odd));
+    return _mm256_add_epi32(signed_lanes(v.even_magnitudes, v.even, x_even),
+                            signed_lanes(v.odd_magnitudes, v.odd, x_odd));
 }
 
 // ggml_gemv_q4_0_8x8_q8_0's, ggml_gemv_iq4_nl_8x8_q8_0's and ggml_gemv_mxfp4_8x8_q8_0's arithmetic
@@ -857,19 +947,22 @@ INT8_FN inline __m256i two_blocks(const uint8_t* p, __m256i x_even, __m256i x_od
 // IQ4_NL, MXFP4: their table's) times x's codes as one exact integer, times d_w d_x into that row's
 // float accumulator. A block's sum is one integer, so its terms come in any order: x's codes are taken
 // split, two blocks at a time (the blocks' even values, then their odd ones: a byte's low nibbles, then
-// its high ones; a last odd block alone), with each block's sum of codes (Q4_0's -8). Writes out[0..7].
-template <Nibbles KIND>
-INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scales, long row_factors, const int8_t* x,
-                           const int16_t* x_sums, const float* x_d, int blocks, float* out) {
+// its high ones; a last odd block alone), with each block's sum of codes (Q4_0's -8). R rows of x at
+// once (x[r], x_sums[r], x_d[r]), the weight rows' values taken once for them; out[r][0..7] gets row r's.
+template <Nibbles KIND, int R = 1>
+INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scales, long row_factors,
+                           const int8_t* const* x, const int16_t* const* x_sums, const float* const* x_d, int blocks,
+                           float* const* out) {
     const uint16_t* w_d = (const uint16_t*)w_scales;
-    __m256 acc = _mm256_setzero_ps(), row_d[8];
+    __m256 acc[R], row_d[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b += 2) {
         const bool pair = b + 1 < blocks;
         if (KIND != MXFP4_VALUES && b % 8 == 0 && b + 8 <= blocks) row_scales8(w_d, row_factors, b, row_d);
         for (int j = b; j < b + 1 + pair; j++) {
             if (KIND == MXFP4_VALUES) {
                 float scales[8];
-                for (int r = 0; r < 8; r++) scales[r] = block_scale<KIND>(w_scales, r * row_factors + j);
+                for (int n = 0; n < 8; n++) scales[n] = block_scale<KIND>(w_scales, n * row_factors + j);
                 row_d[j % 8] = _mm256_loadu_ps(scales);
             } else if (j >= blocks / 8 * 8) {  // the last blocks short of 8: each d alone
                 row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
@@ -878,48 +971,43 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scale
                     w_d[7 * row_factors + j]));
             }
         }
-        __m256i x_even, x_odd, lanes[8];
-        if (pair) {
-            x_even = _mm256_loadu_si256((const __m256i*)(x + b * 32));
-            x_odd = _mm256_loadu_si256((const __m256i*)(x + b * 32 + 32));
-        } else {  // the last block alone: its even codes, then its odd ones, in the low halves
-            x_even = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x + b * 32)));
-            x_odd = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x + b * 32 + 16)));
-        }
-        for (int r = 0; r < 8; r++) {
-            const uint8_t* p = w + r * row_bytes + b * 16;
+        __m256i x_even[R], x_odd[R], lanes[R][8];
+        for (int r = 0; r < R; r++) {
             if (pair) {
-                lanes[r] = two_blocks<KIND>(p, x_even, x_odd);
+                x_even[r] = _mm256_loadu_si256((const __m256i*)(x[r] + b * 32));
+                x_odd[r] = _mm256_loadu_si256((const __m256i*)(x[r] + b * 32 + 32));
+            } else {  // the last block alone: its even codes, then its odd ones, in the low halves
+                x_even[r] = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x[r] + b * 32)));
+                x_odd[r] = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x[r] + b * 32 + 16)));
+            }
+        }
+        for (int n = 0; n < 8; n++) {
+            const uint8_t* p = w + n * row_bytes + b * 16;
+            NibbleRow values;
+            if (pair) {
+                values = nibble_row<KIND>(p);
             } else {
                 uint8_t last[32] = {};  // (the block's 16 bytes, read without passing the row's end)
                 std::memcpy(last, p, 16);
-                lanes[r] = two_blocks<KIND>(last, x_even, x_odd);
+                values = nibble_row<KIND>(last);
+            }
+            for (int r = 0; r < R; r++) lanes[r][n] = two_blocks<KIND>(values, x_even[r], x_odd[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            // each block's 8 row sums: pairwise sums within halves (a half is a block), then the halves
+            const __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]),
+                                                    _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
+            const __m256i last = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][4], lanes[r][5]),
+                                                   _mm256_hadd_epi32(lanes[r][6], lanes[r][7]));
+            for (int j = 0; j < 1 + pair; j++) {
+                __m256i sums = _mm256_permute2x128_si256(first, last, j ? 0x31 : 0x20);
+                if (KIND == Q4_0_VALUES) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x_sums[r][b + j]));
+                const __m256 scales = _mm256_mul_ps(row_d[(b + j) % 8], _mm256_set1_ps(x_d[r][b + j]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[r]);
             }
         }
-        // each block's 8 row sums: pairwise sums within halves (a half is a block), then the halves
-        const __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[0], lanes[1]),
-                                                _mm256_hadd_epi32(lanes[2], lanes[3]));
-        const __m256i last = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[4], lanes[5]),
-                                               _mm256_hadd_epi32(lanes[6], lanes[7]));
-        for (int j = 0; j < 1 + pair; j++) {
-            __m256i sums = _mm256_permute2x128_si256(first, last, j ? 0x31 : 0x20);
-            if (KIND == Q4_0_VALUES) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x_sums[b + j]));
-            const __m256 scales = _mm256_mul_ps(row_d[(b + j) % 8], _mm256_set1_ps(x_d[b + j]));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc);
-        }
     }
-    _mm256_storeu_ps(out, acc);
-}
-
-// An IQ4_NL or MXFP4 product: 8 rows at once where llama.cpp repacks the matrix (rows in eights), else
-// the row's (dot_rows8_b32's and dot_row_table's arguments).
-template <Nibbles KIND>
-INT8_FN void table_product(bool eights, const uint8_t* w, long row_bytes, const void* w_scales, long row_factors,
-                           const int8_t* x, const int16_t* x_sums, const float* x_d, int blocks, float* out) {
-    if (eights)
-        dot_rows8_b32<KIND>(w, row_bytes, w_scales, row_factors, x, x_sums, x_d, blocks, out);
-    else
-        *out = dot_row_table<KIND>(w, w_scales, x, x_d, blocks);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);
 }
 
 // ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and R
@@ -1072,12 +1160,6 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     });
                     continue;
                 }
-                if (s.type == Q8_0) {
-                    by_powers_of_two<8>(rows, [&](auto R, int i) {
-                        dot_rows_q8_0<decltype(R)::value>(w_row, factor_row, codes + i, d + i, blocks, out + i);
-                    });
-                    continue;
-                }
                 if (groups16) {
                     by_powers_of_two<TILE_ROWS>(rows, [&](auto R, int i) {
                         constexpr int ROWS = decltype(R)::value;
@@ -1091,54 +1173,70 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     });
                     continue;
                 }
-                for (int i = 0; i < rows; i++) {
-                    const int8_t* x_codes = codes[i];
-                    const float* x_d = d[i];
-                    const int16_t* x_shared = shared[i];
-                    float& o = *out[i];
+                by_powers_of_two<8>(rows, [&](auto R, int i) {
+                    constexpr int ROWS = decltype(R)::value;
+                    const int8_t* const* x_codes = codes + i;
+                    const float* const* x_d = d + i;
+                    const int16_t* const* x_shared = shared + i;
+                    float* const* o = out + i;
+                    // IQ4_NL's and MXFP4's: 8 weight rows at a time where llama.cpp repacks the matrix
+                    auto table_product = [&](auto kind) {
+                        if (eights)
+                            dot_rows8_b32<decltype(kind)::value, ROWS>(w_row, row_bytes, scales, held.factors, x_codes,
+                                                                       x_shared, x_d, blocks, o);
+                        else
+                            dot_rows_table<decltype(kind)::value, ROWS>(w_row, scales, x_codes, x_d, blocks, o);
+                    };
+                    auto grid_product = [&](auto values) {
+                        dot_rows_grid<decltype(values)::value, ROWS>(w_row, grid_rows, x_codes, x_d, x_shared, blocks,
+                                                                     o);
+                    };
                     switch (s.type) {
-                        case Q4_K:
-                            o = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(w_row, factor_row, code_row, x_codes,
-                                                                             x_d, x_shared, blocks);
+                        case Q8_0: dot_rows_q8_0<ROWS>(w_row, factor_row, x_codes, x_d, blocks, o); break;
+                        case Q4_K:  // (a row of x alone, or a matrix llama.cpp does not repack)
+                            for (int j = 0; j < ROWS; j++)
+                                *o[j] = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(
+                                    w_row, factor_row, code_row, x_codes[j], x_d[j], x_shared[j], blocks);
                             break;
-                        case Q5_K: o = dot_row_q5_k(w_row, factor_row, code_row, x_codes, x_d, x_shared, blocks); break;
-                        case IQ4_XS: o = dot_row_iq4_xs(w_row, factor_row, code_row, x_codes, x_d, blocks); break;
+                        case Q5_K:
+                            dot_rows_q5_k<ROWS>(w_row, factor_row, code_row, x_codes, x_d, x_shared, blocks, o);
+                            break;
+                        case IQ4_XS: dot_rows_iq4_xs<ROWS>(w_row, factor_row, code_row, x_codes, x_d, blocks, o); break;
                         case Q5_0:
-                            o = dot_row_b32<5, false>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                            dot_rows_b32<5, false, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks, o);
                             break;
                         case Q5_1:
-                            o = dot_row_b32<5, true>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                            dot_rows_b32<5, true, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks, o);
                             break;
                         case Q4_1:
-                            o = dot_row_b32<4, true>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                            dot_rows_b32<4, true, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks, o);
                             break;
                         case Q4_0:
                             if (eights)
-                                dot_rows8_b32<Q4_0_VALUES>(w_row, row_bytes, scales, held.factors, x_codes, x_shared,
-                                                           x_d, blocks, &o);
+                                dot_rows8_b32<Q4_0_VALUES, ROWS>(w_row, row_bytes, scales, held.factors, x_codes,
+                                                                 x_shared, x_d, blocks, o);
                             else
-                                o = dot_row_b32<4, false>(w_row, factor_row, x_codes, x_shared, x_d, x_s[i], blocks);
+                                dot_rows_b32<4, false, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks,
+                                                             o);
                             break;
-                        case IQ4_NL:
-                            table_product<IQ4_NL_VALUES>(eights, w_row, row_bytes, scales, held.factors, x_codes,
-                                                         x_shared, x_d, blocks, &o);
+                        case IQ4_NL: table_product(std::integral_constant<Nibbles, IQ4_NL_VALUES>{}); break;
+                        case MXFP4: table_product(std::integral_constant<Nibbles, MXFP4_VALUES>{}); break;
+                        case IQ2_XXS: grid_product(std::integral_constant<int, grid::IQ2_XXS>{}); break;
+                        case IQ2_XS: grid_product(std::integral_constant<int, grid::IQ2_XS>{}); break;
+                        case IQ2_S: grid_product(std::integral_constant<int, grid::IQ2_S>{}); break;
+                        case IQ3_XXS: grid_product(std::integral_constant<int, grid::IQ3_XXS>{}); break;
+                        case IQ3_S: grid_product(std::integral_constant<int, grid::IQ3_S>{}); break;
+                        case IQ1_S: grid_product(std::integral_constant<int, grid::IQ1_S>{}); break;
+                        case IQ1_M: grid_product(std::integral_constant<int, grid::IQ1_M>{}); break;
+                        case TQ1_0:
+                            dot_rows_ternary<true, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
                             break;
-                        case MXFP4:
-                            table_product<MXFP4_VALUES>(eights, w_row, row_bytes, scales, held.factors, x_codes,
-                                                        x_shared, x_d, blocks, &o);
+                        case TQ2_0:
+                            dot_rows_ternary<false, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
                             break;
-                        case IQ2_XXS: o = dot_row_grid<grid::IQ2_XXS>(w_row, grid_rows, x_codes, x_d, blocks); break;
-                        case IQ2_XS: o = dot_row_grid<grid::IQ2_XS>(w_row, grid_rows, x_codes, x_d, blocks); break;
-                        case IQ2_S: o = dot_row_grid<grid::IQ2_S>(w_row, grid_rows, x_codes, x_d, blocks); break;
-                        case IQ3_XXS: o = dot_row_grid<grid::IQ3_XXS>(w_row, grid_rows, x_codes, x_d, blocks); break;
-                        case IQ3_S: o = dot_row_grid<grid::IQ3_S>(w_row, grid_rows, x_codes, x_d, blocks); break;
-                        case IQ1_S: o = dot_row_grid<grid::IQ1_S>(w_row, grid_rows, x_codes, x_d, blocks); break;
-                        case IQ1_M: o = dot_row_grid<grid::IQ1_M>(w_row, grid_rows, x_codes, x_d, blocks); break;
-                        case TQ1_0: o = dot_row_ternary<true>(w_row, factor_row, x_codes, x_d, x_shared, blocks); break;
-                        case TQ2_0: o = dot_row_ternary<false>(w_row, factor_row, x_codes, x_d, x_shared, blocks); break;
-                        default: break;  // (Q8_0: dot_rows_q8_0 above)
+                        default: break;  // (Q4_K's rows in eights and the groups of 16: above)
                     }
-                }
+                });
             }
         }
     });
