@@ -509,6 +509,19 @@ INT8_FN inline __m256i unpack_2bit_run(const uint8_t* p) {
     return _mm256_set_m128i(_mm_unpackhi_epi16(v01, v23), _mm_unpacklo_epi16(v01, v23));
 }
 
+// unpack_2bit_run of the 16 bytes at p: two runs, the first 32 values and the next 32, with 256-bit
+// operations (each half one run's 8 bytes)
+INT8_FN inline void unpack_2bit_runs(const uint8_t* p, __m256i& first, __m256i& second) {
+    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)), 0x10);
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m256i v0 = _mm256_and_si256(bytes, three), v1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 2), three);
+    const __m256i v2 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), three);
+    const __m256i v3 = _mm256_and_si256(_mm256_srli_epi16(bytes, 6), three);
+    const __m256i v01 = _mm256_unpacklo_epi8(v0, v1), v23 = _mm256_unpacklo_epi8(v2, v3);
+    const __m256i low = _mm256_unpacklo_epi16(v01, v23), high = _mm256_unpackhi_epi16(v01, v23);
+    first = _mm256_permute2x128_si256(low, high, 0x20), second = _mm256_permute2x128_si256(low, high, 0x31);
+}
+
 // MLX's BITS-bit values, 32 from the 4 * BITS bytes at p, as bytes in order.
 template <int BITS>
 INT8_FN inline __m256i unpack_run(const uint8_t* p) {
@@ -517,6 +530,13 @@ INT8_FN inline __m256i unpack_run(const uint8_t* p) {
     else if constexpr (BITS == 4) return unpack_4bit_run(p);
     else if constexpr (BITS == 5) return unpack_5bit_run(p);
     else return unpack_6bit_run(p);
+}
+
+// two runs, the 64 values at p
+template <int BITS>
+INT8_FN inline void unpack_runs(const uint8_t* p, __m256i& first, __m256i& second) {
+    if constexpr (BITS == 2) unpack_2bit_runs(p, first, second);
+    else first = unpack_run<BITS>(p), second = unpack_run<BITS>(p + 4 * BITS);
 }
 
 // A groups-of-16 K-quant block's scales, as dot_rows_groups16 reads them
@@ -583,15 +603,19 @@ INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const 
         const Groups16Block<BITS> block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
         __m256i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8  // (the scales' shuffles then constants)
-        for (int run = 0; run < SUPER_BLOCK / 32; run++) {
-            const int at = b * SUPER_BLOCK + run * 32;
-            const __m256i q = unpack_run<BITS>(w + at * BITS / 8), scales = run_scales(block, run);
-            for (int r = 0; r < R; r++) {
-                __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x[r] + at)));
-                if constexpr (BITS == 3)
-                    pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_shared[r] + at / 2)));
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(scales, pairs));
+#pragma GCC unroll 4  // (the scales' shuffles then constants)
+        for (int run = 0; run < SUPER_BLOCK / 32; run += 2) {
+            __m256i q[2];
+            unpack_runs<BITS>(w + (b * SUPER_BLOCK + run * 32) * BITS / 8, q[0], q[1]);
+            for (int h = 0; h < 2; h++) {
+                const int at = b * SUPER_BLOCK + (run + h) * 32;
+                const __m256i scales = run_scales(block, run + h);
+                for (int r = 0; r < R; r++) {
+                    __m256i pairs = _mm256_maddubs_epi16(q[h], _mm256_loadu_si256((const __m256i*)(x[r] + at)));
+                    if constexpr (BITS == 3)
+                        pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_shared[r] + at / 2)));
+                    sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(scales, pairs));
+                }
             }
         }
         for (int r = 0; r < R; r++) groups16_block_end(block, sums[r], factors, x_shared[r], x_d[r][b], b, acc[r]);
@@ -615,8 +639,9 @@ INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* facto
 #pragma GCC unroll 4
         for (int run = 0; run < SUPER_BLOCK / 32; run += 2) {
             const int at = b * SUPER_BLOCK + run * 32;
-            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_run<BITS>(w + at * BITS / 8)),
-                                                 unpack_run<BITS>(w + (at + 32) * BITS / 8), 1);
+            __m256i first, second;
+            unpack_runs<BITS>(w + at * BITS / 8, first, second);
+            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
             const __m512i scales = _mm512_inserti64x4(_mm512_castsi256_si512(run_scales(block, run)),
                                                       run_scales(block, run + 1), 1);
             for (int r = 0; r < R; r++) {
@@ -806,13 +831,18 @@ INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const i
         const uint8_t* block = w + (long)b * BLOCK_BYTES;
         __m256i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
-        for (int sub = 0; sub < 8; sub++) {
-            const __m256i q = TQ1 ? _mm256_add_epi8(grid::ternary_lanes(block, sub), one_byte)
-                                  : unpack_run<2>(block + sub * BLOCK / 4);
-            for (int r = 0; r < R; r++) {
-                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + sub * BLOCK));
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, codes), one_word));
-            }
+        for (int sub = 0; sub < 8; sub += 2) {
+            __m256i q[2];
+            if constexpr (TQ1)
+                for (int h = 0; h < 2; h++) q[h] = _mm256_add_epi8(grid::ternary_lanes(block, sub + h), one_byte);
+            else
+                unpack_runs<2>(block + sub * BLOCK / 4, q[0], q[1]);
+            for (int h = 0; h < 2; h++)
+                for (int r = 0; r < R; r++) {
+                    const __m256i codes =
+                        _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + (sub + h) * BLOCK));
+                    sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[h], codes), one_word));
+                }
         }
         const float d_w = _cvtsh_ss(TQ1 ? grid::grid_d(grid::TQ1_0, block) : factors[b]);
         for (int r = 0; r < R; r++) {
