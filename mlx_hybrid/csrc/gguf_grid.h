@@ -124,33 +124,45 @@ GRID_INLINE __m256i sign_masks_of_bits(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
 }
 
-// Step `sub` (32 values) of a TQ1_0 block as signed bytes -1, 0, 1. Value i of a byte b is
-// ((b 3^i mod 256) 3) >> 8, less 1: the first 32 bytes hold values 32 i + m (steps 0-4), the next
-// 16 values 160 + 16 i + m (steps 5-7), the last 4 (qh) values 240 + 4 i + j (step 7's upper half).
-GRID_INLINE __m256i ternary_lanes(const uint8_t* block, int sub) {
-    static constexpr uint8_t POWERS[] = {1, 3, 9, 27, 81};
-    __m256i bytes, powers;
+// Each byte times 3 and times 9, mod 256 (8 x + x: the bits a 16-bit shift moves across bytes masked)
+GRID_INLINE __m256i bytes_times_3(__m256i q) { return _mm256_add_epi8(q, _mm256_add_epi8(q, q)); }
+GRID_INLINE __m256i bytes_times_9(__m256i q) {
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(q, 3), _mm256_set1_epi8((char)0xF8)), q);
+}
+
+// Step `sub` (32 values) of a TQ1_0 block as bytes 0, 1, 2. Value i of a byte b is ((b 3^i mod 256) 3)
+// >> 8: the first 32 bytes hold values 32 i + m (steps 0-4), the next 16 values 160 + 16 i + m (steps
+// 5-7), the last 4 (qh) values 240 + 4 i + j (step 7's upper half). The powers by shifts and adds of
+// bytes; (3 t) >> 8 of a byte t as ((t - 1, at least 0) + (t >> 1) + 1) >> 7, an unsigned average of
+// bytes then its top two bits (exact for every t: 3 t and 2 t + 2 (t >> 1) differ by at most one, and
+// 3 t is no multiple of 256 but 0).
+GRID_INLINE __m256i ternary_digits(const uint8_t* block, int sub) {
+    __m256i t;
     if (sub < 5) {
-        bytes = _mm256_loadu_si256((const __m256i*)block);
-        powers = _mm256_set1_epi8((char)POWERS[sub]);
-    } else if (sub < 7) {
-        const int i = 2 * (sub - 5);
-        bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(block + 32)));
-        powers = _mm256_setr_m128i(_mm_set1_epi8((char)POWERS[i]), _mm_set1_epi8((char)POWERS[i + 1]));
-    } else {
-        bytes = _mm256_setr_m128i(_mm_loadu_si128((const __m128i*)(block + 32)),
-                                  _mm_set1_epi32((int)load_u32(block + 48)));
-        powers = _mm256_setr_m128i(_mm_set1_epi8((char)POWERS[4]),
-                                   _mm_setr_epi8(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27));
+        t = _mm256_loadu_si256((const __m256i*)block);
+        if (sub % 2 == 1) t = bytes_times_3(t);  // 3, 27
+        if (sub >= 2) t = bytes_times_9(t);      // 9, 27
+        if (sub == 4) t = bytes_times_9(t);      // 81
+    } else if (sub < 7) {  // the 16 bytes in both halves, times 1 and 3 (step 5) or 9 and 27 (step 6)
+        t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(block + 32)));
+        if (sub == 6) t = bytes_times_9(t);
+        t = _mm256_blend_epi32(t, bytes_times_3(t), 0xF0);
+    } else {  // the 16 bytes times 81; the last 4, repeated, times 1, 3, 9 and 27
+        const __m256i q = _mm256_setr_m128i(_mm_loadu_si128((const __m128i*)(block + 32)),
+                                            _mm_set1_epi32((int)load_u32(block + 48)));
+        const __m256i q9 = bytes_times_9(q);
+        t = _mm256_blend_epi32(bytes_times_9(q9), q, 0x10);
+        t = _mm256_blend_epi32(t, bytes_times_3(q), 0x20);
+        t = _mm256_blend_epi32(t, _mm256_blend_epi32(q9, bytes_times_3(q9), 0x80), 0xC0);
     }
-    // bytes times powers mod 256, then times 3, top byte: in 16-bit lanes, even and odd bytes apart
-    const __m256i low = _mm256_set1_epi16(0xFF), three = _mm256_set1_epi16(3);
-    __m256i even = _mm256_mullo_epi16(_mm256_and_si256(bytes, low), _mm256_and_si256(powers, low));
-    __m256i odd = _mm256_mullo_epi16(_mm256_srli_epi16(bytes, 8), _mm256_srli_epi16(powers, 8));
-    even = _mm256_and_si256(even, low), odd = _mm256_and_si256(odd, low);
-    even = _mm256_srli_epi16(_mm256_mullo_epi16(even, three), 8);
-    odd = _mm256_srli_epi16(_mm256_mullo_epi16(odd, three), 8);
-    return _mm256_sub_epi8(_mm256_or_si256(even, _mm256_slli_epi16(odd, 8)), _mm256_set1_epi8(1));
+    const __m256i halves = _mm256_and_si256(_mm256_srli_epi16(t, 1), _mm256_set1_epi8(0x7F));
+    const __m256i average = _mm256_avg_epu8(_mm256_subs_epu8(t, _mm256_set1_epi8(1)), halves);
+    return _mm256_and_si256(_mm256_srli_epi16(average, 6), _mm256_set1_epi8(3));
+}
+
+// the same as signed bytes -1, 0, 1
+GRID_INLINE __m256i ternary_lanes(const uint8_t* block, int sub) {
+    return _mm256_sub_epi8(ternary_digits(block, sub), _mm256_set1_epi8(1));
 }
 
 // Row `index` of a grid of rows of 8 magnitudes, as 8 bytes.

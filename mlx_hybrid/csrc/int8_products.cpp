@@ -824,7 +824,7 @@ template <bool TQ1, int R = 1>
 INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const int8_t* const* x,
                               const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
     constexpr int BLOCK_BYTES = TQ1 ? grid::grid_block_bytes(grid::TQ1_0) : SUPER_BLOCK / 4;
-    const __m256i one_byte = _mm256_set1_epi8(1), one_word = _mm256_set1_epi16(1);
+    const __m256i one_word = _mm256_set1_epi16(1);
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -834,7 +834,7 @@ INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const i
         for (int sub = 0; sub < 8; sub += 2) {
             __m256i q[2];
             if constexpr (TQ1)
-                for (int h = 0; h < 2; h++) q[h] = _mm256_add_epi8(grid::ternary_lanes(block, sub + h), one_byte);
+                for (int h = 0; h < 2; h++) q[h] = grid::ternary_digits(block, sub + h);
             else
                 unpack_runs<2>(block + sub * BLOCK / 4, q[0], q[1]);
             for (int h = 0; h < 2; h++)
