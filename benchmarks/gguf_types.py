@@ -225,6 +225,9 @@ def main():
         return make(args.make, args.llama_bin, args.types)
     if args.child:
         return child(args)
+    missing = [str(file_of(args.dir, name)) for name in args.types if not file_of(args.dir, name).is_file()]
+    if missing:
+        p.error(f"no benchmark file {', '.join(missing)}: make them first with --make {args.dir} --types ...")
     results: dict[tuple[str, str], list[dict]] = {}
     for round_index in range(args.rounds):
         for type_name in args.types:
