@@ -187,6 +187,13 @@ def kernels(rounds: int, rows: int):
                 activations="int8")  # fmt: skip
     calls = max(1, 300 // rows)
     print(f"{rows} x {k} @ ({n} x {k})^T, the best of {rounds} rounds of {calls}")
+    time_products(products, rounds, calls)
+
+
+def time_products(products: dict, rounds: int, calls: int):
+    """Each product's best time over `rounds` rounds of `calls` calls, printed."""
+    import mlx.core as mx
+
     for name, product in products.items():
         mx.eval(product())
         best = float("inf")
@@ -196,6 +203,35 @@ def kernels(rounds: int, rows: int):
                 mx.eval(product())
             best = min(best, (time.perf_counter() - start) / calls)
         print(f"{name:15s} {best * 1e6:7.0f} us", flush=True)
+
+
+def expert_kernels(rounds: int, tokens: int, experts: int):
+    """Expert products with llama.cpp's 8-bit activations, the kernel alone: `tokens` rows of x, each
+    against 8 of `experts` matrices of 512 x 2048 (Qwen3.5-35B-A3B's expert gate; the 8 chosen at
+    random, without repeats), for the types that compute experts."""
+    import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_hybrid.loaders.quantized import BLOCK_TYPES
+    from mlx_hybrid.ops import cpu_quantized, products as ops_products
+    from mlx_hybrid.quantized_tensor import no_codes
+
+    n, k, chosen = 512, 2048, 8
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((tokens, 1, k)).astype(np.float32))
+    indices = mx.array(np.stack([rng.choice(experts, chosen, replace=False) for _ in range(tokens)]).astype(np.uint32))
+    timed = {}
+    for name in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "MXFP4"):
+        bits, group_size, _, block = BLOCK_TYPES[name]
+        q = cpu_quantized.random_block_weights((experts, n, k), bits, group_size, block)
+        held_type = ops_products.int8_type(q.bits, q.group_size, q.block)
+        codes = no_codes(q.scales) if q.biases is None else q.biases
+        timed[name] = lambda q=q, codes=codes, held_type=held_type: cpu_quantized.int8_gather_matmul(
+            x, q.weight, q.scales, codes, indices, held_type)  # fmt: skip
+    print(f"{tokens} tokens x {chosen} of {experts} experts ({n} x {k}), the best of {rounds} rounds of 20")
+    time_products(timed, rounds, 20)
 
 
 def main():
@@ -215,9 +251,16 @@ def main():
     p.add_argument("--timeout", type=float, default=900, help="seconds a single measurement may take")
     p.add_argument("--kernels", action="store_true", help="time each type's product alone (no files) and stop")
     p.add_argument("--rows", type=int, default=1, help="--kernels: rows of x a product (1: a decode step's)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="--kernels: time expert products instead, --rows tokens each against 8 of this many "
+                        "experts")
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.kernels:
+        if args.experts:
+            if args.experts < 8:
+                p.error("--experts: at least 8 (each token chooses 8)")
+            return expert_kernels(max(args.rounds, 3), args.rows, args.experts)
         return kernels(max(args.rounds, 3), args.rows)
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")

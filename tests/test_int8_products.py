@@ -480,13 +480,16 @@ def test_a_grid_type_takes_its_grid_and_others_none():
     ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q2_K, one row a token", "Q5_1, one row a token",
          "IQ4_NL, rows in eights", "TQ2_0, a row a choice", "MXFP4, rows in eights"],
 )  # fmt: skip
-def test_expert_products_give_each_row_its_product_alone(held_type, weights, held, shared):
+# (4 tokens' rows over 5 matrices; 20 tokens' over 3: the rows that chose one expert taken together, in
+# tiles of up to 8 or 16 and a short last one)
+@pytest.mark.parametrize("tokens, experts", [(4, 5), (20, 3)], ids=["few rows an expert", "many rows an expert"])
+def test_expert_products_give_each_row_its_product_alone(held_type, weights, held, shared, tokens, experts):
     rng = np.random.default_rng(7 + held_type)
-    matrices = held(*weights(rng, (5, 16, 512)))
-    indices = rng.integers(0, 5, (4, 2)).astype(np.uint32)
-    x = rng.standard_normal((4, 1 if shared else 2, 512)).astype(np.float32)
+    matrices = held(*weights(rng, (experts, 16, 512)))
+    indices = np.stack([rng.choice(experts, 2, replace=False) for _ in range(tokens)]).astype(np.uint32)
+    x = rng.standard_normal((tokens, 1 if shared else 2, 512)).astype(np.float32)
     got = np.array(cpu_quantized.int8_gather_matmul(mx.array(x), *matrices, mx.array(indices), held_type))
-    for t in range(4):
+    for t in range(tokens):
         for j, e in enumerate(indices[t]):
             row = x[t, 0 if shared else j][None]
             np.testing.assert_array_equal(got[t, j], product(row, tuple(a[int(e)] for a in matrices), held_type)[0])

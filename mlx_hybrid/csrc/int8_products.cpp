@@ -38,10 +38,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "gguf_grid.h"
@@ -1152,22 +1155,30 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     });
     const long row_bytes = held.bytes;
     const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
-    // rows of x taken at a time where they share the matrix (not an expert product's), each weight row
-    // read once for them; Q4_K matrices of rows in eights take 8 weight rows at a time too (one row of x
-    // alone: dot_row_q4_k, the same arithmetic)
+    // rows of x taken at a time where they multiply the same matrix (an expert product's: the rows that
+    // chose the same expert), each weight row read once for them; Q4_K matrices of rows in eights take 8
+    // weight rows at a time too (one row of x alone: dot_row_q4_k, the same arithmetic)
     const bool q4_k_eights = s.type == Q4_K && repacked && M > 1;
     const bool wide = mlx_hybrid::avx512_in_use(), groups16 = s.type == Q6_K || s.type == Q3_K || s.type == Q2_K;
-    const int tile = indices ? 1 : q4_k_eights ? 4 : groups16 && wide && K <= 2048 ? 16 : 8;
+    const int tile = q4_k_eights ? 4 : groups16 && wide && K <= 2048 ? 16 : 8;
+    std::vector<int> order(M);  // output rows, an expert product's by the matrix they multiply
+    std::iota(order.begin(), order.end(), 0);
+    if (indices) std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return indices[a] < indices[b]; });
+    std::vector<std::pair<int, int>> tiles;  // (first place in order, rows)
+    for (int at = 0; at < M;) {
+        int rows = 1;
+        while (rows < tile && at + rows < M && (!indices || indices[order[at + rows]] == indices[order[at]])) rows++;
+        tiles.emplace_back(at, rows), at += rows;
+    }
     Pool::get().run(parts, (long)N * K * M >= (1L << 18), [&](int part) {
         const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
-        for (int m = 0; m < M; m += tile) {
-            const int rows = std::min(tile, M - m);
-            const long matrix = indices ? indices[m] : 0;
+        for (const auto& [at, rows] : tiles) {
+            const long matrix = indices ? indices[order[at]] : 0;
             const int8_t* codes[TILE_ROWS];
             const float *d[TILE_ROWS], *x_s[TILE_ROWS];
             const int16_t* shared[TILE_ROWS];
             for (int i = 0; i < rows; i++) {
-                const long r = s.shared ? (m + i) / s.chosen : m + i;
+                const long m = order[at + i], r = s.shared ? m / s.chosen : m;
                 codes[i] = q.codes.data() + r * K, d[i] = q.d.data() + r * blocks;
                 shared[i] = q.shared.data() + r * row_shared, x_s[i] = q.s.data() + r * blocks;
             }
@@ -1182,7 +1193,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 const uint16_t* factor_row = (const uint16_t*)scales;
                 const int8_t* code_row = w_codes + row * held.codes;
                 float* out[TILE_ROWS];
-                for (int i = 0; i < rows; i++) out[i] = y + (long)(m + i) * N + n;
+                for (int i = 0; i < rows; i++) out[i] = y + (long)order[at + i] * N + n;
                 if (q4_k_eights) {
                     by_powers_of_two<4>(rows, [&](auto R, int i) {
                         dot_rows8_q4_k<decltype(R)::value>(w_row, row_bytes, factor_row, held.factors, code_row,
