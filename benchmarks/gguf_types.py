@@ -221,7 +221,8 @@ def expert_kernels(rounds: int, tokens: int, experts: int):
     n, k, chosen = 512, 2048, 8
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((tokens, 1, k)).astype(np.float32))
-    indices = mx.array(np.stack([rng.choice(experts, chosen, replace=False) for _ in range(tokens)]).astype(np.uint32))
+    choices = np.stack([rng.choice(experts, chosen, replace=False) for _ in range(tokens)])
+    indices = mx.array(choices.astype(np.uint32))
     timed = {}
     for name in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "MXFP4"):
         bits, group_size, _, block = BLOCK_TYPES[name]
