@@ -196,6 +196,14 @@ INT8_FN void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, i
                 shared[b * 16 + 2 * g + 1] = sum;
             }
         }
+        if (type == TQ2_0) {  // tq2_step's order: step s of 128 values holds value 32 r + 4 l + s at 4 l + r
+            for (int chunk = 0; chunk < SUPER_BLOCK / 128; chunk++)
+                for (int step = 0; step < 4; step++)
+                    for (int i = 0; i < 32; i++)
+                        codes[b * SUPER_BLOCK + chunk * 128 + step * 32 + i] =
+                            ordered[chunk * 128 + 32 * (i % 4) + 4 * (i / 4) + step];
+            continue;
+        }
         const bool nibble_order = type == Q4_K;
         for (int chunk = 0; chunk < SUPER_BLOCK / 64; chunk++)
             for (int i = 0; i < 32; i++) {
@@ -817,6 +825,19 @@ INT8_FN void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const i
     }
 }
 
+// TQ2_0's step `sub` of a block of 2-bit values (MLX's packing: byte m of 128 values holds 4m..4m+3),
+// as its lanes sum them: lane l of step s (of 4 a 128) holds value 32 r + 4 l + s at byte r (each lane
+// the values 4l..4l+3 of every 32, as llama.cpp's lanes; x's codes quantized in this order). Value s of
+// bytes 8r + l: the shifted bytes' dwords 0 2 4 6 | 1 3 5 7, then each half's 4 x 4 bytes transposed.
+INT8_FN inline __m256i tq2_step(const uint8_t* block, int sub) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i*)(block + 32 * (sub / 4)));
+    const __m256i values = _mm256_and_si256(_mm256_srli_epi16(bytes, 2 * (sub % 4)), _mm256_set1_epi8(3));
+    const __m256i dwords = _mm256_permutevar8x32_epi32(values, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5,
+                                               9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm256_shuffle_epi8(dwords, transpose);
+}
+
 // ggml_vec_dot_tq1_0_q8_K's and ggml_vec_dot_tq2_0_q8_K's AVX2 arithmetic for one weight row (TQ1_0: the
 // file's blocks, decoded as gguf_grid.h's ternary_lanes; TQ2_0: 2-bit values packed, d a block) and one
 // row of x quantized to Q8_K (in value order, its sums of 16 codes): per block, lane k of 8 sums values
@@ -834,18 +855,12 @@ INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const i
         const uint8_t* block = w + (long)b * BLOCK_BYTES;
         __m256i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
-        for (int sub = 0; sub < 8; sub += 2) {
-            __m256i q[2];
-            if constexpr (TQ1)
-                for (int h = 0; h < 2; h++) q[h] = grid::ternary_digits(block, sub + h);
-            else
-                unpack_runs<2>(block + sub * BLOCK / 4, q[0], q[1]);
-            for (int h = 0; h < 2; h++)
-                for (int r = 0; r < R; r++) {
-                    const __m256i codes =
-                        _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + (sub + h) * BLOCK));
-                    sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[h], codes), one_word));
-                }
+        for (int sub = 0; sub < 8; sub++) {
+            const __m256i q = TQ1 ? grid::ternary_digits(block, sub) : tq2_step(block, sub);
+            for (int r = 0; r < R; r++) {
+                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + sub * BLOCK));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, codes), one_word));
+            }
         }
         const float d_w = _cvtsh_ss(TQ1 ? grid::grid_d(grid::TQ1_0, block) : factors[b]);
         for (int r = 0; r < R; r++) {
