@@ -90,7 +90,7 @@ struct Q8Shape {
 };
 
 // Rows of x quantized for a type: codes [rows, K] (Q4_K's in the order its nibbles are read: each
-// 64 values' even ones, then their odd ones), each block's d, and what the weight rows share of x:
+// 64 values' even ones, then their odd ones; TQ2_0's in tq2_step's order), each block's d, and what the weight rows share of x:
 // Q4_K's and Q5_K's group sums of codes as int16 (0, sum) pairs, 16 a block (m_j's products in one
 // madd); Q2_K's, Q6_K's, TQ1_0's, TQ2_0's and IQ1_S's sums of 16 codes (llama.cpp's bsums); Q3_K's
 // 4 (x_2i + x_2i+1) a code pair (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's 8
@@ -839,11 +839,12 @@ INT8_FN inline __m256i tq2_step(const uint8_t* block, int sub) {
 }
 
 // ggml_vec_dot_tq1_0_q8_K's and ggml_vec_dot_tq2_0_q8_K's AVX2 arithmetic for one weight row (TQ1_0: the
-// file's blocks, decoded as gguf_grid.h's ternary_lanes; TQ2_0: 2-bit values packed, d a block) and one
-// row of x quantized to Q8_K (in value order, its sums of 16 codes): per block, lane k of 8 sums values
-// 4k..4k+3 of every 32 (q, 0 to 2, times the codes) less the codes 32k..32k+31 (llama.cpp's -1 taken by
-// the sums of 16, as its 16-bit lanes take them), then times d_w d_x into its float lane (a fused
-// multiply-add); the lanes' tree. R rows of x at once (x[r], x_d[r], x_sums[r]; *out[r] gets row r's).
+// file's blocks, decoded as gguf_grid.h's ternary_digits; TQ2_0: 2-bit values packed, d a block, read
+// as tq2_step lays them out) and one row of x quantized to Q8_K (in value order, TQ2_0's in tq2_step's;
+// its sums of 16 codes in value order): per block, lane k of 8 sums values 4k..4k+3 of every 32 (q, 0 to
+// 2, times the codes) less the codes 32k..32k+31 (llama.cpp's -1 taken by the sums of 16, as its 16-bit
+// lanes take them), then times d_w d_x into its float lane (a fused multiply-add); the lanes' tree. R
+// rows of x at once (x[r], x_d[r], x_sums[r]; *out[r] gets row r's).
 template <bool TQ1, int R = 1>
 INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const int8_t* const* x,
                               const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
