@@ -90,12 +90,12 @@ struct Q8Shape {
 };
 
 // Rows of x quantized for a type: codes [rows, K] (Q4_K's in the order its nibbles are read: each
-// 64 values' even ones, then their odd ones; TQ2_0's in tq2_step's order), each block's d, and what the weight rows share of x:
-// Q4_K's and Q5_K's group sums of codes as int16 (0, sum) pairs, 16 a block (m_j's products in one
-// madd); Q2_K's, Q6_K's, TQ1_0's, TQ2_0's and IQ1_S's sums of 16 codes (llama.cpp's bsums); Q3_K's
-// 4 (x_2i + x_2i+1) a code pair (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's 8
-// likewise (Q4_0, IQ4_NL and MXFP4 rows in eights: each block's sum of codes); Q5_1's and Q4_1's Q8_1
-// blocks: each block's s, d times its sum of codes as float16.
+// 64 values' even ones, then their odd ones; TQ2_0's in tq2_step's order), each block's d, and what
+// the weight rows share of x: Q4_K's and Q5_K's group sums of codes as int16 (0, sum) pairs, 16 a block
+// (m_j's products in one madd); Q2_K's, Q6_K's, TQ1_0's, TQ2_0's and IQ1_S's sums of 16 codes
+// (llama.cpp's bsums); Q3_K's 4 (x_2i + x_2i+1) a code pair (the -4 of q - 4, as maddubs(4, x) gives
+// it), Q5_0's 16 and Q4_0's 8 likewise (Q4_0, IQ4_NL and MXFP4 rows in eights: each block's sum of
+// codes); Q5_1's and Q4_1's Q8_1 blocks: each block's s, d times its sum of codes as float16.
 struct QuantizedRows {
     std::vector<int8_t> codes;
     std::vector<float> d;
@@ -143,8 +143,8 @@ INT8_FN void quantize_row(const float* x, int K, int8_t* codes, float* d, float*
 }
 
 // llama.cpp's quantize_row_q8_K (x86 takes its reference code); codes stored in value order, or for
-// Q4_K's reading of nibbles (each 64 values' even ones, then their odd ones); `shared` as the type's
-// kernel reads it (QuantizedRows).
+// Q4_K's reading of nibbles (each 64 values' even ones, then their odd ones), or in tq2_step's order
+// (TQ2_0); `shared` as the type's kernel reads it (QuantizedRows).
 INT8_FN void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, int16_t* shared, Type type) {
     alignas(32) int8_t ordered[SUPER_BLOCK];
     const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -327,7 +327,8 @@ INT8_FN void dot_rows8_q4_k(const uint8_t* w, long row_bytes, const uint16_t* fa
                                       _mm256_unpacklo_epi64(a1, a3), _mm256_unpackhi_epi64(a1, a3)};
             __m256i even[4], odd[4];  // values 2i and 2i + 1 of bytes 4q..4q+3 (quad q)
             for (int q = 0; q < 4; q++)
-                even[q] = _mm256_and_si256(quads[q], low), odd[q] = _mm256_and_si256(_mm256_srli_epi16(quads[q], 4), low);
+                even[q] = _mm256_and_si256(quads[q], low),
+                odd[q] = _mm256_and_si256(_mm256_srli_epi16(quads[q], 4), low);
             const __m256i scales = _mm256_shuffle_epi8(groups[g], scale_pair);
             // x's codes of group g: its even values, then (32 on) its odd ones (QuantizedRows' order)
             const long x_at = (long)b * SUPER_BLOCK + g / 2 * 64 + g % 2 * 16;
@@ -551,7 +552,6 @@ INT8_FN inline void unpack_runs(const uint8_t* p, __m256i& first, __m256i& secon
 }
 
 // A groups-of-16 K-quant block's scales, as dot_rows_groups16 reads them
-template <int BITS>
 struct Groups16Block {
     __m256i scales;  // the block's 16 scales as int16 (Q2_K: sc_j)
     __m256i first, last;  // runs 0-3's and 4-7's scales in both halves (dword r: run r's pair)
@@ -559,7 +559,7 @@ struct Groups16Block {
 
 // A block's scales; Q2_K's m_j times each row's sums of 16 into its lanes (acc[r]) first
 template <int BITS, int R>
-INT8_FN inline Groups16Block<BITS> groups16_block(const uint16_t* factors, const int8_t* w_codes,
+INT8_FN inline Groups16Block groups16_block(const uint16_t* factors, const int8_t* w_codes,
                                                   const int16_t* const* x_shared, const float* const* x_d, int b,
                                                   __m256 (&acc)[R]) {
     const __m128i codes = _mm_loadu_si128((const __m128i*)(w_codes + 16 * b));
@@ -568,7 +568,8 @@ INT8_FN inline Groups16Block<BITS> groups16_block(const uint16_t* factors, const
         const __m128i nibbles = _mm_set1_epi8(0x0F);
         const __m256i mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(codes, 4), nibbles));
         for (int r = 0; r < R; r++) {
-            const __m256i group_mins = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(x_shared[r] + 16 * b)));
+            const __m256i group_mins =
+                _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i*)(x_shared[r] + 16 * b)));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * _cvtsh_ss(factors[2 * b + 1])),
                                      _mm256_cvtepi32_ps(group_mins), acc[r]);
         }
@@ -578,17 +579,17 @@ INT8_FN inline Groups16Block<BITS> groups16_block(const uint16_t* factors, const
 }
 
 // run `run`'s two scales in lanes of 4 (pick_scales of the block's half it is in)
-template <int BITS>
-INT8_FN inline __m256i run_scales(const Groups16Block<BITS>& block, int run) {
+INT8_FN inline __m256i run_scales(const Groups16Block& block, int run) {
     return pick_scales(run < 4 ? block.first : block.last, 2 * (run % 4), 2 * (run % 4) + 1);
 }
 
 // A row's block sums (lanes) into its float lanes: Q6_K's less 32 sc_j times the sums of 16, times d_w d_x
 template <int BITS>
-INT8_FN inline void groups16_block_end(const Groups16Block<BITS>& block, __m256i sums, const uint16_t* factors,
+INT8_FN inline void groups16_block_end(const Groups16Block& block, __m256i sums, const uint16_t* factors,
                                        const int16_t* x_shared, float x_d, int b, __m256& acc) {
     if constexpr (BITS == 6) {
-        const __m256i offsets = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_shared + 16 * b)), block.scales);
+        const __m256i offsets =
+            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_shared + 16 * b)), block.scales);
         sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offsets, 5));
     }
     const float d = x_d * _cvtsh_ss(factors[BITS == 2 ? 2 * b : b]);
@@ -611,7 +612,7 @@ INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const 
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const Groups16Block<BITS> block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
+        const Groups16Block block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
         __m256i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4  // (the scales' shuffles then constants)
@@ -629,7 +630,8 @@ INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const 
                 }
             }
         }
-        for (int r = 0; r < R; r++) groups16_block_end(block, sums[r], factors, x_shared[r], x_d[r][b], b, acc[r]);
+        for (int r = 0; r < R; r++)
+            groups16_block_end<BITS>(block, sums[r], factors, x_shared[r], x_d[r][b], b, acc[r]);
     }
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
@@ -644,7 +646,7 @@ INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* facto
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const Groups16Block<BITS> block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
+        const Groups16Block block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
         __m512i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -664,7 +666,7 @@ INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* facto
         for (int r = 0; r < R; r++) {
             const __m256i halves =
                 _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
-            groups16_block_end(block, halves, factors, x_shared[r], x_d[r][b], b, acc[r]);
+            groups16_block_end<BITS>(block, halves, factors, x_shared[r], x_d[r][b], b, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
@@ -688,9 +690,9 @@ INT8_FN void dot_rows_b32(const uint8_t* w, const uint16_t* factors, const int8_
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
     for (int b = 0; b < blocks; b++) {
         const __m256i q = unpack_run<BITS>(w + b * 4 * BITS);
-        const float d_w = _cvtsh_ss(factors[WITH_M ? 2 * b : b]);
+        const float d_w = _cvtsh_ss(factors[WITH_M ? 2 * b : b]), m_w = WITH_M ? _cvtsh_ss(factors[2 * b + 1]) : 0;
         for (int r = 0; r < R; r++) {
-            if constexpr (WITH_M) mins[r] = std::fma(_cvtsh_ss(factors[2 * b + 1]), x_s[r][b], mins[r]);
+            if constexpr (WITH_M) mins[r] = std::fma(m_w, x_s[r][b], mins[r]);
             __m256i pairs = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(x[r] + b * 32)));
             if constexpr (!WITH_M)
                 pairs = _mm256_sub_epi16(pairs, _mm256_loadu_si256((const __m256i*)(x_pairs[r] + b * 16)));
@@ -1068,7 +1070,7 @@ INT8_FN void dot_rows_q8_0(const uint8_t* w, const uint16_t* w_d, const int8_t* 
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const int8_t* rows[R];
+    const int8_t* rows[R];  // (held here: read through x in the loop, one row decoded measurably slower)
     const float* row_d[R];
     for (int r = 0; r < R; r++) rows[r] = x[r], row_d[r] = x_d[r];
     for (int b = 0; b < blocks; b++) {
@@ -1077,7 +1079,8 @@ INT8_FN void dot_rows_q8_0(const uint8_t* w, const uint16_t* w_d, const int8_t* 
         const float d_w = _cvtsh_ss(w_d[b]);
         for (int r = 0; r < R; r++) {
             const __m256i codes = _mm256_loadu_si256((const __m256i*)(rows[r] + b * BLOCK));
-            const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(codes, qw)), ones);
+            const __m256i lanes =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(codes, qw)), ones);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * row_d[r][b]), _mm256_cvtepi32_ps(lanes), acc[r]);
         }
     }
@@ -1223,9 +1226,11 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         // (a row alone, a decode step's, waits on memory: the AVX2 body, without the wide
                         // registers' cost)
                         const bool wide_rows = wide && ROWS > 1;
-                        auto product = s.type == Q6_K   ? wide_rows ? dot_rows_groups16_wide<6, ROWS> : dot_rows_groups16<6, ROWS>
-                                       : s.type == Q3_K ? wide_rows ? dot_rows_groups16_wide<3, ROWS> : dot_rows_groups16<3, ROWS>
-                                       : wide_rows      ? dot_rows_groups16_wide<2, ROWS> : dot_rows_groups16<2, ROWS>;
+                        auto product = s.type == Q6_K
+                                           ? wide_rows ? dot_rows_groups16_wide<6, ROWS> : dot_rows_groups16<6, ROWS>
+                                       : s.type == Q3_K
+                                           ? wide_rows ? dot_rows_groups16_wide<3, ROWS> : dot_rows_groups16<3, ROWS>
+                                           : wide_rows ? dot_rows_groups16_wide<2, ROWS> : dot_rows_groups16<2, ROWS>;
                         product(w_row, factor_row, code_row, codes + i, shared + i, d + i, blocks, out + i);
                     });
                     continue;
