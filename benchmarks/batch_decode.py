@@ -104,6 +104,11 @@ def main():
     p.add_argument("--history-tokens", type=int, default=2000)
     p.add_argument("--skip-mlx-lm", action="store_true")
     args = p.parse_args()
+    for name in ("prompt_tokens", "tokens", "draft_tokens", "history_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.batches) < 1 or not 0 <= args.acceptance <= 1:
+        p.error("--batches: sizes of at least 1; --acceptance: a rate from 0 to 1")
 
     model, tokenizer = mlx_hybrid.load(args.checkpoint, dtype=mx.float32)
     vocab = model.args.vocab_size

@@ -126,6 +126,8 @@ def run_llama_cpp(path: Path, tokens: int, prompt_tokens: int, threads: int, lla
 # ours as load() computes a file (llama.cpp's 8-bit activations), with float32 activations, with every
 # matrix dequantized; llama.cpp
 RUNNERS = ("mlx-hybrid", "float32", "dequantized", "llama.cpp")
+# the types whose expert products --experts times beside the grid types (MoE files' usual ones)
+EXPERT_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "MXFP4")
 
 
 def measure_in_child(runner: str, path: Path, args) -> dict:
@@ -155,18 +157,19 @@ def child(args):
     print(json.dumps(result))
 
 
-def kernels(rounds: int, rows: int):
+def kernels(rounds: int, rows: int, types):
     """One decode step's product per type, the kernel alone: 1 row (`rows`: a verify pass's, a prompt's)
     against a 3584 x 1024 matrix (the 0.8B shape's gate projection) of random values in the type's
-    layout, with float32 activations and with llama.cpp's 8-bit ones ("int8"; where a type's products of
-    more than 16 rows keep float32 activations, its int8 line times that path)."""
+    layout, with float32 activations and with llama.cpp's 8-bit ones ("int8": the 8-bit kernel at any
+    rows, past the type's `ops.int8_row_limit` too, where a model's products take the float32 path)."""
     import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
 
     import mlx.core as mx
 
     from mlx_hybrid import ops
     from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
-    from mlx_hybrid.ops import cpu_quantized
+    from mlx_hybrid.ops import cpu_quantized, products as ops_products
+    from mlx_hybrid.quantized_tensor import no_codes
 
     n, k = 3584, 1024
     x = mx.random.normal((rows, k))
@@ -179,12 +182,15 @@ def kernels(rounds: int, rows: int):
                for name, (bits, group_size, _, block) in BLOCK_TYPES.items() if name not in GRID_TYPES}  # fmt: skip
     tensors |= {name: cpu_quantized.random_grid_weights((n, k), grid) for name, grid in GRID_TYPES.items()}
     for name, q in tensors.items():
+        if types and name not in types:
+            continue
         products[name] = lambda q=q: cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size,
                                                                    q.bits, q.block)  # fmt: skip
         if not ops.int8_activations(q.bits, q.group_size, q.block):
-            products[f"{name} int8"] = lambda q=q: ops.quantized_matmul(
-                x, q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits, block=q.block,
-                activations="int8")  # fmt: skip
+            held_type = ops_products.int8_type(q.bits, q.group_size, q.block)
+            codes = no_codes(q.scales) if q.biases is None else q.biases
+            products[f"{name} int8"] = lambda q=q, codes=codes, held_type=held_type: cpu_quantized.int8_matmul(
+                x, q.weight, q.scales, codes, held_type, cpu_quantized.int8_grid(q.block))  # fmt: skip
     calls = max(1, 300 // rows)
     print(f"{rows} x {k} @ ({n} x {k})^T, the best of {rounds} rounds of {calls}")
     time_products(products, rounds, calls)
@@ -205,16 +211,16 @@ def time_products(products: dict, rounds: int, calls: int):
         print(f"{name:15s} {best * 1e6:7.0f} us", flush=True)
 
 
-def expert_kernels(rounds: int, tokens: int, experts: int):
-    """Expert products with llama.cpp's 8-bit activations, the kernel alone: `tokens` rows of x, each
-    against 8 of `experts` matrices of 512 x 2048 (Qwen3.5-35B-A3B's expert gate; the 8 chosen at
-    random, without repeats), for the types that compute experts."""
+def expert_kernels(rounds: int, tokens: int, experts: int, types):
+    """Expert products, the kernels alone: `tokens` rows of x, each against 8 of `experts` matrices of
+    512 x 2048 (Qwen3.5-35B-A3B's expert gate; the 8 chosen at random, without repeats), for the types
+    that compute experts, with float32 activations and with llama.cpp's 8-bit ones ("int8")."""
     import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
 
     import mlx.core as mx
     import numpy as np
 
-    from mlx_hybrid.loaders.quantized import BLOCK_TYPES
+    from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
     from mlx_hybrid.ops import cpu_quantized, products as ops_products
     from mlx_hybrid.quantized_tensor import no_codes
 
@@ -224,13 +230,20 @@ def expert_kernels(rounds: int, tokens: int, experts: int):
     choices = np.stack([rng.choice(experts, chosen, replace=False) for _ in range(tokens)])
     indices = mx.array(choices.astype(np.uint32))
     timed = {}
-    for name in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "MXFP4"):
-        bits, group_size, _, block = BLOCK_TYPES[name]
-        q = cpu_quantized.random_block_weights((experts, n, k), bits, group_size, block)
+    for name in (*EXPERT_TYPES, *GRID_TYPES):
+        if types and name not in types:
+            continue
+        if name in GRID_TYPES:
+            q = cpu_quantized.random_grid_weights((experts, n, k), GRID_TYPES[name])
+        else:
+            bits, group_size, _, block = BLOCK_TYPES[name]
+            q = cpu_quantized.random_block_weights((experts, n, k), bits, group_size, block)
         held_type = ops_products.int8_type(q.bits, q.group_size, q.block)
         codes = no_codes(q.scales) if q.biases is None else q.biases
-        timed[name] = lambda q=q, codes=codes, held_type=held_type: cpu_quantized.int8_gather_matmul(
-            x, q.weight, q.scales, codes, indices, held_type)  # fmt: skip
+        timed[name] = lambda q=q: cpu_quantized.gather_quantized_matmul(
+            x, q.weight, q.scales, q.biases, indices, q.group_size, q.bits, q.block)  # fmt: skip
+        timed[f"{name} int8"] = lambda q=q, codes=codes, held_type=held_type: cpu_quantized.int8_gather_matmul(
+            x, q.weight, q.scales, codes, indices, held_type, cpu_quantized.int8_grid(q.block))  # fmt: skip
     print(f"{tokens} tokens x {chosen} of {experts} experts ({n} x {k}), the best of {rounds} rounds of 20")
     time_products(timed, rounds, 20)
 
@@ -258,11 +271,19 @@ def main():
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.kernels:
+        if args.instruction_set:
+            import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
+
+            from mlx_hybrid.ops import cpu_quantized
+
+            cpu_quantized.extension().use_instruction_set(args.instruction_set)
+        # the kernels of the files' types named (Q4_K_M: Q4_K's), or all of them
+        types = None if args.types == TYPES else {t[:-2] if "_K_" in t else t for t in args.types}
         if args.experts:
             if args.experts < 8:
                 p.error("--experts: at least 8 (each token chooses 8)")
-            return expert_kernels(max(args.rounds, 3), args.rows, args.experts)
-        return kernels(max(args.rounds, 3), args.rows)
+            return expert_kernels(max(args.rounds, 3), args.rows, args.experts, types)
+        return kernels(max(args.rounds, 3), args.rows, types)
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")
     if args.make:

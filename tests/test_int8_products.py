@@ -547,6 +547,69 @@ def test_a_q4_k_m_file_computes_many_rows_as_it_computes_one():
     assert not np.array_equal(together, np.array(floats(rows)))
 
 
+@pytest.mark.parametrize("type_name", list(INT8_TYPES))
+def test_products_take_8_bit_activations_up_to_their_types_row_limit(type_name):
+    """A product of up to its type's row limit (`int8_row_limit`; 160 rows for the types without one)
+    gives each row the bits it gets alone, a decode step's (so a batch's verify pass of 8 rows of 4
+    does too); one row more takes the float32 path, the float32-activation product's bits."""
+    bits, group_size, block = INT8_TYPES[type_name]
+    if type_name in GRID_TYPES:
+        q = cpu_quantized.random_grid_weights((16, 256), GRID_TYPES[type_name])
+    else:
+        q = cpu_quantized.random_block_weights((16, 256), bits, group_size, block)
+    limit = ops.int8_row_limit(bits, group_size, block)
+    rows = 160 if limit is None else limit + 1
+    x = mx.random.normal((rows, 256), key=mx.random.key(5))
+
+    def int8(x):
+        return np.array(ops.quantized_matmul(x, q.weight, q.scales, q.biases, group_size=group_size, bits=bits,
+                                             block=block, activations="int8"))  # fmt: skip
+
+    alone = np.concatenate([int8(x[r : r + 1]) for r in range(rows)])
+    if limit is None:
+        np.testing.assert_array_equal(int8(x), alone)
+        return
+    assert limit >= 32
+    np.testing.assert_array_equal(int8(x[:limit]), alone[:limit])
+    floats = cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size, q.bits, q.block)
+    np.testing.assert_array_equal(int8(x), np.array(floats))
+    assert not np.array_equal(int8(x), alone)
+
+
+@pytest.mark.parametrize("family", ["qwen35", "qwen35moe"])
+def test_a_batch_speculating_on_a_q8_0_file_equals_its_single_runs(family):
+    """8 rows drafting 3 tokens each with the MTP head (passes of 32 tokens, past 16) on a Q8_0 file: each
+    row's greedy tokens those of its run alone. Then a prompt of 50 tokens joins while 6 rows decode: its
+    tokens wait for a pass of their own (24 + 50 would pass Q8_0's 64-row limit and take the float32 path
+    for every row of the pass), and every row still equals its run alone."""
+    from mlx_hybrid.drafting import make_drafter
+    from mlx_hybrid.engine import Engine, PrefixStore
+
+    model, tokenizer = mlx_hybrid.load(FIXTURES / family / "model-Q8_0.gguf")
+    assert model.rows_alike_pass_tokens() == ops.int8_row_limit(*INT8_TYPES["Q8_0"]) == 64
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (3, 9, 14, 5, 2, 11, 7, 16)]
+    late = rng.integers(3, 500, 50).tolist()
+
+    def alone(prompt):
+        return [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=16, draft=None)]
+
+    # prompts of at most 16 tokens fed 16 at a time: each read in products of as many rows as alone
+    engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), num_draft_tokens=3, adaptive=False,
+                    prefill_chunk=16, prefix_store=PrefixStore(0))  # fmt: skip
+    sequences = [engine.submit(p, max_tokens=16) for p in prompts]
+    engine.run()
+    assert [s.tokens for s in sequences] == [alone(p) for p in prompts]
+    engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), num_draft_tokens=3, adaptive=False,
+                    prefix_store=PrefixStore(0))  # fmt: skip
+    sequences = [engine.submit(p, max_tokens=16) for p in prompts[:6]]
+    for _ in range(3):
+        engine.step()
+    sequences.append(engine.submit(late, max_tokens=16))
+    engine.run()
+    assert [s.tokens for s in sequences] == [alone(p) for p in prompts[:6] + [late]]
+
+
 def test_a_gguf_file_computes_llama_cpps_arithmetic_by_default():
     """load() without cpu_activations: a GGUF file's quantized products as llama.cpp computes them (here, where
     the CPU kernels compute them); float32 activations where asked, and for a checkpoint of another runtime."""

@@ -27,7 +27,9 @@ def quantized_modules(model):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_K_M"])
 def test_quantized_files_run_quantized_and_match(family, quant):
-    model, _ = mlx_hybrid.load(FIXTURES / family / f"model-{quant}.gguf", dtype="float32")
+    # float32 activations: what the dequantized weights compute (llama.cpp's 8-bit ones, the default, are
+    # checked against llama.cpp in test_int8_products.py)
+    model, _ = mlx_hybrid.load(FIXTURES / family / f"model-{quant}.gguf", dtype="float32", cpu_activations="float32")
     names = quantized_modules(model)
     assert "layers.0.mlp.switch_mlp.gate_proj" in names or "layers.0.mlp.gate_proj" in names
     assert any(".self_attn." in n or ".linear_attn." in n for n in names)
@@ -164,7 +166,8 @@ def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name, mo
 
 def test_compact_load_runs_quantized_and_matches():
     """The fixtures' block types (Q8_0, Q5_0, Q5_1) have float16 scales: compact is exact for them."""
-    model, _ = mlx_hybrid.load(FIXTURES / "qwen35" / "model-Q4_K_M.gguf", dtype="float32", compact=True)
+    model, _ = mlx_hybrid.load(FIXTURES / "qwen35" / "model-Q4_K_M.gguf", dtype="float32", compact=True,
+                               cpu_activations="float32")  # (the dequantized weights' arithmetic, as the reference's)
     scales = {p: m.scales.dtype for p, m in model.named_modules() if isinstance(m, nn.QuantizedEmbedding)}
     assert scales == {"embed_tokens": mx.float16}
     logits = model(mx.array(reference("qwen35")["input_ids"]))

@@ -10,8 +10,9 @@ Each step runs one model pass over every running sequence, packed along the toke
   that drafted, and each row then accepts, rolls back and adapts on its own (`rows.Row`, its
   `speculative.DraftingPolicy`).
 
-A pass that decodes rows holds at most `ops.rows_alike_pass_tokens()` (a GPU's row kernels'); prompt
-tokens beyond wait for a pass of prompts alone, so a decoding row computes what it does alone.
+A pass that decodes rows holds at most the model's `rows_alike_pass_tokens()` (a GPU's row kernels', a
+GGUF file's 8-bit products' on the CPU); prompt tokens beyond wait for a pass of prompts alone, so a
+decoding row computes what it does alone.
 
 A step's pass has four parts: build the packed batch, run the model, choose tokens (`step`), then
 advance the rows (`_advance`: caches, drafters, events, checkpoints, rows that end).
@@ -88,7 +89,7 @@ class Engine:
         self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
         self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
-        self.pass_tokens = ops.rows_alike_pass_tokens()
+        self.pass_tokens = model.rows_alike_pass_tokens()
         self.prompts_due = False  # the next pass feeds the prompts held back by the last
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.speculation = SpeculativeStats()  # the figures of every finished sequence that drafted

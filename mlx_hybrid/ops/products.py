@@ -113,12 +113,24 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
     return product(x, w, scales, biases)
 
 
-# Products of up to this many rows (decode steps, verify passes) take 8-bit activations where asked;
-# longer ones (prompts, large batches) too for the types whose kernels multiply many rows at least as
-# fast as the float32 path on an AVX2 CPU (Q4_K, Q6_K: docs/benchmarks.md), the float32 path for the
-# others and for expert products
-INT8_ROWS = 16
-INT8_EVERY_ROW = ("Q4_K", "Q6_K")
+# The most rows a product takes 8-bit activations for, where asked (decode steps, verify passes,
+# batches); longer ones (prompts) keep the float32 path, whose dequantized tiles and BLAS multiply
+# many rows faster. Each type's: the most rows of 32, 64, 128 or any at which its 8-bit product was no
+# slower than the float32 path (within the runs' 5%) with AVX2 and AVX-512 builds alike
+# (`benchmarks/gguf_types.py --kernels --rows R`, docs/benchmarks.md); None: any number (Q4_K, Q6_K:
+# within 7% either way at 512 rows; Q4_0, MXFP4; and every type's expert products, 1.3-5x faster
+# than the float32 path's from 16 to 512 tokens). Each 8-bit row is computed alone, so a pass within
+# the limit (a batch's verify pass of 8 rows of 4) gives each row its decode step's bits.
+INT8_ROW_LIMITS = {"Q4_K": None, "Q6_K": None, "Q4_0": None, "MXFP4": None,
+                   "Q2_K": 128, "Q3_K": 128, "IQ4_NL": 128, "IQ4_XS": 128, "TQ2_0": 128, "TQ1_0": 128,
+                   "Q8_0": 64, "Q4_1": 64, "Q5_0": 64, "Q5_1": 64, "Q5_K": 64, "IQ2_XXS": 64}  # fmt: skip
+INT8_ROWS = 32  # the other types' (the grid types')
+
+
+def int8_row_limit(bits: int, group_size: int, block) -> int | None:
+    """The most rows a product of the GGUF type held in this layout takes 8-bit activations for (None:
+    any number)."""
+    return INT8_ROW_LIMITS.get(list(INT8_TYPES)[int8_type(bits, group_size, block)], INT8_ROWS)
 
 
 @lru_cache(maxsize=None)  # (asked on every expert product with 8-bit activations)
@@ -154,10 +166,10 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     if activations == "int8" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
-        every_row = list(INT8_TYPES)[held_type] in INT8_EVERY_ROW
+        limit = int8_row_limit(bits, group_size, block)
 
         def int8_product(x, w, scales, biases):
-            if x.size // x.shape[-1] > INT8_ROWS and not every_row:
+            if limit is not None and x.size // x.shape[-1] > limit:
                 return float_path(x, w, scales, biases)
             codes = no_codes(scales) if biases is None else biases  # (none in MLX's mxfp4 mode)
             return cpu_quantized.int8_matmul(x, w, scales, codes, held_type, grid)
@@ -194,11 +206,8 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
                             activations: str = "float32") -> mx.array:  # fmt: skip
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype (activations: as `quantized_matmul`'s)."""
-    tokens = indices.size // indices.shape[-1]
     biases = no_codes(scales) if biases is None else biases  # (none in MLX's float modes)
-    if activations == "int8" and x.dtype == mx.float32 and tokens <= INT8_ROWS and (
-        int8_activations(bits, group_size, block) is None
-    ):
+    if activations == "int8" and x.dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
         return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
                                                                                    held_type, grid), x, indices)  # fmt: skip
