@@ -100,7 +100,7 @@ def load(
     cpu_activations: how a GGUF file's quantized products compute where the CPU computes. "int8", as
     llama.cpp computes them on x86: each row of activations quantized to the type's 8-bit blocks and
     multiplied in integers, every quantized GGUF type, for products of up to the type's row limit
-    (`ops.int8_row_limit`: 32 to 128 rows, any for Q4_K, Q6_K, Q4_0, MXFP4 and experts; decode steps,
+    (`ops.int8_row_limit`: 32 to 128 rows, any for Q4_K, Q6_K, Q4_0 and experts; decode steps,
     verify passes and batches; a prompt's longer products take float32 ones);
     refused by name where it is not computed (a Hugging Face or MLX checkpoint, a GPU, a CPU without
     this package's kernels, tensors re-quantized by compact=True). "float32": each product computes what

@@ -118,11 +118,12 @@ def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block:
 # many rows faster. Each type's: the most rows of 32, 64, 128 or any at which its 8-bit product was no
 # slower than the float32 path (within the runs' 5%) with AVX2 and AVX-512 builds alike
 # (`benchmarks/gguf_types.py --kernels --rows R`, docs/benchmarks.md); None: any number (Q4_K, Q6_K:
-# within 7% either way at 512 rows; Q4_0, MXFP4; and every type's expert products, 1.3-5x faster
-# than the float32 path's from 16 to 512 tokens). Each 8-bit row is computed alone, so a pass within
+# within 7% either way at 512 rows; Q4_0; and every type's expert products, 1.2-3.3x faster than
+# the float32 path's from 16 to 512 tokens). Each 8-bit row is computed alone, so a pass within
 # the limit (a batch's verify pass of 8 rows of 4) gives each row its decode step's bits.
-INT8_ROW_LIMITS = {"Q4_K": None, "Q6_K": None, "Q4_0": None, "MXFP4": None,
-                   "Q2_K": 128, "Q3_K": 128, "IQ4_NL": 128, "IQ4_XS": 128, "TQ2_0": 128, "TQ1_0": 128,
+INT8_ROW_LIMITS = {"Q4_K": None, "Q6_K": None, "Q4_0": None,
+                   "Q2_K": 128, "Q3_K": 128, "IQ4_NL": 128, "IQ4_XS": 128, "MXFP4": 128, "TQ2_0": 128,
+                   "TQ1_0": 128,
                    "Q8_0": 64, "Q4_1": 64, "Q5_0": 64, "Q5_1": 64, "Q5_K": 64, "IQ2_XXS": 64}  # fmt: skip
 INT8_ROWS = 32  # the other types' (the grid types')
 
