@@ -93,9 +93,10 @@ struct Q8Shape {
 // 64 values' even ones, then their odd ones; TQ2_0's in tq2_step's order), each block's d, and what
 // the weight rows share of x: Q4_K's and Q5_K's group sums of codes as int16 (0, sum) pairs, 16 a block
 // (m_j's products in one madd); Q2_K's, Q6_K's, TQ1_0's, TQ2_0's and IQ1_S's sums of 16 codes
-// (llama.cpp's bsums); Q3_K's 4 (x_2i + x_2i+1) a code pair (the -4 of q - 4, as maddubs(4, x) gives
-// it), Q5_0's 16 and Q4_0's 8 likewise (Q4_0, IQ4_NL and MXFP4 rows in eights: each block's sum of
-// codes); Q5_1's and Q4_1's Q8_1 blocks: each block's s, d times its sum of codes as float16.
+// (llama.cpp's bsums); IQ1_M's sums of 4 as (sum, 0) pairs, a lane's (its deltas' products in one madd);
+// Q3_K's 4 (x_2i + x_2i+1) a code pair (the -4 of q - 4, as maddubs(4, x) gives it), Q5_0's 16 and Q4_0's
+// 8 likewise (Q4_0, IQ4_NL and MXFP4 rows in eights: each block's sum of codes); Q5_1's and Q4_1's Q8_1
+// blocks: each block's s, d times its sum of codes as float16.
 struct QuantizedRows {
     std::vector<int8_t> codes;
     std::vector<float> d;
@@ -187,6 +188,12 @@ INT8_FN void quantize_row_q8_k(const float* x, int K, int8_t* codes, float* d, i
                 int16_t sum = 0;
                 for (int i = 0; i < 16; i++) sum += ordered[g * 16 + i];
                 shared[b * 16 + g] = sum;
+            }
+        } else if (type == IQ1_M) {  // sums of 4 codes, as (sum, 0) int16 pairs
+            for (int lane = 0; lane < SUPER_BLOCK / 4; lane++) {
+                shared[b * SUPER_BLOCK / 2 + 2 * lane] = (int16_t)(ordered[4 * lane] + ordered[4 * lane + 1] +
+                                                                   ordered[4 * lane + 2] + ordered[4 * lane + 3]);
+                shared[b * SUPER_BLOCK / 2 + 2 * lane + 1] = 0;
             }
         } else if (type == Q4_K || type == Q5_K) {
             for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
@@ -759,8 +766,9 @@ INT8_FN inline __m256i signed_lanes(__m256i magnitudes, __m256i v, __m256i x) {
 // scale 2 s + 1 (IQ2_XS's, IQ2_S's and IQ1_M's: one a 16 values) as integers, then times d_w d_x into
 // its float lane (a fused multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's
 // 0.125f, 0.25f: exact). The IQ1 types' grid values are -1, 0 and 1 and their deltas of +-1/8 a sum of
-// their own: the deltas times the codes times the scales, likewise in lanes (IQ1_M), or one integer a
-// block (IQ1_S: a step's one sign times x's sums of 16, x_sums), into float sums by fused multiply-adds;
+// their own: the deltas times the codes times the scales, likewise in lanes (IQ1_M: a lane's 4 values share
+// a delta, so its sum of 4 codes, x_sums, times the delta's sign and the scale), or one integer a block
+// (IQ1_S: a step's one sign times x's sums of 16, x_sums), into float sums by fused multiply-adds;
 // their tree (IQ1_M) times 1/8 added at the end. R rows of x at once (x[r], x_d[r], x_sums[r]; *out[r]
 // gets row r's product), each grid row looked up once for them.
 template <int VALUES, int R = 1>
@@ -788,20 +796,27 @@ INT8_FN void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const i
                                           _mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub + 1) + 1)));
             else
                 scale = _mm256_set1_epi16((short)(2 * grid::grid_code(VALUES, block, sub) + 1));
-            __m256i v, deltas = _mm256_setzero_si256();
+            __m256i v, delta_scales = _mm256_setzero_si256();
             if constexpr (IQ1) {
                 const grid::Iq1Step step = grid::iq1_step<VALUES>(block, sub, grid_rows);
                 v = _mm256_sign_epi8(ones, step.rows);  // (the grid's rows are 8 g)
-                deltas = step.deltas;
+                if constexpr (VALUES == grid::IQ1_M) {
+                    // each lane's delta sign (one a row of 8: its first byte's) times its scale, an int32 whose
+                    // low word the madd takes (x's sums of 4 come with a high word of 0)
+                    const __m256i lane_signs = _mm256_srai_epi32(_mm256_slli_epi32(step.deltas, 24), 24);
+                    delta_scales = _mm256_sign_epi32(_mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF)), lane_signs);
+                }
             } else {
                 v = grid::grid_lanes<VALUES>(row, 8 * b + sub, grid_rows);
             }
-            const __m256i magnitudes = _mm256_sign_epi8(v, v), delta_magnitudes = _mm256_sign_epi8(deltas, deltas);
+            const __m256i magnitudes = _mm256_sign_epi8(v, v);
+            const int at = b * SUPER_BLOCK + sub * BLOCK;
             for (int r = 0; r < R; r++) {
-                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + sub * BLOCK));
-                if constexpr (VALUES == grid::IQ1_M)
+                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + at));
+                if constexpr (VALUES == grid::IQ1_M)  // the deltas times the codes: each lane's sum of 4 codes
                     delta_sums[r] = _mm256_add_epi32(
-                        delta_sums[r], _mm256_madd_epi16(signed_pairs(delta_magnitudes, deltas, codes), scale));
+                        delta_sums[r],
+                        _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums[r] + at / 2)), delta_scales));
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(signed_pairs(magnitudes, v, codes), scale));
             }
         }
