@@ -23,6 +23,8 @@ from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks, no_c
 
 pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
 FLOAT32_EPS = 2.0**-23
+# (33 blocks of 32: the kernels' last block alone, where they take two at a time)
+ODD_BLOCKS = 1056
 
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
@@ -62,7 +64,7 @@ def assert_at_float32_floor(got, want, x, codes, d):
     assert (np.abs(np.asarray(got) - want) <= blocks * FLOAT32_EPS * magnitude + 1e-30).all()
 
 
-@pytest.mark.parametrize("K", [1024, 3584], ids=["0.8B hidden", "0.8B feed-forward"])
+@pytest.mark.parametrize("K", [1024, 3584, ODD_BLOCKS], ids=["0.8B hidden", "0.8B feed-forward", "odd blocks"])
 def test_q8_0_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     rng = np.random.default_rng(K)
     codes, d, held = q8_0_matrix(rng, (24, K))
@@ -292,9 +294,6 @@ B32_TYPES = pytest.mark.parametrize(
 # a block's sum one integer), others as stored (lanes of 4)
 B32_ROWS = pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
 
-
-# (33 blocks: the repacked kernels' last block alone)
-ODD_BLOCKS = 1056
 
 
 @B32_ROWS
