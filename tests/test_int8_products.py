@@ -699,10 +699,61 @@ def test_products_are_llama_cpps_to_the_bit(type_name):
     """Random blocks of each type against llama.cpp's own products of them (vec-dot.npz: its CPU build for
     AVX2, ggml-cpu's quantization of x and the type's vec_dot, as its mul_mat calls them): the same bits."""
     blocks, x, want = (VEC_DOTS[f"{type_name}_{part}"] for part in ("blocks", "x", "out"))
+    if type_name in ("F16", "BF16"):  # (1000 values a row: 31 steps of 32, and 8 added in double)
+        w = mx.array(blocks).view(mx.bfloat16 if type_name == "BF16" else mx.float16)
+        np.testing.assert_array_equal(np.array(cpu_quantized.half_matmul(mx.array(x), w)), want)
+        return
     tensor = from_gguf_blocks(blocks, type_name)
     held_type = next(i for i, name in enumerate(INT8_TYPES) if name == type_name)
     got = product(x, (tensor.weight, tensor.scales, tensor.biases), held_type, cpu_quantized.int8_grid(tensor.block))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("K", [1024, 1000, 7], ids=["0.8B hidden", "8 past the steps", "shorter than a step"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["F16", "BF16"])
+def test_16_bit_products_are_llama_cpps_arithmetic_and_row_invariant(dtype, K):
+    """F16 and BF16 matrices with llama.cpp's 16-bit activations (`half_matmul`) against the arithmetic
+    written in numpy (`half_reference`: x rounded as ggml rounds it, each exact product into its lane by
+    a float32 sum, llama.cpp's trees): exactly, every row the same alone or with others (2 to 16 and 27
+    rows); values halfway between two of the type's round to the even one."""
+    rng = np.random.default_rng(K)
+    w = mx.array((rng.standard_normal((24, K)) / 8).astype(np.float32)).astype(dtype)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+
+    def half(rows):
+        return np.array(cpu_quantized.half_matmul(mx.array(rows), w))
+
+    alone = np.concatenate([half(x[r : r + 1]) for r in range(16)])
+    np.testing.assert_array_equal(alone, cpu_quantized.half_reference(x, np.array(w.astype(mx.float32)),
+                                                                      dtype == mx.bfloat16))  # fmt: skip
+    for rows in (2, 3, 4, 7, 8, 16):
+        np.testing.assert_array_equal(half(x[:rows]), alone[:rows], err_msg=f"{rows} rows")
+    np.testing.assert_array_equal(half(np.concatenate([x, x[:11]])), np.concatenate([alone, alone[:11]]))
+    # the kernel's rounding of x, through an identity matrix: values halfway between two of the type's,
+    # which go to the even one (1 and 1 + 4 ulp), and the largest float32 short of a tie, which goes down
+    ulp = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
+    halfway = np.zeros((1, 32), np.float32)
+    halfway[0, :3] = [1 + ulp / 2, 1 + 3 * ulp / 2, np.nextafter(np.float32(1 + ulp / 2), 0)]
+    got = np.array(cpu_quantized.half_matmul(mx.array(halfway), mx.eye(32, dtype=dtype)))
+    np.testing.assert_array_equal(got[0, :3], [1, 1 + 2 * ulp, 1])
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["F16", "BF16"])
+def test_16_bit_expert_products_gather_each_tokens_matrices(dtype):
+    """20 tokens, each against 3 of 4 matrices (rows that chose the same expert taken together), and a
+    view: each output the product of its row alone with its matrix."""
+    rng = np.random.default_rng(6)
+    w = mx.array((rng.standard_normal((4, 10, 96)) / 8).astype(np.float32)).astype(dtype)
+    indices = mx.array(rng.integers(0, 4, (20, 3)).astype(np.uint32))
+    x = mx.array(rng.standard_normal((20, 1, 96)).astype(np.float32))
+    got = np.array(cpu_quantized.half_gather_matmul(x, w, indices))
+    for t in range(20):
+        for j in range(3):
+            e = int(indices[t, j])
+            np.testing.assert_array_equal(got[t, j], np.array(cpu_quantized.half_matmul(x[t], w[e]))[0])
+    view = mx.array(rng.standard_normal((3, 192)).astype(np.float32))[:, ::2]
+    np.testing.assert_array_equal(np.array(cpu_quantized.half_matmul(view, w[0])),
+                                  np.array(cpu_quantized.half_matmul(mx.contiguous(view), w[0])))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "IQ4_NL"])

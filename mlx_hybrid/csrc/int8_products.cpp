@@ -67,9 +67,10 @@ constexpr int TILE_ROWS = 16;
 enum Type {
     Q8_0 = 0, Q4_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4, Q4_0 = 5, Q4_1 = 6, IQ4_NL = 7, Q5_K = 8, Q3_K = 9, Q2_K = 10,
     IQ4_XS = 11, IQ2_XXS = 12, IQ2_XS = 13, IQ2_S = 14, IQ3_XXS = 15, IQ3_S = 16, IQ1_S = 17, IQ1_M = 18, TQ1_0 = 19,
-    TQ2_0 = 20, MXFP4 = 21
+    TQ2_0 = 20, MXFP4 = 21, F16 = 22, BF16 = 23
 };
-constexpr int TYPES = 22;
+constexpr int TYPES = 22;  // int8_matmul's; F16 and BF16 matrices (llama.cpp's 16-bit activations): half_matmul's
+constexpr bool is_half_type(Type type) { return type == F16 || type == BF16; }
 // the types held as the file's blocks (the grid types and TQ1_0), in gguf_grid's order of them
 constexpr bool is_grid_type(Type type) { return type >= IQ2_XXS && type <= TQ1_0; }
 constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); }
@@ -102,7 +103,28 @@ struct QuantizedRows {
     std::vector<float> d;
     std::vector<int16_t> shared;
     std::vector<float> s;
+    std::vector<float> rounded;  // F16's and BF16's: x rounded to 16 bits, as the float32 values they are
 };
+
+// ggml's fp32_to_fp16 (F16C, to nearest even) and fp32_to_bf16 (to nearest even, a NaN made quiet) of a
+// row, each value back as the float32 it is
+template <bool BF16>
+INT8_FN void round_row_to_16_bits(const float* x, int K, float* out) {
+    int i = 0;
+    for (; !BF16 && i + 8 <= K; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < K; i++) {
+        if constexpr (BF16) {
+            uint32_t u;
+            std::memcpy(&u, x + i, 4);
+            const bool nan = (u & 0x7fffffff) > 0x7f800000;
+            u = nan ? (u | 0x00400000) & 0xffff0000 : ((u + 0x7fff + ((u >> 16) & 1)) >> 16) << 16;
+            std::memcpy(out + i, &u, 4);
+        } else {
+            out[i] = _cvtsh_ss(_cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT));
+        }
+    }
+}
 
 // the sum of a vector's 8 int32 lanes (exact)
 INT8_FN inline int32_t sum_int_lanes(__m256i v) {
@@ -1102,6 +1124,61 @@ INT8_FN void dot_rows_q8_0(const uint8_t* w, const uint16_t* w_d, const int8_t* 
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
+// 8 16-bit values at p as float32
+template <bool BF16>
+INT8_FN inline __m256 half_values(const uint16_t* p) {
+    const __m128i bits = _mm_loadu_si128((const __m128i*)p);
+    if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    return _mm256_cvtph_ps(bits);
+}
+
+template <bool BF16>
+INT8_FN inline float half_value(uint16_t bits) {
+    if constexpr (BF16) {
+        const uint32_t u = (uint32_t)bits << 16;
+        float v;
+        std::memcpy(&v, &u, 4);
+        return v;
+    }
+    return _cvtsh_ss(bits);
+}
+
+// ggml_vec_dot_f16's AVX2 arithmetic (BF16: ggml_vec_dot_bf16's, as llama.cpp's build compiles it, its
+// products and sums fused) for one weight row of 16-bit values and R rows of x rounded to 16 bits
+// (round_row_to_16_bits; x[r], *out[r] gets row r's product): per 32 values, 4 accumulators of 8 lanes
+// each take 8 products by fused multiply-adds (every product exact: 11 or 8 bits a factor); then
+// (0 + 2) + (1 + 3), the halves added, and the 4 lanes F16 (0 + 1) + (2 + 3) (two hadds), BF16
+// (0 + 2) + (1 + 3); the last K mod 32 products (float32, exact) added to that sum in double, rounded
+// to float32 at the end.
+template <bool BF16, int R>
+INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, float* const* out) {
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    const int steps = K / 32 * 32;
+    for (int i = 0; i < steps; i += 32) {
+        __m256 values[4];
+        for (int j = 0; j < 4; j++) values[j] = half_values<BF16>(w + i + 8 * j);
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++)
+                acc[r][j] = _mm256_fmadd_ps(values[j], _mm256_loadu_ps(x[r] + i + 8 * j), acc[r][j]);
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]), _mm256_add_ps(acc[r][1], acc[r][3]));
+        __m128 four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        if constexpr (BF16) {
+            four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+            four = _mm_add_ss(four, _mm_movehdup_ps(four));
+        } else {
+            four = _mm_hadd_ps(four, four);
+            four = _mm_hadd_ps(four, four);
+        }
+        double total = _mm_cvtss_f32(four);
+        for (int i = steps; i < K; i++) total += (double)(half_value<BF16>(w[i]) * x[r][i]);
+        *out[r] = (float)total;
+    }
+}
+
 // A type's held matrix, a row of K inputs: bytes of packed values (the grid types': of the file's
 // blocks), float16 factors, int8 codes; and its x rows' blocks (Q8_K's 256 values, else Q8_0's or
 // Q8_1's 32).
@@ -1111,6 +1188,7 @@ struct Layout {
 };
 
 Layout layout_of(Type type, long K) {
+    if (is_half_type(type)) return {2 * K, 0, 0, 1};
     if (is_grid_type(type)) return {K / SUPER_BLOCK * grid::grid_block_bytes(grid_values(type)), 0, 0, SUPER_BLOCK};
     switch (type) {
         case Q4_K: return {K / 2, 2 * K / SUPER_BLOCK, 2 * K / BLOCK, SUPER_BLOCK};
@@ -1141,12 +1219,13 @@ void by_powers_of_two(int rows, F&& f, int first = 0) {
 // y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
 // matrix it multiplies (the one matrix, or matrix indices[m]).
 void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const bool half = is_half_type(s.type);  // (inputs x, w and an expert product's indices)
     const float* x = in[0].data<float>();
     const uint8_t* w = in[1].data<uint8_t>();
-    const uint8_t* factors = in[2].data<uint8_t>();  // (float16, MXFP4's uint8 exponents)
-    const long factor_size = in[2].itemsize();
-    const int8_t* w_codes = in[3].data<int8_t>();
-    const uint32_t* indices = s.chosen ? in[4].data<uint32_t>() : nullptr;
+    const uint8_t* factors = half ? nullptr : in[2].data<uint8_t>();  // (float16, MXFP4's uint8 exponents)
+    const long factor_size = half ? 0 : in[2].itemsize();
+    const int8_t* w_codes = half ? nullptr : in[3].data<int8_t>();
+    const uint32_t* indices = s.chosen ? in[half ? 2 : 4].data<uint32_t>() : nullptr;
     const uint8_t* grid_rows = is_grid_type(s.type) ? in.back().data<uint8_t>() : nullptr;  // (the last input)
     float* y = outs[0].data<float>();
     const int M = s.rows, K = s.inputs, N = s.outputs, x_rows = s.shared ? M / s.chosen : M;
@@ -1155,10 +1234,17 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const bool repacked = N % 8 == 0, eights = repacked && (s.type == Q4_0 || s.type == IQ4_NL || s.type == MXFP4);
     const int blocks = K / held.x_block;
     const long row_shared = K / 2;  // QuantizedRows' `shared` a row (Q4_K uses K / 16)
-    QuantizedRows q{std::vector<int8_t>((size_t)x_rows * K), std::vector<float>((size_t)x_rows * blocks),
-                    std::vector<int16_t>((size_t)x_rows * row_shared), std::vector<float>((size_t)x_rows * blocks)};
+    const size_t quantized = half ? 0 : x_rows;  // (rows of the 8-bit forms)
+    QuantizedRows q{std::vector<int8_t>(quantized * K), std::vector<float>(quantized * blocks),
+                    std::vector<int16_t>(quantized * row_shared), std::vector<float>(quantized * blocks),
+                    std::vector<float>(half ? (size_t)x_rows * K : 0)};
     // each row alone; in parallel where the rows are many (a prompt's)
     Pool::get().run(x_rows, (long)x_rows * K >= (1L << 15), [&](int r) {
+        if (half) {
+            (s.type == BF16 ? round_row_to_16_bits<true> : round_row_to_16_bits<false>)(x + (long)r * K, K,
+                                                                                       q.rounded.data() + (long)r * K);
+            return;
+        }
         int8_t* codes = q.codes.data() + (long)r * K;
         float* d = q.d.data() + (long)r * blocks;
         int16_t* shared = q.shared.data() + r * row_shared;
@@ -1209,10 +1295,14 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
         for (const auto& [at, rows] : tiles) {
             const long matrix = indices ? indices[order[at]] : 0;
             const int8_t* codes[TILE_ROWS];
-            const float *d[TILE_ROWS], *x_s[TILE_ROWS];
+            const float *d[TILE_ROWS], *x_s[TILE_ROWS], *rounded[TILE_ROWS];
             const int16_t* shared[TILE_ROWS];
             for (int i = 0; i < rows; i++) {
                 const long m = order[at + i], r = s.shared ? m / s.chosen : m;
+                if (half) {
+                    rounded[i] = q.rounded.data() + r * K;
+                    continue;
+                }
                 codes[i] = q.codes.data() + r * K, d[i] = q.d.data() + r * blocks;
                 shared[i] = q.shared.data() + r * row_shared, x_s[i] = q.s.data() + r * blocks;
             }
@@ -1311,6 +1401,15 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         case TQ2_0:
                             dot_rows_ternary<false, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
                             break;
+                        case F16: case BF16:  // (two rows at a time: 4 accumulators a row)
+                            for (int j = 0; j < ROWS; j += 2) {
+                                const auto w16 = (const uint16_t*)w_row;
+                                if (ROWS == 1) (s.type == BF16 ? dot_rows_half<true, 1> : dot_rows_half<false, 1>)(
+                                    w16, rounded + i + j, K, o + j);
+                                else (s.type == BF16 ? dot_rows_half<true, 2> : dot_rows_half<false, 2>)(
+                                    w16, rounded + i + j, K, o + j);
+                            }
+                            break;
                         default: break;  // (Q4_K's rows in eights and the groups of 16: above)
                     }
                 });
@@ -1387,6 +1486,34 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
                      with_grid({x, w, factors, codes, mx::astype(indices, mx::uint32)}, grid));
 }
 
+// x [..., K] float32 @ W^T for W [N, K] float16 or bfloat16, as llama.cpp computes it (x rounded to W's
+// 16 bits, dot_rows_half) -> float32 [..., N]
+mx::array half_matmul(const mx::array& x, const mx::array& w) {
+    if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || w.shape(1) != x.shape(-1) ||
+        (w.dtype() != mx::float16 && w.dtype() != mx::bfloat16))
+        throw std::invalid_argument("half_matmul: x float32 [..., K], a matrix [N, K] of float16 or bfloat16");
+    const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
+    auto shape = x.shape();
+    shape.back() = N;
+    Q8Shape s{M, K, N, 0, false, w.dtype() == mx::bfloat16 ? BF16 : F16};
+    return mx::array(shape, mx::float32, std::make_shared<Q8Product>(mx::default_stream(mx::Device::cpu), s,
+                                                                     "HalfProduct"), {x, w});
+}
+
+// half_matmul against the matrices of w [E, N, K] chosen by indices [T, k], for x [T, 1 or k, K]
+mx::array half_gather_matmul(const mx::array& x, const mx::array& w, const mx::array& indices) {
+    if (x.dtype() != mx::float32 || x.ndim() != 3 || w.ndim() != 3 || w.shape(2) != x.shape(2) ||
+        indices.ndim() != 2 || indices.shape(0) != x.shape(0) || (x.shape(1) != 1 && x.shape(1) != indices.shape(1)) ||
+        (w.dtype() != mx::float16 && w.dtype() != mx::bfloat16))
+        throw std::invalid_argument("half_gather_matmul: x float32 [T, 1 or k, K], matrices [E, N, K] of float16 or "
+                                    "bfloat16, indices [T, k]");
+    const int K = x.shape(2), N = w.shape(1), k = indices.shape(1), M = indices.shape(0) * k;
+    Q8Shape s{M, K, N, k, x.shape(1) == 1, w.dtype() == mx::bfloat16 ? BF16 : F16};
+    return mx::array({indices.shape(0), k, N}, mx::float32,
+                     std::make_shared<Q8Product>(mx::default_stream(mx::Device::cpu), s, "HalfGatherProduct"),
+                     {x, w, mx::astype(indices, mx::uint32)});
+}
+
 }  // namespace
 
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
@@ -1399,4 +1526,8 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(),
           "int8_matmul against the matrices each token chose (experts)");
+    m.def("half_matmul", &half_matmul, nb::arg("x"), nb::arg("w"),
+          "x @ W^T for a float16 or bfloat16 matrix as llama.cpp computes it: x rounded to 16 bits, its dot");
+    m.def("half_gather_matmul", &half_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("indices"),
+          "half_matmul against the matrices each token chose (experts)");
 }

@@ -223,6 +223,59 @@ def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.a
     return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type, grid)
 
 
+def half_matmul(x, w) -> mx.array:
+    """x [..., K] float32 @ W^T for W [N, K] float16 or bfloat16 as llama.cpp computes it on x86 (its AVX2
+    build's ggml_vec_dot_f16 and ggml_vec_dot_bf16): each row of x rounded to W's 16 bits, a row's
+    products in 4 accumulators of 8 lanes: float32 [..., N]."""
+    return extension().half_matmul(x, w)
+
+
+def half_gather_matmul(x, w, indices) -> mx.array:
+    """`half_matmul` for x [T, 1 or k, K] against the matrices of w [E, N, K] chosen by indices [T, k]:
+    float32 [T, k, N]."""
+    return extension().half_gather_matmul(x, w, indices)
+
+
+def rounded_to_16_bits(x: np.ndarray, bfloat16: bool) -> np.ndarray:
+    """x float32 rounded to float16 or bfloat16 as ggml rounds them (to nearest even; a NaN made quiet),
+    as float64."""
+    if not bfloat16:
+        return x.astype(np.float16).astype(np.float64)
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = np.where(nan, (u | 0x400000) >> 16, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    return ((rounded & 0xFFFF) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def half_reference(x: np.ndarray, w: np.ndarray, bfloat16: bool) -> np.ndarray:
+    """llama.cpp's F16 and BF16 products the slow obvious way: x [M, K] float32 rounded to 16 bits, w
+    [N, K] (its values as float32, bfloat16's or float16's); value i of every 32 into accumulator i // 8
+    mod 4, lane i mod 8, each product exact and each sum rounded to float32 (a fused multiply-add); the
+    accumulators (0 + 2) + (1 + 3), the halves, then F16's lanes (0 + 1) + (2 + 3), BF16's (0 + 2) +
+    (1 + 3); the last K mod 32 products added in float64, then float32."""
+    f32 = np.float32
+    xs, ws = rounded_to_16_bits(x, bfloat16), w.astype(np.float64)
+    M, K = xs.shape
+    steps = K // 32 * 32
+    out = np.empty((M, len(ws)), np.float32)
+    for m in range(M):
+        products = xs[m, :steps].reshape(-1, 4, 8)[None] * ws[:, :steps].reshape(len(ws), -1, 4, 8)  # exact
+        acc = np.zeros((len(ws), 4, 8), np.float32)
+        for step in range(products.shape[1]):
+            acc = (acc.astype(np.float64) + products[:, step]).astype(f32)  # (exact before the rounding)
+        lanes = ((acc[:, 0] + acc[:, 2]) + (acc[:, 1] + acc[:, 3])).astype(f32)
+        four = (lanes[:, :4] + lanes[:, 4:]).astype(f32)
+        if bfloat16:
+            total = (four[:, 0] + four[:, 2]) + (four[:, 1] + four[:, 3])
+        else:
+            total = (four[:, 0] + four[:, 1]) + (four[:, 2] + four[:, 3])
+        leftovers = (xs[m, steps:].astype(f32)[None] * ws[:, steps:].astype(f32)).astype(np.float64)
+        for i in range(leftovers.shape[1]):
+            total = total.astype(np.float64) + leftovers[:, i]
+        out[m] = np.asarray(total, np.float64).astype(f32)
+    return out
+
+
 def int8_grid(block) -> mx.array | None:
     """What `int8_matmul` takes beside a matrix of this form: a grid type's grid, else None."""
     return grid_of(block.type_name) if isinstance(block, GridBlocks) else None
