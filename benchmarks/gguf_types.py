@@ -174,7 +174,8 @@ def kernels(rounds: int, rows: int, types):
     """One decode step's product per type, the kernel alone: 1 row (`rows`: a verify pass's, a prompt's)
     against a 3584 x 1024 matrix (the 0.8B shape's gate projection) of random values in the type's
     layout, with float32 activations and with llama.cpp's 8-bit ones ("int8": the 8-bit kernel at any
-    rows, past the type's `ops.int8_row_limit` too, where a model's products take the float32 path)."""
+    rows, past the type's `ops.int8_row_limit` too, where a model's products take the float32 path); the
+    16-bit matrices with float32 activations and with llama.cpp's 16-bit ones ("llama.cpp")."""
     import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
 
     import mlx.core as mx
@@ -189,8 +190,10 @@ def kernels(rounds: int, rows: int, types):
     dense = mx.random.normal((n, k)) / 8
     products = {"float32 (BLAS)": lambda: x @ dense.T}
     for dtype in (mx.bfloat16, mx.float16):
-        w = dense.astype(dtype)
-        products[str(dtype).rsplit(".", 1)[-1]] = lambda w=w: cpu_quantized.matmul_16bit(x, w)
+        w, name = dense.astype(dtype), str(dtype).rsplit(".", 1)[-1]
+        products[name] = lambda w=w: cpu_quantized.matmul_16bit(x, w)
+        # llama.cpp's 16-bit activations (a GGUF file's F16 and BF16 matrices)
+        products[f"{name} llama.cpp"] = lambda w=w: cpu_quantized.half_matmul(x, w)
     tensors = {name: without_subnormal_blocks(cpu_quantized.random_block_weights((n, k), bits, group_size, block))
                for name, (bits, group_size, _, block) in BLOCK_TYPES.items() if name not in GRID_TYPES}  # fmt: skip
     tensors |= {name: cpu_quantized.random_grid_weights((n, k), grid) for name, grid in GRID_TYPES.items()}
@@ -221,7 +224,7 @@ def time_products(products: dict, rounds: int, calls: int):
             for _ in range(calls):
                 mx.eval(product())
             best = min(best, (time.perf_counter() - start) / calls)
-        print(f"{name:15s} {best * 1e6:7.0f} us", flush=True)
+        print(f"{name:20s} {best * 1e6:7.0f} us", flush=True)
 
 
 def expert_kernels(rounds: int, tokens: int, experts: int, types):
@@ -243,6 +246,13 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
     choices = np.stack([rng.choice(experts, chosen, replace=False) for _ in range(tokens)])
     indices = mx.array(choices.astype(np.uint32))
     timed = {}
+    for name in ("F16", "BF16"):  # 16-bit experts, with float32 activations and llama.cpp's 16-bit ones
+        if types and name not in types:
+            continue
+        w = (mx.array(rng.standard_normal((experts, n, k)).astype(np.float32)) / 8).astype(
+            mx.float16 if name == "F16" else mx.bfloat16)
+        timed[name] = lambda w=w: cpu_quantized.gather_matmul_16bit(x, w, indices)
+        timed[f"{name} llama.cpp"] = lambda w=w: cpu_quantized.half_gather_matmul(x, w, indices)
     for name in (*EXPERT_TYPES, *GRID_TYPES):
         if types and name not in types:
             continue

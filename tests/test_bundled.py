@@ -33,6 +33,9 @@ def test_gguf_and_hf_export_agree(bundled, tmp_path):
     model, tokenizer = bundled
     save_hf(model, tokenizer, tmp_path / "hf")
     exported, exported_tokenizer = mlx_hybrid.load(tmp_path / "hf", dtype="float32")
+    # the GGUF file with float activations, as the export computes (by default its F16 products take
+    # llama.cpp's 16-bit activations)
+    model, _ = mlx_hybrid.load(mlx_hybrid.bundled_model_path(), cpu_activations="float32")
     ids = mx.array([tokenizer.encode(PROMPT)])
     assert_close_to_floor(exported(ids), model(ids))  # norms stored as w, not 1 + w: an ulp per weight
     assert exported_tokenizer.encode(PROMPT) == tokenizer.encode(PROMPT)

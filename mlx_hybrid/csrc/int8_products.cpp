@@ -106,20 +106,28 @@ struct QuantizedRows {
     std::vector<float> rounded;  // F16's and BF16's: x rounded to 16 bits, as the float32 values they are
 };
 
+// value i of a step of 32 goes to place bf16_step_place(i) (dot_rows_half's step_values): each 16's even
+// values, then its odd ones; with AVX-512 (dot_rows_half_wide) the step's even values, then its odd ones
+constexpr int bf16_step_place(int i, bool wide) {
+    return wide ? i % 2 * 16 + i / 2 : i / 16 * 16 + i % 2 * 8 + i % 16 / 2;
+}
+
 // ggml's fp32_to_fp16 (F16C, to nearest even) and fp32_to_bf16 (to nearest even, a NaN made quiet) of a
-// row, each value back as the float32 it is
+// row, each value back as the float32 it is; BF16's steps of 32 in bf16_step_place's order, the rest in
+// order
 template <bool BF16>
-INT8_FN void round_row_to_16_bits(const float* x, int K, float* out) {
+INT8_FN void round_row_to_16_bits(const float* x, int K, float* out, bool wide) {
     int i = 0;
     for (; !BF16 && i + 8 <= K; i += 8)
         _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+    const int steps = K / 32 * 32;
     for (; i < K; i++) {
         if constexpr (BF16) {
             uint32_t u;
             std::memcpy(&u, x + i, 4);
             const bool nan = (u & 0x7fffffff) > 0x7f800000;
             u = nan ? (u | 0x00400000) & 0xffff0000 : ((u + 0x7fff + ((u >> 16) & 1)) >> 16) << 16;
-            std::memcpy(out + i, &u, 4);
+            std::memcpy(out + (i < steps ? i / 32 * 32 + bf16_step_place(i % 32, wide) : i), &u, 4);
         } else {
             out[i] = _cvtsh_ss(_cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT));
         }
@@ -1124,14 +1132,6 @@ INT8_FN void dot_rows_q8_0(const uint8_t* w, const uint16_t* w_d, const int8_t* 
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
-// 8 16-bit values at p as float32
-template <bool BF16>
-INT8_FN inline __m256 half_values(const uint16_t* p) {
-    const __m128i bits = _mm_loadu_si128((const __m128i*)p);
-    if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-    return _mm256_cvtph_ps(bits);
-}
-
 template <bool BF16>
 INT8_FN inline float half_value(uint16_t bits) {
     if constexpr (BF16) {
@@ -1143,39 +1143,142 @@ INT8_FN inline float half_value(uint16_t bits) {
     return _cvtsh_ss(bits);
 }
 
+// A step's 32 16-bit values at p as float32, 8 a register: F16's in order (values 8j..8j+7 in
+// register j); BF16's as two loads of 16 split by shifts and masks, the even values of each 16, then
+// their odd ones (BF16_STEP_ORDER), and x's rounded values stored in that order to meet them
+template <bool BF16>
+INT8_FN inline void step_values(const uint16_t* p, __m256 (&out)[4]) {
+    if constexpr (BF16) {
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+        for (int h = 0; h < 2; h++) {
+            const __m256i pairs = _mm256_loadu_si256((const __m256i*)(p + 16 * h));
+            out[2 * h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+            out[2 * h + 1] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+        }
+    } else {
+        for (int j = 0; j < 4; j++) out[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8 * j)));
+    }
+}
+
+// BF16's accumulators of step_values' order back to llama.cpp's: register 2h (the even values of
+// values 16h..16h+15) lane l is accumulator 2h + l / 4's lane 2 (l mod 4), register 2h + 1 its lane 2
+// (l mod 4) + 1
+INT8_FN inline void bf16_accumulators_in_order(__m256 (&acc)[4]) {
+    for (int h = 0; h < 2; h++) {
+        const __m256 low = _mm256_unpacklo_ps(acc[2 * h], acc[2 * h + 1]);
+        const __m256 high = _mm256_unpackhi_ps(acc[2 * h], acc[2 * h + 1]);
+        acc[2 * h] = _mm256_permute2f128_ps(low, high, 0x20), acc[2 * h + 1] = _mm256_permute2f128_ps(low, high, 0x31);
+    }
+}
+
+// A row's product from its 4 accumulators in llama.cpp's order: (0 + 2) + (1 + 3), the halves, the 4
+// lanes F16 (0 + 1) + (2 + 3) (two hadds), BF16 (0 + 2) + (1 + 3); then the products past the steps
+// (float32, exact: w's and x's values from `steps` to K) added in double, rounded to float32
+template <bool BF16>
+INT8_FN inline float half_lanes_total(const __m256 (&acc)[4], const uint16_t* w, const float* x, int steps, int K) {
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    if constexpr (BF16) {
+        four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        four = _mm_add_ss(four, _mm_movehdup_ps(four));
+    } else {
+        four = _mm_hadd_ps(four, four);
+        four = _mm_hadd_ps(four, four);
+    }
+    double total = _mm_cvtss_f32(four);
+    for (int i = steps; i < K; i++) total += (double)(half_value<BF16>(w[i]) * x[i]);
+    return (float)total;
+}
+
 // ggml_vec_dot_f16's AVX2 arithmetic (BF16: ggml_vec_dot_bf16's, as llama.cpp's build compiles it, its
 // products and sums fused) for one weight row of 16-bit values and R rows of x rounded to 16 bits
-// (round_row_to_16_bits; x[r], *out[r] gets row r's product): per 32 values, 4 accumulators of 8 lanes
-// each take 8 products by fused multiply-adds (every product exact: 11 or 8 bits a factor); then
-// (0 + 2) + (1 + 3), the halves added, and the 4 lanes F16 (0 + 1) + (2 + 3) (two hadds), BF16
-// (0 + 2) + (1 + 3); the last K mod 32 products (float32, exact) added to that sum in double, rounded
-// to float32 at the end.
-template <bool BF16, int R>
+// (round_row_to_16_bits; x[r]): per 32 values, 4 accumulators of 8 lanes
+// each take 8 products by fused multiply-adds (every product exact: 11 or 8 bits a factor; each lane
+// the same values in the same order, in step_values' order); then (0 + 2) + (1 + 3), the halves added,
+// and the 4 lanes F16 (0 + 1) + (2 + 3) (two hadds), BF16 (0 + 2) + (1 + 3); the last K mod 32
+// products (float32, exact) added to that sum in double, rounded to float32 at the end. C weight rows
+// at once (each K values after the one before; out[r][c] gets column c's): more streams of loads in
+// flight, for a decode step's row of x, which waits on them.
+template <bool BF16, int R, int C>
 INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, float* const* out) {
-    __m256 acc[R][4];
+    __m256 acc[R][C][4];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+        for (int c = 0; c < C; c++)
+            for (int j = 0; j < 4; j++) acc[r][c][j] = _mm256_setzero_ps();
     const int steps = K / 32 * 32;
     for (int i = 0; i < steps; i += 32) {
-        __m256 values[4];
-        for (int j = 0; j < 4; j++) values[j] = half_values<BF16>(w + i + 8 * j);
+        __m256 values[C][4];
+        for (int c = 0; c < C; c++) {
+            // this step's line 4 KiB on (2 rows at the 0.8B shape's K), one a step as it is read: the
+            // whole row's at once, as the 8-bit kernels take theirs, stalls on full fill buffers
+            _mm_prefetch((const char*)(w + (long)c * K + i) + 4096, _MM_HINT_T0);
+            step_values<BF16>(w + (long)c * K + i, values[c]);
+        }
         for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++)
-                acc[r][j] = _mm256_fmadd_ps(values[j], _mm256_loadu_ps(x[r] + i + 8 * j), acc[r][j]);
+            for (int c = 0; c < C; c++)
+                for (int j = 0; j < 4; j++)
+                    acc[r][c][j] = _mm256_fmadd_ps(values[c][j], _mm256_loadu_ps(x[r] + i + 8 * j), acc[r][c][j]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            if constexpr (BF16) bf16_accumulators_in_order(acc[r][c]);
+            out[r][c] = half_lanes_total<BF16>(acc[r][c], w + (long)c * K, x[r], steps, K);
+        }
+}
+
+// dot_rows_half for `rows` rows of x and `columns` (1 or 2) weight rows: a row alone (a decode step's)
+// against both, more rows 3 at a time against one at a time (their 12 accumulators and a step's 4
+// weight registers fill AVX2's 16)
+template <bool BF16>
+INT8_FN void dot_rows_half_tile(const uint16_t* w, const float* const* x, int rows, int columns, int K,
+                                float* const* out) {
+    if (rows == 1 && columns == 2) return dot_rows_half<BF16, 1, 2>(w, x, K, out);
+    for (int c = 0; c < columns; c++) {
+        float* shifted[TILE_ROWS];
+        for (int r = 0; r < rows; r++) shifted[r] = out[r] + c;
+        const uint16_t* row = w + (long)c * K;
+        int r = 0;
+        for (; r + 3 <= rows; r += 3) dot_rows_half<BF16, 3, 1>(row, x + r, K, shifted + r);
+        if (rows - r == 2) dot_rows_half<BF16, 2, 1>(row, x + r, K, shifted + r);
+        if (rows - r == 1) dot_rows_half<BF16, 1, 1>(row, x + r, K, shifted + r);
+    }
+}
+
+// dot_rows_half with AVX-512: two accumulators a 512-bit register (F16: values 0-15 and 16-31 of a step
+// in order; BF16: the step's even values and its odd ones, x's in that order), so that 8 rows of x take
+// a weight row at once; each lane's operations the AVX2 body's, so the same bits.
+template <bool BF16, int R>
+INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, int K, float* const* out) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int steps = K / 32 * 32;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
+    for (int i = 0; i < steps; i += 32) {
+        _mm_prefetch((const char*)(w + i) + 4096, _MM_HINT_T0);  // (as dot_rows_half's)
+        __m512 values[2];
+        if constexpr (BF16) {
+            const __m512i pairs = _mm512_loadu_si512(w + i);
+            values[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            values[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+        } else {
+            values[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + i)));
+            values[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + i + 16)));
+        }
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++)
+                acc[r][h] = _mm512_fmadd_ps(values[h], _mm512_loadu_ps(x[r] + i + 16 * h), acc[r][h]);
     }
     for (int r = 0; r < R; r++) {
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]), _mm256_add_ps(acc[r][1], acc[r][3]));
-        __m128 four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-        if constexpr (BF16) {
-            four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            four = _mm_add_ss(four, _mm_movehdup_ps(four));
+        __m256 halves[4];
+        if constexpr (BF16) {  // as step_values' registers: even and odd values of 0-15, then of 16-31
+            halves[0] = _mm512_castps512_ps256(acc[r][0]), halves[1] = _mm512_castps512_ps256(acc[r][1]);
+            halves[2] = _mm512_extractf32x8_ps(acc[r][0], 1), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
+            bf16_accumulators_in_order(halves);
         } else {
-            four = _mm_hadd_ps(four, four);
-            four = _mm_hadd_ps(four, four);
+            halves[0] = _mm512_castps512_ps256(acc[r][0]), halves[1] = _mm512_extractf32x8_ps(acc[r][0], 1);
+            halves[2] = _mm512_castps512_ps256(acc[r][1]), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
         }
-        double total = _mm_cvtss_f32(four);
-        for (int i = steps; i < K; i++) total += (double)(half_value<BF16>(w[i]) * x[r][i]);
-        *out[r] = (float)total;
+        *out[r] = half_lanes_total<BF16>(halves, w, x[r], steps, K);
     }
 }
 
@@ -1241,8 +1344,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     // each row alone; in parallel where the rows are many (a prompt's)
     Pool::get().run(x_rows, (long)x_rows * K >= (1L << 15), [&](int r) {
         if (half) {
-            (s.type == BF16 ? round_row_to_16_bits<true> : round_row_to_16_bits<false>)(x + (long)r * K, K,
-                                                                                       q.rounded.data() + (long)r * K);
+            (s.type == BF16 ? round_row_to_16_bits<true> : round_row_to_16_bits<false>)(
+                x + (long)r * K, K, q.rounded.data() + (long)r * K, mlx_hybrid::avx512_in_use());
             return;
         }
         int8_t* codes = q.codes.data() + (long)r * K;
@@ -1306,12 +1409,16 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 codes[i] = q.codes.data() + r * K, d[i] = q.d.data() + r * blocks;
                 shared[i] = q.shared.data() + r * row_shared, x_s[i] = q.s.data() + r * blocks;
             }
-            for (long n = first; n < end; n += eights || q4_k_eights ? 8 : 1) {
+            // weight rows taken at a time: Q4_0's, IQ4_NL's and MXFP4's rows in eights and Q4_K's 8, the
+            // 16-bit types' 2 (dot_rows_half_tile)
+            const int step = eights || q4_k_eights ? 8 : half ? 2 : 1;
+            for (long n = first; n < end; n += step) {
                 const long row = matrix * N + n;
                 const uint8_t* w_row = w + row * row_bytes;
                 // the codes 4 KiB ahead into the cache as this row is read (measured best of 1-8 KiB: the
-                // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time)
-                for (long line = 0; line < (eights || q4_k_eights ? 8 : 1) * row_bytes; line += 64)
+                // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time); the 16-bit
+                // types' a line at a time, in dot_rows_half
+                for (long line = 0; !half && line < std::min<long>(step, end - n) * row_bytes; line += 64)
                     _mm_prefetch((const char*)(w_row + 4096 + line), _MM_HINT_T0);
                 const uint8_t* scales = factors + row * held.factors * factor_size;
                 const uint16_t* factor_row = (const uint16_t*)scales;
@@ -1401,13 +1508,19 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         case TQ2_0:
                             dot_rows_ternary<false, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
                             break;
-                        case F16: case BF16:  // (two rows at a time: 4 accumulators a row)
-                            for (int j = 0; j < ROWS; j += 2) {
-                                const auto w16 = (const uint16_t*)w_row;
-                                if (ROWS == 1) (s.type == BF16 ? dot_rows_half<true, 1> : dot_rows_half<false, 1>)(
-                                    w16, rounded + i + j, K, o + j);
-                                else (s.type == BF16 ? dot_rows_half<true, 2> : dot_rows_half<false, 2>)(
-                                    w16, rounded + i + j, K, o + j);
+                        case F16: case BF16:
+                            // (BF16's x in the wide body's order wherever it runs; F16's a row alone on the
+                            // AVX2 body, two weight rows at once)
+                            if (wide && (ROWS > 1 || s.type == BF16)) {
+                                for (int c = 0; c < std::min<long>(2, end - n); c++) {
+                                    float* shifted[ROWS];
+                                    for (int r = 0; r < ROWS; r++) shifted[r] = o[r] + c;
+                                    (s.type == BF16 ? dot_rows_half_wide<true, ROWS> : dot_rows_half_wide<false, ROWS>)(
+                                        (const uint16_t*)w_row + (long)c * K, rounded + i, K, shifted);
+                                }
+                            } else {
+                                (s.type == BF16 ? dot_rows_half_tile<true> : dot_rows_half_tile<false>)(
+                                    (const uint16_t*)w_row, rounded + i, ROWS, (int)std::min<long>(2, end - n), K, o);
                             }
                             break;
                         default: break;  // (Q4_K's rows in eights and the groups of 16: above)

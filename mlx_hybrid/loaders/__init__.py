@@ -101,7 +101,8 @@ def load(
     llama.cpp computes them on x86: each row of activations quantized to the type's 8-bit blocks and
     multiplied in integers, every quantized GGUF type, for products of up to the type's row limit
     (`ops.int8_row_limit`: 32 to 128 rows, any for Q4_K, Q6_K, Q4_0 and experts; decode steps,
-    verify passes and batches; a prompt's longer products take float32 ones);
+    verify passes and batches; a prompt's longer products take float32 ones), and F16 and BF16 matrices
+    with 16-bit activations (`ops.HALF_ROWS` rows; the bundled model's);
     refused by name where it is not computed (a Hugging Face or MLX checkpoint, a GPU, a CPU without
     this package's kernels, tensors re-quantized by compact=True). "float32": each product computes what
     the file's dequantized weights compute. None (the default): the file's own runtime's arithmetic,
@@ -151,12 +152,19 @@ def _whole_products(group, pipeline: bool) -> bool:
 
 
 def _set_cpu_activations(model, activations: str | None, path: Path, whole_products: bool):
-    """Every quantized product of the model takes `activations` (see `load`), or the load is refused; None:
-    "int8" for a GGUF file whose every product takes it here, whole, else "float32"."""
-    modules = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" in m]
+    """Every quantized product of the model, and every product of a 16-bit matrix, takes `activations`
+    (see `load`), or the load is refused; None: "int8" for a GGUF file whose every such product takes
+    it here, whole, else "float32"."""
+    quantized = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" in m]
+    sixteen_bits = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" not in m
+                    and m.weight.dtype in ops.SIXTEEN_BITS]  # fmt: skip
+    modules = quantized + sixteen_bits
+
+    def refusal(m):
+        return ops.int8_activations(m.bits, m.group_size, m.block) if "scales" in m else ops.half_activations()
+
     if activations is None:
-        computed = whole_products and not path.is_dir() and modules and not any(
-            ops.int8_activations(m.bits, m.group_size, m.block) for m in modules)  # fmt: skip
+        computed = whole_products and not path.is_dir() and modules and not any(map(refusal, modules))
         activations = "int8" if computed else "float32"
     if activations == "float32":
         return
@@ -169,8 +177,10 @@ def _set_cpu_activations(model, activations: str | None, path: Path, whole_produ
                              "--pipeline, keeps products whole)")  # fmt: skip
     refused = {}
     for module in modules:
-        if reason := ops.int8_activations(module.bits, module.group_size, module.block):
-            refused.setdefault(reason, set()).add(block_type_name(module.bits, module.group_size, module.block))
+        if reason := refusal(module):
+            refused.setdefault(reason, set()).add(
+                block_type_name(module.bits, module.group_size, module.block) if "scales" in module
+                else {mx.float16: "F16", mx.bfloat16: "BF16"}[module.weight.dtype])  # fmt: skip
     if refused:
         reason, names = next(iter(refused.items()))
         raise ModelLoadError(f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "

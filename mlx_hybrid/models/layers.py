@@ -142,8 +142,10 @@ class Linear(nn.Linear):
     """nn.Linear through `ops.linear`: weights in another dtype than the input (16-bit weights kept
     as stored under float32 compute), a GPU's decode steps and verify passes row-invariant."""
 
+    activations = "float32"  # "int8": a GGUF file's F16 and BF16 matrices as llama.cpp computes them
+
     def __call__(self, x):
-        return ops.linear(x, self["weight"], self.get("bias"))
+        return ops.linear(x, self["weight"], self.get("bias"), self.activations)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         return _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size, mode)
@@ -165,8 +167,10 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 class Embedding(nn.Embedding):
+    activations = "float32"  # as Linear's, for the embedding as LM head
+
     def as_linear(self, x):
-        return ops.linear(x, self.weight)
+        return ops.linear(x, self.weight, activations=self.activations)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         quantized = QuantizedEmbedding.from_embedding(self, _mlx_group(group_size), bits, mode)
@@ -176,12 +180,14 @@ class Embedding(nn.Embedding):
 class SwitchLinear(nn.Module):
     """Stacked expert matrices [E, out, in], applied to the experts each token selected."""
 
+    activations = "float32"  # as Linear's
+
     def __init__(self, input_dims: int, output_dims: int, num_experts: int):
         super().__init__()
         self.weight = mx.zeros((num_experts, output_dims, input_dims))
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return ops.gather_matmul(x, self.weight.swapaxes(-1, -2), indices)
+        return ops.gather_matmul(x, self.weight.swapaxes(-1, -2), indices, self.activations)
 
     def to_quantized(self, group_size: int = 32, bits: int = 4, mode: str = "affine"):
         quantized = QuantizedSwitchLinear(self.weight.shape, _mlx_group(group_size), bits, mode)

@@ -34,9 +34,9 @@ from .backend import (  # noqa: F401  (where ops compute, for the package)
 )
 from .cpu_extension import CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, ROPE
 from .products import (  # noqa: F401  (the products, for the layers)
-    MLX_GROUP_SIZES, SIXTEEN_BITS, computes_block_scales, computes_quantized, gather_matmul,
-    gather_quantized_matmul, int8_activations, int8_activations_computed, int8_row_limit, keeps_16bit_weights,
-    linear, quantized_matmul, quantized_product_path,
+    HALF_ROWS, MLX_GROUP_SIZES, SIXTEEN_BITS, computes_block_scales, computes_quantized, gather_matmul,
+    gather_quantized_matmul, half_activations, int8_activations, int8_activations_computed, int8_row_limit,
+    keeps_16bit_weights, linear, quantized_matmul, quantized_product_path,
 )
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
@@ -186,18 +186,16 @@ def overlap_decode_steps() -> bool:
     return backend.gpu_computes()
 
 
-def rows_alike_pass_tokens(int8_layouts=()) -> int | None:
+def rows_alike_pass_tokens(int8_row_limits=()) -> int | None:
     """The most tokens a pass that decodes rows may hold for each row to compute what it computes alone,
     where the compute path bounds it: a GPU's row-invariant products take passes of up to
     `row_kernels.ROW_KERNEL_PASS_TOKENS` (8 rows of 16); beyond, MLX's own products tile the rows. On the
-    CPU, a GGUF file's products with 8-bit activations (int8_layouts: their (bits, group_size, block))
-    the fewest of their types' `int8_row_limit`, past which they take the float32 path. None
-    otherwise: the CPU's float products keep a row's sums for any pass up to 16 rows and the BLAS's
-    beyond (docs/speculative.md)."""
+    CPU, a GGUF file's products with llama.cpp's activations (int8_row_limits: their row limits, None
+    for any rows) the fewest, past which they take the float32 path. None otherwise: the CPU's float
+    products keep a row's sums for any pass up to 16 rows and the BLAS's beyond (docs/speculative.md)."""
     if backend.kernel_platform():
         return row_kernels.ROW_KERNEL_PASS_TOKENS
-    limits = [limit for layout in set(int8_layouts) if (limit := int8_row_limit(*layout)) is not None]
-    return min(limits, default=None)
+    return min((limit for limit in int8_row_limits if limit is not None), default=None)
 
 
 def prefill_layer_by_layer() -> bool:

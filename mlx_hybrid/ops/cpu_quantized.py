@@ -543,8 +543,9 @@ def random_k_quant(rng, shape, bits: int = 4):
 
 
 def small_case_int8(_platform):
-    """A first-use check of the products with 8-bit activations: 1 and 9 rows and gathered experts
-    against the references, for each type (`quantized_tensor.INT8_TYPES`)."""
+    """A first-use check of the products with llama.cpp's activations: 1 and 9 rows and gathered experts
+    against the references, for each type (`quantized_tensor.INT8_TYPES`), and F16 and BF16 matrices'
+    (`half_matmul`)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((9, 512)).astype(np.float32)
     indices = np.array([[2, 0], [1, 2]], np.uint32)
@@ -589,4 +590,14 @@ def small_case_int8(_platform):
         want += [reference(x[:rows], 1) for rows in (1, 9)]
         got.append(int8_gather_matmul(mx.array(x[:2, None]), *held, mx.array(indices), held_type, grid))
         want.append(np.stack([[reference(x[t : t + 1], e)[0] for e in row] for t, row in enumerate(indices)]))
+    # F16 and BF16 matrices with 16-bit activations (half_matmul): 3 steps of 32 and 4 values past them,
+    # 9 weight rows (two at a time, the last alone)
+    for dtype in (mx.float16, mx.bfloat16):
+        w = mx.array((rng.standard_normal((3, 9, 100)) / 8).astype(np.float32)).astype(dtype)
+        values, rows = np.array(w.astype(mx.float32)), rng.standard_normal((9, 100)).astype(np.float32)
+        got += [half_matmul(mx.array(rows[:n]), w[1]) for n in (1, 9)]
+        want += [half_reference(rows[:n], values[1], dtype == mx.bfloat16) for n in (1, 9)]
+        got.append(half_gather_matmul(mx.array(rows[:2, None]), w, mx.array(indices)))
+        want.append(np.stack([[half_reference(rows[t : t + 1], values[e], dtype == mx.bfloat16)[0] for e in row]
+                              for t, row in enumerate(indices)]))  # fmt: skip
     return got, [mx.array(a.astype(np.float32)) for a in want]
