@@ -1145,7 +1145,7 @@ INT8_FN inline float half_value(uint16_t bits) {
 
 // A step's 32 16-bit values at p as float32, 8 a register: F16's in order (values 8j..8j+7 in
 // register j); BF16's as two loads of 16 split by shifts and masks, the even values of each 16, then
-// their odd ones (BF16_STEP_ORDER), and x's rounded values stored in that order to meet them
+// their odd ones (bf16_step_place), and x's rounded values stored in that order to meet them
 template <bool BF16>
 INT8_FN inline void step_values(const uint16_t* p, __m256 (&out)[4]) {
     if constexpr (BF16) {
@@ -1191,14 +1191,12 @@ INT8_FN inline float half_lanes_total(const __m256 (&acc)[4], const uint16_t* w,
 }
 
 // ggml_vec_dot_f16's AVX2 arithmetic (BF16: ggml_vec_dot_bf16's, as llama.cpp's build compiles it, its
-// products and sums fused) for one weight row of 16-bit values and R rows of x rounded to 16 bits
-// (round_row_to_16_bits; x[r]): per 32 values, 4 accumulators of 8 lanes
-// each take 8 products by fused multiply-adds (every product exact: 11 or 8 bits a factor; each lane
-// the same values in the same order, in step_values' order); then (0 + 2) + (1 + 3), the halves added,
-// and the 4 lanes F16 (0 + 1) + (2 + 3) (two hadds), BF16 (0 + 2) + (1 + 3); the last K mod 32
-// products (float32, exact) added to that sum in double, rounded to float32 at the end. C weight rows
-// at once (each K values after the one before; out[r][c] gets column c's): more streams of loads in
-// flight, for a decode step's row of x, which waits on them.
+// products and sums fused) for C weight rows of 16-bit values (each K values after the one before) and
+// R rows of x rounded to 16 bits (round_row_to_16_bits; x[r]; out[r][c] gets row r's product with
+// weight row c): per 32 values, 4 accumulators of 8 lanes each take 8 products by fused multiply-adds
+// (every product exact: 11 or 8 bits a factor; each lane the same values in the same order, in
+// step_values' order); then half_lanes_total. Two weight rows put more streams of loads in flight, for
+// a decode step's row of x, which waits on them.
 template <bool BF16, int R, int C>
 INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, float* const* out) {
     __m256 acc[R][C][4];
