@@ -46,9 +46,10 @@ def add_model_arguments(p: argparse.ArgumentParser):
         "--cpu-activations",
         choices=["float32", "int8"],
         default=None,
-        help="how a --model GGUF's quantized products compute on the CPU: int8 (as llama.cpp computes them: each "
-        "row of activations quantized to 8 bits, integer sums) or float32 (what its dequantized weights compute). "
-        "Default: int8 for a GGUF file where this package's x86-64 CPU kernels compute it, float32 elsewhere",
+        help="how a --model GGUF's quantized and 16-bit products compute on the CPU: int8 (as llama.cpp computes "
+        "them: each row of activations quantized to 8 bits, integer sums; for F16 and BF16 matrices rounded to "
+        "16 bits) or float32 (what its dequantized weights compute). Default: int8 for a GGUF file where this "
+        "package's x86-64 CPU kernels compute it, float32 elsewhere",
     )
     p.add_argument(
         "--mmproj",
