@@ -1224,24 +1224,6 @@ INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, floa
         }
 }
 
-// dot_rows_half for `rows` rows of x and `columns` (1 or 2) weight rows: a row alone (a decode step's)
-// against both, more rows 3 at a time against one at a time (their 12 accumulators and a step's 4
-// weight registers fill AVX2's 16)
-template <bool BF16>
-INT8_FN void dot_rows_half_tile(const uint16_t* w, const float* const* x, int rows, int columns, int K,
-                                float* const* out) {
-    if (rows == 1 && columns == 2) return dot_rows_half<BF16, 1, 2>(w, x, K, out);
-    for (int c = 0; c < columns; c++) {
-        float* shifted[TILE_ROWS];
-        for (int r = 0; r < rows; r++) shifted[r] = out[r] + c;
-        const uint16_t* row = w + (long)c * K;
-        int r = 0;
-        for (; r + 3 <= rows; r += 3) dot_rows_half<BF16, 3, 1>(row, x + r, K, shifted + r);
-        if (rows - r == 2) dot_rows_half<BF16, 2, 1>(row, x + r, K, shifted + r);
-        if (rows - r == 1) dot_rows_half<BF16, 1, 1>(row, x + r, K, shifted + r);
-    }
-}
-
 // dot_rows_half with AVX-512: two accumulators a 512-bit register (F16: values 0-15 and 16-31 of a step
 // in order; BF16: the step's even values and its odd ones, x's in that order), so that 8 rows of x take
 // a weight row at once; each lane's operations the AVX2 body's, so the same bits.
@@ -1277,6 +1259,31 @@ INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, i
             halves[2] = _mm512_castps512_ps256(acc[r][1]), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
         }
         *out[r] = half_lanes_total<BF16>(halves, w, x[r], steps, K);
+    }
+}
+
+// The 16-bit types' product of R rows of x and `columns` (1 or 2) weight rows on the body that reads
+// x in its order (round_row_to_16_bits' `wide`): with AVX-512, dot_rows_half_wide for each weight row
+// (F16's row alone, which waits on memory, as without); else a row alone against both weight rows at
+// once, more rows 3 at a time against one (their 12 accumulators and a step's 4 weight registers fill
+// AVX2's 16)
+template <bool BF16, int R>
+INT8_FN void dot_rows_half_tile(const uint16_t* w, const float* const* x, int columns, int K, float* const* out,
+                                bool wide) {
+    const bool wide_body = wide && (R > 1 || BF16);
+    if (!wide_body && R == 1 && columns == 2) return dot_rows_half<BF16, 1, 2>(w, x, K, out);
+    for (int c = 0; c < columns; c++) {
+        float* shifted[R];
+        for (int r = 0; r < R; r++) shifted[r] = out[r] + c;
+        const uint16_t* row = w + (long)c * K;
+        if (wide_body) {
+            dot_rows_half_wide<BF16, R>(row, x, K, shifted);
+            continue;
+        }
+        int r = 0;
+        for (; r + 3 <= R; r += 3) dot_rows_half<BF16, 3, 1>(row, x + r, K, shifted + r);
+        if (R - r == 2) dot_rows_half<BF16, 2, 1>(row, x + r, K, shifted + r);
+        if (R - r == 1) dot_rows_half<BF16, 1, 1>(row, x + r, K, shifted + r);
     }
 }
 
@@ -1336,6 +1343,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const int blocks = K / held.x_block;
     const long row_shared = K / 2;  // QuantizedRows' `shared` a row (Q4_K uses K / 16)
     const size_t quantized = half ? 0 : x_rows;  // (rows of the 8-bit forms)
+    const bool wide = mlx_hybrid::avx512_in_use();  // (BF16's x is rounded into the order of the body it meets)
     QuantizedRows q{std::vector<int8_t>(quantized * K), std::vector<float>(quantized * blocks),
                     std::vector<int16_t>(quantized * row_shared), std::vector<float>(quantized * blocks),
                     std::vector<float>(half ? (size_t)x_rows * K : 0)};
@@ -1343,7 +1351,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     Pool::get().run(x_rows, (long)x_rows * K >= (1L << 15), [&](int r) {
         if (half) {
             (s.type == BF16 ? round_row_to_16_bits<true> : round_row_to_16_bits<false>)(
-                x + (long)r * K, K, q.rounded.data() + (long)r * K, mlx_hybrid::avx512_in_use());
+                x + (long)r * K, K, q.rounded.data() + (long)r * K, wide);
             return;
         }
         int8_t* codes = q.codes.data() + (long)r * K;
@@ -1356,14 +1364,15 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
             quantize_row(x + (long)r * K, K, codes, d, q8_1 ? q.s.data() + (long)r * blocks : nullptr);
         if (eights) {  // codes split as dot_rows8_b32 takes them, two blocks at a time, and each block's sum
             for (int b = 0; b < blocks; b += 2) {
-                const int count = std::min(2, blocks - b), half = count * BLOCK / 2;
+                const int count = std::min(2, blocks - b), odd_start = count * BLOCK / 2;
                 int8_t pair[2 * BLOCK];
                 std::memcpy(pair, codes + b * BLOCK, count * BLOCK);
                 for (int j = 0; j < count; j++) {
                     int16_t sum = 0;
                     for (int i = 0; i < BLOCK / 2; i++) {
                         const int8_t even = pair[j * BLOCK + 2 * i], odd = pair[j * BLOCK + 2 * i + 1];
-                        codes[b * BLOCK + j * BLOCK / 2 + i] = even, codes[b * BLOCK + half + j * BLOCK / 2 + i] = odd;
+                        codes[b * BLOCK + j * BLOCK / 2 + i] = even;
+                        codes[b * BLOCK + odd_start + j * BLOCK / 2 + i] = odd;
                         sum += even + odd;
                     }
                     shared[b + j] = sum;
@@ -1380,7 +1389,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     // chose the same expert), each weight row read once for them; Q4_K matrices of rows in eights take 8
     // weight rows at a time too (one row of x alone: dot_row_q4_k, the same arithmetic)
     const bool q4_k_eights = s.type == Q4_K && repacked && M > 1;
-    const bool wide = mlx_hybrid::avx512_in_use(), groups16 = s.type == Q6_K || s.type == Q3_K || s.type == Q2_K;
+    const bool groups16 = s.type == Q6_K || s.type == Q3_K || s.type == Q2_K;
     const int tile = q4_k_eights ? 4 : groups16 && wide && K <= 2048 ? 16 : 8;
     std::vector<int> order(M);  // output rows, an expert product's by the matrix they multiply
     std::iota(order.begin(), order.end(), 0);
@@ -1507,19 +1516,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                             dot_rows_ternary<false, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
                             break;
                         case F16: case BF16:
-                            // (BF16's x in the wide body's order wherever it runs; F16's a row alone on the
-                            // AVX2 body, two weight rows at once)
-                            if (wide && (ROWS > 1 || s.type == BF16)) {
-                                for (int c = 0; c < std::min<long>(2, end - n); c++) {
-                                    float* shifted[ROWS];
-                                    for (int r = 0; r < ROWS; r++) shifted[r] = o[r] + c;
-                                    (s.type == BF16 ? dot_rows_half_wide<true, ROWS> : dot_rows_half_wide<false, ROWS>)(
-                                        (const uint16_t*)w_row + (long)c * K, rounded + i, K, shifted);
-                                }
-                            } else {
-                                (s.type == BF16 ? dot_rows_half_tile<true> : dot_rows_half_tile<false>)(
-                                    (const uint16_t*)w_row, rounded + i, ROWS, (int)std::min<long>(2, end - n), K, o);
-                            }
+                            (s.type == BF16 ? dot_rows_half_tile<true, ROWS> : dot_rows_half_tile<false, ROWS>)(
+                                (const uint16_t*)w_row, rounded + i, (int)std::min<long>(2, end - n), K, o, wide);
                             break;
                         default: break;  // (Q4_K's rows in eights and the groups of 16: above)
                     }
