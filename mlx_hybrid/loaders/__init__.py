@@ -155,10 +155,8 @@ def _set_cpu_activations(model, activations: str | None, path: Path, whole_produ
     """Every quantized product of the model, and every product of a 16-bit matrix, takes `activations`
     (see `load`), or the load is refused; None: "int8" for a GGUF file whose every such product takes
     it here, whole, else "float32"."""
-    quantized = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" in m]
-    sixteen_bits = [m for _, m in model.named_modules() if hasattr(m, "activations") and "scales" not in m
-                    and m.weight.dtype in ops.SIXTEEN_BITS]  # fmt: skip
-    modules = quantized + sixteen_bits
+    modules = [m for _, m in model.named_modules()
+               if hasattr(m, "activations") and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)]  # fmt: skip
 
     def refusal(m):
         return ops.int8_activations(m.bits, m.group_size, m.block) if "scales" in m else ops.half_activations()

@@ -44,12 +44,12 @@ def row_product(x, w, scales=None, biases=None, indices=None, *, bits: int = 0, 
     return run(ROW_PRODUCT, row_kernels.form_launch(form, x, w, scales, biases, indices), platform)[0]
 
 
-def takes_16bit_activations(x: mx.array, weight: mx.array, activations: str) -> bool:
+def takes_16bit_activations(x: mx.array, weight: mx.array, activations: str, any_rows: bool = False) -> bool:
     """Whether a product of a 16-bit matrix takes llama.cpp's 16-bit activations (`half_matmul`):
-    asked ("int8", a GGUF file's llama.cpp arithmetic), float32 x of at most `HALF_ROWS` rows, and
-    computed here (`int8_activations_computed`)."""
+    asked ("int8", a GGUF file's llama.cpp arithmetic), float32 x of at most `HALF_ROWS` rows (any_rows:
+    of any number, an expert product's), and computed here (`int8_activations_computed`)."""
     return (activations == "int8" and weight.dtype in SIXTEEN_BITS and x.dtype == mx.float32
-            and x.size // max(x.shape[-1], 1) <= HALF_ROWS and int8_activations_computed())  # fmt: skip
+            and (any_rows or x.size // max(x.shape[-1], 1) <= HALF_ROWS) and int8_activations_computed())  # fmt: skip
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None, activations: str = "float32") -> mx.array:
@@ -72,9 +72,7 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None, activati
 def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array, activations: str = "float32") -> mx.array:
     """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out] (activations:
     `linear`'s; expert products of any number of tokens)."""
-    if activations == "int8" and weight_t.dtype in SIXTEEN_BITS and x.dtype == mx.float32 and (
-        int8_activations_computed()
-    ):
+    if takes_16bit_activations(x, weight_t, activations, any_rows=True):
         weight = weight_t.swapaxes(-1, -2)
         return _on_token_rows(lambda rows, flat: cpu_quantized.half_gather_matmul(rows, weight, flat), x, indices)
     if (out := row_product(x, weight_t.swapaxes(-1, -2), indices=indices)) is not None:
