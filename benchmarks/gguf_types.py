@@ -170,6 +170,17 @@ def without_subnormal_blocks(q):
     return dataclasses.replace(q, scales=mx.where(q.scales == 0, 120, q.scales).astype(mx.uint8))
 
 
+def int8_inputs(q):
+    """What `cpu_quantized.int8_matmul` takes after x for a held matrix q: (w, factors, codes, type, grid);
+    `int8_gather_matmul` takes the indices after the first three."""
+    from mlx_hybrid.ops import cpu_quantized, products as ops_products
+    from mlx_hybrid.quantized_tensor import no_codes
+
+    codes = no_codes(q.scales) if q.biases is None else q.biases
+    held_type = ops_products.int8_type(q.bits, q.group_size, q.block)
+    return q.weight, q.scales, codes, held_type, cpu_quantized.int8_grid(q.block)
+
+
 def kernels(rounds: int, rows: int, types):
     """One decode step's product per type, the kernel alone: 1 row (`rows`: a verify pass's, a prompt's)
     against a 3584 x 1024 matrix (the 0.8B shape's gate projection) of random values in the type's
@@ -182,8 +193,7 @@ def kernels(rounds: int, rows: int, types):
 
     from mlx_hybrid import ops
     from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
-    from mlx_hybrid.ops import cpu_quantized, products as ops_products
-    from mlx_hybrid.quantized_tensor import no_codes
+    from mlx_hybrid.ops import cpu_quantized
 
     n, k = 3584, 1024
     x = mx.random.normal((rows, k))
@@ -203,10 +213,7 @@ def kernels(rounds: int, rows: int, types):
         products[name] = lambda q=q: cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size,
                                                                    q.bits, q.block)  # fmt: skip
         if not ops.int8_activations(q.bits, q.group_size, q.block):
-            held_type = ops_products.int8_type(q.bits, q.group_size, q.block)
-            codes = no_codes(q.scales) if q.biases is None else q.biases
-            products[f"{name} int8"] = lambda q=q, codes=codes, held_type=held_type: cpu_quantized.int8_matmul(
-                x, q.weight, q.scales, codes, held_type, cpu_quantized.int8_grid(q.block))  # fmt: skip
+            products[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_matmul(x, *held)
     calls = max(1, 300 // rows)
     print(f"{rows} x {k} @ ({n} x {k})^T, the best of {rounds} rounds of {calls}")
     time_products(products, rounds, calls)
@@ -237,8 +244,7 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
     import numpy as np
 
     from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
-    from mlx_hybrid.ops import cpu_quantized, products as ops_products
-    from mlx_hybrid.quantized_tensor import no_codes
+    from mlx_hybrid.ops import cpu_quantized
 
     n, k, chosen = 512, 2048, 8
     rng = np.random.default_rng(0)
@@ -261,12 +267,10 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
         else:
             bits, group_size, _, block = BLOCK_TYPES[name]
             q = without_subnormal_blocks(cpu_quantized.random_block_weights((experts, n, k), bits, group_size, block))
-        held_type = ops_products.int8_type(q.bits, q.group_size, q.block)
-        codes = no_codes(q.scales) if q.biases is None else q.biases
         timed[name] = lambda q=q: cpu_quantized.gather_quantized_matmul(
             x, q.weight, q.scales, q.biases, indices, q.group_size, q.bits, q.block)  # fmt: skip
-        timed[f"{name} int8"] = lambda q=q, codes=codes, held_type=held_type: cpu_quantized.int8_gather_matmul(
-            x, q.weight, q.scales, codes, indices, held_type, cpu_quantized.int8_grid(q.block))  # fmt: skip
+        timed[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_gather_matmul(
+            x, *held[:3], indices, *held[3:])
     print(f"{tokens} tokens x {chosen} of {experts} experts ({n} x {k}), the best of {rounds} rounds of 20")
     time_products(timed, rounds, 20)
 

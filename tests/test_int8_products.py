@@ -295,7 +295,6 @@ B32_TYPES = pytest.mark.parametrize(
 B32_ROWS = pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
 
 
-
 @B32_ROWS
 @B32_TYPES
 @pytest.mark.parametrize("K", [1024, 3584, ODD_BLOCKS], ids=["0.8B hidden", "0.8B feed-forward", "odd blocks"])
