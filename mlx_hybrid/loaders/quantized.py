@@ -47,10 +47,18 @@ re-quantized to MLX's groups of 32 instead of dequantized (REQUANTIZED_BITS).
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
 from .. import ops
+from ..native import BuildError, build_once, compiler
 from ..quantized_tensor import (
     D_AND_M, GRID_TYPES, GROUP_SIZE, IQ4_NL, IQ4_XS, K_QUANT, MXFP4, Q2_K, Q3_K, Q4_0, Q5_0, Q6_K, Q8_0, TERNARY,
     BlockScales, GridBlocks, QuantizedTensor, pack,
@@ -350,18 +358,83 @@ def _block_form(raw: np.ndarray, type_name: str) -> QuantizedTensor:
     lead = raw.shape[:-1]
     blocks = raw.reshape(-1, raw.shape[-1] // block_bytes, block_bytes)
     cols = blocks.shape[1] * per_block
-    weight = np.empty((len(blocks), cols * bits // 32), np.uint32)
-    factor_dtype = np.uint8 if block.exponent_factors else np.float16
-    factors = np.empty((len(blocks), blocks.shape[1] * block.factor_count), factor_dtype)
-    codes = np.empty((len(blocks), round(cols // group_size * block.code_bytes)), np.int8)
-    # rows a few million values at a time: the unpacked values take 8 bytes each while packed
-    step = max(1, (1 << 22) // cols)
-    for start in range(0, len(blocks), step):
-        part = blocks[start : start + step]
-        q, factors_part, codes_part = parse(part)  # q [rows, blocks, groups, group_size]
-        rows = slice(start, start + len(part))
-        weight[rows] = pack(q.reshape(-1, cols), bits)
-        factors[rows], codes[rows] = (p.reshape(len(part), -1) if p.size else p.reshape(len(part), 0)
-                                      for p in (factors_part, codes_part))  # fmt: skip
-    parts = (mx.array(part.reshape(*lead, part.shape[-1])) for part in (weight, factors, codes))
-    return QuantizedTensor(*parts, bits, group_size, block)
+    shapes = [(len(blocks), cols * bits // 32), (len(blocks), blocks.shape[1] * block.factor_count),
+              (len(blocks), round(cols // group_size * block.code_bytes))]  # fmt: skip
+    dtypes = [mx.uint32, mx.uint8 if block.exponent_factors else mx.float16, mx.int8]
+    # written where they will live where the CPU computes, MLX's arrays (a copy of a whole model's
+    # arrays would take longer than the unpacking); else numpy's, copied to MLX's
+    parts = [ops.writable_array(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
+    if parts[0] is None:
+        views = [np.empty(shape, np.dtype(str(dtype).rsplit(".", 1)[-1])) for shape, dtype in zip(shapes, dtypes)]
+    else:
+        views = [np.array(part, copy=False) for part in parts]
+    unpack = _native_unpack() if type_name in NATIVE_TYPES else None
+    if unpack:
+        _unpack_in_threads(unpack, GGMLQuantizationType[type_name].value, blocks, per_block, bits, *views)
+    else:
+        weight, factors, codes = views
+        # rows a few million values at a time: the unpacked values take 8 bytes each while packed
+        step = max(1, (1 << 22) // cols)
+        for start in range(0, len(blocks), step):
+            part = blocks[start : start + step]
+            q, factors_part, codes_part = parse(part)  # q [rows, blocks, groups, group_size]
+            rows = slice(start, start + len(part))
+            weight[rows] = pack(q.reshape(-1, cols), bits)
+            factors[rows], codes[rows] = (p.reshape(len(part), -1) if p.size else p.reshape(len(part), 0)
+                                          for p in (factors_part, codes_part))  # fmt: skip
+    if parts[0] is None:
+        parts = [mx.array(view) for view in views]
+    return QuantizedTensor(*(part.reshape(*lead, part.shape[-1]) for part in parts), bits, group_size, block)
+
+
+# The types csrc/gguf_blocks.c unpacks (the parsers above are its reference, and its fallback)
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS",
+                "MXFP4", "TQ2_0", "TQ1_0")  # fmt: skip
+_UNPACK_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "gguf_blocks.c"
+_log = logging.getLogger("mlx_hybrid")
+
+
+@lru_cache(maxsize=None)
+def _native_unpack():
+    """csrc/gguf_blocks.c's function, built on first use; None where no C compiler builds it (the
+    numpy parsers then unpack, about 50 times slower: one warning says so)."""
+    cc = compiler("c")
+    try:
+        if cc is None:
+            raise BuildError("no C compiler was found (set CC)")
+        source = str(_UNPACK_SOURCE)
+        path = build_once("gguf_blocks", [_UNPACK_SOURCE], lambda out: [cc, "-O3", "-shared", "-fPIC", "-o", str(out),
+                                                                          source], timeout=60)  # fmt: skip
+    except BuildError as e:
+        _log.warning("mlx_hybrid: GGUF blocks are unpacked by numpy, slowly (%s)", e)
+        return None
+    function = ctypes.CDLL(str(path)).mlx_hybrid_unpack_blocks
+    pointer, count = ctypes.c_void_p, ctypes.c_int
+    function.argtypes = [count, pointer, ctypes.c_int64, count, count, count, pointer, pointer, count, pointer, count]
+    function.restype = ctypes.c_int
+    return function
+
+
+@lru_cache(maxsize=None)
+def _threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="mlx_hybrid-unpack")
+
+
+def _unpack_in_threads(unpack, type_number: int, blocks: np.ndarray, values: int, bits: int, weight, factors, codes):
+    """Every block of blocks [rows, blocks, bytes] into weight, factors and codes (writable
+    row-major arrays), split over the machine's cores (the C function runs without the GIL)."""
+    if not all(part.flags.c_contiguous and part.flags.writeable for part in (weight, factors, codes)):
+        raise ValueError("the unpacked parts must be writable row-major arrays")
+    blocks = np.ascontiguousarray(blocks)
+    count, block_bytes = blocks.shape[0] * blocks.shape[1], blocks.shape[2]
+    outputs = [(part, part.nbytes // max(count, 1)) for part in (weight, factors, codes)]
+    pieces = max(1, min(os.cpu_count() or 1, count // 4096))  # (small tensors in one call)
+    bounds = [count * i // pieces for i in range(pieces + 1)]
+
+    def run(start, end):
+        at = [part.ctypes.data + start * size for part, size in outputs]
+        return unpack(type_number, blocks.ctypes.data + start * block_bytes, end - start, block_bytes, values, bits,
+                      at[0], at[1], outputs[1][1], at[2], outputs[2][1])  # fmt: skip
+
+    if any(list(_threads().map(run, bounds[:-1], bounds[1:]))):
+        raise ValueError(f"csrc/gguf_blocks.c does not know GGML type {type_number}")

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import activations, backend, cpu_kernels, kernels, reference, rotary, row_kernels, selfcheck
+from . import activations, backend, cpu_extension, cpu_kernels, kernels, reference, rotary, row_kernels, selfcheck
 from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
     KV_BITS, KV_GROUP_SIZES, leading_features, quantize_entries, scaled_dot_product_attention,
 )
@@ -174,6 +174,21 @@ def _gated_product_runs(x, gate) -> bool:
         and x.shape == gate.shape
         and backend.cpu_kernel_passed(GATED_PRODUCT, selfcheck.small_gated_product_case)
     )
+
+
+def writable_array(shape, dtype) -> mx.array | None:
+    """An evaluated array for a loader to write in place through a numpy view of its memory
+    (`np.array(a, copy=False)`), where the CPU computes: memory no thread has touched yet where our
+    CPU kernels are built (the loader's threads touch it as they write), else zeros. None where a GPU
+    computes (its arrays are made from the host's)."""
+    if backend.gpu_computes():
+        return None
+    extension = cpu_extension.extension() if backend.cpu_kernels_built() else None
+    if extension is not None:
+        return extension.uninitialized(list(shape), dtype)
+    array = mx.zeros(shape, dtype)
+    mx.eval(array)
+    return array
 
 
 def overlap_decode_steps() -> bool:
