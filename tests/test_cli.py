@@ -4,6 +4,7 @@ from conftest import FIXTURES, load_fixture
 from test_errors import assert_usage_error, run_cli
 
 import mlx_hybrid
+from mlx.utils import tree_flatten
 from mlx_hybrid import ops
 
 
@@ -103,6 +104,8 @@ def test_cli_chat_template_and_verbose():
     )
     assert result.stdout.rstrip("\n") == mlx_hybrid.generate(model, tok, prompt, max_tokens=4).rstrip("\n")
     assert f"linear-attention ops: {ops.backend_name()}" in result.stderr and "BLAS:" in result.stderr
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))  # (the float32 file's, as loaded)
+    assert f"weights {weights / 1e6:.1f} MB in memory" in result.stderr
     # MTP by default; a 512-token vocabulary drafts over all of it
     assert "speculation: mtp, up to 3 drafts a round over the whole vocabulary, p-min 0.1" in result.stderr
 

@@ -53,3 +53,25 @@ def test_every_value_type_reads_back_as_gguf_writer_wrote_it(tmp_path):
     ours = gguf_file.open_gguf(tmp_path / "values.gguf")
     assert {k: v for k, v in ours.metadata.items() if k.startswith("x.")} == {k: v for k, (v, _) in values.items()}
     np.testing.assert_array_equal(ours.tensors[0].data, np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+@pytest.mark.parametrize("dequantize", [False, True])
+@pytest.mark.parametrize("family, name", [("qwen35", "model.gguf"), ("qwen35", "model-Q8_0.gguf"),
+                                          ("qwen35moe", "model-Q4_K_M.gguf"), ("qwen3next", "model-Q4_K_M.gguf")])
+def test_a_model_that_does_not_fit_in_memory_is_refused_before_it_is_read(family, name, dequantize, monkeypatch):
+    """The loader's estimate is the loaded model's bytes: one byte less available is refused by name,
+    with both sizes; exactly enough loads."""
+    import mlx_hybrid
+    from mlx.utils import tree_flatten
+
+    from mlx_hybrid import loaders
+
+    path = FIXTURES / family / name
+    model, _ = mlx_hybrid.load(path, dequantize=dequantize)
+    needed = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    monkeypatch.setattr(loaders, "memory_available", lambda: (needed - 1, 8 << 30))
+    with pytest.raises(ModelLoadError, match=rf"takes {needed / 1e6:.1f} MB in memory once loaded .* more than the "
+                                             rf"{(needed - 1) / 1e6:.1f} MB available \(8.59 GB in all\)"):  # fmt: skip
+        mlx_hybrid.load(path, dequantize=dequantize)
+    monkeypatch.setattr(loaders, "memory_available", lambda: (needed, 8 << 30))
+    mlx_hybrid.load(path, dequantize=dequantize)

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 import mlx_hybrid
+from mlx.utils import tree_flatten
 from conftest import FIXTURES, free_port
 from fixtures.make_assistant import template_messages
 from mlx_hybrid.parsers import parse_output
@@ -110,6 +111,13 @@ def chat_ids(local, messages, **options):
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert server.load() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_health_reports_the_memory_the_model_takes(server, local):
+    memory = server.health()["memory"]
+    assert memory["weights_bytes"] == sum(p.nbytes for _, p in tree_flatten(local[0].parameters()))
+    # MLX's memory in use holds the weights and the engine's caches; its peak at least that
+    assert memory["peak_bytes"] >= memory["active_bytes"] >= memory["weights_bytes"]
 
 
 def test_health_reports_the_running_speculation_figures(server, client):

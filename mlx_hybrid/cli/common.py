@@ -313,6 +313,7 @@ def load_for_generation(args):
     import mlx_hybrid
     from mlx_hybrid import GenerationError, ops
     from mlx_hybrid.blas import active_blas
+    from mlx_hybrid.loaders.quantized import size_text
     from mlx_hybrid.parallel import launched_group
 
     group = launched_group()
@@ -329,7 +330,7 @@ def load_for_generation(args):
     speculation = SpeculationSettings(draft, draft_model, args.num_draft_tokens, args.draft_vocab, args.draft_p_min)
     drafter = speculation.drafter(model, tokenizer)  # built here: its errors are the options'
     described = (
-        f"model: {model.model_type}, {model.args.num_hidden_layers} layers; "
+        f"model: {model.model_type}, {model.args.num_hidden_layers} layers, weights {size_text(model.nbytes)} in memory; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
         f"speculation: {describe_speculation(args, drafter, speculation.draft_tokens_for(drafter))}"
         + ("; reads images" if model.has_vision else "")

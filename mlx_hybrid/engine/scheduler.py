@@ -191,6 +191,13 @@ class Engine:
         return {"running": len(self.rows), "waiting": self.waiting.qsize()}
 
     @property
+    def memory(self) -> dict:
+        """The bytes of the model's weights, and of everything MLX holds now (weights, caches, checkpoints
+        in memory) and has held at most."""
+        return {"weights_bytes": self.model.nbytes, "active_bytes": mx.get_active_memory(),
+                "peak_bytes": mx.get_peak_memory()}  # fmt: skip
+
+    @property
     def checkpoints(self) -> dict:
         """What the prefix store holds: checkpoints and their bytes in memory, its budget, files on disk."""
         store = self.store

@@ -25,7 +25,7 @@ from ..quantized_tensor import CPU_ACTIVATIONS
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
 from .common import RankPart, fill_model, rename
-from .quantized import block_type_name, dequantized_notice
+from .quantized import block_type_name, dequantized_notice, held_bytes, size_text
 
 _log = logging.getLogger("mlx_hybrid")
 
@@ -294,7 +294,7 @@ def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool,
                whole_blocks: bool = False):  # fmt: skip
     # compact scales: bfloat16 for a bfloat16 model (products stay in it), else float16
     compact_scales = (mx.bfloat16 if dtype == mx.bfloat16 else mx.float16) if compact else None
-    checkpoint, meta = _read_gguf(path, keep_quantized, compact_scales, dtype, whole_blocks)
+    checkpoint, meta = _read_gguf(path, keep_quantized, compact_scales, dtype, whole_blocks, split.group is None)
     module, args = checkpoint.module, checkpoint.args
     projector = _projector_path(path, mmproj, args.model_type)
     if projector is not None:
@@ -397,9 +397,10 @@ def _same_setting(a, b) -> bool:
 
 
 def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dtype=None,
-               whole_blocks: bool = False) -> tuple[_Checkpoint, object]:  # fmt: skip
+               whole_blocks: bool = False, holds_all: bool = False) -> tuple[_Checkpoint, object]:  # fmt: skip
     """A GGUF file's checkpoint and its metadata; with dtype (the compute dtype), a warning for
-    each quantized type it will dequantize."""
+    each quantized type it will dequantize, and where this process holds the whole model
+    (holds_all), a ModelLoadError before anything is read if it does not fit in memory."""
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.Metadata(reader)
     if meta.arch not in gguf_architectures.GGUF_ARCHITECTURES:
@@ -410,11 +411,39 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
     shapes = gguf_file.tensor_shapes(reader)
     args = make_args(meta, module, shapes)
     tensors = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales, whole_blocks)
-    if keep_quantized and dtype is not None:
+    if dtype is not None:
         stored = [(t.tensor_type.name, math.prod(t.shape), t.n_bytes) for t in reader.tensors]
-        for line in dequantized_notice(stored, dtype, compact_scales is not None):
+        compact = compact_scales is not None
+        for line in dequantized_notice(stored, dtype, compact) if keep_quantized else ():
             _log.warning("mlx_hybrid: %s: %s", path.name, line)
+        if holds_all:
+            needed = sum(held_bytes(name if keep_quantized or name in ("F32", "F16", "BF16") else "dequantized",
+                                    elements, size, dtype, compact) for name, elements, size in stored)  # fmt: skip
+            _refuse_what_does_not_fit(path, needed)
     return _Checkpoint(module, args, rules, tensors, len(shapes)), meta
+
+
+def memory_available() -> tuple[int, int] | None:
+    """(bytes a process can still allocate, the machine's memory) where the system says: Linux's
+    MemAvailable (free memory and what the kernel can reclaim for it, the page cache among it) plus free
+    swap, and MemTotal. None elsewhere (macOS compresses and swaps memory: no figure says what fails)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        return fields["MemAvailable"] + fields.get("SwapFree", 0), fields["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _refuse_what_does_not_fit(path: Path, needed: int):
+    """A model larger than the memory left is refused before it is read (the system would otherwise
+    end the process part-way through the load)."""
+    memory = memory_available()
+    if memory is not None and needed > memory[0]:
+        raise ModelLoadError(
+            f"{path}: the model takes {size_text(needed)} in memory once loaded (a {size_text(path.stat().st_size)} "
+            f"file), more than the {size_text(memory[0])} available ({size_text(memory[1])} in all): free memory, or "
+            "take a smaller quantization of it")  # fmt: skip
 
 
 def _projector_path(path: Path, mmproj, model_type: str) -> Path | None:

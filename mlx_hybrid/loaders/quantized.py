@@ -323,6 +323,29 @@ def held_form(type_name: str, compact: bool) -> str | None:
     return None
 
 
+def held_bytes(type_name: str, elements: int, stored: int, dtype, compact: bool) -> int:
+    """The bytes a GGUF tensor of `elements` values (`stored` bytes in the file) takes once loaded, as
+    `held_form` holds it (float tensors: the fewer of the file's bytes and the compute dtype's; any
+    other type name: dequantized to dtype)."""
+    if type_name in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"):
+        return min(stored, elements * dtype.size)
+    form = held_form(type_name, compact) if type_name in BLOCK_TYPES or type_name in GRID_TYPES else None
+    if form == BLOCK and type_name in GRID_TYPES:
+        return stored
+    if form == BLOCK:
+        bits, group_size, _, block = BLOCK_TYPES[type_name]
+        groups = elements // group_size
+        factors = groups // block.groups_per_factor * block.factor_count * (1 if block.exponent_factors else 2)
+        return elements * bits // 8 + factors + round(groups * block.code_bytes)
+    scale_bytes = 2 if compact else 4  # a scale and a bias a group of 32
+    if form == REQUANTIZED:
+        return elements * REQUANTIZED_BITS[type_name] // 8 + elements // GROUP_SIZE * 2 * scale_bytes
+    if form == PLAIN:
+        bits, group_size = BLOCK_TYPES[type_name][:2]
+        return elements * bits // 8 + elements // group_size * 2 * scale_bytes
+    return elements * dtype.size  # dequantized
+
+
 def dequantized_notice(tensors, dtype, compact: bool) -> list[str]:
     """One line for each quantized type the loader will dequantize: its tensors' bytes in the
     file and in memory, and what would hold it smaller. tensors: (GGML type name, elements,
@@ -339,14 +362,15 @@ def dequantized_notice(tensors, dtype, compact: bool) -> list[str]:
         bits = REQUANTIZED_BITS.get(type_name)
         instead = f"--compact re-quantizes it to MLX's {bits}-bit groups, or " if bits and not compact else ""
         lines.append(
-            f"{count} {type_name} tensors ({_size(file_size)} in the file) are dequantized to {dtype_name}, "
-            f"{_size(size)}: no product here takes {type_name} as stored ({instead}a Q4_K_M or Q8_0 file stays "
+            f"{count} {type_name} tensors ({size_text(file_size)} in the file) are dequantized to {dtype_name}, "
+            f"{size_text(size)}: no product here takes {type_name} as stored ({instead}a Q4_K_M or Q8_0 file stays "
             "quantized)"
         )
     return lines
 
 
-def _size(count: int) -> str:
+def size_text(count: int) -> str:
+    """Bytes as people read them: GB from a tenth of one, else MB."""
     return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .. import ops
 from ..cache import KVCache, QuantizedKVCache, RecurrentCache, check_kv_quantization
@@ -82,6 +83,11 @@ class HybridModel(nn.Module):
     @property
     def has_mtp(self) -> bool:
         return "mtp" in self
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the model's weights take in memory (its MTP head and vision tower included)."""
+        return sum(p.nbytes for _, p in tree_flatten(self.parameters()))
 
     @property
     def kv_features(self) -> tuple[int, ...]:

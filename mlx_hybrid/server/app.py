@@ -97,7 +97,8 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.get("/health")
     async def health():
-        health = {"status": "ok", **served.engine.load, "prefix_cache": served.engine.checkpoints}
+        health = {"status": "ok", **served.engine.load, "memory": served.engine.memory,
+                  "prefix_cache": served.engine.checkpoints}  # fmt: skip
         if served.engine.drafter is not None:  # over the requests finished so far
             health["speculation"] = served.engine.speculation.summary()
         if served.engine.kv_bits is not None:
