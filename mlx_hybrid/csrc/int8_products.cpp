@@ -1406,7 +1406,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
     // rows of x taken at a time where they multiply the same matrix (an expert product's: the rows that
     // chose the same expert), each weight row read once for them; Q4_K matrices of rows in eights take 8
-    // weight rows at a time too (one row of x alone: dot_row_q4_k, the same arithmetic)
+    // weight rows at a time too, for a tile of several rows of x (one row alone, a decode step's or an
+    // expert's that one token chose: dot_row_q4_k, the same arithmetic)
     const bool q4_k_eights = s.type == Q4_K && repacked && M > 1;
     const bool groups16 = s.type == Q6_K || s.type == Q3_K || s.type == Q2_K;
     const int tile = q4_k_eights ? 4 : groups16 && wide && K <= 2048 ? 16 : 8;
@@ -1437,7 +1438,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
             }
             // weight rows taken at a time: Q4_0's, IQ4_NL's and MXFP4's rows in eights and Q4_K's 8, the
             // 16-bit types' 2 (dot_rows_half_tile)
-            const int step = eights || q4_k_eights ? 8 : half ? 2 : 1;
+            const bool q4_k_rows8 = q4_k_eights && rows > 1;
+            const int step = eights || q4_k_rows8 ? 8 : half ? 2 : 1;
             for (long n = first; n < end; n += step) {
                 const long row = matrix * N + n;
                 const uint8_t* w_row = w + row * row_bytes;
@@ -1451,7 +1453,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 const int8_t* code_row = w_codes + row * held.codes;
                 float* out[TILE_ROWS];
                 for (int i = 0; i < rows; i++) out[i] = y + (long)order[at + i] * N + n;
-                if (q4_k_eights) {
+                if (q4_k_rows8) {
                     by_powers_of_two<4>(rows, [&](auto R, int i) {
                         dot_rows8_q4_k<decltype(R)::value>(w_row, row_bytes, factor_row, held.factors, code_row,
                                                            held.codes, codes + i, d + i, shared + i, blocks, out + i);
