@@ -1,7 +1,7 @@
 """Full-size GGUF files: load time, peak memory, prompt and decode speed beside llama.cpp's.
 
     python benchmarks/scale.py --make --shape 35b-a3b-8 --quant Q4_K_M     # once: writes the file
-    python benchmarks/scale.py --shape 35b-a3b-8 --quant Q4_K_M --llama-bin DIR
+    python benchmarks/scale.py --shape 35b-a3b-8 --quant Q4_K_M --llama-bin DIR [DIR ...]
 
 --make writes a GGUF file at a published model's exact shape by streaming random blocks to disk
 (a few hundred MB in memory at a time), with the types llama-quantize chooses for the mixture
@@ -16,8 +16,9 @@ it lies, page cache warm (one untimed read before the first round):
 - mlx-hybrid: `load` timed (seconds, from the call to the model's arrays evaluated), a prompt of
   --prompt tokens (the best of 2) and --tokens greedy tokens, timed from the second;
 - llama.cpp: `llama-bench -p P -n N` with the same threads, once with its CPU repacking (its default)
-  and once with `--repack 0` (computing from the mapped file), and its whole run's seconds.
-Rounds alternate the runners; the ratios are against llama.cpp's faster setting.
+  and once with `--repack 0` (computing from the mapped file), and its whole run's seconds; for each
+  build named (`--llama-bin`: the folders of its binaries, e.g. an AVX2 build and the CPU's own).
+Rounds alternate the runners; the ratios are against llama.cpp's fastest build and setting.
 """
 
 from __future__ import annotations
@@ -253,9 +254,9 @@ def run_ours(path: Path, prompt_tokens: int, tokens: int) -> dict:
             "decode": (len(times) - 1) / (times[-1] - times[0])}  # fmt: skip
 
 
-def run_llama_cpp(path: Path, prompt_tokens: int, tokens: int, threads: int, llama_bin: Path, repack: int) -> dict:
+def run_llama_cpp(path: Path, prompt_tokens: int, tokens: int, threads: int, llama_bin: Path, repack: bool) -> dict:
     command = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", str(prompt_tokens), "-n", str(tokens),
-               "-t", str(threads), "-r", "1", "--repack", str(repack), "-o", "json"]  # fmt: skip
+               "-t", str(threads), "-r", "1", "--repack", str(int(repack)), "-o", "json"]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
@@ -264,16 +265,30 @@ def run_llama_cpp(path: Path, prompt_tokens: int, tokens: int, threads: int, lla
     return rates | {"load_s": time.perf_counter() - start}  # (the whole run's seconds)
 
 
-RUNNERS = ("mlx-hybrid", "llama.cpp", "llama.cpp --repack 0")
+OURS = "mlx-hybrid"
+
+
+def build_name(llama_bin: Path) -> str:
+    """A llama.cpp build's name: its folder's (the one above bin/)."""
+    return llama_bin.parent.name if llama_bin.name == "bin" else llama_bin.name
+
+
+def runners(llama_bins: list[Path]) -> dict[str, tuple]:
+    """Each runner's name -> (llama.cpp's binaries, whether it repacks), ours first (None)."""
+    found = {OURS: None}
+    for llama_bin in llama_bins:
+        found[f"llama.cpp {build_name(llama_bin)}"] = (llama_bin, True)
+        found[f"llama.cpp {build_name(llama_bin)} --repack 0"] = (llama_bin, False)
+    return found
 
 
 def child(args):
     runner, path = args.child
-    if runner == "mlx-hybrid":
+    if runner == OURS:
         result = run_ours(Path(path), args.prompt, args.tokens)
     else:
-        result = run_llama_cpp(Path(path), args.prompt, args.tokens, args.threads, args.llama_bin,
-                               repack=0 if runner.endswith("0") else 1)  # fmt: skip
+        llama_bin, repack = runners(args.llama_bin)[runner]
+        result = run_llama_cpp(Path(path), args.prompt, args.tokens, args.threads, llama_bin, repack)
     result["peak_gb"] = max(resource.getrusage(who).ru_maxrss for who in
                             (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024 / 1e9  # fmt: skip
     print(json.dumps(result))
@@ -284,7 +299,7 @@ def measure(runner: str, path: Path, args) -> dict:
     command = [sys.executable, __file__, "--child", runner, str(path), "--prompt", str(args.prompt),
                "--tokens", str(args.tokens), "--threads", str(args.threads)]  # fmt: skip
     if args.llama_bin:
-        command += ["--llama-bin", str(args.llama_bin)]
+        command += ["--llama-bin", *map(str, args.llama_bin)]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
@@ -304,8 +319,9 @@ def main():
     p.add_argument("--quant", choices=("Q4_K_M", "Q8_0"), default="Q4_K_M")
     p.add_argument("--dir", type=Path, default=ROOT / "bench_models" / "scale")
     p.add_argument("--make", action="store_true", help="write the file (if it is not there) and stop")
-    p.add_argument("--llama-bin", type=Path, help="the directory of llama.cpp's llama-bench (else ours alone)")
-    p.add_argument("--runners", nargs="+", choices=RUNNERS, default=list(RUNNERS))
+    p.add_argument("--llama-bin", type=Path, nargs="+", default=[],
+                   help="folders of llama.cpp's llama-bench, one a build (else ours alone)")
+    p.add_argument("--ours-only", action="store_true", help="measure mlx-hybrid alone")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     p.add_argument("--tokens", type=int, default=16, help="decoded tokens (default 16)")
@@ -325,11 +341,14 @@ def main():
         print(f"{path}: {path.stat().st_size / 1e9:.2f} GB", file=sys.stderr)
         if args.make:
             return
-    runners = [r for r in args.runners if r == "mlx-hybrid" or args.llama_bin]
+    for llama_bin in args.llama_bin:
+        if not (llama_bin / "llama-bench").is_file():
+            p.error(f"--llama-bin {llama_bin}: no llama-bench there")
+    names = [OURS] if args.ours_only else list(runners(args.llama_bin))
     warm(path)
-    results = {runner: [] for runner in runners}
+    results = {runner: [] for runner in names}
     for _ in range(args.rounds):
-        for runner in runners:
+        for runner in names:
             results[runner].append(measure(runner, path, args))
             print(runner, json.dumps(results[runner][-1]), file=sys.stderr)
     print(f"{path.name}, {path.stat().st_size / 1e9:.2f} GB, {args.threads} threads, prompt {args.prompt}, "
@@ -341,12 +360,12 @@ def main():
             print(f"  {runner}: {rounds[-1]['error']}")
             continue
         medians[runner] = {k: float(np.median([r[k] for r in good])) for k in good[0]}
-    peers = [medians[r] for r in RUNNERS[1:] if r in medians]
+    peers = [m for runner, m in medians.items() if runner != OURS]
     for runner, m in medians.items():
-        line = (f"  {runner:22s} load {m['load_s']:7.1f} s  peak {m['peak_gb']:6.2f} GB  prompt {m['prefill']:7.1f} "
+        line = (f"  {runner:36s} load {m['load_s']:6.1f} s  peak {m['peak_gb']:6.2f} GB  prompt {m['prefill']:7.1f} "
                 f"tok/s  decode {m['decode']:6.2f} tok/s")  # fmt: skip
-        if runner == "mlx-hybrid" and peers:
-            line += "  ({:.2f}x / {:.2f}x llama.cpp's faster)".format(
+        if runner == OURS and peers:
+            line += "  ({:.2f}x / {:.2f}x llama.cpp's fastest)".format(
                 m["prefill"] / max(p["prefill"] for p in peers), m["decode"] / max(p["decode"] for p in peers))
         print(line)
 

@@ -259,3 +259,17 @@ def test_float32_products_stay_float32_unless_the_user_chooses_tf32():
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.split()[-1] == want
+
+
+def test_a_model_near_mlxs_memory_limit_raises_it_to_the_machines_memory():
+    """Above MLX's memory limit each op waits for the ones before it: on the CPU, weights over half the
+    limit raise it to the machine's memory; smaller ones leave it."""
+    limit = mx.get_memory_limit()
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        ops.allow_memory_for(limit // 4)
+        assert mx.get_memory_limit() == limit
+        ops.allow_memory_for(limit // 2 + 1)
+        assert mx.get_memory_limit() == max(limit, machine)
+    finally:
+        mx.set_memory_limit(limit)

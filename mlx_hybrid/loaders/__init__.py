@@ -142,6 +142,7 @@ def load(
         _attach_mtp_head(model, Path(mtp).expanduser(), dtype)
     _set_cpu_activations(model, cpu_activations, path, _whole_products(group, pipeline))
     model.loaded_from = path.resolve()
+    ops.allow_memory_for(model.nbytes)
     return model, tokenizer
 
 

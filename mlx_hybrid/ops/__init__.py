@@ -176,6 +176,18 @@ def _gated_product_runs(x, gate) -> bool:
     )
 
 
+def allow_memory_for(weights_bytes: int):
+    """Where the CPU computes, MLX's memory limit (about 85% of the machine's memory by default) is raised
+    to the machine's memory once a model's weights take half of it: while its memory in use is above the
+    limit, MLX's evaluation holds each op back until the ones before it are done, which made a model that
+    nearly fills the machine decode 2.5x slower (the 35B-A3B shape's Q4_K_M file, 22.2 GB on a 23.7 GB
+    machine: 3.3 against 8.1 tokens/s). On a GPU the limit is the device's, and stays."""
+    if backend.gpu_computes() or weights_bytes < mx.get_memory_limit() // 2:
+        return
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mx.set_memory_limit(max(mx.get_memory_limit(), machine))
+
+
 def writable_array(shape, dtype) -> mx.array | None:
     """An evaluated array for a loader to write in place through a numpy view of its memory
     (`np.array(a, copy=False)`), where the CPU computes: memory no thread has touched yet where our
