@@ -80,6 +80,10 @@ BLOCKS = {"Q4_K": (144, (0, 2), 1e-4), "Q5_K": (176, (0, 2), 5e-5), "Q6_K": (210
           "Q8_0": (34, (0,), 2e-4)}  # fmt: skip
 
 
+# llama.cpp's llama_ftype of each mixture (general.file_type)
+FILE_TYPES = {"Q8_0": 7, "Q4_K_M": 15}
+
+
 def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy-order shape) of every tensor, in the converter's order: the embedding,
     the blocks (the MTP block last), the output norm and matrix."""
@@ -129,6 +133,8 @@ def chosen_types(names: list[tuple[str, tuple]], shape: Shape, quant: str) -> di
     blocks = shape.layers + 1
     types = {name: "F32" for name, _ in names}
     for name in quantized:
+        if dict(names)[name][-1] % 256:  # (llama-quantize's fallbacks for narrower rows are not modelled)
+            raise ValueError(f"{name}: rows of {dict(names)[name][-1]} values, not whole blocks of 256")
         if quant == "Q8_0":
             types[name] = "Q8_0"
         elif name == "output.weight":
@@ -186,7 +192,7 @@ def make(path: Path, shape: Shape, quant: str, seed: int = 0):
     }  # fmt: skip
     for field in source.fields.values():
         key = field.name
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.size_label"):
             continue
         short = key.split(".", 1)[1] if key.startswith("qwen35moe.") else None
         if short in values and not values[short]:
@@ -194,7 +200,7 @@ def make(path: Path, shape: Shape, quant: str, seed: int = 0):
         value = values.pop(short, None) if short else None
         vtype = field.types[0]
         if value is None:
-            value = field.contents()
+            value = FILE_TYPES[quant] if key == "general.file_type" else field.contents()
         if key == "tokenizer.ggml.tokens":
             value = value + [f"[PAD{i}]" for i in range(len(value), shape.vocab)]
         elif key == "tokenizer.ggml.token_type":
