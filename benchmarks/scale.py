@@ -301,15 +301,12 @@ def child(args):
 
 
 def measure(runner: str, path: Path, args) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads))
-    command = [sys.executable, __file__, "--child", runner, str(path), "--prompt", str(args.prompt),
-               "--tokens", str(args.tokens), "--threads", str(args.threads)]  # fmt: skip
-    if args.llama_bin:
-        command += ["--llama-bin", *map(str, args.llama_bin)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode:
-        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(Path(__file__).parent))
+    from quantized_cpu import json_of_child
+
+    builds = ["--llama-bin", *map(str, args.llama_bin)] if args.llama_bin else []
+    return json_of_child([__file__, "--child", runner, str(path), "--prompt", str(args.prompt), "--tokens",
+                          str(args.tokens), "--threads", str(args.threads), *builds], args)  # fmt: skip
 
 
 def warm(path: Path):
@@ -332,9 +329,10 @@ def main():
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     p.add_argument("--tokens", type=int, default=16, help="decoded tokens (default 16)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a single measurement may take")
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    for name in ("rounds", "prompt", "tokens", "threads"):
+    for name in ("rounds", "prompt", "tokens", "threads", "timeout"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     if args.child:

@@ -418,8 +418,7 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
         for line in dequantized_notice(stored, dtype, compact) if keep_quantized else ():
             _log.warning("mlx_hybrid: %s: %s", path.name, line)
         if holds_all:
-            needed = sum(held_bytes(name if keep_quantized or name in ("F32", "F16", "BF16") else "dequantized",
-                                    elements, size, dtype, compact) for name, elements, size in stored)  # fmt: skip
+            needed = sum(held_bytes(name, elements, size, dtype, compact, keep_quantized) for name, elements, size in stored)
             _refuse_what_does_not_fit(path, needed)
     return _Checkpoint(module, args, rules, tensors, len(shapes)), meta
 

@@ -323,13 +323,13 @@ def held_form(type_name: str, compact: bool) -> str | None:
     return None
 
 
-def held_bytes(type_name: str, elements: int, stored: int, dtype, compact: bool) -> int:
+def held_bytes(type_name: str, elements: int, stored: int, dtype, compact: bool, keep_quantized: bool = True) -> int:
     """The bytes a GGUF tensor of `elements` values (`stored` bytes in the file) takes once loaded, as
-    `held_form` holds it (float tensors: the fewer of the file's bytes and the compute dtype's; any
-    other type name: dequantized to dtype)."""
+    `held_form` holds it (float tensors: the fewer of the file's bytes and the compute dtype's; without
+    keep_quantized, or a type no form holds: dequantized to dtype)."""
     if type_name in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"):
         return min(stored, elements * dtype.size)
-    form = held_form(type_name, compact) if type_name in BLOCK_TYPES or type_name in GRID_TYPES else None
+    form = held_form(type_name, compact) if keep_quantized else None
     if form == BLOCK and type_name in GRID_TYPES:
         return stored
     if form == BLOCK:
@@ -429,10 +429,10 @@ def _native_unpack():
         source = str(_UNPACK_SOURCE)
         path = build_once("gguf_blocks", [_UNPACK_SOURCE], lambda out: [cc, "-O3", "-shared", "-fPIC", "-o", str(out),
                                                                           source], timeout=60)  # fmt: skip
-    except BuildError as e:
+        function = ctypes.CDLL(str(path)).mlx_hybrid_unpack_blocks
+    except (BuildError, OSError, AttributeError) as e:
         _log.warning("mlx_hybrid: GGUF blocks are unpacked by numpy, slowly (%s)", e)
         return None
-    function = ctypes.CDLL(str(path)).mlx_hybrid_unpack_blocks
     pointer, count = ctypes.c_void_p, ctypes.c_int
     function.argtypes = [count, pointer, ctypes.c_int64, count, count, count, pointer, pointer, count, pointer, count]
     function.restype = ctypes.c_int
