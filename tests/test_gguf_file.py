@@ -70,8 +70,23 @@ def test_a_model_that_does_not_fit_in_memory_is_refused_before_it_is_read(family
     model, _ = mlx_hybrid.load(path, dequantize=dequantize)
     needed = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     monkeypatch.setattr(loaders, "memory_available", lambda: (needed - 1, 8 << 30))
-    with pytest.raises(ModelLoadError, match=rf"takes {needed / 1e6:.1f} MB in memory once loaded .* more than the "
-                                             rf"{(needed - 1) / 1e6:.1f} MB available \(8.59 GB in all\)"):  # fmt: skip
+    with pytest.raises(ModelLoadError, match=rf"takes {needed / 1e6:.1f} MB in memory once loaded \(.* on disk\), more "
+                                             rf"than the {(needed - 1) / 1e6:.1f} MB available \(8.59 GB in all\)"):  # fmt: skip
         mlx_hybrid.load(path, dequantize=dequantize)
     monkeypatch.setattr(loaders, "memory_available", lambda: (needed, 8 << 30))
     mlx_hybrid.load(path, dequantize=dequantize)
+
+
+def test_a_checkpoint_directory_that_does_not_fit_is_refused_before_it_is_read(monkeypatch):
+    """A Hugging Face directory: its tensors' bytes (the float32 fixture's, computed in float32) against
+    the memory left."""
+    import mlx_hybrid
+    from mlx_hybrid import loaders
+
+    path = FIXTURES / "qwen35" / "hf"
+    stored = sum(p.nbytes for p in loaders.hf.read_tensors(loaders.hf.safetensor_files(path)).values())
+    monkeypatch.setattr(loaders, "memory_available", lambda: (stored - 1, 8 << 30))
+    with pytest.raises(ModelLoadError, match=rf"takes {stored / 1e6:.1f} MB in memory once loaded"):
+        mlx_hybrid.load(path, dtype="float32")
+    monkeypatch.setattr(loaders, "memory_available", lambda: (stored, 8 << 30))
+    mlx_hybrid.load(path, dtype="float32")  # exactly enough: it loads

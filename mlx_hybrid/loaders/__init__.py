@@ -21,7 +21,7 @@ from ..models import architecture
 from ..models.dflash import load_drafter
 from ..models.layers import quantization_of
 from ..parallel import PIPELINE, TENSOR
-from ..quantized_tensor import CPU_ACTIVATIONS
+from ..quantized_tensor import CPU_ACTIVATIONS, QuantizedTensor
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
 from .common import RankPart, fill_model, rename
@@ -249,8 +249,11 @@ def is_block_drafter(path: Path) -> bool:
     return any(str(name).startswith("DFlash") for name in architectures)
 
 
-def _read_hf(path: Path) -> tuple[_Checkpoint, dict, list]:
-    """An HF directory's checkpoint, its config and its safetensors files."""
+def _read_hf(path: Path, dtype=None) -> tuple[_Checkpoint, dict, list]:
+    """An HF directory's checkpoint, its config and its safetensors files; with dtype (the compute
+    dtype), a ModelLoadError before anything is read where even the fewer of each tensor's bytes as
+    stored and in dtype would not fit in memory (a 16-bit checkpoint computed in float32 takes twice
+    its size: that is not counted, so a model is never refused that would fit)."""
     config = hf_config.read_config(path)
     model_type = hf_config.model_type_of(config)
     module = architecture(model_type)
@@ -267,13 +270,17 @@ def _read_hf(path: Path) -> tuple[_Checkpoint, dict, list]:
         config, module, has_mtp=any(name.startswith("mtp.") for name in tensors),
         has_vision=hf.has_vision_tower(tensors),
     )  # fmt: skip
+    if dtype is not None:
+        needed = sum(sum(part.nbytes for part in (t.weight, t.scales, t.biases)) if isinstance(t, QuantizedTensor)
+                     else min(t.nbytes, t.size * dtype.size) for t in tensors.values())  # (quantized: as it is)
+        _refuse_what_does_not_fit(path, needed, sum(f.stat().st_size for f in files))
     # popped as read: a split model keeps only its parts, so the whole tensors must go
     read = ((name, (lambda name=name: tensors.pop(name))) for name in list(tensors))
     return _Checkpoint(module, args, rules, read, len(tensors)), config, files
 
 
 def _load_hf(path: Path, dtype, progress, split: _Split):
-    checkpoint, config, files = _read_hf(path)
+    checkpoint, config, files = _read_hf(path, dtype if split.group is None else None)
     module, args = checkpoint.module, checkpoint.args
     model = _build(module, args)
     part = split.apply(model)
@@ -419,7 +426,7 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
             _log.warning("mlx_hybrid: %s: %s", path.name, line)
         if holds_all:
             needed = sum(held_bytes(name, elements, size, dtype, compact, keep_quantized) for name, elements, size in stored)
-            _refuse_what_does_not_fit(path, needed)
+            _refuse_what_does_not_fit(path, needed, path.stat().st_size)
     return _Checkpoint(module, args, rules, tensors, len(shapes)), meta
 
 
@@ -435,15 +442,15 @@ def memory_available() -> tuple[int, int] | None:
         return None
 
 
-def _refuse_what_does_not_fit(path: Path, needed: int):
+def _refuse_what_does_not_fit(path: Path, needed: int, stored: int):
     """A model larger than the memory left is refused before it is read (the system would otherwise
-    end the process part-way through the load)."""
+    end the process part-way through the load); stored: its files' bytes."""
     memory = memory_available()
     if memory is not None and needed > memory[0]:
         raise ModelLoadError(
-            f"{path}: the model takes {size_text(needed)} in memory once loaded (a {size_text(path.stat().st_size)} "
-            f"file), more than the {size_text(memory[0])} available ({size_text(memory[1])} in all): free memory, or "
-            "take a smaller quantization of it")  # fmt: skip
+            f"{path}: the model takes {size_text(needed)} in memory once loaded ({size_text(stored)} on disk), "
+            f"more than the {size_text(memory[0])} available ({size_text(memory[1])} in all): free memory, or take a "
+            "smaller quantization of it")  # fmt: skip
 
 
 def _projector_path(path: Path, mmproj, model_type: str) -> Path | None:
