@@ -92,14 +92,14 @@ def run_ours(path: Path, tokens: int, prompt_tokens: int, dequantize: bool, acti
     import mlx_hybrid  # (OpenBLAS before MLX)
 
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_map
 
     from mlx_hybrid.prompt import prefill
 
     model, tokenizer = mlx_hybrid.load(path, dequantize=dequantize, cpu_activations=activations)
     if dequantize:  # 16-bit matrices too: every weight float32
         model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
-    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    weights = model.nbytes
     prefill_s = float("inf")
     for _ in range(3 if prompt_tokens else 0):
         start = time.perf_counter()
@@ -111,9 +111,10 @@ def run_ours(path: Path, tokens: int, prompt_tokens: int, dequantize: bool, acti
             "weights": weights}
 
 
-def run_llama_cpp(path: Path, tokens: int, prompt_tokens: int, threads: int, llama_bin: Path) -> dict:
+def run_llama_cpp(path: Path, tokens: int, prompt_tokens: int, threads: int, llama_bin: Path, options=()) -> dict:
+    """llama-bench's prompt and decode rates on the file (options: more of its flags), its peak memory."""
     command = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", str(prompt_tokens), "-n", str(tokens),
-               "-t", str(threads), "-r", "1", "-o", "json"]  # fmt: skip
+               "-t", str(threads), "-r", "1", "-o", "json", *options]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = process.communicate()
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -240,14 +239,13 @@ def run_ours(path: Path, prompt_tokens: int, tokens: int) -> dict:
     import mlx_hybrid  # (OpenBLAS before MLX)
 
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     from mlx_hybrid.prompt import prefill
 
     model, tokenizer = mlx_hybrid.load(path)
     mx.eval(model.parameters())
     load_s = time.perf_counter() - start
-    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    weights = model.nbytes
     prompt = [(i * 7919) % 500 + 10 for i in range(prompt_tokens)]  # ids the fixtures' tokenizer knows
     prefill_s = float("inf")
     for _ in range(2):
@@ -261,13 +259,11 @@ def run_ours(path: Path, prompt_tokens: int, tokens: int) -> dict:
 
 
 def run_llama_cpp(path: Path, prompt_tokens: int, tokens: int, threads: int, llama_bin: Path, repack: bool) -> dict:
-    command = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", str(prompt_tokens), "-n", str(tokens),
-               "-t", str(threads), "-r", "1", "--repack", str(int(repack)), "-o", "json"]  # fmt: skip
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gguf_types
+
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
-    rates = {"prefill" if test["n_prompt"] else "decode": test["avg_ts"] for test in json.loads(done.stdout)}
+    rates = gguf_types.run_llama_cpp(path, tokens, prompt_tokens, threads, llama_bin, ["--repack", str(int(repack))])
     return rates | {"load_s": time.perf_counter() - start}  # (the whole run's seconds)
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -333,10 +334,7 @@ def held_bytes(type_name: str, elements: int, stored: int, dtype, compact: bool,
     if form == BLOCK and type_name in GRID_TYPES:
         return stored
     if form == BLOCK:
-        bits, group_size, _, block = BLOCK_TYPES[type_name]
-        groups = elements // group_size
-        factors = groups // block.groups_per_factor * block.factor_count * (1 if block.exponent_factors else 2)
-        return elements * bits // 8 + factors + round(groups * block.code_bytes)
+        return sum(math.prod(shape) * dtype.size for shape, dtype in _block_form_parts(type_name, 1, elements))
     scale_bytes = 2 if compact else 4  # a scale and a bias a group of 32
     if form == REQUANTIZED:
         return elements * REQUANTIZED_BITS[type_name] // 8 + elements // GROUP_SIZE * 2 * scale_bytes
@@ -374,6 +372,16 @@ def size_text(count: int) -> str:
     return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
 
 
+def _block_form_parts(type_name: str, rows: int, cols: int) -> list[tuple[tuple[int, int], mx.Dtype]]:
+    """The shapes and dtypes of a block form's weight, factors and codes for rows x cols values."""
+    bits, group_size, _, block = BLOCK_TYPES[type_name]
+    groups = cols // group_size
+    return [((rows, cols * bits // 32), mx.uint32),
+            ((rows, groups // block.groups_per_factor * block.factor_count),
+             mx.uint8 if block.exponent_factors else mx.float16),
+            ((rows, round(groups * block.code_bytes)), mx.int8)]  # fmt: skip
+
+
 def _block_form(raw: np.ndarray, type_name: str) -> QuantizedTensor:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -382,9 +390,7 @@ def _block_form(raw: np.ndarray, type_name: str) -> QuantizedTensor:
     lead = raw.shape[:-1]
     blocks = raw.reshape(-1, raw.shape[-1] // block_bytes, block_bytes)
     cols = blocks.shape[1] * per_block
-    shapes = [(len(blocks), cols * bits // 32), (len(blocks), blocks.shape[1] * block.factor_count),
-              (len(blocks), round(cols // group_size * block.code_bytes))]  # fmt: skip
-    dtypes = [mx.uint32, mx.uint8 if block.exponent_factors else mx.float16, mx.int8]
+    shapes, dtypes = zip(*_block_form_parts(type_name, len(blocks), cols))
     # written where they will live where the CPU computes, MLX's arrays (a copy of a whole model's
     # arrays would take longer than the unpacking); else numpy's, copied to MLX's
     parts = [ops.writable_array(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
