@@ -83,6 +83,7 @@ class Engine:
         if prefill_chunk < 1:
             raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.weights_bytes = model.nbytes  # (summed once: /health asks for it on every poll)
         self.num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
         self.adaptive = adaptive
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
@@ -194,7 +195,7 @@ class Engine:
     def memory(self) -> dict:
         """The bytes of the model's weights, and of everything MLX holds now (weights, caches, checkpoints
         in memory) and has held at most."""
-        return {"weights_bytes": self.model.nbytes, "active_bytes": mx.get_active_memory(),
+        return {"weights_bytes": self.weights_bytes, "active_bytes": mx.get_active_memory(),
                 "peak_bytes": mx.get_peak_memory()}  # fmt: skip
 
     @property
