@@ -191,6 +191,37 @@ class KVCache(LayerCache):
         self.offset = entries[0].shape[2] if entries else 0
 
 
+class WindowKVCache(KVCache):
+    """The KVCache of a sliding-window attention layer whose queries all come after the entries it
+    holds (a DFlash drafter's: its block follows its context): an entry `window` or more places
+    before the next token is never seen again. Once it holds twice the window, `trim` drops all but
+    the last window - 1 (a copy of the window, that often), so it never holds more than 2 x window.
+    Its rotary positions, and its checkpoints, count the entries dropped."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window, self.dropped = window, 0
+
+    def rotary_span(self, count: int) -> int:
+        return self.dropped + self.offset
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if self.offset >= 2 * self.window:
+            kept = self.window - 1
+            entries = KVCache.checkpoint(self)
+            self.dropped += self.offset - kept
+            KVCache.restore(self, tuple(mx.contiguous(entry[..., entry.shape[2] - kept :, :]) for entry in entries))
+        return n
+
+    def checkpoint(self) -> tuple:
+        return (*KVCache.checkpoint(self), mx.array(self.dropped))
+
+    def restore(self, entries: tuple):
+        KVCache.restore(self, entries[:-1])
+        self.dropped = int(entries[-1].item())
+
+
 class QuantizedKVCache(KVCache):
     """A KVCache that holds each token's entries in `bits` bits (--kv-bits): its features in groups
     of `group_size`, a scale and bias each (mx.quantize's affine groups, as mlx-lm's quantized cache

@@ -106,10 +106,10 @@ def check(group, mode: str, spec: str) -> dict:
     layer_diffs = layer_by_layer(model, whole, ids) if mode == "tensor" else []
     prompts = [ref["prompt_ids"][0].tolist(), ref["input_ids"][0, :20].tolist()]
     draft = "mtp" if model.has_mtp else "ngram"
-    # a DFlash drafter made for this family's fixture: its tokens where the split can tap the layers
-    # (tensor parallel), its refusal where it cannot (a pipeline)
+    # a DFlash drafter made for this family's fixture (the last by name: a DFlash2 one): its tokens where
+    # the split can tap the layers (tensor parallel), its refusal where it cannot (a pipeline)
     blocks = sorted(d for d in (FIXTURES / "dflash").iterdir() if d.name.startswith(family + "-"))
-    block_drafter, refused = load_drafter(blocks[0]) if blocks else None, None
+    block_drafter, refused = load_drafter(blocks[-1]) if blocks else None, None
     if block_drafter is not None and mode == "pipeline":
         try:
             make_drafter(model, tokenizer, "dflash", block_drafter)

@@ -1,8 +1,10 @@
 """DFlash block drafters (`models/dflash.py`) against z-lab's reference (`dflash` 0.1.0 on transformers,
-float32): tiny drafters in z-lab's layout for the fixture targets, three greedy rounds each
+float32): tiny drafters in z-lab's layout for the fixture targets (DFlash and DFlash2, some with a
+sliding-window layer whose window the prompt already exceeds), three greedy rounds each
 (`tests/fixtures/dflash/make_dflash_refs.py`): given the transformers target's hidden states at the
 drafter's layer ids, our block logits through our target's head equal the reference's at the float32
-floor, round after round (the drafter's cache keeping the context and dropping each block)."""
+floor, and our drafts (DFlash2's: the candidate selector's path) are the reference's, round after round
+(the drafter's cache keeping the context and dropping each block)."""
 
 import json
 import shutil
@@ -32,8 +34,33 @@ def test_block_logits_equal_the_reference_round_after_round(drafter_dir, source)
     for r in range(3):
         block = mx.array(refs[f"block_{r}"])[None]
         hidden = drafter.block_hidden(target.embed(block), mx.array(refs[f"context_{r}"]), cache)
-        assert cache[0].offset == int(refs[f"start_{r}"])  # the context up to the block, no block entries
+        for layer_cache, layer in zip(cache, drafter.layers):
+            # the context up to the block, no block entries; a sliding layer's, fewer than twice its window
+            window = layer.self_attn.window
+            assert layer_cache.rotary_span(1) == int(refs[f"start_{r}"])
+            assert layer_cache.offset == int(refs[f"start_{r}"]) if window is None else layer_cache.offset < 2 * window
         assert_close_to_floor(drafter.block_logits(hidden, target.project)[0], refs[f"logits_{r}"])
+
+
+@pytest.mark.parametrize("drafter_dir", DRAFTERS, ids=[path.name for path in DRAFTERS])
+def test_drafts_are_the_references_round_after_round(drafter_dir):
+    """The drafting side (`drafting.DFlashDrafter`, greedy, over the whole vocabulary) fed each round's
+    context and last token: its drafts are the reference's (DFlash2: the candidate selector's path, which
+    the fixtures' drafters make differ from the argmax at 20-60% of the drafts)."""
+    from mlx_hybrid.drafting.base import StateSpan
+    from mlx_hybrid.sampling import Sampler
+
+    family = drafter_dir.name.split("-")[0]
+    target, tokenizer = load_fixture(family, "hf")
+    model = load_drafter(drafter_dir)
+    drafter = make_drafter(target, tokenizer, "dflash", model, draft_vocab=0, draft_p_min=0)
+    refs = np.load(drafter_dir / "refs.npz")
+    for r in range(3):
+        context = mx.array(refs[f"context_{r}"])
+        drafter.pending = [StateSpan(context, 0, context.shape[1])]
+        drafter.begin(int(refs[f"block_{r}"][0]))
+        drafts, _ = drafter.draft(model.args.block_size - 1, Sampler())
+        assert [int(d.item()) for d in drafts] == refs[f"drafts_{r}"].tolist(), r
 
 
 @pytest.mark.parametrize("drafter_dir", DRAFTERS, ids=[path.name for path in DRAFTERS])
@@ -52,12 +79,16 @@ def test_the_target_hands_the_drafter_the_states_transformers_gives(drafter_dir,
 def test_a_drafter_config_it_cannot_compute_is_refused_by_name(tmp_path):
     source = DRAFTERS[0]
     for change, message in [
-        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2 drafters .* are not supported"),
+        ({"architectures": ["DFlash2DraftModel"]}, "lacks conv_kernel_size, conv_group_size, selector_rank, selector"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash drafter"),
-        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+        ({"layer_types": ["chunked_attention", "full_attention"]}, "not one of full_attention or sliding_attention"),
+        ({"layer_types": ["full_attention"]}, "for each of its 2 layers"),
         ({"dflash_config": {"block_size": 8}}, "lacks target_layer_ids, mask_token_id"),
+        ({"architectures": ["DFlash2DraftModel"], "dflash_config": {
+            "block_size": 8, "target_layer_ids": [0], "mask_token_id": 1, "conv_kernel_size": 2,
+            "conv_group_size": 24, "selector_rank": 4, "selector_top_k": 4}}, "conv_group_size 24 does not divide"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope scaling 'yarn'"),
-    ]:
+    ]:  # fmt: skip
         shutil.copytree(source, tmp_path / "d", dirs_exist_ok=True)
         config = json.loads((source / "config.json").read_text()) | change
         (tmp_path / "d" / "config.json").write_text(json.dumps(config))
@@ -90,14 +121,15 @@ def test_greedy_dflash_speculation_gives_plain_decoding_in_a_batch(drafter_dir):
         assert sequence.stats.drafted > 0
 
 
-def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_cache():
+@pytest.mark.parametrize("drafter_name", ["qwen35-b16-l1", "qwen35-dflash2-k4-t16-b16-s6-l1"])
+def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_cache(drafter_name):
     """stream_generate(draft="dflash", draft_model=): the block less one drafts a round by default;
     with a JSON schema and with the attention layers' cache in 8 bits, the tokens those settings give
-    without speculation."""
+    without speculation (a DFlash drafter; a DFlash2 one with a sliding layer)."""
     from mlx_hybrid.loaders import load_draft_model
 
     target, tokenizer = load_fixture("qwen35", "model.gguf")
-    drafter = load_draft_model(DRAFTERS[0])  # blocks of 8 or 16
+    drafter = load_draft_model(FIXTURES / "dflash" / drafter_name)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     for settings in [{}, {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
                      {"kv_bits": 8, "kv_group_size": 32}]:  # fmt: skip
@@ -124,11 +156,16 @@ def test_a_drafter_for_another_target_is_refused_naming_what_differs():
     model.args.hidden_size = 32
     with pytest.raises(GenerationError, match=r"hidden size \(32\) differs from the target's \(64\)"):
         make_drafter(target, tokenizer, "dflash", model)
+    model = load_drafter(DRAFTERS[0])
+    model.args.vocab_size = 1024
+    with pytest.raises(GenerationError, match=r"vocabulary \(1024 tokens\) differs from the target's \(512\)"):
+        make_drafter(target, tokenizer, "dflash", model)
     with pytest.raises(GenerationError, match="needs draft_model="):
         make_drafter(target, tokenizer, "dflash")
 
 
-def test_rows_drafting_together_draft_what_each_drafts_alone():
+@pytest.mark.parametrize("drafter_name", ["qwen35-b8-l0-2", "qwen35-dflash2-k4-t16-b16-s6-l1"])
+def test_rows_drafting_together_draft_what_each_drafts_alone(drafter_name):
     """Three rows at other context lengths draft their blocks in one pass of the drafter (their caches
     one batch, each row's unread context gathered from the passes it came from): each row's block
     logits are those it gets alone, in the first round (empty caches, prompts of 21, 3 and 40) and the
@@ -139,7 +176,7 @@ def test_rows_drafting_together_draft_what_each_drafts_alone():
     from mlx_hybrid.drafting.dflash import DFlashDrafter
 
     target, tokenizer = load_fixture("qwen35", "hf")
-    model = load_drafter(DRAFTERS[1])  # blocks of 8, layers [0, 2]
+    model = load_drafter(FIXTURES / "dflash" / drafter_name)  # the second: a sliding layer of window 6
     prompts = [[5, 9, 14] * 7, [300, 2, 77], list(range(40, 80))]
     layers = tuple(model.args.target_layer_ids)
 
@@ -160,6 +197,7 @@ def test_rows_drafting_together_draft_what_each_drafts_alone():
         for row, drafter in enumerate(alone):
             assert_close_to_floor(logits[row], DFlashDrafter.block_logits([drafter])[0])
         assert [d.cache[0].offset for d in together] == [d.cache[0].offset for d in alone]
+        assert [d.cache[0].rotary_span(1) for d in together] == [d.cache[0].rotary_span(1) for d in alone]
         if accepted_counts is None:
             break
         # a verify pass of the three rows packed: each row reads its accepted positions of the one array
@@ -211,3 +249,47 @@ def test_block_rows_verify_as_many_drafts_as_their_rounds_accept():
     for _ in range(3):
         assert fixed.plan() == 15
         fixed.record(15, 1, 15, declines_cost=True)
+
+
+def test_draft_model_takes_a_path_a_hub_name_or_refuses_by_name(tmp_path, monkeypatch):
+    """stream_generate(draft_model=) with a DFlash2 drafter's directory, a draft model's GGUF file and a hub
+    name (an offline cache laid out as huggingface_hub lays it): plain decoding's tokens; anything else
+    one error naming what it got."""
+    from test_hub import add_to_cache
+
+    target, tokenizer = load_fixture("qwen35", "hf")
+    drafter_dir = FIXTURES / "dflash" / "qwen35-dflash2-k2-t4-b8-l0-2"
+    plain = [r.token for r in mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=16, draft=None)]
+    add_to_cache(tmp_path / "hf", "test-org/Tiny-DFlash2", {f.name: f for f in drafter_dir.iterdir()})
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    for draft_model in [str(drafter_dir), drafter_dir, FIXTURES / "qwen35" / "model.gguf", "test-org/Tiny-DFlash2"]:
+        spec = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=16, draft_model=draft_model,
+                                          draft_p_min=0)  # fmt: skip
+        assert [r.token for r in spec] == plain, draft_model
+    with pytest.raises(GenerationError, match="draft_model= takes a loaded model .*; not a int"):
+        mlx_hybrid.generate(target, tokenizer, "def f(", max_tokens=4, draft_model=42)
+    with pytest.raises(ModelLoadError):
+        mlx_hybrid.generate(target, tokenizer, "def f(", max_tokens=4, draft_model=str(tmp_path / "missing"))
+
+
+def test_a_sliding_dflash2_drafter_resumes_from_a_prefix_checkpoint():
+    """A prompt's checkpoint taken with a DFlash2 drafter whose sliding layer's window (6) the prompt
+    exceeds (its cache has dropped entries, and counts them): a later request resuming from it decodes
+    plain decoding's tokens, as the first did."""
+    target, tokenizer = load_fixture("qwen35", "hf")
+    model = load_drafter(FIXTURES / "dflash" / "qwen35-dflash2-k4-t16-b16-s6-l1")
+    drafter = make_drafter(target, tokenizer, "dflash", model, draft_p_min=0)
+    engine = Engine(target, tokenizer, drafter, 15, adaptive=False, prefix_store=PrefixStore(1 << 30))
+    prompt = list(range(40, 70))
+    plain = [r.token for r in mlx_hybrid.stream_generate(target, tokenizer, prompt, max_tokens=20, draft=None,
+                                                         stop_tokens=[])]  # fmt: skip
+    first = engine.submit(prompt, max_tokens=20, stop_tokens=[], checkpoint_at=[len(prompt)])
+    engine.run()
+    again = engine.submit(prompt + [5], max_tokens=20, stop_tokens=[])
+    engine.run()
+    assert first.tokens == plain
+    assert again.cached_tokens == len(prompt)
+    again_plain = mlx_hybrid.stream_generate(target, tokenizer, prompt + [5], max_tokens=20, draft=None, stop_tokens=[])
+    assert again.tokens == [r.token for r in again_plain]

@@ -400,7 +400,8 @@ def _exact_distribution(model, prompt, sampler, depth, processing=None):
 
 @pytest.mark.parametrize(
     "drafter_kind, processed",
-    [("uniform", False), ("point-mass", False), pytest.param("uniform", True, id="processed"), ("dflash", False)],
+    [("uniform", False), ("point-mass", False), pytest.param("uniform", True, id="processed"), ("dflash", False),
+     ("dflash2", False)],  # fmt: skip
 )
 def test_speculative_sampling_follows_the_target_distribution(drafter_kind, processed):
     """Sampled (x_P, x_P+1, x_P+2) with k=2 against the exact target law (with processors:
@@ -427,7 +428,9 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind, proc
         settings |= processing
     # draws 50 rows at a time (each row's law is its own); later rows resume from the prompt's checkpoint
     rows = 50
-    block_drafter = load_drafter(FIXTURES / "dflash" / "qwen35-b8-l0-2") if drafter_kind == "dflash" else None
+    # DFlash2: its drafts drawn from the candidate selector's distribution over 4 candidates a position
+    block_drafter = {"dflash": "qwen35-b8-l0-2", "dflash2": "qwen35-dflash2-k2-t4-b8-l0-2"}.get(drafter_kind)
+    block_drafter = block_drafter and load_drafter(FIXTURES / "dflash" / block_drafter)
     engine = Engine(model, None, None, 2, max_batch=rows, prefix_store=PrefixStore(1 << 30))
     support = sorted({t for outcome in exact for t in outcome})
     counts = {}
@@ -437,7 +440,7 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind, proc
         for i in range(start, start + rows):
             if drafter_kind == "uniform":
                 drafter = UniformDrafter(support[:2] + [7], model.args.vocab_size, seed=i)
-            elif drafter_kind == "dflash":  # its block's distributions, cut at p-min, resumed from checkpoints
+            elif block_drafter:  # its block's distributions, cut at p-min, resumed from checkpoints
                 drafter = DFlashDrafter(model, block_drafter, draft_p_min=0.1)
             else:
                 drafter = OracleDrafter([support[0]] * 4, 0.5, model.args.vocab_size, seed=i)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 
 import mlx.core as mx
@@ -10,7 +11,7 @@ import numpy as np
 from ..errors import GenerationError
 from ..parallel import PIPELINE
 from ..row_caches import KVRowsPass
-from .base import DraftHead, Drafter, GroupRow, StateSpan, _join as _joined, _marked_by, check_draft_p_min
+from .base import DraftHead, Drafter, GroupRow, StateSpan, _join as _joined, _marked, _marked_by, check_draft_p_min
 
 
 class DFlashDrafter(Drafter):
@@ -77,8 +78,13 @@ class DFlashDrafter(Drafter):
 
     @staticmethod
     def block_logits(drafters) -> mx.array:
-        """The rows' blocks' draft logits [R, B - 1, V_head], from one pass of the drafter over each row's
-        unread context (then read) and its cache."""
+        """The rows' blocks' draft logits [R, B - 1, V_head] (see `block_hidden`)."""
+        return drafters[0].model.block_logits(DFlashDrafter.block_hidden(drafters), drafters[0].head.project)
+
+    @staticmethod
+    def block_hidden(drafters) -> mx.array:
+        """The rows' blocks' states [R, B, E], from one pass of the drafter over each row's unread context
+        (then read) and its cache."""
         first, args = drafters[0], drafters[0].model.args
         block = mx.array([[d.token] + [args.mask_token_id] * (args.block_size - 1) for d in drafters])
         features, counts = _unread_context(drafters)
@@ -89,13 +95,16 @@ class DFlashDrafter(Drafter):
         hidden = first.model.block_hidden(first.target.embed(block), features, cache, counts)
         for drafter in drafters:
             drafter.pending = []
-        return first.model.block_logits(hidden, first.head.project)
+        return hidden
 
     @classmethod
     def _draft_together(cls, drafters, ks, samplers):
-        first = drafters[0]
-        logits = cls.block_logits(drafters)[:, : max(ks)]
-        if samplers[0].greedy:  # a group is greedy rows or one sampling row
+        first, n = drafters[0], max(ks)
+        hidden = cls.block_hidden(drafters)
+        logits = first.model.block_logits(hidden, first.head.project)[:, :n]
+        if first.model.args.dflash2:
+            drafts, marked, logprobs = first._selected(drafters, hidden[:, 1 : n + 1], logits, samplers[0])
+        elif samplers[0].greedy:  # a group is greedy rows or one sampling row
             (drafts, marked), logprobs = first.head.greedy(logits, first.draft_p_min), [[None] * k for k in ks]
         else:
             sampler, k, head = samplers[0], ks[0], first.head
@@ -107,7 +116,35 @@ class DFlashDrafter(Drafter):
         columns = [marked[:, j] for j in range(max(ks))]
         for row, drafter in enumerate(drafters):
             drafter.drafted_columns = GroupRow(columns, row)
-        return [([drafts[r, j : j + 1] for j in range(k)], logprobs[r]) for r, k in enumerate(ks)]
+        return [([drafts[r, j : j + 1] for j in range(k)], logprobs[r][:k]) for r, k in enumerate(ks)]
+
+    def _selected(self, drafters, hidden: mx.array, logits: mx.array, sampler):
+        """DFlash2's drafts: the candidate selector's path through each position's top candidates, from each
+        row's last token (greedy rows: the best scores; a sampling row: drawn from the scores'
+        distribution, which the acceptance rule then reads over the whole vocabulary). (drafts [R, n],
+        the drafts marked with their p-min verdicts, per row the distributions or Nones.)"""
+        selector, head = self.model.candidate_selector, self.head
+        unary, index = selector.candidates(logits.astype(mx.float32))
+        candidates, projected = head.tokens(index), selector.hidden_projection(hidden)
+        previous = mx.array([d.token for d in drafters], dtype=mx.int32)
+        path, marks, distributions = [], [], []
+        for j in range(logits.shape[1]):
+            scores = selector.scores(unary[:, j], candidates[:, j], previous, projected[:, j])
+            if sampler.greedy:
+                choice = mx.argmax(scores, axis=-1)
+                top, total = scores.max(axis=-1), mx.logsumexp(scores, axis=-1)
+            else:
+                distribution = sampler.log_probs(scores)
+                choice = sampler.draw(distribution)
+                whole = mx.full((head.vocab_size,), -mx.inf, dtype=mx.float32)
+                whole[candidates[0, j]] = distribution[0]
+                distributions.append(whole)
+                top, total = distribution.max(axis=-1), mx.zeros(distribution.shape[:-1])
+            previous = mx.take_along_axis(candidates[:, j], choice[:, None], axis=-1)[:, 0]
+            path.append(previous)
+            marks.append(previous if self.draft_p_min <= 0 else _marked(top, total, math.log(self.draft_p_min), previous))
+        drafts, marked = mx.stack(path, axis=1), mx.stack(marks, axis=1)
+        return drafts, marked, [distributions] if distributions else [[None] * len(path) for _ in drafters]
 
     def update(self, states: StateSpan, accepted: list[int]):
         """states: the target's at the pass's positions; the first len(accepted) are read (the round's
@@ -123,7 +160,7 @@ class DFlashDrafter(Drafter):
 
     def restore(self, state: dict[str, mx.array], tokens: list[int]):
         for i, layer_cache in enumerate(self.cache):
-            layer_cache.restore(tuple(state[f"cache.{i}.{j}"] for j in range(2) if f"cache.{i}.{j}" in state))
+            layer_cache.restore(tuple(state[f"cache.{i}.{j}"] for j in range(len(state)) if f"cache.{i}.{j}" in state))
         pending = state.get("pending")
         self.pending = [StateSpan(pending, 0, pending.shape[1])] if pending is not None else []
 
@@ -160,6 +197,10 @@ def check_fits(target, drafter):
         raise GenerationError(
             f"the DFlash drafter reads target layers {args.target_layer_ids}, but the target has {layers} (0 to "
             f"{layers - 1})"
+        )
+    if args.vocab_size != trunk.vocab_size:
+        raise GenerationError(
+            f"the DFlash drafter's vocabulary ({args.vocab_size} tokens) differs from the target's ({trunk.vocab_size})"
         )
     if not 0 <= args.mask_token_id < trunk.vocab_size:
         raise GenerationError(

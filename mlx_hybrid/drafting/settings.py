@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 from ..draft_vocab import draft_vocabulary
 from ..errors import GenerationError
-from ..loaders import companion_drafter
+from ..loaders import companion_drafter, load_draft_model
 from ..models.dflash import DFlashDrafter as BlockDrafterModel
+from ..models.trunk import HybridModel
 from .base import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_TOKENS, check_draft_p_min
 from .dflash import DFlashDrafter
 from .draft_model import DraftModelDrafter
@@ -31,7 +34,8 @@ class SpeculationSettings:
     names, the commands' draft options), defaulted here and nowhere else.
 
     draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram",
-    "dflash" or None; draft_model: a loaded model of the same vocabulary, or a DFlash drafter;
+    "dflash" or None; draft_model: a model of the same vocabulary or a DFlash drafter, loaded or its
+    path or hub name (loaded once, `loaders.load_draft_model`);
     num_draft_tokens: drafts a round at most (None: 3, a DFlash drafter's block less one; see
     `draft_tokens_for`); draft_vocab: tokens a drafter projects onto (None: the default for the
     vocabulary's size, 0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
@@ -67,10 +71,12 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     draft: None or "none" (no speculation), "mtp", "ngram", "dflash", or "auto" (the MTP head
     where the model has one and no draft model is given, else none); draft_model: a model of
     the same vocabulary, or a DFlash drafter (`models.dflash.load_drafter`; draft "dflash" or
-    none; "dflash" without one takes the model's own, `loaders.companion_drafter`). draft_vocab:
+    none; "dflash" without one takes the model's own, `loaders.companion_drafter`), or the path or
+    hub name of either. draft_vocab:
     tokens the drafter projects onto (None: the default for the vocabulary's size, 0: all).
     """
     check_draft_p_min(draft_p_min)  # it also decides the rows' backoff by default (see SpeculationSettings)
+    draft_model = _loaded(draft_model)
     draft = resolve_draft(model, draft, draft_model)
     if draft == "dflash" and draft_model is None:
         draft_model = companion_drafter(model)
@@ -101,3 +107,20 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     if draft_model is not None:
         return DraftModelDrafter(draft_model, model, draft_p_min, vocabulary)
     return MTPDrafter(model, draft_p_min, vocabulary)
+
+
+def _loaded(draft_model):
+    """draft_model= as given, a path or hub name loaded."""
+    if draft_model is None or isinstance(draft_model, (BlockDrafterModel, HybridModel)):
+        return draft_model
+    if isinstance(draft_model, (str, os.PathLike)):
+        return _load_draft_model(os.fspath(draft_model))
+    raise GenerationError(
+        "draft_model= takes a loaded model or DFlash drafter, or the path or hub name of one; not a "
+        f"{type(draft_model).__name__}"
+    )
+
+
+@functools.lru_cache(maxsize=2)  # an app's calls with the same path share one
+def _load_draft_model(path: str):
+    return load_draft_model(path)

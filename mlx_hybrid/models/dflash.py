@@ -8,6 +8,16 @@ drafter has not read yet go through `fc` and `hidden_norm` and enter every layer
 ahead of the block's own; the block attends to all of them and to itself (no mask), at rotary
 positions continuing the sequence. The layers' caches keep the context's entries only: the block's are
 dropped after the pass. The block's last B - 1 positions, through the target's head, are the drafts.
+
+Layers of `layer_types` "sliding_attention" are causal inside the block and see only keys fewer than
+`sliding_window` positions back (their caches drop what the window no longer reaches; `is_causal`
+makes the full layers causal too).
+
+DFlash2 (`DFlash2DraftModel`) adds, in every layer, a grouped dynamic causal convolution over the
+block's positions before and after attention and before and after the MLP (`GroupedDynamicConv`), and
+a `CandidateSelector`: of each position's top `selector_top_k` tokens by the block's logits, the drafts
+are a path chosen position by position by the logit plus a bilinear score of the previous token's and
+the candidate's codebook rows with the position's projected state.
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import ops
-from ..cache import KVCache
+from ..cache import KVCache, WindowKVCache
 from ..errors import ModelLoadError
 from .layers import MLP, Linear, RMSNorm
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+DRAFT2_ARCHITECTURE = "DFlash2DraftModel"
 
 
 @dataclass
@@ -48,30 +59,64 @@ class DFlashArgs:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention" (empty: all full)
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: the sliding layers causal, the full ones not
+    conv_kernel_size: int = 0  # DFlash2's; 0: a DFlash drafter
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def dflash2(self) -> bool:
+        return self.selector_top_k > 0
+
+    def window_of(self, layer: int) -> int | None:
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    def causal(self, layer: int) -> bool:
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return sliding if self.is_causal is None else self.is_causal
 
     @classmethod
     def from_config(cls, config: dict) -> DFlashArgs:
         """The settings of z-lab's config.json (a Qwen3 config with `dflash_config`); what this
         implementation does not compute is refused by name."""
         architectures = config.get("architectures") or []
-        if "DFlash2DraftModel" in architectures:
+        if architectures not in ([DRAFT_ARCHITECTURE], [DRAFT2_ARCHITECTURE]):
             raise ModelLoadError(
-                "DFlash2 drafters (DFlash2DraftModel: grouped dynamic convolutions and a candidate selector) are "
-                f"not supported; {DRAFT_ARCHITECTURE} ones are"
+                f"not a DFlash drafter: architectures {architectures} (expected {DRAFT_ARCHITECTURE} or "
+                f"{DRAFT2_ARCHITECTURE})"
             )
-        if architectures != [DRAFT_ARCHITECTURE]:
-            raise ModelLoadError(f"not a DFlash drafter: architectures {architectures} (expected {DRAFT_ARCHITECTURE})")
+        dflash2 = architectures == [DRAFT2_ARCHITECTURE]
         draft = config.get("dflash_config") or {}
 
         def setting(name, default=None):
             return draft.get(name, config.get(name, default))
 
-        layer_types = set(config.get("layer_types") or ["full_attention"])
-        if layer_types != {"full_attention"} or config.get("is_causal") or config.get("use_sliding_window"):
-            raise ModelLoadError("DFlash drafters with causal or sliding-window layers are not supported")
-        missing = [name for name in ("target_layer_ids", "mask_token_id") if setting(name) is None]
+        needed = ["target_layer_ids", "mask_token_id"]
+        needed += ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"] if dflash2 else []
+        missing = [name for name in needed if setting(name) is None]
         if missing:
             raise ModelLoadError(f"the DFlash config lacks {', '.join(missing)}")
+        if dflash2 and config["hidden_size"] % int(setting("conv_group_size")):
+            raise ModelLoadError(
+                f"the DFlash2 config's conv_group_size {setting('conv_group_size')} does not divide its hidden size "
+                f"{config['hidden_size']}"
+            )
+        # as transformers' Qwen3Config reads them, which z-lab's layers take
+        window = config.get("sliding_window") if config.get("use_sliding_window") else None
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= config.get("max_window_layers", 28) else "full_attention"
+            for i in range(config["num_hidden_layers"])
+        ]
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown or len(layer_types) != config["num_hidden_layers"]:
+            raise ModelLoadError(
+                f"the DFlash config's layer_types {layer_types} are not one of full_attention or sliding_attention "
+                f"for each of its {config['num_hidden_layers']} layers"
+            )
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ModelLoadError(f"DFlash drafters with rope scaling {rope.get('rope_type', rope.get('type'))!r}")
@@ -88,6 +133,9 @@ class DFlashArgs:
             input_embedding_scale=float(setting("input_embedding_scale", 1.0)),
             output_multiplier=float(setting("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            layer_types=tuple(layer_types), sliding_window=int(window) if window is not None else None,
+            is_causal=None if config.get("is_causal") is None else bool(config["is_causal"]),
+            **({name: int(setting(name)) for name in needed[2:]}),
         )  # fmt: skip
 
 
@@ -101,10 +149,12 @@ def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
 
 
 class DFlashAttention(nn.Module):
-    """Attention of the block over the context's entries (cached and new) and its own, unmasked."""
+    """Attention of the block over the context's entries (cached and new) and its own: unmasked, or
+    causal, or within a sliding window (`DFlashArgs.causal`, `window_of`)."""
 
-    def __init__(self, args: DFlashArgs):
+    def __init__(self, args: DFlashArgs, layer: int = 0):
         super().__init__()
+        self.causal, self.window = args.causal(layer), args.window_of(layer)
         E, H, Hkv, D, bias = (args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                               args.attention_bias)  # fmt: skip
         self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = H, Hkv, D, args.rope_theta
@@ -138,7 +188,8 @@ class DFlashAttention(nn.Module):
             kept = None if counts is None else _plus(counts, T)  # a row's keys: its context and the block
             k, v = cache.update_and_fetch(k, v) if kept is None else cache.update_and_fetch(k, v, counts=kept)
         lengths = None if counts is None else cache.key_lengths
-        out = ops.scaled_dot_product_attention(q, k, v, self.head_dim**-0.5, key_lengths=lengths)
+        out = ops.scaled_dot_product_attention(q, k, v, self.head_dim**-0.5, "causal" if self.causal else None,
+                                               key_lengths=lengths, window=self.window)  # fmt: skip
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -157,17 +208,84 @@ def _plus(starts: tuple[int, ...], counts: tuple[int, ...] | int) -> tuple[int, 
     return tuple(s + n for s, n in zip(starts, counts if isinstance(counts, tuple) else [counts] * len(starts)))
 
 
-class DFlashLayer(nn.Module):
-    def __init__(self, args: DFlashArgs):
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's causal convolution over the block's positions, around attention or the MLP: `prepare`
+    convolves the block's input and computes the kernel `finish` convolves the output with. Each tap
+    o's weight at position t: a static one per channel (`base_kernel`) plus a dynamic one per group of
+    channels, projected from the input at t (`kernel_projection`); positions before the block are
+    zeros."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
-        self.self_attn = DFlashAttention(args)
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.base_kernel = mx.zeros((2, kernel_size, hidden_size))
+        self.kernel_projection = Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
+
+    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        B, T, E = x.shape
+        dynamic = self.kernel_projection(x).reshape(B, T, 2, self.kernel_size, E // self.group_size)
+        return self._convolve(x, dynamic[:, :, 0], self.base_kernel[0]), dynamic[:, :, 1]
+
+    def finish(self, x: mx.array, dynamic: mx.array) -> mx.array:
+        return self._convolve(x, dynamic, self.base_kernel[1])
+
+    def _convolve(self, x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
+        """x [B, T, E], dynamic [B, T, K, G], base [K, E]: sum over taps o of (base[o] + dynamic[t, o]) x[t - o]."""
+        B, T, E = x.shape
+        groups = x.reshape(B, T, E // self.group_size, self.group_size)
+        out = mx.zeros_like(groups)
+        for o in range(min(self.kernel_size, T)):
+            shifted = groups if o == 0 else mx.pad(groups[:, : T - o], [(0, 0), (o, 0), (0, 0), (0, 0)])
+            out = out + base[o].reshape(1, 1, -1, self.group_size) * shifted
+            out = out + dynamic[:, :, o, :, None] * shifted
+        return out.reshape(B, T, E)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, args: DFlashArgs, layer: int = 0):
+        super().__init__()
+        self.self_attn = DFlashAttention(args, layer)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.dflash2:
+            self.attention_conv = GroupedDynamicConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
     def __call__(self, x: mx.array, context: mx.array, cache, counts=None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), context, cache, counts)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self._around("attention_conv", lambda y: self.self_attn(y, context, cache, counts),
+                             self.input_layernorm(x))  # fmt: skip
+        return h + self._around("mlp_conv", self.mlp, self.post_attention_layernorm(h))
+
+    def _around(self, conv: str, block, x: mx.array) -> mx.array:
+        """block(x), inside DFlash2's convolutions where the layer has them."""
+        if conv not in self:
+            return block(x)
+        x, dynamic = self[conv].prepare(x)
+        return self[conv].finish(block(x), dynamic)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's choice of drafts among each position's top candidates (see the module's docstring)."""
+
+    def __init__(self, args: DFlashArgs):
+        super().__init__()
+        self.top_k = args.selector_top_k
+        self.hidden_projection = Linear(args.hidden_size, args.selector_rank, bias=False)
+        self.predecessor_codebook = mx.zeros((args.vocab_size, args.selector_rank))
+        self.successor_codebook = mx.zeros((args.vocab_size, args.selector_rank))
+
+    def candidates(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """logits [B, T, V] -> the top_k (all V where fewer) per position: their logits and indices [B, T, k]."""
+        k = min(self.top_k, logits.shape[-1])
+        index = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
+        return mx.take_along_axis(logits, index, axis=-1), index
+
+    def scores(self, unary: mx.array, candidates: mx.array, previous: mx.array, projected: mx.array) -> mx.array:
+        """One position's: unary [B, k] (the candidates' logits), candidates [B, k] and previous [B] (token ids),
+        projected [B, r] (`hidden_projection` of the position's state) -> [B, k]."""
+        left = self.predecessor_codebook[previous] * projected
+        return unary + (self.successor_codebook[candidates] @ left[..., None])[..., 0]
 
 
 class DFlashDrafter(nn.Module):
@@ -179,11 +297,14 @@ class DFlashDrafter(nn.Module):
         self.args = args
         self.fc = Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.layers = [DFlashLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [DFlashLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.dflash2:
+            self.candidate_selector = CandidateSelector(args)
 
     def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+        return [KVCache() if layer.self_attn.window is None else WindowKVCache(layer.self_attn.window)
+                for layer in self.layers]  # fmt: skip
 
     def block_hidden(self, block_embeddings: mx.array, features: mx.array, cache: list | None, counts=None) -> mx.array:
         """block_embeddings [B, T, E] (the target's embedding of the block's ids), features [B, C, L E] (the
@@ -221,6 +342,10 @@ def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDrafter:
     if not files:
         raise ModelLoadError(f"no safetensors files in {path}")
     weights = {name: array.astype(dtype) for file in files for name, array in mx.load(str(file)).items()}
+    for name in ("predecessor_codebook", "successor_codebook"):  # stored bare, or as save_pretrained writes it
+        key = f"candidate_selector.{name}"
+        if f"{key}.weight" in weights:
+            weights[key] = weights.pop(f"{key}.weight")
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:

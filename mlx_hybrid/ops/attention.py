@@ -16,11 +16,13 @@ from .reference import QuantizedEntries
 KV_BITS, KV_GROUP_SIZES = (4, 8), (32, 64, 128)
 
 
-def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None, key_lengths=None) -> mx.array:
+def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None, key_lengths=None,
+                                 window: int | None = None) -> mx.array:
     """mx.fast.scaled_dot_product_attention with mask None or "causal": q [B, H, T, Dk] over
     k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, H, T, Dv]; k and v may be a quantized cache's
     `QuantizedEntries`. key_lengths (host ints, one a batch row): row b holds only its first
-    key_lengths[b] keys, the causal mask aligned to its last.
+    key_lengths[b] keys, the causal mask aligned to its last. window: a sliding-window layer's, the
+    queries being a row's last T keys: a query sees only keys fewer than `window` places from it.
 
     On the CPU our kernel: for a few query tokens (decode steps, verify passes) one node where MLX's
     op makes about 15, each query row's bits the same whatever rows come with it (a verify pass
@@ -31,6 +33,9 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None,
     call for a whole batch where a GPU computes, its rows' lengths as a mask, but a GPU's decode steps
     and verify passes on our row-invariant kernel (`row_kernels`: each query token's bits whatever
     tokens, rows or keys come with it)."""
+    if window is not None and window < _keys(k):  # (a tiny drafter's layers: MLX's op, with a mask array)
+        lengths = tuple(key_lengths) if key_lengths is not None else (_keys(k),) * q.shape[0]
+        return _mlx_attention(q, k, v, scale, _rows_mask(lengths, q.shape[2], _keys(k), mask == "causal", window))
     if mask in (None, "causal") and (out := _row_attention(q, k, v, scale, mask == "causal", key_lengths)) is not None:
         return out
     if _kernel_runs(q, k, v):
@@ -90,11 +95,16 @@ def _rows(entries, b: int, keys: int):
 
 
 @lru_cache(maxsize=8)
-def _rows_mask(key_lengths: tuple[int, ...], tokens: int, keys: int, causal: bool) -> mx.array:
-    """[B, 1, T, S] booleans: the keys each row's query token sees (a pass's layers share it; made on
-    the host, so it launches nothing)."""
-    seen = np.asarray(key_lengths)[:, None] - (tokens - 1 - np.arange(tokens) if causal else 0)
-    return mx.array(np.arange(keys)[None, None, None, :] < seen.reshape(len(key_lengths), 1, -1, 1))
+def _rows_mask(key_lengths: tuple[int, ...], tokens: int, keys: int, causal: bool, window: int | None = None) -> mx.array:
+    """[B, 1, T, S] booleans: the keys each row's query token sees, the queries a row's last T keys (a
+    pass's layers share it; made on the host, so it launches nothing)."""
+    lengths = np.asarray(key_lengths).reshape(-1, 1, 1, 1)
+    query = lengths - tokens + np.arange(tokens).reshape(1, 1, -1, 1)  # each query's place among its row's keys
+    key = np.arange(keys).reshape(1, 1, 1, -1)
+    seen = (key < lengths) & ((key <= query) if causal else True)
+    if window is not None:
+        seen &= np.abs(query - key) < window
+    return mx.array(seen)
 
 
 def quantize_entries(x: mx.array, bits: int, group_size: int) -> QuantizedEntries:
