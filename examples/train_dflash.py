@@ -224,11 +224,11 @@ def main():
               f"{streams[0].size / 1e3:.0f} k generated and {streams[1].size / 1e6:.1f} M training tokens",
               file=sys.stderr)  # fmt: skip
         train(target, drafter, streams, args, out)
-    export(drafter, len(target.layers), out, args.install)
+    export(drafter, target, out, args.install)
 
 
-def export(drafter: DFlashDrafter, num_target_layers: int, out: Path, install: bool):
-    save_drafter(drafter, out / "drafter", num_target_layers)
+def export(drafter: DFlashDrafter, target, out: Path, install: bool):
+    save_drafter(drafter, out / "drafter", len(target.layers), max_position_embeddings=target.args.max_position_embeddings)
     print(f"wrote {out / 'drafter'}", file=sys.stderr)
     if install:
         target = mlx_hybrid.bundled_drafter_path()

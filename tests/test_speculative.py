@@ -19,6 +19,7 @@ from conftest import (
     reference,
     reference_processing,
 )
+from mlx_hybrid import ops
 from mlx_hybrid.cache import KVCache, RecurrentCache
 from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter
 from mlx_hybrid.drafting.dflash import DFlashDrafter
@@ -566,7 +567,8 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp):
     """The bundled model's head drafts confidently, so deciding p-min while drafting read the device
     after every draft (7 reads a pass at k=3), and sampling rows read it again for every draft's
     acceptance test; the verdicts and the speculative sampling rule now stay on the device until the
-    verify pass reads its tokens: one read a pass, whatever the rows. Each row's tokens are those it
+    verify pass reads its tokens: one read a pass, whatever the rows (two on the CPU, which reads the
+    verdicts before it verifies: `ops.read_draft_verdicts_first`). Each row's tokens are those it
     gives alone, and greedy, those of plain decoding."""
     from benchmarks.engine_step import DeviceUse
     from mlx_hybrid.drafting import make_drafter
@@ -584,7 +586,9 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp):
         with use.counting():
             engine.step()
         reads.append(use.waits)
-    assert set(reads) == {1} and all(s.stats.drafted > 0 for s in sequences)
+    most = 2 if ops.read_draft_verdicts_first() else 1
+    assert max(reads) == most and set(reads) <= {1, most}  # (a pass that drafts nothing reads once)
+    assert all(s.stats.drafted > 0 for s in sequences)
     for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):
         alone = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, temp=temp, seed=i)
         assert sequence.tokens == [response.token for response in alone]

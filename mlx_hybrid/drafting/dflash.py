@@ -22,7 +22,8 @@ class DFlashDrafter(Drafter):
     passes), for the accepted positions only, as they come; a round's block is the last accepted
     token and mask tokens, and its drafts are the block's later positions through the target's head
     (over a reduced vocabulary where given, as the MTP head's): argmax where greedy, drawn from their
-    distributions (kept for the acceptance rule) where not.
+    distributions (kept for the acceptance rule) where not; a DFlash2 drafter's, its candidate
+    selector's path (`_selected`).
     """
 
     declines_cost = True  # a block's pass ran (and in lockstep its drafts were verified) before a cut
@@ -198,9 +199,10 @@ def check_fits(target, drafter):
             f"the DFlash drafter reads target layers {args.target_layer_ids}, but the target has {layers} (0 to "
             f"{layers - 1})"
         )
-    if args.vocab_size != trunk.vocab_size:
+    if args.dflash2 and args.vocab_size < trunk.vocab_size:  # its codebooks' rows are the target's tokens
         raise GenerationError(
-            f"the DFlash drafter's vocabulary ({args.vocab_size} tokens) differs from the target's ({trunk.vocab_size})"
+            f"the DFlash2 drafter's codebooks hold {args.vocab_size} tokens, fewer than the target's vocabulary "
+            f"({trunk.vocab_size})"
         )
     if not 0 <= args.mask_token_id < trunk.vocab_size:
         raise GenerationError(

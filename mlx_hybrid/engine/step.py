@@ -16,6 +16,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
+from .. import ops
 from ..cache import marks, packed, record_snapshots
 from ..drafting import draft_rows, sure_drafts, unmarked
 from ..drafting.base import StateSpan
@@ -102,6 +103,8 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False,
                 tokens = [column[columns.row : columns.row + 1] for column in columns.columns[: len(tokens)]]
             if tokens:
                 feeds[row] = (feeds[row], tokens)
+        if ops.read_draft_verdicts_first():
+            _keep_sure_drafts(drafting, feeds, asked)
     fed, pieces = _packed([row for row in rows if row in feeds], feeds)
     marked = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
     ids = unmarked(marked) if any(row.drafter.drafted_columns is not None for row in drafting) else marked
@@ -110,6 +113,23 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False,
     starts = [0, *accumulate(_fed_count(feeds[row]) for row in fed)]
     return Batch(fed, [feeds[row] if row.prefilling else ids[s:e] for row, s, e in zip(fed, starts, starts[1:])],
                  asked, ids, marked, prompts_held_back=held_back)  # fmt: skip
+
+
+def _keep_sure_drafts(rows: list[Row], feeds: dict, asked: dict):
+    """Each drafting row's feed cut at its first unsure draft, the verdicts read now, all rows' in one
+    wait: its token and its sure drafts, as host tokens (see `ops.read_draft_verdicts_first`)."""
+    drafted = [row for row in rows if not isinstance(feeds[row], list)]
+    if not drafted:
+        return
+    values = mx.concatenate([mx.concatenate([t.reshape(1) for t in feeds[row][1]]) for row in drafted]).tolist()
+    at = 0
+    for row in drafted:
+        count = len(feeds[row][1])
+        sure = sure_drafts(values[at : at + count])
+        at += count
+        feeds[row] = feeds[row][0] + sure
+        asked[row] = (asked[row][0], asked[row][1][: len(sure)])
+        row.drafts = row.drafts[: len(sure)]
 
 
 def _fed_count(feed) -> int:

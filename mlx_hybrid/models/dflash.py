@@ -354,23 +354,30 @@ def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDrafter:
     return model
 
 
-def save_drafter(drafter: DFlashDrafter, path: str | Path, num_target_layers: int, dtype=mx.bfloat16):
+def save_drafter(drafter: DFlashDrafter, path: str | Path, num_target_layers: int, dtype=mx.bfloat16,
+                 max_position_embeddings: int = 4096):
     """Write a drafter as z-lab's directories hold one (config.json of a Qwen3 decoder with
-    `dflash_config`, model.safetensors): what `load_drafter` and z-lab's `dflash` read."""
+    `dflash_config`, model.safetensors; DFlash2's codebooks under their bare keys): what `load_drafter`
+    and z-lab's `dflash` (its MLX runner too, which reads `max_position_embeddings`: the target's) read."""
     args, path = drafter.args, Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    window = {"use_sliding_window": True, "sliding_window": args.sliding_window} if args.sliding_window else {}
+    dflash2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if args.dflash2 else ()
     config = {
-        "architectures": [DRAFT_ARCHITECTURE], "model_type": "qwen3", "hidden_size": args.hidden_size,
+        "architectures": [DRAFT2_ARCHITECTURE if args.dflash2 else DRAFT_ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size, "num_hidden_layers": args.num_hidden_layers,
         "num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
         "head_dim": args.head_dim, "rms_norm_eps": args.rms_norm_eps, "vocab_size": args.vocab_size,
         "rope_parameters": {"rope_theta": args.rope_theta, "rope_type": "default"},
         "attention_bias": args.attention_bias, "hidden_act": "silu", "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * args.num_hidden_layers, "num_target_layers": num_target_layers,
+        "layer_types": list(args.layer_types) or ["full_attention"] * args.num_hidden_layers, **window,
+        **({"is_causal": args.is_causal} if args.is_causal is not None else {}),
+        "num_target_layers": num_target_layers, "max_position_embeddings": max_position_embeddings,
         "dtype": str(dtype).split(".")[-1],
         "dflash_config": {
             "block_size": args.block_size, "mask_token_id": args.mask_token_id,
-            "target_layer_ids": args.target_layer_ids,
+            "target_layer_ids": args.target_layer_ids, **{name: getattr(args, name) for name in dflash2},
         },
     }  # fmt: skip
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
