@@ -43,8 +43,9 @@ from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB  # noqa: E402
 from mlx_hybrid.drafting import DraftHead  # noqa: E402
 from mlx_hybrid.drafting.dflash import DFlashDrafter  # noqa: E402
 from mlx_hybrid.drafting.mtp import MTPDrafter  # noqa: E402
-from mlx_hybrid.models.dflash import DRAFT2_ARCHITECTURE, DFlashArgs, save_drafter, target_layer_ids  # noqa: E402
-from mlx_hybrid.models.dflash import DFlashDrafter as DFlashModel  # noqa: E402
+from mlx_hybrid.models.dflash import (  # noqa: E402
+    DRAFT2_ARCHITECTURE, DFlashArgs, DFlashDraftModel, save_drafter, target_layer_ids,
+)
 from mlx_hybrid.models.init import initialise  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
@@ -54,7 +55,7 @@ from spec_decode import against_plain, plain_decode, timed, verify_cost  # noqa:
 DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 32, "selector_rank": 64, "selector_top_k": 16}
 
 
-def random_drafter(target, layers: int, block: int, dtype, kind: str = "dflash") -> DFlashModel:
+def random_drafter(target, layers: int, block: int, dtype, kind: str = "dflash") -> DFlashDraftModel:
     t = target.args
     args = DFlashArgs(
         hidden_size=t.hidden_size, intermediate_size=3 * t.hidden_size, num_hidden_layers=layers,
@@ -63,10 +64,10 @@ def random_drafter(target, layers: int, block: int, dtype, kind: str = "dflash")
         target_layer_ids=target_layer_ids(t.num_hidden_layers, layers), block_size=block, mask_token_id=t.vocab_size - 1,
         **(DFLASH2 if kind == "dflash2" else {}),
     )  # fmt: skip
-    return initialise(DFlashModel(args), 1, dtype)
+    return initialise(DFlashDraftModel(args), 1, dtype)
 
 
-def drafter_cost(target, model: DFlashModel, head: DraftHead, prompt: list[int]) -> float:
+def drafter_cost(target, model: DFlashDraftModel, head: DraftHead, prompt: list[int]) -> float:
     """Seconds of one drafter pass: its block over a prompt's worth of context, the drafts' logits
     through `head` (the target's, over the draft vocabulary)."""
     context = mx.random.normal((1, len(prompt), len(model.args.target_layer_ids) * target.args.hidden_size))

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from mlx_hybrid import Engine, ops  # noqa: E402
 from mlx_hybrid.models.dflash import (  # noqa: E402
-    DFlashArgs, DFlashDrafter, load_drafter, save_drafter, target_layer_ids,
+    DFlashArgs, DFlashDraftModel, load_drafter, save_drafter, target_layer_ids,
 )
 from mlx_hybrid.models.init import initialise  # noqa: E402
 from train_tiny import compiled_train_step, corpus_files, learning_rate, tokenize  # noqa: E402
@@ -66,7 +66,7 @@ def drafter_args(target, tokenizer, layers: int, block: int, layer_ids: list[int
     )  # fmt: skip
 
 
-def warm_start(drafter: DFlashDrafter, path: Path):
+def warm_start(drafter: DFlashDraftModel, path: Path):
     """Take another drafter's weights where they fit: every tensor of the same name and shape, and of `fc`
     the columns of the target layers both read (the others start at zero)."""
     source = load_drafter(path)
@@ -134,7 +134,7 @@ def blocks(target, drafter_args: DFlashArgs, ids: mx.array, step: int, args):
     return features, block_ids, tokens[:, 1:]
 
 
-def train(target, drafter: DFlashDrafter, streams, args, out: Path):
+def train(target, drafter: DFlashDraftModel, streams, args, out: Path):
     from tqdm import tqdm
 
     B = drafter.args.block_size
@@ -206,7 +206,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     target, tokenizer = mlx_hybrid.load(args.target or mlx_hybrid.bundled_model_path(), dtype="float32")
     target.freeze()
-    drafter = DFlashDrafter(drafter_args(target, tokenizer, args.layers, args.block, args.target_layers))
+    drafter = DFlashDraftModel(drafter_args(target, tokenizer, args.layers, args.block, args.target_layers))
     if args.resume or args.export_only:
         drafter.load_weights(str(out / "weights.safetensors"))
     else:
@@ -227,7 +227,7 @@ def main():
     export(drafter, target, out, args.install)
 
 
-def export(drafter: DFlashDrafter, target, out: Path, install: bool):
+def export(drafter: DFlashDraftModel, target, out: Path, install: bool):
     save_drafter(drafter, out / "drafter", len(target.layers), max_position_embeddings=target.args.max_position_embeddings)
     print(f"wrote {out / 'drafter'}", file=sys.stderr)
     if install:

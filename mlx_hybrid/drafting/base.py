@@ -145,14 +145,37 @@ def _last_of_each(x: mx.array, lengths: list[int]) -> mx.array:
 
 
 class Drafter:
-    """What every drafter shares: `start`, drafting rows one at a time, and checkpoints that
-    hold nothing (the drafter reads the tokens again on restore)."""
+    """The calls the engine makes of a drafter, and what every drafter shares: `start`, drafting rows
+    one at a time, and checkpoints that hold nothing (the drafter reads the tokens again on restore)."""
 
-    declines_cost = False
+    declines_cost = False  # whether drafting nothing still cost a model step (declines then back off as misses)
     drafted_columns = None  # see _ConfidentDrafting: a round's marked drafts as its group's columns
     reads_layers: tuple[int, ...] = ()  # trunk layers whose states it reads in place of the last hidden states
     default_draft_tokens = DEFAULT_DRAFT_TOKENS  # drafts a round unless the request says
     drafts_blocks = False  # a block a pass, accepted in part: adaptive rows adapt how many they verify
+
+    def prefill(self, tokens: list[int], hidden) -> None:
+        """Read a part of the prompt the trunk has read: its tokens and the trunk's states over them
+        ([1, T, E], the states at `reads_layers` as a `StateSpan` where it names some), or None."""
+        raise NotImplementedError
+
+    def begin(self, first_token: int) -> None:
+        """The first token after the prompt, the trunk's."""
+        raise NotImplementedError
+
+    def draft(self, k: int, sampler) -> tuple[list, list]:
+        """Up to k drafts (fewer, or none, where confidence runs out): the tokens as scalar arrays, and for
+        each the log-distribution [V] it was drawn from (None: a point mass)."""
+        raise NotImplementedError
+
+    def update(self, verify_hidden, accepted: list[int]) -> None:
+        """After a verify pass (`draft` may have been skipped for the round): the tokens it accepted (the
+        drafts taken and the trunk's own next token), and its states at the pass's positions."""
+        raise NotImplementedError
+
+    def fork(self) -> Drafter:
+        """A drafter of the same kind with no sequence yet, sharing what is fixed (the model, the head)."""
+        raise NotImplementedError
 
     def start(self, prompt: list[int], prompt_hidden, first_token: int):
         self.prefill(list(prompt), prompt_hidden)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..draft_vocab import draft_vocabulary
 from ..errors import GenerationError
 from ..loaders import companion_drafter, load_draft_model
-from ..models.dflash import DFlashDrafter as BlockDrafterModel
+from ..models.dflash import DFlashDraftModel
 from ..models.trunk import HybridModel
 from .base import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_TOKENS, check_draft_p_min
 from .dflash import DFlashDrafter
@@ -80,7 +80,7 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     draft = resolve_draft(model, draft, draft_model)
     if draft == "dflash" and draft_model is None:
         draft_model = companion_drafter(model)
-    block_drafter = isinstance(draft_model, BlockDrafterModel)
+    block_drafter = isinstance(draft_model, DFlashDraftModel)
     if draft == "dflash" or block_drafter:
         if not block_drafter:
             raise GenerationError(
@@ -111,7 +111,7 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
 
 def _loaded(draft_model):
     """draft_model= as given, a path or hub name loaded."""
-    if draft_model is None or isinstance(draft_model, (BlockDrafterModel, HybridModel)):
+    if draft_model is None or isinstance(draft_model, (DFlashDraftModel, HybridModel)):
         return draft_model
     if isinstance(draft_model, (str, os.PathLike)):
         return _load_draft_model(os.fspath(draft_model))

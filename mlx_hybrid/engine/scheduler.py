@@ -37,6 +37,7 @@ import mlx.core as mx
 from .. import ops
 from ..cache import check_kv_quantization, set_positions
 from ..drafting import SpeculationSettings
+from ..drafting.base import StateSpan
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP, check_context, request_ids
 from ..sampling import SamplingParams
@@ -354,7 +355,8 @@ class Engine:
         row.last_hidden = hidden[:, -1:]
         if row.drafter is not None:
             row.drafter.prefill(tokens, states)
-        mx.eval(hidden, getattr(states, "states", states))  # a chunk at a time bounds the activations
+        # a chunk at a time bounds the activations
+        mx.eval(hidden, states.states if isinstance(states, StateSpan) else states)
         if len(row.fed) in row.checkpoint_at:
             self._save(row)
         return logits is not None and self._started(row, logits)

@@ -187,10 +187,10 @@ def _host_tokens_joined(parts: list) -> list[mx.array]:
 
 def _group_columns(row: Row, feed) -> list | None:
     """The draft columns of the row's group, where the row feeds its first drafts as drawn."""
-    drafted = getattr(row.drafter, "drafted_columns", None)
-    if isinstance(feed, list) or drafted is None or len(feed[1]) > len(drafted.columns):
+    if isinstance(feed, list):  # no drafts (a prompt's tokens, or a row with no drafter)
         return None
-    return drafted.columns
+    drafted = row.drafter.drafted_columns
+    return None if drafted is None or len(feed[1]) > len(drafted.columns) else drafted.columns
 
 
 def _group_size(group: list[Row]) -> int:

@@ -288,7 +288,7 @@ class CandidateSelector(nn.Module):
         return unary + (self.successor_codebook[candidates] @ left[..., None])[..., 0]
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDraftModel(nn.Module):
     """The drafter's layers. `block_hidden` runs a round; `block_logits` turns its output into the
     drafts' logits through the target's head."""
 
@@ -330,14 +330,14 @@ class DFlashDrafter(nn.Module):
         return mx.tanh(logits / cap) * cap if cap else logits
 
 
-def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDrafter:
+def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDraftModel:
     """A DFlash drafter from its Hugging Face directory (config.json, safetensors)."""
     path = Path(path)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ModelLoadError(f"cannot read the DFlash drafter's config.json in {path}: {error}") from None
-    model = DFlashDrafter(DFlashArgs.from_config(config))
+    model = DFlashDraftModel(DFlashArgs.from_config(config))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no safetensors files in {path}")
@@ -354,7 +354,7 @@ def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDrafter:
     return model
 
 
-def save_drafter(drafter: DFlashDrafter, path: str | Path, num_target_layers: int, dtype=mx.bfloat16,
+def save_drafter(drafter: DFlashDraftModel, path: str | Path, num_target_layers: int, dtype=mx.bfloat16,
                  max_position_embeddings: int = 4096):
     """Write a drafter as z-lab's directories hold one (config.json of a Qwen3 decoder with
     `dflash_config`, model.safetensors; DFlash2's codebooks under their bare keys): what `load_drafter`
@@ -383,3 +383,6 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, num_target_layers: in
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     weights = {name: array.astype(dtype) for name, array in tree_flatten(drafter.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+
+
+DFlashDrafter = DFlashDraftModel  # its former name (the drafting strategy is `drafting.DFlashDrafter`)
