@@ -77,6 +77,43 @@ def test_a_model_that_does_not_fit_in_memory_is_refused_before_it_is_read(family
     mlx_hybrid.load(path, dequantize=dequantize)
 
 
+def _cgroup_files(directory, files: dict):
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+
+
+def test_a_control_groups_memory_limit_bounds_what_is_available(tmp_path, monkeypatch):
+    """A container's limit, which /proc/meminfo does not show, as the kernel lays its files out: the
+    tightest of the group's and its ancestors', less what the group uses but its page cache (v2:
+    memory.max, memory.current, memory.stat's `file`; v1: memory.limit_in_bytes, memory.usage_in_bytes,
+    `total_cache`); none where no limit is set; and memory_available at most that."""
+    from mlx_hybrid.loaders import memory
+
+    GiB = 1 << 30
+    v2 = tmp_path / "v2"
+    _cgroup_files(v2 / "user.slice", {"memory.max": f"{4 * GiB}\n", "memory.current": f"{3 * GiB}\n",
+                                      "memory.stat": f"anon {2 * GiB}\nfile {GiB}\n"})  # fmt: skip
+    _cgroup_files(v2 / "user.slice" / "app", {"memory.max": "max\n", "memory.current": f"{GiB}\n",
+                                              "memory.stat": "anon 1\nfile 0\n"})  # fmt: skip
+    assert memory.cgroup_memory(v2, "0::/user.slice/app\n") == (2 * GiB, 4 * GiB)
+    _cgroup_files(v2 / "user.slice" / "app", {"memory.max": f"{3 * GiB}\n", "memory.current": f"{5 * GiB // 2}\n"})
+    assert memory.cgroup_memory(v2, "0::/user.slice/app\n") == (GiB // 2, 3 * GiB)  # the tighter child
+    # a container's own view: its group is the root it sees
+    assert memory.cgroup_memory(v2 / "user.slice", "0::/\n") == (2 * GiB, 4 * GiB)
+    v1 = tmp_path / "v1"
+    _cgroup_files(v1 / "memory" / "docker", {"memory.limit_in_bytes": f"{8 * GiB}\n", "memory.usage_in_bytes": f"{6 * GiB}\n",
+                                             "memory.stat": f"cache 5\ntotal_cache {2 * GiB}\n"})  # fmt: skip
+    _cgroup_files(v1 / "memory" / "docker" / "abc", {"memory.limit_in_bytes": "9223372036854771712\n"})
+    membership = "4:memory:/docker/abc\n3:cpuset:/\n"
+    assert memory.cgroup_memory(v1, membership) == (4 * GiB, 8 * GiB)
+    assert memory.cgroup_memory(v1, "3:cpuset:/\n") is None and memory.cgroup_memory(tmp_path / "none", "0::/\n") is None
+    machine = memory.memory_available()
+    monkeypatch.setattr(memory, "cgroup_memory", lambda: (GiB // 4, GiB // 2))
+    if machine is not None:  # Linux
+        assert memory.memory_available() == (min(machine[0], GiB // 4), min(machine[1], GiB // 2))
+
+
 def test_a_checkpoint_directory_that_does_not_fit_is_refused_before_it_is_read(monkeypatch):
     """A Hugging Face directory: its tensors' bytes (the float32 fixture's, computed in float32) against
     the memory left."""

@@ -24,6 +24,7 @@ from ..parallel import PIPELINE, TENSOR
 from ..quantized_tensor import CPU_ACTIVATIONS, QuantizedTensor
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
+from .memory import memory_available
 from .common import RankPart, fill_model, rename
 from .quantized import block_type_name, dequantized_notice, held_bytes, size_text
 
@@ -428,18 +429,6 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
             needed = sum(held_bytes(name, elements, size, dtype, compact, keep_quantized) for name, elements, size in stored)
             _refuse_what_does_not_fit(path, needed, path.stat().st_size)
     return _Checkpoint(module, args, rules, tensors, len(shapes)), meta
-
-
-def memory_available() -> tuple[int, int] | None:
-    """(bytes a process can still allocate, the machine's memory) where the system says: Linux's
-    MemAvailable (free memory and what the kernel can reclaim for it, the page cache among it) plus free
-    swap, and MemTotal. None elsewhere (macOS compresses and swaps memory: no figure says what fails)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
-        return fields["MemAvailable"] + fields.get("SwapFree", 0), fields["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
 
 
 def _refuse_what_does_not_fit(path: Path, needed: int, stored: int):
