@@ -71,13 +71,14 @@ class DFlashArgs:
     def dflash2(self) -> bool:
         return self.selector_top_k > 0
 
+    def sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
     def window_of(self, layer: int) -> int | None:
-        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
-        return self.sliding_window if sliding else None
+        return self.sliding_window if self.sliding(layer) else None
 
     def causal(self, layer: int) -> bool:
-        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
-        return sliding if self.is_causal is None else self.is_causal
+        return self.sliding(layer) if self.is_causal is None else self.is_causal
 
     @classmethod
     def from_config(cls, config: dict) -> DFlashArgs:
