@@ -2,7 +2,7 @@
 beside llama.cpp's on the same file, in the same run.
 
     python benchmarks/gguf_types.py --make bench_models/gguf-types --llama-bin DIR   # once: the files
-    python benchmarks/gguf_types.py --dir bench_models/gguf-types --llama-bin DIR
+    python benchmarks/gguf_types.py --dir bench_models/gguf-types --llama-bin DIR [DIR ...]
     python benchmarks/gguf_types.py --kernels [--rows 512]   # each type's product alone
 
 --make writes random weights at Qwen3.5-0.8B's shape (shapes.py) as a float32 GGUF in
@@ -20,9 +20,11 @@ Each measurement runs in a process of its own, so that its peak resident memory 
 - "float32": the same with `load(cpu_activations="float32")`, what the dequantized weights compute;
 - "dequantized": the same with `load(dequantize=True)` and every weight in float32 (what a type
   without kernels of its own costs);
-- llama.cpp: `llama-bench -p 512 -n 32` (its prompt and token-generation rates) with the same threads.
-Rounds alternate the runners; medians are printed, the ratios against llama.cpp and against
-the file's size.
+- llama.cpp: `llama-bench -p 512 -n 32` (its prompt and token-generation rates) with the same threads,
+  each build named (`--llama-bin`: the folders of its binaries, e.g. an AVX2 build and the CPU's own;
+  `--make` takes the first's llama-quantize and llama-imatrix).
+Rounds alternate the runners; medians are printed, the ratios against the fastest llama.cpp build and
+against the file's size.
 """
 
 from __future__ import annotations
@@ -131,20 +133,31 @@ RUNNERS = ("mlx-hybrid", "float32", "dequantized", "llama.cpp")
 EXPERT_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q5_0", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "MXFP4")
 
 
+def build_name(llama_bin: Path) -> str:
+    """A llama.cpp build's name: its folder's (the one above bin/)."""
+    return llama_bin.parent.name if llama_bin.name == "bin" else llama_bin.name
+
+
+def llama_cpp_runners(llama_bins: list[Path]) -> dict[str, Path]:
+    """Each llama.cpp build's runner name -> its binaries."""
+    return {f"llama.cpp {build_name(llama_bin)}": llama_bin for llama_bin in llama_bins}
+
+
 def measure_in_child(runner: str, path: Path, args) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from quantized_cpu import json_of_child
 
     return json_of_child([__file__, "--child", runner, str(path), "--tokens", str(args.tokens),
                           "--prefill", str(args.prefill), "--threads", str(args.threads),
-                          "--llama-bin", str(args.llama_bin)]
+                          "--llama-bin", *map(str, args.llama_bin)]
                          + (["--instruction-set", args.instruction_set] if args.instruction_set else []), args)  # fmt: skip
 
 
 def child(args):
     runner, path = args.child
-    if runner == "llama.cpp":
-        result = run_llama_cpp(Path(path), args.tokens, args.prefill, args.threads, args.llama_bin)
+    if runner.startswith("llama.cpp"):
+        llama_bin = llama_cpp_runners(args.llama_bin)[runner]
+        result = run_llama_cpp(Path(path), args.tokens, args.prefill, args.threads, llama_bin)
     else:
         if args.instruction_set:
             import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
@@ -280,7 +293,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--make", type=Path, metavar="DIR", help="write the benchmark files into DIR and stop")
     p.add_argument("--dir", type=Path, default=Path("bench_models/gguf-types"))
-    p.add_argument("--llama-bin", type=Path, help="the folder of llama-quantize, llama-imatrix and llama-bench")
+    p.add_argument("--llama-bin", type=Path, nargs="+",
+                   help="the folders of llama.cpp's builds (llama-bench; the first's llama-quantize and llama-imatrix)")
     p.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
     p.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     p.add_argument("--rounds", type=int, default=1)
@@ -315,16 +329,18 @@ def main():
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")
     if args.make:
-        return make(args.make, args.llama_bin, args.types)
+        return make(args.make, args.llama_bin[0], args.types)
     if args.child:
         return child(args)
     missing = [str(file_of(args.dir, name)) for name in args.types if not file_of(args.dir, name).is_file()]
     if missing:
         p.error(f"no benchmark file {', '.join(missing)}: make them first with --make {args.dir} --types ...")
+    builds = list(llama_cpp_runners(args.llama_bin))
+    runners = [name for runner in args.runners for name in (builds if runner == "llama.cpp" else [runner])]
     results: dict[tuple[str, str], list[dict]] = {}
     for round_index in range(args.rounds):
         for type_name in args.types:
-            for runner in args.runners:
+            for runner in runners:
                 r = measure_in_child(runner, file_of(args.dir, type_name), args)
                 results.setdefault((type_name, runner), []).append(r)
                 print(f"round {round_index + 1} {type_name:7s} {runner:11s} {r}", file=sys.stderr, flush=True)
@@ -333,21 +349,29 @@ def main():
         runs = [r[key] for r in results.get((type_name, runner), []) if key in r]
         return statistics.median(runs) if runs else float("nan")
 
+    def fastest(type_name, key):  # the llama.cpp build that ran fastest: (its name, its rate)
+        rates = {build: median(type_name, build, key) for build in builds}
+        best = max(rates, key=lambda b: -1.0 if rates[b] != rates[b] else rates[b])  # (nan: did not run)
+        return best, rates[best]
+
+    def rates_text(type_name, key):
+        return ", ".join(f"{median(type_name, b, key):.2f} ({b.removeprefix('llama.cpp ')})" for b in builds)
+
     print(f"\n32 tokens after an 8-token prompt, {args.threads} threads; medians of {args.rounds}; decode in tokens/s")
     print("| type | file GiB | weights / file | peak / file | decode | float32 decode | dequantized decode | "
-          "llama.cpp decode | decode / llama.cpp | float32 / llama.cpp | llama.cpp peak / file |")  # fmt: skip
+          "llama.cpp decode | decode / fastest llama.cpp | float32 / fastest | llama.cpp peak / file |")  # fmt: skip
     print("| --- " * 11 + "|")
     prefill_rows = []
     for type_name in args.types:
         size = file_of(args.dir, type_name).stat().st_size
         ours, floats = median(type_name, "mlx-hybrid", "decode"), median(type_name, "float32", "decode")
-        theirs = median(type_name, "llama.cpp", "decode")
+        build, theirs = fastest(type_name, "decode")
         print(f"| {type_name} | {size / 2**30:.2f} | {median(type_name, 'mlx-hybrid', 'weights') / size:.2f}x | "
               f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | {floats:.2f} | "
-              f"{median(type_name, 'dequantized', 'decode'):.2f} | {theirs:.2f} | {ours / theirs:.2f}x | "
-              f"{floats / theirs:.2f}x | {median(type_name, 'llama.cpp', 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
-        prefill_rows.append(f"| {type_name} | " + " | ".join(f"{median(type_name, runner, 'prefill'):.1f}"
-                                                             for runner in ("mlx-hybrid", "float32", "llama.cpp")) + " |")
+              f"{median(type_name, 'dequantized', 'decode'):.2f} | {rates_text(type_name, 'decode')} | "
+              f"{ours / theirs:.2f}x | {floats / theirs:.2f}x | {median(type_name, build, 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
+        prefill_rows.append(f"| {type_name} | {median(type_name, 'mlx-hybrid', 'prefill'):.1f} | "
+                            f"{median(type_name, 'float32', 'prefill'):.1f} | {rates_text(type_name, 'prefill')} |")  # fmt: skip
     if args.prefill:
         print(f"\n{args.prefill}-token prefill in tokens/s")
         print("| type | prefill | float32 prefill | llama.cpp prefill |\n" + "| --- " * 4 + "|")

@@ -270,17 +270,15 @@ def run_llama_cpp(path: Path, prompt_tokens: int, tokens: int, threads: int, lla
 OURS = "mlx-hybrid"
 
 
-def build_name(llama_bin: Path) -> str:
-    """A llama.cpp build's name: its folder's (the one above bin/)."""
-    return llama_bin.parent.name if llama_bin.name == "bin" else llama_bin.name
-
-
 def runners(llama_bins: list[Path]) -> dict[str, tuple]:
     """Each runner's name -> (llama.cpp's binaries, whether it repacks), ours first (None)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_types import llama_cpp_runners
+
     found = {OURS: None}
-    for llama_bin in llama_bins:
-        found[f"llama.cpp {build_name(llama_bin)}"] = (llama_bin, True)
-        found[f"llama.cpp {build_name(llama_bin)} --repack 0"] = (llama_bin, False)
+    for name, llama_bin in llama_cpp_runners(llama_bins).items():
+        found[name] = (llama_bin, True)
+        found[f"{name} --repack 0"] = (llama_bin, False)
     return found
 
 
