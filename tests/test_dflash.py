@@ -43,15 +43,16 @@ def test_block_logits_equal_the_reference_round_after_round(drafter_dir, source)
 
 
 @pytest.mark.parametrize("drafter_dir", DRAFTERS, ids=[path.name for path in DRAFTERS])
-def test_drafts_are_the_references_round_after_round(drafter_dir):
-    """The drafting side (`drafting.DFlashDrafter`, greedy, over the whole vocabulary) fed each round's
-    context and last token: its drafts are the reference's (DFlash2: the candidate selector's path, which
+@pytest.mark.parametrize("source", ["hf", "model.gguf"])
+def test_drafts_are_the_references_round_after_round(drafter_dir, source):
+    """The drafting side (`drafting.DFlashDrafter`, greedy, over the whole vocabulary, on the HF and the
+    GGUF target) fed each round's context and last token: its drafts are the reference's (DFlash2: the candidate selector's path, which
     the fixtures' drafters make differ from the argmax at 20-60% of the drafts)."""
     from mlx_hybrid.drafting.base import StateSpan
     from mlx_hybrid.sampling import Sampler
 
     family = drafter_dir.name.split("-")[0]
-    target, tokenizer = load_fixture(family, "hf")
+    target, tokenizer = load_fixture(family, source)
     model = load_drafter(drafter_dir)
     drafter = make_drafter(target, tokenizer, "dflash", model, draft_vocab=0, draft_p_min=0)
     refs = np.load(drafter_dir / "refs.npz")
