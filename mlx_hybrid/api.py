@@ -98,7 +98,7 @@ def stream_generate(
             yield GenerationResponse(
                 text=text,
                 token=token,
-                from_draft=i < event.drafted,
+                from_draft=i < event.accepted_drafts,
                 prompt_tokens=len(sequence.prompt),
                 prompt_tps=prompt_tps,
                 generation_tokens=n,

@@ -94,7 +94,7 @@ class Engine:
         self.pass_tokens = model.rows_alike_pass_tokens()
         self.prompts_due = False  # the next pass feeds the prompts held back by the last
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.speculation = SpeculativeStats()  # the figures of every finished sequence that drafted
+        self.speculation_stats = SpeculativeStats()  # the figures of every finished sequence that drafted
         self.waiting: queue.Queue = queue.Queue()
         self.rows: list[Row] = []
         self._wake = threading.Event()
@@ -188,9 +188,16 @@ class Engine:
         return row.sequence.cancelled
 
     @property
-    def load(self) -> dict:
+    def occupancy(self) -> dict:
         """How many sequences are generating and how many wait for a slot."""
         return {"running": len(self.rows), "waiting": self.waiting.qsize()}
+
+    load = occupancy  # its former name
+
+    @property
+    def speculation(self) -> SpeculativeStats:
+        """`speculation_stats`' former name."""
+        return self.speculation_stats
 
     @property
     def memory(self) -> dict:
@@ -390,12 +397,12 @@ class Engine:
                 break
         sequence.tokens += out
         logprobs = token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
-        drafted = min(len(out), len(accepted) - 1)
+        accepted_drafts = min(len(out), len(accepted) - 1)
         if reason is None:
-            sequence.events.put(Event(out, logprobs=logprobs, drafted=drafted))
+            sequence.events.put(Event(out, logprobs=logprobs, accepted_drafts=accepted_drafts))
             return False
         self._save(row)
-        self._finish(row, reason, out, logprobs=logprobs, drafted=drafted)
+        self._finish(row, reason, out, logprobs=logprobs, accepted_drafts=accepted_drafts)
         return True
 
     def _save(self, row: Row):
@@ -411,9 +418,9 @@ class Engine:
         else:
             self.store.save(checkpoint, keep=row.prompt_checkpoint)
 
-    def _finish(self, row: Row, reason: str, tokens=(), error: str | None = None, logprobs=None, drafted=0):
+    def _finish(self, row: Row, reason: str, tokens=(), error: str | None = None, logprobs=None, accepted_drafts=0):
         sequence = row.sequence
         if sequence.stats is not None:
-            self.speculation.merge(sequence.stats)
+            self.speculation_stats.merge(sequence.stats)
         sequence.finish_reason, sequence.error = reason, error
-        sequence.events.put(Event(list(tokens), reason, error, logprobs, drafted))
+        sequence.events.put(Event(list(tokens), reason, error, logprobs, accepted_drafts))

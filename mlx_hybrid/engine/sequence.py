@@ -31,7 +31,12 @@ class Event:
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     error: str | None = None  # what went wrong, with "error"
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
-    drafted: int = 0  # how many of the tokens, from the first, are drafts the model accepted
+    accepted_drafts: int = 0  # how many of the tokens, from the first, are drafts the model accepted
+
+    @property
+    def drafted(self) -> int:
+        """`accepted_drafts`' former name."""
+        return self.accepted_drafts
 
 
 @dataclass

@@ -97,10 +97,10 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.get("/health")
     async def health():
-        health = {"status": "ok", **served.engine.load, "memory": served.engine.memory,
+        health = {"status": "ok", **served.engine.occupancy, "memory": served.engine.memory,
                   "prefix_cache": served.engine.checkpoints}  # fmt: skip
         if served.engine.drafter is not None:  # over the requests finished so far
-            health["speculation"] = served.engine.speculation.summary()
+            health["speculation"] = served.engine.speculation_stats.summary()
         if served.engine.kv_bits is not None:
             health["kv_cache"] = {"bits": served.engine.kv_bits, "group_size": served.engine.kv_group_size}
         return health
