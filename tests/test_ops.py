@@ -18,7 +18,7 @@ from mlx_hybrid.ops import reference, rotary
 OP_TOL = 1e-5
 
 def numpy_gated_delta(q, k, v, g, beta, state):
-    """Per token, per value head, in float64: the rule as docs/MODELS.md writes it."""
+    """Per token, per value head, in float64: the rule as docs/models.md writes it."""
     q, k, v, g, beta, S = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta, state))
     B, T, Hk, _ = k.shape
     Hv = v.shape[2]
@@ -119,7 +119,7 @@ def layer_inputs(B, T, heads, K, vector_gate, seed=0):
 
 
 def numpy_linear_attention(x, weight, tail, a, b, A, dt_bias, gate, norm_weight, state, heads, activation, eps=1e-6):
-    """The layer as docs/MODELS.md writes it, in float64: (out, tail, state, the tails and the
+    """The layer as docs/models.md writes it, in float64: (out, tail, state, the tails and the
     states after each token)."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = heads

@@ -1,7 +1,7 @@
 """The hybrid models' GGUF layouts as llama.cpp's converter writes them: per architecture, the
 hyper-parameters from the file's metadata and the table of its tensors.
 
-Undoes the conversion transforms listed in docs/MODELS.md: value heads tiled
+Undoes the conversion transforms listed in docs/models.md: value heads tiled
 (qwen35*), `ssm_ba` fused (qwen3next), experts stacked, MTP in a `nextn` block.
 Decoder norms are stored as 1 + w and `ssm_a` as -exp(A_log): our canonical
 forms already, so they load as they are.
