@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import FIXTURES, assert_close_to_floor, load_fixture
+from test_hub import add_to_cache, offline_hub  # noqa: F401  (a fixture)
 
 import mlx_hybrid
 from mlx_hybrid.drafting import make_drafter
@@ -257,19 +258,14 @@ def test_block_rows_verify_as_many_drafts_as_their_rounds_accept():
         fixed.record(15, 1, 15, declines_cost=True)
 
 
-def test_draft_model_takes_a_path_a_hub_name_or_refuses_by_name(tmp_path, monkeypatch):
+def test_draft_model_takes_a_path_a_hub_name_or_refuses_by_name(tmp_path, offline_hub):
     """stream_generate(draft_model=) with a DFlash2 drafter's directory, a draft model's GGUF file and a hub
     name (an offline cache laid out as huggingface_hub lays it): plain decoding's tokens; anything else
     one error naming what it got."""
-    from test_hub import add_to_cache
-
     target, tokenizer = load_fixture("qwen35", "hf")
     drafter_dir = FIXTURES / "dflash" / "qwen35-dflash2-k2-t4-b8-l0-2"
     plain = [r.token for r in mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=16, draft=None)]
-    add_to_cache(tmp_path / "hf", "test-org/Tiny-DFlash2", {f.name: f for f in drafter_dir.iterdir()})
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    add_to_cache(offline_hub, "test-org/Tiny-DFlash2", {f.name: f for f in drafter_dir.iterdir()})
     for draft_model in [str(drafter_dir), drafter_dir, FIXTURES / "qwen35" / "model.gguf", "test-org/Tiny-DFlash2"]:
         spec = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=16, draft_model=draft_model,
                                           draft_p_min=0)  # fmt: skip

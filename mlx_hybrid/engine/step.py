@@ -121,7 +121,7 @@ def _keep_sure_drafts(rows: list[Row], feeds: dict, asked: dict):
     drafted = [row for row in rows if not isinstance(feeds[row], list)]
     if not drafted:
         return
-    values = mx.concatenate([mx.concatenate([t.reshape(1) for t in feeds[row][1]]) for row in drafted]).tolist()
+    values = mx.concatenate([t.reshape(1) for row in drafted for t in feeds[row][1]]).tolist()
     at = 0
     for row in drafted:
         count = len(feeds[row][1])

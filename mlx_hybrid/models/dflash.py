@@ -39,6 +39,7 @@ from .layers import MLP, Linear, RMSNorm
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 DRAFT2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # its dflash_config's
 
 
 @dataclass
@@ -96,9 +97,8 @@ class DFlashArgs:
         def setting(name, default=None):
             return draft.get(name, config.get(name, default))
 
-        needed = ["target_layer_ids", "mask_token_id"]
-        needed += ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"] if dflash2 else []
-        missing = [name for name in needed if setting(name) is None]
+        dflash2_settings = DFLASH2_SETTINGS if dflash2 else ()
+        missing = [name for name in ("target_layer_ids", "mask_token_id", *dflash2_settings) if setting(name) is None]
         if missing:
             raise ModelLoadError(f"the DFlash config lacks {', '.join(missing)}")
         if dflash2 and config["hidden_size"] % int(setting("conv_group_size")):
@@ -136,7 +136,7 @@ class DFlashArgs:
             final_logit_softcapping=float(softcap) if softcap else None,
             layer_types=tuple(layer_types), sliding_window=int(window) if window is not None else None,
             is_causal=None if config.get("is_causal") is None else bool(config["is_causal"]),
-            **({name: int(setting(name)) for name in needed[2:]}),
+            **{name: int(setting(name)) for name in dflash2_settings},
         )  # fmt: skip
 
 
@@ -363,7 +363,7 @@ def save_drafter(drafter: DFlashDraftModel, path: str | Path, num_target_layers:
     args, path = drafter.args, Path(path)
     path.mkdir(parents=True, exist_ok=True)
     window = {"use_sliding_window": True, "sliding_window": args.sliding_window} if args.sliding_window else {}
-    dflash2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if args.dflash2 else ()
+    dflash2 = DFLASH2_SETTINGS if args.dflash2 else ()
     config = {
         "architectures": [DRAFT2_ARCHITECTURE if args.dflash2 else DRAFT_ARCHITECTURE], "model_type": "qwen3",
         "hidden_size": args.hidden_size,
