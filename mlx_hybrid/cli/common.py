@@ -334,6 +334,7 @@ def load_for_generation(args):
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
         f"speculation: {describe_speculation(args, drafter, speculation.draft_tokens_for(drafter))}"
         + ("; reads images" if model.has_vision else "")
+        + (f"; tables of {size_text(model.mapped_nbytes)} read by rows from their files" if model.mapped_nbytes else "")
     )
     if args.kv_bits:
         described += f"; KV cache in {args.kv_bits} bits, groups of {args.kv_group_size}"

@@ -201,10 +201,11 @@ class Engine:
 
     @property
     def memory(self) -> dict:
-        """The bytes of the model's weights, and of everything MLX holds now (weights, caches, checkpoints
+        """The bytes of the model's weights, of the tables it reads by rows from their files (mapped: page
+        cache, not the process's memory), and of everything MLX holds now (weights, caches, checkpoints
         in memory) and has held at most."""
-        return {"weights_bytes": self.weights_bytes, "active_bytes": mx.get_active_memory(),
-                "peak_bytes": mx.get_peak_memory()}  # fmt: skip
+        return {"weights_bytes": self.weights_bytes, "mapped_bytes": self.model.mapped_nbytes,
+                "active_bytes": mx.get_active_memory(), "peak_bytes": mx.get_peak_memory()}  # fmt: skip
 
     @property
     def checkpoints(self) -> dict:

@@ -25,6 +25,7 @@ from ..quantized_tensor import CPU_ACTIVATIONS, QuantizedTensor
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
 from .memory import memory_available
+from .row_tables import take_row_tables
 from .common import RankPart, fill_model, rename
 from .quantized import block_type_name, dequantized_notice, held_bytes, size_text
 
@@ -212,6 +213,7 @@ class _Checkpoint(NamedTuple):
     rules: list
     tensors: object
     count: int
+    row_tables: dict = {}  # tables read by rows where they lie (`row_tables`), by name
 
 
 def load_draft_model(path, dtype=None):
@@ -263,6 +265,7 @@ def _read_hf(path: Path, dtype=None) -> tuple[_Checkpoint, dict, list]:
     make_args, rules_for = hf.FAMILIES[model_type]
     files = hf.safetensor_files(path)
     tensors = hf.read_tensors(files)
+    row_tables = take_row_tables(tensors, files, hf.ROW_TABLES[model_type]) if model_type in hf.ROW_TABLES else {}
     rules = rules_for(hf.detect_layout(tensors))
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization:
@@ -277,7 +280,7 @@ def _read_hf(path: Path, dtype=None) -> tuple[_Checkpoint, dict, list]:
         _refuse_what_does_not_fit(path, needed, sum(f.stat().st_size for f in files))
     # popped as read: a split model keeps only its parts, so the whole tensors must go
     read = ((name, (lambda name=name: tensors.pop(name))) for name in list(tensors))
-    return _Checkpoint(module, args, rules, read, len(tensors)), config, files
+    return _Checkpoint(module, args, rules, read, len(tensors), row_tables), config, files
 
 
 def _load_hf(path: Path, dtype, progress, split: _Split):
@@ -290,6 +293,10 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
         weights, unmatched = rename(checkpoint.tensors, checkpoint.rules, args, bar, part)
     _reject_unmatched(unmatched, path)
     fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
+    try:
+        model.take_row_tables(checkpoint.row_tables)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     tokenizer = Tokenizer.from_hf_dir(path, config)
     if model.has_vision:
         try:

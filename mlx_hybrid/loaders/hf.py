@@ -115,6 +115,34 @@ def qwen_rules(layout: str = "hf"):
     ]
 
 
+def qwen4_rules(layout: str = "hf"):
+    """Qwen3.8-Flash-Next (`qwen4_exp`): Qwen3.5's names, and its hyper-connections, indexers and PLE
+    layers (their zero-centred norms, the PLE's depthwise convolution); the n-gram hash's buffers are
+    dropped (the model computes them from the config, as transformers does) and its tables stay in
+    their files (`ROW_TABLES`)."""
+    norm = plus_one if layout == "hf" else None
+    return [
+        Rule(_PREFIX + r"hyper_connection_mixer\.hc_norm\.weight", "norm.hc_norm.weight", norm),
+        Rule(_PREFIX + r"hyper_connection_mixer\.(?P<rest>.+)", "norm.{rest}"),
+        Rule(_BLOCK + r"(?P<hc>attn|mlp)_hyper_connection\.hc_norm\.weight", "{blk}.{hc}_hyper_connection.hc_norm.weight",
+             norm),
+        Rule(_BLOCK + r"self_attn\.indexer\.(?P<n>q|k)_layernorm\.weight", "{blk}.self_attn.{n}_layernorm.weight", norm),
+        Rule(_BLOCK + r"self_attn\.indexer\.index_qk_proj\.(?P<rest>.+)", "{blk}.self_attn.index_qk_proj.{rest}"),
+        Rule(_BLOCK + r"ple\.(?P<n>norm_key|norm_query|norm_conv)\.weight", "{blk}.ple.{n}.weight", norm),
+        Rule(_BLOCK + r"ple\.conv1d\.weight", "{blk}.ple.conv1d_weight", squeeze_conv),
+        Rule(_BLOCK + r"ple\.ple_embedding\.(?:layer_multipliers|ngram_heads_offsets|ngram_heads_vocab_sizes)", ""),
+        *qwen_rules(layout),
+    ]  # fmt: skip
+
+
+# model_type -> the tables left in their files, read by rows (`row_tables`): a pattern whose `table`
+# group names the layer and whose `shard` group numbers the table's parts
+ROW_TABLES = {
+    "qwen4_exp": _PREFIX + r"(?P<table>layers\.\d+)\.ple\.ple_embedding\.ngram_embedding\.shard_(?P<shard>\d+)\.weight",
+}
+ROW_TABLES["qwen4_exp_text"] = ROW_TABLES["qwen4_exp"]
+
+
 _VISION = r"(?:model\.)?visual\."
 _VISION_TOWER = r"vision_tower\."
 
@@ -217,7 +245,7 @@ EXPORT_RULES = {
     "kimi_linear": kimi_export_rules,
 }
 
-MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # published with a vision tower; text under a prefix
+MULTIMODAL = ("qwen3_5", "qwen3_5_moe", "qwen4_exp")  # published with a vision tower; text under a prefix
 
 
 def export_name(name: str, layout: str = "hf", model_type: str = "qwen3_5") -> str:
@@ -334,6 +362,8 @@ FAMILIES = {
     "qwen3_5": (qwen_args, qwen_rules),
     "qwen3_5_moe": (qwen_args, qwen_rules),
     "qwen3_next": (qwen_args, qwen_rules),
+    "qwen4_exp": (qwen_args, qwen4_rules),
+    "qwen4_exp_text": (qwen_args, qwen4_rules),
     "kimi_linear": (kimi_args, kimi_rules),  # plain norms in every layout
 }
 

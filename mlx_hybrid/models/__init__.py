@@ -5,12 +5,14 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedArchitectureError
-from . import kimi_linear, qwen3_5
+from . import kimi_linear, qwen3_5, qwen4_exp
 
 ARCHITECTURES: dict[str, ModuleType] = {
     "qwen3_5": qwen3_5,
     "qwen3_5_moe": qwen3_5,
     "qwen3_next": qwen3_5,
+    "qwen4_exp": qwen4_exp,
+    "qwen4_exp_text": qwen4_exp,
     "kimi_linear": kimi_linear,
 }
 

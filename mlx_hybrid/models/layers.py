@@ -27,6 +27,12 @@ def check_layer_types(layer_types, num_layers: int):
         raise ValueError(f"layer_types must list {num_layers} of {LINEAR!r}/{FULL!r}")
 
 
+def group_rms_norm(x: mx.array, weight: mx.array, eps: float, group: int) -> mx.array:
+    """RMSNorm of each `group` features of x [..., n group] on its own, times weight [n group]."""
+    normed = mx.fast.rms_norm(x.reshape(*x.shape[:-1], -1, group).astype(F32), None, eps)
+    return (normed.reshape(x.shape) * weight.astype(F32)).astype(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with a plain weight (loaders turn zero-centred weights w into 1 + w)."""
 

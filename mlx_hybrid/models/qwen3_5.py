@@ -98,8 +98,9 @@ FLOAT32_PARAMS = ("A", "dt_bias")
 class GatedDeltaNet(nn.Module):
     """Linear attention with the gated delta rule (Qwen3.5 / Qwen3-Next layout)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, gate_activation: str = "silu"):
         super().__init__()
+        self.gate_activation = gate_activation  # of the output norm's gate z: "silu", or "sigmoid"
         self.num_k_heads = args.linear_num_key_heads
         self.num_v_heads = args.linear_num_value_heads
         self.head_k_dim = args.linear_key_head_dim
@@ -135,7 +136,7 @@ class GatedDeltaNet(nn.Module):
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         heads = ops.HeadShape(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        norm = ops.OutputNorm(self.norm.weight, self.eps, "silu")  # gated by SiLU(z)
+        norm = ops.OutputNorm(self.norm.weight, self.eps, self.gate_activation)
         out = linear_attention(
             self.in_proj_qkv(x), self.conv1d_weight, self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x),
             ops.Decay(self.A, self.dt_bias), norm, cache, heads,

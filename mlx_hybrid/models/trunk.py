@@ -90,6 +90,11 @@ class HybridModel(nn.Module):
         return sum(p.nbytes for _, p in tree_flatten(self.parameters()))
 
     @property
+    def mapped_nbytes(self) -> int:
+        """The bytes of the tables read by rows where they lie in their files (`take_row_tables`)."""
+        return 0
+
+    @property
     def kv_features(self) -> tuple[int, ...]:
         """The widths of what an attention layer caches per token and KV head."""
         raise NotImplementedError
@@ -138,6 +143,20 @@ class HybridModel(nn.Module):
         """The tokens [n, E] of `images` (each with `patches` and `grid`), in order."""
         return mx.concatenate([self.vision(mx.array(image.patches), image.grid) for image in images])
 
+    def take_row_tables(self, tables: dict):
+        """The tables the loader left in their files (name -> rows(ids) -> [..., d]): none for most models."""
+        if tables:
+            raise ValueError(f"tables this model does not read: {', '.join(sorted(tables))}")
+
+    def residual_streams(self, h: mx.array) -> mx.array:
+        """The residual state the layers carry, from the embeddings [B, T, E] (their own; a model with
+        several residual streams, its copies of them)."""
+        return h
+
+    def layer_inputs(self, ids: mx.array) -> dict:
+        """What else the layers read of the tokens (keywords; none for most models)."""
+        return {}
+
     def hidden_states(
         self, ids: mx.array, cache=None, inserted=None, evaluate_each_layer: bool = False, taps: dict | None = None
     ) -> mx.array:
@@ -151,6 +170,7 @@ class HybridModel(nn.Module):
         if inserted is not None:
             at, rows = inserted
             h[0, at] = rows.astype(h.dtype)
+        h, extra = self.residual_streams(h), self.layer_inputs(ids)
         pipeline = self.parallel if self.parallel is not None and self.parallel.mode == PIPELINE else None
         if pipeline is not None and pipeline.rank > 0:
             # the embedding's all-sum first, as on the ranks before: a receive does not depend on it
@@ -158,7 +178,7 @@ class HybridModel(nn.Module):
             h = mx.distributed.recv_like(h, pipeline.rank - 1, group=pipeline.group)
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerElsewhere):
-                h = layer(h, cache[i] if cache is not None else None)
+                h = layer(h, cache[i] if cache is not None else None, **extra)
                 if evaluate_each_layer:
                     mx.eval(h)
                 if taps is not None and i in taps:

@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from . import activations, backend, cpu_extension, cpu_kernels, kernels, reference, rotary, row_kernels, selfcheck
 from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
-    KV_BITS, KV_GROUP_SIZES, leading_features, quantize_entries, scaled_dot_product_attention,
+    KV_BITS, KV_GROUP_SIZES, dequantized_entries, leading_features, quantize_entries, scaled_dot_product_attention,
 )
 from .backend import (  # noqa: F401  (where ops compute, for the package)
     backend_name, default_dtype, differentiable, force_reference, kernel_platform, path_key,
@@ -123,6 +123,14 @@ def rope(x: mx.array, dims: int, base: float, offset: int | tuple[int, ...]) -> 
         start = mx.array(offset, mx.int32) if isinstance(offset, tuple) else offset
         return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=start)
     return rotary.rope(x, dims, base, offset, rotate=_rotate)
+
+
+def rope_at(x: mx.array, dims: int, base: float, positions, sections=None) -> mx.array:
+    """Rotary embedding of x [B, H, T, D] with token t at its own position: positions [T], or [3, T]
+    (temporal, row, column) turned by MRoPE's `sections` (numpy)."""
+    if positions.ndim == 2:
+        return mrope(x, dims, base, positions, sections)
+    return rotary.rope_at(x, dims, base, positions, rotate=_rotate)
 
 
 def mrope(x: mx.array, dims: int, base: float, positions, sections) -> mx.array:

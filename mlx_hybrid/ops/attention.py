@@ -16,9 +16,9 @@ from .reference import QuantizedEntries
 KV_BITS, KV_GROUP_SIZES = (4, 8), (32, 64, 128)
 
 
-def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None, key_lengths=None,
+def scaled_dot_product_attention(q, k, v, scale: float, mask: str | mx.array | None = None, key_lengths=None,
                                  window: int | None = None) -> mx.array:
-    """mx.fast.scaled_dot_product_attention with mask None or "causal": q [B, H, T, Dk] over
+    """mx.fast.scaled_dot_product_attention with mask None, "causal" or booleans [B, 1, T, S]: q [B, H, T, Dk] over
     k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, H, T, Dv]; k and v may be a quantized cache's
     `QuantizedEntries`. key_lengths (host ints, one a batch row): row b holds only its first
     key_lengths[b] keys, the causal mask aligned to its last. window: a sliding-window layer's, the
@@ -33,6 +33,8 @@ def scaled_dot_product_attention(q, k, v, scale: float, mask: str | None = None,
     call for a whole batch where a GPU computes, its rows' lengths as a mask, but a GPU's decode steps
     and verify passes on our row-invariant kernel (`row_kernels`: each query token's bits whatever
     tokens, rows or keys come with it)."""
+    if isinstance(mask, mx.array):  # a layer's own choice of keys (an indexer's): MLX's op
+        return _mlx_attention(q, k, v, scale, mask)
     if window is not None and window < _keys(k):  # (a tiny drafter's layers: MLX's op, with a mask array)
         lengths = tuple(key_lengths) if key_lengths is not None else (_keys(k),) * q.shape[0]
         return _mlx_attention(q, k, v, scale, _rows_mask(lengths, q.shape[2], _keys(k), mask == "causal", window))
@@ -112,6 +114,13 @@ def quantize_entries(x: mx.array, bits: int, group_size: int) -> QuantizedEntrie
     groups of `group_size`, a scale and bias each (mx.quantize), so a token's codes are the same
     whatever tokens come with it."""
     return QuantizedEntries(*mx.quantize(x, group_size=group_size, bits=bits), bits, group_size)
+
+
+def dequantized_entries(entries) -> mx.array:
+    """Cached entries [B, H, S, D] as an array, a quantized cache's decoded."""
+    if not isinstance(entries, QuantizedEntries):
+        return entries
+    return mx.dequantize(*entries.arrays, group_size=entries.group_size, bits=entries.bits)
 
 
 def leading_features(entries, features: int):

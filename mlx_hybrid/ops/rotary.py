@@ -87,6 +87,13 @@ def rope(x: mx.array, dims: int, base: float, offset: int | tuple[int, ...], *, 
     return rotate(x, c, s, dims)
 
 
+def rope_at(x: mx.array, dims: int, base: float, positions: np.ndarray, *, rotate=rotate) -> mx.array:
+    """Rotary embedding of x [B, H, T, D] with token t at positions[t] (any positions, in any order)."""
+    angles = np.asarray(positions, np.float64)[:, None] * _inverse_frequencies(dims, float(base))
+    c, s = _factors(angles, x.shape[-1])
+    return rotate(x, c, s, dims)
+
+
 def mrope(x: mx.array, dims: int, base: float, positions: np.ndarray, sections, *, rotate=rotate) -> mx.array:
     """Multimodal rotary embedding (interleaved sections) of x [B, H, T, D] at 3-D positions [3, T]:
     frequency j turns with the axis `_mrope_axes` gives it."""
