@@ -22,6 +22,7 @@ from .errors import MlxHybridError
 from .loaders import DTYPES, gguf_architectures, gguf_file, hf, hub, load
 from .loaders.common import rename
 from .loaders.hf_config import read_config
+from .loaders.row_tables import write_row_tables
 from .models.layers import LINEAR
 from .models.qwen3_5 import POST_NORM
 from .quantized_tensor import FLOAT_MODES, mode_refused
@@ -223,7 +224,7 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     if args.model_type == "qwen3_next":
         weights = hf.fuse_qwen3_next_projections(weights, args)
     tensors = {hf.export_name(k, "mlx", args.model_type): v for k, v in weights.items()}
-    if args.model_type == "kimi_linear":  # its config.json is the checkpoint's own, as mlx-lm's convert copies it
+    if args.model_type in FROM_DIRECTORIES_ONLY:  # its config.json is the checkpoint's own, as mlx-lm's convert copies it
         if source_dir is None:
             raise ValueError(f"writing {args.model_type} takes its Hugging Face directory's config.json")
         config = read_config(Path(source_dir))
@@ -244,6 +245,9 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     head = {name: tensor for name, tensor in tensors.items() if name.startswith("mtp.")}
     trunk = {name: tensor for name, tensor in tensors.items() if name not in head}
     _write_directory(Path(directory), trunk, config, tokenizer, source_dir)
+    if tables := model.row_tables():  # as the checkpoint stores them (one shard a table)
+        write_row_tables(Path(directory) / "row_tables.safetensors", {
+            hf.export_name(f"{name}.weight", "mlx", args.model_type): table for name, table in tables.items()})
     if head:
         mx.save_safetensors(str(Path(directory) / "mtp.safetensors"), head, metadata={"format": "pt"})
 
@@ -251,8 +255,9 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
 # -- MLX-quantized directories from checkpoints (the `mlx_hybrid.convert` command)
 
 QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# Kimi Linear is written with its own config.json, so from its Hugging Face directory only
-FROM_DIRECTORIES_ONLY = ("kimi_linear",)
+# written with their own config.json, so from their Hugging Face directories only (no GGUF of qwen4_exp
+# exists)
+FROM_DIRECTORIES_ONLY = ("kimi_linear", "qwen4_exp")
 
 
 def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None, mode: str = "affine") -> Path:
@@ -276,7 +281,8 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None, m
         config = read_config(source)
         if config.get("model_type") not in QWEN_TYPES + FROM_DIRECTORIES_ONLY:
             raise MlxHybridError(
-                f"convert supports the Qwen hybrid families and Kimi Linear, not {config.get('model_type')!r}"
+                f"convert supports the Qwen hybrid families, Qwen3.8-Flash-Next and Kimi Linear, not "
+                f"{config.get('model_type')!r}"
             )
         if config.get("quantization") or config.get("quantization_config"):
             raise MlxHybridError(f"{source} is already quantized; convert its float checkpoint")

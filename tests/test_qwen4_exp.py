@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -14,6 +15,8 @@ import mlx_hybrid
 from conftest import FIXTURES, REFERENCE_TOL, assert_close_to_floor, load_fixture, reference
 from mlx_hybrid.api import prefill
 from mlx_hybrid.engine import Engine, PrefixStore
+from mlx_hybrid.export import _quantizable as quantized_by_convert
+from mlx_hybrid.export import convert
 from mlx_hybrid.models import ngram_embedding, qwen4_exp
 from mlx_hybrid.sampling import Sampler, SamplingParams
 from test_speculative import UniformDrafter, _exact_distribution
@@ -148,6 +151,28 @@ def test_speculative_sampling_follows_the_target_distribution():
     assert tv < 0.05, tv
 
 
+def test_a_checkpoint_with_an_mtp_head_loads_and_refuses_mtp_drafting_by_name(tmp_path):
+    target = tmp_path / "with-mtp"
+    shutil.copytree(FIXTURES / FAMILY / "hf", target)
+    tensors = mx.load(str(target / "model.safetensors"))
+    tensors["mtp.fc_embedding.weight"] = mx.zeros((64, 64))  # a published head's names (SGLang's qwen4_exp_mtp)
+    tensors["mtp.layers.0.self_attn.q_proj.weight"] = mx.zeros((256, 64))
+    mx.save_safetensors(str(target / "model.safetensors"), tensors)
+    config = json.loads((target / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (target / "config.json").write_text(json.dumps(config))
+    model, tok = mlx_hybrid.load(target, dtype="float32")
+    assert mlx_hybrid.generate(model, tok, [5, 6, 7], max_tokens=4) == tok.decode(plain([5, 6, 7], 4))
+    with pytest.raises(mlx_hybrid.GenerationError, match="MTP head is not built for qwen4_exp"):
+        mlx_hybrid.generate(model, tok, [5, 6, 7], max_tokens=4, draft="mtp")
+
+
+def test_images_are_refused_by_name():
+    model, tok = model_and_tokenizer()
+    with pytest.raises(mlx_hybrid.GenerationError, match="qwen4_exp models take no images yet"):
+        mlx_hybrid.generate(model, tok, "def f():", max_tokens=4, images=[FIXTURES / "qwen35vl" / "image_a.png"])
+
+
 def test_the_hash_buffers_in_the_checkpoint_are_what_the_model_computes():
     """The n-gram multipliers, prime slice sizes and offsets transformers saved beside each table."""
     model, _ = model_and_tokenizer()
@@ -209,3 +234,18 @@ def _write_sparse_tables(path, text: dict) -> int:
         f.write(len(encoded).to_bytes(8, "little") + encoded)
         f.truncate(8 + len(encoded) + offset)
     return offset
+
+
+def test_converts_to_a_4_bit_mlx_directory_that_loads_as_the_quantized_model(tmp_path):
+    """mlx_hybrid.convert's MLX directory: the config kept, the tables written as stored (the same rows),
+    and loading it gives the model quantized in memory."""
+    out = convert(FIXTURES / FAMILY / "hf", tmp_path / "q", bits=4, group_size=32)
+    loaded, _ = mlx_hybrid.load(out, dtype="float32")
+    expected, _ = mlx_hybrid.load(FIXTURES / FAMILY / "hf", dtype="float32")
+    nn.quantize(expected, 32, 4, class_predicate=lambda path, m: quantized_by_convert(path, m, 32))
+    assert isinstance(loaded.layers[0].ple.key_proj, nn.QuantizedLinear)
+    for got, want in zip(loaded.row_tables().values(), expected.row_tables().values()):
+        ids = np.arange(want.shape[0])
+        np.testing.assert_array_equal(np.array(got.rows(ids)), np.array(want.rows(ids)))
+    ids = mx.array(reference(FAMILY)["input_ids"])
+    assert_close_to_floor(loaded(ids), expected(ids))

@@ -131,6 +131,7 @@ def qwen4_rules(layout: str = "hf"):
         Rule(_BLOCK + r"ple\.(?P<n>norm_key|norm_query|norm_conv)\.weight", "{blk}.ple.{n}.weight", norm),
         Rule(_BLOCK + r"ple\.conv1d\.weight", "{blk}.ple.conv1d_weight", squeeze_conv),
         Rule(_BLOCK + r"ple\.ple_embedding\.(?:layer_multipliers|ngram_heads_offsets|ngram_heads_vocab_sizes)", ""),
+        Rule(r"mtp\..+", ""),  # the MTP head: not built yet, drafting with it refused (`Model.missing_mtp_head`)
         *qwen_rules(layout),
     ]  # fmt: skip
 
@@ -232,6 +233,21 @@ def kimi_export_rules(layout: str = "mlx"):
     ]
 
 
+def qwen4_export_rules(layout: str = "mlx"):
+    """Canonical names -> the MLX layout of a qwen4_exp model (`qwen4_rules("mlx")` read back); its
+    n-gram tables are written apart (`row_tables.write_row_tables`)."""
+    if layout != "mlx":
+        raise ValueError("qwen4_exp is written in the MLX layout only")
+    block = r"(?P<blk>layers\.\d+)\."
+    return [
+        Rule(r"norm\.(?P<rest>.+)", "hyper_connection_mixer.{rest}"),
+        Rule(block + r"self_attn\.(?P<n>index_qk_proj|q_layernorm|k_layernorm)\.(?P<rest>.+)",
+             "{blk}.self_attn.indexer.{n}.{rest}"),
+        Rule(block + r"ple\.conv1d_weight", "{blk}.ple.conv1d.weight", _conv_layout("mlx")),
+        *qwen_export_rules("mlx"),
+    ]  # fmt: skip
+
+
 def _kimi_a_log(a, _args):
     """A [H] -> A_log as Kimi's checkpoints store it, [1, 1, H, 1]."""
     return mx.log(-a.astype(mx.float32)).reshape(1, 1, -1, 1)
@@ -242,6 +258,7 @@ EXPORT_RULES = {
     "qwen3_5": qwen_export_rules,
     "qwen3_5_moe": qwen_export_rules,
     "qwen3_next": qwen_export_rules,
+    "qwen4_exp": qwen4_export_rules,
     "kimi_linear": kimi_export_rules,
 }
 

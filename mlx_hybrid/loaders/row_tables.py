@@ -62,6 +62,26 @@ class MappedRows:
         return rows.reshape(*ids.shape, self.width)
 
 
+def write_row_tables(path: Path, tables: dict[str, MappedRows], chunk_bytes: int = 1 << 26):
+    """A safetensors file of tables (name -> MappedRows; each written as one tensor), copied from where
+    they lie a chunk at a time, so that a table larger than memory is never held whole."""
+    inverse = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+    header, offset = {}, 0
+    for name, table in tables.items():
+        header[name] = {"dtype": inverse[table.dtype], "shape": list(table.shape),
+                        "data_offsets": [offset, offset + table.nbytes]}  # fmt: skip
+        offset += table.nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data aligned to 8 bytes, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for table in tables.values():
+            for shard in table.shards:
+                rows = max(1, chunk_bytes // max(shard.strides[0], 1))
+                for start in range(0, len(shard), rows):
+                    f.write(np.ascontiguousarray(shard[start : start + rows]).tobytes())
+
+
 def take_row_tables(tensors: dict, files: list[Path], pattern: str) -> dict[str, MappedRows]:
     """Take the tensors whose names match `pattern` (named groups `table` and `shard`) out of `tensors`
     (unread), as one MappedRows per table, by the table's name: its shards in order of `shard`."""

@@ -90,6 +90,11 @@ class HybridModel(nn.Module):
         return sum(p.nbytes for _, p in tree_flatten(self.parameters()))
 
     @property
+    def missing_mtp_head(self) -> str:
+        """Why a model without an MTP head (`has_mtp`) has none, for the refusal of MTP drafting."""
+        return "this model has no MTP head"
+
+    @property
     def mapped_nbytes(self) -> int:
         """The bytes of the tables read by rows where they lie in their files (`take_row_tables`)."""
         return 0
@@ -139,6 +144,13 @@ class HybridModel(nn.Module):
     def has_vision(self) -> bool:
         return "vision" in self
 
+    def images_refused(self) -> str | None:
+        """Why this model takes no images (None: it takes them)."""
+        if not self.has_vision:
+            return ("this model takes no images: its checkpoint has no vision tower (for a GGUF model, give the "
+                    "projector file beside it, mmproj-*.gguf, or --mmproj)")  # fmt: skip
+        return None
+
     def image_features(self, images) -> mx.array:
         """The tokens [n, E] of `images` (each with `patches` and `grid`), in order."""
         return mx.concatenate([self.vision(mx.array(image.patches), image.grid) for image in images])
@@ -147,6 +159,10 @@ class HybridModel(nn.Module):
         """The tables the loader left in their files (name -> rows(ids) -> [..., d]): none for most models."""
         if tables:
             raise ValueError(f"tables this model does not read: {', '.join(sorted(tables))}")
+
+    def row_tables(self) -> dict:
+        """The tables `take_row_tables` gave, by the names the loader gave them (for writing them out)."""
+        return {}
 
     def residual_streams(self, h: mx.array) -> mx.array:
         """The residual state the layers carry, from the embeddings [B, T, E] (their own; a model with
