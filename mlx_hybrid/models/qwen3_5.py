@@ -198,14 +198,20 @@ class GatedAttention(nn.Module):
             raise ValueError("image positions for a model without MRoPE sections")
         return ops.mrope(x, self.rope_dims, self.rope_theta, position, self.mrope_section)
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def projected(self, x: mx.array):
+        """(q, gate, k, v) of x [B, T, E], [B, T, heads, D] each, q and k normed."""
         B, T, _ = x.shape
         query, gate = mx.split(self.q_proj(x).reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
-        q = self.q_norm(query)
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1))
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
-        out = attend_rows(self._attend, cache, q, k, v)
+        return self.q_norm(query), gate, k, self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
+
+    def gated_output(self, out: mx.array, gate: mx.array) -> mx.array:
+        B, T = out.shape[:2]
         return all_sum(self.o_proj(ops.sigmoid_gated(out.reshape(B, T, -1), gate.reshape(B, T, -1))), self.group)
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+        q, gate, k, v = self.projected(x)
+        return self.gated_output(attend_rows(self._attend, cache, q, k, v), gate)
 
     def _attend(self, q, k, v, cache):
         """Positioned attention of one sequence over its cache, or of a batch's rows over theirs (`KVRowsPass`);

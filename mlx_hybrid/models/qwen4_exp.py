@@ -141,19 +141,15 @@ class IndexedAttention(GatedAttention):
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
-        query, gate = mx.split(self.q_proj(x).reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
-        q = self.q_norm(query)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1))
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
+        q, gate, k, v = self.projected(x)
         index_q, index_k = mx.split(self.index_qk_proj(x).reshape(B, T, self.index_heads + 1, self.index_dim),
                                     [self.index_heads], axis=2)  # fmt: skip
-        index_q = self.q_layernorm(index_q)
-        inputs = (q, k, v, index_q, index_k)
+        inputs = (q, k, v, self.q_layernorm(index_q), index_k)
         if isinstance(cache, RowCaches):  # each row over its own keys
             out = in_batches(cache, inputs, lambda n, row_cache: None, None, self._attend)
         else:
             out = self._attend(*inputs, cache)
-        return self.o_proj(ops.sigmoid_gated(out.reshape(B, T, -1), gate.reshape(B, T, -1)))
+        return self.gated_output(out, gate)
 
     def _attend(self, q, k, v, index_q, index_k, cache):
         q, k, v, index_q, index_k = (a.transpose(0, 2, 1, 3) for a in (q, k, v, index_q, index_k))
