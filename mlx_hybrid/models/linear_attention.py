@@ -32,24 +32,30 @@ def linear_attention(
 
     if not isinstance(cache, RowCaches):
         return one_sequence(mixed_qkv, a, b, gate, cache)
+    return recurrent_rows(cache, (mixed_qkv, a, b, gate), one_sequence)
+
+
+def recurrent_rows(cache: RowCaches, arrays, one_sequence) -> mx.array:
+    """A recurrent layer's output for packed rows: `one_sequence(*inputs, recurrent_cache)` on each
+    row's inputs, rows of one length whose states exist as one batch: the states the last pass over
+    the same rows left (`RowStates`), read as they are; so a decode step of rows that stay together
+    gathers and splits nothing, however many rows it has."""
 
     def batch_key(n: int, row_cache):
         return row_cache.record_snapshots if row_cache.state is not None else None
 
-    def run_batch(mixed_qkv, a, b, gate, members):
-        """Rows whose states exist, as one batch: the states the last pass over the same rows left
-        (`RowStates`), read as they are; so a decode step of rows that stay together gathers and
-        splits nothing, however many rows it has."""
+    def run_batch(*inputs):
+        *inputs, members = inputs
         batch = RecurrentCache()
         batch.record_snapshots = members[0].record_snapshots
         batch.update(*_states_of(members))
-        out = one_sequence(mixed_qkv, a, b, gate, batch)
+        out = one_sequence(*inputs, batch)
         states = RowStates(batch.conv_tail, batch.state, batch.conv_snapshots, batch.state_snapshots)
         for i, member in enumerate(members):
             member.join(states, i)
         return out
 
-    return in_batches(cache, (mixed_qkv, a, b, gate), batch_key, run_batch, one_sequence)
+    return in_batches(cache, arrays, batch_key, run_batch, one_sequence)
 
 
 def _states_of(members: list[RecurrentCache]) -> list[mx.array]:

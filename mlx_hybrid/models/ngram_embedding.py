@@ -160,8 +160,10 @@ class PLE(nn.Module):
     def conv_tail(self) -> int:
         return (self.kernel - 1) * self.dilation
 
-    def __call__(self, streams: mx.array, ids: mx.array, cache: PLECache | RecurrentCache | None) -> mx.array:
-        """What the layer adds to the streams [B, T, n E] for the tokens ids [B, T]."""
+    def __call__(self, streams: mx.array, ids: mx.array, cache: RecurrentCache | None) -> mx.array:
+        """What the layer adds to the streams [B, T, n E] for the tokens ids [B, T]. The hash and the table's
+        rows are read on the host: tokens still being computed (a sampled token, device drafts) are waited
+        for here."""
         B, T, wide = streams.shape
         record = cache is not None and cache.record_snapshots
         tokens = np.array(ids, np.int64)

@@ -25,6 +25,7 @@ from .. import ops
 from ..cache import KVCache, RowCaches
 from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm
 from .ngram_embedding import PLE, PLECache
+from .linear_attention import recurrent_rows
 from .packed_rows import in_batches
 from .qwen3_5 import FLOAT32_PARAMS, GatedAttention, GatedDeltaNet, SparseMoE  # noqa: F401  (FLOAT32_PARAMS: the loaders')
 from .qwen3_5 import ModelArgs as Qwen35Args
@@ -229,8 +230,7 @@ class DecoderLayer(nn.Module):
     def _ple(self, streams, ids, cache):
         if not isinstance(cache, RowCaches):
             return self.ple(streams, ids, cache.ple if cache is not None else None)
-        ple_rows = RowCaches([row.ple for row in cache.caches], cache.lengths)
-        return in_batches(ple_rows, (streams, ids), lambda n, row_cache: None, None, self.ple)
+        return recurrent_rows(RowCaches([row.ple for row in cache.caches], cache.lengths), (streams, ids), self.ple)
 
 
 def _mixer_caches(cache):
