@@ -26,7 +26,7 @@ from ..cache import KVCache, RowCaches
 from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm
 from .ngram_embedding import PLE, PLECache
 from .linear_attention import recurrent_rows
-from .packed_rows import in_batches
+from .packed_rows import attend_rows
 from .qwen3_5 import FLOAT32_PARAMS, GatedAttention, GatedDeltaNet, SparseMoE  # noqa: F401  (FLOAT32_PARAMS: the loaders')
 from .qwen3_5 import ModelArgs as Qwen35Args
 from .trunk import HybridModel
@@ -145,48 +145,47 @@ class IndexedAttention(GatedAttention):
         q, gate, k, v = self.projected(x)
         index_q, index_k = mx.split(self.index_qk_proj(x).reshape(B, T, self.index_heads + 1, self.index_dim),
                                     [self.index_heads], axis=2)  # fmt: skip
-        inputs = (q, k, v, self.q_layernorm(index_q), index_k)
-        if isinstance(cache, RowCaches):  # each row over its own keys
-            out = in_batches(cache, inputs, lambda n, row_cache: None, None, self._attend)
-        else:
-            out = self._attend(*inputs, cache)
+        out = attend_rows(self._attend, cache, q, k, v, self.q_layernorm(index_q), index_k)
         return self.gated_output(out, gate)
 
     def _attend(self, q, k, v, index_q, index_k, cache):
+        """Over one sequence's KVCache, or a batch's rows over theirs (`KVRowsPass`, rows at plain
+        positions: this model takes no images); arrays and result [B, T, heads, D]."""
         q, k, v, index_q, index_k = (a.transpose(0, 2, 1, 3) for a in (q, k, v, index_q, index_k))
         position = cache.rotary_span(q.shape[2]) if cache is not None else 0
         q, k, index_q = self._rope(q, position), self._rope(k, position), self._rope(index_q, position)
         if cache is not None:
             k, v, index_k = cache.update_and_fetch(k, v, index_k)
-        S = index_k.shape[2] if cache is None else cache.offset
-        key_positions = cache.positions.span(0, S) if cache is not None and cache.positions is not None else 0
-        mask = self._kept_keys(index_q, ops.dequantized_entries(index_k), key_positions)
-        out = ops.scaled_dot_product_attention(q, k, v, self.scale, mask)
-        return out.transpose(0, 2, 1, 3)
+        index_k = ops.dequantized_entries(index_k)
+        lengths = (cache.key_lengths if cache is not None else None) or (index_k.shape[2],) * q.shape[0]
+        positioned = isinstance(cache, KVCache) and cache.positions is not None
+        key_positions = cache.positions.span(0, index_k.shape[2]) if positioned else 0
+        mask = self._kept_keys(index_q, index_k, lengths, key_positions)
+        return ops.scaled_dot_product_attention(q, k, v, self.scale, mask).transpose(0, 2, 1, 3)
 
-    def _kept_keys(self, index_q: mx.array, index_k: mx.array, key_positions) -> mx.array:
-        """[B, 1, T, S] booleans: the keys each query sees, the queries being the last T of S keys;
-        key_positions: where key 0 sits (an int), or every key's position [3, S]."""
+    def _kept_keys(self, index_q: mx.array, index_k: mx.array, lengths, key_positions) -> mx.array:
+        """[B, 1, T, S] booleans: the keys each query sees, row b's queries the last T of its lengths[b]
+        keys; key_positions: where key 0 sits (an int), or every key's position [3, S]."""
         B, _, T, _ = index_q.shape
         S, C = index_k.shape[2], self.block
         blocks = S // C
-        query_at = np.arange(S - T, S)  # each query's index among the keys
-        complete = (query_at + 1) // C  # the complete blocks it sees
-        causal = np.arange(S)[None, :] <= query_at[:, None]
+        query_at = np.asarray(lengths).reshape(B, 1) - T + np.arange(T)  # each query's index among its keys
+        complete = (query_at + 1) // C  # the complete blocks it sees [B, T]
+        causal = np.arange(S) <= query_at[..., None]
         if complete.max() <= self.blocks_kept:
-            return mx.array(causal)[None, None]  # every complete block kept
+            return mx.array(causal)[:, None]  # every complete block kept
         pooled = index_k[:, 0, : blocks * C].astype(F32).reshape(B, blocks, C, -1).mean(axis=2).astype(index_k.dtype)
         starts = _block_positions(key_positions, C, blocks)
         pooled = ops.rope_at(self.k_layernorm(pooled)[:, None], self.rope_dims, self.rope_theta, starts,
                              self.mrope_section)  # fmt: skip
         scores = mx.maximum(index_q.astype(F32) @ pooled.astype(F32).swapaxes(-1, -2), 0).sum(axis=1)  # [B, T, blocks]
-        scores = mx.where(mx.array(np.arange(blocks)[None, :] < complete[:, None]), scores, -mx.inf)
+        scores = mx.where(mx.array(np.arange(blocks) < complete[..., None]), scores, -mx.inf)
         best = mx.argsort(-scores, axis=-1)[..., : self.blocks_kept]  # [B, T, kept]
         chosen = (best[..., None] == mx.arange(blocks)).any(axis=-2)  # [B, T, blocks]
         # each key's block, the tail's (and the future's) counted as one more, always chosen
         block_of = np.minimum(np.arange(S) // C, blocks)
         chosen = mx.take(mx.concatenate([chosen, mx.ones((B, T, 1), mx.bool_)], axis=-1), mx.array(block_of), axis=-1)
-        in_tail = np.arange(S)[None, :] // C >= complete[:, None]
+        in_tail = np.arange(S) // C >= complete[..., None]
         return ((chosen | mx.array(in_tail)) & mx.array(causal))[:, None]
 
 
