@@ -14,12 +14,16 @@ import pytest
 import mlx_hybrid
 from conftest import FIXTURES, REFERENCE_TOL, assert_close_to_floor, load_fixture, reference
 from mlx_hybrid.api import prefill
+from mlx_hybrid.cache import set_positions
 from mlx_hybrid.engine import Engine, PrefixStore
 from mlx_hybrid.export import _quantizable as quantized_by_convert
 from mlx_hybrid.export import convert
+from mlx_hybrid.images import expand_image_pads, read_image
+from mlx_hybrid.models.vision import image_rope_positions
 from mlx_hybrid.models import ngram_embedding, qwen4_exp
 from mlx_hybrid.sampling import Sampler, SamplingParams
 from test_speculative import UniformDrafter, _exact_distribution
+from test_vision import unexpanded
 
 FAMILY = "qwen4exp"
 
@@ -167,10 +171,28 @@ def test_a_checkpoint_with_an_mtp_head_loads_and_refuses_mtp_drafting_by_name(tm
         mlx_hybrid.generate(model, tok, [5, 6, 7], max_tokens=4, draft="mtp")
 
 
-def test_images_are_refused_by_name():
-    model, tok = model_and_tokenizer()
-    with pytest.raises(mlx_hybrid.GenerationError, match="qwen4_exp models take no images yet"):
-        mlx_hybrid.generate(model, tok, "def f():", max_tokens=4, images=[FIXTURES / "qwen35vl" / "image_a.png"])
+@pytest.mark.parametrize("key", ["one", "two"])
+def test_logits_and_greedy_tokens_with_images_match_reference(key):
+    """Prompts with one and two images (qwen4expvl: the model with Qwen3.5's vision tower): one pass's
+    logits, the indexers choosing blocks over the images' keys at their 3-D positions, and 24 greedy
+    tokens, plain and with n-gram drafts."""
+    model, tokenizer = load_fixture("qwen4expvl", "hf")
+    ref = reference("qwen4expvl")
+    ids = ref[f"ids_{key}"][0].tolist()
+    pad = tokenizer.token_to_id("<|image_pad|>")
+    paths = [FIXTURES / "qwen35vl" / name for name in ("image_a.png", "image_b.png")][: {"one": 1, "two": 2}[key]]
+    prepared = [tokenizer.image_processor(read_image(path)) for path in paths]
+    prompt = unexpanded(ids, pad)
+    expanded = expand_image_pads(prompt, prepared, pad)
+    assert expanded.ids == ids
+    cache = model.make_cache()
+    set_positions(cache, image_rope_positions(len(ids), [(s, p.grid) for s, p in zip(expanded.starts, prepared)], 2))
+    inserted = (mx.array(expanded.slots), model.image_features(prepared))
+    logits = model.logits_from_hidden(model.hidden_states(mx.array(ids)[None], cache, inserted))
+    np.testing.assert_allclose(np.array(logits), ref[f"logits_{key}"], atol=REFERENCE_TOL, rtol=0)
+    for draft in (None, "ngram"):
+        responses = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, images=paths, draft=draft)
+        assert [r.token for r in responses] == ref[f"greedy_{key}"][0, len(ids) :].tolist()
 
 
 def test_the_hash_buffers_in_the_checkpoint_are_what_the_model_computes():

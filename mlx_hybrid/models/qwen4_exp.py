@@ -258,10 +258,6 @@ class Model(HybridModel):
     def layer_inputs(self, ids: mx.array) -> dict:
         return {"ids": ids}
 
-    def images_refused(self) -> str | None:
-        # the tower is Qwen3.5's and loads; the indexer over images' positions is not yet checked
-        return "qwen4_exp models take no images yet: their indexed attention over image positions is not verified"
-
     @property
     def missing_mtp_head(self) -> str:
         if self.args.mtp_num_hidden_layers:
