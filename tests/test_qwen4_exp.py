@@ -14,16 +14,13 @@ import pytest
 import mlx_hybrid
 from conftest import FIXTURES, REFERENCE_TOL, assert_close_to_floor, load_fixture, reference
 from mlx_hybrid.api import prefill
-from mlx_hybrid.cache import set_positions
 from mlx_hybrid.engine import Engine, PrefixStore
 from mlx_hybrid.export import _quantizable as quantized_by_convert
 from mlx_hybrid.export import convert
-from mlx_hybrid.images import expand_image_pads, read_image
-from mlx_hybrid.models.vision import image_rope_positions
 from mlx_hybrid.models import ngram_embedding, qwen4_exp
 from mlx_hybrid.sampling import Sampler, SamplingParams
 from test_speculative import UniformDrafter, _exact_distribution
-from test_vision import unexpanded
+from test_vision import logits_with_images, unexpanded
 
 FAMILY = "qwen4exp"
 
@@ -181,15 +178,9 @@ def test_logits_and_greedy_tokens_with_images_match_reference(key):
     ids = ref[f"ids_{key}"][0].tolist()
     pad = tokenizer.token_to_id("<|image_pad|>")
     paths = [FIXTURES / "qwen35vl" / name for name in ("image_a.png", "image_b.png")][: {"one": 1, "two": 2}[key]]
-    prepared = [tokenizer.image_processor(read_image(path)) for path in paths]
     prompt = unexpanded(ids, pad)
-    expanded = expand_image_pads(prompt, prepared, pad)
-    assert expanded.ids == ids
-    cache = model.make_cache()
-    set_positions(cache, image_rope_positions(len(ids), [(s, p.grid) for s, p in zip(expanded.starts, prepared)], 2))
-    inserted = (mx.array(expanded.slots), model.image_features(prepared))
-    logits = model.logits_from_hidden(model.hidden_states(mx.array(ids)[None], cache, inserted))
-    np.testing.assert_allclose(np.array(logits), ref[f"logits_{key}"], atol=REFERENCE_TOL, rtol=0)
+    logits = logits_with_images(model, tokenizer, prompt, paths, ids)
+    np.testing.assert_allclose(logits, ref[f"logits_{key}"], atol=REFERENCE_TOL, rtol=0)
     for draft in (None, "ngram"):
         responses = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, images=paths, draft=draft)
         assert [r.token for r in responses] == ref[f"greedy_{key}"][0, len(ids) :].tolist()

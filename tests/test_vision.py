@@ -78,14 +78,19 @@ def test_vision_tower_matches_transformers(family, source):
 def test_logits_with_images_match_transformers(family, source, key):
     """One pass over a prompt with images: their tokens' embeddings and 3-D positions."""
     model, tokenizer, ref, prompt, paths, ids = case(family, source, key)
+    np.testing.assert_allclose(logits_with_images(model, tokenizer, prompt, paths, ids), ref[f"logits_{key}"],
+                               atol=REFERENCE_TOL, rtol=0)  # fmt: skip
+
+
+def logits_with_images(model, tokenizer, prompt: list[int], paths: list, ids: list[int]) -> np.ndarray:
+    """One pass's logits over `prompt` with its images, whose expanded ids must be the reference's `ids`."""
     prepared = [tokenizer.image_processor(read_image(p)) for p in paths]
     expanded = expand_image_pads(prompt, prepared, tokenizer.token_to_id("<|image_pad|>"))
     assert expanded.ids == ids
     cache = model.make_cache()
     set_positions(cache, image_rope_positions(len(ids), [(s, p.grid) for s, p in zip(expanded.starts, prepared)], 2))
     inserted = (mx.array(expanded.slots), model.image_features(prepared))
-    logits = model.logits_from_hidden(model.hidden_states(mx.array(ids)[None], cache, inserted))
-    np.testing.assert_allclose(np.array(logits), ref[f"logits_{key}"], atol=REFERENCE_TOL, rtol=0)
+    return np.array(model.logits_from_hidden(model.hidden_states(mx.array(ids)[None], cache, inserted)))
 
 
 def test_rope_positions_follow_transformers():
