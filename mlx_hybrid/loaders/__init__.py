@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -12,22 +11,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .. import ops
 from ..errors import ModelLoadError, UnsupportedArchitectureError
 from ..images import ImageProcessor
 from ..models import architecture
 from ..models.dflash import load_drafter
-from ..models.layers import quantization_of
 from ..parallel import PIPELINE, TENSOR
 from ..quantized_tensor import CPU_ACTIVATIONS, QuantizedTensor
 from ..tokenizer import Tokenizer
 from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
+from .cpu_activations import set_cpu_activations, whole_products
 from .memory import memory_available
+from .mtp_head import attach_mtp_head
 from .row_tables import take_row_tables
 from .common import RankPart, fill_model, rename
-from .quantized import block_type_name, dequantized_notice, held_bytes, size_text
+from .quantized import dequantized_notice, held_bytes, size_text
 
 _log = logging.getLogger("mlx_hybrid")
 
@@ -136,58 +135,16 @@ def load(
         model, tokenizer = _load_gguf(
             path, dtype, progress, _Split(group, pipeline), keep_quantized=not dequantize, compact=compact,
             mmproj=mmproj, whole_blocks=cpu_activations == "int8" or (
-                cpu_activations is None and _whole_products(group, pipeline) and ops.int8_activations_computed()),
+                cpu_activations is None and whole_products(group, pipeline) and ops.int8_activations_computed()),
         )  # fmt: skip
     if mtp is not None:
         if group is not None and group.size() > 1:
             raise ModelLoadError("an MTP head from another checkpoint is not taken by a split model")
         _attach_mtp_head(model, Path(mtp).expanduser(), dtype)
-    _set_cpu_activations(model, cpu_activations, path, _whole_products(group, pipeline))
+    set_cpu_activations(model, cpu_activations, path, whole_products(group, pipeline))
     model.loaded_from = path.resolve()
     ops.allow_memory_for(model.nbytes)
     return model, tokenizer
-
-
-def _whole_products(group, pipeline: bool) -> bool:
-    """Whether each product is computed whole in one process: alone, or a pipeline's layers (a tensor-parallel
-    split sums the ranks' parts of a product, which is not llama.cpp's arithmetic)."""
-    return group is None or group.size() == 1 or pipeline
-
-
-def _set_cpu_activations(model, activations: str | None, path: Path, whole_products: bool):
-    """Every quantized product of the model, and every product of a 16-bit matrix, takes `activations`
-    (see `load`), or the load is refused; None: "int8" for a GGUF file whose every such product takes
-    it here, whole, else "float32"."""
-    modules = [m for _, m in model.named_modules()
-               if hasattr(m, "activations") and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)]  # fmt: skip
-
-    def refusal(m):
-        return ops.int8_activations(m.bits, m.group_size, m.block) if "scales" in m else ops.half_activations()
-
-    if activations is None:
-        computed = whole_products and not path.is_dir() and modules and not any(map(refusal, modules))
-        activations = "int8" if computed else "float32"
-    if activations == "float32":
-        return
-    if path.is_dir():
-        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes a GGUF file as llama.cpp does; a "
-                             "Hugging Face or MLX checkpoint computes with float activations")  # fmt: skip
-    if not whole_products:
-        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes each product whole, as llama.cpp "
-                             "does; a tensor-parallel split sums its ranks' parts of it (pipeline=True, "
-                             "--pipeline, keeps products whole)")  # fmt: skip
-    refused = {}
-    for module in modules:
-        if reason := refusal(module):
-            refused.setdefault(reason, set()).add(
-                block_type_name(module.bits, module.group_size, module.block) if "scales" in module
-                else {mx.float16: "F16", mx.bfloat16: "BF16"}[module.weight.dtype])  # fmt: skip
-    if refused:
-        reason, names = next(iter(refused.items()))
-        raise ModelLoadError(f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "
-                             f"this file holds {', '.join(sorted(names))} tensors")  # fmt: skip
-    for module in modules:
-        module.activations = activations
 
 
 class _Split:
@@ -329,25 +286,8 @@ def _load_gguf(path: Path, dtype, progress, split: _Split, keep_quantized: bool,
     return model, tokenizer
 
 
-class _Prefix:
-    """What `rename` reads of a checkpoint: the tensors under one prefix, whole (others are not read)."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-
-    def wants(self, name: str) -> bool:
-        return name.startswith(self.prefix)
-
-    def cut(self, name: str, tensor):
-        return tensor
-
-
-# settings an MTP head may differ in from the model that takes it
-_HEAD_OWN_SETTINGS = ("mtp_num_hidden_layers", "mtp_hidden", "vision")
-
-
 def _attach_mtp_head(model, source: Path, dtype):
-    """`model.mtp` from `source`'s `mtp.*` tensors, quantized as the model's layers are."""
+    """`model.mtp` from `source`'s `mtp.*` tensors (see `mtp_head.attach_mtp_head`)."""
     if not source.exists():
         raise ModelLoadError(f"{source}: no such file or directory (the MTP head's checkpoint)")
     if model.has_mtp:
@@ -360,56 +300,7 @@ def _attach_mtp_head(model, source: Path, dtype):
         checkpoint = _read_gguf(source)[0]
     else:
         raise ModelLoadError(f"{source}: expected a .gguf file or a Hugging Face model directory (the MTP head's)")
-    module, args = checkpoint.module, checkpoint.args
-    if not getattr(args, "mtp_num_hidden_layers", 0):
-        raise ModelLoadError(f"{source}: this checkpoint has no MTP head (no mtp.* tensors)")
-    differ = [
-        f"{name} {getattr(args, name)!r} against the model's {value!r}"
-        for name, value in vars(model.args).items()
-        if name not in _HEAD_OWN_SETTINGS and not _same_setting(getattr(args, name, None), value)
-    ]
-    if differ:
-        raise ModelLoadError(f"{source}: its MTP head is for another model: " + "; ".join(differ))
-    with_head = dataclasses.replace(
-        model.args, mtp_num_hidden_layers=args.mtp_num_hidden_layers, mtp_hidden=args.mtp_hidden
-    )
-    head = module.MTPHead(with_head)
-    weights, _ = rename(checkpoint.tensors, checkpoint.rules, args, part=_Prefix("mtp."))
-    head_weights = {name[len("mtp.") :]: tensor for name, tensor in weights.items()}
-    fill_model(head, head_weights, dtype, module.FLOAT32_PARAMS, source=str(source))
-    _quantize_as_trunk(head, model)
-    model.args, model.mtp = with_head, head
-
-
-def _quantize_as_trunk(head, model):
-    """Quantize the head's float modules as the model's are: each as the module in the same place of
-    a trunk layer (the MTP block is a decoder layer: its routers as the trunk's routers), the others
-    (its `fc`) as the trunk's largest; where the group size divides the module's inputs."""
-    in_layers, largest = {}, None
-    for layer in model.layers:
-        for path, module in layer.named_modules():
-            if hasattr(module, "bits"):
-                in_layers.setdefault(path, module)
-                largest = module if largest is None or module.weight.size > largest.weight.size else largest
-    if largest is None:  # a float model: a float head
-        return
-
-    def settings(path, module):
-        if not hasattr(module, "to_quantized"):
-            return False
-        place = path.split(".", 2)[2] if path.startswith("layers.") else None
-        chosen = quantization_of(in_layers.get(place, largest))
-        return chosen if module.weight.shape[-1] % chosen["group_size"] == 0 else False
-
-    nn.quantize(head, class_predicate=settings)
-    mx.eval(head.parameters())  # here, not lazily on whichever thread generates first
-
-
-def _same_setting(a, b) -> bool:
-    """Equal settings; floats as GGUF stores them (float32: 1e-6 reads back as 9.999999974752427e-07)."""
-    if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-6)
-    return a == b
+    attach_mtp_head(model, checkpoint, source, dtype)
 
 
 def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dtype=None,

@@ -1,0 +1,54 @@
+"""How a loaded model's quantized and 16-bit products compute on the CPU (`load(..., cpu_activations=)`):
+llama.cpp's 8-bit activations for a GGUF file where every such product takes them, else float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import ops
+from ..errors import ModelLoadError
+from .quantized import block_type_name
+
+
+def whole_products(group, pipeline: bool) -> bool:
+    """Whether each product is computed whole in one process: alone, or a pipeline's layers (a tensor-parallel
+    split sums the ranks' parts of a product, which is not llama.cpp's arithmetic)."""
+    return group is None or group.size() == 1 or pipeline
+
+
+def set_cpu_activations(model, activations: str | None, path: Path, whole_products: bool):
+    """Every quantized product of the model, and every product of a 16-bit matrix, takes `activations`
+    (see `load`), or the load is refused; None: "int8" for a GGUF file whose every such product takes
+    it here, whole, else "float32"."""
+    modules = [m for _, m in model.named_modules()
+               if hasattr(m, "activations") and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)]  # fmt: skip
+
+    def refusal(m):
+        return ops.int8_activations(m.bits, m.group_size, m.block) if "scales" in m else ops.half_activations()
+
+    if activations is None:
+        computed = whole_products and not path.is_dir() and modules and not any(map(refusal, modules))
+        activations = "int8" if computed else "float32"
+    if activations == "float32":
+        return
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes a GGUF file as llama.cpp does; a "
+                             "Hugging Face or MLX checkpoint computes with float activations")  # fmt: skip
+    if not whole_products:
+        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes each product whole, as llama.cpp "
+                             "does; a tensor-parallel split sums its ranks' parts of it (pipeline=True, "
+                             "--pipeline, keeps products whole)")  # fmt: skip
+    refused = {}
+    for module in modules:
+        if reason := refusal(module):
+            refused.setdefault(reason, set()).add(
+                block_type_name(module.bits, module.group_size, module.block) if "scales" in module
+                else {mx.float16: "F16", mx.bfloat16: "BF16"}[module.weight.dtype])  # fmt: skip
+    if refused:
+        reason, names = next(iter(refused.items()))
+        raise ModelLoadError(f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "
+                             f"this file holds {', '.join(sorted(names))} tensors")  # fmt: skip
+    for module in modules:
+        module.activations = activations
