@@ -18,6 +18,7 @@ from mlx_hybrid.engine import Engine, PrefixStore
 from mlx_hybrid.export import _quantizable as quantized_by_convert
 from mlx_hybrid.export import convert
 from mlx_hybrid.models import ngram_embedding, qwen4_exp
+from mlx_hybrid.parallel import ShardingError
 from mlx_hybrid.sampling import Sampler, SamplingParams
 from test_speculative import UniformDrafter, _exact_distribution
 from test_vision import logits_with_images, unexpanded
@@ -184,6 +185,12 @@ def test_logits_and_greedy_tokens_with_images_match_reference(key):
     for draft in (None, "ngram"):
         responses = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, images=paths, draft=draft)
         assert [r.token for r in responses] == ref[f"greedy_{key}"][0, len(ids) :].tolist()
+
+
+def test_a_split_over_ranks_is_refused_by_name():
+    model, _ = mlx_hybrid.load(FIXTURES / FAMILY / "hf", dtype="float32")
+    with pytest.raises(ShardingError, match="qwen4_exp models are not split over ranks yet"):
+        model.shard(mx.distributed.init())
 
 
 def test_the_hash_buffers_in_the_checkpoint_are_what_the_model_computes():

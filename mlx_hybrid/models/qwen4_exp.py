@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import ops
 from ..cache import KVCache, RowCaches
+from ..parallel import TENSOR, ShardingError
 from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm
 from .ngram_embedding import PLE, PLECache
 from .linear_attention import recurrent_rows
@@ -247,6 +248,10 @@ class Model(HybridModel):
         self.norm = GatedResidual(args, inject=False)  # the streams folded for the LM head
         if args.vision is not None:
             self.vision = VisionTower(args.vision)
+
+    def shard(self, group, mode: str = TENSOR):
+        raise ShardingError("qwen4_exp models are not split over ranks yet (their hyper-connections and PLE "
+                            "layers have no split)")  # fmt: skip
 
     @property
     def kv_features(self) -> tuple[int, ...]:
