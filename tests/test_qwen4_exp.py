@@ -187,6 +187,24 @@ def test_logits_and_greedy_tokens_with_images_match_reference(key):
         assert [r.token for r in responses] == ref[f"greedy_{key}"][0, len(ids) :].tolist()
 
 
+def test_a_batch_mixing_images_and_text_equals_each_alone():
+    """Rows with images (their keys at 3-D positions, which the indexer rotates blocks at) beside a row
+    without, prefill chunks splitting an image: each gives its tokens alone."""
+    model, tokenizer = load_fixture("qwen4expvl", "hf")
+    ref = reference("qwen4expvl")
+    pad = tokenizer.token_to_id("<|image_pad|>")
+    images = [FIXTURES / "qwen35vl" / name for name in ("image_a.png", "image_b.png")]
+    text = ref["ids_one"][0, -12:].tolist()
+    engine = Engine(model, tokenizer, None, prefill_chunk=20)
+    sequences = [engine.submit(unexpanded(ref["ids_two"][0].tolist(), pad), 24, images=images),
+                 engine.submit(text, 24),
+                 engine.submit(unexpanded(ref["ids_one"][0].tolist(), pad), 24, images=images[:1])]  # fmt: skip
+    engine.run()
+    assert sequences[0].tokens == ref["greedy_two"][0, ref["ids_two"].shape[1] :].tolist()
+    assert sequences[1].tokens == [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, text, max_tokens=24)]
+    assert sequences[2].tokens == ref["greedy_one"][0, ref["ids_one"].shape[1] :].tolist()
+
+
 def test_a_split_over_ranks_is_refused_by_name():
     model, _ = mlx_hybrid.load(FIXTURES / FAMILY / "hf", dtype="float32")
     with pytest.raises(ShardingError, match="qwen4_exp models are not split over ranks yet"):

@@ -44,16 +44,19 @@ def in_batches(cache: RowCaches, arrays, batch_key, run_batch, run_alone) -> mx.
     return _joined([out for _, out in pieces], axis=1)
 
 
-def attend_rows(attend, cache, *arrays: mx.array) -> mx.array:
+def attend_rows(attend, cache, *arrays: mx.array, reads_key_positions: bool = False) -> mx.array:
     """attend(*arrays, cache) -> [B, T, ...] of an attention layer, over its KVCache, or over packed
     rows (`RowCaches`): rows of one length whose caches hold entries at plain rotary positions as one
     batch (`row_caches.KVRows`: one rotary embedding, one write and one attention for all of them),
-    the others alone."""
+    the others alone. reads_key_positions: the layer reads where its cached keys sit too (an indexer
+    rotating blocks of them), so a row batches only where every key sits at its index (no image
+    positions)."""
     if not isinstance(cache, RowCaches):
         return attend(*arrays, cache)
 
     def batch_key(n: int, row_cache):
         batched = isinstance(row_cache, KVCache) and row_cache.holds_entries
+        batched = batched and not (reads_key_positions and row_cache.positions is not None)
         return row_cache.form if batched and isinstance(row_cache.rotary_span(n), int) else None
 
     return in_batches(cache, arrays, batch_key, lambda *inputs: attend(*inputs[:-1], KVRowsPass(inputs[-1])), attend)

@@ -146,12 +146,12 @@ class IndexedAttention(GatedAttention):
         q, gate, k, v = self.projected(x)
         index_q, index_k = mx.split(self.index_qk_proj(x).reshape(B, T, self.index_heads + 1, self.index_dim),
                                     [self.index_heads], axis=2)  # fmt: skip
-        out = attend_rows(self._attend, cache, q, k, v, self.q_layernorm(index_q), index_k)
+        out = attend_rows(self._attend, cache, q, k, v, self.q_layernorm(index_q), index_k, reads_key_positions=True)
         return self.gated_output(out, gate)
 
     def _attend(self, q, k, v, index_q, index_k, cache):
-        """Over one sequence's KVCache, or a batch's rows over theirs (`KVRowsPass`, rows at plain
-        positions: this model takes no images); arrays and result [B, T, heads, D]."""
+        """Over one sequence's KVCache, or a batch's rows over theirs (`KVRowsPass`: rows whose keys all
+        sit at their indices, `attend_rows`); arrays and result [B, T, heads, D]."""
         q, k, v, index_q, index_k = (a.transpose(0, 2, 1, 3) for a in (q, k, v, index_q, index_k))
         position = cache.rotary_span(q.shape[2]) if cache is not None else 0
         q, k, index_q = self._rope(q, position), self._rope(k, position), self._rope(index_q, position)
