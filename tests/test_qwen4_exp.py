@@ -264,7 +264,8 @@ def _write_sparse_tables(path, text: dict) -> int:
     width, divisor = text["ple_embed_dim"] // heads, text["make_ngram_vocab_size_divisible_by"]
     header, offset = {}, 0
     for index, layer in enumerate(sorted(text["ple_layer_ids"])):
-        rows = -(-sum(ngram_embedding.ngram_head_sizes(text["ngram_vocab_size_base"], index, heads)) // divisor) * divisor
+        sizes = ngram_embedding.ngram_head_sizes(text["ngram_vocab_size_base"], index, heads)
+        rows = ngram_embedding.ngram_table_rows(sizes, divisor)
         name = f"model.language_model.layers.{layer - 1}.ple.ple_embedding.ngram_embedding.shard_0.weight"
         header[name] = {"dtype": "F32", "shape": [rows, width], "data_offsets": [offset, offset + rows * width * 4]}
         offset += rows * width * 4

@@ -333,7 +333,7 @@ def load_for_generation(args):
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers, weights {size_text(model.nbytes)} in memory; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
         f"speculation: {describe_speculation(args, drafter, speculation.draft_tokens_for(drafter))}"
-        + ("; reads images" if model.images_refused() is None else "")
+        + ("; reads images" if model.has_vision else "")
         + (f"; tables of {size_text(model.mapped_nbytes)} read by rows from their files" if model.mapped_nbytes else "")
     )
     if args.kv_bits:

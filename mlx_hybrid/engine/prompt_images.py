@@ -13,8 +13,11 @@ from ..models.vision import image_rope_positions
 
 class PromptImages:
     def __init__(self, model, tokenizer, ids: list[int], images: list, allow_remote: bool = False):
-        if refusal := model.images_refused():
-            raise ImageError(refusal)
+        if not model.has_vision:
+            raise ImageError(
+                "this model takes no images: its checkpoint has no vision tower (for a GGUF model, give the "
+                "projector file beside it, mmproj-*.gguf, or --mmproj)"
+            )
         pad = tokenizer.token_to_id(IMAGE_PAD)
         if pad is None or tokenizer.image_processor is None:
             raise ImageError(f"the tokenizer has no {IMAGE_PAD} token or no image processor for this model")

@@ -86,16 +86,12 @@ def take_row_tables(tensors: dict, files: list[Path], pattern: str) -> dict[str,
     """Take the tensors whose names match `pattern` (named groups `table` and `shard`) out of `tensors`
     (unread), as one MappedRows per table, by the table's name: its shards in order of `shard`."""
     compiled = re.compile(pattern)
+    matches = {name: match for name in tensors if (match := compiled.fullmatch(name))}
     found: dict[str, dict[int, tuple[Path, dict, int]]] = {}
-    for path in files:
-        header, start = None, 0
-        for name in [n for n in tensors if compiled.fullmatch(n)]:
-            if header is None:
-                header, start = safetensors_header(path)
-            if name not in header:
-                continue
-            match = compiled.fullmatch(name)
-            found.setdefault(match["table"], {})[int(match["shard"])] = (path, header[name], start)
+    for path in files if matches else ():
+        header, start = safetensors_header(path)
+        for name in matches.keys() & header.keys():
+            found.setdefault(matches[name]["table"], {})[int(matches[name]["shard"])] = (path, header[name], start)
             del tensors[name]
     tables = {}
     for table, shards in found.items():

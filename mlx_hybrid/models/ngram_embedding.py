@@ -51,6 +51,11 @@ def ngram_head_sizes(base: int, ple_index: int, heads: int) -> list[int]:
     return sizes
 
 
+def ngram_table_rows(head_sizes, divisor: int) -> int:
+    """A PLE layer's table rows: its heads' slices, padded to a multiple of `divisor`."""
+    return -(-int(sum(head_sizes)) // divisor) * divisor
+
+
 class NGramHash:
     """Token n-grams (2 .. ngram_size tokens) -> rows of one PLE layer's table, on the host: the
     n-grams of a token read the tokens before it back to the last end token (earlier ones read as the
@@ -64,8 +69,7 @@ class NGramHash:
         self.sizes = np.array(ngram_head_sizes(args.ngram_vocab_size_base, ple_index, heads), np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.per_order = args.heads_per_ngram
-        divisor = args.make_ngram_vocab_size_divisible_by
-        self.rows = -(-int(self.sizes.sum()) // divisor) * divisor
+        self.rows = ngram_table_rows(self.sizes, args.make_ngram_vocab_size_divisible_by)
 
     def __call__(self, history: np.ndarray, count: int) -> np.ndarray:
         """Table rows [B, count, heads] of the last `count` tokens of history [B, ngram_size - 1 + count]."""

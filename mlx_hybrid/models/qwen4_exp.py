@@ -28,7 +28,8 @@ from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm
 from .ngram_embedding import PLE, PLECache
 from .linear_attention import recurrent_rows
 from .packed_rows import attend_rows
-from .qwen3_5 import FLOAT32_PARAMS, GatedAttention, GatedDeltaNet, SparseMoE  # noqa: F401  (FLOAT32_PARAMS: the loaders')
+from .qwen3_5 import FLOAT32_PARAMS  # noqa: F401  (the loaders')
+from .qwen3_5 import GatedAttention, GatedDeltaNet, SparseMoE
 from .qwen3_5 import ModelArgs as Qwen35Args
 from .trunk import HybridModel
 from .vision import VisionTower
@@ -270,15 +271,12 @@ class Model(HybridModel):
                     "residual stream, as SGLang's qwen4_exp_mtp runs it)")  # fmt: skip
         return super().missing_mtp_head
 
-    @property
-    def mapped_nbytes(self) -> int:
-        return sum(layer.ple.table.nbytes for layer in self.layers if layer.has_ple and layer.ple.table is not None)
-
     def row_tables(self) -> dict:
         return {f"layers.{i}.ple.ple_embedding.ngram_embedding.shard_0": layer.ple.table
-                for i, layer in enumerate(self.layers) if layer.has_ple}  # fmt: skip
+                for i, layer in enumerate(self.layers) if layer.has_ple and layer.ple.table is not None}  # fmt: skip
 
     def take_row_tables(self, tables: dict):
+        tables = dict(tables)  # what is left is refused below
         for i, layer in enumerate(self.layers):
             if not layer.has_ple:
                 continue

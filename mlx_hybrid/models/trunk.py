@@ -96,8 +96,8 @@ class HybridModel(nn.Module):
 
     @property
     def mapped_nbytes(self) -> int:
-        """The bytes of the tables read by rows where they lie in their files (`take_row_tables`)."""
-        return 0
+        """The bytes of the tables read by rows where they lie in their files (`row_tables`)."""
+        return sum(table.nbytes for table in self.row_tables().values())
 
     @property
     def kv_features(self) -> tuple[int, ...]:
@@ -143,13 +143,6 @@ class HybridModel(nn.Module):
     @property
     def has_vision(self) -> bool:
         return "vision" in self
-
-    def images_refused(self) -> str | None:
-        """Why this model takes no images (None: it takes them)."""
-        if not self.has_vision:
-            return ("this model takes no images: its checkpoint has no vision tower (for a GGUF model, give the "
-                    "projector file beside it, mmproj-*.gguf, or --mmproj)")  # fmt: skip
-        return None
 
     def image_features(self, images) -> mx.array:
         """The tokens [n, E] of `images` (each with `patches` and `grid`), in order."""
