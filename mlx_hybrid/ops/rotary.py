@@ -18,6 +18,11 @@ def _rope_factors(positions: range, head_dim: int, dims: int, base: float):
     Angles are computed in float64 on the host (the same for a position whichever call
     it comes in). Features past `dims` get c = 1, s = 0: they pass through unchanged.
     """
+    return _factors_at(positions, head_dim, dims, base)
+
+
+def _factors_at(positions, head_dim: int, dims: int, base: float):
+    """c, s [T, head_dim] of tokens at positions [T] (any, in any order)."""
     return _factors(np.asarray(positions, dtype=np.float64)[:, None] * _inverse_frequencies(dims, base), head_dim)
 
 
@@ -89,8 +94,7 @@ def rope(x: mx.array, dims: int, base: float, offset: int | tuple[int, ...], *, 
 
 def rope_at(x: mx.array, dims: int, base: float, positions: np.ndarray, *, rotate=rotate) -> mx.array:
     """Rotary embedding of x [B, H, T, D] with token t at positions[t] (any positions, in any order)."""
-    angles = np.asarray(positions, np.float64)[:, None] * _inverse_frequencies(dims, float(base))
-    c, s = _factors(angles, x.shape[-1])
+    c, s = _factors_at(positions, x.shape[-1], dims, float(base))
     return rotate(x, c, s, dims)
 
 
