@@ -20,7 +20,7 @@ from mlx_hybrid.export import convert
 from mlx_hybrid.models import ngram_embedding, qwen4_exp
 from mlx_hybrid.parallel import ShardingError
 from mlx_hybrid.sampling import Sampler, SamplingParams
-from test_speculative import UniformDrafter, _exact_distribution
+from test_speculative import UniformDrafter, _exact_distribution, assert_mtp_chains_match
 from test_vision import logits_with_images, unexpanded
 
 FAMILY = "qwen4exp"
@@ -35,11 +35,8 @@ def plain(prompt, n=32):
     return [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=n, draft=None)]
 
 
-def test_logits_and_kept_keys_match_reference(monkeypatch):
-    """The 48-token pass: logits, and how many keys each query of each indexed layer attended to
-    (transformers' selection masks): 8 or more blocks of 4 complete, so 2 kept plus the tail."""
-    model, _ = model_and_tokenizer()
-    ref = reference(FAMILY)
+def counted_kept_keys(monkeypatch) -> list:
+    """Filled with each indexed-attention pass's kept keys per query [T] (row 0), in order."""
     kept = []
     choose = qwen4_exp.IndexedAttention._kept_keys
 
@@ -49,10 +46,34 @@ def test_logits_and_kept_keys_match_reference(monkeypatch):
         return mask
 
     monkeypatch.setattr(qwen4_exp.IndexedAttention, "_kept_keys", counted)
+    return kept
+
+
+def test_logits_and_kept_keys_match_reference(monkeypatch):
+    """The 48-token pass: logits, and how many keys each query of each indexed layer attended to
+    (transformers' selection masks): 8 or more blocks of 4 complete, so 2 kept plus the tail."""
+    model, _ = model_and_tokenizer()
+    ref = reference(FAMILY)
+    kept = counted_kept_keys(monkeypatch)
     logits = np.array(model(mx.array(ref["input_ids"])))
     np.testing.assert_allclose(logits, ref["logits"], atol=REFERENCE_TOL, rtol=0)
     np.testing.assert_array_equal(np.stack(kept), ref["kept_keys"])
     assert ref["kept_keys"][:, -1].tolist() == [8, 8]  # of 48
+
+
+def test_mtp_head_matches_its_sglang_wiring(monkeypatch):
+    """The MTP head against the fixture's transcription of SGLang's qwen4_exp_mtp (transformers' layer
+    classes wired as it runs them; see make_qwen4exp.py): teacher-forced logits over the 48 tokens, the
+    keys its own indexer kept for each of the 47 pairs (blocks dropped), and chained drafts through
+    the drafter, each reading the streams the last came from."""
+    model, _ = model_and_tokenizer()
+    ref = reference(FAMILY)
+    kept = counted_kept_keys(monkeypatch)
+    logits = np.array(model.mtp_logits(mx.array(ref["input_ids"])))
+    np.testing.assert_allclose(logits, ref["mtp_logits"], atol=REFERENCE_TOL, rtol=0)
+    np.testing.assert_array_equal(kept[-1], ref["mtp_kept_keys"])
+    assert ref["mtp_kept_keys"][-1] < 47
+    assert_mtp_chains_match(model, ref)
 
 
 def test_greedy_tokens_match_reference():
@@ -99,14 +120,15 @@ def test_a_rollback_across_ple_and_indexed_layers_equals_a_rerun():
     assert_close_to_floor(model(following, cache), model(following, fresh))
 
 
-@pytest.mark.parametrize("draft", ["ngram", "self", "qwen35"])
+@pytest.mark.parametrize("draft", ["mtp", "ngram", "self", "qwen35"])
 def test_greedy_speculation_equals_plain_decoding(draft):
-    """n-gram drafts (from a prompt that repeats), the model drafting for itself (every draft accepted)
-    and the dense fixture drafting (same tokenizer; its drafts rejected: rolled back)."""
+    """The model's MTP head, n-gram drafts (from a prompt that repeats), the model drafting for itself
+    (every draft accepted) and the dense fixture drafting (same tokenizer; its drafts rejected: rolled
+    back)."""
     model, tok = model_and_tokenizer()
     ids = reference(FAMILY)["input_ids"][0].tolist()
     prompt = ids[:10] * 3 if draft == "ngram" else ids[:12]
-    settings = {"ngram": dict(draft="ngram"), "self": dict(draft_model=model, draft_p_min=0, draft_vocab=0),
+    settings = {"mtp": dict(draft="mtp"), "ngram": dict(draft="ngram"), "self": dict(draft_model=model, draft_p_min=0, draft_vocab=0),
                 "qwen35": dict(draft_model=load_fixture("qwen35", "hf")[0], draft_vocab=0)}[draft]  # fmt: skip
     responses = list(mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=32, num_draft_tokens=3, **settings))
     assert [r.token for r in responses] == plain(prompt)
@@ -153,27 +175,33 @@ def test_speculative_sampling_follows_the_target_distribution():
     assert tv < 0.05, tv
 
 
-def test_a_checkpoint_with_an_mtp_head_loads_and_refuses_mtp_drafting_by_name(tmp_path):
-    target = tmp_path / "with-mtp"
+def test_batch_rows_drafting_with_the_mtp_head_equal_single_rows():
+    model, tok = model_and_tokenizer()
+    ids = reference(FAMILY)["input_ids"][0].tolist()
+    prompts = [ids[:12], ids[5:30], ids[20:28] + ids[:6]]
+    together = mlx_hybrid.batch_generate(model, tok, prompts, max_tokens=20, draft="mtp", num_draft_tokens=3)
+    assert together == [tok.decode(plain(p, 20)) for p in prompts]
+
+
+def test_a_head_from_the_original_checkpoint_is_the_original_head(tmp_path):
+    """A copy without its `mtp.*` tensors (as conversions drop them), given the head from the original
+    (`load(..., mtp=)`): the original's MTP logits."""
+    target = tmp_path / "headless"
     shutil.copytree(FIXTURES / FAMILY / "hf", target)
-    tensors = mx.load(str(target / "model.safetensors"))
-    tensors["mtp.fc_embedding.weight"] = mx.zeros((64, 64))  # a published head's names (SGLang's qwen4_exp_mtp)
-    tensors["mtp.layers.0.self_attn.q_proj.weight"] = mx.zeros((256, 64))
+    tensors = {k: v for k, v in mx.load(str(target / "model.safetensors")).items() if not k.startswith("mtp.")}
     mx.save_safetensors(str(target / "model.safetensors"), tensors)
-    config = json.loads((target / "config.json").read_text())
-    config["text_config"]["mtp_num_hidden_layers"] = 1
-    (target / "config.json").write_text(json.dumps(config))
-    model, tok = mlx_hybrid.load(target, dtype="float32")
-    assert mlx_hybrid.generate(model, tok, [5, 6, 7], max_tokens=4) == tok.decode(plain([5, 6, 7], 4))
-    with pytest.raises(mlx_hybrid.GenerationError, match="MTP head is not built for qwen4_exp"):
-        mlx_hybrid.generate(model, tok, [5, 6, 7], max_tokens=4, draft="mtp")
+    headless, _ = mlx_hybrid.load(target, dtype="float32")
+    assert not headless.has_mtp
+    model, _ = mlx_hybrid.load(target, dtype="float32", mtp=FIXTURES / FAMILY / "hf")
+    ids = mx.array(reference(FAMILY)["input_ids"])
+    np.testing.assert_array_equal(np.array(model.mtp_logits(ids)), np.array(model_and_tokenizer()[0].mtp_logits(ids)))
 
 
 @pytest.mark.parametrize("key", ["one", "two"])
 def test_logits_and_greedy_tokens_with_images_match_reference(key):
     """Prompts with one and two images (qwen4expvl: the model with Qwen3.5's vision tower): one pass's
     logits, the indexers choosing blocks over the images' keys at their 3-D positions, and 24 greedy
-    tokens, plain and with n-gram drafts."""
+    tokens, plain, with n-gram drafts and with the MTP head's."""
     model, tokenizer = load_fixture("qwen4expvl", "hf")
     ref = reference("qwen4expvl")
     ids = ref[f"ids_{key}"][0].tolist()
@@ -182,7 +210,7 @@ def test_logits_and_greedy_tokens_with_images_match_reference(key):
     prompt = unexpanded(ids, pad)
     logits = logits_with_images(model, tokenizer, prompt, paths, ids)
     np.testing.assert_allclose(logits, ref[f"logits_{key}"], atol=REFERENCE_TOL, rtol=0)
-    for draft in (None, "ngram"):
+    for draft in (None, "ngram", "mtp"):
         responses = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, images=paths, draft=draft)
         assert [r.token for r in responses] == ref[f"greedy_{key}"][0, len(ids) :].tolist()
 
@@ -289,3 +317,5 @@ def test_converts_to_a_4_bit_mlx_directory_that_loads_as_the_quantized_model(tmp
         np.testing.assert_array_equal(np.array(got.rows(ids)), np.array(want.rows(ids)))
     ids = mx.array(reference(FAMILY)["input_ids"])
     assert_close_to_floor(loaded(ids), expected(ids))
+    assert isinstance(loaded.mtp.fc_hidden, nn.QuantizedLinear)
+    assert_close_to_floor(loaded.mtp_logits(ids), expected.mtp_logits(ids))

@@ -72,7 +72,12 @@ def test_mtp_drafter_chains_like_the_reference(family, source):
     """Three chained greedy drafts through the drafter itself: prefilled with the trunk's
     states, each draft after the first reads the previous one's output after mtp.norm."""
     model, _ = load_fixture(family, source)
-    ref = reference(family)
+    assert_mtp_chains_match(model, reference(family))
+
+
+def assert_mtp_chains_match(model, ref):
+    """From each of `ref`'s chain starts n, the drafter prefilled with ids[:n] and begun with ids[n]
+    drafts `mtp_chain_ids`, its head computing `mtp_chain_logits`."""
     ids = ref["input_ids"][0].tolist()
     for n, want_ids, want_logits in zip(ref["mtp_chain_starts"], ref["mtp_chain_ids"], ref["mtp_chain_logits"]):
         drafter = MTPDrafter(model, draft_p_min=0.0)

@@ -23,7 +23,7 @@ class MTPDrafter(_ConfidentDrafting):
 
     def __init__(self, model, draft_p_min: float = 0.0, vocabulary=None, head: DraftHead | None = None):
         if not model.has_mtp:
-            raise GenerationError(f"{model.missing_mtp_head}, so draft='mtp' is unavailable")
+            raise GenerationError("this model has no MTP head, so draft='mtp' is unavailable")
         super().__init__(draft_p_min, head or DraftHead(model, vocabulary))
         self.model = model
         self.cache = KVCache()

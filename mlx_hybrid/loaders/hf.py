@@ -122,8 +122,12 @@ def qwen4_rules(layout: str = "hf"):
     their files (`ROW_TABLES`)."""
     norm = plus_one if layout == "hf" else None
     return [
+        # the trunk's last mixer stands where a final norm does (`norm`), the MTP head's where its norm does
+        Rule(r"mtp\.hyper_connection_mixer\.hc_norm\.weight", "mtp.norm.hc_norm.weight", norm),
+        Rule(r"mtp\.hyper_connection_mixer\.(?P<rest>.+)", "mtp.norm.{rest}"),
         Rule(_PREFIX + r"hyper_connection_mixer\.hc_norm\.weight", "norm.hc_norm.weight", norm),
         Rule(_PREFIX + r"hyper_connection_mixer\.(?P<rest>.+)", "norm.{rest}"),
+        Rule(r"mtp\.(?P<fc>fc_embedding|fc_hidden)\.(?P<rest>.+)", "mtp.{fc}.{rest}"),
         Rule(_BLOCK + r"(?P<hc>attn|mlp)_hyper_connection\.hc_norm\.weight", "{blk}.{hc}_hyper_connection.hc_norm.weight",
              norm),
         Rule(_BLOCK + r"self_attn\.indexer\.(?P<n>q|k)_layernorm\.weight", "{blk}.self_attn.{n}_layernorm.weight", norm),
@@ -131,7 +135,6 @@ def qwen4_rules(layout: str = "hf"):
         Rule(_BLOCK + r"ple\.(?P<n>norm_key|norm_query|norm_conv)\.weight", "{blk}.ple.{n}.weight", norm),
         Rule(_BLOCK + r"ple\.conv1d\.weight", "{blk}.ple.conv1d_weight", squeeze_conv),
         Rule(_BLOCK + r"ple\.ple_embedding\.(?:layer_multipliers|ngram_heads_offsets|ngram_heads_vocab_sizes)", ""),
-        Rule(r"mtp\..+", ""),  # the MTP head: not built yet, drafting with it refused (`Model.missing_mtp_head`)
         *qwen_rules(layout),
     ]  # fmt: skip
 
@@ -238,9 +241,9 @@ def qwen4_export_rules(layout: str = "mlx"):
     n-gram tables are written apart (`row_tables.write_row_tables`)."""
     if layout != "mlx":
         raise ValueError("qwen4_exp is written in the MLX layout only")
-    block = r"(?P<blk>layers\.\d+)\."
+    block = r"(?P<blk>(?:mtp\.)?layers\.\d+)\."
     return [
-        Rule(r"norm\.(?P<rest>.+)", "hyper_connection_mixer.{rest}"),
+        Rule(r"(?P<at>(?:mtp\.)?)norm\.(?P<rest>.+)", "{at}hyper_connection_mixer.{rest}"),
         Rule(block + r"self_attn\.(?P<n>index_qk_proj|q_layernorm|k_layernorm)\.(?P<rest>.+)",
              "{blk}.self_attn.indexer.{n}.{rest}"),
         Rule(block + r"ple\.conv1d_weight", "{blk}.ple.conv1d.weight", _conv_layout("mlx")),

@@ -324,17 +324,4 @@ class Model(HybridModel):
         return (self.args.head_dim,)
 
     def mtp_input(self, hidden: mx.array) -> mx.array:
-        """The trunk's hidden states (`hidden_states`) as the MTP head reads them."""
         return self.norm(hidden) if self.args.mtp_hidden == POST_NORM else hidden
-
-    def mtp_teacher_forced(self, hidden: mx.array, next_ids: mx.array) -> mx.array:
-        """MTP logits [B, T, V] for the trunk's hidden states [B, T, E] (before the final norm)
-        and the tokens after them [B, T]: position t predicts the token after next_ids[t]."""
-        y, _ = self.mtp(self.mtp_input(hidden), self.embed(next_ids))
-        return self.project(y)
-
-    def mtp_logits(self, ids: mx.array) -> mx.array:
-        """Teacher-forced MTP predictions [B, T-1, V]: position t from h_t and token t+1."""
-        if not self.has_mtp:
-            raise ValueError("this model has no MTP head")
-        return self.mtp_teacher_forced(self.hidden_states(ids)[:, :-1], ids[:, 1:])

@@ -11,11 +11,12 @@ indexed (QSA) attention and per-layer n-gram embeddings (PLE).
   cache holds the raw index keys beside the keys and values.
 - PLE on some linear layers: hashed token n-grams looked up in a large table read row by row, gated by
   the normed streams (`ngram_embedding`).
+- An MTP head (`MTPHead`) that reads the streams.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +31,7 @@ from .linear_attention import recurrent_rows
 from .packed_rows import attend_rows
 from .qwen3_5 import FLOAT32_PARAMS  # noqa: F401  (the loaders')
 from .qwen3_5 import GatedAttention, GatedDeltaNet, SparseMoE
+from .qwen3_5 import PRE_NORM
 from .qwen3_5 import ModelArgs as Qwen35Args
 from .trunk import HybridModel
 from .vision import VisionTower
@@ -56,6 +58,7 @@ class ModelArgs(Qwen35Args):
     indexer_compress_ratio: int | None = None
     output_gate_type: str | None = None
     eos_token_id: int | list[int] | None = None
+    mtp_hidden: str = PRE_NORM  # the MTP head reads the streams before the last mixer (`MTPHead`)
 
     def __post_init__(self):
         self.layer_types = [FULL if t == INDEXED else t for t in self.layer_types]
@@ -69,6 +72,9 @@ class ModelArgs(Qwen35Args):
         super().validate()
         if self.hc_count <= 1:
             raise ValueError(f"hc_count must be above 1, got {self.hc_count}")
+        if self.mtp_hidden != PRE_NORM:
+            raise ValueError(f"a qwen4_exp MTP head reads the streams before the last mixer ({PRE_NORM!r}), "
+                             f"not {self.mtp_hidden!r}")  # fmt: skip
         if (self.output_gate_type or "silu") not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate_type {self.output_gate_type!r} is not computed (silu or sigmoid)")
         indexer = (self.indexer_n_heads, self.indexer_kv_heads, self.indexer_head_dim, self.indexer_budget,
@@ -242,11 +248,41 @@ def _mixer_caches(cache):
     return cache.mixer
 
 
+class MTPHead(nn.Module):
+    """The multi-token-prediction block (`mtp.*`), wired as SGLang's `qwen4_exp_mtp` runs it: the trunk's
+    streams h_t [B, T, n E] (after the last layer, before the mixer) normed as one vector and projected
+    stream by stream, token t+1's embedding normed, projected and added to every stream; one
+    indexed-attention decoder layer without PLE; its own mixer ahead of the LM head. A chained draft's
+    h (the carry) is the layer's output streams."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        E = args.hidden_size
+        self.count = args.hc_count
+        self.enorm = RMSNorm(E, args.rms_norm_eps)
+        self.hnorm = RMSNorm(self.count * E, args.rms_norm_eps)
+        self.fc_embedding = Linear(E, E, bias=False)
+        self.fc_hidden = Linear(E, E, bias=False)
+        # a list, so that checkpoint names `mtp.layers.0.*` are the module paths
+        self.layers = [DecoderLayer(replace(args, num_hidden_layers=1, layer_types=[FULL], ple_layer_ids=[]), 0)]
+        self.norm = GatedResidual(args, inject=False)
+
+    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: KVCache | None = None):
+        """(y, carry): y [B, T, E] for the LM head (the token after next), carry [B, T, n E]."""
+        B, T, wide = hidden.shape
+        streams = self.fc_hidden(self.hnorm(hidden).reshape(B, T, self.count, wide // self.count))
+        streams = (streams + self.fc_embedding(self.enorm(next_embeddings))[:, :, None]).reshape(B, T, wide)
+        carry = self.layers[0](streams, cache)
+        return self.norm(carry), carry
+
+
 class Model(HybridModel):
     def __init__(self, args: ModelArgs):
         args.validate()
         super().__init__(args, [DecoderLayer(args, i) for i in range(args.num_hidden_layers)])
         self.norm = GatedResidual(args, inject=False)  # the streams folded for the LM head
+        if args.mtp_num_hidden_layers:
+            self.mtp = MTPHead(args)
         if args.vision is not None:
             self.vision = VisionTower(args.vision)
 
@@ -263,13 +299,6 @@ class Model(HybridModel):
 
     def layer_inputs(self, ids: mx.array) -> dict:
         return {"ids": ids}
-
-    @property
-    def missing_mtp_head(self) -> str:
-        if self.args.mtp_num_hidden_layers:
-            return ("this checkpoint's MTP head is not built for qwen4_exp models yet (its input is fused per "
-                    "residual stream, as SGLang's qwen4_exp_mtp runs it)")  # fmt: skip
-        return super().missing_mtp_head
 
     def row_tables(self) -> dict:
         return {f"layers.{i}.ple.ple_embedding.ngram_embedding.shard_0": layer.ple.table

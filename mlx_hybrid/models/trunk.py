@@ -90,11 +90,6 @@ class HybridModel(nn.Module):
         return sum(p.nbytes for _, p in tree_flatten(self.parameters()))
 
     @property
-    def missing_mtp_head(self) -> str:
-        """Why a model without an MTP head (`has_mtp`) has none, for the refusal of MTP drafting."""
-        return "this model has no MTP head"
-
-    @property
     def mapped_nbytes(self) -> int:
         """The bytes of the tables read by rows where they lie in their files (`row_tables`)."""
         return sum(table.nbytes for table in self.row_tables().values())
@@ -198,6 +193,17 @@ class HybridModel(nn.Module):
             # the last rank's output, on every rank (the gather also makes the send run)
             h = mx.distributed.all_gather(h, group=pipeline.group)[-h.shape[0] :]
         return h
+
+    def mtp_input(self, hidden: mx.array) -> mx.array:
+        """The trunk's hidden states (`hidden_states`) as the MTP head (`mtp`) reads them."""
+        return hidden
+
+    def mtp_logits(self, ids: mx.array) -> mx.array:
+        """Teacher-forced MTP predictions [B, T-1, V]: position t from h_t and token t+1."""
+        if not self.has_mtp:
+            raise ValueError("this model has no MTP head")
+        y, _ = self.mtp(self.mtp_input(self.hidden_states(ids)[:, :-1]), self.embed(ids[:, 1:]))
+        return self.project(y)
 
     def states_at(self, taps: dict, layer_ids) -> mx.array:
         """The trunk's states at `layer_ids` concatenated per position, [B, T, L E], from the outputs a
