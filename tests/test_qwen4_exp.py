@@ -197,6 +197,13 @@ def test_a_head_from_the_original_checkpoint_is_the_original_head(tmp_path):
     np.testing.assert_array_equal(np.array(model.mtp_logits(ids)), np.array(model_and_tokenizer()[0].mtp_logits(ids)))
 
 
+def test_a_dflash_drafter_is_refused_by_name():
+    """DFlash drafters read one hidden state per token; none is published that reads several streams."""
+    model, tok = model_and_tokenizer()
+    with pytest.raises(mlx_hybrid.GenerationError, match="carry 2 residual streams"):
+        mlx_hybrid.generate(model, tok, [5, 6, 7], max_tokens=4, draft_model=FIXTURES / "dflash" / "qwen35-b8-l0-2")
+
+
 @pytest.mark.parametrize("key", ["one", "two"])
 def test_logits_and_greedy_tokens_with_images_match_reference(key):
     """Prompts with one and two images (qwen4expvl: the model with Qwen3.5's vision tower): one pass's

@@ -189,6 +189,11 @@ def check_fits(target, drafter):
     args, trunk = drafter.args, target.args
     if target.parallel is not None and target.parallel.mode == PIPELINE:
         raise GenerationError("a DFlash drafter reads layers a pipeline's other ranks hold: use tensor parallelism")
+    if target.residual_width != trunk.hidden_size:
+        raise GenerationError(
+            f"a DFlash drafter reads one hidden state per token and layer; this model's layers carry "
+            f"{target.residual_width // trunk.hidden_size} residual streams, which no published drafter reads"
+        )
     if args.hidden_size != trunk.hidden_size:
         raise GenerationError(
             f"the DFlash drafter's hidden size ({args.hidden_size}) differs from the target's ({trunk.hidden_size})"

@@ -294,6 +294,10 @@ class Model(HybridModel):
     def kv_features(self) -> tuple[int, ...]:
         return (self.args.head_dim, self.args.indexer_head_dim)
 
+    @property
+    def residual_width(self) -> int:
+        return self.args.hc_count * self.args.hidden_size
+
     def residual_streams(self, h: mx.array) -> mx.array:
         return mx.tile(h, (1, 1, self.args.hc_count))
 

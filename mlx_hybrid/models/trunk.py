@@ -152,6 +152,11 @@ class HybridModel(nn.Module):
         """The tables `take_row_tables` gave, by the names the loader gave them (for writing them out)."""
         return {}
 
+    @property
+    def residual_width(self) -> int:
+        """The width of the state the layers carry per token (`residual_streams`)."""
+        return self.args.hidden_size
+
     def residual_streams(self, h: mx.array) -> mx.array:
         """The residual state the layers carry, from the embeddings [B, T, E] (their own; a model with
         several residual streams, its copies of them)."""
