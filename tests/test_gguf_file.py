@@ -121,7 +121,7 @@ def test_a_checkpoint_directory_that_does_not_fit_is_refused_before_it_is_read(m
     from mlx_hybrid import loaders
 
     path = FIXTURES / "qwen35" / "hf"
-    stored = sum(p.nbytes for p in loaders.hf.read_tensors(loaders.hf.safetensor_files(path)).values())
+    stored = sum(p.nbytes for p in loaders.safetensors_files.read_tensors(loaders.safetensors_files.safetensor_files(path)).values())
     monkeypatch.setattr(loaders, "memory_available", lambda: (stored - 1, 8 << 30))
     with pytest.raises(ModelLoadError, match=rf"takes {stored / 1e6:.1f} MB in memory once loaded"):
         mlx_hybrid.load(path, dtype="float32")

@@ -20,7 +20,7 @@ from ..models.dflash import load_drafter
 from ..parallel import PIPELINE, TENSOR
 from ..quantized_tensor import CPU_ACTIVATIONS, QuantizedTensor
 from ..tokenizer import Tokenizer
-from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub
+from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub, safetensors_files
 from .cpu_activations import set_cpu_activations, whole_products
 from .memory import memory_available
 from .mtp_head import attach_mtp_head
@@ -220,13 +220,13 @@ def _read_hf(path: Path, dtype=None) -> tuple[_Checkpoint, dict, list]:
     if model_type not in hf.FAMILIES:
         raise UnsupportedArchitectureError(f"no Hugging Face loader for {model_type!r}")
     make_args, rules_for = hf.FAMILIES[model_type]
-    files = hf.safetensor_files(path)
-    tensors = hf.read_tensors(files)
+    files = safetensors_files.safetensor_files(path)
+    tensors = safetensors_files.read_tensors(files)
     row_tables = take_row_tables(tensors, files, hf.ROW_TABLES[model_type]) if model_type in hf.ROW_TABLES else {}
     rules = rules_for(hf.detect_layout(tensors))
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization:
-        tensors = hf.group_quantized(tensors, quantization)
+        tensors = safetensors_files.group_quantized(tensors, quantization)
     args = make_args(
         config, module, has_mtp=any(name.startswith("mtp.") for name in tensors),
         has_vision=hf.has_vision_tower(tensors),
