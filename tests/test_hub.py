@@ -37,6 +37,13 @@ def offline_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(hf_home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    # huggingface_hub reads these once, at its import, which an earlier test may have caused (mlx-lm's
+    # and transformers' imports do): the in-process calls see the test's cache too
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HOME", str(hf_home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return hf_home
 
 

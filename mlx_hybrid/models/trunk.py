@@ -203,12 +203,17 @@ class HybridModel(nn.Module):
         """The trunk's hidden states (`hidden_states`) as the MTP head (`mtp`) reads them."""
         return hidden
 
+    def mtp_teacher_forced(self, hidden: mx.array, next_ids: mx.array) -> mx.array:
+        """MTP logits [B, T, V] for the trunk's hidden states [B, T, ...] (`hidden_states`) and the tokens
+        after them [B, T]: position t predicts the token after next_ids[t]."""
+        y, _ = self.mtp(self.mtp_input(hidden), self.embed(next_ids))
+        return self.project(y)
+
     def mtp_logits(self, ids: mx.array) -> mx.array:
         """Teacher-forced MTP predictions [B, T-1, V]: position t from h_t and token t+1."""
         if not self.has_mtp:
             raise ValueError("this model has no MTP head")
-        y, _ = self.mtp(self.mtp_input(self.hidden_states(ids)[:, :-1]), self.embed(ids[:, 1:]))
-        return self.project(y)
+        return self.mtp_teacher_forced(self.hidden_states(ids)[:, :-1], ids[:, 1:])
 
     def states_at(self, taps: dict, layer_ids) -> mx.array:
         """The trunk's states at `layer_ids` concatenated per position, [B, T, L E], from the outputs a
