@@ -207,7 +207,7 @@ def kernels(rounds: int, rows: int, types):
 
     from mlx_hybrid import ops
     from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
-    from mlx_hybrid.ops import cpu_quantized
+    from mlx_hybrid.ops import cpu_quantized, llama_reference
 
     n, k = 3584, 1024
     x = mx.random.normal((rows, k))
@@ -218,9 +218,9 @@ def kernels(rounds: int, rows: int, types):
         products[name] = lambda w=w: cpu_quantized.matmul_16bit(x, w)
         # llama.cpp's 16-bit activations (a GGUF file's F16 and BF16 matrices)
         products[f"{name} llama.cpp"] = lambda w=w: cpu_quantized.half_matmul(x, w)
-    tensors = {name: without_subnormal_blocks(cpu_quantized.random_block_weights((n, k), bits, group_size, block))
+    tensors = {name: without_subnormal_blocks(llama_reference.random_block_weights((n, k), bits, group_size, block))
                for name, (bits, group_size, _, block) in BLOCK_TYPES.items() if name not in GRID_TYPES}  # fmt: skip
-    tensors |= {name: cpu_quantized.random_grid_weights((n, k), grid) for name, grid in GRID_TYPES.items()}
+    tensors |= {name: llama_reference.random_grid_weights((n, k), grid) for name, grid in GRID_TYPES.items()}
     for name, q in tensors.items():
         if types and name not in types:
             continue
@@ -258,7 +258,7 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
     import numpy as np
 
     from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
-    from mlx_hybrid.ops import cpu_quantized
+    from mlx_hybrid.ops import cpu_quantized, llama_reference
 
     n, k, chosen = 512, 2048, 8
     rng = np.random.default_rng(0)
@@ -277,10 +277,10 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
         if types and name not in types:
             continue
         if name in GRID_TYPES:
-            q = cpu_quantized.random_grid_weights((experts, n, k), GRID_TYPES[name])
+            q = llama_reference.random_grid_weights((experts, n, k), GRID_TYPES[name])
         else:
             bits, group_size, _, block = BLOCK_TYPES[name]
-            q = without_subnormal_blocks(cpu_quantized.random_block_weights((experts, n, k), bits, group_size, block))
+            q = without_subnormal_blocks(llama_reference.random_block_weights((experts, n, k), bits, group_size, block))
         timed[name] = lambda q=q: cpu_quantized.gather_quantized_matmul(
             x, q.weight, q.scales, q.biases, indices, q.group_size, q.bits, q.block)  # fmt: skip
         timed[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_gather_matmul(

@@ -13,13 +13,13 @@ from conftest import FIXTURES, assert_close_to_floor, assert_every_instruction_s
 import mlx_hybrid
 from mlx_hybrid import ops
 from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
-from mlx_hybrid.ops import cpu_quantized
+from mlx_hybrid.ops import cpu_quantized, llama_reference
 
 pytestmark = cpu_kernel_tests()
 
 
 def quantized(shape, bits, group_size, scales_dtype=mx.float32, seed=0):
-    w, scales, biases = cpu_quantized.random_weights(shape, bits, group_size, seed)
+    w, scales, biases = llama_reference.random_weights(shape, bits, group_size, seed)
     return w, scales.astype(scales_dtype), biases.astype(scales_dtype)
 
 
@@ -49,7 +49,7 @@ def test_block_form_products_match_float64(type_name):
     gathered experts against float64 products of the dequantized weights, and a row the same
     bits alone as with up to 15 others."""
     bits, group_size, _, block = BLOCK_TYPES[type_name]
-    q = cpu_quantized.random_block_weights((2, 37, 512), bits, group_size, block)
+    q = llama_reference.random_block_weights((2, 37, 512), bits, group_size, block)
     dense = np.array(q.dequantize(), np.float64)
     one = (q.weight[1], q.scales[1], q.biases[1])
     x = mx.random.normal((33, 512), key=mx.random.key(4))
@@ -74,7 +74,7 @@ def test_grid_type_products_match_float64(type_name):
     of W over three blocks, a view (W's rows stepped, x's columns offset), gathered experts; a row
     the same bits alone as with up to 15 others."""
     grid = GRID_TYPES[type_name]
-    q = cpu_quantized.random_grid_weights((2, 37, 768), grid, seed=len(type_name))
+    q = llama_reference.random_grid_weights((2, 37, 768), grid, seed=len(type_name))
     dense = np.array(q.dequantize(), np.float64)
     x = mx.random.normal((33, 769), key=mx.random.key(4))[:, 1:]  # an offset view
     alone = cpu_quantized.quantized_matmul(x[:1], q.weight[1], q.scales[1], q.biases[1], 256, 8, grid)
@@ -111,10 +111,10 @@ def test_every_instruction_set_gives_the_same_bits(type_name):
     promise the same sequence of operations: a model gives the same tokens on either CPU."""
     if type_name in GRID_TYPES:
         bits, group_size, block = 8, 256, GRID_TYPES[type_name]
-        q = cpu_quantized.random_grid_weights((37, 512), block)
+        q = llama_reference.random_grid_weights((37, 512), block)
     else:
         bits, group_size, _, block = BLOCK_TYPES[type_name]
-        q = cpu_quantized.random_block_weights((37, 512), bits, group_size, block)
+        q = llama_reference.random_block_weights((37, 512), bits, group_size, block)
     w, scales, biases = quantized((37, 512), bits, 32)
     x = mx.random.normal((9, 512), key=mx.random.key(5))
     assert_every_instruction_set_agrees(

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import cpu_kernel_tests
 
-from mlx_hybrid.ops import cpu_extension, cpu_quantized, reference
+from mlx_hybrid.ops import cpu_extension, cpu_quantized, llama_reference, reference
 from test_cpu_conv1d import conv_inputs
 from test_ops import layer_inputs, make_inputs
 
@@ -101,7 +101,7 @@ def test_attention(which):
 
 @pytest.mark.parametrize("rows", [1, 3, 9])  # the small-row path and the tiled one
 def test_quantized_product(rows):
-    w, scales, biases = cpu_quantized.random_weights((48, 128), 4, 64, seed=rows)
+    w, scales, biases = llama_reference.random_weights((48, 128), 4, 64, seed=rows)
     x = random((2, rows, 128), rows)
 
     def product(a):

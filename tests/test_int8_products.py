@@ -1,6 +1,6 @@
 """GGUF products with llama.cpp's 8-bit activations (`load(cpu_activations="int8")`): our CPU kernel
 (csrc/int8_products.cpp) against the arithmetic written the slow obvious way
-(`cpu_quantized.q8_0_reference`, `k_quant_reference`, `groups16_reference`, ...: each row quantized as llama.cpp
+(`llama_reference.q8_0_reference`, `k_quant_reference`, `groups16_reference`, ...: each row quantized as llama.cpp
 quantizes it, integer sums a block, float scales), and the models on it.
 """
 
@@ -17,7 +17,7 @@ from conftest import FIXTURES, assert_every_instruction_set_agrees
 import mlx_hybrid
 from mlx_hybrid import ModelLoadError, ops
 from mlx_hybrid.export import save_gguf
-from mlx_hybrid.ops import cpu_quantized
+from mlx_hybrid.ops import cpu_quantized, llama_reference
 from mlx_hybrid.loaders.quantized import from_gguf_blocks
 from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks, no_codes
 
@@ -36,7 +36,7 @@ def q8_0_matrix(rng, shape, scale=1 / 256):
     """Random Q8_0 weights [..., N, K]: signed codes, float16 d's, and the package's held form."""
     codes = rng.integers(-127, 128, shape).astype(np.int8)
     d = (rng.uniform(-1, 1, (*shape[:-1], shape[-1] // 32)) * scale).astype(np.float16)
-    return codes, d, cpu_quantized.held_q8_0(codes, d)
+    return codes, d, llama_reference.held_q8_0(codes, d)
 
 
 def product(x, held, held_type: int, grid=None) -> np.ndarray:
@@ -70,7 +70,7 @@ def test_q8_0_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     codes, d, held = q8_0_matrix(rng, (24, K))
     x = rng.standard_normal((16, K)).astype(np.float32)
     alone = rows_alone_as_together(x, held, Q8_0)
-    assert_at_float32_floor(alone, cpu_quantized.q8_0_reference(x, codes, d), x, codes, d)
+    assert_at_float32_floor(alone, llama_reference.q8_0_reference(x, codes, d), x, codes, d)
 
 
 def test_q8_0_products_are_exact_where_the_arithmetic_is():
@@ -82,8 +82,8 @@ def test_q8_0_products_are_exact_where_the_arithmetic_is():
     d = (2.0 ** rng.integers(-8, -2, (8, 8))).astype(np.float16)
     x = rng.integers(-126, 127, (3, 256)).astype(np.float32)
     x[:, ::32] = 127  # each block's largest magnitude
-    got = product(x, cpu_quantized.held_q8_0(codes, d), Q8_0)
-    np.testing.assert_array_equal(got, cpu_quantized.q8_0_reference(x, codes, d).astype(np.float32))
+    got = product(x, llama_reference.held_q8_0(codes, d), Q8_0)
+    np.testing.assert_array_equal(got, llama_reference.q8_0_reference(x, codes, d).astype(np.float32))
 
 
 def test_q8_0_rounds_codes_half_to_even_and_zero_blocks_to_zero():
@@ -91,7 +91,7 @@ def test_q8_0_rounds_codes_half_to_even_and_zero_blocks_to_zero():
     codes, _, _ = q8_0_matrix(np.random.default_rng(2), (4, 64))
     x = np.zeros((1, 64), np.float32)
     x[0, 0], x[0, 1], x[0, 2] = 127, 2.5, 3.5  # the second block all zeros
-    got = product(x, cpu_quantized.held_q8_0(codes, np.ones((4, 2), np.float16)), Q8_0)
+    got = product(x, llama_reference.held_q8_0(codes, np.ones((4, 2), np.float16)), Q8_0)
     w = codes.astype(np.int64)
     np.testing.assert_array_equal(got[0], (127 * w[:, 0] + 2 * w[:, 1] + 4 * w[:, 2]).astype(np.float32))
 
@@ -106,7 +106,7 @@ def test_q8_0_expert_products_gather_each_tokens_matrices(shared):
     for t in range(5):
         for j, e in enumerate(indices[t]):
             row = x[t, 0 if shared else j][None]
-            assert_at_float32_floor(got[t, j][None], cpu_quantized.q8_0_reference(row, codes[e], d[e]), row,
+            assert_at_float32_floor(got[t, j][None], llama_reference.q8_0_reference(row, codes[e], d[e]), row,
                                     codes[e], d[e])  # fmt: skip
     alone = np.array(cpu_quantized.int8_gather_matmul(mx.array(x[2:3]), *held, mx.array(indices[2:3]), Q8_0))
     np.testing.assert_array_equal(got[2], alone[0])
@@ -134,12 +134,12 @@ def test_k_quant_products_are_llama_cpps_arithmetic_and_row_invariant(K, held_ty
     1), their float accumulators: every row the same bits alone or with others, at the float32 floor of
     the float64 reference (K / 256 terms an accumulator, then at most 3 sums of lanes, twice)."""
     rng = np.random.default_rng(K + N + bits)
-    weights = cpu_quantized.random_k_quant(rng, (N, K), bits)
+    weights = llama_reference.random_k_quant(rng, (N, K), bits)
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, cpu_quantized.held_k_quant(weights[0], bits, *weights[1:]), held_type)
-    want = cpu_quantized.k_quant_reference(x, *weights)
+    alone = rows_alone_as_together(x, llama_reference.held_k_quant(weights[0], bits, *weights[1:]), held_type)
+    want = llama_reference.k_quant_reference(x, *weights)
     q, d, dmin, sc, m = weights
-    _, d_x = cpu_quantized.q8_k_rows(x)
+    _, d_x = llama_reference.q8_k_rows(x)
     blocks = K // 256
     # each block's two terms at most 127 * q_max * 63 * 256 (and 127 * 63 * 256) times d_w d_x, dmin_w d_x
     largest = 2**bits - 1
@@ -153,12 +153,12 @@ def test_k_quant_products_are_exact_where_the_arithmetic_is(held_type, bits, N):
     """Each block's largest value -127 (d_x = 1: the codes the values), integers of at most 15 elsewhere,
     d and dmin a power of two a row: every sum (below 2^24) and scale exact, the reference met exactly."""
     rng = np.random.default_rng(6)
-    q, _, _, sc, m = cpu_quantized.random_k_quant(rng, (N, 512), bits)
+    q, _, _, sc, m = llama_reference.random_k_quant(rng, (N, 512), bits)
     d, dmin = ((2.0 ** rng.integers(-12, -6, (N, 1)) * np.ones((N, 2))).astype(np.float16) for _ in range(2))
     x = rng.integers(-15, 16, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    got = product(x, cpu_quantized.held_k_quant(q, bits, d, dmin, sc, m), held_type)
-    np.testing.assert_array_equal(got, cpu_quantized.k_quant_reference(x, q, d, dmin, sc, m).astype(np.float32))
+    got = product(x, llama_reference.held_k_quant(q, bits, d, dmin, sc, m), held_type)
+    np.testing.assert_array_equal(got, llama_reference.k_quant_reference(x, q, d, dmin, sc, m).astype(np.float32))
 
 
 def test_q8_k_quantization_is_llama_cpps():
@@ -166,14 +166,14 @@ def test_q8_k_quantization_is_llama_cpps():
     magnitudes wins, codes above 127 are cut to 127, ties round to even: against values worked by hand."""
     x = np.zeros((1, 256), np.float32)
     x[0, :6] = [-2.0, 2.0, 1.0, 0.99, -0.0119, 0.0119]
-    codes, d = cpu_quantized.q8_k_rows(x)
+    codes, d = llama_reference.q8_k_rows(x)
     # v = -2 (before the 2): -127 / -2 = 63.5, so 2 -> 127, -2 -> -127, 1 -> 63.5 -> 64 (even), 0.99 -> 63
     assert codes[0, :4].tolist() == [-127, 127, 64, 63] and d[0, 0] == np.float32(1) / np.float32(63.5)
     # the kernel agrees through a product that reads codes one by one: a unit matrix picks them out
     eye = np.zeros((4, 256), np.uint8)
     eye[np.arange(4), np.arange(4)] = 1
     ones = (np.ones((4, 1)) * 2.0**-8).astype(np.float16)
-    held = cpu_quantized.held_k_quant(eye, 4, ones, np.zeros((4, 1), np.float16), np.ones((4, 8)), np.zeros((4, 8)))
+    held = llama_reference.held_k_quant(eye, 4, ones, np.zeros((4, 1), np.float16), np.ones((4, 8)), np.zeros((4, 8)))
     np.testing.assert_array_equal(product(x, held, Q4_K)[0] / (d[0, 0] * 2.0**-8), [-127, 127, 64, 63])
 
 
@@ -182,8 +182,8 @@ def test_q8_k_quantization_takes_a_nan_as_llama_cpp_does():
     gets the code 0 (llama.cpp's nearest_int of a NaN): the product is the one of the row with a 0 there,
     whatever block it falls in, and the quantization stays within the row (no search past its end)."""
     rng = np.random.default_rng(17)
-    q, *rest = cpu_quantized.random_k_quant(rng, (8, 512))
-    held = cpu_quantized.held_k_quant(q, 4, *rest)
+    q, *rest = llama_reference.random_k_quant(rng, (8, 512))
+    held = llama_reference.held_k_quant(q, 4, *rest)
     x = rng.standard_normal((3, 512)).astype(np.float32)
     x[:, [5, 300]] = 0
     with_nan = x.copy()
@@ -201,11 +201,11 @@ GROUPS16 = pytest.mark.parametrize("held_type, bits, offset", [(Q6_K, 6, 32), (Q
 def groups16_case(rng, held_type, bits, offset, shape):
     """Random weights of a groups-of-16 type (Q2_K too): the held matrix and its reference (x -> float64)."""
     if held_type == Q2_K:
-        weights = cpu_quantized.random_q2_k(rng, shape)
-        return cpu_quantized.held_q2_k(*weights), lambda x: cpu_quantized.q2_k_reference(x, *weights)
-    weights = cpu_quantized.random_groups16(rng, shape, bits)
-    held = cpu_quantized.held_groups16(weights[0], bits, *weights[1:])
-    return held, lambda x: cpu_quantized.groups16_reference(x, *weights, offset)
+        weights = llama_reference.random_q2_k(rng, shape)
+        return llama_reference.held_q2_k(*weights), lambda x: llama_reference.q2_k_reference(x, *weights)
+    weights = llama_reference.random_groups16(rng, shape, bits)
+    held = llama_reference.held_groups16(weights[0], bits, *weights[1:])
+    return held, lambda x: llama_reference.groups16_reference(x, *weights, offset)
 
 
 @GROUPS16
@@ -219,7 +219,7 @@ def test_groups_of_16_products_are_llama_cpps_arithmetic_and_row_invariant(K, he
     held, reference = groups16_case(rng, held_type, bits, offset, (20, K))
     x = rng.standard_normal((16, K)).astype(np.float32)
     alone = rows_alone_as_together(x, held, held_type)
-    _, d_x = cpu_quantized.q8_k_rows(x)
+    _, d_x = llama_reference.q8_k_rows(x)
     # a block's terms at most 127 * 128 * 256 times the largest |value| and |d_w d_x| (Q2_K: sc and m
     # at most 15, values at most 3, both factors)
     factors = np.abs(np.array(held[1]).astype(np.float64).reshape(20, K // 256, -1)).sum(-1)
@@ -241,10 +241,10 @@ def test_groups_of_16_products_are_exact_where_the_arithmetic_is(held_type, bits
     x[:, ::256] = -127
     if held_type == Q2_K:
         m = rng.integers(0, 16, (8, 32))
-        held, want = cpu_quantized.held_q2_k(q, d, d, sc, m), cpu_quantized.q2_k_reference(x, q, d, d, sc, m)
+        held, want = llama_reference.held_q2_k(q, d, d, sc, m), llama_reference.q2_k_reference(x, q, d, d, sc, m)
     else:
-        held = cpu_quantized.held_groups16(q, bits, d, sc)
-        want = cpu_quantized.groups16_reference(x, q, d, sc, offset)
+        held = llama_reference.held_groups16(q, bits, d, sc)
+        want = llama_reference.groups16_reference(x, q, d, sc, offset)
     np.testing.assert_array_equal(product(x, held, held_type), want.astype(np.float32))
 
 
@@ -254,13 +254,13 @@ def test_iq4_xs_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     exact integers, a fused multiply-add a block: every row the same bits alone or with others, at the
     float32 floor of the float64 reference (8 lanes of K / 256 terms, then their tree)."""
     rng = np.random.default_rng(K + IQ4_XS)
-    weights = cpu_quantized.random_iq4_xs(rng, (20, K))
+    weights = llama_reference.random_iq4_xs(rng, (20, K))
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, cpu_quantized.held_iq4_xs(*weights), IQ4_XS)
-    _, d_x = cpu_quantized.q8_k_rows(x)
+    alone = rows_alone_as_together(x, llama_reference.held_iq4_xs(*weights), IQ4_XS)
+    _, d_x = llama_reference.q8_k_rows(x)
     # a block's terms at most 127 * 127 * 32 * 256 times |d_w d_x|
     magnitude = np.abs(d_x).astype(np.float64) @ np.abs(weights[1].astype(np.float64)).T * 127 * 127 * 32 * 256
-    want = cpu_quantized.iq4_xs_reference(x, *weights)
+    want = llama_reference.iq4_xs_reference(x, *weights)
     assert (np.abs(alone - want) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
 
 
@@ -268,20 +268,20 @@ def test_iq4_xs_products_are_exact_where_the_arithmetic_is():
     """Each block's largest value -127 (d_x = 1), integers of at most 15 elsewhere, d a power of two a
     row: every sum (below 2^24) and scale exact, the reference met exactly."""
     rng = np.random.default_rng(10)
-    q, _, ls = cpu_quantized.random_iq4_xs(rng, (8, 512))
+    q, _, ls = llama_reference.random_iq4_xs(rng, (8, 512))
     d = (2.0 ** rng.integers(-14, -8, (8, 1)) * np.ones((8, 2))).astype(np.float16)
     x = rng.integers(-15, 16, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    got = product(x, cpu_quantized.held_iq4_xs(q, d, ls), IQ4_XS)
-    np.testing.assert_array_equal(got, cpu_quantized.iq4_xs_reference(x, q, d, ls).astype(np.float32))
+    got = product(x, llama_reference.held_iq4_xs(q, d, ls), IQ4_XS)
+    np.testing.assert_array_equal(got, llama_reference.iq4_xs_reference(x, q, d, ls).astype(np.float32))
 
 
 def reference_of(held_type: int):
     """A 32-value type's numpy reference (x, q, d[, m])."""
-    return {Q5_0: lambda x, q, d: cpu_quantized.offset_reference(x, q, d, 16),
-            Q4_0: lambda x, q, d: cpu_quantized.offset_reference(x, q, d, 8),
-            Q5_1: cpu_quantized.d_and_m_reference, Q4_1: cpu_quantized.d_and_m_reference,
-            IQ4_NL: cpu_quantized.iq4_nl_reference}[held_type]  # fmt: skip
+    return {Q5_0: lambda x, q, d: llama_reference.offset_reference(x, q, d, 16),
+            Q4_0: lambda x, q, d: llama_reference.offset_reference(x, q, d, 8),
+            Q5_1: llama_reference.d_and_m_reference, Q4_1: llama_reference.d_and_m_reference,
+            IQ4_NL: llama_reference.iq4_nl_reference}[held_type]  # fmt: skip
 
 
 # the 32-value types: (kernel type, bits, with m, the largest magnitude of a value)
@@ -304,10 +304,10 @@ def test_32_value_products_are_llama_cpps_arithmetic_and_row_invariant(K, held_t
     every row the same bits alone or with others, at the float32 floor of the float64 reference (K / 32
     terms an accumulator, then at most 4 sums of lanes and accumulators)."""
     rng = np.random.default_rng(K + held_type + N)
-    weights = cpu_quantized.random_b32(rng, (N, K), bits, with_m)
+    weights = llama_reference.random_b32(rng, (N, K), bits, with_m)
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, cpu_quantized.held_b32(weights[0], bits, *weights[1:]), held_type)
-    _, d_x, s_x = cpu_quantized.q8_0_rows(x)
+    alone = rows_alone_as_together(x, llama_reference.held_b32(weights[0], bits, *weights[1:]), held_type)
+    _, d_x, s_x = llama_reference.q8_0_rows(x)
     # a block's terms at most 127 * largest * 32 times |d_w d_x|, and |m_w s_x|
     magnitude = np.abs(d_x) @ np.abs(weights[1].astype(np.float64)).T * 127 * largest * 32
     if with_m:
@@ -326,7 +326,7 @@ def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, wi
     scales = [(2.0 ** rng.integers(-12, -6, (N, 16))).astype(np.float16) for _ in range(1 + with_m)]
     x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
     x[:, ::32] = 127
-    got = product(x, cpu_quantized.held_b32(q, bits, *scales), held_type)
+    got = product(x, llama_reference.held_b32(q, bits, *scales), held_type)
     np.testing.assert_array_equal(got, reference_of(held_type)(x, q, *scales).astype(np.float32))
 
 
@@ -338,7 +338,7 @@ GRID_KINDS = pytest.mark.parametrize("type_name", sorted(GRID_KERNEL_TYPES))
 
 def grid_matrix(shape, type_name: str, seed: int):
     """A random grid-type matrix: (its blocks as numpy, the held (w, factors, codes), its grid)."""
-    tensor = cpu_quantized.random_grid_weights(shape, GRID_TYPES[type_name], seed)
+    tensor = llama_reference.random_grid_weights(shape, GRID_TYPES[type_name], seed)
     held = (tensor.weight, tensor.scales, tensor.biases)
     return np.array(tensor.weight), held, cpu_quantized.grid_of(type_name)
 
@@ -353,12 +353,12 @@ def test_grid_products_are_llama_cpps_arithmetic_and_row_invariant(K, type_name)
     blocks, held, grid = grid_matrix((20, K), type_name, K)
     x = np.random.default_rng(K).standard_normal((16, K)).astype(np.float32)
     alone = rows_alone_as_together(x, held, GRID_KERNEL_TYPES[type_name], grid)
-    want = cpu_quantized.grid_reference(x, blocks, type_name)
-    integers, d = cpu_quantized.grid_integers(blocks, type_name)
-    _, d_x = cpu_quantized.q8_k_rows(x)
+    want = llama_reference.grid_reference(x, blocks, type_name)
+    integers, d = llama_reference.grid_integers(blocks, type_name)
+    _, d_x = llama_reference.q8_k_rows(x)
     # a block's terms at most 127 * (its largest integer) * 256 times |d_w d_x| / divisor
     largest = np.abs(integers).reshape(len(blocks), -1, 256).max(-1)
-    divisor = cpu_quantized.GRID_DIVISORS[type_name]
+    divisor = llama_reference.GRID_DIVISORS[type_name]
     magnitude = np.abs(d_x).astype(np.float64) @ (np.abs(d.astype(np.float64)) * largest).T * 127 * 256 / divisor
     assert (np.abs(alone - want) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
 
@@ -371,13 +371,13 @@ def test_grid_products_are_exact_where_the_arithmetic_is(type_name):
     rng = np.random.default_rng(11)
     d = (2.0 ** rng.integers(-14, -8, (8, 2)) * rng.choice([-1, 1], (8, 2))).astype(np.float16)
     blocks = blocks.reshape(8, 2, -1).copy()
-    cpu_quantized.with_grid_d(blocks, type_name, d)
+    llama_reference.with_grid_d(blocks, type_name, d)
     blocks = blocks.reshape(8, -1)
     x = rng.integers(-7, 8, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
     tensor = GridBlocks.tensor(mx.array(blocks), GRID_TYPES[type_name])
     got = product(x, (tensor.weight, tensor.scales, tensor.biases), GRID_KERNEL_TYPES[type_name], grid)
-    np.testing.assert_array_equal(got, cpu_quantized.grid_reference(x, blocks, type_name).astype(np.float32))
+    np.testing.assert_array_equal(got, llama_reference.grid_reference(x, blocks, type_name).astype(np.float32))
 
 
 @GRID_KINDS
@@ -401,24 +401,25 @@ def test_tq2_0_products_are_llama_cpps_arithmetic_and_row_invariant(K):
     of 16 (the -1), exact integers, a fused multiply-add a block: every row the same bits alone or with
     others, at the float32 floor of the float64 reference (8 lanes of K / 256 terms, then their tree)."""
     rng = np.random.default_rng(K + TQ2_0)
-    q, d = cpu_quantized.random_ternary(rng, (20, K))
+    q, d = llama_reference.random_ternary(rng, (20, K))
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, cpu_quantized.held_ternary(q, d), TQ2_0)
-    _, d_x = cpu_quantized.q8_k_rows(x)
+    alone = rows_alone_as_together(x, llama_reference.held_ternary(q, d), TQ2_0)
+    _, d_x = llama_reference.q8_k_rows(x)
     # a block's terms at most 2 * 127 * 256 times |d_w d_x|
     magnitude = np.abs(d_x).astype(np.float64) @ np.abs(d.astype(np.float64)).T * 2 * 127 * 256
-    assert (np.abs(alone - cpu_quantized.ternary_reference(x, q, d)) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
+    want = llama_reference.ternary_reference(x, q, d)
+    assert (np.abs(alone - want) <= (K // 256 + 3) * FLOAT32_EPS * magnitude).all()
 
 
 def test_tq2_0_products_are_exact_where_the_arithmetic_is():
     """Each block's largest value -127 (d_x = 1), integers elsewhere, d a power of two: exact."""
     rng = np.random.default_rng(14)
-    q, _ = cpu_quantized.random_ternary(rng, (8, 512))
+    q, _ = llama_reference.random_ternary(rng, (8, 512))
     d = (2.0 ** rng.integers(-14, -8, (8, 2)) * rng.choice([-1, 1], (8, 2))).astype(np.float16)
     x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
     x[:, ::256] = -127
-    got = product(x, cpu_quantized.held_ternary(q, d), TQ2_0)
-    np.testing.assert_array_equal(got, cpu_quantized.ternary_reference(x, q, d).astype(np.float32))
+    got = product(x, llama_reference.held_ternary(q, d), TQ2_0)
+    np.testing.assert_array_equal(got, llama_reference.ternary_reference(x, q, d).astype(np.float32))
 
 
 @pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
@@ -429,13 +430,13 @@ def test_mxfp4_products_are_llama_cpps_arithmetic_and_row_invariant(K, N):
     every row the same bits alone or with others, at the float32 floor of the float64 reference (K / 32
     terms an accumulator, then at most 4 sums of lanes and accumulators)."""
     rng = np.random.default_rng(K + N + MXFP4)
-    q, e = cpu_quantized.random_mxfp4(rng, (N, K))
+    q, e = llama_reference.random_mxfp4(rng, (N, K))
     x = rng.standard_normal((16, K)).astype(np.float32)
-    alone = rows_alone_as_together(x, cpu_quantized.held_mxfp4(q, e), MXFP4)
-    _, d_x, _ = cpu_quantized.q8_0_rows(x)
+    alone = rows_alone_as_together(x, llama_reference.held_mxfp4(q, e), MXFP4)
+    _, d_x, _ = llama_reference.q8_0_rows(x)
     # a block's terms at most 127 * 12 * 32 times |d_w d_x|
     magnitude = np.abs(d_x) @ np.ldexp(1.0, e.astype(np.int64) - 128).T * 127 * 12 * 32
-    assert (np.abs(alone - cpu_quantized.mxfp4_reference(x, q, e)) <= (K // 32 + 4) * FLOAT32_EPS * magnitude).all()
+    assert (np.abs(alone - llama_reference.mxfp4_reference(x, q, e)) <= (K // 32 + 4) * FLOAT32_EPS * magnitude).all()
 
 
 @pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
@@ -444,12 +445,12 @@ def test_mxfp4_products_are_exact_where_the_arithmetic_is(N):
     scale exact (a block's sum below 2^16, times 3 octaves of scales, 16 blocks: within float32's 24 bits),
     the reference met exactly."""
     rng = np.random.default_rng(15)
-    q, _ = cpu_quantized.random_mxfp4(rng, (N, 512))
+    q, _ = llama_reference.random_mxfp4(rng, (N, 512))
     e = rng.integers(124, 128, (N, 16)).astype(np.uint8)
     x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
     x[:, ::32] = 127
-    got = product(x, cpu_quantized.held_mxfp4(q, e), MXFP4)
-    np.testing.assert_array_equal(got, cpu_quantized.mxfp4_reference(x, q, e).astype(np.float32))
+    got = product(x, llama_reference.held_mxfp4(q, e), MXFP4)
+    np.testing.assert_array_equal(got, llama_reference.mxfp4_reference(x, q, e).astype(np.float32))
 
 
 def test_a_grid_type_takes_its_grid_and_others_none():
@@ -466,15 +467,15 @@ def test_a_grid_type_takes_its_grid_and_others_none():
 
 @pytest.mark.parametrize(
     "held_type, weights, held, shared",
-    [(Q4_K, cpu_quantized.random_k_quant, lambda q, *rest: cpu_quantized.held_k_quant(q, 4, *rest), True),
-     (Q6_K, cpu_quantized.random_groups16, lambda q, *rest: cpu_quantized.held_groups16(q, 6, *rest), False),
-     (Q2_K, cpu_quantized.random_q2_k, cpu_quantized.held_q2_k, True),
-     (Q5_1, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 5, True),
-      lambda q, d, m: cpu_quantized.held_b32(q, 5, d, m), True),
-     (IQ4_NL, lambda rng, shape: cpu_quantized.random_b32(rng, shape, 4, False),
-      lambda q, d: cpu_quantized.held_b32(q, 4, d), False),
-     (TQ2_0, cpu_quantized.random_ternary, cpu_quantized.held_ternary, False),
-     (MXFP4, cpu_quantized.random_mxfp4, cpu_quantized.held_mxfp4, True)],
+    [(Q4_K, llama_reference.random_k_quant, lambda q, *rest: llama_reference.held_k_quant(q, 4, *rest), True),
+     (Q6_K, llama_reference.random_groups16, lambda q, *rest: llama_reference.held_groups16(q, 6, *rest), False),
+     (Q2_K, llama_reference.random_q2_k, llama_reference.held_q2_k, True),
+     (Q5_1, lambda rng, shape: llama_reference.random_b32(rng, shape, 5, True),
+      lambda q, d, m: llama_reference.held_b32(q, 5, d, m), True),
+     (IQ4_NL, lambda rng, shape: llama_reference.random_b32(rng, shape, 4, False),
+      lambda q, d: llama_reference.held_b32(q, 4, d), False),
+     (TQ2_0, llama_reference.random_ternary, llama_reference.held_ternary, False),
+     (MXFP4, llama_reference.random_mxfp4, llama_reference.held_mxfp4, True)],
     ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q2_K, one row a token", "Q5_1, one row a token",
          "IQ4_NL, rows in eights", "TQ2_0, a row a choice", "MXFP4, rows in eights"],
 )  # fmt: skip
@@ -520,9 +521,9 @@ def test_every_instruction_set_gives_the_same_bits(type_name):
     runs a register) at 1, 3, 16 and 27 rows: the same bits, so a file computes alike on either CPU."""
     bits, group_size, block = INT8_TYPES[type_name]
     if type_name in GRID_TYPES:
-        q = cpu_quantized.random_grid_weights((40, 512), GRID_TYPES[type_name])
+        q = llama_reference.random_grid_weights((40, 512), GRID_TYPES[type_name])
     else:
-        q = cpu_quantized.random_block_weights((40, 512), bits, group_size, block)
+        q = llama_reference.random_block_weights((40, 512), bits, group_size, block)
     codes = no_codes(q.scales) if q.biases is None else q.biases
     x = mx.random.normal((27, 512), key=mx.random.key(3))
     assert_every_instruction_set_agrees(
@@ -552,9 +553,9 @@ def test_products_take_8_bit_activations_up_to_their_types_row_limit(type_name):
     does too); one row more takes the float32 path, the float32-activation product's bits."""
     bits, group_size, block = INT8_TYPES[type_name]
     if type_name in GRID_TYPES:
-        q = cpu_quantized.random_grid_weights((16, 256), GRID_TYPES[type_name])
+        q = llama_reference.random_grid_weights((16, 256), GRID_TYPES[type_name])
     else:
-        q = cpu_quantized.random_block_weights((16, 256), bits, group_size, block)
+        q = llama_reference.random_block_weights((16, 256), bits, group_size, block)
     limit = ops.int8_row_limit(bits, group_size, block)
     rows = 160 if limit is None else limit + 1
     x = mx.random.normal((rows, 256), key=mx.random.key(5))
@@ -744,7 +745,7 @@ def test_16_bit_products_are_llama_cpps_arithmetic_and_row_invariant(dtype, K):
         return np.array(cpu_quantized.half_matmul(mx.array(rows), w))
 
     alone = np.concatenate([half(x[r : r + 1]) for r in range(16)])
-    np.testing.assert_array_equal(alone, cpu_quantized.half_reference(x, np.array(w.astype(mx.float32)),
+    np.testing.assert_array_equal(alone, llama_reference.half_reference(x, np.array(w.astype(mx.float32)),
                                                                       dtype == mx.bfloat16))  # fmt: skip
     for rows in (2, 3, 4, 7, 8, 16):
         np.testing.assert_array_equal(half(x[:rows]), alone[:rows], err_msg=f"{rows} rows")

@@ -12,7 +12,7 @@ from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, assert_close_to_floor, r
 from mlx_hybrid import ops
 from mlx_hybrid.loaders import quantized
 from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES, from_gguf_blocks, pack
-from mlx_hybrid.ops.cpu_quantized import random_block_weights, random_grid_weights
+from mlx_hybrid.ops.llama_reference import random_block_weights, random_grid_weights
 from mlx_hybrid.quantized_tensor import BlockScales
 from mlx_hybrid.models.layers import Embedding, Linear, QuantizedSwitchLinear
 
