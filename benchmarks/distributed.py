@@ -26,7 +26,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_hybrid.cli.common import on_every_rank
+from mlx_hybrid.cli.running import on_every_rank
 from mlx_hybrid.drafting import make_drafter
 from mlx_hybrid.engine import Engine, ReplicatedEngine
 from mlx_hybrid.models.layers import LINEAR

@@ -11,14 +11,16 @@ from .common import (
     add_draft_arguments,
     add_model_arguments,
     add_sampling_arguments,
-    decode_rate,
     fail,
+    sampling_params,
+)
+from .running import (
+    decode_rate,
     follow,
     load_for_generation,
     make_engine,
     on_every_rank,
     quiet_on_closed_pipe,
-    sampling_params,
 )
 
 DESCRIPTION = """\

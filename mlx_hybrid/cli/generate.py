@@ -14,16 +14,18 @@ from .common import (
     add_model_arguments,
     add_grammar_arguments,
     add_sampling_arguments,
-    decode_rate,
     fail,
-    follow,
     launched_rank,
+    sampling_params,
+)
+from .running import (
+    decode_rate,
+    follow,
     load_for_generation,
     make_engine,
     on_every_rank,
     percentages,
     quiet_on_closed_pipe,
-    sampling_params,
 )
 
 DESCRIPTION = """\

@@ -22,11 +22,9 @@ from .common import (
     byte_count,
     fail,
     launched_rank,
-    load_for_generation,
-    make_engine,
-    on_every_rank,
     sampling_settings,
 )
+from .running import load_for_generation, make_engine, on_every_rank
 
 # On SIGTERM or Ctrl-C, how long requests in flight may go on before they are ended: uvicorn's own
 # default waits for them all, which for a long prompt's prefill or a long answer is minutes.
