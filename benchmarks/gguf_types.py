@@ -206,7 +206,8 @@ def kernels(rounds: int, rows: int, types):
     import mlx.core as mx
 
     from mlx_hybrid import ops
-    from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
+    from mlx_hybrid.loaders.gguf_blocks import BLOCK_TYPES
+    from mlx_hybrid.quantized_tensor import GRID_TYPES
     from mlx_hybrid.ops import cpu_quantized, llama_reference
 
     n, k = 3584, 1024
@@ -257,7 +258,8 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
+    from mlx_hybrid.loaders.gguf_blocks import BLOCK_TYPES
+    from mlx_hybrid.quantized_tensor import GRID_TYPES
     from mlx_hybrid.ops import cpu_quantized, llama_reference
 
     n, k, chosen = 512, 2048, 8

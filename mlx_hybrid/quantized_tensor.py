@@ -174,7 +174,7 @@ class GridBlocks:
 
 
 # GGML type name -> its blocks as stored, where our kernels multiply them (loaders/quantized.py: else
-# its BLOCK_TYPES' form, or dequantized)
+# gguf_blocks.BLOCK_TYPES' form, or dequantized)
 GRID_TYPES = {name: GridBlocks(name, size) for name, size in
               [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110), ("IQ1_S", 50),
                ("IQ1_M", 56), ("TQ1_0", 54)]}  # fmt: skip

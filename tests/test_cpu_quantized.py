@@ -12,7 +12,8 @@ from conftest import FIXTURES, assert_close_to_floor, assert_every_instruction_s
 
 import mlx_hybrid
 from mlx_hybrid import ops
-from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES
+from mlx_hybrid.loaders.gguf_blocks import BLOCK_TYPES
+from mlx_hybrid.quantized_tensor import GRID_TYPES
 from mlx_hybrid.ops import cpu_quantized, llama_reference
 
 pytestmark = cpu_kernel_tests()

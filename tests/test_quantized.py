@@ -10,10 +10,11 @@ from gguf.quants import dequantize
 import mlx_hybrid
 from conftest import FAMILIES, FIXTURES, REFERENCE_TOL, assert_close_to_floor, reference
 from mlx_hybrid import ops
-from mlx_hybrid.loaders import quantized
-from mlx_hybrid.loaders.quantized import BLOCK_TYPES, GRID_TYPES, from_gguf_blocks, pack
+from mlx_hybrid.loaders import gguf_blocks
+from mlx_hybrid.loaders.gguf_blocks import BLOCK_TYPES
+from mlx_hybrid.loaders.quantized import from_gguf_blocks
 from mlx_hybrid.ops.llama_reference import random_block_weights, random_grid_weights
-from mlx_hybrid.quantized_tensor import BlockScales
+from mlx_hybrid.quantized_tensor import GRID_TYPES, BlockScales, pack
 from mlx_hybrid.models.layers import Embedding, Linear, QuantizedSwitchLinear
 
 
@@ -86,7 +87,7 @@ def test_random_blocks_of_every_affine_type_unpack_exactly(type_name):
 
 
 @pytest.mark.parametrize("writes_in_place", [True, False], ids=["in-place", "copied"])
-@pytest.mark.parametrize("type_name", quantized.NATIVE_TYPES)
+@pytest.mark.parametrize("type_name", gguf_blocks.NATIVE_TYPES)
 def test_native_unpacking_equals_the_numpy_parsers(type_name, writes_in_place, monkeypatch):
     """csrc/gguf_blocks.c against the numpy parsers it replaces, byte for byte: the packed values,
     the factors and the codes, over enough blocks that the machine's threads each take a part (an
@@ -96,10 +97,10 @@ def test_native_unpacking_equals_the_numpy_parsers(type_name, writes_in_place, m
         monkeypatch.setattr(ops, "writable_array", lambda shape, dtype: None)
     values = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
     raw, _ = random_raw(type_name, 257, 32 * values, 3)  # 8224 blocks
-    if quantized._native_unpack() is None:
+    if gguf_blocks._native_unpack() is None:
         pytest.skip("no C compiler builds csrc/gguf_blocks.c here")
     native = from_gguf_blocks(raw, type_name)
-    monkeypatch.setattr(quantized, "NATIVE_TYPES", ())
+    monkeypatch.setattr(gguf_blocks, "NATIVE_TYPES", ())
     parsed = from_gguf_blocks(raw, type_name)
     if native is None:  # dequantized where no product here takes it: the same for both
         assert parsed is None
