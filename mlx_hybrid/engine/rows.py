@@ -98,6 +98,23 @@ class Row:
             self.sampler.key = self.ahead.key
             self.ahead = None
 
+    def handed_out(self, accepted: list[int]) -> tuple[list[int], str | None]:
+        """A round's tokens as they are handed out (accepted drafts, then the model's own token): up to
+        the one that ends the row, and why it ends ("stop", "length"; "error": the grammar refused a
+        token it had allowed), or None."""
+        out = []
+        for token in accepted:
+            out.append(token)
+            if self.processor is not None and not self.processor.accept([token]):
+                return out, "error"
+            if token in self.stop_tokens:
+                return out, "stop"
+            if len(self.sequence.tokens) + len(out) >= self.sequence.max_tokens:
+                return out, "length"
+            if self.processor is not None and self.processor.finished:
+                return out, "stop"  # the grammar is complete and allows nothing more, as plain decoding ends
+        return out, None
+
     def until_end(self, accepted: list[int]) -> list[int]:
         """The accepted tokens up to the first that ends the row (a stop token, max_tokens), so that
         the caches keep, as after plain decoding, everything before that last token and nothing past

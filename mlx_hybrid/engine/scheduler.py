@@ -1,30 +1,17 @@
 """The batch engine: continuous batching of many sequences, speculation per row, prefix checkpoints.
 
-Each step runs one model pass over every running sequence, packed along the token axis
-(no padding, see `cache.RowCaches`):
-- a sequence still reading its prompt feeds its next chunk (at most `prefill_chunk`
-  prompt tokens a step in all, so a long prompt does not stall the others), ending at
-  the positions where it asked for checkpoints;
-- a decoding sequence feeds its last token and this round's drafts. The drafters of all
-  rows draft together (`draft_rows`), the pass records recurrent snapshots for the rows
-  that drafted, and each row then accepts, rolls back and adapts on its own (`rows.Row`, its
-  `speculative.DraftingPolicy`).
+Each step runs one model pass over every running sequence, packed along the token axis (no padding):
+a sequence still reading its prompt feeds its next chunk (at most `prefill_chunk` prompt tokens a
+step in all, ending where it asked for checkpoints), a decoding one its last token and this round's
+drafts. The drafters of all rows draft together; each row then accepts, rolls back and adapts on its
+own (`rows.Row`). A pass keeps each decoding row computing what it would alone (`step.build_batch`).
 
-A pass that decodes rows holds at most the model's `rows_alike_pass_tokens()` (a GPU's row kernels', a
-GGUF file's 8-bit products' on the CPU); prompt tokens beyond wait for a pass of prompts alone, so a
-decoding row computes what it does alone.
+A step builds the packed batch, runs the model, chooses tokens (`step`), then advances the rows
+(`_advance`). Where a GPU computes and no row drafts, it queues the next pass before reading this
+one's tokens (`_overlapped_pass`), the tokens the same either way.
 
-A step's pass has four parts: build the packed batch, run the model, choose tokens (`step`), then
-advance the rows (`_advance`: caches, drafters, events, checkpoints, rows that end).
-
-Where a GPU computes and every row decodes plainly (no drafter), a step builds and
-queues the next pass, fed this pass's tokens before they are read, and only then reads
-them (`_overlapped_pass`): the host's work overlaps the device's. A row that ends, a
-cancellation or a new request takes the queued pass back (caches and random stream as
-before it), so the tokens are the same either way.
-
-Sequences join between steps and leave when they finish or are cancelled. Nothing
-here knows about HTTP: `submit` gives a `Sequence` whose tokens arrive as events.
+Sequences join between steps and leave when they finish or are cancelled. Nothing here knows about
+HTTP: `submit` gives a `Sequence` whose tokens arrive as events.
 """
 
 from __future__ import annotations
@@ -63,20 +50,9 @@ class Engine:
     bits, in groups of kv_group_size features (`cache.QuantizedKVCache`); None: in the compute dtype.
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        drafter=None,
-        num_draft_tokens: int = 3,
-        adaptive: bool = True,
-        max_batch: int = 8,
-        prefill_chunk: int = PREFILL_STEP,
-        prefix_store: PrefixStore | None = None,
-        overlap: bool | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-    ):
+    def __init__(self, model, tokenizer, drafter=None, num_draft_tokens: int = 3, adaptive: bool = True,
+                 max_batch: int = 8, prefill_chunk: int = PREFILL_STEP, prefix_store: PrefixStore | None = None,
+                 overlap: bool | None = None, kv_bits: int | None = None, kv_group_size: int = 64):  # fmt: skip
         if kv_bits is not None:
             check_kv_quantization(kv_bits, kv_group_size, model.kv_features)
         if max_batch < 1:
@@ -377,26 +353,14 @@ class Engine:
         return self._emit(row, [first], logits[-1:])
 
     def _emit(self, row: Row, accepted: list[int], logits: mx.array) -> bool:
-        """Hand out a round's tokens (accepted drafts, then the model's own token), up to a stop
-        token or max_tokens; whether the row ended. logits [>= n, V]: where each was chosen."""
+        """Hand out a round's tokens (`Row.handed_out`); whether the row ended. logits [>= n, V]: where
+        each was chosen."""
         sequence = row.sequence
-        out, reason = [], None
-        for token in accepted:
-            out.append(token)
-            if row.processor is not None and not row.processor.accept([token]):
-                sequence.tokens += out
-                self._finish(row, "error", out, error="the grammar refused a token it had allowed")
-                return True
-            if token in row.stop_tokens:
-                reason = "stop"
-                break
-            if len(sequence.tokens) + len(out) >= sequence.max_tokens:
-                reason = "length"
-                break
-            if row.processor is not None and row.processor.finished:
-                reason = "stop"  # the grammar is complete and allows nothing more, as plain decoding ends
-                break
+        out, reason = row.handed_out(accepted)
         sequence.tokens += out
+        if reason == "error":
+            self._finish(row, reason, out, error="the grammar refused a token it had allowed")
+            return True
         logprobs = token_logprobs(out, logits[: len(out)], sequence.logprobs) if sequence.logprobs is not None else None
         accepted_drafts = min(len(out), len(accepted) - 1)
         if reason is None:
