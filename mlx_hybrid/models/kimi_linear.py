@@ -172,7 +172,7 @@ class LatentAttention(nn.Module):
         if cache is not None:
             (keys,) = cache.update_and_fetch(keys)
         values = ops.leading_features(keys, self.latent_dim)
-        mask, key_lengths = causal_mask_for(queries.shape[2]), getattr(cache, "key_lengths", None)
+        mask, key_lengths = causal_mask_for(queries.shape[2]), cache.key_lengths if cache is not None else None
         out = ops.scaled_dot_product_attention(queries, keys, values, self.scale, mask, key_lengths)
         return out.transpose(0, 2, 1, 3)
 

@@ -221,7 +221,7 @@ class GatedAttention(nn.Module):
         q, k = self._rope(q, position), self._rope(k, position)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        mask, key_lengths = causal_mask_for(q.shape[2]), getattr(cache, "key_lengths", None)
+        mask, key_lengths = causal_mask_for(q.shape[2]), cache.key_lengths if cache is not None else None
         out = ops.scaled_dot_product_attention(q, k, v, self.scale, mask, key_lengths)
         return out.transpose(0, 2, 1, 3)
 
