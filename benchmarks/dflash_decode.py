@@ -44,7 +44,11 @@ from mlx_hybrid.drafting import DraftHead  # noqa: E402
 from mlx_hybrid.drafting.dflash import DFlashDrafter  # noqa: E402
 from mlx_hybrid.drafting.mtp import MTPDrafter  # noqa: E402
 from mlx_hybrid.models.dflash import (  # noqa: E402
-    DRAFT2_ARCHITECTURE, DFlashArgs, DFlashDraftModel, save_drafter, target_layer_ids,
+    DRAFT2_ARCHITECTURE,
+    DFlashArgs,
+    DFlashDraftModel,
+    save_drafter,
+    target_layer_ids,
 )
 from mlx_hybrid.models.init import initialise  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
@@ -98,7 +102,10 @@ def zlab_comparison(zlab_python: str, target_dir: Path, tokens: int, dtype):
     save_drafter(random2, random_dir, len(target.layers), mx.float32, target.args.max_position_embeddings)
     prompts = ["import os\n\ndef walk(path):\n", "class Parser:\n    def __init__(self, text):\n"]
     print(f"\nz-lab's MLX runner (dflash 0.1.0 on mlx-lm) and ours: {target_dir} (the bundled model, MLX 8 bits)")
-    for name, drafter_dir in [("DFlash (bundled)", bundled_drafter_path()), (DRAFT2_ARCHITECTURE + " (random)", random_dir)]:
+    for name, drafter_dir in [
+        ("DFlash (bundled)", bundled_drafter_path()),
+        (DRAFT2_ARCHITECTURE + " (random)", random_dir),
+    ]:
         block = load_draft_model(drafter_dir).args.block_size
         for prompt in prompts:
             ids = tokenizer.encode(prompt)
@@ -140,8 +147,12 @@ def main():
     p.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.0])
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="the first N ids; 0: all")
     p.add_argument("--zlab-python", help="a Python with dflash 0.1.0 and mlx-lm: z-lab's runner beside ours")
-    p.add_argument("--zlab-target", type=Path, default=Path("bench_models/tiny-qwen35-8bit"),
-                   help="the bundled model's MLX conversion (written if missing)")
+    p.add_argument(
+        "--zlab-target",
+        type=Path,
+        default=Path("bench_models/tiny-qwen35-8bit"),
+        help="the bundled model's MLX conversion (written if missing)",
+    )
     p.add_argument("--zlab-tokens", type=int, default=128)
     args = p.parse_args()
     from mlx_hybrid.blas import active_blas
@@ -159,7 +170,9 @@ def at_set_acceptance(args, dtype):
     prompt = mx.random.randint(0, target.args.vocab_size, (args.prompt_tokens,)).tolist()
     vocabulary = list(range(min(args.draft_vocab, target.args.vocab_size))) if args.draft_vocab else None
     head = DraftHead(target, vocabulary)
-    print(f"target: {args.shape} (random weights), {args.dtype}, draft vocabulary {len(vocabulary) if vocabulary else 'all'}")
+    print(
+        f"target: {args.shape} (random weights), {args.dtype}, draft vocabulary {len(vocabulary) if vocabulary else 'all'}"
+    )
     reference, plain_tps = plain_decode(target, prompt, args.tokens)
     print(f"plain decoding: {plain_tps:.2f} tokens/s (baseline)")
 

@@ -109,8 +109,11 @@ def run_ours(path: Path, tokens: int, prompt_tokens: int, dequantize: bool, acti
         prefill_s = min(prefill_s, time.perf_counter() - start)
     times = [time.perf_counter() for _ in mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens,
                                                                        draft=None)]  # fmt: skip
-    return {"decode": (len(times) - 1) / (times[-1] - times[0]), "prefill": prompt_tokens / prefill_s,
-            "weights": weights}
+    return {
+        "decode": (len(times) - 1) / (times[-1] - times[0]),
+        "prefill": prompt_tokens / prefill_s,
+        "weights": weights,
+    }
 
 
 def run_llama_cpp(path: Path, tokens: int, prompt_tokens: int, threads: int, llama_bin: Path, options=()) -> dict:
@@ -272,7 +275,8 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
         if types and name not in types:
             continue
         w = (mx.array(rng.standard_normal((experts, n, k)).astype(np.float32)) / 8).astype(
-            mx.float16 if name == "F16" else mx.bfloat16)
+            mx.float16 if name == "F16" else mx.bfloat16
+        )
         timed[name] = lambda w=w: cpu_quantized.gather_matmul_16bit(x, w, indices)
         timed[f"{name} llama.cpp"] = lambda w=w: cpu_quantized.half_gather_matmul(x, w, indices)
     for name in (*EXPERT_TYPES, *GRID_TYPES):
@@ -286,7 +290,8 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
         timed[name] = lambda q=q: cpu_quantized.gather_quantized_matmul(
             x, q.weight, q.scales, q.biases, indices, q.group_size, q.bits, q.block)  # fmt: skip
         timed[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_gather_matmul(
-            x, *held[:3], indices, *held[3:])
+            x, *held[:3], indices, *held[3:]
+        )
     print(f"{tokens} tokens x {chosen} of {experts} experts ({n} x {k}), the best of {rounds} rounds of 20")
     time_products(timed, rounds, 20)
 
@@ -295,23 +300,33 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--make", type=Path, metavar="DIR", help="write the benchmark files into DIR and stop")
     p.add_argument("--dir", type=Path, default=Path("bench_models/gguf-types"))
-    p.add_argument("--llama-bin", type=Path, nargs="+",
-                   help="the folders of llama.cpp's builds (llama-bench; the first's llama-quantize and llama-imatrix)")
+    p.add_argument(
+        "--llama-bin",
+        type=Path,
+        nargs="+",
+        help="the folders of llama.cpp's builds (llama-bench; the first's llama-quantize and llama-imatrix)",
+    )
     p.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
     p.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measured (0: none)")
-    p.add_argument("--instruction-set", choices=("avx2", "avx512"),
-                   help="our kernels' build (default: the CPU's best); with OPENBLAS_CORETYPE=Haswell, an AVX2 "
-                        "machine's instructions on an AVX-512 one")
+    p.add_argument(
+        "--instruction-set",
+        choices=("avx2", "avx512"),
+        help="our kernels' build (default: the CPU's best); with OPENBLAS_CORETYPE=Haswell, an AVX2 "
+        "machine's instructions on an AVX-512 one",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--timeout", type=float, default=900, help="seconds a single measurement may take")
     p.add_argument("--kernels", action="store_true", help="time each type's product alone (no files) and stop")
     p.add_argument("--rows", type=int, default=1, help="--kernels: rows of x a product (1: a decode step's)")
-    p.add_argument("--experts", type=int, default=0,
-                   help="--kernels: time expert products instead, --rows tokens each against 8 of this many "
-                        "experts")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="--kernels: time expert products instead, --rows tokens each against 8 of this many experts",
+    )
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.kernels:

@@ -105,8 +105,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="write the outputs here")
     p.add_argument("--compare", type=Path, help="compare with outputs written before; exit 1 on a difference")
-    p.add_argument("--cpu-activations", choices=["float32", "int8"], default=None,
-                   help="how the GGUF files' quantized products compute (default: load()'s)")
+    p.add_argument(
+        "--cpu-activations",
+        choices=["float32", "int8"],
+        default=None,
+        help="how the GGUF files' quantized products compute (default: load()'s)",
+    )
     args = p.parse_args()
     sources = {f"{family}/{kind}": FIXTURES / family / kind for family in ("qwen35", "qwen35moe", "qwen3next",
                "kimilinear") for kind in ("hf", "model.gguf", "model-Q8_0.gguf", "model-Q4_K_M.gguf")}  # fmt: skip

@@ -316,8 +316,13 @@ def main():
     p.add_argument("--quant", choices=("Q4_K_M", "Q8_0"), default="Q4_K_M")
     p.add_argument("--dir", type=Path, default=ROOT / "bench_models" / "scale")
     p.add_argument("--make", action="store_true", help="write the file (if it is not there) and stop")
-    p.add_argument("--llama-bin", type=Path, nargs="+", default=[],
-                   help="folders of llama.cpp's llama-bench, one a build (else ours alone)")
+    p.add_argument(
+        "--llama-bin",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="folders of llama.cpp's llama-bench, one a build (else ours alone)",
+    )
     p.add_argument("--ours-only", action="store_true", help="measure mlx-hybrid alone")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
@@ -364,7 +369,8 @@ def main():
                 f"tok/s  decode {m['decode']:6.2f} tok/s")  # fmt: skip
         if runner == OURS and peers:
             line += "  ({:.2f}x / {:.2f}x llama.cpp's fastest)".format(
-                m["prefill"] / max(p["prefill"] for p in peers), m["decode"] / max(p["decode"] for p in peers))
+                m["prefill"] / max(p["prefill"] for p in peers), m["decode"] / max(p["decode"] for p in peers)
+            )
         print(line)
 
 

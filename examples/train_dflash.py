@@ -46,7 +46,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from mlx_hybrid import Engine, ops  # noqa: E402
 from mlx_hybrid.models.dflash import (  # noqa: E402
-    DFlashArgs, DFlashDraftModel, load_drafter, save_drafter, target_layer_ids,
+    DFlashArgs,
+    DFlashDraftModel,
+    load_drafter,
+    save_drafter,
+    target_layer_ids,
 )
 from mlx_hybrid.models.init import initialise  # noqa: E402
 from train_tiny import compiled_train_step, corpus_files, learning_rate, tokenize  # noqa: E402
@@ -194,8 +198,14 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--resume", action="store_true", help="start from the drafter --out holds")
-    p.add_argument("--init-from", type=Path, default=None, metavar="DRAFTER", help="start from this drafter's "
-                   "weights where they fit (another drafter directory, e.g. with other target layers)")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        metavar="DRAFTER",
+        help="start from this drafter's "
+        "weights where they fit (another drafter directory, e.g. with other target layers)",
+    )
     p.add_argument("--export-only", action="store_true")
     p.add_argument("--install", action="store_true", help="copy the drafter into the package beside the bundled model")
     args = p.parse_args()
@@ -228,7 +238,9 @@ def main():
 
 
 def export(drafter: DFlashDraftModel, target, out: Path, install: bool):
-    save_drafter(drafter, out / "drafter", len(target.layers), max_position_embeddings=target.args.max_position_embeddings)
+    save_drafter(
+        drafter, out / "drafter", len(target.layers), max_position_embeddings=target.args.max_position_embeddings
+    )
     print(f"wrote {out / 'drafter'}", file=sys.stderr)
     if install:
         target = mlx_hybrid.bundled_drafter_path()

@@ -70,7 +70,8 @@ def apply_chat_template(
 
 # names a template variable cannot have: the rendering's own keywords, and the messages
 RENDERING_KEYWORDS = (frozenset(inspect.signature(apply_chat_template).parameters) | {"messages"}) - {
-    "tokenizer", "template_variables"
+    "tokenizer",
+    "template_variables",
 }
 
 

@@ -224,7 +224,9 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     if args.model_type == "qwen3_next":
         weights = hf.fuse_qwen3_next_projections(weights, args)
     tensors = {hf.export_name(k, "mlx", args.model_type): v for k, v in weights.items()}
-    if args.model_type in FROM_DIRECTORIES_ONLY:  # its config.json is the checkpoint's own, as mlx-lm's convert copies it
+    if (
+        args.model_type in FROM_DIRECTORIES_ONLY
+    ):  # its config.json is the checkpoint's own, as mlx-lm's convert copies it
         if source_dir is None:
             raise ValueError(f"writing {args.model_type} takes its Hugging Face directory's config.json")
         config = read_config(Path(source_dir))
@@ -246,8 +248,10 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     trunk = {name: tensor for name, tensor in tensors.items() if name not in head}
     _write_directory(Path(directory), trunk, config, tokenizer, source_dir)
     if tables := model.row_tables():  # as the checkpoint stores them (one shard a table)
-        write_row_tables(Path(directory) / "row_tables.safetensors", {
-            hf.export_name(f"{name}.weight", "mlx", args.model_type): table for name, table in tables.items()})
+        write_row_tables(
+            Path(directory) / "row_tables.safetensors",
+            {hf.export_name(f"{name}.weight", "mlx", args.model_type): table for name, table in tables.items()},
+        )
     if head:
         mx.save_safetensors(str(Path(directory) / "mtp.safetensors"), head, metadata={"format": "pt"})
 

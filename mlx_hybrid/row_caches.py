@@ -97,8 +97,10 @@ class KVRows:
         """These rows' batch, for a pass that writes `arrays`: the one they live in where they are its
         rows in its order, else a new one."""
         batch = members[0].batch
-        if batch is None or batch.size != len(members) or any(
-            m.batch is not batch or m.index != i for i, m in enumerate(members)
+        if (
+            batch is None
+            or batch.size != len(members)
+            or any(m.batch is not batch or m.index != i for i, m in enumerate(members))
         ):
             batch = cls(members, arrays)
         return batch
@@ -159,8 +161,11 @@ def _runs_of(members: list) -> list[tuple[int, int]]:
     """[first, last) runs of members that lie side by side in one batch (others alone)."""
     runs = []
     for i, member in enumerate(members):
-        if runs and member.batch is not None and member.batch is members[i - 1].batch and (
-            member.index == members[i - 1].index + 1
+        if (
+            runs
+            and member.batch is not None
+            and member.batch is members[i - 1].batch
+            and (member.index == members[i - 1].index + 1)
         ):
             runs[-1] = (runs[-1][0], i + 1)
         else:
@@ -188,8 +193,6 @@ class RowCaches:
 def row_caches(caches: list, lengths: list[int]):
     """One layer's cache argument for rows packed along the token axis (one row: its own cache)."""
     return caches[0] if len(caches) == 1 else RowCaches(caches, lengths)
-
-
 
 
 def packed(row_layer_caches: list[list], lengths: list[int]) -> list:

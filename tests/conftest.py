@@ -136,7 +136,8 @@ _TOOLS_TURN = """\
 {% endfor %}</tools><|im_end|>
 {% endif %}"""
 TOOL_TEMPLATES = {
-    "json": _TOOLS_TURN + """\
+    "json": _TOOLS_TURN
+    + """\
 {%- for m in messages %}<|im_start|>{{ m.role }}
 {{ m.content or '' }}
 {%- for call in m.tool_calls or [] %}
@@ -147,7 +148,8 @@ TOOL_TEMPLATES = {
 {% endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}""",
-    "kimi": _TOOLS_TURN + """\
+    "kimi": _TOOLS_TURN
+    + """\
 {%- for m in messages %}<|im_start|>{{ m.role }}
 {{ m.content or '' }}
 {%- if m.tool_calls %}<|tool_calls_section_begin|>

@@ -125,8 +125,10 @@ def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family, kv_bits):
                 rollback(alone[row], keep=keeps[row], recorded=len(feeds[row]))
         for row in rows:
             record_snapshots(together[row], len(feeds[row]) > 1)
-        got = model(mx.array([sum((feeds[r] for r in rows), [])]), packed([together[r] for r in rows],
-                                                                        [len(feeds[r]) for r in rows]))[0]
+        got = model(
+            mx.array([sum((feeds[r] for r in rows), [])]),
+            packed([together[r] for r in rows], [len(feeds[r]) for r in rows]),
+        )[0]
         for row in rows:
             record_snapshots(together[row], False)
             if len(feeds[row]) > 1:

@@ -64,7 +64,8 @@ def test_cli_speculative_decoding_reports_acceptance_and_keeps_the_text():
     args = ["--model", str(FIXTURES / "qwen35moe" / "hf"), "--prompt", "class A:", "--max-tokens", "16"]
     plain = run_cli(*args)
     for extra in (
-        ["--mtp", "--num-draft-tokens", "2"], ["--draft-model", str(FIXTURES / "qwen35moe" / "model.gguf")],
+        ["--mtp", "--num-draft-tokens", "2"],
+        ["--draft-model", str(FIXTURES / "qwen35moe" / "model.gguf")],
         ["--draft-model", str(FIXTURES / "dflash" / "qwen35moe-b16-l0-2")],  # a DFlash drafter: blocks of 16
         ["--draft", "dflash", "--draft-model", str(FIXTURES / "dflash" / "qwen35moe-b16-l0-2")],
     ):

@@ -86,16 +86,12 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
         mx.array, layer_inputs(3, 6, heads, 4, vector_gate, seed=7)
     )
     decay, norm = reference.Decay(A, dt_bias), reference.OutputNorm(norm_weight, 1e-6, "silu")
-    whole = cpu_kernels.linear_attention(
-        x, weight, a, b, gate, decay, norm, heads, tail, state, snapshots=True
-    )
+    whole = cpu_kernels.linear_attention(x, weight, a, b, gate, decay, norm, heads, tail, state, snapshots=True)
     for row in range(3):
         row_tail, row_state = tail[row : row + 1], state[row : row + 1]
         for t in range(6):
             xt, at, bt, zt = (u[row : row + 1, t : t + 1] for u in (x, a, b, gate))
-            step = cpu_kernels.linear_attention(
-                xt, weight, at, bt, zt, decay, norm, heads, row_tail, row_state
-            )
+            step = cpu_kernels.linear_attention(xt, weight, at, bt, zt, decay, norm, heads, row_tail, row_state)
             row_tail, row_state = step.tail, step.state
             assert mx.array_equal(step.out[:, 0], whole.out[row : row + 1, t])
             assert mx.array_equal(row_tail, whole.tail_snapshots[t][row : row + 1])

@@ -225,14 +225,25 @@ def test_a_saved_drafter_loads_as_it_was_in_z_labs_layout(tmp_path, drafter_name
     save_drafter(model, tmp_path / "d", num_target_layers=len(target.layers), dtype=mx.float32)
     theirs, ours = (json.loads((path / "config.json").read_text()) for path in (source, tmp_path / "d"))
     assert ours["dflash_config"] == theirs["dflash_config"]
-    for key in ("architectures", "model_type", "layer_types", "rope_parameters", "num_target_layers", "head_dim",
-                "max_position_embeddings", "sliding_window", "use_sliding_window"):
+    for key in (
+        "architectures",
+        "model_type",
+        "layer_types",
+        "rope_parameters",
+        "num_target_layers",
+        "head_dim",
+        "max_position_embeddings",
+        "sliding_window",
+        "use_sliding_window",
+    ):
         # (a window's settings absent where transformers writes null and false)
         assert ours.get(key) == theirs[key] or not (ours.get(key) or theirs[key]), key
     again = load_drafter(tmp_path / "d")
     features = len(model.args.target_layer_ids) * model.args.hidden_size
     block, context = mx.array([[7] + [model.args.mask_token_id] * 7]), mx.random.normal((1, 5, features))
-    logits = [m.block_logits(m.block_hidden(target.embed(block), context, None), target.project) for m in (model, again)]
+    logits = [
+        m.block_logits(m.block_hidden(target.embed(block), context, None), target.project) for m in (model, again)
+    ]
     assert mx.array_equal(*logits)
 
 

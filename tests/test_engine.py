@@ -32,7 +32,9 @@ def single_greedy(family, source, prompt, max_tokens=MAX_TOKENS):
     key = (family, source, tuple(prompt), max_tokens)
     if key not in _singles:
         model, tok = load_fixture(family, source)
-        _singles[key] = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=max_tokens, draft=None)]
+        _singles[key] = [
+            r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=max_tokens, draft=None)
+        ]
     return _singles[key]
 
 

@@ -173,7 +173,6 @@ def test_bad_sampling_settings():
             mlx_hybrid.generate(model, tokenizer, "x", temp=1.0, seed=seed)
 
 
-
 # Command lines a user gets wrong: each is one line naming the flag, exit status 2, before
 # any model loads or anything is generated. Add a row to test another.
 BAD_COMMAND_LINES = [

@@ -56,8 +56,15 @@ def test_every_value_type_reads_back_as_gguf_writer_wrote_it(tmp_path):
 
 
 @pytest.mark.parametrize("dequantize", [False, True])
-@pytest.mark.parametrize("family, name", [("qwen35", "model.gguf"), ("qwen35", "model-Q8_0.gguf"),
-                                          ("qwen35moe", "model-Q4_K_M.gguf"), ("qwen3next", "model-Q4_K_M.gguf")])
+@pytest.mark.parametrize(
+    "family, name",
+    [
+        ("qwen35", "model.gguf"),
+        ("qwen35", "model-Q8_0.gguf"),
+        ("qwen35moe", "model-Q4_K_M.gguf"),
+        ("qwen3next", "model-Q4_K_M.gguf"),
+    ],
+)
 def test_a_model_that_does_not_fit_in_memory_is_refused_before_it_is_read(family, name, dequantize, monkeypatch):
     """The loader's estimate is the loaded model's bytes: one byte less available is refused by name,
     with both sizes; exactly enough loads."""
@@ -107,7 +114,9 @@ def test_a_control_groups_memory_limit_bounds_what_is_available(tmp_path, monkey
     _cgroup_files(v1 / "memory" / "docker" / "abc", {"memory.limit_in_bytes": "9223372036854771712\n"})
     membership = "4:memory:/docker/abc\n3:cpuset:/\n"
     assert memory.cgroup_memory(v1, membership) == (4 * GiB, 8 * GiB)
-    assert memory.cgroup_memory(v1, "3:cpuset:/\n") is None and memory.cgroup_memory(tmp_path / "none", "0::/\n") is None
+    assert (
+        memory.cgroup_memory(v1, "3:cpuset:/\n") is None and memory.cgroup_memory(tmp_path / "none", "0::/\n") is None
+    )
     machine = memory.memory_available()
     monkeypatch.setattr(memory, "cgroup_memory", lambda: (GiB // 4, GiB // 2))
     if machine is not None:  # Linux
@@ -121,7 +130,10 @@ def test_a_checkpoint_directory_that_does_not_fit_is_refused_before_it_is_read(m
     from mlx_hybrid import loaders
 
     path = FIXTURES / "qwen35" / "hf"
-    stored = sum(p.nbytes for p in loaders.safetensors_files.read_tensors(loaders.safetensors_files.safetensor_files(path)).values())
+    stored = sum(
+        p.nbytes
+        for p in loaders.safetensors_files.read_tensors(loaders.safetensors_files.safetensor_files(path)).values()
+    )
     monkeypatch.setattr(loaders, "memory_available", lambda: (stored - 1, 8 << 30))
     with pytest.raises(ModelLoadError, match=rf"takes {stored / 1e6:.1f} MB in memory once loaded"):
         mlx_hybrid.load(path, dtype="float32")

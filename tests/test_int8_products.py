@@ -28,8 +28,30 @@ ODD_BLOCKS = 1056
 
 
 # the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
-(Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
- IQ1_S, IQ1_M, TQ1_0, TQ2_0, MXFP4) = range(22)
+(
+    Q8_0,
+    Q4_K,
+    Q6_K,
+    Q5_0,
+    Q5_1,
+    Q4_0,
+    Q4_1,
+    IQ4_NL,
+    Q5_K,
+    Q3_K,
+    Q2_K,
+    IQ4_XS,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ2_S,
+    IQ3_XXS,
+    IQ3_S,
+    IQ1_S,
+    IQ1_M,
+    TQ1_0,
+    TQ2_0,
+    MXFP4,
+) = range(22)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -331,8 +353,16 @@ def test_32_value_products_are_exact_where_the_arithmetic_is(held_type, bits, wi
 
 
 # the grid types with 8-bit activations: their kernel type numbers
-GRID_KERNEL_TYPES = {"IQ2_XXS": IQ2_XXS, "IQ2_XS": IQ2_XS, "IQ2_S": IQ2_S, "IQ3_XXS": IQ3_XXS, "IQ3_S": IQ3_S,
-                     "IQ1_S": IQ1_S, "IQ1_M": IQ1_M, "TQ1_0": TQ1_0}
+GRID_KERNEL_TYPES = {
+    "IQ2_XXS": IQ2_XXS,
+    "IQ2_XS": IQ2_XS,
+    "IQ2_S": IQ2_S,
+    "IQ3_XXS": IQ3_XXS,
+    "IQ3_S": IQ3_S,
+    "IQ1_S": IQ1_S,
+    "IQ1_M": IQ1_M,
+    "TQ1_0": TQ1_0,
+}
 GRID_KINDS = pytest.mark.parametrize("type_name", sorted(GRID_KERNEL_TYPES))
 
 
@@ -774,8 +804,9 @@ def test_16_bit_expert_products_gather_each_tokens_matrices(dtype):
             e = int(indices[t, j])
             np.testing.assert_array_equal(got[t, j], np.array(cpu_quantized.half_matmul(x[t], w[e]))[0])
     view = mx.array(rng.standard_normal((3, 192)).astype(np.float32))[:, ::2]
-    np.testing.assert_array_equal(np.array(cpu_quantized.half_matmul(view, w[0])),
-                                  np.array(cpu_quantized.half_matmul(mx.contiguous(view), w[0])))
+    np.testing.assert_array_equal(
+        np.array(cpu_quantized.half_matmul(view, w[0])), np.array(cpu_quantized.half_matmul(mx.contiguous(view), w[0]))
+    )
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "IQ4_NL"])

@@ -20,7 +20,9 @@ def test_greedy_tokens_match_reference(family, source):
     model, tokenizer = load_fixture(family, source)
     ref = reference(family)
     prompt = ref["prompt_ids"][0].tolist()
-    tokens = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, temp=0.0, draft=None)]
+    tokens = [
+        r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, temp=0.0, draft=None)
+    ]
     assert tokens == ref["greedy_ids"][0, len(prompt) :].tolist()
 
 

@@ -17,6 +17,7 @@ from mlx_hybrid.ops import reference, rotary
 # numpy by 1.7e-7. A wrong gate, decay or normalisation moves them by 1e-2 or more.
 OP_TOL = 1e-5
 
+
 def numpy_gated_delta(q, k, v, g, beta, state):
     """Per token, per value head, in float64: the rule as docs/models.md writes it."""
     q, k, v, g, beta, S = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta, state))

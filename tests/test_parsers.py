@@ -206,7 +206,7 @@ CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("set_mode", {"mode": "f
 def written(style: str, calls) -> str:
     """Calls as each model family writes them (the templates in conftest.TOOL_TEMPLATES)."""
     if style == "json":
-        blocks = [f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>' for name, args in calls]
+        blocks = [f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>" for name, args in calls]
         return "\n".join(blocks)
     if style == "xml":
         return "\n".join(

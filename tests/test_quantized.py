@@ -37,7 +37,9 @@ def test_quantized_files_run_quantized_and_match(family, quant):
     assert any(".self_attn." in n or ".linear_attn." in n for n in names)
     logits = np.array(model(mx.array(reference(family)["input_ids"])))
     # transformers on the exactly dequantized weights: the reference's own tolerance
-    np.testing.assert_allclose(logits, reference(family, "ref_dequant.npz")[f"logits_{quant}"], atol=REFERENCE_TOL, rtol=0)
+    np.testing.assert_allclose(
+        logits, reference(family, "ref_dequant.npz")[f"logits_{quant}"], atol=REFERENCE_TOL, rtol=0
+    )
 
 
 def test_dequantize_option_gives_dense_modules():
@@ -193,13 +195,16 @@ def test_compact_blocks_stay_near_the_file_size_and_close_to_exact(type_name, mo
 
 def test_compact_load_runs_quantized_and_matches():
     """The fixtures' block types (Q8_0, Q5_0, Q5_1) have float16 scales: compact is exact for them."""
-    model, _ = mlx_hybrid.load(FIXTURES / "qwen35" / "model-Q4_K_M.gguf", dtype="float32", compact=True,
-                               cpu_activations="float32")  # (the dequantized weights' arithmetic, as the reference's)
+    model, _ = mlx_hybrid.load(
+        FIXTURES / "qwen35" / "model-Q4_K_M.gguf", dtype="float32", compact=True, cpu_activations="float32"
+    )  # (the dequantized weights' arithmetic, as the reference's)
     scales = {p: m.scales.dtype for p, m in model.named_modules() if isinstance(m, nn.QuantizedEmbedding)}
     assert scales == {"embed_tokens": mx.float16}
     logits = model(mx.array(reference("qwen35")["input_ids"]))
     assert logits.dtype == mx.float32
-    np.testing.assert_allclose(np.array(logits), reference("qwen35", "ref_dequant.npz")["logits_Q4_K_M"], atol=REFERENCE_TOL)
+    np.testing.assert_allclose(
+        np.array(logits), reference("qwen35", "ref_dequant.npz")["logits_Q4_K_M"], atol=REFERENCE_TOL
+    )
 
 
 @pytest.mark.parametrize("compact", [False, True])

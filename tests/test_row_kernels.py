@@ -31,6 +31,7 @@ def platform(request):
         pytest.skip("needs g++ for the emulation")
     return request.param
 
+
 ROW_COUNTS = (1, 2, 4, 8, 16)
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 # One rounding of a float32 sum to the dtype: half a step of its precision, relative
@@ -184,8 +185,14 @@ def run_attention(platform, q, k, v, lengths, causal, strided=True):
     return launched(platform, row_kernels.ROW_ATTENTION, launch, strided)
 
 
-KV_FORMS = {"float": (0, 0), "4-bit groups of 32": (4, 32), "4-bit groups of 64": (4, 64),
-            "4-bit groups of 128": (4, 128), "8-bit groups of 64": (8, 64), "8-bit groups of 128": (8, 128)}
+KV_FORMS = {
+    "float": (0, 0),
+    "4-bit groups of 32": (4, 32),
+    "4-bit groups of 64": (4, 64),
+    "4-bit groups of 128": (4, 128),
+    "8-bit groups of 64": (8, 64),
+    "8-bit groups of 128": (8, 128),
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

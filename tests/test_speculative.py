@@ -49,7 +49,9 @@ def plain_greedy(family, source, n=128):
     if (family, source) not in _plain:
         model, tok = load_fixture(family, source)
         prompt = reference(family)["prompt_ids"][0].tolist()
-        _plain[family, source] = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=128, draft=None)]
+        _plain[family, source] = [
+            r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=128, draft=None)
+        ]
     return _plain[family, source][:n]
 
 
@@ -406,8 +408,13 @@ def _exact_distribution(model, prompt, sampler, depth, processing=None):
 
 @pytest.mark.parametrize(
     "drafter_kind, processed",
-    [("uniform", False), ("point-mass", False), pytest.param("uniform", True, id="processed"), ("dflash", False),
-     ("dflash2", False)],  # fmt: skip
+    [
+        ("uniform", False),
+        ("point-mass", False),
+        pytest.param("uniform", True, id="processed"),
+        ("dflash", False),
+        ("dflash2", False),
+    ],  # fmt: skip
 )
 def test_speculative_sampling_follows_the_target_distribution(drafter_kind, processed):
     """Sampled (x_P, x_P+1, x_P+2) with k=2 against the exact target law (with processors:

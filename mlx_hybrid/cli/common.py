@@ -244,7 +244,10 @@ def add_draft_arguments(p: argparse.ArgumentParser):
         "model's own drafter: the directory <GGUF file stem>-dflash beside the file, as the bundled model has",
     )  # fmt: skip
     p.add_argument(
-        "--num-draft-tokens", type=at_least(1), default=None, metavar="N",
+        "--num-draft-tokens",
+        type=at_least(1),
+        default=None,
+        metavar="N",
         help=f"most tokens drafted per round (default: {DEFAULT_DRAFT_TOKENS}; a DFlash drafter's block less one)",
     )
     p.add_argument(

@@ -143,7 +143,9 @@ class DFlashDrafter(Drafter):
                 top, total = distribution.max(axis=-1), mx.zeros(distribution.shape[:-1])
             previous = mx.take_along_axis(candidates[:, j], choice[:, None], axis=-1)[:, 0]
             path.append(previous)
-            marks.append(previous if self.draft_p_min <= 0 else _marked(top, total, math.log(self.draft_p_min), previous))
+            marks.append(
+                previous if self.draft_p_min <= 0 else _marked(top, total, math.log(self.draft_p_min), previous)
+            )
         drafts, marked = mx.stack(path, axis=1), mx.stack(marks, axis=1)
         return drafts, marked, [distributions] if distributions else [[None] * len(path) for _ in drafters]
 

@@ -232,8 +232,12 @@ def _read_hf(path: Path, dtype=None) -> tuple[_Checkpoint, dict, list]:
         has_vision=hf.has_vision_tower(tensors),
     )  # fmt: skip
     if dtype is not None:
-        needed = sum(sum(part.nbytes for part in (t.weight, t.scales, t.biases)) if isinstance(t, QuantizedTensor)
-                     else min(t.nbytes, t.size * dtype.size) for t in tensors.values())  # (quantized: as it is)
+        needed = sum(
+            sum(part.nbytes for part in (t.weight, t.scales, t.biases))
+            if isinstance(t, QuantizedTensor)
+            else min(t.nbytes, t.size * dtype.size)
+            for t in tensors.values()
+        )  # (quantized: as it is)
         _refuse_what_does_not_fit(path, needed, sum(f.stat().st_size for f in files))
     # popped as read: a split model keeps only its parts, so the whole tensors must go
     read = ((name, (lambda name=name: tensors.pop(name))) for name in list(tensors))
@@ -324,7 +328,9 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
         for line in dequantized_notice(stored, dtype, compact) if keep_quantized else ():
             _log.warning("mlx_hybrid: %s: %s", path.name, line)
         if holds_all:
-            needed = sum(held_bytes(name, elements, size, dtype, compact, keep_quantized) for name, elements, size in stored)
+            needed = sum(
+                held_bytes(name, elements, size, dtype, compact, keep_quantized) for name, elements, size in stored
+            )
             _refuse_what_does_not_fit(path, needed, path.stat().st_size)
     return _Checkpoint(module, args, rules, tensors, len(shapes)), meta
 

@@ -18,8 +18,21 @@ import numpy as np
 from .. import ops
 from ..native import BuildError, build_once, compiler
 from ..quantized_tensor import (
-    D_AND_M, IQ4_NL, IQ4_XS, K_QUANT, MXFP4, Q2_K, Q3_K, Q4_0, Q5_0, Q6_K, Q8_0, TERNARY, BlockScales,
-    QuantizedTensor, pack,
+    D_AND_M,
+    IQ4_NL,
+    IQ4_XS,
+    K_QUANT,
+    MXFP4,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q5_0,
+    Q6_K,
+    Q8_0,
+    TERNARY,
+    BlockScales,
+    QuantizedTensor,
+    pack,
 )
 
 

@@ -41,7 +41,9 @@ def cgroup_memory(root: Path = CGROUP_ROOT, membership: str | None = None) -> tu
         if parts[1] == "":  # the unified hierarchy (v2)
             found = _tightest(root, parts[2], "memory.max", "memory.current", "file")
         elif "memory" in parts[1].split(","):
-            found = _tightest(root / "memory", parts[2], "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+            found = _tightest(
+                root / "memory", parts[2], "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache"
+            )
         else:
             continue
         if found is not None:
@@ -60,7 +62,9 @@ def _tightest(base: Path, group: str, limit_file: str, usage_file: str, cache_fi
             limit = (directory / limit_file).read_text().strip()
             if limit != "max" and int(limit) < NO_LIMIT:
                 usage = int((directory / usage_file).read_text())
-                stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines() if line.strip())
+                stat = dict(
+                    line.split() for line in (directory / "memory.stat").read_text().splitlines() if line.strip()
+                )
                 left = max(0, int(limit) - max(0, usage - int(stat.get(cache_field, 0))))
                 best = min(best or (left, int(limit)), (left, int(limit)))
         except (OSError, ValueError):

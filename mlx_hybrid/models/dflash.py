@@ -355,8 +355,13 @@ def load_drafter(path: str | Path, dtype=mx.float32) -> DFlashDraftModel:
     return model
 
 
-def save_drafter(drafter: DFlashDraftModel, path: str | Path, num_target_layers: int, dtype=mx.bfloat16,
-                 max_position_embeddings: int = 4096):
+def save_drafter(
+    drafter: DFlashDraftModel,
+    path: str | Path,
+    num_target_layers: int,
+    dtype=mx.bfloat16,
+    max_position_embeddings: int = 4096,
+):
     """Write a drafter as z-lab's directories hold one (config.json of a Qwen3 decoder with
     `dflash_config`, model.safetensors; DFlash2's codebooks under their bare keys): what `load_drafter`
     and z-lab's `dflash` (its MLX runner too, which reads `max_position_embeddings`: the target's) read."""

@@ -106,7 +106,8 @@ class HybridModel(nn.Module):
         dense = [m for _, m in self.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding, Linear,
                                                                      Embedding)) and m.activations == "int8"]  # fmt: skip
         return ops.rows_alike_pass_tokens(
-            [ops.int8_row_limit(m.bits, m.group_size, m.block) if "scales" in m else ops.HALF_ROWS for m in dense])
+            [ops.int8_row_limit(m.bits, m.group_size, m.block) if "scales" in m else ops.HALF_ROWS for m in dense]
+        )
 
     def make_cache(self, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
         """A cache per layer. kv_bits: the attention layers hold their keys and values in 4 or 8 bits,

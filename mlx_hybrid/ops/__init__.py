@@ -27,16 +27,38 @@ import mlx.nn as nn
 
 from . import activations, backend, cpu_extension, cpu_kernels, kernels, reference, rotary, row_kernels, selfcheck
 from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
-    KV_BITS, KV_GROUP_SIZES, dequantized_entries, leading_features, quantize_entries, scaled_dot_product_attention,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    dequantized_entries,
+    leading_features,
+    quantize_entries,
+    scaled_dot_product_attention,
 )
 from .backend import (  # noqa: F401  (where ops compute, for the package)
-    backend_name, default_dtype, differentiable, force_reference, kernel_platform, path_key,
+    backend_name,
+    default_dtype,
+    differentiable,
+    force_reference,
+    kernel_platform,
+    path_key,
 )
 from .cpu_extension import CONV1D, GATED_DELTA, GATED_PRODUCT, LINEAR_ATTENTION, NORMS, ROPE
 from .products import (  # noqa: F401  (the products, for the layers)
-    HALF_ROWS, MLX_GROUP_SIZES, SIXTEEN_BITS, computes_block_scales, computes_quantized, gather_matmul,
-    gather_quantized_matmul, half_activations, int8_activations, int8_activations_computed, int8_row_limit,
-    keeps_16bit_weights, linear, quantized_matmul, quantized_product_path,
+    HALF_ROWS,
+    MLX_GROUP_SIZES,
+    SIXTEEN_BITS,
+    computes_block_scales,
+    computes_quantized,
+    gather_matmul,
+    gather_quantized_matmul,
+    half_activations,
+    int8_activations,
+    int8_activations_computed,
+    int8_row_limit,
+    keeps_16bit_weights,
+    linear,
+    quantized_matmul,
+    quantized_product_path,
 )
 from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
@@ -94,8 +116,10 @@ def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tupl
     ):
         total, normed = kernels.run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, eps), platform)
         return total, normed
-    if x.dtype == y.dtype == weight.dtype == mx.float32 and x.shape == y.shape and backend.cpu_kernel_passed(
-        NORMS, selfcheck.small_norm_case, "add-rms"
+    if (
+        x.dtype == y.dtype == weight.dtype == mx.float32
+        and x.shape == y.shape
+        and backend.cpu_kernel_passed(NORMS, selfcheck.small_norm_case, "add-rms")
     ):
         total, normed = cpu_kernels.add_rms_norm(x, y, weight, eps)
         return total, normed
@@ -272,8 +296,15 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
         and recurrent
         and q.shape[-1] <= KERNEL_MAX_KEY_DIM
         and q.dtype in KERNEL_DTYPES
-        and selfcheck.passed(kernels.GATED_DELTA, selfcheck.small_gated_delta_case, platform,
-                             q.dtype, q.shape[-1], g.ndim == 4, snapshots)  # fmt: skip
+        and selfcheck.passed(
+            kernels.GATED_DELTA,
+            selfcheck.small_gated_delta_case,
+            platform,
+            q.dtype,
+            q.shape[-1],
+            g.ndim == 4,
+            snapshots,
+        )  # fmt: skip
     ):
         out, final, states = kernels.run(
             kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform

@@ -16,8 +16,9 @@ from .reference import QuantizedEntries
 KV_BITS, KV_GROUP_SIZES = (4, 8), (32, 64, 128)
 
 
-def scaled_dot_product_attention(q, k, v, scale: float, mask: str | mx.array | None = None, key_lengths=None,
-                                 window: int | None = None) -> mx.array:
+def scaled_dot_product_attention(
+    q, k, v, scale: float, mask: str | mx.array | None = None, key_lengths=None, window: int | None = None
+) -> mx.array:
     """mx.fast.scaled_dot_product_attention with mask None, "causal" or booleans [B, 1, T, S]: q [B, H, T, Dk] over
     k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> [B, H, T, Dv]; k and v may be a quantized cache's
     `QuantizedEntries`. key_lengths (host ints, one a batch row): row b holds only its first
@@ -97,7 +98,9 @@ def _rows(entries, b: int, keys: int):
 
 
 @lru_cache(maxsize=8)
-def _rows_mask(key_lengths: tuple[int, ...], tokens: int, keys: int, causal: bool, window: int | None = None) -> mx.array:
+def _rows_mask(
+    key_lengths: tuple[int, ...], tokens: int, keys: int, causal: bool, window: int | None = None
+) -> mx.array:
     """[B, 1, T, S] booleans: the keys each row's query token sees, the queries a row's last T keys (a
     pass's layers share it; made on the host, so it launches nothing)."""
     lengths = np.asarray(key_lengths).reshape(-1, 1, 1, 1)

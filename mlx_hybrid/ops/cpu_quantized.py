@@ -69,9 +69,11 @@ def bound_product(group_size: int, bits: int, block=None, dtype=mx.float32):
         grid, name = grid_of(block.type_name), block.type_name
         return lambda x, w, scales, biases: extension().grid_matmul(x, w, grid, name).astype(dtype)
     settings = _layout(block)
-    return lambda x, w, scales, biases: extension().quantized_matmul(
-        x, w, scales, no_codes(scales) if biases is None else biases, group_size, bits, **settings
-    ).astype(dtype)
+    return lambda x, w, scales, biases: (
+        extension()
+        .quantized_matmul(x, w, scales, no_codes(scales) if biases is None else biases, group_size, bits, **settings)
+        .astype(dtype)
+    )
 
 
 def gather_quantized_matmul(x, w, scales, biases, indices, group_size: int, bits: int, block=None) -> mx.array:
@@ -100,6 +102,7 @@ def small_case(_platform, bits: int, group_size: int, scales_form):
     x = mx.random.normal((17, K), key=mx.random.key(1)) / 32
     indices = mx.array([[2, 0], [1, 2]], dtype=mx.uint32)
     if group_size >= 32 and tensor.block is None:
+
         def mlx_product(rows, e):
             w, scales, biases = tensor.weight[e], tensor.scales[e], tensor.biases[e]
             return mx.quantized_matmul(rows, w, scales, biases, group_size=group_size, bits=bits)
@@ -175,8 +178,6 @@ def int8_grid(block) -> mx.array | None:
     return grid_of(block.type_name) if isinstance(block, GridBlocks) else None
 
 
-
-
 def small_case_int8(_platform):
     """A first-use check of the products with llama.cpp's activations: 1 and 9 rows and gathered experts
     against the references, for each type (`quantized_tensor.INT8_TYPES`), and F16 and BF16 matrices'
@@ -202,11 +203,13 @@ def small_case_int8(_platform):
              (ref.held_k_quant(five_bits[0], 5, *five_bits[1:]),
               lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in five_bits)), 8)]  # fmt: skip
     # the 32-value types (5, 4 and 4 bits with an offset, Q5_1 and Q4_1 with m, IQ4_NL's table)
-    for held_type, bits, with_m, reference in [(3, 5, False, lambda x, q, d: ref.offset_reference(x, q, d, 16)),
-                                               (4, 5, True, ref.d_and_m_reference),
-                                               (5, 4, False, lambda x, q, d: ref.offset_reference(x, q, d, 8)),
-                                               (6, 4, True, ref.d_and_m_reference),
-                                               (7, 4, False, ref.iq4_nl_reference)]:
+    for held_type, bits, with_m, reference in [
+        (3, 5, False, lambda x, q, d: ref.offset_reference(x, q, d, 16)),
+        (4, 5, True, ref.d_and_m_reference),
+        (5, 4, False, lambda x, q, d: ref.offset_reference(x, q, d, 8)),
+        (6, 4, True, ref.d_and_m_reference),
+        (7, 4, False, ref.iq4_nl_reference),
+    ]:
         weights = ref.random_b32(rng, (3, 24, 512), bits, with_m)
         cases.append((ref.held_b32(weights[0], bits, *weights[1:]),
                       lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), held_type))  # fmt: skip
@@ -214,11 +217,18 @@ def small_case_int8(_platform):
     for held_type, name in enumerate(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0"), 12):
         tensor = ref.random_grid_weights((3, 24, 512), GRID_TYPES[name], held_type)
         blocks = np.array(tensor.weight)
-        cases.append(((tensor.weight, tensor.scales, tensor.biases),
-                      lambda rows, e, b=blocks, n=name: ref.grid_reference(rows, b[e], n), held_type, grid_of(name)))
+        cases.append(
+            (
+                (tensor.weight, tensor.scales, tensor.biases),
+                lambda rows, e, b=blocks, n=name: ref.grid_reference(rows, b[e], n),
+                held_type,
+                grid_of(name),
+            )
+        )
     ternary, mxfp4 = ref.random_ternary(rng, (3, 24, 512)), ref.random_mxfp4(rng, (3, 24, 512))
-    cases.append((ref.held_ternary(*ternary), lambda rows, e: ref.ternary_reference(rows, *(a[e] for a in ternary)),
-                  20))
+    cases.append(
+        (ref.held_ternary(*ternary), lambda rows, e: ref.ternary_reference(rows, *(a[e] for a in ternary)), 20)
+    )
     cases.append((ref.held_mxfp4(*mxfp4), lambda rows, e: ref.mxfp4_reference(rows, *(a[e] for a in mxfp4)), 21))
     got, want = [], []
     for held, reference, held_type, *grid in cases:

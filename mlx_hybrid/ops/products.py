@@ -248,9 +248,7 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
             x, indices,
         )  # fmt: skip
     elif group_size in MLX_GROUP_SIZES and block is None:
-        out = mx.gather_qmm(
-            x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits
-        )
+        out = mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits)
     elif block is not None and block.mlx_mode:
         out = mx.gather_qmm(
             x, w, scales, None, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits,

@@ -239,7 +239,7 @@ def small_product_case(platform, dtype, weights, group_size: int, rows: int, sha
         x = _random(rng, (rows, 1 if share > 1 else k, 1, K), dtype)
         indices = mx.array(rng.integers(0, E, (rows, k)), mx.int32)
         got = product(x, indices=indices, platform=platform, **stored)
-        want = (x.astype(mx.float32) @ wide[indices].swapaxes(-1, -2))  # [rows, k, 1, N]
+        want = x.astype(mx.float32) @ wide[indices].swapaxes(-1, -2)  # [rows, k, 1, N]
         return [got], [want.astype(dtype)]
     x = _random(rng, (rows, K), dtype)
     stored.update({name: stored[name][0] for name in ("w", "scales", "biases") if name in stored})
