@@ -30,8 +30,7 @@ from .ngram_embedding import PLE, PLECache
 from .linear_attention import recurrent_rows
 from .packed_rows import attend_rows
 from .qwen3_5 import FLOAT32_PARAMS  # noqa: F401  (the loaders')
-from .qwen3_5 import GatedAttention, GatedDeltaNet, SparseMoE
-from .qwen3_5 import PRE_NORM
+from .qwen3_5 import PRE_NORM, GatedAttention, GatedDeltaNet, SparseMoE
 from .qwen3_5 import ModelArgs as Qwen35Args
 from .trunk import HybridModel
 from .vision import VisionTower
