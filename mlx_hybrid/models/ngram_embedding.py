@@ -64,9 +64,9 @@ class NGramHash:
 
     def __init__(self, args, ple_index: int):
         self.ngram_size, self.eos = args.ngram_size, args.eos_token_id
-        heads = (args.ngram_size - 1) * args.heads_per_ngram
+        self.heads = (args.ngram_size - 1) * args.heads_per_ngram
         self.multipliers = np.array(ngram_multipliers(args.vocab_size, args.ngram_size, ple_index, args.seed), np.int64)
-        self.sizes = np.array(ngram_head_sizes(args.ngram_vocab_size_base, ple_index, heads), np.int64)
+        self.sizes = np.array(ngram_head_sizes(args.ngram_vocab_size_base, ple_index, self.heads), np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.per_order = args.heads_per_ngram
         self.rows = ngram_table_rows(self.sizes, args.make_ngram_vocab_size_divisible_by)
@@ -159,6 +159,7 @@ class PLE(nn.Module):
         self.norm_conv = RMSNorm(wide, args.rms_norm_eps)
         self.conv1d_weight = mx.zeros((wide, self.kernel))
         self.table = None  # set by the loader
+        self.table_shape = (self.hash.rows, args.ple_embed_dim // self.hash.heads)  # what the loader's must be
 
     @property
     def conv_tail(self) -> int:

@@ -315,10 +315,8 @@ class Model(HybridModel):
             table = tables.pop(f"layers.{i}", None)
             if table is None:
                 raise ValueError(f"layer {i}'s n-gram table is missing")
-            heads = (self.args.ngram_size - 1) * self.args.heads_per_ngram
-            if table.shape != (layer.ple.hash.rows, self.args.ple_embed_dim // heads):
-                raise ValueError(f"layer {i}'s n-gram table has shape {table.shape}, expected "
-                                 f"{(layer.ple.hash.rows, self.args.ple_embed_dim // heads)}")  # fmt: skip
+            if table.shape != layer.ple.table_shape:
+                raise ValueError(f"layer {i}'s n-gram table has shape {table.shape}, expected {layer.ple.table_shape}")
             layer.ple.table = table
         super().take_row_tables(tables)
 
