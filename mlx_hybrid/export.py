@@ -224,9 +224,8 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     if args.model_type == "qwen3_next":
         weights = hf.fuse_qwen3_next_projections(weights, args)
     tensors = {hf.export_name(k, "mlx", args.model_type): v for k, v in weights.items()}
-    if (
-        args.model_type in FROM_DIRECTORIES_ONLY
-    ):  # its config.json is the checkpoint's own, as mlx-lm's convert copies it
+    # its config.json is the checkpoint's own, as mlx-lm's convert copies it
+    if args.model_type in FROM_DIRECTORIES_ONLY:
         if source_dir is None:
             raise ValueError(f"writing {args.model_type} takes its Hugging Face directory's config.json")
         config = read_config(Path(source_dir))

@@ -414,7 +414,7 @@ def _exact_distribution(model, prompt, sampler, depth, processing=None):
         pytest.param("uniform", True, id="processed"),
         ("dflash", False),
         ("dflash2", False),
-    ],  # fmt: skip
+    ],
 )
 def test_speculative_sampling_follows_the_target_distribution(drafter_kind, processed):
     """Sampled (x_P, x_P+1, x_P+2) with k=2 against the exact target law (with processors:

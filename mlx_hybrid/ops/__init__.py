@@ -304,7 +304,7 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
             q.shape[-1],
             g.ndim == 4,
             snapshots,
-        )  # fmt: skip
+        )
     ):
         out, final, states = kernels.run(
             kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform
