@@ -1,9 +1,12 @@
 """An optimized BLAS for MLX's CPU backend on Linux.
 
-MLX's Linux wheel links the reference (netlib) BLAS. When OpenBLAS is installed
-(Debian/Ubuntu: `libopenblas0-pthread`), `import mlx_hybrid` opens it into the
-process's global symbol scope before MLX's own library loads, so MLX's matrix
-products resolve to it: about 40x faster here for a 64x1024x8192 float32 product.
+MLX's Linux wheel links the reference (netlib) BLAS. `import mlx_hybrid` opens
+OpenBLAS into the process's global symbol scope before MLX's own library loads, so
+MLX's matrix products resolve to it: about 40x faster here for a 64x1024x8192 float32
+product. The system's OpenBLAS where installed (Debian/Ubuntu: `libopenblas0-pthread`),
+else the one the `cpu` extra installs from PyPI (scipy-openblas32, OpenBLAS as numpy and
+SciPy build it, its symbols renamed `scipy_*`: it reaches MLX only through the library
+below).
 That needs `mlx_hybrid` imported before `mlx`; otherwise a warning names the fix.
 `prefer_optimized_blas()` remains for programs that import `mlx` first: it restarts
 the process once with OpenBLAS in LD_PRELOAD. MLX_HYBRID_BLAS=reference turns all
@@ -12,13 +15,15 @@ of this off.
 In front of OpenBLAS goes a small library of ours (csrc/gemv_forward.c, built once
 with the system C compiler into the user's cache directory) that computes products
 of up to 16 rows (decode steps, verify passes) itself, reading the weights once for
-all rows. Without a C compiler OpenBLAS is loaded alone.
+all rows. Without a C compiler the system's OpenBLAS is loaded alone, and the wheel's
+is not used.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 import sys
 import warnings
@@ -45,10 +50,27 @@ _OPENBLAS_IDLE = ("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def find_openblas() -> str | None:
+    """The system's OpenBLAS library, else the scipy-openblas32 wheel's; None without either."""
     for candidate in _CANDIDATES:
         if Path(candidate).is_file():
             return candidate
-    return ctypes.util.find_library("openblas")
+    if (found := ctypes.util.find_library("openblas")) is not None:
+        return found
+    # found, not imported: importing the package loads its library
+    wheel = importlib.util.find_spec("scipy_openblas32")
+    for directory in wheel.submodule_search_locations if wheel is not None else []:
+        for found in sorted((Path(directory) / "lib").glob("libscipy_openblas*.so")):
+            return str(found)
+    return None
+
+
+def _symbol_prefix(blas: ctypes.CDLL) -> str | None:
+    """The prefix of the library's cblas_sgemm and cblas_sgemv ("" for OpenBLAS's own names,
+    "scipy_" for the wheel's; the forwarding library looks for the same two); None without them."""
+    for prefix in ("scipy_", ""):
+        if hasattr(blas, prefix + "cblas_sgemm") and hasattr(blas, prefix + "cblas_sgemv"):
+            return prefix
+    return None
 
 
 _GEMV_FORWARD_SOURCE = Path(__file__).parent / "csrc" / "gemv_forward.c"
@@ -82,8 +104,12 @@ def active_blas() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
-    if "/libopenblas" in maps:  # the system's; numpy's own is libscipy_openblas, which MLX never uses
-        return "openblas + gemv forwarding" if "gemv_forward-" in maps else "openblas"
+    # the system's, or the wheel's, which only the forwarding library uses (numpy's own,
+    # libscipy_openblas64_, is never MLX's)
+    if "gemv_forward-" in maps and ("/libopenblas" in maps or "/scipy_openblas32/" in maps):
+        return "openblas + gemv forwarding"
+    if "/libopenblas" in maps:
+        return "openblas"
     return "reference" if "libblas" in maps else "unknown"
 
 
@@ -118,12 +144,14 @@ def load_optimized_blas() -> bool:
     try:
         # privately first: a BLAS that fails to load must not leave the forwarding library
         # in the global scope with nothing behind it
-        blas = ctypes.CDLL(library)
-        forwarding = gemv_forward_library() if hasattr(blas, "cblas_sgemm") and hasattr(blas, "cblas_sgemv") else None
+        prefix = _symbol_prefix(ctypes.CDLL(library))
+        forwarding = gemv_forward_library() if prefix is not None else None
         if forwarding is not None:
             # first in the global scope, so MLX's cblas_sgemm resolves to it; binding then
             # moves the BLAS (already loaded, so it cannot fail) into the scope after it
             return ctypes.CDLL(forwarding, mode=ctypes.RTLD_GLOBAL).mlx_hybrid_gemv_bind(library.encode()) == 0
+        if prefix != "":  # no OpenBLAS names that MLX could resolve to
+            return False
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
     except OSError:
         return False
@@ -137,12 +165,12 @@ def prefer_optimized_blas() -> None:
         return
     if "openblas" in os.environ.get("LD_PRELOAD", ""):
         return
-    library = find_openblas()
-    if library is None:
+    library, forwarding = find_openblas(), gemv_forward_library()
+    if library is None or (forwarding is None and "scipy_openblas32" in library):
         return
     env = dict(os.environ)
     env.setdefault(*_OPENBLAS_IDLE)
-    env["LD_PRELOAD"] = ":".join(filter(None, [gemv_forward_library(), library, env.get("LD_PRELOAD")]))
+    env["LD_PRELOAD"] = ":".join(filter(None, [forwarding, library, env.get("LD_PRELOAD")]))
     env[_RESTARTED] = "1"
     sys.stdout.flush()
     sys.stderr.flush()

@@ -15,7 +15,8 @@
  *
  * Loaded in front of the BLAS, either preloaded (LD_PRELOAD=this:libopenblas.so.0) or
  * opened into the global scope before MLX loads, then told where the BLAS is with
- * mlx_hybrid_gemv_bind(path). Everything else goes to the BLAS's sgemm unchanged.
+ * mlx_hybrid_gemv_bind(path): the system's OpenBLAS or the scipy-openblas32 wheel's.
+ * Everything else goes to the BLAS's sgemm unchanged.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -39,24 +40,39 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
 static sgemm_fn blas_sgemm;
 static sgemv_fn blas_sgemv;
 
-/* Bind to the BLAS in `path` (opened into the global scope); 0 on success. */
-int mlx_hybrid_gemv_bind(const char *path) {
-    void *handle = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
-    if (handle == 0) return -1;
-    sgemm_fn sgemm = (sgemm_fn)dlsym(handle, "cblas_sgemm");
-    sgemv_fn sgemv = (sgemv_fn)dlsym(handle, "cblas_sgemv");
-    if (sgemm == 0 || sgemv == 0) return -2;
-    blas_sgemm = sgemm;
-    blas_sgemv = sgemv;
+/* The BLAS's entry points are found under OpenBLAS's own names or under the `scipy_` prefix of the
+   scipy-openblas32 wheel (OpenBLAS built for numpy and SciPy, which renames its symbols so that it
+   never clashes with a system BLAS). */
+static const char *const PREFIXES[] = {"scipy_", ""};
+
+static int take_blas(void *handle) {
+    char sgemm[64], sgemv[64];
+    for (unsigned i = 0; i < sizeof PREFIXES / sizeof *PREFIXES; i++) {
+        snprintf(sgemm, sizeof sgemm, "%scblas_sgemm", PREFIXES[i]);
+        snprintf(sgemv, sizeof sgemv, "%scblas_sgemv", PREFIXES[i]);
+        sgemm_fn found_sgemm = (sgemm_fn)dlsym(handle, sgemm);
+        sgemv_fn found_sgemv = (sgemv_fn)dlsym(handle, sgemv);
+        if (found_sgemm != 0 && found_sgemv != 0) {
+            blas_sgemm = found_sgemm;
+            blas_sgemv = found_sgemv;
+            return 1;
+        }
+    }
     return 0;
 }
 
-/* Preloaded: the BLAS is the next library in the search order. */
+/* Bind to the BLAS in `path`; 0 on success. */
+int mlx_hybrid_gemv_bind(const char *path) {
+    void *handle = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (handle == 0) return -1;
+    return take_blas(handle) ? 0 : -2;
+}
+
+/* Preloaded: the BLAS is a library after this one in the search order (the wheel's prefixed names
+   first: behind them, the search order also holds MLX's own reference BLAS). */
 static void find_blas(void) {
     if (blas_sgemm != 0) return;
-    blas_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
-    blas_sgemv = (sgemv_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
-    if (blas_sgemm == 0 || blas_sgemv == 0) {
+    if (!take_blas(RTLD_NEXT)) {
         fputs("gemv_forward: no BLAS bound or preloaded after this library\n", stderr);
         abort();
     }
