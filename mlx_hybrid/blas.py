@@ -4,8 +4,8 @@ MLX's Linux wheel links the reference (netlib) BLAS. `import mlx_hybrid` opens
 OpenBLAS into the process's global symbol scope before MLX's own library loads, so
 MLX's matrix products resolve to it: about 40x faster here for a 64x1024x8192 float32
 product. The system's OpenBLAS where installed (Debian/Ubuntu: `libopenblas0-pthread`),
-else the one the `cpu` extra installs from PyPI (scipy-openblas32, OpenBLAS as numpy and
-SciPy build it, its symbols renamed `scipy_*`: it reaches MLX only through the library
+else the one the package installs with it from PyPI (scipy-openblas32, OpenBLAS as numpy
+and SciPy build it, its symbols renamed `scipy_*`: it reaches MLX only through the library
 below).
 That needs `mlx_hybrid` imported before `mlx`; otherwise a warning names the fix.
 `prefer_optimized_blas()` remains for programs that import `mlx` first: it restarts
