@@ -179,3 +179,35 @@ def test_a_mark_inside_a_message_is_a_boundary_another_question_resumes_from(che
     assert first.ids[:added] == second.ids[:added]
     # without the mark the second question could resume only from the system prompt's end
     assert max(b for b in unmarked.boundaries if b <= shared) < shared - 10
+
+
+def test_ctrl_c_while_an_event_is_shown_stops_the_answer_without_cutting_the_event(bundled):
+    # Ctrl-C lands wherever the main thread is: here in the middle of showing an event. The event
+    # must still be shown whole (the chat keeps what it showed as the answer, and the next turn
+    # resumes from the answer's checkpoint only if that is what the model read), and the answer
+    # must stop there.
+    import os
+    import signal
+
+    from mlx_hybrid.cli.running import follow
+    from mlx_hybrid.engine import Engine, PrefixStore
+
+    model, tokenizer = bundled
+    engine = Engine(model, tokenizer, None, prefix_store=PrefixStore(0))
+    sequence = engine.submit(tokenizer.encode("def parse_args("), max_tokens=200)
+    shown = []
+
+    def show(event):
+        shown.append([event.tokens])
+        if len(shown) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        shown[-1].append(event.finish_reason)  # the rest of showing it
+
+    engine.start()  # as the commands run it: stepping on its own thread
+    try:
+        assert follow(engine, sequence, show)
+    finally:
+        engine.stop()
+    assert all(len(parts) == 2 for parts in shown), shown
+    assert shown[-1][1] == "cancelled" and len(shown) < 10
+    assert [t for parts in shown for t in parts[0]] == sequence.tokens

@@ -81,14 +81,20 @@ def make_engine(model, tokenizer, drafting, args, **options):
 def follow(engine, sequence, show) -> bool:
     """Hand each of `sequence`'s events to `show` until it ends; whether Ctrl-C stopped it.
     Ctrl-C cancels it: the engine ends it at its next step, keeping what it generated (and a
-    checkpoint of it), and the events up to then are still shown."""
+    checkpoint of it), and the events up to then are still shown, each whole. Ctrl-C only asks
+    for the cancellation here: raised inside `show`, it would drop part of an event's text, and
+    the conversation would keep an answer that is not what the model read (its checkpoint then
+    no longer a prefix of the next turn)."""
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: sequence.cancel())
+    except ValueError:  # not the main thread, where Python delivers Ctrl-C
+        previous = None
     try:
         for event in engine.drive(sequence):
             show(event)
-    except KeyboardInterrupt:
-        sequence.cancel()
-        for event in sequence.stream() if not sequence.done else ():
-            show(event)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return sequence.finish_reason == "cancelled"
 
 
