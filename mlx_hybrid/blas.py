@@ -165,8 +165,11 @@ def prefer_optimized_blas() -> None:
         return
     if "openblas" in os.environ.get("LD_PRELOAD", ""):
         return
-    library, forwarding = find_openblas(), gemv_forward_library()
-    if library is None or (forwarding is None and "scipy_openblas32" in library):
+    library = find_openblas()
+    if library is None:
+        return
+    forwarding = gemv_forward_library()
+    if forwarding is None and "scipy_openblas32" in library:  # the wheel's renamed symbols need it
         return
     env = dict(os.environ)
     env.setdefault(*_OPENBLAS_IDLE)

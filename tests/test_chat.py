@@ -1,6 +1,8 @@
 """`mlx_hybrid.chat` driven in a real terminal (pexpect): streaming, history, checkpoints per turn."""
 
+import os
 import re
+import signal
 import sys
 
 import pexpect
@@ -8,6 +10,8 @@ import pytest
 
 import mlx_hybrid
 from conftest import FIXTURES, load_fixture
+from mlx_hybrid.cli.running import follow
+from mlx_hybrid.engine import Engine, PrefixStore
 from mlx_hybrid.parsers import parse_output
 from mlx_hybrid.prompt import chat_prompt
 
@@ -186,12 +190,6 @@ def test_ctrl_c_while_an_event_is_shown_stops_the_answer_without_cutting_the_eve
     # must still be shown whole (the chat keeps what it showed as the answer, and the next turn
     # resumes from the answer's checkpoint only if that is what the model read), and the answer
     # must stop there.
-    import os
-    import signal
-
-    from mlx_hybrid.cli.running import follow
-    from mlx_hybrid.engine import Engine, PrefixStore
-
     model, tokenizer = bundled
     engine = Engine(model, tokenizer, None, prefix_store=PrefixStore(0))
     sequence = engine.submit(tokenizer.encode("def parse_args("), max_tokens=200)
