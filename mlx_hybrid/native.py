@@ -3,6 +3,7 @@ in the user's cache directory (the forwarding BLAS, the CPU kernels)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -48,27 +49,36 @@ def build_once(
     target = cache_dir() / f"{name}-{digest.hexdigest()[:12]}.so"
     if target.is_file():
         return target
-    started = time.perf_counter()
-    if announce:
-        print(announce, file=sys.stderr, flush=True)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as build:
-            built = Path(build) / target.name
-
-            def run(arguments):
-                subprocess.run(arguments, check=True, capture_output=True, timeout=timeout, cwd=build)
-
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                list(pool.map(run, compile_steps))  # the first failure raises here
-            run(command(built))
-            built.replace(target)  # atomic: concurrent first runs each build, one wins
+        # one build at a time: processes started together (test workers, ranks) wait for the first
+        # one's, where each building its own would share the cores among them all
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.is_file():
+                _build(target, command, timeout, compile_steps, announce)
     except subprocess.CalledProcessError as e:
         lines = (e.stderr or b"").decode(errors="replace").strip().splitlines()
         errors = [line for line in lines if "error" in line] or lines or [f"exit status {e.returncode}"]
         raise BuildError(f"{name} did not compile: {errors[0]}")
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{name} could not be built: {e}") from None
+    return target
+
+
+def _build(target: Path, command, timeout: float, compile_steps, announce: str | None):
+    started = time.perf_counter()
+    if announce:
+        print(announce, file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as build:
+        built = Path(build) / target.name
+
+        def run(arguments):
+            subprocess.run(arguments, check=True, capture_output=True, timeout=timeout, cwd=build)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(run, compile_steps))  # the first failure raises here
+        run(command(built))
+        built.replace(target)  # atomic: a process that does not wait on the lock never sees half a file
     if announce:
         print(f"  built in {time.perf_counter() - started:.0f} s, kept in {target.parent}", file=sys.stderr, flush=True)
-    return target

@@ -16,7 +16,7 @@ from conftest import REFERENCE_TOL, load_fixture, reference as fixture_reference
 
 import mlx_hybrid
 from mlx_hybrid import ops
-from mlx_hybrid.ops import kernels, reference, row_kernels, selfcheck
+from mlx_hybrid.ops import cpu_extension, kernels, reference, row_kernels, selfcheck
 from mlx_hybrid.ops.selfcheck import linear_attention_args
 from test_ops import OP_TOL, make_inputs
 
@@ -206,6 +206,19 @@ def test_check_compares_bfloat16_outputs_to_one_rounding_step(monkeypatch, caplo
         assert not caplog.records
         assert not selfcheck.passed(kernels.CONV1D_SILU, scaled_by(1.1), "emulated", mx.bfloat16, "ten percent")
     assert "differs from the pure-MLX op" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("spec", cpu_extension.KERNELS, ids=lambda spec: spec.name)
+def test_a_cpu_kernel_that_fails_its_check_warns_and_names_what_computes_instead(spec, monkeypatch, caplog):
+    """A CPU kernel's first-call check that fails (a miscompiled body): one warning naming the unit and
+    what computes in its place, and the kernel refused, never an exception."""
+    monkeypatch.setattr(selfcheck, "kernel_usable", {})
+    monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)
+    want = mx.ones((4,))
+    with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
+        assert not selfcheck.passed(spec, lambda platform: ([want * 2], [want]), "cpu")
+    (record,) = caplog.records
+    assert spec.file in record.getMessage() and record.getMessage().endswith(spec.fallback)
 
 
 def test_the_environment_forces_the_pure_mlx_ops_from_the_start():

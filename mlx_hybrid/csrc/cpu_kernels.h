@@ -127,21 +127,24 @@ constexpr int CONV_MAX_RANGE = 256;  // channels a call of conv_silu_channels ta
 void conv_silu_channels(const ConvShape& s, int b, int first, int end, const float* x, const float* weight,
                         const float* tail_in, float* y, long y_stride, float* tail_out, float* snapshots);
 
-// One token of one head of the gated delta rule (gated_delta.cpp): s_in -> s_out (the same
-// buffer, or another), out [Dv].
+// One head of the gated delta rule over a run of tokens (gated_delta.cpp): token t reads the state
+// token t - 1 wrote (the first reads s_in) and writes its own to its s_out (a snapshot of its own,
+// or for every token the same buffer, s_in's too), its output to out [Dv].
 struct DeltaRuleHead {
     int key_dim, value_dim;
     bool vector_gate;  // g per key row (Kimi), else one per head
 };
-struct DeltaRuleScratch {
-    std::vector<float> q_decayed, k_decayed, read_q, read_k, delta, decay;
-    void fit(const DeltaRuleHead& h) {
-        for (auto* v : {&q_decayed, &k_decayed, &decay}) v->resize(h.key_dim);
-        for (auto* v : {&read_q, &read_k, &delta}) v->resize(h.value_dim);
-    }
+struct DeltaRuleToken {
+    const float *q, *k, *v, *g;  // q, k [Dk]; v [Dv]; g [Dk] (vector_gate) or [1]
+    float beta;
+    float *out, *s_out;
 };
-void delta_rule_token(const DeltaRuleHead& h, const float* s_in, float* s_out, const float* q, const float* k,
-                      const float* v, const float* g, float beta, float* out, DeltaRuleScratch& scratch);
+struct DeltaRuleScratch {
+    std::vector<float> decay, q_decayed, k_decayed, qk;  // a chunk's tokens', each [Dk] (qk: one a token)
+    std::vector<float> columns;                          // the columns of the state a chunk works on
+};
+void delta_rule_tokens(const DeltaRuleHead& h, const float* s_in, const DeltaRuleToken* tokens, int count,
+                       DeltaRuleScratch& scratch);
 
 // RMSNorm or L2 normalization of a row (rms_norm.cpp).
 struct Norm {

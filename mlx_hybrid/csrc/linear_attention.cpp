@@ -47,6 +47,7 @@ struct Buffers {
 
 void key_head(const Layer& s, const Buffers& io, int b, int kh) {
     thread_local std::vector<float> conv_buffer, row_buffer;
+    thread_local std::vector<DeltaRuleToken> tokens;
     thread_local DeltaRuleScratch scratch;
     const int Dk = s.key_dim, Dv = s.value_dim, ratio = s.value_heads / s.key_heads;
     const int unit_channels = 2 * Dk + ratio * Dv;
@@ -61,32 +62,45 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
             conv_silu_channels(conv, b, starts[part] + c, starts[part] + std::min(counts[part], c + CONV_MAX_RANGE),
                                io.x, io.conv_weight, io.tail_in, mixed + offsets[part] + c, unit_channels,
                                io.tail_out, io.tail_snapshots);
-    DeltaRuleHead head{Dk, Dv, s.vector_gate};
-    scratch.fit(head);
-    float* q = aligned_floats(row_buffer, 3 * Dk + Dv);
-    float *k = q + Dk, *g = k + Dk, *rule_out = g + Dk;
+    // each token's q and k (normalised), each value head's g and beta, then each value head's rule
+    // over all the tokens, then its outputs normalised and gated
     const int gates = s.vector_gate ? Dk : 1;  // g's values a head
+    const long row_floats = 2 * Dk + ratio * (gates + 1 + Dv);  // q, k, then each value head's g, beta, rule output
+    float* rows = aligned_floats(row_buffer, (size_t)s.tokens * row_floats);
+    auto value_head_at = [&](int t, int r) { return rows + (long)t * row_floats + 2 * Dk + r * (gates + 1 + Dv); };
     const Norm l2{Dk, s.l2_eps, false, false}, rms{Dv, s.norm_eps, true, true};
     for (int t = 0; t < s.tokens; t++) {
         const float* row = mixed + (long)t * unit_channels;
+        float *q = rows + (long)t * row_floats, *k = q + Dk;
         normalize_row(l2, row, nullptr, q);
         for (int i = 0; i < Dk; i++) q[i] *= s.q_scale;
         normalize_row(l2, row + Dk, nullptr, k);
-        long token = (long)b * s.tokens + t;  // [B, T] position
+        const long token = (long)b * s.tokens + t;  // [B, T] position
         for (int r = 0; r < ratio; r++) {
-            int h = kh * ratio + r;
-            long value_head = token * s.value_heads + h, state_at = ((long)b * s.value_heads + h) * state_size;
+            const int h = kh * ratio + r;
+            const long value_head = token * s.value_heads + h;
+            float* g = value_head_at(t, r);
             for (int i = 0; i < gates; i++) {  // softplus as MLX's logaddexp(u, 0) computes it
                 float u = io.a[value_head * gates + i] + io.dt_bias[h * gates + i];
                 g[i] = io.A[h] * (std::max(u, 0.0f) + std::log1p(std::exp(-std::fabs(u))));
             }
-            float beta = 1.0f / (1.0f + std::exp(-io.b[value_head]));
-            const float* s_in = t == 0 ? io.state + state_at : io.states[s.snapshots ? t - 1 : 0] + state_at;
-            delta_rule_token(head, s_in, io.states[s.snapshots ? t : 0] + state_at, q, k, row + 2 * Dk + r * Dv, g,
-                             beta, rule_out, scratch);
-            float* y = io.out + value_head * Dv;
-            normalize_row(rms, rule_out, io.norm_weight, y);
-            gate_values(y, io.gate + value_head * Dv, y, Dv, s.sigmoid_gate);
+            g[gates] = 1.0f / (1.0f + std::exp(-io.b[value_head]));  // beta
+        }
+    }
+    tokens.resize(s.tokens);
+    for (int r = 0; r < ratio; r++) {
+        const int h = kh * ratio + r;
+        const long state_at = ((long)b * s.value_heads + h) * state_size;
+        for (int t = 0; t < s.tokens; t++) {
+            const float *q = rows + (long)t * row_floats, *g = value_head_at(t, r);
+            tokens[t] = {q, q + Dk, mixed + (long)t * unit_channels + 2 * Dk + r * Dv, g, g[gates],
+                         value_head_at(t, r) + gates + 1, io.states[s.snapshots ? t : 0] + state_at};
+        }
+        delta_rule_tokens({Dk, Dv, s.vector_gate}, io.state + state_at, tokens.data(), s.tokens, scratch);
+        for (int t = 0; t < s.tokens; t++) {
+            float* y = io.out + (((long)b * s.tokens + t) * s.value_heads + h) * Dv;
+            normalize_row(rms, tokens[t].out, io.norm_weight, y);
+            gate_values(y, io.gate + (((long)b * s.tokens + t) * s.value_heads + h) * Dv, y, Dv, s.sigmoid_gate);
         }
     }
 }

@@ -28,10 +28,12 @@ from ..timing import one_time_work
 
 @dataclass(frozen=True)
 class CpuKernel:
-    """One of our CPU kernels: what its first-call check is known by, and its C++ unit in csrc/."""
+    """One of our CPU kernels: what its first-call check is known by, its C++ unit in csrc/, and what
+    computes in its place when that check fails (the warning's last words)."""
 
     name: str
     file: str
+    fallback: str = "MLX's ops compute it instead"
 
 
 # Every CPU kernel, the one list: the units are built from it (the quantized products' first, the
@@ -44,7 +46,10 @@ NORMS = CpuKernel("norms", "rms_norm.cpp")
 ATTENTION = CpuKernel("attention", "attention.cpp")
 ROPE = CpuKernel("rotary embedding", "attention.cpp")  # attention's unit, a first-call check of its own
 GATED_PRODUCT = CpuKernel("gated products", "gated_product.cpp")
-INT8_PRODUCTS = CpuKernel("products with 8-bit activations", "int8_products.cpp")
+INT8_PRODUCTS = CpuKernel(
+    "products with 8-bit activations", "int8_products.cpp",
+    "GGUF files' products take float32 activations instead of llama.cpp's 8-bit ones",
+)
 KERNELS = (QUANTIZED, LINEAR_ATTENTION, GATED_DELTA, CONV1D, NORMS, ATTENTION, ROPE, GATED_PRODUCT, INT8_PRODUCTS)
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
