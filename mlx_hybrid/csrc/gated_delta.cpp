@@ -35,21 +35,25 @@ struct Shape {
 
 // Token by token over columns [j0, j0 + 8 W) of S, for a chunk of tokens (their decays and decayed
 // q and k in `t`, Dk apart): the reads in registers, delta and the output, then the update of those
-// columns. A column's values depend on that column alone, so the columns are copied out of the state
-// once a chunk, and through both passes and all the chunk's tokens the copy (16 KB at W = 4 and
-// Dk = 128) stays in the L1 cache, where the state's own rows, a power of two apart, evict each other
-// (a Q4_K_M file's 512-token prompt: the rule 10% of its time in place, 6% on the copy). A token's
-// state is written where the next token does not write over it (each snapshot, the chunk's last).
+// columns. A column's values depend on that column alone, so a chunk of several tokens copies its
+// columns out of the state once, and through both passes and all its tokens the copy (16 KB at W = 4
+// and Dk = 128) stays in the L1 cache, where the state's own rows, a power of two apart, evict each
+// other (a Q4_K_M file's 512-token prompt: the rule 10% of its time in place, 6% on the copy). A
+// token's state is written where the next token does not write over it (each snapshot, the last).
 template <int W>
 AVX2_FN void rule_columns(const DeltaRuleHead& h, const float* s_in, const DeltaRuleToken* tokens, int count,
                           DeltaRuleScratch& t, int j0) {
     const int dk = h.key_dim, dv = h.value_dim;
-    float* columns = aligned_floats(t.columns, (size_t)dk * 8 * W);
-    for (int i = 0; i < dk; i++)
+    // a token alone (a decode step's) reads the state where it is: a copy would only add a pass
+    const bool copied = count > 1;
+    float* columns = copied ? aligned_floats(t.columns, (size_t)dk * 8 * W) : nullptr;
+    for (int i = 0; copied && i < dk; i++)
         for (int w = 0; w < W; w++)
             _mm256_store_ps(columns + (i * W + w) * 8, _mm256_loadu_ps(s_in + (long)i * dv + j0 + 8 * w));
+    const long stride = copied ? 8 * W : dv;  // between key rows, in the copy or the state
     for (int n = 0; n < count; n++) {
         const DeltaRuleToken& token = tokens[n];
+        const float* state = copied ? columns : (n == 0 ? s_in : tokens[n - 1].s_out) + j0;
         const float *a = t.q_decayed.data() + (long)n * dk, *b = t.k_decayed.data() + (long)n * dk;
         const float* decay = t.decay.data() + (long)n * dk;
         __m256 ra[W], rb[W];
@@ -57,7 +61,7 @@ AVX2_FN void rule_columns(const DeltaRuleHead& h, const float* s_in, const Delta
         for (int i = 0; i < dk; i++) {
             __m256 ai = _mm256_set1_ps(a[i]), bi = _mm256_set1_ps(b[i]);
             for (int w = 0; w < W; w++) {
-                __m256 x = _mm256_load_ps(columns + (i * W + w) * 8);
+                __m256 x = _mm256_loadu_ps(state + i * stride + 8 * w);
                 ra[w] = _mm256_fmadd_ps(ai, x, ra[w]);
                 rb[w] = _mm256_fmadd_ps(bi, x, rb[w]);
             }
@@ -72,9 +76,9 @@ AVX2_FN void rule_columns(const DeltaRuleHead& h, const float* s_in, const Delta
         for (int i = 0; i < dk; i++) {
             __m256 di = _mm256_set1_ps(decay[i]), ki = _mm256_set1_ps(token.k[i]);
             for (int w = 0; w < W; w++) {
-                float* value = columns + (i * W + w) * 8;
-                const __m256 updated = _mm256_fmadd_ps(_mm256_load_ps(value), di, _mm256_mul_ps(ki, delta[w]));
-                _mm256_store_ps(value, updated);
+                const float* value = state + i * stride + 8 * w;
+                const __m256 updated = _mm256_fmadd_ps(_mm256_loadu_ps(value), di, _mm256_mul_ps(ki, delta[w]));
+                if (copied) _mm256_store_ps(columns + (i * W + w) * 8, updated);
                 if (written) _mm256_storeu_ps(token.s_out + (long)i * dv + j0 + 8 * w, updated);
             }
         }
