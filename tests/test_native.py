@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 # A stand-in for the compiler: it notes that it ran, takes a second, then writes the "library".
 FAKE_COMPILER = textwrap.dedent(
@@ -39,4 +40,4 @@ def test_processes_started_together_build_once_and_share_the_library(tmp_path):
     assert all(builder.returncode == 0 for builder in builders)
     assert (tmp_path / "runs.txt").read_text() == "built\n"  # the others waited for the first's library
     (path,) = paths
-    assert open(path).read() == "library"
+    assert Path(path).read_text() == "library"

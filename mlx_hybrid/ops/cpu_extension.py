@@ -47,7 +47,8 @@ ATTENTION = CpuKernel("attention", "attention.cpp")
 ROPE = CpuKernel("rotary embedding", "attention.cpp")  # attention's unit, a first-call check of its own
 GATED_PRODUCT = CpuKernel("gated products", "gated_product.cpp")
 INT8_PRODUCTS = CpuKernel(
-    "products with 8-bit activations", "int8_products.cpp",
+    "products with 8-bit activations",
+    "int8_products.cpp",
     "GGUF files' products take float32 activations instead of llama.cpp's 8-bit ones",
 )
 KERNELS = (QUANTIZED, LINEAR_ATTENTION, GATED_DELTA, CONV1D, NORMS, ATTENTION, ROPE, GATED_PRODUCT, INT8_PRODUCTS)
