@@ -98,9 +98,10 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
         }
         delta_rule_tokens({Dk, Dv, s.vector_gate}, io.state + state_at, tokens.data(), s.tokens, scratch);
         for (int t = 0; t < s.tokens; t++) {
-            float* y = io.out + (((long)b * s.tokens + t) * s.value_heads + h) * Dv;
+            const long value_head = ((long)b * s.tokens + t) * s.value_heads + h;
+            float* y = io.out + value_head * Dv;
             normalize_row(rms, tokens[t].out, io.norm_weight, y);
-            gate_values(y, io.gate + (((long)b * s.tokens + t) * s.value_heads + h) * Dv, y, Dv, s.sigmoid_gate);
+            gate_values(y, io.gate + value_head * Dv, y, Dv, s.sigmoid_gate);
         }
     }
 }
