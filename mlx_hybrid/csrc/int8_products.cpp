@@ -324,6 +324,14 @@ INT8_FN inline __m256i broadcast4(const void* p) {
     return _mm256_set1_epi32(v);
 }
 
+// Block b's (sc_j, m_j) of 8 weight rows (`row_codes` apart) as int16 pairs: groups[j] lane n is row
+// n's for group j
+INT8_FN inline void block_scales8(const int8_t* w_codes, long row_codes, int b, __m256i (&groups)[8]) {
+    for (int n = 0; n < 8; n++)
+        groups[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w_codes + n * row_codes + 16 * b)));
+    transpose8_epi32(groups);
+}
+
 // dot_row_q4_k's arithmetic for R rows of x and 8 weight rows at once (the matrix's rows n..n+7, each
 // `row_bytes`, `row_factors` and `row_codes` apart; out[r] gets x row r's 8 products), for prompts,
 // batches and verify passes: a block's sum per output is one exact integer, so it is taken with the 8
@@ -341,10 +349,8 @@ INT8_FN void dot_rows8_q4_k(const uint8_t* w, long row_bytes, const uint16_t* fa
     __m256 acc[R], acc_mins[R];
     for (int r = 0; r < R; r++) acc[r] = acc_mins[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m256i groups[8];  // then groups[j] lane n: weight row n's (sc_j, m_j) as int16
-        for (int n = 0; n < 8; n++)
-            groups[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w_codes + n * row_codes + 16 * b)));
-        transpose8_epi32(groups);
+        __m256i groups[8];
+        block_scales8(w_codes, row_codes, b, groups);
         uint16_t d_bits[8], minus_dmin_bits[8];
         for (int n = 0; n < 8; n++)
             d_bits[n] = factors[n * row_factors + 2 * b], minus_dmin_bits[n] = factors[n * row_factors + 2 * b + 1];
@@ -421,12 +427,8 @@ INT8_WIDE_FN void dot_rows16_q4_k_wide(const uint8_t* w, long row_bytes, const u
         __m512i groups[8];  // groups[j] lane n: weight row n's (sc_j, m_j) as int16
         {
             __m256i eight[2][8];
-            for (int half = 0; half < 2; half++) {
-                for (int n = 0; n < 8; n++)
-                    eight[half][n] = _mm256_cvtepi8_epi16(
-                        _mm_loadu_si128((const __m128i*)(w_codes + (8 * half + n) * row_codes + 16 * b)));
-                transpose8_epi32(eight[half]);
-            }
+            for (int half = 0; half < 2; half++)
+                block_scales8(w_codes + 8 * half * row_codes, row_codes, b, eight[half]);
             for (int j = 0; j < 8; j++)
                 groups[j] = _mm512_inserti64x4(_mm512_castsi256_si512(eight[0][j]), eight[1][j], 1);
         }
@@ -474,7 +476,8 @@ INT8_WIDE_FN void dot_rows16_q4_k_wide(const uint8_t* w, long row_bytes, const u
         for (int r = 0; r < R; r++) {
             __m512i mins = _mm512_setzero_si512();
             for (int j = 0; j < 8; j++) {
-                mins = _mm512_add_epi32(mins, _mm512_madd_epi16(groups[j], broadcast4_wide(x_sums[r] + 16 * b + 2 * j)));
+                mins = _mm512_add_epi32(mins,
+                                        _mm512_madd_epi16(groups[j], broadcast4_wide(x_sums[r] + 16 * b + 2 * j)));
             }
             const __m512 x_scale = _mm512_set1_ps(x_d[r][b]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, x_scale), acc[r]);

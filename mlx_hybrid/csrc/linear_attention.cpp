@@ -92,9 +92,10 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
         const int h = kh * ratio + r;
         const long state_at = ((long)b * s.value_heads + h) * state_size;
         for (int t = 0; t < s.tokens; t++) {
-            const float *q = rows + (long)t * row_floats, *g = value_head_at(t, r);
-            tokens[t] = {q, q + Dk, mixed + (long)t * unit_channels + 2 * Dk + r * Dv, g, g[gates],
-                         value_head_at(t, r) + gates + 1, io.states[s.snapshots ? t : 0] + state_at};
+            const float* q = rows + (long)t * row_floats;
+            float* g = value_head_at(t, r);  // g, then beta, then the rule's output
+            tokens[t] = {q, q + Dk, mixed + (long)t * unit_channels + 2 * Dk + r * Dv, g, g[gates], g + gates + 1,
+                         io.states[s.snapshots ? t : 0] + state_at};
         }
         delta_rule_tokens({Dk, Dv, s.vector_gate}, io.state + state_at, tokens.data(), s.tokens, scratch);
         for (int t = 0; t < s.tokens; t++) {
