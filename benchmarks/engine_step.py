@@ -3,6 +3,7 @@ GPU sees one.
 
     python benchmarks/engine_step.py                  # Qwen3.5-0.8B shape (launches), tiny widths (host)
     python benchmarks/engine_step.py --rows 1 8       # which batch sizes (default 1 and 8)
+    python benchmarks/engine_step.py --temp 0.8       # rows that sample (default greedy)
     python benchmarks/engine_step.py --mlx-lm bench_models/qwen3.5-0.8b   # mlx-lm's step beside ours
 
 --mlx-lm counts mlx-lm's decode step in the same run (`pip install mlx-lm`; the checkpoint from
@@ -121,14 +122,14 @@ def make_drafter(model, draft: str | None):
     return None
 
 
-def steady_engine(model, tokenizer, rows: int, draft: str | None) -> Engine:
+def steady_engine(model, tokenizer, rows: int, draft: str | None, temp: float) -> Engine:
     """An engine whose `rows` rows have read their prompts and decoded together for a few steps (plain rows
     overlap their passes where a GPU computes, as the engine does there)."""
     drafter = make_drafter(model, draft)
     k = drafter.default_draft_tokens if drafter is not None else 3
     engine = Engine(model, tokenizer, drafter, k, adaptive=False, max_batch=rows, prefix_store=PrefixStore(0))
     for row in range(rows):
-        engine.submit([3 + row] * (8 + row), max_tokens=10_000, stop_tokens=[])
+        engine.submit([3 + row] * (8 + row), max_tokens=10_000, stop_tokens=[], temp=temp, seed=row)
     for _ in range(rows + 3):
         engine.step()
     return engine
@@ -148,8 +149,8 @@ def held_arrays(engine: Engine) -> list[mx.array]:
     return [a for a in arrays if isinstance(a, mx.array)]
 
 
-def launches(model, tokenizer, rows: int, draft: str | None) -> tuple[int, DeviceUse]:
-    engine = steady_engine(model, tokenizer, rows, draft)
+def launches(model, tokenizer, rows: int, draft: str | None, temp: float) -> tuple[int, DeviceUse]:
+    engine = steady_engine(model, tokenizer, rows, draft, temp)
     use = DeviceUse(graphs=True)
     with use.counting():
         engine.step()
@@ -157,8 +158,8 @@ def launches(model, tokenizer, rows: int, draft: str | None) -> tuple[int, Devic
     return summary(use.nodes)["launches"], use
 
 
-def host_ms(model, tokenizer, rows: int, draft: str | None, repeats: int) -> float:
-    engine = steady_engine(model, tokenizer, rows, draft)
+def host_ms(model, tokenizer, rows: int, draft: str | None, temp: float, repeats: int) -> float:
+    engine = steady_engine(model, tokenizer, rows, draft, temp)
     times = []
     for _ in range(repeats):
         use = DeviceUse(graphs=False)
@@ -212,6 +213,7 @@ def main():
     p.add_argument("--shape", default="qwen3.5-0.8b", help="a shape of benchmarks/shapes.py for the launches")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--temp", type=float, default=0.0, help="the rows' temperature (0: greedy)")
     p.add_argument("--mlx-lm", metavar="CHECKPOINT", help="count mlx-lm's decode step too, on this checkpoint")
     args = p.parse_args()
     from shapes import SHAPES, random_model
@@ -222,8 +224,8 @@ def main():
         print(f"{'step':<18} {'rows':>4} {'launches':>9} {'waits':>6} {'queued':>7} {'host ms':>8}")
         for draft, name in DRAFTS.items():
             for rows in args.rows:
-                count, use = launches(model, tokenizer, rows, draft)
-                host = host_ms(tiny, tokenizer, rows, draft, args.repeats)
+                count, use = launches(model, tokenizer, rows, draft, args.temp)
+                host = host_ms(tiny, tokenizer, rows, draft, args.temp, args.repeats)
                 print(f"{name:<18} {rows:>4} {count:>9} {use.waits:>6} {use.queued:>7} {host:>8.2f}")
         for rows in args.rows if args.mlx_lm else ():
             count, use, host = mlx_lm_counts(args.mlx_lm, rows, args.repeats)

@@ -141,54 +141,131 @@ def _check(params, name: str, ok: bool, wanted: str):
 
 
 class Sampler:
-    """Samples from the filtered, tempered distribution; `temp == 0` is greedy. Its settings
-    are those of a `SamplingParams`, which checks them."""
+    """One request's random stream and the settings it samples with (those of a `SamplingParams`,
+    which checks them); `temp == 0` is greedy. It samples as `Samplers` samples its row."""
 
     def __init__(self, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None):
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed)  # the random stream's position (a discarded pass sets it back)
+        self._key_row = None  # (keys [R, 2], r, keys[r]) where `key` is row r of a `Samplers`' keys
 
     @property
     def greedy(self) -> bool:
         return self.temp == 0
 
-    def next_key(self):
-        self.key, key = mx.random.split(self.key)
-        return key
-
     def log_probs(self, logits: mx.array) -> mx.array:
-        """Log-probabilities [..., V] of the distribution `sample` draws from."""
-        logits = logits.astype(mx.float32) / self.temp
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        keep = mx.ones(logprobs.shape, dtype=mx.bool_)
-        if self.top_k and self.top_k < logits.shape[-1]:
-            kth = mx.sort(logprobs, axis=-1)[..., -self.top_k][..., None]
-            keep = keep & (logprobs >= kth)
-        if self.top_p < 1.0:
-            order = mx.argsort(-logprobs, axis=-1)
-            sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
-            # keep a token if the mass before it is below top_p (the first always stays)
-            before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-            keep_sorted = before < self.top_p
-            inverse = mx.argsort(order, axis=-1)
-            keep = keep & mx.take_along_axis(keep_sorted, inverse, axis=-1)
-        if self.min_p > 0.0:
-            top = logprobs.max(axis=-1, keepdims=True)
-            keep = keep & (logprobs >= top + mx.log(mx.array(self.min_p)))
-        filtered = mx.where(keep, logprobs, -mx.inf)
-        return filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
+        """Log-probabilities [..., V] of the distribution `draw` draws from."""
+        return Samplers([self]).log_probs(logits[None])[0]
 
     def __call__(self, logits: mx.array) -> mx.array:
         """Tokens [...] for logits [..., V]."""
-        if self.greedy:
-            return mx.argmax(logits, axis=-1)
-        return self.draw(self.log_probs(logits))
+        return Samplers([self]).sample(logits[None])[0]
 
     def draw(self, logprobs: mx.array, key: mx.array | None = None) -> mx.array:
-        """Tokens [...] drawn from log-probabilities [..., V] with the next key (or `key`); a single
-        row draws the same token whether it comes as [V] or [1, V] (MLX's draw depends on the shape)."""
-        rows = logprobs.reshape(-1, logprobs.shape[-1])
-        key = self.next_key() if key is None else key
-        return mx.random.categorical(rows, key=key).reshape(logprobs.shape[:-1])
+        """Tokens [...] drawn from log-probabilities [..., V] with the next key (or `key`)."""
+        samplers = Samplers([self])
+        return samplers.draw(logprobs[None], samplers.take_keys() if key is None else key[None])[0]
+
+
+class Samplers:
+    """Several rows' samplers as one: their settings as columns and their keys as one array [R, 2], so
+    that a pass samples all its rows in the same few operations whatever their number (a GPU's launches
+    do not grow with the rows). Each operation on row r computes what it computes for that row alone,
+    bit for bit: a request samples the same tokens alone or in a batch."""
+
+    def __init__(self, samplers: list[Sampler]):
+        self.members = list(samplers)
+        self.greedy = all(s.greedy for s in self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def keys(self) -> mx.array:
+        """The rows' random keys [R, 2]: the array they are rows of, where the last `Samplers` over these
+        rows in this order left them (no copy), else stacked."""
+        first = self.members[0]._key_row
+        if first is not None and first[0].shape[0] == len(self.members):
+            same = all(
+                s._key_row is not None and s._key_row[0] is first[0] and s._key_row[1] == r and s.key is s._key_row[2]
+                for r, s in enumerate(self.members)
+            )
+            if same:
+                return first[0]
+        return mx.stack([s.key for s in self.members])
+
+    def set_keys(self, keys: mx.array):
+        """Each row's stream continues from its row of keys [R, 2]."""
+        for r, sampler in enumerate(self.members):
+            sampler.key = keys[r]
+            sampler._key_row = (keys, r, sampler.key)
+
+    def take_keys(self) -> mx.array:
+        """The next key of every row's stream [R, 2] (one split of each), the streams moved past it."""
+        streams, taken = split_keys(self.keys())
+        self.set_keys(streams)
+        return taken
+
+    def column(self, values: list, like: mx.array, dtype=mx.float32) -> mx.array:
+        """Per-row values as [R, 1, ...] against `like` [R, ..., V]."""
+        return mx.array(values, dtype).reshape(-1, *[1] * (like.ndim - 1))
+
+    def log_probs(self, logits: mx.array) -> mx.array:
+        """Each row's log-probabilities [R, ..., V] after its temperature (a greedy row's: 1), top-k, top-p
+        and min-p; a filter enters the graph where some row asks for it, and leaves the other rows' values
+        as they are."""
+        members, vocab = self.members, logits.shape[-1]
+        temps = [s.temp if not s.greedy else 1.0 for s in members]
+        logits = logits.astype(mx.float32) / self.column(temps, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        keep = None
+        if any(0 < s.top_k < vocab for s in members):
+            kept = [s.top_k if 0 < s.top_k < vocab else vocab for s in members]
+            at = mx.broadcast_to(self.column([vocab - k for k in kept], logits, mx.int32), (*logits.shape[:-1], 1))
+            keep = logprobs >= mx.take_along_axis(mx.sort(logprobs, axis=-1), at, axis=-1)
+        if any(s.top_p < 1.0 for s in members):
+            order = mx.argsort(-logprobs, axis=-1)
+            sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
+            # keep a token if the mass before it is below top_p (the first always stays; top_p 1: all)
+            before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+            keep_sorted = before < self.column([s.top_p if s.top_p < 1.0 else mx.inf for s in members], logits)
+            top_p = mx.take_along_axis(keep_sorted, mx.argsort(order, axis=-1), axis=-1)
+            keep = top_p if keep is None else keep & top_p
+        if any(s.min_p > 0.0 for s in members):
+            top = logprobs.max(axis=-1, keepdims=True)
+            min_p = logprobs >= top + mx.log(self.column([s.min_p for s in members], logits))
+            keep = min_p if keep is None else keep & min_p
+        filtered = logprobs if keep is None else mx.where(keep, logprobs, -mx.inf)
+        return filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
+
+    def draw(self, logprobs: mx.array, keys: mx.array) -> mx.array:
+        """Tokens [R, ...] drawn from log-probabilities [R, ..., V], row r with keys[r] (the Gumbel-max
+        draw: the same token for a row whatever the other rows)."""
+        shape = logprobs.shape[1:]
+        noise = mx.vmap(lambda key: mx.random.gumbel(shape=shape, key=key))(keys)
+        return mx.argmax(logprobs + noise, axis=-1)
+
+    def sample(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
+        """Tokens [R, ...] for logits [R, ..., V]: greedy rows their argmax, the others drawn from their
+        `log_probs` (given, or computed here), every row's stream moved one key on."""
+        argmax = mx.argmax(logits, axis=-1)
+        if self.greedy:
+            return argmax
+        drawn = self.draw(self.log_probs(logits) if logprobs is None else logprobs, self.take_keys())
+        greedy = [s.greedy for s in self.members]
+        if not any(greedy):
+            return drawn
+        return mx.where(self.column(greedy, drawn, mx.bool_), argmax, drawn)
+
+
+def split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:
+    """Each key of keys [R, 2] split in two, as `mx.random.split` splits one: (the streams, the keys taken)."""
+    pairs = mx.vmap(mx.random.split)(keys)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def row_items(x: mx.array, index: mx.array) -> mx.array:
+    """x[r, index[r]] for every row r of x [R, m, ...] (index [R]): one gather, whatever the rows."""
+    at = index.reshape(-1, *[1] * (x.ndim - 1))
+    return mx.take_along_axis(x, mx.broadcast_to(at, (x.shape[0], 1, *x.shape[2:])), axis=1)[:, 0]

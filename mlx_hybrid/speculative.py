@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .errors import GenerationError
+from .sampling import row_items, split_keys
 
 
 def keep_snapshot_buffers(cache, num_draft_tokens: int):
@@ -120,51 +121,49 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     return drafts[:a] + [targets[a]]
 
 
-def sampled_round(sampler, drafts: mx.array, marked: mx.array, draft_logprobs: list, target_logprobs) -> mx.array:
-    """Speculative sampling (Leviathan et al., Chen et al.): the output follows the target exactly.
-    drafts [n] (int32, lazy) as the pass read them, and `marked`, the same with their p-min verdicts
-    (`drafting.unmarked`): the round's drafts are those before the first unsure one, u of them.
-    draft_logprobs: per draft, the drafter's distribution [V] (None: a point mass); target_logprobs
-    [n + 1, V]: the model's at each position. Built on the device, read with the pass's other values:
-    [a, token], the drafts accepted and the model's token after them.
+def sampled_rounds(samplers, drafts: mx.array, marked: mx.array, draft_probs, target_logprobs) -> mx.array:
+    """Speculative sampling (Leviathan et al., Chen et al.) for S rows at once: each row's output follows
+    the target exactly. drafts [S, n] (int32, lazy) as the pass read them, and `marked`, the same with
+    their p-min verdicts (`drafting.unmarked`): a row's round is its drafts before the first unsure one,
+    u of them (a row with fewer drafts than n is padded with unsure ones). draft_probs [S, n, V]: the
+    distributions each draft was drawn from (a point mass: its one-hot), None where n is 0;
+    target_logprobs [S, n + 1, V]: the model's at each position. samplers: the rows' `Samplers`. Built on
+    the device, read with the pass's other values: [S, 2], each row's [a, token], the drafts accepted and
+    the model's token after them.
 
     The rule, draft by draft: accept d_i with probability min(1, p(d_i) / q(d_i)), with u_i from the
-    sampler's next key; at the first rejection a token from the residual max(p - q, 0) (p without d_i
-    for a point mass) with the key after, else the bonus token from position u's p. Every draft's test
-    and residual is computed and the first rejection chosen on the device; the keys are the ones a
-    draft-by-draft loop takes, and the sampler's key is left where that loop leaves it."""
-    n = drafts.size
-    states, keys = [sampler.key], []  # the stream after each key taken, and the keys
+    row's next key; at the first rejection a token from the residual max(p - q, 0) with the key after,
+    else the bonus token from position u's p. Every draft's test and residual is computed and the first
+    rejection chosen on the device; the keys are the ones a draft-by-draft loop takes, and each row's
+    stream is left where that loop leaves it. Every step is one operation over all rows."""
+    n = drafts.shape[1]
+    states, keys = [samplers.keys()], []  # the streams after each key taken, and the keys [S, 2]
     for _ in range(n + 1):
-        state, key = mx.random.split(states[-1])
+        state, key = split_keys(states[-1])
         states.append(state)
         keys.append(key)
-    keys = mx.stack(keys)
-    sure = mx.cumprod(marked >= 0).sum().astype(mx.int32) if n else mx.array(0, mx.int32)
-    token = sampler.draw(target_logprobs[sure][None], key=keys[sure]).reshape(1)  # all accepted: the bonus
-    accepted = sure
+    keys, states = mx.stack(keys, axis=1), mx.stack(states, axis=1)  # [S, n + 1, 2], [S, n + 2, 2]
+    sure = mx.cumprod(marked >= 0, axis=1).sum(axis=1).astype(mx.int32) if n else mx.zeros(len(samplers), mx.int32)
+    bonus = samplers.draw(row_items(target_logprobs, sure), row_items(keys, sure))  # all accepted: the bonus token
+    accepted, token = sure, bonus
     if n:
-        p = mx.exp(target_logprobs[:n])
-        p_drafts = mx.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]
-        q = [mx.exp(q) if q is not None else None for q in draft_logprobs]
-        q_drafts = mx.stack([qi[drafts[i]] if qi is not None else mx.array(1.0) for i, qi in enumerate(q)])
-        u = mx.stack([mx.random.uniform(key=keys[i]) for i in range(n)])
-        accepted = mx.minimum(mx.cumprod(u * q_drafts < p_drafts).sum().astype(mx.int32), sure)
-        residuals = mx.stack([
-            mx.maximum(p[i] - qi, 0.0) if qi is not None else mx.where(mx.arange(p.shape[-1]) == drafts[i], 0.0, p[i])
-            for i, qi in enumerate(q)
-        ])  # fmt: skip
+        p = mx.exp(target_logprobs[:, :n])
+        p_drafts = mx.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+        q_drafts = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+        u = mx.vmap(mx.vmap(lambda key: mx.random.uniform(key=key)))(keys[:, :n])
+        accepted = mx.minimum(mx.cumprod(u * q_drafts < p_drafts, axis=1).sum(axis=1).astype(mx.int32), sure)
         rejected_at = mx.minimum(accepted, n - 1)
-        fallback = sampler.draw(mx.log(residuals[rejected_at][None]), key=keys[rejected_at + 1])
-        token = mx.where(accepted < sure, fallback.reshape(1), token)
+        residual = mx.maximum(row_items(p, rejected_at) - row_items(draft_probs, rejected_at), 0.0)
+        fallback = samplers.draw(mx.log(residual), row_items(keys, rejected_at + 1))
+        token = mx.where(accepted < sure, fallback, bonus)
     # the stream after the keys the loop takes: a + 1 tests and the fallback, or u tests and the bonus
-    sampler.key = mx.stack(states)[mx.where(accepted < sure, accepted + 2, sure + 1)]
-    return mx.concatenate([accepted.reshape(1), token.astype(mx.int32)])
+    samplers.set_keys(row_items(states, mx.where(accepted < sure, accepted + 2, sure + 1)))
+    return mx.stack([accepted, token.astype(mx.int32)], axis=1)
 
 
 def accept(drafts: list[int], round_values: list[int], greedy: bool) -> list[int]:
     """A round's tokens from what the pass read: greedy, the model's argmax at each position
-    (`round_values`); sampling, `sampled_round`'s [a, token]."""
+    (`round_values`); sampling, its row of `sampled_rounds`' [a, token]."""
     if greedy:
         return accept_greedy(drafts, round_values)
     accepted, token = round_values

@@ -141,6 +141,24 @@ def test_sampled_rows_draw_what_a_single_run_with_their_seed_draws(draft):
     assert greedy_neighbour.tokens == single_greedy("qwen3next", "model.gguf", prompts[0])
 
 
+@pytest.mark.parametrize("draft", [None, "mtp"])
+def test_sampling_rows_add_no_launches_per_row(draft):
+    """A step of rows that sample launches what the same rows launch greedy plus a fixed number for the
+    sampling (counted on the GPU path, as `benchmarks/engine_step.py` counts): the rows' settings, random
+    keys, drafts' distributions and acceptance tests go through each op together, whatever the rows.
+    Once each row built its own (8 rows drafting with MTP: 2611 launches, against 716 for one). (A
+    DFlash drafter's sampling rows still draft alone: together, their drafts would round otherwise than
+    alone, and a sampling row is to draw what it draws alone.)"""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from engine_step import launches
+    from step_graph import gpu_path_graph
+
+    model, tokenizer = load_fixture("qwen35", "model.gguf")
+    with gpu_path_graph():
+        counts = {(r, t): launches(model, tokenizer, r, draft, t)[0] for r in (1, 4) for t in (0.0, 0.8)}
+    assert counts[4, 0.8] - counts[4, 0.0] == counts[1, 0.8] - counts[1, 0.0], counts
+
+
 def test_batch_generate_returns_each_prompts_text():
     model, tok = load_fixture("qwen35", "hf")
     prompts = ["def add(a, b):", "import os\n", "class Point:"]

@@ -5,12 +5,14 @@ compute distributions."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import NamedTuple
 
 import mlx.core as mx
 
 from ..errors import GenerationError
+from ..sampling import Samplers, row_items
 
 # Default confidence under which a drafter stops drafting (see speculative.DraftingPolicy for
 # the acceptance-driven part of adaptive drafting). A low floor: it stops drafts from a
@@ -31,27 +33,20 @@ class DraftHead:
             self.ids = mx.array(vocabulary, dtype=mx.int32)
             self.project = model.vocabulary_head(self.ids)
 
-    def draw(self, x: mx.array, samplers: list, allowed: list | None = None):
-        """For x [1, R, E], one row per sampler: (tokens [R], per row the log-distribution over
-        the whole vocabulary or None, top probabilities [R]). allowed: per row None or the
-        tokens [V] (bool) it may draw (a grammar's); a row that allows none of the head's is
-        drawn unmasked (its draft will be cut)."""
+    def draw(self, x: mx.array, samplers: Samplers, allowed: list | None = None):
+        """For x [1, R, E], one row per sampler: (tokens [R], the log-distributions [R, V] over the whole
+        vocabulary that the rows drew from (None where every row is greedy), top probabilities [R]), all
+        rows in the same operations. allowed: per row None or the tokens [V] (bool) it may draw (a
+        grammar's); a row that allows none of the head's is drawn unmasked (its draft will be cut)."""
         logits = self.project(x)[0].astype(mx.float32)
         if allowed is not None and any(mask is not None for mask in allowed):
             logits = mx.where(self._allowed_rows(allowed), logits, -mx.inf)
-        if all(sampler.greedy for sampler in samplers):
-            index = mx.argmax(logits, axis=-1)
+        if samplers.greedy:
             tops = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
-            logprobs = [None] * len(samplers)
-        else:
-            indices, top_list, logprobs = [], [], []
-            for row, sampler in zip(logits, samplers):
-                row_logprobs = sampler.log_probs(row)
-                indices.append(mx.argmax(row, axis=-1) if sampler.greedy else sampler.draw(row_logprobs))
-                top_list.append(mx.exp(row_logprobs.max()))
-                logprobs.append(None if sampler.greedy else self._whole_vocabulary(row_logprobs))
-            index, tops = mx.stack(indices), mx.stack(top_list)
-        return self.tokens(index), logprobs, tops
+            return self.tokens(mx.argmax(logits, axis=-1)), None, tops
+        logprobs = samplers.log_probs(logits)
+        index = samplers.sample(logits, logprobs)
+        return self.tokens(index), self._whole_vocabulary(logprobs), mx.exp(logprobs.max(axis=-1))
 
     def draw_greedy(self, x: mx.array, p_min: float) -> tuple[mx.array, mx.array]:
         """For x [1, R, E]: each row's most likely token [R] (int32), and the same tokens marked with
@@ -82,11 +77,11 @@ class DraftHead:
         return masks | ~masks.any(axis=-1, keepdims=True)
 
     def _whole_vocabulary(self, logprobs: mx.array) -> mx.array:
-        """The acceptance rule needs q over the whole vocabulary."""
+        """The acceptance rule needs q over the whole vocabulary: logprobs [..., V_head] -> [..., V]."""
         if self.ids is None:
             return logprobs
-        full = mx.full((self.vocab_size,), -mx.inf, dtype=mx.float32)
-        full[self.ids] = logprobs
+        full = mx.full((*logprobs.shape[:-1], self.vocab_size), -mx.inf, dtype=mx.float32)
+        full[..., self.ids] = logprobs
         return full
 
 
@@ -246,6 +241,23 @@ class GroupRow(NamedTuple):
     row: int
 
 
+@dataclass(frozen=True)
+class DraftDistributions:
+    """The distributions a row's drafts were drawn from, kept as its drafting group's: log-probabilities
+    [R, k, V] over the whole vocabulary, this row's at `row`, the first `count` of them its drafts'. It
+    is cut as the row's drafts are (`[:m]`), and lets the engine gather a pass's sampling rows' at once."""
+
+    logprobs: mx.array
+    row: int
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, cut: slice) -> DraftDistributions:
+        return replace(self, count=len(range(self.count)[cut]))
+
+
 class _ConfidentDrafting(Drafter):
     """The loop shared by drafters that compute distributions: draw, stop below p-min, feed.
 
@@ -291,7 +303,7 @@ class _ConfidentDrafting(Drafter):
             allowed = None
             if any(masks[r] is not None for r in active):  # the grammar reads the drafts' values
                 allowed = [masks[r] and masks[r](_values(drafts[r][0])) for r in active]
-            tokens, logprobs, tops = head.draw(x, [samplers[r] for r in active], allowed)
+            tokens, logprobs, tops = head.draw(x, Samplers([samplers[r] for r in active]), allowed)
             if p_min > 0:
                 mx.eval(tokens, tops)  # deciding whether to go on needs the values now
                 confident = (tops >= p_min).tolist()
@@ -301,7 +313,7 @@ class _ConfidentDrafting(Drafter):
             for i, row in enumerate(active):
                 if confident[i]:
                     drafts[row][0].append(tokens[i : i + 1])
-                    drafts[row][1].append(logprobs[i])
+                    drafts[row][1].append(None if samplers[row].greedy else logprobs[i])
                     if len(drafts[row][0]) < ks[row]:
                         going.append(i)
             if not going:
@@ -321,31 +333,36 @@ class _ConfidentDrafting(Drafter):
         with the pass's own: one wait a round, where deciding here waited after every draft. A
         sampling row's random stream is set back, on the device, to where stopping at that draft
         would have left it (its draws past it are discarded)."""
-        head, greedy = drafters[0].head, all(s.greedy for s in samplers)
-        tokens, marked, logprobs, streams = [], [], [], [[s.key] for s in samplers]
+        head, group = drafters[0].head, Samplers(samplers)
+        tokens, marked, logprobs, streams = [], [], [], [group.keys()]
         x = cls._open(drafters)
         for _ in range(max(ks)):
             if tokens:
                 x = cls._feed(drafters, tokens[-1])
                 for drafter in drafters:
                     drafter.fed_drafts += 1
-            if greedy:
+            if group.greedy:
                 drawn, drawn_marked = head.draw_greedy(x, p_min)
-                drawn_logprobs = [None] * len(drafters)
             else:
-                drawn, drawn_logprobs, tops = head.draw(x, samplers, None)
+                drawn, drawn_logprobs, tops = head.draw(x, group, None)
                 drawn_marked = _marked_by(tops, p_min, drawn) if p_min > 0 else drawn
-                for stream, sampler in zip(streams, samplers):
-                    stream.append(sampler.key)
+                logprobs.append(drawn_logprobs)
+                streams.append(group.keys())
             tokens.append(drawn)
             marked.append(drawn_marked)
-            logprobs.append(drawn_logprobs)
-        for row, (drafter, sampler, k) in enumerate(zip(drafters, samplers, ks)):
+        for row, drafter in enumerate(drafters):
             drafter.drafted_columns = GroupRow(marked, row)
-            if not sampler.greedy:  # the draws a draft-by-draft loop makes: up to the first unsure one
-                sure = mx.cumprod(mx.concatenate([column[row : row + 1] >= 0 for column in marked[:k]])).sum()
-                sampler.key = mx.stack(streams[row])[mx.minimum(sure + 1, k)]
+        if group.greedy:
+            return [([column[row : row + 1] for column in tokens[:k]], [None] * k) for row, k in enumerate(ks)]
+        # each row's stream where a draft-by-draft loop leaves it: past its draws up to its first unsure one
+        limits = mx.array(ks, mx.int32)
+        sure = mx.cumprod((mx.stack(marked, axis=1) >= 0) & (mx.arange(max(ks)) < limits[:, None]), axis=1)
+        group.set_keys(row_items(mx.stack(streams, axis=1), mx.minimum(sure.sum(axis=1) + 1, limits)))
+        distributions = mx.stack(logprobs, axis=1)  # [R, max(ks), V]
         return [
-            ([column[row : row + 1] for column in tokens[:k]], [step[row] for step in logprobs[:k]])
-            for row, k in enumerate(ks)
+            (
+                [column[row : row + 1] for column in tokens[:k]],
+                [None] * k if sampler.greedy else DraftDistributions(distributions, row, k),
+            )
+            for row, (k, sampler) in enumerate(zip(ks, samplers))
         ]

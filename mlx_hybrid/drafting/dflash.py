@@ -11,7 +11,17 @@ import numpy as np
 from ..errors import GenerationError
 from ..parallel import PIPELINE
 from ..row_caches import KVRowsPass
-from .base import DraftHead, Drafter, GroupRow, StateSpan, _join as _joined, _marked, _marked_by, check_draft_p_min
+from .base import (
+    DraftDistributions,
+    DraftHead,
+    Drafter,
+    GroupRow,
+    StateSpan,
+    _join as _joined,
+    _marked,
+    _marked_by,
+    check_draft_p_min,
+)
 
 
 class DFlashDrafter(Drafter):
@@ -111,7 +121,7 @@ class DFlashDrafter(Drafter):
             sampler, k, head = samplers[0], ks[0], first.head
             distribution = sampler.log_probs(logits[0])
             drafts = marked = head.tokens(sampler.draw(distribution))[None]  # the block's positions, one key
-            logprobs = [[head._whole_vocabulary(distribution[j]) for j in range(k)]]
+            logprobs = [DraftDistributions(head._whole_vocabulary(distribution)[None], 0, k)]
             if first.draft_p_min > 0:
                 marked = _marked_by(mx.exp(distribution.max(axis=-1)), first.draft_p_min, drafts)
         columns = [marked[:, j] for j in range(max(ks))]

@@ -19,8 +19,9 @@ import mlx.core as mx
 from .. import ops
 from ..cache import marks, packed, record_snapshots
 from ..drafting import draft_rows, sure_drafts, unmarked
-from ..drafting.base import StateSpan
-from ..speculative import accept, sampled_round
+from ..drafting.base import DraftDistributions, StateSpan
+from ..sampling import Samplers
+from ..speculative import accept, sampled_rounds
 from .prompt_images import join_inserted
 from .rows import Ahead, Row
 
@@ -249,7 +250,7 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
     ]
     # the model's choice at every position in one op (a row whose processor changed its scores: its own)
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if logits is not None else None
-    rounds = _read_rounds(batch, scores, argmax, bounds)
+    rounds = _read_rounds(batch, logits, scores, argmax, bounds)
     choices = []
     for row, feed, x, round_ in zip(rows, batch.feeds, row_logits, rounds):
         if row.prefilling:
@@ -279,40 +280,106 @@ def _ends_prompt(row: Row, fed_now: int) -> bool:
     return len(row.fed) + fed_now == len(row.sequence.prompt)
 
 
-def _read_rounds(batch: Batch, scores: list, argmax: mx.array | None, bounds: list[int]) -> list:
+def _read_rounds(batch: Batch, logits: mx.array, scores: list, argmax: mx.array | None, bounds: list[int]) -> list:
     """Per decoding row (None for the others), its drafts and what decides them, in one host sync:
     greedy, the model's argmax at every position (where the drafter marked its drafts with p-min
     verdicts, the drafts up to the first unsure one); sampling, the speculative sampling rule's
-    [accepted, token] (`sampled_round`). One read of the pass's marked ids, the argmax at every
-    chosen position (`bounds`: each row's there), each processed greedy row's own argmax and each
-    sampling row's round; the sampling rows' random streams are queued with it."""
+    [accepted, token] (`sampled_rounds`, all sampling rows at once). One read of the pass's marked ids,
+    the argmax at every chosen position (`bounds`: each row's there), each processed greedy row's own
+    argmax and the sampling rows' rounds; their random streams are queued with it."""
     rows = batch.rows
     decoding = [i for i, row in enumerate(rows) if not row.prefilling]
     rounds = [None] * len(rows)
     if not decoding:
         return rounds
     parts, starts = [batch.marked, argmax], {}  # where each row's values start in the read
+    sampling = [i for i in decoding if not rows[i].sampler.greedy]
     for i in decoding:
-        row, (s, e) = rows[i], batch.spans[i]
-        if row.sampler.greedy and row.processor is None:
-            starts[i] = batch.marked.size + bounds[i]
-            continue
-        starts[i] = sum(part.size for part in parts)
-        if row.sampler.greedy:
+        if rows[i].sampler.greedy and rows[i].processor is not None:
+            starts[i] = sum(part.size for part in parts)
             parts.append(mx.argmax(scores[i], axis=-1).astype(mx.int32))
-        else:
-            logprobs = row.sampler.log_probs(scores[i])
-            drafts, marked = batch.ids[s + 1 : e], batch.marked[s + 1 : e]
-            parts.append(sampled_round(row.sampler, drafts, marked, batch.asked[row][1], logprobs))
-    streams = [rows[i].sampler.key for i in decoding if not rows[i].sampler.greedy]
-    if streams:
-        mx.async_eval(streams)
+        elif rows[i].sampler.greedy:
+            starts[i] = batch.marked.size + bounds[i]
+    if sampling:
+        at = sum(part.size for part in parts)
+        starts.update({i: at + 2 * s for s, i in enumerate(sampling)})
+        samplers = Samplers([rows[i].sampler for i in sampling])
+        parts.append(_sampled_rounds(batch, sampling, samplers, logits, scores, bounds).reshape(-1))
+        mx.async_eval(samplers.keys())
     flat = mx.concatenate(parts).tolist()
     for i in decoding:
         (s, e), at = batch.spans[i], starts[i]
         drafts = sure_drafts(flat[s + 1 : e])
         rounds[i] = (drafts, flat[at : at + (len(drafts) + 1 if rows[i].sampler.greedy else 2)])
     return rounds
+
+
+def _sampled_rounds(batch: Batch, sampling: list[int], samplers: Samplers, logits: mx.array, scores: list,
+                    bounds: list[int]) -> mx.array:  # fmt: skip
+    """The sampling rows' rounds [S, 2] (`sampled_rounds`) in operations that do not grow with the rows:
+    their drafts padded to the longest (the padding marked unsure), their positions' scores gathered from
+    the pass's logits (or, where a row's processor made its own, from those side by side), their drafts'
+    distributions gathered by drafting group (`_draft_probabilities`)."""
+    spans = [batch.spans[i] for i in sampling]
+    counts = [e - s - 1 for s, e in spans]
+    n = max(counts)
+    if all(batch.rows[i].processor is None for i in sampling):
+        source, firsts = logits, [bounds[i] for i in sampling]
+    else:
+        source, firsts = (
+            mx.concatenate([scores[i] for i in sampling]),
+            list(accumulate([0] + counts[:-1], lambda a, c: a + c + 1)),
+        )
+    positions = mx.array([[first + min(j, c) for j in range(n + 1)] for first, c in zip(firsts, counts)])
+    target = samplers.log_probs(source[positions])  # [S, n + 1, V]
+    if not n:
+        drafts = mx.zeros((len(sampling), 0), mx.int32)
+        return sampled_rounds(samplers, drafts, drafts, None, target)
+    # each draft's position in the pass; a row's padding repeats a position of its own (ids, not read)
+    fed = mx.array([[s + min(j + 1, c) for j in range(n)] for (s, _), c in zip(spans, counts)])
+    padding = mx.array([[j >= c for j in range(n)] for c in counts])
+    drafts, marked = batch.ids[fed], mx.where(padding, -1, batch.marked[fed])
+    distributions = [batch.asked[batch.rows[i]][1] for i in sampling]
+    return sampled_rounds(
+        samplers, drafts, marked, _draft_probabilities(distributions, drafts, target.shape[-1]), target
+    )
+
+
+def _draft_probabilities(distributions: list, drafts: mx.array, vocab: int) -> mx.array:
+    """The sampling rows' draft distributions as probabilities [S, n, V]: the rows of a drafting group
+    (`DraftDistributions` of one array) in one gather, a row that drafted alone (a list of [V]) its own,
+    a point mass (a list of None) its draft's one-hot."""
+    rows, n = drafts.shape
+    sources, order, point_masses = {}, [], []  # id(array) -> (array, its rows' indices there)
+    for r, q in enumerate(distributions):
+        if isinstance(q, DraftDistributions):
+            array, index = q.logprobs, q.row
+        elif len(q) and q[0] is not None:
+            array, index = mx.stack(list(q))[None], 0
+        else:
+            point_masses.append(r)
+            continue
+        sources.setdefault(id(array), (array, []))[1].append(index)
+        order.append(r)
+    parts = []
+    for array, indices in sources.values():
+        taken = array if indices == list(range(array.shape[0])) else array[mx.array(indices)]
+        width = taken.shape[1]
+        if width < n:
+            taken = mx.concatenate([taken, mx.full((taken.shape[0], n - width, vocab), -mx.inf)], axis=1)
+        parts.append(taken[:, :n])
+    if point_masses:
+        parts.append(mx.full((len(point_masses), n, vocab), -mx.inf))
+    logprobs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    order += point_masses
+    if order != list(range(rows)):
+        logprobs = logprobs[mx.array([order.index(r) for r in range(rows)])]
+    probs = mx.exp(logprobs)
+    if not point_masses:
+        return probs
+    one_hot = mx.arange(vocab) == drafts[..., None]
+    is_point = mx.array([r in point_masses for r in range(rows)]).reshape(-1, 1, 1)
+    return mx.where(is_point, one_hot.astype(mx.float32), probs)
 
 
 def queue_plain_pass(model, rows: list[Row], feeds: list[mx.array]):
@@ -322,10 +389,9 @@ def queue_plain_pass(model, rows: list[Row], feeds: list[mx.array]):
     caches = packed([row.cache for row in rows], [1] * len(rows))
     hidden = model.hidden_states(mx.concatenate(feeds).astype(mx.int32)[None], caches)
     logits = model.logits_from_hidden(hidden)[0]
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # every greedy row's token, in one op
+    tokens = Samplers([row.sampler for row in rows]).sample(logits).astype(mx.int32)  # every row's, at once
     for i, (row, ahead) in enumerate(zip(rows, aheads)):
         ahead.logits, ahead.hidden = logits[i : i + 1], hidden[:, i : i + 1]
-        chosen = greedy[i : i + 1] if row.sampler.greedy else row.sampler(ahead.logits)
-        ahead.token = chosen.reshape(1).astype(mx.int32)
+        ahead.token = tokens[i : i + 1]
         row.ahead = ahead
     mx.async_eval([ahead.token for ahead in aheads])
