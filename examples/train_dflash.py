@@ -20,6 +20,13 @@ where they fit (`--init-from`):
         --init-from runs/dflash/drafter
     python examples/train_dflash.py --out runs/dflash --target-layers 1 5 7 --export-only --install
 
+A DFlash2 drafter (convolutions of kernel 4 over groups of 32 channels, a selector of rank 64 over the
+top 8) starts from the bundled drafter, its convolutions the identity, and its selector learns along
+the true path (docs/speculative.md has what it gave):
+
+    python examples/train_dflash.py --out runs/dflash2 --minutes 35 --generate-minutes 5 --lr 1e-3 \
+        --target-layers 1 5 7 --init-from mlx_hybrid/data/tiny-qwen35-dflash --dflash2 4 32 8 64
+
 Seeded; the drafter is written every --save-every steps and at the end (`--resume` continues, with a
 fresh optimizer). Outputs: `runs/dflash/drafter/` in z-lab's directory layout (config.json,
 model.safetensors); --install copies it into the package beside the bundled model, where
@@ -58,16 +65,34 @@ from train_tiny import compiled_train_step, corpus_files, learning_rate, tokeniz
 MASK_TOKEN = "<|im_start|>"  # never in the training text: the bundled vocabulary has no spare id
 
 
-def drafter_args(target, tokenizer, layers: int, block: int, layer_ids: list[int] | None) -> DFlashArgs:
+def drafter_args(target, tokenizer, layers: int, block: int, layer_ids: list[int] | None,
+                 dflash2: tuple[int, int, int, int] | None = None) -> DFlashArgs:  # fmt: skip
+    """dflash2: (convolution kernel, channels a group, selector top-k, selector rank), or None for DFlash."""
     trunk = target.args
     layer_ids = layer_ids or target_layer_ids(len(target.layers), layers)
+    kernel, group, top_k, rank = dflash2 or (0, 0, 0, 0)
     return DFlashArgs(
         hidden_size=trunk.hidden_size, intermediate_size=trunk.intermediate_size, num_hidden_layers=layers,
         num_attention_heads=trunk.num_attention_heads, num_key_value_heads=trunk.num_key_value_heads,
         head_dim=trunk.head_dim, rms_norm_eps=trunk.rms_norm_eps, rope_theta=trunk.rope_theta,
         vocab_size=trunk.vocab_size, target_layer_ids=layer_ids,
         block_size=block, mask_token_id=tokenizer.token_to_id(MASK_TOKEN),
+        conv_kernel_size=kernel, conv_group_size=group, selector_top_k=top_k, selector_rank=rank,
     )  # fmt: skip
+
+
+def identity_convolutions(drafter: DFlashDraftModel):
+    """DFlash2's convolutions as the identity (the current position's tap 1, every other weight 0), so that
+    a DFlash2 drafter warm-started from a DFlash one first computes what it computed; training moves them."""
+    weights = []
+    for i, layer in enumerate(drafter.layers):
+        for name in ("attention_conv", "mlp_conv"):
+            conv = layer[name]
+            base = mx.zeros_like(conv.base_kernel)
+            base[:, 0] = 1.0
+            weights += [(f"layers.{i}.{name}.base_kernel", base),
+                        (f"layers.{i}.{name}.kernel_projection.weight", mx.zeros_like(conv.kernel_projection.weight))]  # fmt: skip
+    drafter.load_weights(weights, strict=False)
 
 
 def warm_start(drafter: DFlashDraftModel, path: Path):
@@ -76,13 +101,13 @@ def warm_start(drafter: DFlashDraftModel, path: Path):
     source = load_drafter(path)
     theirs = dict(tree_flatten(source.parameters()))
     weights = [(name, theirs[name]) for name, mine in tree_flatten(drafter.parameters())
-               if name in theirs and theirs[name].shape == mine.shape]  # fmt: skip
+               if name in theirs and theirs[name].shape == mine.shape and name != "fc.weight"]  # fmt: skip
     E, fc = drafter.args.hidden_size, mx.zeros_like(drafter.fc.weight)
     for i, layer in enumerate(drafter.args.target_layer_ids):
         if layer in source.args.target_layer_ids:
             j = source.args.target_layer_ids.index(layer)
             fc[:, i * E : (i + 1) * E] = source.fc.weight[:, j * E : (j + 1) * E]
-    drafter.load_weights(weights + [("fc.weight", fc)])
+    drafter.load_weights(weights + [("fc.weight", fc)], strict=False)  # the rest keeps its initial values
 
 
 def greedy_continuations(target, tokenizer, tokens: np.ndarray, args) -> np.ndarray:
@@ -138,6 +163,22 @@ def blocks(target, drafter_args: DFlashArgs, ids: mx.array, step: int, args):
     return features, block_ids, tokens[:, 1:]
 
 
+def selector_loss(selector, hidden, logits, block_ids, labels):
+    """DFlash2's candidate selector, taught along the true path: at each position, of the top-k candidates
+    of the block's logits scored after the true previous token (what the selector's path is while its
+    drafts are accepted), the true next token's cross-entropy where it is a candidate (0 where not).
+    Returns (that [N, B - 1], the selector's choices [N, B - 1])."""
+    candidates = selector.candidates(mx.stop_gradient(logits))[1]  # chosen by the logits, not learned through
+    unary = mx.take_along_axis(logits, candidates, axis=-1)
+    previous = mx.concatenate([block_ids[:, :1], labels[:, :-1]], axis=1)
+    left = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden[:, 1:])
+    scores = unary + (selector.successor_codebook[candidates] @ left[..., None])[..., 0]
+    true = candidates == labels[..., None]
+    ce = mx.logsumexp(scores, axis=-1) - (scores * true).sum(axis=-1)
+    choices = mx.take_along_axis(candidates, mx.argmax(scores, axis=-1)[..., None], axis=-1)[..., 0]
+    return mx.where(true.any(axis=-1), ce, 0.0), choices
+
+
 def train(target, drafter: DFlashDraftModel, streams, args, out: Path):
     from tqdm import tqdm
 
@@ -148,7 +189,11 @@ def train(target, drafter: DFlashDraftModel, streams, args, out: Path):
         hidden = drafter.block_hidden(target.embed(block_ids), features, None)
         logits = drafter.block_logits(hidden, target.project)
         ce = nn.losses.cross_entropy(logits, labels)  # [N, B - 1]
-        hits = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32)
+        chosen = mx.argmax(logits, axis=-1)
+        if drafter.args.dflash2:
+            selector_ce, chosen = selector_loss(drafter.candidate_selector, hidden, logits, block_ids, labels)
+            ce = ce + selector_ce
+        hits = (chosen == labels).astype(mx.float32)
         accepted = mx.cumprod(hits, axis=1).sum(axis=1).mean()  # drafts a verify pass would keep
         loss = (ce * weights).sum() / (weights.sum() * ce.shape[0])
         return loss, (loss, accepted)
@@ -206,6 +251,11 @@ def main():
         help="start from this drafter's "
         "weights where they fit (another drafter directory, e.g. with other target layers)",
     )
+    p.add_argument(
+        "--dflash2", type=int, nargs=4, default=None, metavar=("KERNEL", "GROUP", "TOP_K", "RANK"),
+        help="a DFlash2 drafter: its convolutions' kernel and channels a group, its selector's top-k and rank "
+        "(with --init-from a DFlash drafter: its weights, the convolutions as the identity)",
+    )  # fmt: skip
     p.add_argument("--export-only", action="store_true")
     p.add_argument("--install", action="store_true", help="copy the drafter into the package beside the bundled model")
     args = p.parse_args()
@@ -216,13 +266,17 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     target, tokenizer = mlx_hybrid.load(args.target or mlx_hybrid.bundled_model_path(), dtype="float32")
     target.freeze()
-    drafter = DFlashDraftModel(drafter_args(target, tokenizer, args.layers, args.block, args.target_layers))
+    drafter = DFlashDraftModel(
+        drafter_args(target, tokenizer, args.layers, args.block, args.target_layers, args.dflash2)
+    )
     if args.resume or args.export_only:
         drafter.load_weights(str(out / "weights.safetensors"))
     else:
         initialise(drafter, args.seed)
         if args.init_from is not None:
             warm_start(drafter, args.init_from)
+            if args.dflash2:
+                identity_convolutions(drafter)
     if not args.export_only:
         tokens_file, generated_file = out / "tokens.npy", out / "generated.npy"
         if not tokens_file.exists():

@@ -138,26 +138,24 @@ class DFlashDrafter(Drafter):
         unary, index = selector.candidates(logits.astype(mx.float32))
         candidates, projected = head.tokens(index), selector.hidden_projection(hidden)
         previous = mx.array([d.token for d in drafters], dtype=mx.int32)
+        log_floor = math.log(self.draft_p_min) if self.draft_p_min > 0 else None
+        if sampler.greedy:
+            drafts, top, total = selector.greedy_path(unary, candidates, previous, projected)
+            marked = drafts if log_floor is None else _marked(top, total, log_floor, drafts)
+            return drafts, marked, [[None] * drafts.shape[1] for _ in drafters]
         path, marks, distributions = [], [], []
         for j in range(logits.shape[1]):
-            scores = selector.scores(unary[:, j], candidates[:, j], previous, projected[:, j])
-            if sampler.greedy:
-                choice = mx.argmax(scores, axis=-1)
-                top, total = scores.max(axis=-1), mx.logsumexp(scores, axis=-1)
-            else:
-                distribution = sampler.log_probs(scores)
-                choice = sampler.draw(distribution)
-                whole = mx.full((head.vocab_size,), -mx.inf, dtype=mx.float32)
-                whole[candidates[0, j]] = distribution[0]
-                distributions.append(whole)
-                top, total = distribution.max(axis=-1), mx.zeros(distribution.shape[:-1])
+            distribution = sampler.log_probs(selector.scores(unary[:, j], candidates[:, j], previous, projected[:, j]))
+            choice = sampler.draw(distribution)
+            whole = mx.full((head.vocab_size,), -mx.inf, dtype=mx.float32)
+            whole[candidates[0, j]] = distribution[0]
+            distributions.append(whole)
             previous = mx.take_along_axis(candidates[:, j], choice[:, None], axis=-1)[:, 0]
             path.append(previous)
-            marks.append(
-                previous if self.draft_p_min <= 0 else _marked(top, total, math.log(self.draft_p_min), previous)
-            )
+            top = distribution.max(axis=-1)
+            marks.append(previous if log_floor is None else _marked(top, mx.zeros_like(top), log_floor, previous))
         drafts, marked = mx.stack(path, axis=1), mx.stack(marks, axis=1)
-        return drafts, marked, [distributions] if distributions else [[None] * len(path) for _ in drafters]
+        return drafts, marked, [DraftDistributions(mx.stack(distributions)[None], 0, len(distributions))]
 
     def update(self, states: StateSpan, accepted: list[int]):
         """states: the target's at the pass's positions; the first len(accepted) are read (the round's

@@ -233,13 +233,11 @@ class GroupedDynamicConv(nn.Module):
     def _convolve(self, x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
         """x [B, T, E], dynamic [B, T, K, G], base [K, E]: sum over taps o of (base[o] + dynamic[t, o]) x[t - o]."""
         B, T, E = x.shape
-        groups = x.reshape(B, T, E // self.group_size, self.group_size)
-        out = mx.zeros_like(groups)
-        for o in range(min(self.kernel_size, T)):
-            shifted = groups if o == 0 else mx.pad(groups[:, : T - o], [(0, 0), (o, 0), (0, 0), (0, 0)])
-            out = out + base[o].reshape(1, 1, -1, self.group_size) * shifted
-            out = out + dynamic[:, :, o, :, None] * shifted
-        return out.reshape(B, T, E)
+        K, g = min(self.kernel_size, T), self.group_size
+        padded = mx.pad(x.reshape(B, T, E // g, g), [(0, 0), (K - 1, 0), (0, 0), (0, 0)])
+        shifted = mx.stack([padded[:, K - 1 - o : K - 1 - o + T] for o in range(K)], axis=2)  # [B, T, K, G, g]
+        weights = base[:K].reshape(1, 1, K, E // g, g) + dynamic[:, :, :K, :, None]
+        return (weights * shifted).sum(axis=2).reshape(B, T, E)
 
 
 class DFlashLayer(nn.Module):
@@ -285,8 +283,35 @@ class CandidateSelector(nn.Module):
     def scores(self, unary: mx.array, candidates: mx.array, previous: mx.array, projected: mx.array) -> mx.array:
         """One position's: unary [B, k] (the candidates' logits), candidates [B, k] and previous [B] (token ids),
         projected [B, r] (`hidden_projection` of the position's state) -> [B, k]."""
-        left = self.predecessor_codebook[previous] * projected
-        return unary + (self.successor_codebook[candidates] @ left[..., None])[..., 0]
+        return _scores(self.predecessor_codebook, self.successor_codebook, unary, candidates, previous, projected)
+
+    def greedy_path(self, unary: mx.array, candidates: mx.array, first: mx.array, projected: mx.array):
+        """The best-scored path through every position's candidates ([B, T, k] each, projected [B, T, r]) from
+        the tokens `first` [B]: (the path [B, T], each step's best score and its scores' log-sum-exp [B, T]).
+        A step's predecessor is one of the step before's candidates, so every step's scores for every
+        predecessor come at once ([B, T - 1, k, k]); only the walk through them is sequential, an index a
+        step."""
+        first_scores = self.scores(unary[:, 0], candidates[:, 0], first, projected[:, 0])  # [B, k]
+        if unary.shape[1] == 1:
+            path = mx.take_along_axis(candidates[:, 0], mx.argmax(first_scores, axis=-1)[:, None], axis=-1)
+            return path, first_scores.max(axis=-1)[:, None], mx.logsumexp(first_scores, axis=-1)[:, None]
+        left = self.predecessor_codebook[candidates[:, :-1]] * projected[:, 1:, None]  # [B, T - 1, k, r]
+        # scores[b, j, p, c]: position j + 1's candidate c after position j's candidate p
+        scores = unary[:, 1:, None] + (self.successor_codebook[candidates[:, 1:]][:, :, None] @ left[..., None])[..., 0]
+        best = mx.argmax(scores, axis=-1)  # [B, T - 1, k]
+        choices = [mx.argmax(first_scores, axis=-1)]
+        for j in range(scores.shape[1]):
+            choices.append(mx.take_along_axis(best[:, j], choices[-1][:, None], axis=-1)[:, 0])
+        choice = mx.stack(choices, axis=1)  # [B, T]
+        at = choice[:, :-1, None, None]
+        chosen = mx.concatenate([first_scores[:, None], mx.take_along_axis(scores, at, axis=2)[:, :, 0]], axis=1)
+        path = mx.take_along_axis(candidates, choice[..., None], axis=-1)[..., 0]
+        return path, chosen.max(axis=-1), mx.logsumexp(chosen, axis=-1)
+
+
+def _scores(predecessors, successors, unary, candidates, previous, projected) -> mx.array:
+    left = predecessors[previous] * projected
+    return unary + (successors[candidates] @ left[..., None])[..., 0]
 
 
 class DFlashDraftModel(nn.Module):
