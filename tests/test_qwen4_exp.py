@@ -246,17 +246,53 @@ def test_a_split_over_ranks_is_refused_by_name():
         model.shard(mx.distributed.init())
 
 
-def test_the_hash_buffers_in_the_checkpoint_are_what_the_model_computes():
-    """The n-gram multipliers, prime slice sizes and offsets transformers saved beside each table."""
+def test_the_hash_buffers_in_the_checkpoint_are_what_the_config_gives():
+    """The n-gram multipliers, prime slice sizes and offsets transformers saved beside each table are
+    those computed from the config (what a checkpoint without them hashes with)."""
     model, _ = model_and_tokenizer()
     stored = mx.load(str(FIXTURES / FAMILY / "hf" / "model.safetensors"))
     for i, layer in enumerate(model.layers):
         if not layer.has_ple:
             continue
+        computed = ngram_embedding.NGramHash(model.args, model.args.ple_layer_ids.index(i + 1))
         prefix = f"model.language_model.layers.{i}.ple.ple_embedding."
-        np.testing.assert_array_equal(layer.ple.hash.multipliers, np.array(stored[prefix + "layer_multipliers"]))
-        np.testing.assert_array_equal(layer.ple.hash.sizes, np.array(stored[prefix + "ngram_heads_vocab_sizes"]))
-        np.testing.assert_array_equal(layer.ple.hash.offsets, np.array(stored[prefix + "ngram_heads_offsets"]))
+        np.testing.assert_array_equal(computed.multipliers, np.array(stored[prefix + "layer_multipliers"]))
+        np.testing.assert_array_equal(computed.sizes, np.array(stored[prefix + "ngram_heads_vocab_sizes"]))
+        np.testing.assert_array_equal(computed.offsets, np.array(stored[prefix + "ngram_heads_offsets"]))
+
+
+def _with_stored(tmp_path, change):
+    """A copy of the fixture's HF directory with its stored tensors changed by `change(tensors)`."""
+    copy = tmp_path / "hf"
+    shutil.copytree(FIXTURES / FAMILY / "hf", copy)
+    tensors = mx.load(str(copy / "model.safetensors"))
+    change(tensors)
+    mx.save_safetensors(str(copy / "model.safetensors"), tensors, metadata={"format": "pt"})
+    return copy
+
+
+def test_a_checkpoints_own_hash_values_are_the_ones_hashed_with(tmp_path):
+    """A checkpoint whose stored multipliers of a PLE layer are not its config's: the model hashes with
+    the stored ones, as transformers does (it loads them as a buffer); its logits are transformers' over
+    that checkpoint (within the fixtures' tolerance; the config's multipliers move them by 1.7). A stored
+    value of the wrong shape is refused, naming it."""
+    ref = reference(FAMILY)
+    layer = next(i for i, layer in enumerate(model_and_tokenizer()[0].layers) if layer.has_ple)
+    name = f"model.language_model.layers.{layer}.ple.ple_embedding.layer_multipliers"
+
+    def multipliers(tensors):
+        tensors[name] = mx.array(ref["stored_multipliers"])
+
+    model, _ = mlx_hybrid.load(_with_stored(tmp_path / "a", multipliers), dtype="float32")
+    np.testing.assert_array_equal(model.layers[layer].ple.hash.multipliers, ref["stored_multipliers"])
+    logits = np.array(model(mx.array(ref["input_ids"])))
+    np.testing.assert_allclose(logits, ref["stored_multipliers_logits"], atol=REFERENCE_TOL, rtol=0)
+
+    def wrong_shape(tensors):
+        tensors[name] = tensors[name][:1]
+
+    with pytest.raises(mlx_hybrid.ModelLoadError, match=f"layer {layer}'s n-gram hash: layer_multipliers has shape"):
+        mlx_hybrid.load(_with_stored(tmp_path / "b", wrong_shape), dtype="float32")
 
 
 # A copy of the fixture whose n-gram tables are large (sparse files: only the rows read take pages)
@@ -280,7 +316,8 @@ def test_the_ngram_tables_stay_in_their_files(tmp_path):
     config = json.loads((target / "config.json").read_text())
     config["text_config"]["ngram_vocab_size_base"] = 34_000_000
     (target / "config.json").write_text(json.dumps(config))
-    tensors = {k: v for k, v in mx.load(str(target / "model.safetensors")).items() if "ngram_embedding" not in k}
+    # the tables go to their own file; the stored hash values go too (this config's differ: it computes them)
+    tensors = {k: v for k, v in mx.load(str(target / "model.safetensors")).items() if "ple_embedding" not in k}
     mx.save_safetensors(str(target / "model.safetensors"), tensors)
     table_bytes = _write_sparse_tables(target / "ngram-tables.safetensors", config["text_config"])
     assert table_bytes > 2e9

@@ -253,8 +253,9 @@ def _load_hf(path: Path, dtype, progress, split: _Split):
     with _progress_bar(checkpoint.count, total, progress, path.name) as bar:
         weights, unmatched = rename(checkpoint.tensors, checkpoint.rules, args, bar, part)
     _reject_unmatched(unmatched, path)
-    fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
     try:
+        weights = model.take_stored_values(weights)
+        fill_model(model, weights, dtype, module.FLOAT32_PARAMS, source=str(path))
         model.take_row_tables(checkpoint.row_tables)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None

@@ -131,7 +131,8 @@ def qwen4_rules(layout: str = "hf"):
         Rule(_BLOCK + r"self_attn\.indexer\.index_qk_proj\.(?P<rest>.+)", "{blk}.self_attn.index_qk_proj.{rest}"),
         Rule(_BLOCK + r"ple\.(?P<n>norm_key|norm_query|norm_conv)\.weight", "{blk}.ple.{n}.weight", norm),
         Rule(_BLOCK + r"ple\.conv1d\.weight", "{blk}.ple.conv1d_weight", squeeze_conv),
-        Rule(_BLOCK + r"ple\.ple_embedding\.(?:layer_multipliers|ngram_heads_offsets|ngram_heads_vocab_sizes)", ""),
+        Rule(_BLOCK + r"ple\.ple_embedding\.(?P<name>layer_multipliers|ngram_heads_offsets|ngram_heads_vocab_sizes)",
+             "{blk}.ple.hash.{name}"),
         *qwen_rules(layout),
     ]  # fmt: skip
 

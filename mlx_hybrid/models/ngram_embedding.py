@@ -69,7 +69,25 @@ class NGramHash:
         self.sizes = np.array(ngram_head_sizes(args.ngram_vocab_size_base, ple_index, self.heads), np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.per_order = args.heads_per_ngram
-        self.rows = ngram_table_rows(self.sizes, args.make_ngram_vocab_size_divisible_by)
+        self.divisor = args.make_ngram_vocab_size_divisible_by
+        self.rows = ngram_table_rows(self.sizes, self.divisor)
+
+    def take_stored(self, stored: dict):
+        """The multipliers, slice sizes and offsets a checkpoint stores beside its table (transformers'
+        `layer_multipliers`, `ngram_heads_vocab_sizes`, `ngram_heads_offsets`), in place of those computed
+        from the config: the model hashes as the checkpoint was trained. A wrong shape is a ValueError."""
+        names = {
+            "layer_multipliers": "multipliers",
+            "ngram_heads_vocab_sizes": "sizes",
+            "ngram_heads_offsets": "offsets",
+        }
+        for name, value in stored.items():
+            value = np.array(value).astype(np.int64)
+            mine = getattr(self, names[name])
+            if value.shape != mine.shape:
+                raise ValueError(f"{name} has shape {value.shape}, expected {mine.shape}")
+            setattr(self, names[name], value)
+        self.rows = ngram_table_rows(self.sizes, self.divisor)
 
     def __call__(self, history: np.ndarray, count: int) -> np.ndarray:
         """Table rows [B, count, heads] of the last `count` tokens of history [B, ngram_size - 1 + count]."""
@@ -159,7 +177,12 @@ class PLE(nn.Module):
         self.norm_conv = RMSNorm(wide, args.rms_norm_eps)
         self.conv1d_weight = mx.zeros((wide, self.kernel))
         self.table = None  # set by the loader
-        self.table_shape = (self.hash.rows, args.ple_embed_dim // self.hash.heads)  # what the loader's must be
+        self.row_width = args.ple_embed_dim // self.hash.heads
+
+    @property
+    def table_shape(self) -> tuple[int, int]:
+        """What the loader's table must be."""
+        return self.hash.rows, self.row_width
 
     @property
     def conv_tail(self) -> int:

@@ -307,6 +307,21 @@ class Model(HybridModel):
         return {f"layers.{i}.ple.ple_embedding.ngram_embedding.shard_0": layer.ple.table
                 for i, layer in enumerate(self.layers) if layer.has_ple and layer.ple.table is not None}  # fmt: skip
 
+    def take_stored_values(self, weights: dict) -> dict:
+        """Each PLE layer's stored hash values (`ple.hash.*`, `NGramHash.take_stored`)."""
+        weights = dict(weights)
+        for i, layer in enumerate(self.layers):
+            prefix = f"layers.{i}.ple.hash."
+            stored = {name[len(prefix) :]: weights.pop(name) for name in list(weights) if name.startswith(prefix)}
+            if stored and layer.has_ple:
+                try:
+                    layer.ple.hash.take_stored(stored)
+                except ValueError as e:
+                    raise ValueError(f"layer {i}'s n-gram hash: {e}") from None
+            elif stored:
+                raise ValueError(f"layer {i} has no n-gram table, but the checkpoint stores its hash values")
+        return weights
+
     def take_row_tables(self, tables: dict):
         tables = dict(tables)  # what is left is refused below
         for i, layer in enumerate(self.layers):

@@ -144,6 +144,11 @@ class HybridModel(nn.Module):
         """The tokens [n, E] of `images` (each with `patches` and `grid`), in order."""
         return mx.concatenate([self.vision(mx.array(image.patches), image.grid) for image in images])
 
+    def take_stored_values(self, weights: dict) -> dict:
+        """The weights less the values a checkpoint stores that are not parameters (a model takes them in
+        place of those it computes): none for most models."""
+        return weights
+
     def take_row_tables(self, tables: dict):
         """The tables the loader left in their files (name -> rows(ids) -> [..., d]): none for most models."""
         if tables:
