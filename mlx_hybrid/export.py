@@ -220,7 +220,8 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     ({"group_size", "bits", "mode"}, and {"group_size", "bits"} by module path where a module differs)
     describes a model already quantized in memory."""
     args = model.args
-    weights, _ = rename(_canonical(model), hf.EXPORT_RULES[args.model_type]("mlx"), args)
+    stored = [(name, (lambda v=v: v)) for name, v in model.stored_values().items()]
+    weights, _ = rename(_canonical(model) + stored, hf.EXPORT_RULES[args.model_type]("mlx"), args)
     if args.model_type == "qwen3_next":
         weights = hf.fuse_qwen3_next_projections(weights, args)
     tensors = {hf.export_name(k, "mlx", args.model_type): v for k, v in weights.items()}

@@ -287,6 +287,12 @@ def test_a_checkpoints_own_hash_values_are_the_ones_hashed_with(tmp_path):
     np.testing.assert_array_equal(model.layers[layer].ple.hash.multipliers, ref["stored_multipliers"])
     logits = np.array(model(mx.array(ref["input_ids"])))
     np.testing.assert_allclose(logits, ref["stored_multipliers_logits"], atol=REFERENCE_TOL, rtol=0)
+    # a conversion keeps them (int64, exact: the config's are near 2**54)
+    converted, _ = mlx_hybrid.load(convert(tmp_path / "a" / "hf", tmp_path / "q", bits=8, group_size=32))
+    for ours, theirs in zip(model.layers, converted.layers):
+        if ours.has_ple:
+            for stored, values in ours.ple.hash.stored().items():
+                np.testing.assert_array_equal(theirs.ple.hash.stored()[stored], values)
 
     def wrong_shape(tensors):
         tensors[name] = tensors[name][:1]

@@ -245,6 +245,7 @@ def qwen4_export_rules(layout: str = "mlx"):
         Rule(block + r"self_attn\.(?P<n>index_qk_proj|q_layernorm|k_layernorm)\.(?P<rest>.+)",
              "{blk}.self_attn.indexer.{n}.{rest}"),
         Rule(block + r"ple\.conv1d_weight", "{blk}.ple.conv1d.weight", _conv_layout("mlx")),
+        Rule(block + r"ple\.hash\.(?P<name>.+)", "{blk}.ple.ple_embedding.{name}"),
         *qwen_export_rules("mlx"),
     ]  # fmt: skip
 

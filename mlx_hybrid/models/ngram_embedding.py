@@ -56,6 +56,14 @@ def ngram_table_rows(head_sizes, divisor: int) -> int:
     return -(-int(sum(head_sizes)) // divisor) * divisor
 
 
+# a checkpoint's names of the hash's values -> NGramHash's
+STORED_NAMES = {
+    "layer_multipliers": "multipliers",
+    "ngram_heads_vocab_sizes": "sizes",
+    "ngram_heads_offsets": "offsets",
+}
+
+
 class NGramHash:
     """Token n-grams (2 .. ngram_size tokens) -> rows of one PLE layer's table, on the host: the
     n-grams of a token read the tokens before it back to the last end token (earlier ones read as the
@@ -76,18 +84,17 @@ class NGramHash:
         """The multipliers, slice sizes and offsets a checkpoint stores beside its table (transformers'
         `layer_multipliers`, `ngram_heads_vocab_sizes`, `ngram_heads_offsets`), in place of those computed
         from the config: the model hashes as the checkpoint was trained. A wrong shape is a ValueError."""
-        names = {
-            "layer_multipliers": "multipliers",
-            "ngram_heads_vocab_sizes": "sizes",
-            "ngram_heads_offsets": "offsets",
-        }
         for name, value in stored.items():
             value = np.array(value).astype(np.int64)
-            mine = getattr(self, names[name])
+            mine = getattr(self, STORED_NAMES[name])
             if value.shape != mine.shape:
                 raise ValueError(f"{name} has shape {value.shape}, expected {mine.shape}")
-            setattr(self, names[name], value)
+            setattr(self, STORED_NAMES[name], value)
         self.rows = ngram_table_rows(self.sizes, self.divisor)
+
+    def stored(self) -> dict[str, np.ndarray]:
+        """The values `take_stored` takes, by the checkpoint's names (int64, as transformers saves them)."""
+        return {name: getattr(self, attribute) for name, attribute in STORED_NAMES.items()}
 
     def __call__(self, history: np.ndarray, count: int) -> np.ndarray:
         """Table rows [B, count, heads] of the last `count` tokens of history [B, ngram_size - 1 + count]."""

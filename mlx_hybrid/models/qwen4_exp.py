@@ -322,6 +322,13 @@ class Model(HybridModel):
                 raise ValueError(f"layer {i} has no n-gram table, but the checkpoint stores its hash values")
         return weights
 
+    def stored_values(self) -> dict:
+        return {
+            f"layers.{i}.ple.hash.{name}": mx.array(values)
+            for i, layer in enumerate(self.layers) if layer.has_ple
+            for name, values in layer.ple.hash.stored().items()
+        }  # fmt: skip
+
     def take_row_tables(self, tables: dict):
         tables = dict(tables)  # what is left is refused below
         for i, layer in enumerate(self.layers):

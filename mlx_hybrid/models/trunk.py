@@ -149,6 +149,10 @@ class HybridModel(nn.Module):
         place of those it computes): none for most models."""
         return weights
 
+    def stored_values(self) -> dict:
+        """Those values by the names `take_stored_values` takes them by (for writing them out)."""
+        return {}
+
     def take_row_tables(self, tables: dict):
         """The tables the loader left in their files (name -> rows(ids) -> [..., d]): none for most models."""
         if tables:
