@@ -171,8 +171,7 @@ def selector_loss(selector, hidden, logits, block_ids, labels):
     candidates = selector.candidates(mx.stop_gradient(logits))[1]  # chosen by the logits, not learned through
     unary = mx.take_along_axis(logits, candidates, axis=-1)
     previous = mx.concatenate([block_ids[:, :1], labels[:, :-1]], axis=1)
-    left = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden[:, 1:])
-    scores = unary + (selector.successor_codebook[candidates] @ left[..., None])[..., 0]
+    scores = selector.scores(unary, candidates, previous, selector.hidden_projection(hidden[:, 1:]))
     true = candidates == labels[..., None]
     ce = mx.logsumexp(scores, axis=-1) - (scores * true).sum(axis=-1)
     choices = mx.take_along_axis(candidates, mx.argmax(scores, axis=-1)[..., None], axis=-1)[..., 0]

@@ -249,14 +249,13 @@ class Samplers:
     def sample(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
         """Tokens [R, ...] for logits [R, ..., V]: greedy rows their argmax, the others drawn from their
         `log_probs` (given, or computed here), every row's stream moved one key on."""
-        argmax = mx.argmax(logits, axis=-1)
         if self.greedy:
-            return argmax
+            return mx.argmax(logits, axis=-1)
         drawn = self.draw(self.log_probs(logits) if logprobs is None else logprobs, self.take_keys())
         greedy = [s.greedy for s in self.members]
         if not any(greedy):
             return drawn
-        return mx.where(self.column(greedy, drawn, mx.bool_), argmax, drawn)
+        return mx.where(self.column(greedy, drawn, mx.bool_), mx.argmax(logits, axis=-1), drawn)
 
 
 def split_keys(keys: mx.array) -> tuple[mx.array, mx.array]:

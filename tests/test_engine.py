@@ -149,9 +149,7 @@ def test_sampling_rows_add_no_launches_per_row(draft):
     Once each row built its own (8 rows drafting with MTP: 2611 launches, against 716 for one). (A
     DFlash drafter's sampling rows still draft alone: together, their drafts would round otherwise than
     alone, and a sampling row is to draw what it draws alone.)"""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from engine_step import launches
-    from step_graph import gpu_path_graph
+    from benchmarks.engine_step import gpu_path_graph, launches
 
     model, tokenizer = load_fixture("qwen35", "model.gguf")
     with gpu_path_graph():

@@ -373,7 +373,7 @@ def _draft_probabilities(distributions: list, drafts: mx.array, vocab: int) -> m
     logprobs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
     order += point_masses
     if order != list(range(rows)):
-        logprobs = logprobs[mx.array([order.index(r) for r in range(rows)])]
+        logprobs = logprobs[mx.array(sorted(range(rows), key=order.__getitem__))]  # row r at its place
     probs = mx.exp(logprobs)
     if not point_masses:
         return probs

@@ -283,7 +283,8 @@ class CandidateSelector(nn.Module):
     def scores(self, unary: mx.array, candidates: mx.array, previous: mx.array, projected: mx.array) -> mx.array:
         """One position's: unary [B, k] (the candidates' logits), candidates [B, k] and previous [B] (token ids),
         projected [B, r] (`hidden_projection` of the position's state) -> [B, k]."""
-        return _scores(self.predecessor_codebook, self.successor_codebook, unary, candidates, previous, projected)
+        left = self.predecessor_codebook[previous] * projected
+        return unary + (self.successor_codebook[candidates] @ left[..., None])[..., 0]
 
     def greedy_path(self, unary: mx.array, candidates: mx.array, first: mx.array, projected: mx.array):
         """The best-scored path through every position's candidates ([B, T, k] each, projected [B, T, r]) from
@@ -295,9 +296,8 @@ class CandidateSelector(nn.Module):
         if unary.shape[1] == 1:
             path = mx.take_along_axis(candidates[:, 0], mx.argmax(first_scores, axis=-1)[:, None], axis=-1)
             return path, first_scores.max(axis=-1)[:, None], mx.logsumexp(first_scores, axis=-1)[:, None]
-        left = self.predecessor_codebook[candidates[:, :-1]] * projected[:, 1:, None]  # [B, T - 1, k, r]
         # scores[b, j, p, c]: position j + 1's candidate c after position j's candidate p
-        scores = unary[:, 1:, None] + (self.successor_codebook[candidates[:, 1:]][:, :, None] @ left[..., None])[..., 0]
+        scores = self.scores(unary[:, 1:, None], candidates[:, 1:, None], candidates[:, :-1], projected[:, 1:, None])
         best = mx.argmax(scores, axis=-1)  # [B, T - 1, k]
         choices = [mx.argmax(first_scores, axis=-1)]
         for j in range(scores.shape[1]):
@@ -307,11 +307,6 @@ class CandidateSelector(nn.Module):
         chosen = mx.concatenate([first_scores[:, None], mx.take_along_axis(scores, at, axis=2)[:, :, 0]], axis=1)
         path = mx.take_along_axis(candidates, choice[..., None], axis=-1)[..., 0]
         return path, chosen.max(axis=-1), mx.logsumexp(chosen, axis=-1)
-
-
-def _scores(predecessors, successors, unary, candidates, previous, projected) -> mx.array:
-    left = predecessors[previous] * projected
-    return unary + (successors[candidates] @ left[..., None])[..., 0]
 
 
 class DFlashDraftModel(nn.Module):
