@@ -73,7 +73,7 @@ def layer_inputs(args, tokens: int, seed: int) -> dict:
 
 def recurrent_cache(inputs) -> RecurrentCache:
     cache = RecurrentCache()
-    cache.update(inputs["tail"], inputs["state"])
+    cache.update((inputs["tail"], inputs["state"]))
     return cache
 
 

@@ -128,7 +128,7 @@ def mlx_hybrid_rows_step(model, prompt: list[int], rows: int) -> tuple[Counter, 
     """One greedy decode step of `rows` sequences together, as the engine's step packs them (each
     row's prompt a token longer than the last, so that no two rows are alike), after one such step:
     the steady state of rows that decode together."""
-    from mlx_hybrid.cache import packed
+    from mlx_hybrid.row_caches import packed
     from mlx_hybrid.prompt import prefill
 
     caches = [model.make_cache() for _ in range(rows)]

@@ -8,9 +8,8 @@ state after every token; `rollback` then selects one. Speculation, drafting, the
 engine's rows and prefix checkpoints call only this interface, through the functions
 at the end for a model's list of layer caches.
 
-Several sequences run in one pass packed along the token axis, never padded: each
-keeps its own caches, and a layer sees them as `RowCaches` (see `packed`). A linear layer's
-rows that run together keep their states as one batch across passes (`RowStates`).
+Several sequences run in one pass packed along the token axis, never padded: each keeps its own
+caches, and `row_caches` runs them together.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import numpy as np
 
 from . import ops
 from .errors import GenerationError
-from .row_caches import RowCaches, RowStates, packed, row_caches  # noqa: F401  (the rows' forms)
 
 
 class LayerCache:
@@ -261,68 +259,58 @@ def check_kv_quantization(bits: int, group_size: int, features: tuple[int, ...])
 
 
 class RecurrentCache(LayerCache):
-    """State of one linear-attention layer: conv tail [B, K-1, C] and S [B, H, Dk, Dv].
+    """A recurrent layer's state for one sequence: the arrays [B, ...] its mixer's step returns (a
+    linear-attention layer's conv tail and delta-rule state; `row_caches.recurrent` runs the step), and
+    with record_snapshots each array's value after every token of the last call, for rollback.
 
     After a pass over several rows together, each row's state is its place in that pass's batch
-    (`RowStates`), so that the next pass over the same rows reads the batch as it is: the rows'
-    states are gathered and split again only where the rows change, never on every step."""
+    (`row_caches.RowStates`), so that the next pass over the same rows reads the batch as it is: the
+    rows' states are gathered and split again only where the rows change, never on every step."""
 
     def __init__(self):
-        self._tail = self._state = None  # the state held alone
-        self._conv_snapshots = self._state_snapshots = None  # after each token of the last call: T arrays
-        self.batch: RowStates | None = None  # where it lives in a batch of rows' states instead
+        self._held = None  # the state held alone: a tuple of arrays
+        self._snapshots = None  # after each token of the last call: per array, T arrays
+        self.batch = None  # the RowStates where it lives in a batch of rows' states instead
         self.index = 0  # its row there
         self.record_snapshots = False
 
-    def update(self, conv_tail, state, conv_snapshots=None, state_snapshots=None):
-        self._tail, self._state = conv_tail, state
-        self._conv_snapshots, self._state_snapshots = conv_snapshots, state_snapshots
-        self.batch = None
+    def update(self, state: tuple | None, snapshots: tuple | None = None):
+        self._held, self._snapshots, self.batch = state, snapshots, None
 
-    def join(self, batch: RowStates, index: int):
-        """Live at row `index` of `batch` (what a pass over several rows gave)."""
-        self.update(None, None)
+    def join(self, batch, index: int):
+        """Live at row `index` of `batch` (the RowStates a pass over several rows gave)."""
+        self.update(None)
         self.batch, self.index = batch, index
 
     @property
-    def conv_tail(self):
-        return self.batch.tail(self.index) if self.batch is not None else self._tail
+    def state(self) -> tuple | None:
+        return self.batch.row(self.index) if self.batch is not None else self._held
 
     @property
-    def state(self):
-        return self.batch.state(self.index) if self.batch is not None else self._state
-
-    @property
-    def conv_snapshots(self):
-        return self.batch.snapshots(self.index, 0) if self.batch is not None else self._conv_snapshots
-
-    @property
-    def state_snapshots(self):
-        return self.batch.snapshots(self.index, 1) if self.batch is not None else self._state_snapshots
+    def snapshots(self) -> tuple | None:
+        return self.batch.snapshots(self.index) if self.batch is not None else self._snapshots
 
     def checkpoint(self) -> tuple:
         if self.state is None:
             return ()
         # states are replaced, never written in place, so references are enough; a row of a batch is
         # copied out, else the checkpoint would hold every row's state
-        held = (self.conv_tail, self.state)
-        return held if self.batch is None else tuple(mx.contiguous(array) for array in held)
+        return self.state if self.batch is None else tuple(mx.contiguous(array) for array in self.state)
 
     def restore(self, entries: tuple):
-        self.update(*(entries if entries else (None, None)))
+        self.update(tuple(entries) or None)
 
     def rollback(self, keep: int, recorded: int):
         """Keep the first `keep` (>= 1) of the `recorded` tokens of the last call."""
         if self.batch is not None:
             self.batch.keep(self.index, keep - 1 if keep < recorded else None)
         elif keep < recorded:
-            self.update(self._conv_snapshots[keep - 1], self._state_snapshots[keep - 1])
+            self.update(tuple(snapshots[keep - 1] for snapshots in self._snapshots))
         else:
-            self.update(self._tail, self._state)
+            self.update(self._held)
 
     def mark(self) -> tuple:
-        # references: states are replaced, never written in place
-        return (self.conv_tail, self.state) if self.state is not None else ()
+        return self.state or ()  # references: states are replaced, never written in place
 
     def rewind(self, mark: tuple):
         self.restore(mark)
@@ -330,12 +318,11 @@ class RecurrentCache(LayerCache):
     @property
     def arrays(self) -> list[mx.array]:
         """The state, and the last call's snapshots while they are kept."""
-        held = [self.conv_tail, self.state] if self.state is not None else []
-        return held + list(self.conv_snapshots or ()) + list(self.state_snapshots or ())
+        return [*(self.state or ()), *(a for snapshots in self.snapshots or () for a in snapshots)]
 
     @property
     def step_nbytes(self) -> int:
-        return self.conv_tail.nbytes + self.state.nbytes if self.state is not None else 0
+        return sum(array.nbytes for array in self.state or ())
 
 
 def rollback(cache: list[LayerCache], keep: int, recorded: int):

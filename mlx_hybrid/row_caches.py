@@ -1,27 +1,151 @@
-"""Several rows' caches of one layer: as one pass packs them (`RowCaches`, rows along the token axis of
-one input), and as batches that outlive a pass, so that rows that run together again read and write
-their states where the last pass left them: a linear layer's recurrent states (`RowStates`), an
-attention layer's entries (`KVRows`). Each row stays its own cache (`cache.LayerCache`): rollback,
-checkpoints and marks act on one row, and a row that leaves or runs alone takes its state out."""
+"""The rows of a pass: several sequences' caches of one layer, and how the mixers run them together.
+
+A pass packs its rows along the token axis of one input [1, N, ...], never padded; a layer sees their
+caches as `RowCaches`. Rows of one length whose states can share a batch run as one batch
+(`in_batches`), so a step's launches do not grow with its rows. The batch outlives the pass: rows that
+run together again read and write their states where the last pass left them, a recurrent layer's in
+`RowStates`, an attention layer's in `KVRows`. "Same rows in the same order, else gather runs of
+neighbours" is decided here once (`_runs_of`).
+
+Each row stays its own cache (`cache.LayerCache`): rollback, checkpoints and marks act on one row, and
+a row that leaves or runs alone takes its state out. A recurrent mixer declares only its step
+(`recurrent`); batching, snapshots, rollback and checkpoints come with it.
+"""
 
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import accumulate
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
+from .cache import KVCache, RecurrentCache
+
+
+class RowCaches:
+    """One layer's caches of several sequences packed along the token axis of one input
+    [1, N, ...]: row r owns the next `lengths[r]` positions. The mixers run each row's
+    attention or recurrence on its own cache; everything per token runs on all N at once."""
+
+    def __init__(self, caches: list, lengths: list[int]):
+        self.caches = caches
+        self.lengths = lengths
+
+
+def row_caches(caches: list, lengths: list[int]):
+    """One layer's cache argument for rows packed along the token axis (one row: its own cache)."""
+    return caches[0] if len(caches) == 1 else RowCaches(caches, lengths)
+
+
+def packed(row_layer_caches: list[list], lengths: list[int]) -> list:
+    """A model's per-layer cache argument for rows packed along the token axis."""
+    if len(row_layer_caches) == 1:
+        return row_layer_caches[0]
+    return [RowCaches([caches[i] for caches in row_layer_caches], lengths) for i in range(len(row_layer_caches[0]))]
+
+
+class RecurrentStep(NamedTuple):
+    """What a recurrent mixer's step returns: its output, its state after the call's tokens (the arrays
+    it declares, each [B, ...]), and with snapshots each state array's value after every token (per
+    array, a list of T arrays; None where the step was not asked for them)."""
+
+    out: mx.array
+    state: tuple
+    snapshots: tuple | None = None
+
+
+def recurrent(step: Callable[..., RecurrentStep], cache, *inputs: mx.array) -> mx.array:
+    """A recurrent mixer's output over one sequence's `cache.RecurrentCache` (or None), or over packed
+    rows (`RowCaches`) of them. step(*inputs, state, record) -> `RecurrentStep` runs the mixer on
+    inputs [B, T, ...] from state (the tuple of arrays [B, ...] it returned before; None: a fresh
+    sequence), keeping snapshots where record is true. Every op of a step must be per row, so that a
+    row computes in a batch what it computes alone."""
+
+    def one_sequence(*args):
+        *inputs, cache = args
+        record = cache is not None and cache.record_snapshots
+        result = step(*inputs, cache.state if cache is not None else None, record)
+        if cache is not None:
+            cache.update(result.state, result.snapshots)
+        return result.out
+
+    if not isinstance(cache, RowCaches):
+        return one_sequence(*inputs, cache)
+
+    def batch_key(n: int, row_cache: RecurrentCache):
+        return row_cache.record_snapshots if row_cache.state is not None else None
+
+    def run_batch(*args):
+        *inputs, members = args
+        result = step(*inputs, _states_of(members), members[0].record_snapshots)
+        states = RowStates(result.state, result.snapshots)
+        for i, member in enumerate(members):
+            member.join(states, i)
+        return result.out
+
+    return in_batches(cache, inputs, batch_key, run_batch, one_sequence)
+
+
+def attend_rows(attend, cache, *arrays: mx.array, reads_key_positions: bool = False) -> mx.array:
+    """attend(*arrays, cache) -> [B, T, ...] of an attention layer, over its KVCache, or over packed
+    rows (`RowCaches`): rows of one length whose caches hold entries at plain rotary positions as one
+    batch (`KVRows`: one rotary embedding, one write and one attention for all of them), the others
+    alone. reads_key_positions: the layer reads where its cached keys sit too (an indexer rotating
+    blocks of them), so a row batches only where every key sits at its index (no image positions)."""
+    if not isinstance(cache, RowCaches):
+        return attend(*arrays, cache)
+
+    def batch_key(n: int, row_cache):
+        batched = isinstance(row_cache, KVCache) and row_cache.holds_entries
+        batched = batched and not (reads_key_positions and row_cache.positions is not None)
+        return row_cache.form if batched and isinstance(row_cache.rotary_span(n), int) else None
+
+    return in_batches(cache, arrays, batch_key, lambda *inputs: attend(*inputs[:-1], KVRowsPass(inputs[-1])), attend)
+
+
+def in_batches(cache: RowCaches, arrays, batch_key, run_batch, run_alone) -> mx.array:
+    """The mixer's output [1, N, ...] for packed rows. Rows of one length whose `batch_key(length,
+    row_cache)` is equal (None: the row runs alone) run as one batch: `run_batch(*inputs, caches)`
+    on inputs [m, length, ...], the packed arrays' rows reshaped where they lie side by side; each
+    other row `run_alone(*inputs, row_cache)` on its slice [1, length, ...]."""
+    starts = [0, *accumulate(cache.lengths)]
+    groups: dict[tuple, list[int]] = {}
+    for row, (n, row_cache) in enumerate(zip(cache.lengths, cache.caches)):
+        key = batch_key(n, row_cache)
+        groups.setdefault(("alone", row) if key is None else (n, key), []).append(row)
+    pieces = []  # (first position, output [1, m, ...]) in any order
+    for rows in groups.values():
+        n = cache.lengths[rows[0]]
+        if len(rows) == 1:
+            row = rows[0]
+            inputs = [x[:, starts[row] : starts[row + 1]] for x in arrays]
+            pieces.append((starts[row], run_alone(*inputs, cache.caches[row])))
+            continue
+        runs = [(rows[first], rows[last - 1] + 1) for first, last in _runs(rows, lambda a, b: b == a + 1)]
+        inputs = [
+            _joined([x[:, starts[a] : starts[b]].reshape(b - a, n, *x.shape[2:]) for a, b in runs]) for x in arrays
+        ]
+        out = run_batch(*inputs, [cache.caches[row] for row in rows])
+        done = 0
+        for a, b in runs:
+            pieces.append((starts[a], out[done : done + b - a].reshape(1, (b - a) * n, *out.shape[2:])))
+            done += b - a
+    pieces.sort(key=lambda piece: piece[0])
+    return _joined([out for _, out in pieces], axis=1)
+
 
 class RowStates:
-    """One layer's recurrent states of several rows, as one pass over them left them: tails and
-    states [n, ...], and with snapshots each token's. A row's rollback is noted (`keep`) and applied
+    """One layer's recurrent states of several rows, as one pass over them left them: the state's
+    arrays [n, ...], and with snapshots each token's. A row's rollback is noted (`keep`) and applied
     to all rows at once where the batch is next read whole: one select per kept position, whatever
     the number of rows."""
 
-    def __init__(self, tail, state, tail_snapshots=None, state_snapshots=None):
-        self._held = [tail, state]
-        self._snapshots = [tail_snapshots, state_snapshots] if state_snapshots is not None else None
-        self._kept = [None] * tail.shape[0]  # per row: the snapshot its rollback kept (None: the last)
+    def __init__(self, state: tuple, snapshots: tuple | None = None):
+        self._held = list(state)
+        self._snapshots = snapshots
+        self._kept = [None] * state[0].shape[0]  # per row: the snapshot its rollback kept (None: the last)
         self._rolled_back = 0
 
     def keep(self, row: int, snapshot: int | None):
@@ -33,7 +157,7 @@ class RowStates:
             self._snapshots = None
 
     def whole(self) -> list[mx.array]:
-        """[tails, states] of all rows, each row's rollback applied."""
+        """The state's arrays for all rows, each row's rollback applied."""
         if self._snapshots is not None and any(k is not None for k in self._kept):
             kept, selected = set(self._kept), []
             for held, snapshots in zip(self._held, self._snapshots):
@@ -47,20 +171,27 @@ class RowStates:
             self._held, self._kept = selected, [None] * len(self._kept)
         return self._held
 
-    def tail(self, row: int):
-        return self.whole()[0][row : row + 1]
+    def row(self, row: int) -> tuple:
+        return tuple(held[row : row + 1] for held in self.whole())
 
-    def state(self, row: int):
-        return self.whole()[1][row : row + 1]
-
-    def snapshots(self, row: int, which: int):
+    def snapshots(self, row: int) -> tuple | None:
         if self._snapshots is None:
             return None
-        return [s[row : row + 1] for s in self._snapshots[which]]
+        return tuple([s[row : row + 1] for s in snapshots] for snapshots in self._snapshots)
 
     def rows(self, start: int, stop: int) -> list[mx.array]:
-        """[tails, states] of rows start .. stop - 1 (views)."""
+        """The state's arrays of rows start .. stop - 1 (views)."""
         return [held[start:stop] for held in self.whole()]
+
+
+def _states_of(members: list[RecurrentCache]) -> list[mx.array]:
+    """These rows' states as one batch: a batch the last pass left, read as it is where the same rows
+    come in its order; else its runs of rows and single rows joined."""
+    parts = []
+    for first, last in _runs_of(members):
+        source = members[first]
+        parts.append(source.batch.rows(source.index, source.index + last - first) if last - first > 1 else source.state)
+    return [part[0] if len(parts) == 1 else mx.concatenate(list(part), axis=0) for part in zip(*parts)]
 
 
 class KVRows:
@@ -97,13 +228,8 @@ class KVRows:
         """These rows' batch, for a pass that writes `arrays`: the one they live in where they are its
         rows in its order, else a new one."""
         batch = members[0].batch
-        if (
-            batch is None
-            or batch.size != len(members)
-            or any(m.batch is not batch or m.index != i for i, m in enumerate(members))
-        ):
-            batch = cls(members, arrays)
-        return batch
+        whole = batch is not None and batch.size == len(members) and members[0].index == 0
+        return batch if whole and _runs_of(members) == [(0, len(members))] else cls(members, arrays)
 
     def write(self, arrays: list[mx.array], offsets: tuple[int, ...]):
         """Each row's T new entries [n, H, T, D] at its own offset."""
@@ -153,24 +279,24 @@ class KVRowsPass:
             member.trim(n)
 
 
-def _rounded(count: int, step: int) -> int:
-    return max(1, (count + step - 1) // step) * step
-
-
-def _runs_of(members: list) -> list[tuple[int, int]]:
-    """[first, last) runs of members that lie side by side in one batch (others alone)."""
+def _runs(items: list, follows) -> list[tuple[int, int]]:
+    """[first, last) runs of items in which each follows the one before (`follows(before, item)`)."""
     runs = []
-    for i, member in enumerate(members):
-        if (
-            runs
-            and member.batch is not None
-            and member.batch is members[i - 1].batch
-            and (member.index == members[i - 1].index + 1)
-        ):
+    for i, item in enumerate(items):
+        if runs and follows(items[i - 1], item):
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
     return runs
+
+
+def _runs_of(members: list) -> list[tuple[int, int]]:
+    """[first, last) runs of row caches that lie side by side in one batch (others alone)."""
+    return _runs(members, lambda a, b: b.batch is not None and b.batch is a.batch and b.index == a.index + 1)
+
+
+def _rounded(count: int, step: int) -> int:
+    return max(1, (count + step - 1) // step) * step
 
 
 @lru_cache(maxsize=8)
@@ -180,23 +306,5 @@ def _write_positions(offsets: tuple[int, ...], tokens: int) -> mx.array:
     return mx.array(at[:, None, :, None])
 
 
-class RowCaches:
-    """One layer's caches of several sequences packed along the token axis of one input
-    [1, N, ...]: row r owns the next `lengths[r]` positions. The mixers run each row's
-    attention or recurrence on its own cache; everything per token runs on all N at once."""
-
-    def __init__(self, caches: list, lengths: list[int]):
-        self.caches = caches
-        self.lengths = lengths
-
-
-def row_caches(caches: list, lengths: list[int]):
-    """One layer's cache argument for rows packed along the token axis (one row: its own cache)."""
-    return caches[0] if len(caches) == 1 else RowCaches(caches, lengths)
-
-
-def packed(row_layer_caches: list[list], lengths: list[int]) -> list:
-    """A model's per-layer cache argument for rows packed along the token axis."""
-    if len(row_layer_caches) == 1:
-        return row_layer_caches[0]
-    return [RowCaches([caches[i] for caches in row_layer_caches], lengths) for i in range(len(row_layer_caches[0]))]
+def _joined(arrays: list[mx.array], axis: int = 0) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=axis)

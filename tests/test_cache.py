@@ -103,7 +103,7 @@ def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family, kv_bits):
     neighbours), rolled back to different tokens; all decoding again; row 1 leaving; three rows
     verifying and keeping the same token's state; a row's checkpoint taken from the batch and
     decoded alone. Each row's logits equal, to the bit, those of the same calls on the row alone."""
-    from mlx_hybrid.cache import packed
+    from mlx_hybrid.row_caches import packed
     from mlx_hybrid.row_caches import KVRows, RowStates
 
     model, _ = load_fixture(family, "model.gguf")

@@ -20,7 +20,7 @@ from conftest import (
     reference_processing,
 )
 from mlx_hybrid import ops
-from mlx_hybrid.cache import KVCache, RecurrentCache
+from mlx_hybrid.cache import KVCache
 from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter
 from mlx_hybrid.drafting.dflash import DFlashDrafter
 from mlx_hybrid.engine import Engine, PrefixStore
@@ -211,10 +211,7 @@ def _feed_pending(mtp: MTPDrafter):
 def _layer_arrays(cache):
     arrays = []
     for c in cache:
-        if isinstance(c, RecurrentCache):
-            arrays += [c.conv_tail, c.state]
-        else:
-            arrays += list(c.state)
+        arrays += list(c.state)
     return arrays
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache import marks, packed, rewind
+from ..cache import marks, rewind
 from ..errors import GenerationError
 from ..prompt import prefill
+from ..row_caches import packed
 from .base import DraftHead, _ConfidentDrafting, _last_of_each
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache import KVCache, row_caches
+from ..cache import KVCache
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP
+from ..row_caches import row_caches
 from .base import DraftHead, _ConfidentDrafting, _join, _last_of_each
 
 

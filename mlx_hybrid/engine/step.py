@@ -17,9 +17,10 @@ from itertools import accumulate
 import mlx.core as mx
 
 from .. import ops
-from ..cache import marks, packed, record_snapshots
+from ..cache import marks, record_snapshots
 from ..drafting import draft_rows, sure_drafts, unmarked
 from ..drafting.base import DraftDistributions, StateSpan
+from ..row_caches import packed
 from ..sampling import Samplers
 from ..speculative import accept, sampled_rounds
 from .prompt_images import join_inserted

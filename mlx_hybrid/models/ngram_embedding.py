@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import LayerCache, RecurrentCache
+from ..row_caches import RecurrentStep, recurrent
 from .layers import Linear, RMSNorm, group_rms_norm
 
 _MASK64 = (1 << 64) - 1
@@ -119,8 +120,7 @@ class NGramHash:
 
 class PLECache(LayerCache):
     """A PLE layer's caches: the linear-attention mixer's (`mixer`) and the PLE's own (`ple`: a
-    RecurrentCache whose "tail" is the last ngram_size - 1 tokens [B, n - 1] and whose "state" the
-    convolution's tail [B, (K - 1) dilation, n E]), rolled back and checkpointed together."""
+    RecurrentCache of `PLE.step`'s state), rolled back and checkpointed together."""
 
     def __init__(self):
         self.mixer, self.ple = RecurrentCache(), RecurrentCache()
@@ -195,18 +195,22 @@ class PLE(nn.Module):
     def conv_tail(self) -> int:
         return (self.kernel - 1) * self.dilation
 
-    def __call__(self, streams: mx.array, ids: mx.array, cache: RecurrentCache | None) -> mx.array:
-        """What the layer adds to the streams [B, T, n E] for the tokens ids [B, T]. The hash and the table's
-        rows are read on the host: tokens still being computed (a sampled token, device drafts) are waited
-        for here."""
+    def __call__(self, streams: mx.array, ids: mx.array, cache) -> mx.array:
+        """What the layer adds to the streams [B, T, n E] for the tokens ids [B, T], over its cache (a
+        sequence's `RecurrentCache` or packed rows' of them)."""
+        return recurrent(self.step, cache, streams, ids)
+
+    def step(self, streams: mx.array, ids: mx.array, state: tuple | None, record: bool) -> RecurrentStep:
+        """The layer as a recurrent step: its state is the last ngram_size - 1 tokens [B, n - 1] (int32)
+        and the convolution's tail [B, (K - 1) dilation, n E]. The hash and the table's rows are read on
+        the host: tokens still being computed (a sampled token, device drafts) are waited for here."""
         B, T, wide = streams.shape
-        record = cache is not None and cache.record_snapshots
         tokens = np.array(ids, np.int64)
-        if cache is None or cache.state is None:
+        if state is None:
             history = np.full((B, self.history), self.hash.eos, np.int64)
             tail = mx.zeros((B, self.conv_tail, wide), streams.dtype)
         else:
-            history, tail = np.array(cache.conv_tail, np.int64), cache.state
+            history, tail = np.array(state[0], np.int64), state[1]
         history = np.concatenate([history, tokens], axis=1)
         rows = self.table.rows(self.hash(history, T))  # [B, T, heads, d]
         embedding = rows.reshape(B, T, -1).astype(streams.dtype)
@@ -221,11 +225,9 @@ class PLE(nn.Module):
         S = self.conv_tail
         conv = sum(padded[:, S - (self.kernel - 1 - j) * self.dilation :][:, :T] * self.conv1d_weight[:, j]
                    for j in range(self.kernel))  # fmt: skip
-        if cache is not None:
-            kept = mx.array(history[:, -self.history :].astype(np.int32))
-            snapshots = None
-            if record:
-                snapshots = ([mx.array(history[:, t + 1 : t + 1 + self.history].astype(np.int32)) for t in range(T)],
-                             [padded[:, t + 1 : t + 1 + S] for t in range(T)])  # fmt: skip
-            cache.update(kept, padded[:, T:], *(snapshots or (None, None)))
-        return gated + nn.silu(conv)
+        kept = mx.array(history[:, -self.history :].astype(np.int32))
+        snapshots = None
+        if record:
+            snapshots = ([mx.array(history[:, t + 1 : t + 1 + self.history].astype(np.int32)) for t in range(T)],
+                         [padded[:, t + 1 : t + 1 + S] for t in range(T)])  # fmt: skip
+        return RecurrentStep(gated + nn.silu(conv), (kept, padded[:, T:]), snapshots)

@@ -14,6 +14,7 @@ import mlx.nn as nn
 from .. import ops
 from ..cache import KVCache, RecurrentCache
 from ..parallel import COLUMNS, ROWS, VECTOR, Split, all_sum, require
+from ..row_caches import attend_rows
 from .layers import (
     F32,
     FULL,
@@ -28,7 +29,6 @@ from .layers import (
     top_k_indices,
 )
 from .linear_attention import linear_attention
-from .packed_rows import attend_rows
 from .sharding import prefixed
 from .trunk import HybridModel
 from .vision import VisionArgs, VisionTower

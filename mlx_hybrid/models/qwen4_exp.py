@@ -23,12 +23,11 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import ops
-from ..cache import KVCache, RowCaches
+from ..cache import KVCache
 from ..parallel import TENSOR, ShardingError
+from ..row_caches import RowCaches, attend_rows
 from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm
 from .ngram_embedding import PLE, PLECache
-from .linear_attention import recurrent_rows
-from .packed_rows import attend_rows
 from .qwen3_5 import FLOAT32_PARAMS  # noqa: F401  (the loaders')
 from .qwen3_5 import PRE_NORM, GatedAttention, GatedDeltaNet, SparseMoE
 from .qwen3_5 import ModelArgs as Qwen35Args
@@ -225,26 +224,20 @@ class DecoderLayer(nn.Module):
     def __call__(self, streams, cache=None, ids=None):
         mixer_cache = cache
         if self.has_ple:
-            streams = streams + self._ple(streams, ids, cache)
-            mixer_cache = _mixer_caches(cache)
+            streams = streams + self.ple(streams, ids, _part(cache, "ple"))
+            mixer_cache = _part(cache, "mixer")
         block_input, weights = self.attn_hyper_connection.mix(streams)
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
         streams = GatedResidual.add(streams, mixer(block_input, mixer_cache), weights)
         block_input, weights = self.mlp_hyper_connection.mix(streams)
         return GatedResidual.add(streams, self.mlp(block_input), weights)
 
-    def _ple(self, streams, ids, cache):
-        if not isinstance(cache, RowCaches):
-            return self.ple(streams, ids, cache.ple if cache is not None else None)
-        return recurrent_rows(RowCaches([row.ple for row in cache.caches], cache.lengths), (streams, ids), self.ple)
 
-
-def _mixer_caches(cache):
-    if cache is None:
-        return None
+def _part(cache, name: str):
+    """Part `name` of a PLE layer's cache (`PLECache`), of one sequence or of packed rows."""
     if isinstance(cache, RowCaches):
-        return RowCaches([row.mixer for row in cache.caches], cache.lengths)
-    return cache.mixer
+        return RowCaches([getattr(row, name) for row in cache.caches], cache.lengths)
+    return getattr(cache, name) if cache is not None else None
 
 
 class MTPHead(nn.Module):
