@@ -19,15 +19,13 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .errors import MlxHybridError
-from .loaders import DTYPES, gguf_architectures, gguf_file, hf, hub, load
+from .loaders import DTYPES, families, gguf_architectures, gguf_file, hf, hub, load
 from .loaders.common import rename
 from .loaders.hf_config import read_config
 from .loaders.row_tables import write_row_tables
 from .models.layers import LINEAR
 from .models.qwen3_5 import POST_NORM
 from .quantized_tensor import FLOAT_MODES, mode_refused
-
-_GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 
 
 def _canonical(model):
@@ -61,10 +59,12 @@ def save_gguf(model, tokenizer, path, *, name: str = "mlx-hybrid", matrix_dtype=
     import gguf
 
     args = model.args
-    if args.model_type not in _GGUF_ARCH:
-        raise ValueError(f"GGUF export supports {sorted(_GGUF_ARCH)}, not {args.model_type!r}")
-    arch = _GGUF_ARCH[args.model_type]
-    weights, unmatched = rename(_canonical(model), gguf_architectures._qwen_rules(True, to_gguf=True), args)
+    written = families.family(args.model_type).gguf
+    if written is None or not written.written:
+        supported = sorted(f.model_type for f in families.FAMILIES if f.gguf is not None and f.gguf.written)
+        raise ValueError(f"GGUF export supports {supported}, not {args.model_type!r}")
+    arch = written.name
+    weights, unmatched = rename(_canonical(model), gguf_architectures.qwen_rules(True, to_gguf=True), args)
     assert not unmatched, unmatched
     n_layer, nextn = args.num_hidden_layers, args.mtp_num_hidden_layers
     writer = gguf.GGUFWriter(str(path), arch)
@@ -146,12 +146,12 @@ def hf_config(args, tokenizer) -> dict:
     if getattr(args, "mrope_section", None):
         rope.update(mrope_section=list(args.mrope_section), mrope_interleaved=True)
     text.update(rope_parameters=rope, eos_token_id=tokenizer.eos_token_ids[0])
-    if args.model_type not in hf.MULTIMODAL:  # Qwen3-Next's config also names its rope settings at the top
+    family = families.family(args.model_type)
+    if not family.multimodal:  # Qwen3-Next's config also names its rope settings at the top
         rope_settings = {"rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor}
-        return {"architectures": ["Qwen3NextForCausalLM"], "model_type": args.model_type, **text, **rope_settings}
-    architecture = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+        return {"architectures": [family.hf_class], "model_type": args.model_type, **text, **rope_settings}
     config = {
-        "architectures": [architecture[args.model_type]],
+        "architectures": [family.hf_class],
         "model_type": args.model_type,
         "tie_word_embeddings": args.tie_word_embeddings,
         "text_config": {**text, "model_type": args.model_type + "_text"},
@@ -211,7 +211,7 @@ def save_hf(model, tokenizer, directory, source_dir=None):
     if args.model_type != "qwen3_5":
         raise ValueError(f"HF export supports dense qwen3_5 models, not {args.model_type!r}")
     weights, _ = rename(_canonical(model), hf.qwen_export_rules("hf"), args)
-    tensors = {hf.export_name(k, "hf", args.model_type): v for k, v in weights.items()}
+    tensors = {hf.export_name(k, "hf", families.family(args.model_type).multimodal): v for k, v in weights.items()}
     _write_directory(Path(directory), tensors, hf_config(args, tokenizer), tokenizer, source_dir)
 
 
@@ -221,12 +221,15 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     describes a model already quantized in memory."""
     args = model.args
     stored = [(name, (lambda v=v: v)) for name, v in model.stored_values().items()]
-    weights, _ = rename(_canonical(model) + stored, hf.EXPORT_RULES[args.model_type]("mlx"), args)
-    if args.model_type == "qwen3_next":
-        weights = hf.fuse_qwen3_next_projections(weights, args)
-    tensors = {hf.export_name(k, "mlx", args.model_type): v for k, v in weights.items()}
+    family = families.family(args.model_type)
+    if family.export_rules is None:
+        raise ValueError(f"writing {args.model_type} models is not supported")
+    weights, _ = rename(_canonical(model) + stored, family.export_rules("mlx"), args)
+    if family.export_weights is not None:
+        weights = family.export_weights(weights, args)
+    tensors = {hf.export_name(k, "mlx", family.multimodal): v for k, v in weights.items()}
     # its config.json is the checkpoint's own, as mlx-lm's convert copies it
-    if args.model_type in FROM_DIRECTORIES_ONLY:
+    if family.config_from_source:
         if source_dir is None:
             raise ValueError(f"writing {args.model_type} takes its Hugging Face directory's config.json")
         config = read_config(Path(source_dir))
@@ -235,7 +238,7 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     if quantization:  # a module quantized otherwise is named as its tensors are written
         quantization = {
             (
-                hf.export_name(f"{key}.weight", "mlx", args.model_type)[: -len(".weight")]
+                hf.export_name(f"{key}.weight", "mlx", family.multimodal)[: -len(".weight")]
                 if isinstance(v, dict)
                 else key
             ): v
@@ -250,18 +253,13 @@ def save_mlx(model, tokenizer, directory, source_dir=None, quantization: dict | 
     if tables := model.row_tables():  # as the checkpoint stores them (one shard a table)
         write_row_tables(
             Path(directory) / "row_tables.safetensors",
-            {hf.export_name(f"{name}.weight", "mlx", args.model_type): table for name, table in tables.items()},
+            {hf.export_name(f"{name}.weight", "mlx", family.multimodal): table for name, table in tables.items()},
         )
     if head:
         mx.save_safetensors(str(Path(directory) / "mtp.safetensors"), head, metadata={"format": "pt"})
 
 
 # -- MLX-quantized directories from checkpoints (the `mlx_hybrid.convert` command)
-
-QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-# written with their own config.json, so from their Hugging Face directories only (no GGUF of qwen4_exp
-# exists)
-FROM_DIRECTORIES_ONLY = ("kimi_linear", "qwen4_exp")
 
 
 def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None, mode: str = "affine") -> Path:
@@ -283,11 +281,7 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None, m
     checkpoint_dtype = "float32"  # a GGUF's blocks dequantize exactly to float32
     if source.is_dir():  # refuse early, before loading the weights
         config = read_config(source)
-        if config.get("model_type") not in QWEN_TYPES + FROM_DIRECTORIES_ONLY:
-            raise MlxHybridError(
-                f"convert supports the Qwen hybrid families, Qwen3.8-Flash-Next and Kimi Linear, not "
-                f"{config.get('model_type')!r}"
-            )
+        families.family(config.get("model_type"))  # an unsupported one refused by name
         if config.get("quantization") or config.get("quantization_config"):
             raise MlxHybridError(f"{source} is already quantized; convert its float checkpoint")
         checkpoint_dtype = _config_dtype(config)
@@ -295,7 +289,7 @@ def convert(source, mlx_path, bits: int = 4, group_size: int = 64, dtype=None, m
     # the same source gives the same directory on every machine. A GGUF's blocks are dequantized,
     # then quantized to this one layout (a directory with one `quantization` entry holds one layout).
     model, tokenizer = load(source, dtype=dtype or checkpoint_dtype, dequantize=not source.is_dir())
-    if model.model_type in FROM_DIRECTORIES_ONLY and not source.is_dir():
+    if families.family(model.model_type).config_from_source and not source.is_dir():
         raise MlxHybridError(f"convert writes {model.model_type} from its Hugging Face directory, not from a GGUF file")
     nn.quantize(model, group_size, bits, mode=mode, class_predicate=lambda path, m: _quantizable(path, m, group_size))
     quantization = {"group_size": group_size, "bits": bits, "mode": mode}

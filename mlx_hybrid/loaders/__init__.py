@@ -13,14 +13,13 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from .. import ops
-from ..errors import ModelLoadError, UnsupportedArchitectureError
+from ..errors import ModelLoadError
 from ..images import ImageProcessor
-from ..models import architecture
 from ..models.dflash import load_drafter
 from ..parallel import PIPELINE, TENSOR
 from ..quantized_tensor import CPU_ACTIVATIONS, QuantizedTensor
 from ..tokenizer import Tokenizer
-from . import gguf_architectures, gguf_file, gguf_projector, hf, hf_config, hub, safetensors_files
+from . import families, gguf_file, gguf_projector, hf, hf_config, hub, safetensors_files
 from .cpu_activations import set_cpu_activations, whole_products
 from .memory import memory_available
 from .mtp_head import attach_mtp_head
@@ -216,19 +215,16 @@ def _read_hf(path: Path, dtype=None) -> tuple[_Checkpoint, dict, list]:
     its size: that is not counted, so a model is never refused that would fit)."""
     config = hf_config.read_config(path)
     model_type = hf_config.model_type_of(config)
-    module = architecture(model_type)
-    if model_type not in hf.FAMILIES:
-        raise UnsupportedArchitectureError(f"no Hugging Face loader for {model_type!r}")
-    make_args, rules_for = hf.FAMILIES[model_type]
+    family = families.family(model_type)
     files = safetensors_files.safetensor_files(path)
     tensors = safetensors_files.read_tensors(files)
-    row_tables = take_row_tables(tensors, files, hf.ROW_TABLES[model_type]) if model_type in hf.ROW_TABLES else {}
-    rules = rules_for(hf.detect_layout(tensors))
+    row_tables = take_row_tables(tensors, files, family.row_tables) if family.row_tables else {}
+    rules = family.hf_rules(hf.detect_layout(tensors))
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization:
         tensors = safetensors_files.group_quantized(tensors, quantization)
-    args = make_args(
-        config, module, has_mtp=any(name.startswith("mtp.") for name in tensors),
+    args = family.hf_args(
+        config, family.module, has_mtp=any(name.startswith("mtp.") for name in tensors),
         has_vision=hf.has_vision_tower(tensors),
     )  # fmt: skip
     if dtype is not None:
@@ -241,7 +237,7 @@ def _read_hf(path: Path, dtype=None) -> tuple[_Checkpoint, dict, list]:
         _refuse_what_does_not_fit(path, needed, sum(f.stat().st_size for f in files))
     # popped as read: a split model keeps only its parts, so the whole tensors must go
     read = ((name, (lambda name=name: tensors.pop(name))) for name in list(tensors))
-    return _Checkpoint(module, args, rules, read, len(tensors), row_tables), config, files
+    return _Checkpoint(family.module, args, rules, read, len(tensors), row_tables), config, files
 
 
 def _load_hf(path: Path, dtype, progress, split: _Split):
@@ -315,13 +311,10 @@ def _read_gguf(path: Path, keep_quantized: bool = True, compact_scales=None, dty
     (holds_all), a ModelLoadError before anything is read if it does not fit in memory."""
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.Metadata(reader)
-    if meta.arch not in gguf_architectures.GGUF_ARCHITECTURES:
-        known = ", ".join(sorted(gguf_architectures.GGUF_ARCHITECTURES))
-        raise UnsupportedArchitectureError(f"{path}: unsupported GGUF architecture {meta.arch!r} (supported: {known})")
-    model_type, make_args, rules = gguf_architectures.GGUF_ARCHITECTURES[meta.arch]
-    module = architecture(model_type)
+    family = families.gguf_family(meta.arch, path)
+    module, rules = family.module, family.gguf.rules
     shapes = gguf_file.tensor_shapes(reader)
-    args = make_args(meta, module, shapes)
+    args = family.gguf.args(meta, module, shapes, family.model_type)
     tensors = gguf_file.block_names(reader, args.num_hidden_layers, keep_quantized, compact_scales, whole_blocks)
     if dtype is not None:
         stored = [(t.tensor_type.name, math.prod(t.shape), t.n_bytes) for t in reader.tensors]
@@ -356,7 +349,7 @@ def _projector_path(path: Path, mmproj, model_type: str) -> Path | None:
             raise ModelLoadError(f"{projector}: no such projector file")
     else:
         projector = gguf_projector.find_mmproj(path)
-    if projector is not None and not hasattr(architecture(model_type).ModelArgs, "vision"):
+    if projector is not None and not hasattr(families.family(model_type).module.ModelArgs, "vision"):
         if mmproj is None:
             return None  # a projector beside a model that takes no images is another model's
         raise ModelLoadError(f"{path}: {model_type} models take no images")

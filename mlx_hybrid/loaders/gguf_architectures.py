@@ -32,7 +32,7 @@ def _per_layer_max(value):
     return max(value) if isinstance(value, list) else value
 
 
-def _qwen_args(meta: Metadata, module, tensor_shapes: dict):
+def qwen_args(meta: Metadata, module, tensor_shapes: dict, model_type: str):
     nextn = meta.arch_value("nextn_predict_layers", 0)
     n_layer = meta.require("block_count") - nextn
     # a file that declares the MTP block without its tensors loads without the head, as an HF
@@ -48,7 +48,7 @@ def _qwen_args(meta: Metadata, module, tensor_shapes: dict):
     value_heads = meta.require("ssm.time_step_rank")
     sections = meta.arch_value("rope.dimension_sections") or []  # MRoPE's (t, h, w, unused), interleaved
     return module.ModelArgs(
-        model_type=GGUF_ARCHITECTURES[meta.arch][0],
+        model_type=model_type,
         vocab_size=len(meta.get("tokenizer.ggml.tokens", [])) or meta.require("vocab_size"),
         hidden_size=meta.require("embedding_length"),
         num_hidden_layers=n_layer,
@@ -201,7 +201,7 @@ def _rules(table, to_gguf=False, head_transforms=None, extra=()):
     return rules + ([] if to_gguf else list(extra))
 
 
-def _qwen_rules(tiled_value_heads: bool, to_gguf: bool = False):
+def qwen_rules(tiled_value_heads: bool, to_gguf: bool = False):
     transforms = None
     if tiled_value_heads:
         transforms = dict(zip(("qkv", "value_rows", "heads", "value_columns"), _head_transforms(to_gguf)))
@@ -249,7 +249,11 @@ _KIMI_TENSORS = [
 ]
 
 
-def _kimi_args(meta: Metadata, module, tensor_shapes: dict):
+def kimi_rules():
+    return _rules(_KIMI_TENSORS)
+
+
+def kimi_args(meta: Metadata, module, tensor_shapes: dict, model_type: str):
     n_layer = meta.require("block_count")
     kv_heads = meta.require("attention.head_count_kv")
     kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * n_layer
@@ -260,7 +264,7 @@ def _kimi_args(meta: Metadata, module, tensor_shapes: dict):
     rope_dim = meta.arch_value("rope.dimension_count", 0)
     head_dim = meta.require("kda.head_dim")
     return module.ModelArgs(
-        model_type="kimi_linear",
+        model_type=model_type,
         vocab_size=len(meta.get("tokenizer.ggml.tokens", [])) or meta.require("vocab_size"),
         hidden_size=meta.require("embedding_length"),
         num_hidden_layers=n_layer,
@@ -285,12 +289,3 @@ def _kimi_args(meta: Metadata, module, tensor_shapes: dict):
         max_position_embeddings=meta.arch_value("context_length", 1048576),
         tie_word_embeddings="output.weight" not in tensor_shapes,
     )
-
-
-# GGUF architecture -> (our model type, hyper-parameters, tensor table)
-GGUF_ARCHITECTURES = {
-    "qwen35": ("qwen3_5", _qwen_args, _qwen_rules(tiled_value_heads=True)),
-    "qwen35moe": ("qwen3_5_moe", _qwen_args, _qwen_rules(tiled_value_heads=True)),
-    "qwen3next": ("qwen3_next", _qwen_args, _qwen_rules(tiled_value_heads=False)),
-    "kimi-linear": ("kimi_linear", _kimi_args, _rules(_KIMI_TENSORS)),
-}

@@ -16,7 +16,6 @@ from .common import (
     split_fused_ba,
     squeeze_conv,
 )
-from .hf_config import kimi_args, qwen_args
 
 # -- tensor tables -------------------------------------------------------------
 
@@ -116,7 +115,7 @@ def qwen4_rules(layout: str = "hf"):
     """Qwen3.8-Flash-Next (`qwen4_exp`): Qwen3.5's names, and its hyper-connections, indexers and PLE
     layers (their zero-centred norms, the PLE's depthwise convolution); the n-gram hash's buffers are
     dropped (the model computes them from the config, as transformers does) and its tables stay in
-    their files (`ROW_TABLES`)."""
+    their files (`QWEN4_ROW_TABLES`)."""
     norm = plus_one if layout == "hf" else None
     return [
         # the trunk's last mixer stands where a final norm does (`norm`), the MTP head's where its norm does
@@ -137,12 +136,11 @@ def qwen4_rules(layout: str = "hf"):
     ]  # fmt: skip
 
 
-# model_type -> the tables left in their files, read by rows (`row_tables`): a pattern whose `table`
-# group names the layer and whose `shard` group numbers the table's parts
-ROW_TABLES = {
-    "qwen4_exp": _PREFIX + r"(?P<table>layers\.\d+)\.ple\.ple_embedding\.ngram_embedding\.shard_(?P<shard>\d+)\.weight",
-}
-ROW_TABLES["qwen4_exp_text"] = ROW_TABLES["qwen4_exp"]
+# the tables left in their files, read by rows (`row_tables`): a pattern whose `table` group names the
+# layer and whose `shard` group numbers the table's parts
+QWEN4_ROW_TABLES = (
+    _PREFIX + r"(?P<table>layers\.\d+)\.ple\.ple_embedding\.ngram_embedding\.shard_(?P<shard>\d+)\.weight"
+)
 
 
 _VISION = r"(?:model\.)?visual\."
@@ -255,19 +253,7 @@ def _kimi_a_log(a, _args):
     return mx.log(-a.astype(mx.float32)).reshape(1, 1, -1, 1)
 
 
-# model_type -> the tensor table that writes a layout (see export.save_mlx)
-EXPORT_RULES = {
-    "qwen3_5": qwen_export_rules,
-    "qwen3_5_moe": qwen_export_rules,
-    "qwen3_next": qwen_export_rules,
-    "qwen4_exp": qwen4_export_rules,
-    "kimi_linear": kimi_export_rules,
-}
-
-MULTIMODAL = ("qwen3_5", "qwen3_5_moe", "qwen4_exp")  # published with a vision tower; text under a prefix
-
-
-def export_name(name: str, layout: str = "hf", model_type: str = "qwen3_5") -> str:
+def export_name(name: str, layout: str = "hf", multimodal: bool = True) -> str:
     """Where a canonical tensor goes in a layout; MTP tensors and mlx-vlm's `vision_tower.` stay at the
     top, the published `visual.` goes under `model.` (see qwen_export_rules)."""
     if name.startswith("mtp."):
@@ -276,7 +262,7 @@ def export_name(name: str, layout: str = "hf", model_type: str = "qwen3_5") -> s
         return name
     if name.startswith("visual."):
         return "model." + name
-    if model_type not in MULTIMODAL:
+    if not multimodal:
         return name if name.startswith("lm_head.") else "model." + name
     if layout == "mlx":
         return "language_model." + (name if name.startswith("lm_head.") else "model." + name)
@@ -342,19 +328,5 @@ KIMI_RULES = [
 ]
 
 
-# -- hyper-parameters ------------------------------------------------------------
-
-
 def has_vision_tower(tensor_names) -> bool:
     return any(re.match(_VISION, name) or re.match(_VISION_TOWER, name) for name in tensor_names)
-
-
-# model_type -> (hyper-parameters, tensor table for a layout)
-FAMILIES = {
-    "qwen3_5": (qwen_args, qwen_rules),
-    "qwen3_5_moe": (qwen_args, qwen_rules),
-    "qwen3_next": (qwen_args, qwen_rules),
-    "qwen4_exp": (qwen_args, qwen4_rules),
-    "qwen4_exp_text": (qwen_args, qwen4_rules),
-    "kimi_linear": (kimi_args, kimi_rules),  # plain norms in every layout
-}
