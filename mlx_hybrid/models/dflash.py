@@ -13,11 +13,7 @@ Layers of `layer_types` "sliding_attention" are causal inside the block and see 
 `sliding_window` positions back (their caches drop what the window no longer reaches; `is_causal`
 makes the full layers causal too).
 
-DFlash2 (`DFlash2DraftModel`) adds, in every layer, a grouped dynamic causal convolution over the
-block's positions before and after attention and before and after the MLP (`GroupedDynamicConv`), and
-a `CandidateSelector`: of each position's top `selector_top_k` tokens by the block's logits, the drafts
-are a path chosen position by position by the logit plus a bilinear score of the previous token's and
-the candidate's codebook rows with the position's projected state.
+DFlash2 (`DFlash2DraftModel`) adds its convolutions and candidate selector (`dflash2.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from mlx.utils import tree_flatten
 from .. import ops
 from ..cache import KVCache, WindowKVCache
 from ..errors import ModelLoadError
+from .dflash2 import CandidateSelector, GroupedDynamicConv
 from .layers import MLP, Linear, RMSNorm
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
@@ -209,37 +206,6 @@ def _plus(starts: tuple[int, ...], counts: tuple[int, ...] | int) -> tuple[int, 
     return tuple(s + n for s, n in zip(starts, counts if isinstance(counts, tuple) else [counts] * len(starts)))
 
 
-class GroupedDynamicConv(nn.Module):
-    """DFlash2's causal convolution over the block's positions, around attention or the MLP: `prepare`
-    convolves the block's input and computes the kernel `finish` convolves the output with. Each tap
-    o's weight at position t: a static one per channel (`base_kernel`) plus a dynamic one per group of
-    channels, projected from the input at t (`kernel_projection`); positions before the block are
-    zeros."""
-
-    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
-        super().__init__()
-        self.kernel_size, self.group_size = kernel_size, group_size
-        self.base_kernel = mx.zeros((2, kernel_size, hidden_size))
-        self.kernel_projection = Linear(hidden_size, 2 * kernel_size * (hidden_size // group_size), bias=False)
-
-    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        B, T, E = x.shape
-        dynamic = self.kernel_projection(x).reshape(B, T, 2, self.kernel_size, E // self.group_size)
-        return self._convolve(x, dynamic[:, :, 0], self.base_kernel[0]), dynamic[:, :, 1]
-
-    def finish(self, x: mx.array, dynamic: mx.array) -> mx.array:
-        return self._convolve(x, dynamic, self.base_kernel[1])
-
-    def _convolve(self, x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
-        """x [B, T, E], dynamic [B, T, K, G], base [K, E]: sum over taps o of (base[o] + dynamic[t, o]) x[t - o]."""
-        B, T, E = x.shape
-        K, g = min(self.kernel_size, T), self.group_size
-        padded = mx.pad(x.reshape(B, T, E // g, g), [(0, 0), (K - 1, 0), (0, 0), (0, 0)])
-        shifted = mx.stack([padded[:, K - 1 - o : K - 1 - o + T] for o in range(K)], axis=2)  # [B, T, K, G, g]
-        weights = base[:K].reshape(1, 1, K, E // g, g) + dynamic[:, :, :K, :, None]
-        return (weights * shifted).sum(axis=2).reshape(B, T, E)
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, args: DFlashArgs, layer: int = 0):
         super().__init__()
@@ -264,51 +230,6 @@ class DFlashLayer(nn.Module):
         return self[conv].finish(block(x), dynamic)
 
 
-class CandidateSelector(nn.Module):
-    """DFlash2's choice of drafts among each position's top candidates (see the module's docstring)."""
-
-    def __init__(self, args: DFlashArgs):
-        super().__init__()
-        self.top_k = args.selector_top_k
-        self.hidden_projection = Linear(args.hidden_size, args.selector_rank, bias=False)
-        self.predecessor_codebook = mx.zeros((args.vocab_size, args.selector_rank))
-        self.successor_codebook = mx.zeros((args.vocab_size, args.selector_rank))
-
-    def candidates(self, logits: mx.array) -> tuple[mx.array, mx.array]:
-        """logits [B, T, V] -> the top_k (all V where fewer) per position: their logits and indices [B, T, k]."""
-        k = min(self.top_k, logits.shape[-1])
-        index = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
-        return mx.take_along_axis(logits, index, axis=-1), index
-
-    def scores(self, unary: mx.array, candidates: mx.array, previous: mx.array, projected: mx.array) -> mx.array:
-        """One position's: unary [B, k] (the candidates' logits), candidates [B, k] and previous [B] (token ids),
-        projected [B, r] (`hidden_projection` of the position's state) -> [B, k]."""
-        left = self.predecessor_codebook[previous] * projected
-        return unary + (self.successor_codebook[candidates] @ left[..., None])[..., 0]
-
-    def greedy_path(self, unary: mx.array, candidates: mx.array, first: mx.array, projected: mx.array):
-        """The best-scored path through every position's candidates ([B, T, k] each, projected [B, T, r]) from
-        the tokens `first` [B]: (the path [B, T], each step's best score and its scores' log-sum-exp [B, T]).
-        A step's predecessor is one of the step before's candidates, so every step's scores for every
-        predecessor come at once ([B, T - 1, k, k]); only the walk through them is sequential, an index a
-        step."""
-        first_scores = self.scores(unary[:, 0], candidates[:, 0], first, projected[:, 0])  # [B, k]
-        if unary.shape[1] == 1:
-            path = mx.take_along_axis(candidates[:, 0], mx.argmax(first_scores, axis=-1)[:, None], axis=-1)
-            return path, first_scores.max(axis=-1)[:, None], mx.logsumexp(first_scores, axis=-1)[:, None]
-        # scores[b, j, p, c]: position j + 1's candidate c after position j's candidate p
-        scores = self.scores(unary[:, 1:, None], candidates[:, 1:, None], candidates[:, :-1], projected[:, 1:, None])
-        best = mx.argmax(scores, axis=-1)  # [B, T - 1, k]
-        choices = [mx.argmax(first_scores, axis=-1)]
-        for j in range(scores.shape[1]):
-            choices.append(mx.take_along_axis(best[:, j], choices[-1][:, None], axis=-1)[:, 0])
-        choice = mx.stack(choices, axis=1)  # [B, T]
-        at = choice[:, :-1, None, None]
-        chosen = mx.concatenate([first_scores[:, None], mx.take_along_axis(scores, at, axis=2)[:, :, 0]], axis=1)
-        path = mx.take_along_axis(candidates, choice[..., None], axis=-1)[..., 0]
-        return path, chosen.max(axis=-1), mx.logsumexp(chosen, axis=-1)
-
-
 class DFlashDraftModel(nn.Module):
     """The drafter's layers. `block_hidden` runs a round; `block_logits` turns its output into the
     drafts' logits through the target's head."""
@@ -321,7 +242,9 @@ class DFlashDraftModel(nn.Module):
         self.layers = [DFlashLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.dflash2:
-            self.candidate_selector = CandidateSelector(args)
+            self.candidate_selector = CandidateSelector(
+                args.hidden_size, args.vocab_size, args.selector_rank, args.selector_top_k
+            )
 
     def make_cache(self) -> list[KVCache]:
         return [KVCache() if layer.self_attn.window is None else WindowKVCache(layer.self_attn.window)
