@@ -50,7 +50,7 @@ from mlx_hybrid.models.dflash import (  # noqa: E402
     save_drafter,
     target_layer_ids,
 )
-from mlx_hybrid.models.init import initialise  # noqa: E402
+from mlx_hybrid.models.random_weights import initialise  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 from spec_decode import against_plain, plain_decode, timed, verify_cost  # noqa: E402

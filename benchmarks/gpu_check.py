@@ -45,7 +45,7 @@ from batch_decode import draft_head, engine_decode, mlx_lm_decode, oracle_drafte
 from bench_generate import measure  # noqa: E402
 from dflash_decode import random_drafter  # noqa: E402
 from mlx_hybrid import ops  # noqa: E402
-from mlx_hybrid.ops import kernels, selfcheck  # noqa: E402
+from mlx_hybrid.ops import gpu_kernels, selfcheck  # noqa: E402
 from mlx_hybrid.export import convert  # noqa: E402
 from mlx_hybrid.drafting import MTPDrafter  # noqa: E402
 from mlx_hybrid.drafting.dflash import DFlashDrafter  # noqa: E402
@@ -82,9 +82,9 @@ def checkpoint(models: Path, shape: str, precision: str) -> Path:
 @contextlib.contextmanager
 def split_layer_ops():
     """Inside: the linear-attention layers and the residual norms run as their single ops (the rule's
-    and the conv's kernels, MLX's ops), as before their one-launch kernels."""
+    and the conv's kernels, MLX's ops), as before their one-launch gpu_kernels."""
     passed = selfcheck.passed
-    layer_kernels = (kernels.LINEAR_ATTENTION, kernels.ADD_RMS_NORM)
+    layer_kernels = (gpu_kernels.LINEAR_ATTENTION, gpu_kernels.ADD_RMS_NORM)
     with mock.patch.object(selfcheck, "passed", lambda spec, *a: spec not in layer_kernels and passed(spec, *a)):
         yield
 

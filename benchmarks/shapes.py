@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_hybrid.models.init import initialise
+from mlx_hybrid.models.random_weights import initialise
 from mlx_hybrid.models.qwen3_5 import FULL, LINEAR, Model, ModelArgs
 
 

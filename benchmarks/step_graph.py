@@ -84,7 +84,7 @@ def gpu_path_graph():
     from unittest import mock
 
     from mlx_hybrid import ops
-    from mlx_hybrid.ops import kernels
+    from mlx_hybrid.ops import gpu_kernels
 
     def fast(output):
         return lambda *args, **kw: _stand_in([*args, *kw.values()], *zip(*output(*args, **kw)))[0]
@@ -104,7 +104,7 @@ def gpu_path_graph():
             stack.enter_context(mock.patch.object(target, name, value))
         stack.enter_context(
             mock.patch.dict(
-                kernels.RUNNERS, graph=lambda spec, l: _stand_in(l.inputs, l.output_shapes, l.output_dtypes)
+                gpu_kernels.RUNNERS, graph=lambda spec, l: _stand_in(l.inputs, l.output_shapes, l.output_dtypes)
             )
         )
         yield

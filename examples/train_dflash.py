@@ -59,7 +59,7 @@ from mlx_hybrid.models.dflash import (  # noqa: E402
     save_drafter,
     target_layer_ids,
 )
-from mlx_hybrid.models.init import initialise  # noqa: E402
+from mlx_hybrid.models.random_weights import initialise  # noqa: E402
 from train_tiny import compiled_train_step, corpus_files, learning_rate, tokenize  # noqa: E402
 
 MASK_TOKEN = "<|im_start|>"  # never in the training text: the bundled vocabulary has no spare id

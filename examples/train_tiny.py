@@ -48,7 +48,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mlx_hybrid import ops
 from mlx_hybrid.export import save_gguf, save_hf
-from mlx_hybrid.models.init import initialise
+from mlx_hybrid.models.random_weights import initialise
 from mlx_hybrid.models.qwen3_5 import FULL, LINEAR, Model, ModelArgs
 from mlx_hybrid.tokenizer import PRE_TOKENIZER_SPLITS, Tokenizer
 

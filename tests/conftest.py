@@ -10,7 +10,7 @@ import pytest
 
 from emulation import emulate
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_extension, cpu_quantized, kernels, selfcheck
+from mlx_hybrid.ops import cpu_extension, cpu_quantized, gpu_kernels, selfcheck
 
 # The processes tests start (CLIs, chat, mlx.launch) take Ctrl-C as in a terminal: a test
 # run started in the background without job control inherits SIGINT ignored, and would
@@ -170,7 +170,7 @@ def emulated(monkeypatch):
     def run(spec, launch):  # outputs in their dtypes, as a GPU's runner gives them
         return [mx.array(o).astype(d) for o, d in zip(emulate(spec, launch)[0], launch.output_dtypes)]
 
-    monkeypatch.setitem(kernels.RUNNERS, "emulated", run)
+    monkeypatch.setitem(gpu_kernels.RUNNERS, "emulated", run)
     monkeypatch.setattr(ops.backend, "kernel_platform", lambda: "emulated")
     monkeypatch.setattr(selfcheck, "kernel_usable", {})
     monkeypatch.delenv("MLX_HYBRID_STRICT_KERNELS", raising=False)

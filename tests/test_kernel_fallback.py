@@ -16,14 +16,14 @@ from conftest import REFERENCE_TOL, load_fixture, reference as fixture_reference
 
 import mlx_hybrid
 from mlx_hybrid import ops
-from mlx_hybrid.ops import cpu_extension, kernels, reference, row_kernels, selfcheck
+from mlx_hybrid.ops import cpu_extension, gpu_kernels, reference, row_kernels, selfcheck
 from mlx_hybrid.ops.selfcheck import linear_attention_args
 from test_ops import OP_TOL, make_inputs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
 
 
-KERNELS = (kernels.GATED_DELTA, kernels.CONV1D_SILU, kernels.LINEAR_ATTENTION, kernels.ADD_RMS_NORM,
+KERNELS = (gpu_kernels.GATED_DELTA, gpu_kernels.CONV1D_SILU, gpu_kernels.LINEAR_ATTENTION, gpu_kernels.ADD_RMS_NORM,
            row_kernels.ROW_PRODUCT, row_kernels.ROW_ATTENTION)  # fmt: skip
 
 
@@ -35,7 +35,7 @@ def broken_kernel(monkeypatch, tmp_path, spec, old, new):
     for other in KERNELS:
         if other.file != spec.file:
             (tmp_path / other.file).write_text(other.source)
-    monkeypatch.setattr(kernels, "SOURCE_DIRS", [tmp_path])
+    monkeypatch.setattr(gpu_kernels, "SOURCE_DIRS", [tmp_path])
 
 
 def gated_delta_inputs():
@@ -96,9 +96,9 @@ def test_sound_kernels_pass_their_check_in_bfloat16(emulated, caplog):
 @pytest.mark.parametrize(
     "spec,old,new,problem",
     [
-        (kernels.GATED_DELTA, "= read;", "= 2.0f * read;", "differs from the pure-MLX op"),
-        (kernels.CONV1D_SILU, "acc / (1.0f + metal::exp(-acc))", "acc", "differs from the pure-MLX op"),
-        (kernels.GATED_DELTA, "= read;", "= read", "failed"),  # a compile error
+        (gpu_kernels.GATED_DELTA, "= read;", "= 2.0f * read;", "differs from the pure-MLX op"),
+        (gpu_kernels.CONV1D_SILU, "acc / (1.0f + metal::exp(-acc))", "acc", "differs from the pure-MLX op"),
+        (gpu_kernels.GATED_DELTA, "= read;", "= read", "failed"),  # a compile error
     ],
     ids=["wrong-gated-delta", "wrong-conv", "does-not-compile"],
 )
@@ -113,7 +113,7 @@ def test_broken_kernel_warns_once_and_falls_back(emulated, monkeypatch, tmp_path
     broken = [key for key, usable in selfcheck.kernel_usable.items() if not usable]
     assert [key[0] for key in broken] == [spec.name]
     # the fallback is the pure-MLX op itself: the broken op's output is exactly the reference
-    got, want = (rule, want_rule) if spec is kernels.GATED_DELTA else (conv, want_conv)
+    got, want = (rule, want_rule) if spec is gpu_kernels.GATED_DELTA else (conv, want_conv)
     assert_equal_results(got, want, 0.0)
 
 
@@ -141,13 +141,13 @@ def test_a_layer_runs_as_one_kernel_token_by_token(emulated, caplog):
         for T, snapshots in ((1, False), (4, True)):
             got, want = linear_attention_layer(T, snapshots)
             assert_same_layer(got, want, OP_TOL)  # the body against pure MLX: two float32 orders
-        assert [key[0] for key in selfcheck.kernel_usable] == [kernels.LINEAR_ATTENTION.name] * 2
+        assert [key[0] for key in selfcheck.kernel_usable] == [gpu_kernels.LINEAR_ATTENTION.name] * 2
         args = linear_attention_args(np.random.default_rng(0), 1, ops.CHUNKED_MIN_TOKENS, LAYER_HEADS, 4, False,
                                      "silu", mx.float32)  # fmt: skip
         ops.linear_attention(*args)  # built, not evaluated: the kernels it asks for are the point
     assert not caplog.records
-    assert kernels.GATED_DELTA.name not in {key[0] for key in selfcheck.kernel_usable}  # chunked: no rule kernel
-    assert kernels.CONV1D_SILU.name in {key[0] for key in selfcheck.kernel_usable}
+    assert gpu_kernels.GATED_DELTA.name not in {key[0] for key in selfcheck.kernel_usable}  # chunked: no rule kernel
+    assert gpu_kernels.CONV1D_SILU.name in {key[0] for key in selfcheck.kernel_usable}
 
 
 @pytest.mark.parametrize("family", ["qwen35", "kimilinear"])
@@ -165,24 +165,24 @@ def test_models_on_the_layer_body_match_transformers_and_speculate_exactly(emula
     for settings in ({"draft": None}, {"draft": draft, "num_draft_tokens": 3}):
         got = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=len(want), **settings)]
         assert got == want, settings
-    gpu_kernels = {key: usable for key, usable in selfcheck.kernel_usable.items() if key[1] == "emulated"}
-    layer_kernels = {kernels.LINEAR_ATTENTION.name, kernels.ADD_RMS_NORM.name, row_kernels.ROW_PRODUCT.name,
+    emulated_kernels = {key: usable for key, usable in selfcheck.kernel_usable.items() if key[1] == "emulated"}
+    layer_kernels = {gpu_kernels.LINEAR_ATTENTION.name, gpu_kernels.ADD_RMS_NORM.name, row_kernels.ROW_PRODUCT.name,
                      row_kernels.ROW_ATTENTION.name}  # fmt: skip
-    assert {key[0] for key in gpu_kernels} == layer_kernels and all(gpu_kernels.values())
+    assert {key[0] for key in emulated_kernels} == layer_kernels and all(emulated_kernels.values())
 
 
 def test_a_broken_layer_body_falls_back_to_the_split_ops(emulated, monkeypatch, tmp_path, caplog):
-    broken_kernel(monkeypatch, tmp_path, kernels.LINEAR_ATTENTION, "reads[c] * inverse_rms", "reads[c] * 2.0f")
+    broken_kernel(monkeypatch, tmp_path, gpu_kernels.LINEAR_ATTENTION, "reads[c] * inverse_rms", "reads[c] * 2.0f")
     with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
         got, want = linear_attention_layer(4, True)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "linear_attention.metal" in warnings[0], warnings
-    assert selfcheck.kernel_usable[(kernels.GATED_DELTA.name, "emulated", mx.float32, 32, False, True)]
+    assert selfcheck.kernel_usable[(gpu_kernels.GATED_DELTA.name, "emulated", mx.float32, 32, False, True)]
     assert_same_layer(got, want, OP_TOL)  # the split ops' kernels against pure MLX
 
 
 def test_strict_mode_makes_a_broken_kernel_an_error(emulated, monkeypatch, tmp_path):
-    broken_kernel(monkeypatch, tmp_path, kernels.GATED_DELTA, "= read;", "= 2.0f * read;")
+    broken_kernel(monkeypatch, tmp_path, gpu_kernels.GATED_DELTA, "= read;", "= 2.0f * read;")
     monkeypatch.setenv("MLX_HYBRID_STRICT_KERNELS", "1")
     with pytest.raises(selfcheck.KernelError, match="gated_delta.metal"):
         ops.gated_delta_update(*gated_delta_inputs())
@@ -202,9 +202,9 @@ def test_check_compares_bfloat16_outputs_to_one_rounding_step(monkeypatch, caplo
     hair = (exact * (1 + 2.0**-9)).astype(mx.bfloat16)
     assert not mx.array_equal(hair, want)  # some values do round a step away
     with caplog.at_level(logging.WARNING, logger="mlx_hybrid"):
-        assert selfcheck.passed(kernels.CONV1D_SILU, scaled_by(1 + 2.0**-9), "emulated", mx.bfloat16, "hair")
+        assert selfcheck.passed(gpu_kernels.CONV1D_SILU, scaled_by(1 + 2.0**-9), "emulated", mx.bfloat16, "hair")
         assert not caplog.records
-        assert not selfcheck.passed(kernels.CONV1D_SILU, scaled_by(1.1), "emulated", mx.bfloat16, "ten percent")
+        assert not selfcheck.passed(gpu_kernels.CONV1D_SILU, scaled_by(1.1), "emulated", mx.bfloat16, "ten percent")
     assert "differs from the pure-MLX op" in caplog.records[0].getMessage()
 
 

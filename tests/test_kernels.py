@@ -17,7 +17,7 @@ import pytest
 
 from emulation import emulate
 from mlx_hybrid import ops
-from mlx_hybrid.ops import kernels, reference, row_kernels
+from mlx_hybrid.ops import gpu_kernels, reference, row_kernels
 from mlx_hybrid.ops.reference import QuantizedEntries
 from mlx_hybrid.ops.selfcheck import linear_attention_args
 from test_ops import OP_TOL, make_inputs
@@ -31,7 +31,7 @@ def check_gated_delta(B, T, Hk, Hv, Dk, Dv, vector_gate, snapshots, run, dtype=m
     the output and the snapshots float32 either way)."""
     inputs = [mx.array(x) for x in make_inputs(B, T, Hk, Hv, Dk, Dv, vector_gate, seed=B + T + Dk + Dv + Hv)]
     inputs = [x.astype(dtype) for x in inputs[:5]] + inputs[5:]
-    (out, state, states), barriers = run(kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, snapshots))
+    (out, state, states), barriers = run(gpu_kernels.GATED_DELTA, gpu_kernels.gated_delta_launch(*inputs, snapshots))
     want_out, want_state, want_states = reference.gated_delta_recurrent(*inputs, snapshots=snapshots)
     np.testing.assert_allclose(out, np.array(want_out), atol=TOL, rtol=0)
     np.testing.assert_allclose(state, np.array(want_state), atol=TOL, rtol=0)
@@ -53,7 +53,7 @@ def check_conv(B, T, C, K, snapshots, run, dtype=mx.float32):
     rng = np.random.default_rng(T * 7 + B + C)
     x, w, tail = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in [(B, T, C), (C, K), (B, K - 1, C)])
     x, tail = x.astype(dtype), tail.astype(dtype)
-    (y, new_tail, tails), _ = run(kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots))
+    (y, new_tail, tails), _ = run(gpu_kernels.CONV1D_SILU, gpu_kernels.conv1d_silu_launch(x, w, tail, snapshots))
     want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, w, tail, snapshots=snapshots)
     want_y = np.array(want_y.astype(mx.float32))
     assert (np.abs(y - want_y) <= TOL + ROUNDING_STEP[dtype] * np.abs(want_y)).all(), np.abs(y - want_y).max()
@@ -69,8 +69,8 @@ def check_linear_attention(B, T, heads, K, vector_gate, activation, snapshots, r
     rest by about that), the tails exact (copies of inputs). Returns the simd_sum count and the launch."""
     rng = np.random.default_rng(B * 100 + T + heads.key_dim + heads.value_dim)
     args = linear_attention_args(rng, B, T, heads, K, vector_gate, activation, dtype)
-    launch = kernels.linear_attention_launch(*args, snapshots)
-    outputs, barriers = run(kernels.LINEAR_ATTENTION, launch)
+    launch = gpu_kernels.linear_attention_launch(*args, snapshots)
+    outputs, barriers = run(gpu_kernels.LINEAR_ATTENTION, launch)
     want = reference.linear_attention(*args, snapshots=snapshots)
     pairs = [(outputs[0], want.out), (outputs[2], want.state)]
     copies = [(outputs[1], want.tail)]
@@ -110,7 +110,7 @@ def check_add_rms_norm(rows, N, run, dtype=mx.float32):
     rng = np.random.default_rng(rows * 1000 + N)
     x, y = (mx.array(rng.standard_normal((rows, N)).astype(np.float32)).astype(dtype) for _ in range(2))
     weight = mx.array((1 + 0.5 * rng.standard_normal(N)).astype(np.float32)).astype(dtype)
-    (total, normed), barriers = run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, 1e-6))
+    (total, normed), barriers = run(gpu_kernels.ADD_RMS_NORM, gpu_kernels.add_rms_norm_launch(x, y, weight, 1e-6))
     np.testing.assert_array_equal(total, np.array((x + y).astype(mx.float32)))
     want = np.array(reference.rms_norm(x + y, weight, 1e-6).astype(mx.float32))
     assert (np.abs(normed - want) <= TOL + ROUNDING_STEP[dtype] * np.abs(want)).all(), np.abs(normed - want).max()
@@ -179,20 +179,26 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
     """With all template variants run, gcov finds no kernel line left unexecuted (no dead branch)."""
     for i, (vector_gate, snapshots) in enumerate(itertools.product([False, True], [False, True])):
         inputs = [mx.array(x) for x in make_inputs(1, 3, 1, 2, 48, 16, vector_gate)]  # Dk=48: a partly idle lane
-        emulate(kernels.GATED_DELTA, kernels.gated_delta_launch(*inputs, snapshots), coverage_dir=tmp_path / f"gd{i}")
+        emulate(
+            gpu_kernels.GATED_DELTA,
+            gpu_kernels.gated_delta_launch(*inputs, snapshots),
+            coverage_dir=tmp_path / f"gd{i}",
+        )
     for i, (K, snapshots) in enumerate(itertools.product([2, 4], [False, True])):
         x, w, tail = mx.ones((1, 3, 8)), mx.ones((8, K)), mx.ones((1, K - 1, 8))
         emulate(
-            kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, w, tail, snapshots), coverage_dir=tmp_path / f"cv{i}"
+            gpu_kernels.CONV1D_SILU,
+            gpu_kernels.conv1d_silu_launch(x, w, tail, snapshots),
+            coverage_dir=tmp_path / f"cv{i}",
         )
     for i, ((vector_gate, activation), snapshots) in enumerate(itertools.product(LAYER_KINDS.values(), [False, True])):
         args = linear_attention_args(  # Dk=48: a partly idle lane
             np.random.default_rng(0), 1, 3, reference.HeadShape(1, 2, 48, 16), 4, vector_gate, activation, mx.float32
         )  # fmt: skip
-        launch = kernels.linear_attention_launch(*args, snapshots)
-        emulate(kernels.LINEAR_ATTENTION, launch, coverage_dir=tmp_path / f"la{i}")
+        launch = gpu_kernels.linear_attention_launch(*args, snapshots)
+        emulate(gpu_kernels.LINEAR_ATTENTION, launch, coverage_dir=tmp_path / f"la{i}")
     x = mx.ones((2, 200))
-    emulate(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, x, x[0], 1e-6), coverage_dir=tmp_path / "an0")
+    emulate(gpu_kernels.ADD_RMS_NORM, gpu_kernels.add_rms_norm_launch(x, x, x[0], 1e-6), coverage_dir=tmp_path / "an0")
     # products: float and 4-bit, plain (3 rows in a tile of 4, 13 columns) and over experts (3 tokens' rows)
     x, w = mx.ones((3, 1, 1, 64)), mx.ones((2, 13, 64))
     codes, scales, biases = mx.quantize(w, group_size=32, bits=4)
@@ -211,8 +217,8 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
         launch = row_kernels.attention_launch(q, *kv, 0.5, causal, mx.array([5], mx.int32))
         emulate(row_kernels.ROW_ATTENTION, launch, coverage_dir=tmp_path / f"ra{i}")
     for prefix, spec in (
-        ("gd", kernels.GATED_DELTA), ("cv", kernels.CONV1D_SILU), ("la", kernels.LINEAR_ATTENTION),
-        ("an", kernels.ADD_RMS_NORM), ("rp", row_kernels.ROW_PRODUCT), ("ra", row_kernels.ROW_ATTENTION),
+        ("gd", gpu_kernels.GATED_DELTA), ("cv", gpu_kernels.CONV1D_SILU), ("la", gpu_kernels.LINEAR_ATTENTION),
+        ("an", gpu_kernels.ADD_RMS_NORM), ("rp", row_kernels.ROW_PRODUCT), ("ra", row_kernels.ROW_ATTENTION),
     ):  # fmt: skip
         dead = None  # a line is dead only if no variant ran it
         for build in sorted(tmp_path.glob(f"{prefix}*")):
@@ -224,13 +230,13 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
 # template arguments as mx.fast.cuda_kernel writes them, and the element types of the inputs and
 # outputs where they are not float (the row kernels: bfloat16 rows over 4- and 8-bit codes)
 CUDA_TEMPLATES = {
-    kernels.GATED_DELTA: "using T = float; constexpr int Dk = 64; constexpr bool VectorGate = true; "
+    gpu_kernels.GATED_DELTA: "using T = float; constexpr int Dk = 64; constexpr bool VectorGate = true; "
     "constexpr bool Snapshots = true;",
-    kernels.CONV1D_SILU: "using T = float; constexpr int K = 4; constexpr bool Snapshots = true;",
-    kernels.LINEAR_ATTENTION: "using T = float; constexpr int Dk = 128; constexpr int K = 4; "
+    gpu_kernels.CONV1D_SILU: "using T = float; constexpr int K = 4; constexpr bool Snapshots = true;",
+    gpu_kernels.LINEAR_ATTENTION: "using T = float; constexpr int Dk = 128; constexpr int K = 4; "
     "constexpr int Columns = 8; constexpr bool VectorGate = true; constexpr bool SigmoidGate = false; "
     "constexpr bool Snapshots = true;",
-    kernels.ADD_RMS_NORM: "using T = float; constexpr int Threads = 256;",
+    gpu_kernels.ADD_RMS_NORM: "using T = float; constexpr int Threads = 256;",
     row_kernels.ROW_PRODUCT: "using T = __nv_bfloat16; constexpr int Bits = 4; constexpr int GroupSize = 64; "
     "constexpr int Rows = 8; constexpr int Columns = 4; constexpr bool Experts = true; constexpr int Share = 8;",
     row_kernels.ROW_ATTENTION: "using T = __nv_bfloat16; constexpr int Bits = 8; constexpr int GroupSize = 64; "
@@ -267,7 +273,7 @@ def test_cuda_twin_compiles(spec, tmp_path):
             "#include <cstdint>",
             "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };",
             "struct Strides { long long d[8]; __device__ long long operator[](int i) const { return d[i]; } };",
-            kernels.CUDA_PRELUDE,
+            gpu_kernels.CUDA_PRELUDE,
             f"__global__ void kernel({', '.join(params)}) {{",
             CUDA_TEMPLATES[spec],
             spec.source,
@@ -285,7 +291,7 @@ def test_cuda_twin_compiles(spec, tmp_path):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["float32", "bfloat16", "float16"])
 def test_kernels_on_gpu(dtype):
     def on_gpu(spec, launch):
-        return [np.array(o.astype(mx.float32)) for o in kernels.run(spec, launch, ops.kernel_platform())], None
+        return [np.array(o.astype(mx.float32)) for o in gpu_kernels.run(spec, launch, ops.kernel_platform())], None
 
     for Dk, Dv, ratio, T, vector_gate in itertools.product([16, 128], [16, 128], [1, 4], [1, 5, 65], [False, True]):
         check_gated_delta(2, T, 1, ratio, Dk, Dv, vector_gate, True, on_gpu, dtype)

@@ -18,7 +18,7 @@ from mlx_hybrid.engine.prefix_store import capture
 from mlx_hybrid.loaders.hf_config import kimi_args
 from mlx_hybrid.models import kimi_linear, qwen4_exp
 from mlx_hybrid.models.layers import Linear, RMSNorm
-from mlx_hybrid.models.init import initialise
+from mlx_hybrid.models.random_weights import initialise
 from mlx_hybrid.prompt import prefill
 
 

@@ -22,7 +22,7 @@ from mlx_hybrid import ops
 from mlx_hybrid.engine import scheduler
 from mlx_hybrid.loaders import load_draft_model
 from mlx_hybrid.models import layers
-from mlx_hybrid.ops import kernels, row_kernels
+from mlx_hybrid.ops import gpu_kernels, row_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
 
@@ -59,8 +59,8 @@ def counted(emulated, monkeypatch):
     for cls, method in PRODUCT_CALLS:
         monkeypatch.setattr(cls, method, counting("products", getattr(cls, method)))
     monkeypatch.setattr(ops, "scaled_dot_product_attention", counting("attentions", ops.scaled_dot_product_attention))
-    run = kernels.RUNNERS["emulated"]
-    monkeypatch.setitem(kernels.RUNNERS, "emulated", lambda spec, launch: counting(spec.name, run)(spec, launch))
+    run = gpu_kernels.RUNNERS["emulated"]
+    monkeypatch.setitem(gpu_kernels.RUNNERS, "emulated", lambda spec, launch: counting(spec.name, run)(spec, launch))
     return counts
 
 
@@ -103,7 +103,7 @@ def greedy(model, tokenizer, prompt, **settings) -> list[int]:
 def test_greedy_speculation_is_plain_decoding_in_bfloat16(counted, source):
     """MTP (where the file keeps the head: mlx-lm's conversion drops it), n-gram and DFlash drafts on the
     dense fixture, a draft model for the MoE one: the tokens of plain decoding, their verify passes on
-    the row kernels."""
+    the row gpu_kernels."""
     model, tokenizer = load_bfloat16("qwen35", source)
     prompt = reference("qwen35")["prompt_ids"][0].tolist()
     plain = greedy(model, tokenizer, prompt)

@@ -18,7 +18,7 @@ import pytest
 
 from emulation import emulate
 from mlx_hybrid import ops
-from mlx_hybrid.ops import kernels, row_kernels
+from mlx_hybrid.ops import gpu_kernels, row_kernels
 from mlx_hybrid.ops.reference import QuantizedEntries
 
 # the emulation everywhere; the GPU's own runner too where one computes (the same launches)
@@ -43,7 +43,7 @@ def launched(platform, spec, launch, strided=False) -> np.ndarray:
     """The launch's output as float32 numpy (strided: the emulation's inputs laid in larger buffers)."""
     if platform == "emulated":
         return emulate(spec, launch, strided=strided)[0][0]
-    return np.array(kernels.run(spec, launch, platform)[0].astype(mx.float32))
+    return np.array(gpu_kernels.run(spec, launch, platform)[0].astype(mx.float32))
 
 
 def random(rng, shape, dtype, scale=1.0) -> mx.array:

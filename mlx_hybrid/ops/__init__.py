@@ -25,7 +25,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import activations, backend, cpu_extension, cpu_kernels, kernels, reference, rotary, row_kernels, selfcheck
+from . import activations, backend, cpu_extension, cpu_kernels, gpu_kernels, reference, rotary, row_kernels, selfcheck
 from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
     KV_BITS,
     KV_GROUP_SIZES,
@@ -112,9 +112,11 @@ def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tupl
         and x.dtype == y.dtype == weight.dtype
         and x.dtype in KERNEL_DTYPES
         and x.shape == y.shape
-        and selfcheck.passed(kernels.ADD_RMS_NORM, selfcheck.small_add_rms_norm_case, platform, x.dtype)
+        and selfcheck.passed(gpu_kernels.ADD_RMS_NORM, selfcheck.small_add_rms_norm_case, platform, x.dtype)
     ):
-        total, normed = kernels.run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, eps), platform)
+        total, normed = gpu_kernels.run(
+            gpu_kernels.ADD_RMS_NORM, gpu_kernels.add_rms_norm_launch(x, y, weight, eps), platform
+        )
         return total, normed
     if (
         x.dtype == y.dtype == weight.dtype == mx.float32
@@ -297,7 +299,7 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
         and q.shape[-1] <= KERNEL_MAX_KEY_DIM
         and q.dtype in KERNEL_DTYPES
         and selfcheck.passed(
-            kernels.GATED_DELTA,
+            gpu_kernels.GATED_DELTA,
             selfcheck.small_gated_delta_case,
             platform,
             q.dtype,
@@ -306,8 +308,8 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
             snapshots,
         )
     ):
-        out, final, states = kernels.run(
-            kernels.GATED_DELTA, kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform
+        out, final, states = gpu_kernels.run(
+            gpu_kernels.GATED_DELTA, gpu_kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform
         )
         return GatedDeltaResult(out, final, _per_token(states) if snapshots else None)
     # our CPU kernel token by token beats the chunked form at every length too
@@ -338,10 +340,10 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
         platform
         and x.dtype in KERNEL_DTYPES
         and width >= 2
-        and selfcheck.passed(kernels.CONV1D_SILU, selfcheck.small_conv_case, platform, x.dtype, width, snapshots)
+        and selfcheck.passed(gpu_kernels.CONV1D_SILU, selfcheck.small_conv_case, platform, x.dtype, width, snapshots)
     ):
-        y, new_tail, tails = kernels.run(
-            kernels.CONV1D_SILU, kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
+        y, new_tail, tails = gpu_kernels.run(
+            gpu_kernels.CONV1D_SILU, gpu_kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
         )
         return ConvResult(y, new_tail, _per_token(tails) if snapshots else None)
     if (
@@ -373,10 +375,12 @@ def linear_attention(
         and dtypes <= set(KERNEL_DTYPES)
         and heads.key_dim <= KERNEL_MAX_KEY_DIM
         and width >= 2
-        and selfcheck.passed(kernels.LINEAR_ATTENTION, selfcheck.small_linear_attention_case, platform, *variant)
+        and selfcheck.passed(gpu_kernels.LINEAR_ATTENTION, selfcheck.small_linear_attention_case, platform, *variant)
     ):
-        launch = kernels.linear_attention_launch(x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots)
-        out, new_tail, new_state, tails, states = kernels.run(kernels.LINEAR_ATTENTION, launch, platform)
+        launch = gpu_kernels.linear_attention_launch(
+            x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots
+        )
+        out, new_tail, new_state, tails, states = gpu_kernels.run(gpu_kernels.LINEAR_ATTENTION, launch, platform)
         per_token = (_per_token(tails), _per_token(states)) if snapshots else (None, None)
         return LayerResult(out, new_tail, new_state, *per_token)
     if (

@@ -8,7 +8,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from . import backend, cpu_kernels, kernels, reference, row_kernels, selfcheck
+from . import backend, cpu_kernels, gpu_kernels, reference, row_kernels, selfcheck
 from .cpu_extension import ATTENTION
 from .reference import QuantizedEntries
 
@@ -68,7 +68,7 @@ def _row_attention(q, k, v, scale: float, causal: bool, key_lengths):
                                             *form.variant):  # fmt: skip
         return None
     launch = row_kernels.attention_form_launch(form, q, k, v, scale, row_kernels.key_counts_of(q, k, key_lengths))
-    return kernels.run(row_kernels.ROW_ATTENTION, launch, platform)[0]
+    return gpu_kernels.run(row_kernels.ROW_ATTENTION, launch, platform)[0]
 
 
 def _kernel_runs(q, k, v) -> bool:

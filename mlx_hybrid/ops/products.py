@@ -14,7 +14,7 @@ from ..quantized_tensor import INT8_TYPES, BlockScales, QuantizedTensor, no_code
 from . import backend, cpu_quantized, row_kernels, selfcheck
 from .backend import cpu_kernel_passed, path_key
 from .cpu_extension import INT8_PRODUCTS, QUANTIZED
-from .kernels import run
+from .gpu_kernels import run
 from .row_kernels import ROW_PRODUCT
 
 SIXTEEN_BITS = (mx.bfloat16, mx.float16)

@@ -7,7 +7,7 @@ bodies in metal/ (`row_product.metal`, `row_attention.metal`) fix each row's red
 takes them for passes of at most ROW_KERNEL_PASS_TOKENS tokens (products: the engine packs a pass's
 rows along one token axis) and rows of at most ROW_KERNEL_TOKENS (attention), and leaves prompts to
 MLX's kernels (a prompt's numbers need not equal anything). Launches are described here, run by
-`kernels.run`.
+`gpu_kernels.run`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .kernels import KernelSpec, Launch, run
+from .gpu_kernels import KernelSpec, Launch, run
 from .reference import QuantizedEntries
 
 NOT_INVARIANT = "using MLX's own kernel for it, no longer row-invariant (greedy speculation may leave plain decoding)"

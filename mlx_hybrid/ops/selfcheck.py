@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..timing import one_time_work
-from . import activations, cpu_kernels, kernels, reference, rotary
+from . import activations, cpu_kernels, gpu_kernels, reference, rotary
 
 
 class KernelError(RuntimeError):
@@ -87,8 +87,8 @@ def small_gated_delta_case(platform, dtype, key_dim: int, vector_gate: bool, sna
         out, final, states = cpu_kernels.gated_delta_recurrent(*inputs, state, snapshots=snapshots)
         states = mx.stack(states, axis=1) if snapshots else None
     else:
-        launch = kernels.gated_delta_launch(*inputs, state, snapshots)
-        out, final, states = kernels.run(kernels.GATED_DELTA, launch, platform)
+        launch = gpu_kernels.gated_delta_launch(*inputs, state, snapshots)
+        out, final, states = gpu_kernels.run(gpu_kernels.GATED_DELTA, launch, platform)
     want_out, want_final, want_states = reference.gated_delta_recurrent(*inputs, state, snapshots=snapshots)
     got, want = [out, final], [want_out, want_final]
     if snapshots:
@@ -109,8 +109,8 @@ def small_conv_case(platform, dtype, width: int, snapshots: bool):
         y, new_tail, tails = cpu_kernels.causal_conv1d_silu(x, weight, tail, snapshots=snapshots)
         tails = mx.stack(tails, axis=1) if snapshots else None
     else:
-        launch = kernels.conv1d_silu_launch(x, weight, tail, snapshots)
-        y, new_tail, tails = kernels.run(kernels.CONV1D_SILU, launch, platform)
+        launch = gpu_kernels.conv1d_silu_launch(x, weight, tail, snapshots)
+        y, new_tail, tails = gpu_kernels.run(gpu_kernels.CONV1D_SILU, launch, platform)
     want_y, want_tail, want_tails = reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots)
     got, want = [y, new_tail], [want_y, want_tail]
     if snapshots:
@@ -125,7 +125,7 @@ def small_add_rms_norm_case(platform, dtype):
     rng = np.random.default_rng(0)
     x, y = (mx.array(rng.standard_normal((3, 200)).astype(np.float32)).astype(dtype) for _ in range(2))
     weight = mx.array(rng.standard_normal(200).astype(np.float32)).astype(dtype)
-    got = kernels.run(kernels.ADD_RMS_NORM, kernels.add_rms_norm_launch(x, y, weight, 1e-6), platform)
+    got = gpu_kernels.run(gpu_kernels.ADD_RMS_NORM, gpu_kernels.add_rms_norm_launch(x, y, weight, 1e-6), platform)
     return got, [x + y, reference.rms_norm(x + y, weight, 1e-6)]
 
 
@@ -175,8 +175,8 @@ def small_linear_attention_case(platform, vector_gate: bool, activation: str, sn
     if platform == "cpu":
         got = _layer_arrays(cpu_kernels.linear_attention(*args, snapshots=snapshots))
     else:
-        launch = kernels.linear_attention_launch(*args, snapshots)
-        got = kernels.run(kernels.LINEAR_ATTENTION, launch, platform)[: len(want)]
+        launch = gpu_kernels.linear_attention_launch(*args, snapshots)
+        got = gpu_kernels.run(gpu_kernels.LINEAR_ATTENTION, launch, platform)[: len(want)]
     return got, want
 
 
