@@ -194,6 +194,12 @@ INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q
               "TQ2_0": (2, 32, TERNARY), "MXFP4": (4, 32, MXFP4)}  # fmt: skip
 
 
+def int8_number(type_name: str) -> int:
+    """The CPU kernel's number of a type: its place in INT8_TYPES (csrc/int8_products.cpp's `enum Type`,
+    which tests/test_int8_products.py checks against this table)."""
+    return list(INT8_TYPES).index(type_name)
+
+
 @dataclass
 class QuantizedTensor:
     """An affine-quantized matrix (or stack of matrices) in MLX's layout."""

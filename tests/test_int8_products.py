@@ -6,6 +6,7 @@ quantizes it, integer sums a block, float scales), and the models on it.
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -19,7 +20,7 @@ from mlx_hybrid import ModelLoadError, ops
 from mlx_hybrid.export import save_gguf
 from mlx_hybrid.ops import cpu_quantized, llama_reference
 from mlx_hybrid.loaders.quantized import from_gguf_blocks
-from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks, no_codes
+from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks, int8_number, no_codes
 
 pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
 FLOAT32_EPS = 2.0**-23
@@ -27,31 +28,11 @@ FLOAT32_EPS = 2.0**-23
 ODD_BLOCKS = 1056
 
 
-# the kernel's type numbers (quantized_tensor.INT8_TYPES' order)
-(
-    Q8_0,
-    Q4_K,
-    Q6_K,
-    Q5_0,
-    Q5_1,
-    Q4_0,
-    Q4_1,
-    IQ4_NL,
-    Q5_K,
-    Q3_K,
-    Q2_K,
-    IQ4_XS,
-    IQ2_XXS,
-    IQ2_XS,
-    IQ2_S,
-    IQ3_XXS,
-    IQ3_S,
-    IQ1_S,
-    IQ1_M,
-    TQ1_0,
-    TQ2_0,
-    MXFP4,
-) = range(22)
+# the kernel's type numbers, each found by its name (`quantized_tensor.int8_number`)
+(Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+ IQ1_S, IQ1_M, TQ1_0, TQ2_0, MXFP4) = map(int8_number, [
+    "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_XXS",
+    "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"])  # fmt: skip
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -826,3 +807,23 @@ def test_a_random_fixture_computes_what_llama_cpp_computes(type_name):
     for step, top in zip(logits, record["top"]):
         ids, values = zip(*top)
         np.testing.assert_allclose(step[list(ids)], values, atol=1e-4, rtol=0)
+
+
+def _c_enum(path: Path) -> dict[str, int]:
+    """The names and numbers of a C or C++ source's `enum Type { ... }`."""
+    body = re.search(r"enum Type \{([^}]*)\}", path.read_text()).group(1)
+    return {name: int(number) for name, number in re.findall(r"(\w+) = (\d+)", body)}
+
+
+def test_the_kernels_type_numbers_are_the_packages():
+    """csrc/int8_products.cpp numbers its types as INT8_TYPES' order does (then F16 and BF16, its 16-bit
+    ones), and counts them; csrc/gguf_blocks.c's are ggml's own (the file's), for types BLOCK_TYPES knows."""
+    from mlx_hybrid.loaders.gguf_blocks import BLOCK_TYPES
+
+    csrc = Path(mlx_hybrid.__file__).parent / "csrc"
+    want = {name: int8_number(name) for name in INT8_TYPES} | {"F16": len(INT8_TYPES), "BF16": len(INT8_TYPES) + 1}
+    assert _c_enum(csrc / "int8_products.cpp") == want
+    assert f"constexpr int TYPES = {len(INT8_TYPES)};" in (csrc / "int8_products.cpp").read_text()
+    unpacked = _c_enum(csrc / "gguf_blocks.c")
+    assert set(unpacked) <= set(BLOCK_TYPES)
+    assert unpacked == {name: gguf.GGMLQuantizationType[name].value for name in unpacked}

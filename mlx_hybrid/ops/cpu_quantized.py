@@ -14,7 +14,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..quantized_tensor import GRID_TYPES, BlockScales, GridBlocks, QuantizedTensor, no_codes
+from ..quantized_tensor import GRID_TYPES, BlockScales, GridBlocks, QuantizedTensor, int8_number, no_codes
 from . import llama_reference as ref
 from .cpu_extension import extension
 
@@ -191,47 +191,47 @@ def small_case_int8(_platform):
     six_bits, three_bits = ref.random_groups16(rng, (3, 24, 512)), ref.random_groups16(rng, (3, 24, 512), 3)
     two_bits = ref.random_q2_k(rng, (3, 24, 512))
     xs_four = ref.random_iq4_xs(rng, (3, 24, 512))
-    cases = [(ref.held_q8_0(codes, d), lambda rows, e: ref.q8_0_reference(rows, codes[e], d[e]), 0),
+    cases = [(ref.held_q8_0(codes, d), lambda rows, e: ref.q8_0_reference(rows, codes[e], d[e]), "Q8_0"),
              (ref.held_k_quant(four_bits[0], 4, *four_bits[1:]),
-              lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in four_bits)), 1),
+              lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in four_bits)), "Q4_K"),
              (ref.held_groups16(six_bits[0], 6, *six_bits[1:]),
-              lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in six_bits), 32), 2),
+              lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in six_bits), 32), "Q6_K"),
              (ref.held_groups16(three_bits[0], 3, *three_bits[1:]),
-              lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in three_bits), 4), 9),
-             (ref.held_q2_k(*two_bits), lambda rows, e: ref.q2_k_reference(rows, *(a[e] for a in two_bits)), 10),
-             (ref.held_iq4_xs(*xs_four), lambda rows, e: ref.iq4_xs_reference(rows, *(a[e] for a in xs_four)), 11),
+              lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in three_bits), 4), "Q3_K"),
+             (ref.held_q2_k(*two_bits), lambda rows, e: ref.q2_k_reference(rows, *(a[e] for a in two_bits)), "Q2_K"),
+             (ref.held_iq4_xs(*xs_four), lambda rows, e: ref.iq4_xs_reference(rows, *(a[e] for a in xs_four)), "IQ4_XS"),
              (ref.held_k_quant(five_bits[0], 5, *five_bits[1:]),
-              lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in five_bits)), 8)]  # fmt: skip
+              lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in five_bits)), "Q5_K")]  # fmt: skip
     # the 32-value types (5, 4 and 4 bits with an offset, Q5_1 and Q4_1 with m, IQ4_NL's table)
-    for held_type, bits, with_m, reference in [
-        (3, 5, False, lambda x, q, d: ref.offset_reference(x, q, d, 16)),
-        (4, 5, True, ref.d_and_m_reference),
-        (5, 4, False, lambda x, q, d: ref.offset_reference(x, q, d, 8)),
-        (6, 4, True, ref.d_and_m_reference),
-        (7, 4, False, ref.iq4_nl_reference),
+    for type_name, bits, with_m, reference in [
+        ("Q5_0", 5, False, lambda x, q, d: ref.offset_reference(x, q, d, 16)),
+        ("Q5_1", 5, True, ref.d_and_m_reference),
+        ("Q4_0", 4, False, lambda x, q, d: ref.offset_reference(x, q, d, 8)),
+        ("Q4_1", 4, True, ref.d_and_m_reference),
+        ("IQ4_NL", 4, False, ref.iq4_nl_reference),
     ]:
         weights = ref.random_b32(rng, (3, 24, 512), bits, with_m)
         cases.append((ref.held_b32(weights[0], bits, *weights[1:]),
-                      lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), held_type))  # fmt: skip
-    # the grid types, numbered from 12 in INT8_TYPES' order
-    for held_type, name in enumerate(("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0"), 12):
-        tensor = ref.random_grid_weights((3, 24, 512), GRID_TYPES[name], held_type)
+                      lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), type_name))  # fmt: skip
+    for seed, name in enumerate(GRID_TYPES):
+        tensor = ref.random_grid_weights((3, 24, 512), GRID_TYPES[name], 12 + seed)
         blocks = np.array(tensor.weight)
         cases.append(
             (
                 (tensor.weight, tensor.scales, tensor.biases),
                 lambda rows, e, b=blocks, n=name: ref.grid_reference(rows, b[e], n),
-                held_type,
+                name,
                 grid_of(name),
             )
         )
     ternary, mxfp4 = ref.random_ternary(rng, (3, 24, 512)), ref.random_mxfp4(rng, (3, 24, 512))
     cases.append(
-        (ref.held_ternary(*ternary), lambda rows, e: ref.ternary_reference(rows, *(a[e] for a in ternary)), 20)
+        (ref.held_ternary(*ternary), lambda rows, e: ref.ternary_reference(rows, *(a[e] for a in ternary)), "TQ2_0")
     )
-    cases.append((ref.held_mxfp4(*mxfp4), lambda rows, e: ref.mxfp4_reference(rows, *(a[e] for a in mxfp4)), 21))
+    cases.append((ref.held_mxfp4(*mxfp4), lambda rows, e: ref.mxfp4_reference(rows, *(a[e] for a in mxfp4)), "MXFP4"))
     got, want = [], []
-    for held, reference, held_type, *grid in cases:
+    for held, reference, type_name, *grid in cases:
+        held_type = int8_number(type_name)
         grid = grid[0] if grid else None
         got += [int8_matmul(mx.array(x[:rows]), *(a[1] for a in held), held_type, grid) for rows in (1, 9)]
         want += [reference(x[:rows], 1) for rows in (1, 9)]
