@@ -46,7 +46,7 @@ def products(dtype):
 
     def expert_product(x, _):
         indices = mx.broadcast_to(chosen, (*x.shape[:2], chosen.shape[-1]))
-        return ops.gather_matmul(mx.expand_dims(x, (-2, -3)), experts.swapaxes(-1, -2), indices)
+        return ops.gather_matmul(mx.expand_dims(x, (-2, -3)), experts, indices)
 
     return {
         "matrix product (x W^T)": lambda x, _: ops.linear(x, weight),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gguf
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 from conftest import FIXTURES, assert_every_instruction_set_agrees
@@ -20,6 +21,7 @@ from mlx_hybrid import ModelLoadError, ops
 from mlx_hybrid.export import save_gguf
 from mlx_hybrid.ops import cpu_quantized, llama_reference
 from mlx_hybrid.loaders.quantized import from_gguf_blocks
+from mlx_hybrid.models.layers import Embedding, Linear
 from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks, int8_number, no_codes
 
 pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
@@ -571,9 +573,11 @@ def test_products_take_8_bit_activations_up_to_their_types_row_limit(type_name):
     rows = 160 if limit is None else limit + 1
     x = mx.random.normal((rows, 256), key=mx.random.key(5))
 
+    ops.compute_as_llama_cpp(q.weight, limit)
+
     def int8(x):
         return np.array(ops.quantized_matmul(x, q.weight, q.scales, q.biases, group_size=group_size, bits=bits,
-                                             block=block, activations="int8"))  # fmt: skip
+                                             block=block))  # fmt: skip
 
     alone = np.concatenate([int8(x[r : r + 1]) for r in range(rows)])
     if limit is None:
@@ -598,7 +602,7 @@ def test_a_batch_speculating_on_a_q8_0_file_equals_its_single_runs(family):
     from mlx_hybrid.engine import Engine, PrefixStore
 
     model, tokenizer = mlx_hybrid.load(FIXTURES / family / "model-Q8_0.gguf")
-    assert model.rows_alike_pass_tokens() == 64
+    assert ops.rows_alike_pass_tokens(model) == 64
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 500, n).tolist() for n in (3, 9, 14, 5, 2, 11, 7, 16)]
     late = rng.integers(3, 500, 48).tolist()
@@ -635,7 +639,7 @@ def test_a_gguf_file_computes_llama_cpps_arithmetic_by_default():
     np.testing.assert_array_equal(np.array(default(ids)), np.array(int8(ids)))
     assert not np.array_equal(np.array(default(ids)), np.array(floats(ids)))
     hf, _ = mlx_hybrid.load(FIXTURES / "qwen35" / "mlx-lm-4bit")
-    assert {m.activations for _, m in hf.named_modules() if hasattr(m, "activations")} == {"float32"}
+    assert {ops.activations_of(array) for _, array in tree_flatten(hf.parameters())} == {"float32"}
 
 
 def test_int8_activations_are_refused_where_they_are_not_computed():
@@ -714,7 +718,8 @@ def test_the_bundled_model_as_it_ships_computes_what_llama_cpp_computes():
     recurrence in float32 in another order; the float32-activation path is 2.7e-3 and 5.5e-4 away)."""
     record = json.loads((FIXTURES / "llama-cpp" / "bundled-F16.json").read_text())
     model, _ = mlx_hybrid.load(mlx_hybrid.bundled_model_path())
-    assert {m.activations for _, m in model.named_modules() if hasattr(m, "activations")} == {"int8"}
+    matrices = [m["weight"] for _, m in model.named_modules() if isinstance(m, (Linear, Embedding))]
+    assert matrices and {ops.activations_of(matrix) for matrix in matrices} == {"int8"}
     tokens, logits = greedy_token_by_token(model, record["prompt"], len(record["greedy"]))
     assert tokens == record["greedy"]
     differences = [np.abs(step[[i for i, _ in top]] - [v for _, v in top]).max()

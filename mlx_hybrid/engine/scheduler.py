@@ -67,7 +67,7 @@ class Engine:
         self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
         self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
-        self.pass_tokens = model.rows_alike_pass_tokens()
+        self.pass_tokens = ops.rows_alike_pass_tokens(model)
         self.prompts_due = False  # the next pass feeds the prompts held back by the last
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.speculation_stats = SpeculativeStats()  # the figures of every finished sequence that drafted

@@ -69,7 +69,7 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False,
     checkpoint position, or its token and this round's drafts (built on the lazy drafts). Rows left
     without prefill budget sit the pass out. queue_drafts: start the drafts computing (`mx.async_eval`)
     while the host builds the pass that verifies them. pass_tokens: the most tokens a pass that
-    decodes rows may hold (the model's `rows_alike_pass_tokens`), prompt tokens past it held back
+    decodes rows may hold (`ops.rows_alike_pass_tokens`), prompt tokens past it held back
     (`Batch.prompts_held_back`); prompts_only: the decoding rows sit this pass out (if a prompt is read)."""
     prompts_only = prompts_only and any(row.prefilling for row in rows)
     feeds, asked = {}, {}  # row -> its tokens known to the host (a list), or its lazy drafts after them

@@ -9,7 +9,18 @@ import mlx.core as mx
 
 from .. import ops
 from ..errors import ModelLoadError
+from ..models.layers import (
+    Embedding,
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedSwitchLinear,
+    SwitchLinear,
+)
 from .quantized import block_type_name
+
+_MATRICES = (Linear, QuantizedLinear, Embedding, QuantizedEmbedding)
+_EXPERTS = (SwitchLinear, QuantizedSwitchLinear)
 
 
 def whole_products(group, pipeline: bool) -> bool:
@@ -21,9 +32,10 @@ def whole_products(group, pipeline: bool) -> bool:
 def set_cpu_activations(model, activations: str | None, path: Path, whole_products: bool):
     """Every quantized product of the model, and every product of a 16-bit matrix, takes `activations`
     (see `load`), or the load is refused; None: "int8" for a GGUF file whose every such product takes
-    it here, whole, else "float32"."""
+    it here, whole, else "float32". "int8" names the matrices to the CPU backend
+    (`ops.compute_as_llama_cpp`), which computes them so."""
     modules = [m for _, m in model.named_modules()
-               if hasattr(m, "activations") and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)]  # fmt: skip
+               if isinstance(m, _MATRICES + _EXPERTS) and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)]  # fmt: skip
 
     def refusal(m):
         return ops.int8_activations(m.bits, m.group_size, m.block) if "scales" in m else ops.half_activations()
@@ -51,4 +63,12 @@ def set_cpu_activations(model, activations: str | None, path: Path, whole_produc
         raise ModelLoadError(f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "
                              f"this file holds {', '.join(sorted(names))} tensors")  # fmt: skip
     for module in modules:
-        module.activations = activations
+        ops.compute_as_llama_cpp(module["weight"], _rows_alike(module))
+
+
+def _rows_alike(module) -> int | None:
+    """The most rows a product of the module's matrix keeps each row's bits with llama.cpp's activations
+    (an expert product's: any number)."""
+    if isinstance(module, _EXPERTS):
+        return None
+    return ops.int8_row_limit(module.bits, module.group_size, module.block) if "scales" in module else ops.HALF_ROWS

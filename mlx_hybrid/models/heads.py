@@ -27,18 +27,18 @@ class VocabularySubsetHead(nn.Module):
         self.ids = ids
         self.weight = projection["weight"][ids]
         self.quantized = "scales" in projection
-        self.activations = getattr(projection, "activations", "float32")  # (the head's products compute as its)
         if self.quantized:
             self.scales = projection["scales"][ids]
             self.biases = projection["biases"][ids] if "biases" in projection else None
             self.group_size, self.bits = projection.group_size, projection.bits
             self.block = getattr(projection, "block", None)
         mx.eval(self.parameters())
+        ops.compute_like(self.weight, projection["weight"])  # the head's products compute as its
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.quantized:
             return quantized_product(x, self)
-        return ops.linear(x, self.weight, activations=self.activations)
+        return ops.linear(x, self.weight)
 
 
 class SplitVocabularySubsetHead(nn.Module):

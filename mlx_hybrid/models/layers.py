@@ -74,7 +74,7 @@ def quantized_product(x: mx.array, module) -> mx.array:
     such as mxfp4), in x's dtype, through `ops` (our CPU kernels where they run)."""
     return ops.quantized_matmul(
         x, module["weight"], module["scales"], module.get("biases"),
-        group_size=module.group_size, bits=module.bits, block=module.block, activations=module.activations,
+        group_size=module.group_size, bits=module.bits, block=module.block,
     )  # fmt: skip
 
 
@@ -89,7 +89,6 @@ class QuantizedLinear(nn.QuantizedLinear):
     """Computes in the input's dtype (see `quantized_product`)."""
 
     block = None  # a BlockScales where scales and biases are a block form's factors and codes
-    activations = "float32"  # "int8": a GGUF file's products as llama.cpp computes them (`load(cpu_activations=)`)
 
     @property
     def input_order(self) -> mx.array | None:
@@ -106,7 +105,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         # the product's path is decided once per input dtype and `ops.path_key`, and kept beside the
         # parameters (a decode step runs hundreds of these: each costs the host this call, the key's
         # and the kernel's)
-        key = (x.dtype, self["scales"].dtype, self.block, self.activations, ops.path_key())
+        key = (x.dtype, self["scales"].dtype, self.block, ops.activations_of(self["weight"]), ops.path_key())
         chosen = self.__dict__.get("_path")
         if chosen is None or chosen[0] != key:
             dtype, scales_dtype, block, activations, where = key
@@ -148,10 +147,8 @@ class Linear(nn.Linear):
     """nn.Linear through `ops.linear`: weights in another dtype than the input (16-bit weights kept
     as stored under float32 compute), a GPU's decode steps and verify passes row-invariant."""
 
-    activations = "float32"  # "int8": a GGUF file's F16 and BF16 matrices as llama.cpp computes them
-
     def __call__(self, x):
-        return ops.linear(x, self["weight"], self.get("bias"), self.activations)
+        return ops.linear(x, self["weight"], self.get("bias"))
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         return _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size, mode)
@@ -161,7 +158,6 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     """Looks rows up in float32: MLX's own gives its scales' dtype (16 bits when loaded compact)."""
 
     block = None  # as QuantizedLinear's
-    activations = "float32"
 
     def __call__(self, x):
         biases = self.get("biases")
@@ -173,10 +169,8 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 class Embedding(nn.Embedding):
-    activations = "float32"  # as Linear's, for the embedding as LM head
-
     def as_linear(self, x):
-        return ops.linear(x, self.weight, activations=self.activations)
+        return ops.linear(x, self.weight)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         quantized = QuantizedEmbedding.from_embedding(self, _mlx_group(group_size), bits, mode)
@@ -186,14 +180,12 @@ class Embedding(nn.Embedding):
 class SwitchLinear(nn.Module):
     """Stacked expert matrices [E, out, in], applied to the experts each token selected."""
 
-    activations = "float32"  # as Linear's
-
     def __init__(self, input_dims: int, output_dims: int, num_experts: int):
         super().__init__()
         self.weight = mx.zeros((num_experts, output_dims, input_dims))
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        return ops.gather_matmul(x, self.weight.swapaxes(-1, -2), indices, self.activations)
+        return ops.gather_matmul(x, self.weight, indices)
 
     def to_quantized(self, group_size: int = 32, bits: int = 4, mode: str = "affine"):
         quantized = QuantizedSwitchLinear(self.weight.shape, _mlx_group(group_size), bits, mode)
@@ -205,8 +197,6 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """SwitchLinear with MLX-quantized experts (gathered quantized matmul): affine, or a mode
     held as a block form (see `mode_form`: weight and scales, no biases)."""
-
-    activations = "float32"  # as QuantizedLinear's
 
     def __init__(self, shape, group_size: int, bits: int, mode: str = "affine"):
         super().__init__()
@@ -220,7 +210,7 @@ class QuantizedSwitchLinear(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return ops.gather_quantized_matmul(
             x, self.weight, self.scales, self.get("biases"), indices, group_size=self.group_size, bits=self.bits,
-            block=self.block, activations=self.activations,
+            block=self.block,
         )  # fmt: skip
 
 

@@ -7,7 +7,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .. import ops
 from ..cache import KVCache, QuantizedKVCache, RecurrentCache, check_kv_quantization
 from ..parallel import (
     PIPELINE,
@@ -22,7 +21,7 @@ from ..parallel import (
     require,
 )
 from .heads import SplitVocabularySubsetHead, VocabularySubsetHead
-from .layers import LINEAR, Embedding, Linear, QuantizedEmbedding, QuantizedLinear, RMSNorm
+from .layers import LINEAR, Embedding, Linear, RMSNorm
 from .sharding import LayerElsewhere, cut_parameters, prefixed
 
 
@@ -98,16 +97,6 @@ class HybridModel(nn.Module):
     def kv_features(self) -> tuple[int, ...]:
         """The widths of what an attention layer caches per token and KV head."""
         raise NotImplementedError
-
-    def rows_alike_pass_tokens(self) -> int | None:
-        """The most tokens a pass that decodes rows may hold for each row to compute what it computes
-        alone (`ops.rows_alike_pass_tokens`, for this model's products with llama.cpp's activations:
-        their types' row limits, a 16-bit matrix's `ops.HALF_ROWS`)."""
-        dense = [m for _, m in self.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding, Linear,
-                                                                     Embedding)) and m.activations == "int8"]  # fmt: skip
-        return ops.rows_alike_pass_tokens(
-            [ops.int8_row_limit(m.bits, m.group_size, m.block) if "scales" in m else ops.HALF_ROWS for m in dense]
-        )
 
     def make_cache(self, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
         """A cache per layer. kv_bits: the attention layers hold their keys and values in 4 or 8 bits,

@@ -5,6 +5,7 @@ compute it, else MLX's ops, else the matrix dequantized."""
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 from typing import Callable
 
@@ -18,6 +19,38 @@ from .gpu_kernels import run
 from .row_kernels import ROW_PRODUCT
 
 SIXTEEN_BITS = (mx.bfloat16, mx.float16)
+
+# The matrices whose products compute as llama.cpp computes them on the CPU (a GGUF file's, with its
+# 8-bit activations, F16's and BF16's 16-bit ones): the loader names them, each product asks here
+# (`activations_of`), and the models never carry the choice. By the array's id, with a weak reference
+# that drops the entry when the matrix goes; each with the most rows a product of it keeps every row's
+# bits (None: any).
+_LLAMA_CPP_MATRICES: dict[int, tuple[weakref.ref, int | None]] = {}
+
+
+def compute_as_llama_cpp(matrix: mx.array, rows_alike: int | None):
+    """From here on, `matrix`'s products take llama.cpp's activations where they compute (see
+    `int8_activations`); rows_alike: the most rows a product of it keeps each row's bits."""
+    key = id(matrix)
+    _LLAMA_CPP_MATRICES[key] = (weakref.ref(matrix, lambda _: _LLAMA_CPP_MATRICES.pop(key, None)), rows_alike)
+
+
+def compute_like(matrix: mx.array, source: mx.array):
+    """`matrix` (rows cut from `source`, say) computes as `source` does."""
+    entry = _LLAMA_CPP_MATRICES.get(id(source))
+    if entry is not None and entry[0]() is source:
+        compute_as_llama_cpp(matrix, entry[1])
+
+
+def activations_of(matrix: mx.array) -> str:
+    """ "int8" where the matrix's products compute as llama.cpp computes them, else "float32"."""
+    entry = _LLAMA_CPP_MATRICES.get(id(matrix))
+    return "int8" if entry is not None and entry[0]() is matrix else "float32"
+
+
+def llama_cpp_row_limits(matrices) -> list[int | None]:
+    """The row limits of those of `matrices` that compute as llama.cpp computes them."""
+    return [_LLAMA_CPP_MATRICES[id(m)][1] for m in matrices if activations_of(m) == "int8"]
 
 
 def keeps_16bit_weights(stored, compute) -> bool:
@@ -52,11 +85,11 @@ def takes_16bit_activations(x: mx.array, weight: mx.array, activations: str, any
             and (any_rows or x.size // max(x.shape[-1], 1) <= HALF_ROWS) and int8_activations_computed())  # fmt: skip
 
 
-def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None, activations: str = "float32") -> mx.array:
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """x [..., K] @ weight^T ([N, K]) (+ bias) in x's dtype (16-bit weights under float32 x: see
-    keeps_16bit_weights; with activations "int8", a GGUF file's F16 and BF16 matrices as llama.cpp
-    computes them: `takes_16bit_activations`); nn.Linear's arithmetic where no kernel of ours computes it."""
-    if takes_16bit_activations(x, weight, activations):
+    keeps_16bit_weights; a GGUF file's F16 and BF16 matrices as llama.cpp computes them:
+    `takes_16bit_activations`); nn.Linear's arithmetic where no kernel of ours computes it."""
+    if takes_16bit_activations(x, weight, activations_of(weight)):
         out = cpu_quantized.half_matmul(x, weight)
         return out if bias is None else out + bias.astype(out.dtype)
     out = row_product(x, weight)
@@ -69,17 +102,16 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None, activati
     return out if bias is None else out + bias.astype(out.dtype)
 
 
-def gather_matmul(x: mx.array, weight_t: mx.array, indices: mx.array, activations: str = "float32") -> mx.array:
-    """x [..., 1, 1, D] @ weight_t[indices] ([E, D, out] stacked experts) -> [..., k, 1, out] (activations:
-    `linear`'s; expert products of any number of tokens)."""
-    if takes_16bit_activations(x, weight_t, activations, any_rows=True):
-        weight = weight_t.swapaxes(-1, -2)
+def gather_matmul(x: mx.array, weight: mx.array, indices: mx.array) -> mx.array:
+    """x [..., 1, 1, D] @ weight[indices]^T ([E, out, D] stacked experts) -> [..., k, 1, out] (as `linear`;
+    expert products of any number of tokens)."""
+    if takes_16bit_activations(x, weight, activations_of(weight), any_rows=True):
         return _on_token_rows(lambda rows, flat: cpu_quantized.half_gather_matmul(rows, weight, flat), x, indices)
-    if (out := row_product(x, weight_t.swapaxes(-1, -2), indices=indices)) is not None:
+    if (out := row_product(x, weight, indices=indices)) is not None:
         return out
-    if weight_t.dtype != x.dtype and keeps_16bit_weights(weight_t.dtype, x.dtype):
-        weight = weight_t.swapaxes(-1, -2)
+    if weight.dtype != x.dtype and keeps_16bit_weights(weight.dtype, x.dtype):
         return _on_token_rows(lambda rows, flat: cpu_quantized.gather_matmul_16bit(rows, weight, flat), x, indices)
+    weight_t = weight.swapaxes(-1, -2)
     if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
         # MLX's CPU gather_mm is float32-only
         return mx.gather_mm(x.astype(mx.float32), weight_t.astype(mx.float32), rhs_indices=indices).astype(x.dtype)
@@ -118,14 +150,13 @@ def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> boo
     return _cpu_quantized_kernels(bits, group_size, block)
 
 
-def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None,
-                     activations: str = "float32"):  # fmt: skip
+def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
     """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
     form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
-    float32, and MLX would promote a 16-bit model's products, and everything after, to float32).
-    activations "int8": a GGUF block form's products as llama.cpp computes them on the CPU
-    (`int8_activations`)."""
-    product = quantized_product_path(x.dtype, bits, group_size, block, scales.dtype, activations, *path_key())
+    float32, and MLX would promote a 16-bit model's products, and everything after, to float32);
+    a GGUF block form's products as llama.cpp computes them on the CPU where w is named so
+    (`compute_as_llama_cpp`, `int8_activations`)."""
+    product = quantized_product_path(x.dtype, bits, group_size, block, scales.dtype, activations_of(w), *path_key())
     return product(x, w, scales, biases)
 
 
@@ -228,12 +259,11 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     return dequantized
 
 
-def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None,
-                            activations: str = "float32") -> mx.array:  # fmt: skip
+def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, bits: int, block=None) -> mx.array:
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
-    [..., k, 1, N], in x's dtype (activations: as `quantized_matmul`'s)."""
+    [..., k, 1, N], in x's dtype (as `quantized_matmul`)."""
     biases = no_codes(scales) if biases is None else biases  # (none in MLX's float modes)
-    if activations == "int8" and x.dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
+    if activations_of(w) == "int8" and x.dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
         return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
                                                                                    held_type, grid), x, indices)  # fmt: skip
@@ -256,5 +286,5 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
         )  # fmt: skip
     else:
         experts = QuantizedTensor(w, scales, biases, bits, group_size, block).dequantize().astype(x.dtype)
-        out = gather_matmul(x, experts.swapaxes(-1, -2), indices)
+        out = gather_matmul(x, experts, indices)
     return out.astype(x.dtype)
