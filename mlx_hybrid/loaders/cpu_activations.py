@@ -34,8 +34,11 @@ def set_cpu_activations(model, activations: str | None, path: Path, whole_produc
     (see `load`), or the load is refused; None: "int8" for a GGUF file whose every such product takes
     it here, whole, else "float32". "int8" names the matrices to the CPU backend
     (`ops.compute_as_llama_cpp`), which computes them so."""
-    modules = [m for _, m in model.named_modules()
-               if isinstance(m, _MATRICES + _EXPERTS) and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)]  # fmt: skip
+    modules = [
+        m
+        for _, m in model.named_modules()
+        if isinstance(m, _MATRICES + _EXPERTS) and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)
+    ]
 
     def refusal(m):
         return ops.int8_activations(m.bits, m.group_size, m.block) if "scales" in m else ops.half_activations()
