@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from . import activations, backend, cpu_extension, cpu_kernels, gpu_kernels, reference, rotary, row_kernels, selfcheck
 from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
@@ -62,6 +61,7 @@ from .products import (  # noqa: F401  (the products, for the layers)
     keeps_16bit_weights,
     linear,
     llama_cpp_row_limits,
+    rows_alike_pass_tokens,
     quantized_matmul,
     quantized_product_path,
 )
@@ -262,19 +262,6 @@ def overlap_decode_steps() -> bool:
     tokens/s stepping in turn, 7.5 overlapped).
     """
     return backend.gpu_computes()
-
-
-def rows_alike_pass_tokens(model) -> int | None:
-    """The most tokens a pass of `model` (an mlx.nn.Module) that decodes rows may hold for each row to
-    compute what it computes alone, where the compute path bounds it: a GPU's row-invariant products
-    take passes of up to `row_kernels.ROW_KERNEL_PASS_TOKENS` (8 rows of 16); beyond, MLX's own
-    products tile the rows. On the CPU, the fewest rows of its products with llama.cpp's activations
-    (`compute_as_llama_cpp`), past which they take the float32 path. None otherwise: the CPU's float
-    products keep a row's sums for any pass up to 16 rows and the BLAS's beyond (docs/speculative.md)."""
-    if backend.kernel_platform():
-        return row_kernels.ROW_KERNEL_PASS_TOKENS
-    limits = llama_cpp_row_limits(array for _, array in tree_flatten(model.parameters()))
-    return min((limit for limit in limits if limit is not None), default=None)
 
 
 def prefill_layer_by_layer() -> bool:

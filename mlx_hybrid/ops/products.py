@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..quantized_tensor import INT8_TYPES, BlockScales, QuantizedTensor, no_codes
 from . import backend, cpu_quantized, row_kernels, selfcheck
@@ -75,6 +76,19 @@ def row_product(x, w, scales=None, biases=None, indices=None, *, bits: int = 0, 
     if form is None or not selfcheck.passed(ROW_PRODUCT, row_kernels.small_product_case, platform, *form.variant):
         return None
     return run(ROW_PRODUCT, row_kernels.form_launch(form, x, w, scales, biases, indices), platform)[0]
+
+
+def rows_alike_pass_tokens(model) -> int | None:
+    """The most tokens a pass of `model` (an mlx.nn.Module) that decodes rows may hold for each row to
+    compute what it computes alone, where the compute path bounds it: a GPU's row-invariant products
+    take passes of up to `row_kernels.ROW_KERNEL_PASS_TOKENS` (8 rows of 16); beyond, MLX's own
+    products tile the rows. On the CPU, the fewest rows of its products with llama.cpp's activations
+    (`compute_as_llama_cpp`), past which they take the float32 path. None otherwise: the CPU's float
+    products keep a row's sums for any pass up to 16 rows and the BLAS's beyond (docs/speculative.md)."""
+    if backend.kernel_platform():
+        return row_kernels.ROW_KERNEL_PASS_TOKENS
+    limits = llama_cpp_row_limits(array for _, array in tree_flatten(model.parameters()))
+    return min((limit for limit in limits if limit is not None), default=None)
 
 
 def takes_16bit_activations(x: mx.array, weight: mx.array, activations: str, any_rows: bool = False) -> bool:
