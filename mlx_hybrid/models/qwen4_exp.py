@@ -224,8 +224,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, streams, cache=None, ids=None):
         mixer_cache = cache
         if self.has_ple:
-            streams = streams + self.ple(streams, ids, _part(cache, "ple"))
-            mixer_cache = _part(cache, "mixer")
+            ple_cache, mixer_cache = _ple_parts(cache)
+            streams = streams + self.ple(streams, ids, ple_cache)
         block_input, weights = self.attn_hyper_connection.mix(streams)
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
         streams = GatedResidual.add(streams, mixer(block_input, mixer_cache), weights)
@@ -233,11 +233,13 @@ class DecoderLayer(nn.Module):
         return GatedResidual.add(streams, self.mlp(block_input), weights)
 
 
-def _part(cache, name: str):
-    """Part `name` of a PLE layer's cache (`PLECache`), of one sequence or of packed rows."""
+def _ple_parts(cache) -> tuple:
+    """A PLE layer's cache (`PLECache`), of one sequence or of packed rows, as its parts: the PLE's and
+    the mixer's."""
     if isinstance(cache, RowCaches):
-        return RowCaches([getattr(row, name) for row in cache.caches], cache.lengths)
-    return getattr(cache, name) if cache is not None else None
+        ples, mixers = ([row.ple for row in cache.caches], [row.mixer for row in cache.caches])
+        return RowCaches(ples, cache.lengths), RowCaches(mixers, cache.lengths)
+    return (cache.ple, cache.mixer) if cache is not None else (None, None)
 
 
 class MTPHead(nn.Module):
