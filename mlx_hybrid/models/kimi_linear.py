@@ -23,7 +23,7 @@ from .layers import (
     Linear,
     RMSNorm,
     SwitchGLU,
-    causal_mask_for,
+    causal_attention,
     check_heads,
     check_layer_types,
     top_k_indices,
@@ -172,9 +172,7 @@ class LatentAttention(nn.Module):
         if cache is not None:
             (keys,) = cache.update_and_fetch(keys)
         values = ops.leading_features(keys, self.latent_dim)
-        mask, key_lengths = causal_mask_for(queries.shape[2]), cache.key_lengths if cache is not None else None
-        out = ops.scaled_dot_product_attention(queries, keys, values, self.scale, mask, key_lengths)
-        return out.transpose(0, 2, 1, 3)
+        return causal_attention(queries, keys, values, self.scale, cache)
 
 
 class SigmoidMoE(nn.Module):

@@ -240,6 +240,9 @@ def top_k_indices(scores: mx.array, k: int) -> mx.array:
     return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
 
 
-def causal_mask_for(num_tokens: int):
-    """Mask argument for attention over a cache: causal when several tokens come at once."""
-    return "causal" if num_tokens > 1 else None
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, cache) -> mx.array:
+    """Attention of q [B, H, T, D] over the keys and values [B, H(kv), S, D] the cache gave, causal where
+    several tokens come at once, each batch row over its own keys where rows run together (the cache's
+    `key_lengths`); the result [B, T, H, Dv]."""
+    mask, key_lengths = ("causal" if q.shape[2] > 1 else None), cache.key_lengths if cache is not None else None
+    return ops.scaled_dot_product_attention(q, k, v, scale, mask, key_lengths).transpose(0, 2, 1, 3)

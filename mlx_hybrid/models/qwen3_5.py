@@ -23,7 +23,7 @@ from .layers import (
     Linear,
     RMSNorm,
     SwitchGLU,
-    causal_mask_for,
+    causal_attention,
     check_heads,
     check_layer_types,
     top_k_indices,
@@ -221,9 +221,7 @@ class GatedAttention(nn.Module):
         q, k = self._rope(q, position), self._rope(k, position)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        mask, key_lengths = causal_mask_for(q.shape[2]), cache.key_lengths if cache is not None else None
-        out = ops.scaled_dot_product_attention(q, k, v, self.scale, mask, key_lengths)
-        return out.transpose(0, 2, 1, 3)
+        return causal_attention(q, k, v, self.scale, cache)
 
 
 class SparseMoE(nn.Module):
