@@ -16,6 +16,7 @@ from .common import (
 )
 from .running import (
     decode_rate,
+    exit_with,
     follow,
     load_for_generation,
     make_engine,
@@ -201,7 +202,7 @@ def entry():
     from mlx_hybrid.blas import prefer_optimized_blas
 
     prefer_optimized_blas()
-    sys.exit(quiet_on_closed_pipe(main))
+    exit_with(quiet_on_closed_pipe(main))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from .common import (
 )
 from .running import (
     decode_rate,
+    exit_with,
     follow,
     load_for_generation,
     make_engine,
@@ -258,4 +259,4 @@ def entry():
     from mlx_hybrid.blas import prefer_optimized_blas
 
     prefer_optimized_blas()  # restarts once with OpenBLAS preloaded, where installed (Linux)
-    sys.exit(quiet_on_closed_pipe(main))
+    exit_with(quiet_on_closed_pipe(main))

@@ -125,6 +125,21 @@ def percentages(rates: list[float]) -> str:
     return ", ".join(f"{rate:.0%}" for rate in rates) or "none drafted"
 
 
+def exit_with(status: int | None):
+    """End the command with `status`. A rank of an mlx.launch run ends at once, its output flushed:
+    at exit MLX's ring backend joins its socket threads (`RingGroup`'s destructor), which can wait
+    forever where the other rank closed its sockets first, leaving a rank that never exits after
+    its work is done (seen under load with MLX 0.32.4)."""
+    if "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (BrokenPipeError, ValueError):  # a reader gone, or a stream closed: nothing to keep
+                pass
+        os._exit(status or 0)
+    sys.exit(status)
+
+
 def quiet_on_closed_pipe(command) -> int:
     """Run a command whose output may go to a reader that leaves early (`| head`): it ends
     quietly, as Unix tools do, with the status of a process that SIGPIPE ended."""

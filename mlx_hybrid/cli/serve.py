@@ -24,7 +24,7 @@ from .common import (
     launched_rank,
     sampling_settings,
 )
-from .running import load_for_generation, make_engine, on_every_rank
+from .running import exit_with, load_for_generation, make_engine, on_every_rank
 
 # On SIGTERM or Ctrl-C, how long requests in flight may go on before they are ended: uvicorn's own
 # default waits for them all, which for a long prompt's prefill or a long answer is minutes.
@@ -244,4 +244,4 @@ def entry():
     from mlx_hybrid.blas import prefer_optimized_blas
 
     prefer_optimized_blas()
-    sys.exit(main())
+    exit_with(main())
