@@ -283,6 +283,10 @@ class RecurrentCache(LayerCache):
         self.batch, self.index = batch, index
 
     @property
+    def holds_state(self) -> bool:
+        return self.batch is not None or self._held is not None
+
+    @property
     def state(self) -> tuple | None:
         return self.batch.row(self.index) if self.batch is not None else self._held
 
@@ -291,11 +295,11 @@ class RecurrentCache(LayerCache):
         return self.batch.snapshots(self.index) if self.batch is not None else self._snapshots
 
     def checkpoint(self) -> tuple:
-        if self.state is None:
+        if not self.holds_state:
             return ()
         # states are replaced, never written in place, so references are enough; a row of a batch is
         # copied out, else the checkpoint would hold every row's state
-        return self.state if self.batch is None else tuple(mx.contiguous(array) for array in self.state)
+        return self._held if self.batch is None else tuple(mx.contiguous(array) for array in self.state)
 
     def restore(self, entries: tuple):
         self.update(tuple(entries) or None)

@@ -75,7 +75,7 @@ def recurrent(step: Callable[..., RecurrentStep], cache, *inputs: mx.array) -> m
         return one_sequence(*inputs, cache)
 
     def batch_key(n: int, row_cache: RecurrentCache):
-        return row_cache.record_snapshots if row_cache.state is not None else None
+        return row_cache.record_snapshots if row_cache.holds_state else None
 
     def run_batch(*args):
         *inputs, members = args

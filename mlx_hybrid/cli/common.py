@@ -268,9 +268,18 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     )
 
 
+# where mlx.launch gives a process its rank (its ring backend's, MPI's), the first one set
+RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def launched() -> bool:
+    """Whether this process is a rank of an mlx.launch run."""
+    return any(name in os.environ for name in RANK_VARIABLES)
+
+
 def launched_rank() -> int:
     """This process's rank in an mlx.launch run (0 without one), read before MLX starts."""
-    return int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    return next((int(os.environ[name]) for name in RANK_VARIABLES if name in os.environ), 0)
 
 
 INTERRUPTED = 128 + signal.SIGINT  # the exit status of a command Ctrl-C stopped

@@ -10,6 +10,8 @@ import sys
 from mlx_hybrid.drafting import AUTO, SpeculationSettings, resolve_draft
 from mlx_hybrid.loaders import load_draft_model
 
+from .common import launched
+
 
 def describe_speculation(args, drafter, draft_tokens: int) -> str:
     """How drafting is set up, for --verbose."""
@@ -130,7 +132,7 @@ def exit_with(status: int | None):
     at exit MLX's ring backend joins its socket threads (`RingGroup`'s destructor), which can wait
     forever where the other rank closed its sockets first, leaving a rank that never exits after
     its work is done (seen under load with MLX 0.32.4)."""
-    if "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+    if launched():
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

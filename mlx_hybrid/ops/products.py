@@ -36,22 +36,26 @@ def compute_as_llama_cpp(matrix: mx.array, rows_alike: int | None):
     _LLAMA_CPP_MATRICES[key] = (weakref.ref(matrix, lambda _: _LLAMA_CPP_MATRICES.pop(key, None)), rows_alike)
 
 
+def _named(matrix: mx.array) -> tuple | None:
+    """The matrix's entry, where it is this matrix's (an id may be another's once its matrix is gone)."""
+    entry = _LLAMA_CPP_MATRICES.get(id(matrix))
+    return entry if entry is not None and entry[0]() is matrix else None
+
+
 def compute_like(matrix: mx.array, source: mx.array):
     """`matrix` (rows cut from `source`, say) computes as `source` does."""
-    entry = _LLAMA_CPP_MATRICES.get(id(source))
-    if entry is not None and entry[0]() is source:
+    if (entry := _named(source)) is not None:
         compute_as_llama_cpp(matrix, entry[1])
 
 
 def activations_of(matrix: mx.array) -> str:
     """ "int8" where the matrix's products compute as llama.cpp computes them, else "float32"."""
-    entry = _LLAMA_CPP_MATRICES.get(id(matrix))
-    return "int8" if entry is not None and entry[0]() is matrix else "float32"
+    return "float32" if _named(matrix) is None else "int8"
 
 
 def llama_cpp_row_limits(matrices) -> list[int | None]:
     """The row limits of those of `matrices` that compute as llama.cpp computes them."""
-    return [_LLAMA_CPP_MATRICES[id(m)][1] for m in matrices if activations_of(m) == "int8"]
+    return [entry[1] for entry in map(_named, matrices) if entry is not None]
 
 
 def keeps_16bit_weights(stored, compute) -> bool:
