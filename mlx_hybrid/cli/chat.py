@@ -45,9 +45,7 @@ DIM, RESET = "\033[2m", "\033[0m"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="mlx_hybrid.chat", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = ArgumentParser(prog="mlx_hybrid.chat", description=DESCRIPTION)
     add_model_arguments(p)
     p.add_argument("--system", default=None, help="the system message")
     add_sampling_arguments(p, max_tokens=1024)

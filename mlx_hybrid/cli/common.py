@@ -81,6 +81,11 @@ def seed(text: str) -> int:
     return value
 
 
+def add_count(p: argparse.ArgumentParser, flag: str, minimum: int, default, help: str):
+    """An integer flag N of at least `minimum`."""
+    p.add_argument(flag, type=at_least(minimum), default=default, metavar="N", help=help)
+
+
 def at_least(minimum: int):
     """A type for an integer flag with a lower bound (checked when the flags are read, before any loading)."""
 
@@ -243,12 +248,12 @@ def add_draft_arguments(p: argparse.ArgumentParser):
         "names DFlashDraftModel; --draft dflash may be given with it). Without it --draft dflash takes the "
         "model's own drafter: the directory <GGUF file stem>-dflash beside the file, as the bundled model has",
     )  # fmt: skip
-    p.add_argument(
+    add_count(
+        p,
         "--num-draft-tokens",
-        type=at_least(1),
-        default=None,
-        metavar="N",
-        help=f"most tokens drafted per round (default: {DEFAULT_DRAFT_TOKENS}; a DFlash drafter's block less one)",
+        1,
+        None,
+        f"most tokens drafted per round (default: {DEFAULT_DRAFT_TOKENS}; a DFlash drafter's block less one)",
     )
     p.add_argument(
         "--draft-vocab",
@@ -286,7 +291,11 @@ INTERRUPTED = 128 + signal.SIGINT  # the exit status of a command Ctrl-C stopped
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit status 2, as every usage error here."""
+    """argparse whose usage errors are one line and exit status 2, as every usage error here, and whose
+    description and epilog keep their lines."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(self, message):
         sys.exit(fail(f"{message} (see {self.prog} --help)"))

@@ -10,7 +10,6 @@ config.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from mlx_hybrid.errors import MlxHybridError
@@ -28,7 +27,6 @@ def main(argv=None) -> int:
         epilog="example (the bundled model, then generating from the result):\n"
         "  mlx_hybrid.convert --mlx-path ./tiny-q4\n"
         '  mlx_hybrid.generate --model ./tiny-q4 --prompt "def parse_args("',
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--model",

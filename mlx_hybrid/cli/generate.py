@@ -11,8 +11,8 @@ from .common import (
     ArgumentParser,
     add_cache_arguments,
     add_draft_arguments,
-    add_model_arguments,
     add_grammar_arguments,
+    add_model_arguments,
     add_sampling_arguments,
     fail,
     launched_rank,
@@ -55,12 +55,7 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="mlx_hybrid.generate",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = ArgumentParser(prog="mlx_hybrid.generate", description=DESCRIPTION, epilog=EPILOG)
     add_model_arguments(p)
     p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
     add_sampling_arguments(p)

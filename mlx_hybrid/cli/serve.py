@@ -15,10 +15,10 @@ from mlx_hybrid.server.protocol import MAX_IMAGES, MAX_REQUEST_MIB
 from .common import (
     ArgumentParser,
     add_cache_arguments,
+    add_count,
     add_draft_arguments,
     add_model_arguments,
     add_sampling_settings,
-    at_least,
     byte_count,
     fail,
     launched_rank,
@@ -56,31 +56,20 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="mlx_hybrid.server",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = ArgumentParser(prog="mlx_hybrid.server", description=DESCRIPTION, epilog=EPILOG)
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     add_draft_arguments(p)
     add_cache_arguments(p)
-    p.add_argument(
+    add_count(
+        p,
         "--max-request-mib",
-        type=at_least(1),
-        default=MAX_REQUEST_MIB,
-        metavar="N",
-        help=f"refuse (413) a request body over N MiB, as it arrives (default: {MAX_REQUEST_MIB})",
+        1,
+        MAX_REQUEST_MIB,
+        f"refuse (413) a request body over N MiB, as it arrives (default: {MAX_REQUEST_MIB})",
     )
-    p.add_argument(
-        "--max-images",
-        type=at_least(0),
-        default=MAX_IMAGES,
-        metavar="N",
-        help=f"most images a request may have (default: {MAX_IMAGES})",
-    )
+    add_count(p, "--max-images", 0, MAX_IMAGES, f"most images a request may have (default: {MAX_IMAGES})")
     p.add_argument(
         "--allowed-local-media-path",
         default=None,
@@ -101,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST",
         help="with --allow-remote-images: hosts fetched even though their addresses are local or private",
     )
-    p.add_argument(
-        "--max-batch", type=at_least(1), default=8, metavar="N", help="most requests generating at once (default: 8)"
-    )
+    add_count(p, "--max-batch", 1, 8, "most requests generating at once (default: 8)")
     p.add_argument(
         "--prefix-cache-bytes",
         type=byte_count,
@@ -120,13 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="spill evicted checkpoints to DIR, where a restarted server finds them again",
     )
-    p.add_argument(
-        "--max-tokens",
-        type=at_least(1),
-        default=2048,
-        metavar="N",
-        help="tokens to generate for requests that set no max_tokens (default: 2048)",
-    )
+    add_count(p, "--max-tokens", 1, 2048, "tokens to generate for requests that set no max_tokens (default: 2048)")
     defaults = p.add_argument_group(
         "request defaults",
         "for requests that omit these fields; over the checkpoint's own recommendation (generation_config.json, "
@@ -187,7 +168,6 @@ def main(argv=None) -> int:
 
     import mlx_hybrid
     from mlx_hybrid.engine import PrefixStore
-
     from mlx_hybrid.server import ServedModel, create_app
 
     try:

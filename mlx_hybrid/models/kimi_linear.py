@@ -21,15 +21,15 @@ from .layers import (
     LINEAR,
     MLP,
     Linear,
+    PreNormLayer,
     RMSNorm,
-    SwitchGLU,
+    RoutedExperts,
     causal_attention,
     check_heads,
     check_layer_types,
     top_k_indices,
 )
 from .linear_attention import linear_attention
-from .sharding import prefixed
 from .trunk import HybridModel
 
 
@@ -175,54 +175,30 @@ class LatentAttention(nn.Module):
         return causal_attention(queries, keys, values, self.scale, cache)
 
 
-class SigmoidMoE(nn.Module):
+class SigmoidMoE(RoutedExperts):
     """Sigmoid router with a selection-only bias, renormalised top-k, scaled, plus shared experts."""
 
+    shared_name = "shared_experts"
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.top_k = args.num_experts_per_tok
-        self.norm_topk_prob = args.norm_topk_prob
+        super().__init__(args, args.moe_intermediate_size * args.num_shared_experts)
         self.scaling = args.routed_scaling_factor
-        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         self.e_score_correction_bias = mx.zeros((args.num_experts,))
-        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
-        self.shared_experts = MLP(args.hidden_size, args.moe_intermediate_size * args.num_shared_experts)
-        self.group = None  # split: every expert's output is a partial sum
 
-    def split_heads(self, group) -> dict[str, Split]:
-        """Each expert's hidden units split (the router stays whole); one all-sum at the end."""
-        self.group = group
-        return prefixed("switch_mlp", self.switch_mlp.split_heads(group)) | prefixed(
-            "shared_experts", self.shared_experts.split_heads(group, reduce=False)
-        )
-
-    def __call__(self, x: mx.array) -> mx.array:
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         scores = mx.sigmoid(self.gate(x.astype(F32)))
         experts = top_k_indices(scores + self.e_score_correction_bias, self.top_k)
         weights = mx.take_along_axis(scores, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        weights = weights * self.scaling
-        routed = (self.switch_mlp(x, experts) * weights[..., None].astype(x.dtype)).sum(axis=-2)
-        return all_sum(routed + self.shared_experts(x), self.group)
+        return experts, weights * self.scaling
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, args: ModelArgs, layer_type: str, sparse: bool):
-        super().__init__()
-        self.layer_type = layer_type
-        self.self_attn = KimiDeltaAttention(args) if layer_type == LINEAR else LatentAttention(args)
-        self.mlp = SigmoidMoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x, cache=None):
-        norm = self.post_attention_layernorm
-        h, normed = ops.add_rms_norm(x, self.self_attn(self.input_layernorm(x), cache), norm.weight, norm.eps)
-        return h + self.mlp(normed)
-
-    def split_heads(self, group) -> dict[str, Split]:
-        return prefixed("self_attn", self.self_attn.split_heads(group)) | prefixed("mlp", self.mlp.split_heads(group))
+        mixer = KimiDeltaAttention(args) if layer_type == LINEAR else LatentAttention(args)
+        mlp = SigmoidMoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+        super().__init__(args, layer_type, "self_attn", mixer, mlp)
 
 
 class Model(HybridModel):

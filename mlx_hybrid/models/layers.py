@@ -15,6 +15,7 @@ from ..parallel import (
     require,
 )
 from ..quantized_tensor import FLOAT_MODES, GridBlocks, dequantize, mode_refused
+from .sharding import prefixed
 
 F32 = mx.float32
 
@@ -238,6 +239,65 @@ class SwitchGLU(nn.Module):
 def top_k_indices(scores: mx.array, k: int) -> mx.array:
     """Indices of the k largest scores along the last axis."""
     return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+
+
+class PreNormLayer(nn.Module):
+    """A decoder layer: h = x + mixer(input_layernorm(x)), then h + mlp(post_attention_layernorm(h)). The
+    mixer (attention or a recurrent mixer, called as mixer(x, cache)) sits under its checkpoint name."""
+
+    def __init__(self, args, layer_type: str, mixer_name: str, mixer: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.layer_type, self.mixer_name = layer_type, mixer_name
+        self[mixer_name] = mixer
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x, cache=None):
+        norm = self.post_attention_layernorm
+        mixed = self[self.mixer_name](self.input_layernorm(x), cache)
+        h, normed = ops.add_rms_norm(x, mixed, norm.weight, norm.eps)
+        return h + self.mlp(normed)
+
+    def split_heads(self, group) -> dict[str, Split]:
+        mixer = self.mixer_name
+        return prefixed(mixer, self[mixer].split_heads(group)) | prefixed("mlp", self.mlp.split_heads(group))
+
+
+class RoutedExperts(nn.Module):
+    """A mixture of experts: the experts a router picks for each token (`route`, each family's own),
+    weighted, plus the shared experts every token takes (`shared`), held under the checkpoint's name
+    `shared_name`. Split over ranks by hidden unit, with one all-sum at the end."""
+
+    shared_name = "shared_expert"
+
+    def __init__(self, args, shared_units: int):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
+        self[self.shared_name] = MLP(args.hidden_size, shared_units)
+        self.group = None  # split: every expert's output is a partial sum
+
+    def split_heads(self, group) -> dict[str, Split]:
+        """Each expert's hidden units split (the router stays whole)."""
+        self.group = group
+        return prefixed("switch_mlp", self.switch_mlp.split_heads(group)) | prefixed(
+            self.shared_name, self[self.shared_name].split_heads(group, reduce=False)
+        )
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The experts chosen for each token [..., k] and their weights [..., k]."""
+        raise NotImplementedError
+
+    def shared(self, x: mx.array) -> mx.array:
+        return self[self.shared_name](x)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        experts, weights = self.route(x)
+        routed = (self.switch_mlp(x, experts) * weights[..., None].astype(x.dtype)).sum(axis=-2)
+        return all_sum(routed + self.shared(x), self.group)
 
 
 def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, cache) -> mx.array:

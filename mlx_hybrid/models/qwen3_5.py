@@ -21,15 +21,15 @@ from .layers import (
     LINEAR,
     MLP,
     Linear,
+    PreNormLayer,
     RMSNorm,
-    SwitchGLU,
+    RoutedExperts,
     causal_attention,
     check_heads,
     check_layer_types,
     top_k_indices,
 )
 from .linear_attention import linear_attention
-from .sharding import prefixed
 from .trunk import HybridModel
 from .vision import VisionArgs, VisionTower
 
@@ -224,57 +224,30 @@ class GatedAttention(nn.Module):
         return causal_attention(q, k, v, self.scale, cache)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(RoutedExperts):
     """Softmax router over experts, top-k (renormalised), plus a sigmoid-gated shared expert."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.top_k = args.num_experts_per_tok
-        self.norm_topk_prob = args.norm_topk_prob
-        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
-        self.shared_expert = MLP(args.hidden_size, args.shared_expert_intermediate_size)
+        super().__init__(args, args.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
-        self.group = None  # split: every expert's output is a partial sum
 
-    def split_heads(self, group) -> dict[str, Split]:
-        """Each expert's hidden units split (the router stays whole); one all-sum at the end."""
-        self.group = group
-        return prefixed("switch_mlp", self.switch_mlp.split_heads(group)) | prefixed(
-            "shared_expert", self.shared_expert.split_heads(group, reduce=False)
-        )
-
-    def __call__(self, x: mx.array) -> mx.array:
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         probs = mx.softmax(self.gate(x).astype(F32), axis=-1)
         experts = top_k_indices(probs, self.top_k)
         weights = mx.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        routed = (self.switch_mlp(x, experts) * weights[..., None].astype(x.dtype)).sum(axis=-2)
-        return all_sum(routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), self.group)
+        return experts, weights
+
+    def shared(self, x: mx.array) -> mx.array:
+        return mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, args: ModelArgs, layer_type: str, sparse: bool):
-        super().__init__()
-        self.layer_type = layer_type
-        if layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(args)
-        else:
-            self.self_attn = GatedAttention(args)
-        self.mlp = SparseMoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x, cache=None):
-        mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
-        norm = self.post_attention_layernorm
-        h, normed = ops.add_rms_norm(x, mixer(self.input_layernorm(x), cache), norm.weight, norm.eps)
-        return h + self.mlp(normed)
-
-    def split_heads(self, group) -> dict[str, Split]:
-        mixer = "linear_attn" if self.layer_type == LINEAR else "self_attn"
-        return prefixed(mixer, self[mixer].split_heads(group)) | prefixed("mlp", self.mlp.split_heads(group))
+        mixer = ("linear_attn", GatedDeltaNet(args)) if layer_type == LINEAR else ("self_attn", GatedAttention(args))
+        mlp = SparseMoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+        super().__init__(args, layer_type, *mixer, mlp)
 
 
 class MTPHead(nn.Module):
