@@ -1,15 +1,14 @@
-"""Per-layer caches behind one interface (`LayerCache`): a KV cache for attention layers
-(absorbed MLA's latent cache too, and the MTP head's; quantized with --kv-bits), recurrent state
-for linear ones.
+"""Per-layer caches of one sequence behind one interface (`LayerCache`): a KV cache for an attention
+layer (also absorbed MLA's latent cache and the MTP head's; quantized with --kv-bits), and the
+recurrent state of a linear-attention layer.
 
-Attention caches roll back by trimming. Recurrent state cannot be trimmed, so a
-verify pass runs with `record_snapshots` on and each linear layer keeps its
-state after every token; `rollback` then selects one. Speculation, drafting, the
-engine's rows and prefix checkpoints call only this interface, through the functions
-at the end for a model's list of layer caches.
+An attention cache rolls back by trimming. A recurrent state cannot be trimmed, so a verify pass runs
+with `record_snapshots` on: each recurrent layer keeps its state after every token, and `rollback`
+selects one. Speculation, drafting, the engine's rows and prefix checkpoints use only this interface,
+through the functions at the end of this module, which act on a model's list of layer caches.
 
-Several sequences run in one pass packed along the token axis, never padded: each keeps its own
-caches, and `row_caches` runs them together.
+Several sequences can run in one pass, packed along the token axis: each keeps its own caches, and
+`row_caches` runs them together.
 """
 
 from __future__ import annotations
@@ -24,15 +23,15 @@ from .errors import GenerationError
 class LayerCache:
     """What every layer cache does.
 
-    record_snapshots: while on, a call keeps the state after each of its tokens.
-    rollback(keep, recorded): keep the first `keep` of the `recorded` tokens the last call added.
-    mark() / rewind(mark): where the cache is now, and back there (tokens added since are
-    forgotten; for a draft model, which reads a token per call).
-    checkpoint() / restore(entries): the state as arrays, and back from them.
-    arrays: the arrays it holds now; nbytes: their size.
-    step_nbytes: what one recorded token's snapshot takes (0 where rollback trims).
-    form: how it holds its state where that is a choice ("": the one way), for checkpoints'
-    fingerprints.
+    record_snapshots: while it is on, a call keeps the state after each of its tokens.
+    rollback(keep, recorded): keep the first `keep` of the `recorded` tokens that the last call added.
+    mark() / rewind(mark): remember where the cache is, and go back there later, forgetting the tokens
+        added since (a draft model uses this: it reads one token per call).
+    checkpoint() / restore(entries): the state as a tuple of arrays, and back from it.
+    arrays: the arrays the cache holds now; nbytes: their size.
+    step_nbytes: the size of one recorded token's snapshot (0 for a cache that rolls back by trimming).
+    form: how the cache holds its state, where there is a choice ("" if there is one way). Checkpoint
+        fingerprints include it.
     """
 
     record_snapshots = False
@@ -96,12 +95,12 @@ class RotaryPositions:
 
 
 class KVCache(LayerCache):
-    """Per-token entries [B, H, T, D] of one attention layer, grown in steps.
+    """The per-token entries [B, H, T, D] of one attention layer, in buffers grown in steps.
 
-    Usually keys and values; an absorbed MLA layer caches a single array (the
+    The entries are usually keys and values. An absorbed MLA layer caches a single array (the
     normalised latent and the rope key), whose first part serves as the values.
-    After a pass over several rows together, a row's entries live in that pass's batch
-    (`row_caches.KVRows`, row `index`), its first `offset` entries there its own.
+    After a pass over several rows together, the row's entries live in that pass's batch
+    (`row_caches.KVRows`, at row `index`), where its first `offset` entries are its own.
     """
 
     step = 256
@@ -259,13 +258,14 @@ def check_kv_quantization(bits: int, group_size: int, features: tuple[int, ...])
 
 
 class RecurrentCache(LayerCache):
-    """A recurrent layer's state for one sequence: the arrays [B, ...] its mixer's step returns (a
-    linear-attention layer's conv tail and delta-rule state; `row_caches.recurrent` runs the step), and
-    with record_snapshots each array's value after every token of the last call, for rollback.
+    """A recurrent layer's state for one sequence: the arrays [B, ...] that its mixer's step returns
+    (for a linear-attention layer, the conv tail and the delta-rule state; `row_caches.recurrent` runs
+    the step). With record_snapshots on, it also keeps each array's value after every token of the
+    last call, for rollback.
 
-    After a pass over several rows together, each row's state is its place in that pass's batch
-    (`row_caches.RowStates`), so that the next pass over the same rows reads the batch as it is: the
-    rows' states are gathered and split again only where the rows change, never on every step."""
+    After a pass over several rows together, the row's state is its place in that pass's batch
+    (`row_caches.RowStates`). The next pass over the same rows reads the batch as it is; the rows'
+    states are gathered and split again only when the rows change, not on every step."""
 
     def __init__(self):
         self._held = None  # the state held alone: a tuple of arrays

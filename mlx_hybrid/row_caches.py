@@ -1,14 +1,14 @@
 """The rows of a pass: several sequences' caches of one layer, and how the mixers run them together.
 
-A pass packs its rows along the token axis of one input [1, N, ...], never padded; a layer sees their
-caches as `RowCaches`. Rows of one length whose states can share a batch run as one batch
-(`in_batches`), so a step's launches do not grow with its rows. The batch outlives the pass: rows that
-run together again read and write their states where the last pass left them, a recurrent layer's in
-`RowStates`, an attention layer's in `KVRows`. "Same rows in the same order, else gather runs of
-neighbours" is decided here once (`_runs_of`).
+A pass packs its rows along the token axis of one input [1, N, ...], without padding, and a layer sees
+their caches as `RowCaches`. Rows of the same length whose states can share a batch run as one batch
+(`in_batches`), so that a step's launches do not grow with its rows. The batch outlives the pass: when
+the same rows run together again, they read and write their states where the last pass left them
+(`RowStates` for a recurrent layer, `KVRows` for an attention layer). Whether rows are the same rows in
+the same order, or else which runs of neighbours to gather, is decided in one place (`_runs_of`).
 
-Each row stays its own cache (`cache.LayerCache`): rollback, checkpoints and marks act on one row, and
-a row that leaves or runs alone takes its state out. A recurrent mixer declares only its step
+Each row keeps its own cache (`cache.LayerCache`). Rollback, checkpoints and marks act on one row; a row
+that leaves, or runs alone, takes its state out of the batch. A recurrent mixer declares only its step
 (`recurrent`); batching, snapshots, rollback and checkpoints come with it.
 """
 
@@ -89,11 +89,13 @@ def recurrent(step: Callable[..., RecurrentStep], cache, *inputs: mx.array) -> m
 
 
 def attend_rows(attend, cache, *arrays: mx.array, reads_key_positions: bool = False) -> mx.array:
-    """attend(*arrays, cache) -> [B, T, ...] of an attention layer, over its KVCache, or over packed
-    rows (`RowCaches`): rows of one length whose caches hold entries at plain rotary positions as one
-    batch (`KVRows`: one rotary embedding, one write and one attention for all of them), the others
-    alone. reads_key_positions: the layer reads where its cached keys sit too (an indexer rotating
-    blocks of them), so a row batches only where every key sits at its index (no image positions)."""
+    """Run an attention layer's `attend(*arrays, cache) -> [B, T, ...]` over one KVCache or over packed
+    rows (`RowCaches`).
+
+    Rows of the same length whose keys sit at plain rotary positions run as one batch (`KVRows`): one
+    rotary embedding, one write and one attention for all of them. Other rows run alone.
+    reads_key_positions: the layer also reads where its cached keys sit (an indexer that rotates blocks
+    of them), so a row joins a batch only if every key sits at its own index (no image positions)."""
     if not isinstance(cache, RowCaches):
         return attend(*arrays, cache)
 
@@ -106,10 +108,12 @@ def attend_rows(attend, cache, *arrays: mx.array, reads_key_positions: bool = Fa
 
 
 def in_batches(cache: RowCaches, arrays, batch_key, run_batch, run_alone) -> mx.array:
-    """The mixer's output [1, N, ...] for packed rows. Rows of one length whose `batch_key(length,
-    row_cache)` is equal (None: the row runs alone) run as one batch: `run_batch(*inputs, caches)`
-    on inputs [m, length, ...], the packed arrays' rows reshaped where they lie side by side; each
-    other row `run_alone(*inputs, row_cache)` on its slice [1, length, ...]."""
+    """The mixer's output [1, N, ...] for packed rows.
+
+    Rows of the same length with equal `batch_key(length, row_cache)` run as one batch:
+    `run_batch(*inputs, caches)` on inputs [m, length, ...]. Where the rows lie side by side in the
+    packed arrays their inputs are a reshape, else a gather. A row whose key is None runs alone:
+    `run_alone(*inputs, row_cache)` on its slice [1, length, ...]."""
     starts = [0, *accumulate(cache.lengths)]
     groups: dict[tuple, list[int]] = {}
     for row, (n, row_cache) in enumerate(zip(cache.lengths, cache.caches)):
@@ -195,11 +199,13 @@ def _states_of(members: list[RecurrentCache]) -> list[mx.array]:
 
 
 class KVRows:
-    """One attention layer's entries of several rows as one batch: buffers [n, H, capacity, D] (a
-    quantized cache's codes, scales and biases each), row i's first `offset` entries (its cache's)
-    its own, each row written at its own offset. Made where the rows first run together, their
-    entries copied in; a pass over the same rows in the same order writes into it as it is, one
-    write an array whatever the number of rows. Rollback is each row's offset, as alone."""
+    """One attention layer's entries for several rows, as one batch.
+
+    The buffers are [n, H, capacity, D] (for a quantized cache: its codes, scales and biases). Row i
+    owns the first `offset` entries of its row, where `offset` is its cache's, and each row is written
+    at its own offset. The batch is made when the rows first run together, with their entries copied
+    in. A later pass over the same rows in the same order writes into it as it is: one write per array,
+    whatever the number of rows. A row rolls back by its own offset, as it does alone."""
 
     step = 256
 
@@ -245,9 +251,9 @@ class KVRows:
 
 
 class KVRowsPass:
-    """Rows' KVCaches as one pass's attention reads them, one `KVRows` batch (found or made at the
-    write), with what a row's KVCache offers: the rows' rotary positions, `update_and_fetch`, and after
-    it each row's key count (`key_lengths`)."""
+    """Several rows' KVCaches as one attention call reads them: the interface of a KVCache
+    (`rotary_span`, `update_and_fetch`) over one `KVRows` batch, found or made at the write. After the
+    write, `key_lengths` holds each row's count of keys."""
 
     def __init__(self, members: list):
         self.members = members
@@ -257,9 +263,9 @@ class KVRowsPass:
         return tuple(m.rotary_span(count) for m in self.members)
 
     def update_and_fetch(self, *entries: mx.array, counts: tuple[int, ...] | None = None):
-        """Append each row's entries (entries [n, H, T, D]); the batch's entries as views, each
-        row's first `key_lengths` its own. counts: row i's first counts[i] entries only are its own (the
-        rest, written after them, are overwritten by its next entries)."""
+        """Append each row's entries [n, H, T, D] and return the batch's entries as views; row i's first
+        `key_lengths[i]` are its own. counts: only the first counts[i] of row i's new entries are kept;
+        the rest are written after them and overwritten by its next entries."""
         first = self.members[0]
         arrays = first.held(entries)
         offsets = tuple(m.offset for m in self.members)

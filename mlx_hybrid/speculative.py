@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .drafting.base import DraftDistributions
 from .errors import GenerationError
 from .sampling import row_items, split_keys
 
@@ -216,3 +217,41 @@ class DraftingPolicy:
         self.misses += 1
         if self.misses >= self.MISSES_BEFORE_BACKOFF:
             self.plain_rounds = min(2 ** (self.misses - self.MISSES_BEFORE_BACKOFF), self.MAX_PLAIN_ROUNDS)
+
+
+def draft_probabilities(distributions: list, drafts: mx.array, vocab: int) -> mx.array:
+    """The sampling rows' draft distributions as probabilities [S, n, V].
+
+    The rows of a drafting group (`DraftDistributions` over one array) are gathered at once; a row that
+    drafted alone (a list of [V]) brings its own; a point mass (a list of None) is its draft's one-hot."""
+    rows, n = drafts.shape
+    sources, order, point_masses = {}, [], []  # id(array) -> (array, its rows' indices there)
+    for r, q in enumerate(distributions):
+        if isinstance(q, DraftDistributions):
+            array, index = q.logprobs, q.row
+        elif len(q) and q[0] is not None:
+            array, index = mx.stack(list(q))[None], 0
+        else:
+            point_masses.append(r)
+            continue
+        sources.setdefault(id(array), (array, []))[1].append(index)
+        order.append(r)
+    parts = []
+    for array, indices in sources.values():
+        taken = array if indices == list(range(array.shape[0])) else array[mx.array(indices)]
+        width = taken.shape[1]
+        if width < n:
+            taken = mx.concatenate([taken, mx.full((taken.shape[0], n - width, vocab), -mx.inf)], axis=1)
+        parts.append(taken[:, :n])
+    if point_masses:
+        parts.append(mx.full((len(point_masses), n, vocab), -mx.inf))
+    logprobs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    order += point_masses
+    if order != list(range(rows)):
+        logprobs = logprobs[mx.array(sorted(range(rows), key=order.__getitem__))]  # row r at its place
+    probs = mx.exp(logprobs)
+    if not point_masses:
+        return probs
+    one_hot = mx.arange(vocab) == drafts[..., None]
+    is_point = mx.array([r in point_masses for r in range(rows)]).reshape(-1, 1, 1)
+    return mx.where(is_point, one_hot.astype(mx.float32), probs)

@@ -189,6 +189,23 @@ def test_splits_that_cannot_work_are_clear_errors():
     assert alone.returncode == 2 and "--pipeline splits a model over the processes" in alone.stderr
 
 
+def test_a_split_engine_counts_requests_not_yet_announced_to_the_other_ranks():
+    # what the server's /health reports (`Engine.occupancy`): a request rank 0 took is waiting before
+    # the step that announces it (a group of one rank stands for the split: no launch needed)
+    import mlx.core as mx
+
+    import mlx_hybrid
+    from mlx_hybrid.engine.replicated import ReplicatedEngine
+
+    model, tokenizer = mlx_hybrid.load(QWEN_GGUF)
+    model.shard(mx.distributed.init())
+    engine = ReplicatedEngine(model, tokenizer)
+    engine.submit(tokenizer.encode("def parse("), max_tokens=2)
+    assert engine.occupancy == engine.load == {"running": 0, "waiting": 1}
+    engine.run()
+    assert engine.occupancy == {"running": 0, "waiting": 0}
+
+
 def test_chat_under_mlx_launch_keeps_its_ranks_in_step_between_turns():
     args = ["mlx_hybrid.chat", "--model", QWEN_GGUF, "--max-tokens", "12"]
     turns = ["def parse(\n", "class Config:\n/quit\n"]  # mlx.launch does not pass on the end of input

@@ -140,8 +140,9 @@ def _last_of_each(x: mx.array, lengths: list[int]) -> mx.array:
 
 
 class Drafter:
-    """The calls the engine makes of a drafter, and what every drafter shares: `start`, drafting rows
-    one at a time, and checkpoints that hold nothing (the drafter reads the tokens again on restore)."""
+    """The calls the engine makes of a drafter. The defaults here are what every drafter shares:
+    `start`, drafting rows one at a time, and checkpoints that hold nothing (on restore the drafter
+    reads the tokens again)."""
 
     declines_cost = False  # whether drafting nothing still cost a model step (declines then back off as misses)
     drafted_columns = None  # see _ConfidentDrafting: a round's marked drafts as its group's columns
@@ -199,10 +200,12 @@ class Drafter:
 
 
 def draft_rows(drafters: list, ks: list[int], samplers: list, masks: list | None = None) -> list[tuple[list, list]]:
-    """Each row's drafts (tokens, log-probabilities): rows whose drafters share a `batch_key`
-    draft together; a batch may mix drafters of any kind. masks: per row None or a function
-    (drafts so far) -> the tokens [V] (bool) it allows next, or None (a grammar's,
-    `LogitsProcessor.draft_mask`): drafters that compute distributions draw from it."""
+    """Each row's drafts, as (tokens, log-probabilities). Rows whose drafters share a `batch_key` draft
+    together, and a batch may mix drafters of any kind.
+
+    masks: per row, None or a grammar's function (`LogitsProcessor.draft_mask`) from the drafts so far
+    to the tokens [V] (bool) it allows next, or None. Drafters that compute distributions draw within
+    it."""
     masks = masks or [None] * len(drafters)
     groups: dict = {}
     for i, drafter in enumerate(drafters):
@@ -219,9 +222,9 @@ def draft_rows(drafters: list, ks: list[int], samplers: list, masks: list | None
 
 
 class StateSpan(NamedTuple):
-    """Positions start .. stop of a pass's target states [1, N, ...]: what a drafter that reads the
-    target's layers (`Drafter.reads_layers`) reads of one row, kept with the whole pass's array so that
-    rows drafting together gather theirs in one op."""
+    """What a drafter that reads the target's layers (`Drafter.reads_layers`) reads of one row: the
+    positions start .. stop of a pass's states [1, N, ...]. The whole pass's array is kept, so that rows
+    drafting together gather theirs in one op."""
 
     states: mx.array
     start: int
@@ -233,9 +236,9 @@ class StateSpan(NamedTuple):
 
 
 class GroupRow(NamedTuple):
-    """Row `row` of a drafting group's round, kept column by column: per draft j one array [R] over the
-    group's rows (this row's value at columns[j][row]), so that the engine reads or packs a group's
-    rows at once, whatever their number."""
+    """One row of a drafting group's round. The round is kept column by column: for draft j, one array
+    [R] over the group's rows, with this row's draft at columns[j][row]. The engine then reads or packs
+    all the group's rows at once, whatever their number."""
 
     columns: list[mx.array]
     row: int
@@ -243,9 +246,10 @@ class GroupRow(NamedTuple):
 
 @dataclass(frozen=True)
 class DraftDistributions:
-    """The distributions a row's drafts were drawn from, kept as its drafting group's: log-probabilities
-    [R, k, V] over the whole vocabulary, this row's at `row`, the first `count` of them its drafts'. It
-    is cut as the row's drafts are (`[:m]`), and lets the engine gather a pass's sampling rows' at once."""
+    """The distributions a row's drafts were drawn from, kept as its drafting group's array: log-
+    probabilities [R, k, V] over the whole vocabulary. This row's are at `row`, and the first `count`
+    belong to its drafts. It is cut as the row's drafts are (`[:m]`). The engine gathers a pass's
+    sampling rows from such arrays at once."""
 
     logprobs: mx.array
     row: int
@@ -326,13 +330,14 @@ class _ConfidentDrafting(Drafter):
 
     @classmethod
     def _draft_in_lockstep(cls, drafters, ks, samplers, p_min: float):
-        """Rows without a grammar: every row draws max(ks) drafts (one head call a draft for all of
-        them; a row asked for fewer keeps its first ks[r]), and each drafter keeps its drafts, marked
-        with their p-min verdicts, as its group's columns (`GroupRow`). The verify pass cuts each
-        row's drafts at its first unsure one, which gives the tokens that stopping here gives, read
-        with the pass's own: one wait a round, where deciding here waited after every draft. A
-        sampling row's random stream is set back, on the device, to where stopping at that draft
-        would have left it (its draws past it are discarded)."""
+        """Draft for rows without a grammar. Every row draws max(ks) drafts, with one head call per
+        draft for all rows; a row asked for fewer keeps its first ks[r]. Each drafter keeps its drafts,
+        marked with their p-min verdicts, as its group's columns (`GroupRow`).
+
+        The verify pass cuts each row's drafts at its first unsure one. That gives the tokens that
+        stopping here would give, with one wait a round instead of one after every draft. A sampling
+        row's random stream is set back on the device to where stopping at that draft would have left
+        it; its draws past that draft are discarded."""
         head, group = drafters[0].head, Samplers(samplers)
         tokens, marked, logprobs, streams = [], [], [], [group.keys()]
         x = cls._open(drafters)

@@ -166,7 +166,8 @@ class ReplicatedEngine(Engine):
         return row.number in self._cancels
 
     @property
-    def load(self) -> dict:
+    def occupancy(self) -> dict:
+        """As the engine's, counting the requests announced to the ranks but not yet taken in."""
         with self._lock:
             announced = len(self._news)
         return {"running": len(self.rows), "waiting": self.waiting.qsize() + announced}

@@ -77,10 +77,13 @@ class Row:
 
     def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int, verified: int | None = None,
                 drafter_states=None):  # fmt: skip
-        """After a pass read [token, `verified` drafts] (default `drafted`) of which the first `drafted`
-        were the round's (`asked` for), and gave `hidden` [1, verified + 1, E]: the caches rolled back
-        to the accepted tokens, the drafter and policy told (of `drafter_states`, what it reads of the
-        pass; default `hidden`), the next token."""
+        """Move on after a pass.
+
+        The pass read the row's token and `verified` drafts (default: `drafted`), of which the first
+        `drafted` were this round's sure drafts out of `asked`, and gave `hidden` [1, verified + 1, E].
+        The caches roll back to the accepted tokens; the drafter reads what it reads of the pass
+        (`drafter_states`, default `hidden`), the policy records the round, and the last accepted token
+        becomes the row's next one."""
         verified = drafted if verified is None else verified
         if verified:
             rollback(self.cache, keep=len(accepted), recorded=verified + 1)
@@ -99,9 +102,9 @@ class Row:
             self.ahead = None
 
     def handed_out(self, accepted: list[int]) -> tuple[list[int], str | None]:
-        """A round's tokens as they are handed out (accepted drafts, then the model's own token): up to
-        the one that ends the row, and why it ends ("stop", "length"; "error": the grammar refused a
-        token it had allowed), or None."""
+        """A round's tokens as they are handed out (the accepted drafts, then the model's own token), up
+        to the one that ends the row, and why it ends: "stop", "length", "error" (the grammar refused a
+        token it had allowed), or None if it goes on."""
         out = []
         for token in accepted:
             out.append(token)
@@ -116,9 +119,10 @@ class Row:
         return out, None
 
     def until_end(self, accepted: list[int]) -> list[int]:
-        """The accepted tokens up to the first that ends the row (a stop token, max_tokens), so that
-        the caches keep, as after plain decoding, everything before that last token and nothing past
-        it: the row's checkpoint is then a prefix of the conversation's next turn, whatever end token
+        """The accepted tokens up to the first one that ends the row (a stop token, or max_tokens).
+
+        The caches then hold, as after plain decoding, everything before that last token and nothing
+        past it, so the row's checkpoint is a prefix of the conversation's next turn, whatever end token
         the chat template writes there instead."""
         for i, token in enumerate(accepted):
             if token in self.stop_tokens or i + 1 >= self.remaining:

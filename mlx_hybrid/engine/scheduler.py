@@ -1,14 +1,15 @@
 """The batch engine: continuous batching of many sequences, speculation per row, prefix checkpoints.
 
-Each step runs one model pass over every running sequence, packed along the token axis (no padding):
-a sequence still reading its prompt feeds its next chunk (at most `prefill_chunk` prompt tokens a
-step in all, ending where it asked for checkpoints), a decoding one its last token and this round's
-drafts. The drafters of all rows draft together; each row then accepts, rolls back and adapts on its
-own (`rows.Row`). A pass keeps each decoding row computing what it would alone (`step.build_batch`).
+Each step runs one model pass over every running sequence, packed along the token axis without
+padding. A sequence still reading its prompt feeds its next chunk: at most `prefill_chunk` prompt
+tokens a step for all sequences, each chunk ending where its sequence asked for a checkpoint. A
+decoding sequence feeds its last token and this round's drafts. All rows draft together; then each
+row accepts, rolls back and adapts on its own (`rows.Row`). Every decoding row computes what it
+would compute alone (`step.build_batch`).
 
-A step builds the packed batch, runs the model, chooses tokens (`step`), then advances the rows
-(`_advance`). Where a GPU computes and no row drafts, it queues the next pass before reading this
-one's tokens (`_overlapped_pass`), the tokens the same either way.
+A step builds the packed batch, runs the model and chooses tokens (`step`), then advances the rows
+(`_advance`). Where a GPU computes and no row drafts, it queues the next pass before it reads this
+pass's tokens (`_overlapped_pass`); the tokens are the same either way.
 
 Sequences join between steps and leave when they finish or are cancelled. Nothing here knows about
 HTTP: `submit` gives a `Sequence` whose tokens arrive as events.
@@ -168,7 +169,10 @@ class Engine:
         """How many sequences are generating and how many wait for a slot."""
         return {"running": len(self.rows), "waiting": self.waiting.qsize()}
 
-    load = occupancy  # its former name
+    @property
+    def load(self) -> dict:
+        """`occupancy`'s former name."""
+        return self.occupancy
 
     @property
     def speculation(self) -> SpeculativeStats:

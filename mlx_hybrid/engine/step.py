@@ -1,12 +1,13 @@
-"""One pass of the engine over its rows, in three of a step's four parts (the fourth, advancing the
-rows, is the engine's: it owns the rows' lives):
+"""One pass of the engine over its rows. A step has four parts; the first three are here, and the
+fourth, advancing the rows, is the engine's, because it owns the rows' lives.
 
-1. `build_batch`: what each row feeds (a chunk of its prompt, or its token and this round's drafts,
-   drafted for all rows together), packed along the token axis;
-2. `run_model`: the model over the packed batch, recording recurrent snapshots where drafts are verified;
-3. `choose_tokens`: logits where tokens are chosen, the requests' processors, and each decoding row's
-   accepted drafts and own token (greedy rows compared in one host sync, their drafts cut at the
-   drafter's first unsure one there; sampling rows by the speculative sampling rule).
+1. `build_batch` decides what each row feeds: a chunk of its prompt, or its last token and this
+   round's drafts. All rows draft together. The feeds are packed along the token axis.
+2. `run_model` runs the model over the packed batch. Rows that verify drafts record their recurrent
+   snapshots.
+3. `choose_tokens` takes the logits where tokens are chosen, applies the requests' processors, and
+   decides each decoding row's accepted drafts and its own next token. Greedy rows are compared in one
+   host sync; sampling rows follow the speculative sampling rule.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import mlx.core as mx
 from .. import ops
 from ..cache import marks, record_snapshots
 from ..drafting import draft_rows, sure_drafts, unmarked
-from ..drafting.base import DraftDistributions, StateSpan
+from ..drafting.base import StateSpan
 from ..row_caches import packed
 from ..sampling import Samplers
-from ..speculative import accept, sampled_rounds
+from ..speculative import accept, draft_probabilities, sampled_rounds
 from .prompt_images import join_inserted
 from .rows import Ahead, Row
 
@@ -53,9 +54,11 @@ class Batch:
 
 @dataclass
 class Choice:
-    """What a pass chose for one row: logits [n, V] where its tokens are chosen (None: a prompt chunk
-    that does not end the prompt), and for a decoding row the tokens of its round: of the `verified`
-    drafts the pass read, the first `drafted` were the round's (the rest fell below p-min)."""
+    """What a pass chose for one row.
+
+    logits: [n, V] at the positions where the row's tokens are chosen; None for a prompt chunk that
+    does not end the prompt. For a decoding row, `accepted` are the round's tokens; the pass read
+    `verified` drafts, of which the first `drafted` were sure (the rest fell below p-min)."""
 
     logits: mx.array | None
     accepted: list[int] | None = None
@@ -65,12 +68,16 @@ class Choice:
 
 def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False, pass_tokens: int | None = None,
                 prompts_only: bool = False) -> Batch:  # fmt: skip
-    """What each row feeds this pass: prompt tokens, at most `prefill_chunk` in all and up to its next
-    checkpoint position, or its token and this round's drafts (built on the lazy drafts). Rows left
-    without prefill budget sit the pass out. queue_drafts: start the drafts computing (`mx.async_eval`)
-    while the host builds the pass that verifies them. pass_tokens: the most tokens a pass that
-    decodes rows may hold (`ops.rows_alike_pass_tokens`), prompt tokens past it held back
-    (`Batch.prompts_held_back`); prompts_only: the decoding rows sit this pass out (if a prompt is read)."""
+    """Decide what each row feeds this pass.
+
+    A decoding row feeds its last token and this round's drafts (still lazy arrays). A prefilling row
+    feeds the next part of its prompt: at most `prefill_chunk` tokens for all rows together, and never
+    past the row's next checkpoint position. A row left without budget sits the pass out.
+
+    queue_drafts: start computing the drafts (`mx.async_eval`) while the host builds the verify pass.
+    pass_tokens: the most tokens a pass with decoding rows may hold (`ops.rows_alike_pass_tokens`);
+        prompt tokens beyond it wait (`Batch.prompts_held_back`).
+    prompts_only: while a prompt is being read, the decoding rows sit this pass out."""
     prompts_only = prompts_only and any(row.prefilling for row in rows)
     feeds, asked = {}, {}  # row -> its tokens known to the host (a list), or its lazy drafts after them
     for row in rows:
@@ -118,8 +125,8 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False,
 
 
 def _keep_sure_drafts(rows: list[Row], feeds: dict, asked: dict):
-    """Each drafting row's feed cut at its first unsure draft, the verdicts read now, all rows' in one
-    wait: its token and its sure drafts, as host tokens (see `ops.read_draft_verdicts_first`)."""
+    """Read the drafts' p-min verdicts now, for all rows in one wait, and cut each row's feed at its
+    first unsure draft. The feeds become host tokens. See `ops.read_draft_verdicts_first`."""
     drafted = [row for row in rows if not isinstance(feeds[row], list)]
     if not drafted:
         return
@@ -139,11 +146,12 @@ def _fed_count(feed) -> int:
 
 
 def _packed(rows: list[Row], feeds: dict) -> tuple[list[Row], list[mx.array]]:
-    """The rows in the order the pass packs them, and the pieces of their ids [N] (int32): tokens the
-    host knows side by side in one array; a drafting group whose rows all feed their first drafts as
-    drawn (`GroupRow`), as one block [R, 1 + k] of its tokens and its draft columns (rows that feed fewer
-    than k: the block's rows cut in one gather): launches that do not grow with the rows. Other
-    drafting rows, each its own."""
+    """The rows in the order the pass packs them, and the pieces of their ids [N] (int32).
+
+    Tokens the host knows go into one array. A drafting group whose rows all feed their drafts as drawn
+    (`GroupRow`) becomes one block [R, 1 + k] of tokens and draft columns, so its launches do not grow
+    with its rows; rows that feed fewer than k drafts are cut from the block in one gather. Any other
+    drafting row is its own piece."""
     whole = {row: _group_columns(row, feeds[row]) for row in rows}
     blocks = {}  # a group's columns -> its rows, where every row of the group feeds its first drafts
     for row, columns in whole.items():
@@ -167,7 +175,7 @@ def _packed(rows: list[Row], feeds: dict) -> tuple[list[Row], list[mx.array]]:
 
 
 def _rows_cut(block: mx.array, drafts: tuple[int, ...]) -> mx.array:
-    """A group's block [R, 1 + k] as its rows' ids side by side, row r's token and first drafts[r]."""
+    """A group's block [R, 1 + k] as its rows' ids side by side: row r's token and first drafts[r]."""
     if all(n == block.shape[1] - 1 for n in drafts):
         return block.reshape(-1)
     width = block.shape[1]
@@ -203,9 +211,11 @@ def _group_size(group: list[Row]) -> int:
 
 
 def run_model(model, batch: Batch, layer_by_layer: bool = False) -> mx.array:
-    """The trunk's hidden states [1, tokens, E] over the packed batch (images put in where prompts have
-    them); rows that verify drafts record their recurrent snapshots. layer_by_layer: evaluate each
-    layer as it is built where a prompt is read (see `ops.prefill_layer_by_layer`)."""
+    """Run the trunk over the packed batch and return its hidden states [1, tokens, E].
+
+    Images are inserted where prompts have them. Rows that verify drafts record their recurrent
+    snapshots. layer_by_layer: when a prompt is read, evaluate each layer as it is built (see
+    `ops.prefill_layer_by_layer`)."""
     rows, lengths = batch.rows, batch.lengths
     for row, n in zip(rows, lengths):
         record_snapshots(row.cache, not row.prefilling and n > 1)
@@ -227,9 +237,10 @@ def run_model(model, batch: Batch, layer_by_layer: bool = False) -> mx.array:
 
 
 def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
-    """Per row: the logits where its tokens are chosen (every position of a decoding row, a prompt's
-    last), and for decoding rows the drafts accepted and the model's own token, from the logits after
-    the request's processors."""
+    """Choose each row's tokens.
+
+    A decoding row's logits are taken at every position it fed, a prompt's at its last. After the
+    request's processors, a decoding row gets its accepted drafts and the model's own next token."""
     rows = batch.rows
     wanted = [
         list(range(s, e)) if not row.prefilling else ([e - 1] if _ends_prompt(row, e - s) else [])
@@ -264,9 +275,11 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
 
 
 def drafter_states(model, batch: Batch, row: Row, hidden: mx.array, span: tuple[int, int]):
-    """What the row's drafter reads of this pass at its positions: the trunk's hidden states, or the
-    states of the layers it reads (`Drafter.reads_layers`, the model's `states_at`) as its span of the
-    whole pass's (made once a pass: rows drafting together gather theirs at once)."""
+    """What the row's drafter reads of this pass at the row's positions.
+
+    That is the trunk's hidden states, or, for a drafter that reads chosen layers
+    (`Drafter.reads_layers`), its span of those layers' states. The layers' states are joined once a
+    pass, so rows that draft together gather theirs at once."""
     s, e = span
     layers = row.drafter.reads_layers if row.drafter is not None else ()
     if not layers:
@@ -282,12 +295,14 @@ def _ends_prompt(row: Row, fed_now: int) -> bool:
 
 
 def _read_rounds(batch: Batch, logits: mx.array, scores: list, argmax: mx.array | None, bounds: list[int]) -> list:
-    """Per decoding row (None for the others), its drafts and what decides them, in one host sync:
-    greedy, the model's argmax at every position (where the drafter marked its drafts with p-min
-    verdicts, the drafts up to the first unsure one); sampling, the speculative sampling rule's
-    [accepted, token] (`sampled_rounds`, all sampling rows at once). One read of the pass's marked ids,
-    the argmax at every chosen position (`bounds`: each row's there), each processed greedy row's own
-    argmax and the sampling rows' rounds; their random streams are queued with it."""
+    """For each decoding row (None for the others), its sure drafts and the values that decide them,
+    all read in one host sync.
+
+    A greedy row gets the model's argmax at each of its positions (`bounds` gives where each row's
+    start); a greedy row with a processor gets the argmax of its own scores. A sampling row gets the
+    speculative sampling rule's [accepted, token] (`sampled_rounds`, for all sampling rows at once).
+    The drafts are cut at the first one the drafter marked unsure. The sampling rows' random streams
+    are queued with the read."""
     rows = batch.rows
     decoding = [i for i, row in enumerate(rows) if not row.prefilling]
     rounds = [None] * len(rows)
@@ -317,10 +332,11 @@ def _read_rounds(batch: Batch, logits: mx.array, scores: list, argmax: mx.array 
 
 def _sampled_rounds(batch: Batch, sampling: list[int], samplers: Samplers, logits: mx.array, scores: list,
                     bounds: list[int]) -> mx.array:  # fmt: skip
-    """The sampling rows' rounds [S, 2] (`sampled_rounds`) in operations that do not grow with the rows:
-    their drafts padded to the longest (the padding marked unsure), their positions' scores gathered from
-    the pass's logits (or, where a row's processor made its own, from those side by side), their drafts'
-    distributions gathered by drafting group (`_draft_probabilities`)."""
+    """The sampling rows' rounds [S, 2] (`sampled_rounds`), in operations that do not grow with the rows.
+
+    The rows' drafts are padded to the longest, the padding marked unsure. Their scores are gathered
+    from the pass's logits, or from their processors' own scores where a processor made them. Their
+    drafts' distributions are gathered by drafting group (`speculative.draft_probabilities`)."""
     spans = [batch.spans[i] for i in sampling]
     counts = [e - s - 1 for s, e in spans]
     n = max(counts)
@@ -342,50 +358,14 @@ def _sampled_rounds(batch: Batch, sampling: list[int], samplers: Samplers, logit
     drafts, marked = batch.ids[fed], mx.where(padding, -1, batch.marked[fed])
     distributions = [batch.asked[batch.rows[i]][1] for i in sampling]
     return sampled_rounds(
-        samplers, drafts, marked, _draft_probabilities(distributions, drafts, target.shape[-1]), target
+        samplers, drafts, marked, draft_probabilities(distributions, drafts, target.shape[-1]), target
     )
 
 
-def _draft_probabilities(distributions: list, drafts: mx.array, vocab: int) -> mx.array:
-    """The sampling rows' draft distributions as probabilities [S, n, V]: the rows of a drafting group
-    (`DraftDistributions` of one array) in one gather, a row that drafted alone (a list of [V]) its own,
-    a point mass (a list of None) its draft's one-hot."""
-    rows, n = drafts.shape
-    sources, order, point_masses = {}, [], []  # id(array) -> (array, its rows' indices there)
-    for r, q in enumerate(distributions):
-        if isinstance(q, DraftDistributions):
-            array, index = q.logprobs, q.row
-        elif len(q) and q[0] is not None:
-            array, index = mx.stack(list(q))[None], 0
-        else:
-            point_masses.append(r)
-            continue
-        sources.setdefault(id(array), (array, []))[1].append(index)
-        order.append(r)
-    parts = []
-    for array, indices in sources.values():
-        taken = array if indices == list(range(array.shape[0])) else array[mx.array(indices)]
-        width = taken.shape[1]
-        if width < n:
-            taken = mx.concatenate([taken, mx.full((taken.shape[0], n - width, vocab), -mx.inf)], axis=1)
-        parts.append(taken[:, :n])
-    if point_masses:
-        parts.append(mx.full((len(point_masses), n, vocab), -mx.inf))
-    logprobs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    order += point_masses
-    if order != list(range(rows)):
-        logprobs = logprobs[mx.array(sorted(range(rows), key=order.__getitem__))]  # row r at its place
-    probs = mx.exp(logprobs)
-    if not point_masses:
-        return probs
-    one_hot = mx.arange(vocab) == drafts[..., None]
-    is_point = mx.array([r in point_masses for r in range(rows)]).reshape(-1, 1, 1)
-    return mx.where(is_point, one_hot.astype(mx.float32), probs)
-
-
 def queue_plain_pass(model, rows: list[Row], feeds: list[mx.array]):
-    """Build one plain pass over `rows`, each fed its token [1] (lazy or known), start it computing,
-    and make it each row's `ahead` (the engine reads its tokens a step later; `Row.take_back` undoes it)."""
+    """Build one plain pass over `rows`, each fed its token [1] (lazy or known), and start it computing.
+    It becomes each row's `ahead`: the engine reads its tokens a step later, and `Row.take_back` undoes
+    it."""
     aheads = [Ahead(marks(row.cache), row.sampler.key) for row in rows]
     caches = packed([row.cache for row in rows], [1] * len(rows))
     hidden = model.hidden_states(mx.concatenate(feeds).astype(mx.int32)[None], caches)

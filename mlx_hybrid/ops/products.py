@@ -1,7 +1,9 @@
-"""Matrix products: float (16-bit weights kept as stored under float32 activations), MLX's affine
-quantized layouts and the GGUF block forms, plain and over chosen experts; a GPU's decode steps and
-verify passes on the row-invariant kernels (`row_kernels`), on the CPU our kernels where they
-compute it, else MLX's ops, else the matrix dequantized."""
+"""Matrix products, plain and over chosen experts: float matrices (16-bit weights are kept as stored
+under float32 activations), MLX's affine quantized layouts, and the GGUF block forms.
+
+Where a product runs is decided here. On a GPU, decode steps and verify passes take the row-invariant
+kernels (`row_kernels`). On the CPU, our kernels take what they compute. Everything else goes to MLX's
+ops, or, as a last resort, to the dequantized matrix."""
 
 from __future__ import annotations
 
@@ -83,12 +85,14 @@ def row_product(x, w, scales=None, biases=None, indices=None, *, bits: int = 0, 
 
 
 def rows_alike_pass_tokens(model) -> int | None:
-    """The most tokens a pass of `model` (an mlx.nn.Module) that decodes rows may hold for each row to
-    compute what it computes alone, where the compute path bounds it: a GPU's row-invariant products
-    take passes of up to `row_kernels.ROW_KERNEL_PASS_TOKENS` (8 rows of 16); beyond, MLX's own
-    products tile the rows. On the CPU, the fewest rows of its products with llama.cpp's activations
-    (`compute_as_llama_cpp`), past which they take the float32 path. None otherwise: the CPU's float
-    products keep a row's sums for any pass up to 16 rows and the BLAS's beyond (docs/speculative.md)."""
+    """The most tokens that a pass of `model` which decodes rows may hold, so that each row computes
+    what it computes alone; None where the compute path sets no bound.
+
+    On a GPU the row-invariant products take passes of up to `row_kernels.ROW_KERNEL_PASS_TOKENS`;
+    beyond that, MLX's own products tile the rows. On the CPU, a matrix computed as llama.cpp computes
+    it (`compute_as_llama_cpp`) takes llama.cpp's activations up to its row limit and the float32 path
+    beyond, so the bound is the smallest such limit. The CPU's float products set no bound
+    (docs/speculative.md)."""
     if backend.kernel_platform():
         return row_kernels.ROW_KERNEL_PASS_TOKENS
     limits = llama_cpp_row_limits(array for _, array in tree_flatten(model.parameters()))
@@ -96,17 +100,21 @@ def rows_alike_pass_tokens(model) -> int | None:
 
 
 def takes_16bit_activations(x: mx.array, weight: mx.array, activations: str, any_rows: bool = False) -> bool:
-    """Whether a product of a 16-bit matrix takes llama.cpp's 16-bit activations (`half_matmul`):
-    asked ("int8", a GGUF file's llama.cpp arithmetic), float32 x of at most `HALF_ROWS` rows (any_rows:
-    of any number, an expert product's), and computed here (`int8_activations_computed`)."""
+    """Whether a product of a 16-bit matrix takes llama.cpp's 16-bit activations (`half_matmul`).
+
+    It does when the matrix computes as llama.cpp computes it (activations "int8"), x is float32 with
+    at most `HALF_ROWS` rows (any number for an expert product: any_rows), and our kernels run here
+    (`int8_activations_computed`)."""
     return (activations == "int8" and weight.dtype in SIXTEEN_BITS and x.dtype == mx.float32
             and (any_rows or x.size // max(x.shape[-1], 1) <= HALF_ROWS) and int8_activations_computed())  # fmt: skip
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """x [..., K] @ weight^T ([N, K]) (+ bias) in x's dtype (16-bit weights under float32 x: see
-    keeps_16bit_weights; a GGUF file's F16 and BF16 matrices as llama.cpp computes them:
-    `takes_16bit_activations`); nn.Linear's arithmetic where no kernel of ours computes it."""
+    """x [..., K] @ weight^T (+ bias), in x's dtype, for weight [N, K].
+
+    A GGUF file's F16 and BF16 matrices compute as llama.cpp computes them (`takes_16bit_activations`).
+    Other 16-bit weights under float32 x stay 16-bit (`keeps_16bit_weights`). Where none of our kernels
+    applies, this is nn.Linear's arithmetic."""
     if takes_16bit_activations(x, weight, activations_of(weight)):
         out = cpu_quantized.half_matmul(x, weight)
         return out if bias is None else out + bias.astype(out.dtype)
@@ -169,11 +177,13 @@ def computes_block_scales(bits: int, group_size: int, block: BlockScales) -> boo
 
 
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, block: BlockScales | None = None):
-    """x [..., K] @ W^T for W [N, K] in MLX's affine layout (scales and biases, or a block
-    form's factors and codes: none in a mode of MLX's), in x's dtype (exact GGUF scales are
-    float32, and MLX would promote a 16-bit model's products, and everything after, to float32);
-    a GGUF block form's products as llama.cpp computes them on the CPU where w is named so
-    (`compute_as_llama_cpp`, `int8_activations`)."""
+    """x [..., K] @ W^T for W [N, K] in MLX's affine layout: with scales and biases, or with a block
+    form's factors and codes (no biases in MLX's float modes).
+
+    The result is in x's dtype. (Exact GGUF scales are float32, and MLX would otherwise promote a
+    16-bit model's products, and everything after them, to float32.) On the CPU a GGUF block form's
+    products compute as llama.cpp computes them where the matrix was named so (`compute_as_llama_cpp`,
+    `int8_activations`)."""
     product = quantized_product_path(x.dtype, bits, group_size, block, scales.dtype, activations_of(w), *path_key())
     return product(x, w, scales, biases)
 
@@ -234,9 +244,9 @@ def int8_activations(bits: int, group_size: int, block) -> str | None:
 
 @lru_cache(maxsize=None)
 def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtype, activations, *key) -> Callable:
-    """`quantized_matmul` for inputs of `dtype` and this layout, its path decided once for the
-    `backend.path_key` it was asked under: a function (x, w, scales, biases) -> x @ W^T in dtype that
-    calls the kernel directly (a layer's product costs the host two Python calls more)."""
+    """`quantized_matmul`'s path for inputs of `dtype` in this layout, decided once per
+    `backend.path_key`: a function (x, w, scales, biases) -> x @ W^T in dtype that calls the kernel
+    directly. Deciding on every call cost each product two more Python calls on the host."""
     affine = group_size in MLX_GROUP_SIZES and block is None
     if activations == "int8" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
