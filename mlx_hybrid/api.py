@@ -41,40 +41,43 @@ class GenerationResponse:
 def stream_generate(
     model, tokenizer, prompt, max_tokens: int = 256, *, images=None, **settings
 ) -> Iterator[GenerationResponse]:
-    """Generate from `prompt` (a string or token ids), yielding a response per token.
+    """Generate from `prompt` (a string or token ids), yielding one `GenerationResponse` per token.
 
-    The settings, as keywords: those of sampling (`SamplingParams`'s fields: `temp=` (0, the default,
-    is greedy), `top_p=`, `top_k=`, `min_p=`, `seed=`, `logit_bias=`, `presence_penalty=`,
-    `frequency_penalty=`, `repetition_penalty=`, `repetition_context_size=`, `grammar=`
-    (a `Grammar`), or OpenAI's `response_format=` ({"type": "json_schema", ...})) and those of
-    speculation (`SpeculationSettings`'s: `draft=`, `draft_model=`, `num_draft_tokens=`,
-    `draft_vocab=`, `draft_p_min=`, `adaptive_drafting=`, below) and the cache's: `kv_bits=` (4 or 8:
-    the attention layers' keys and values held in that many bits, in groups of `kv_group_size=`
-    features, default 64; memory for long contexts, at the groups' rounding of the attention's
-    inputs). An unknown one is an error. The last
-    response has `finish_reason` "stop" (an end token) or "length" (max_tokens or the
-    model's context reached).
+    Keyword settings (an unknown one is an error that names it):
+    - sampling, `SamplingParams`' fields: `temp` (0, the default, is greedy), `top_p`, `top_k`,
+      `min_p`, `seed`, `logit_bias`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
+      `repetition_context_size`, `grammar` (a `Grammar`), or OpenAI's `response_format`
+      ({"type": "json_schema", ...});
+    - speculation, `SpeculationSettings`' fields: `draft`, `draft_model`, `num_draft_tokens`,
+      `draft_vocab`, `draft_p_min`, `adaptive_drafting` (see below);
+    - the KV cache: `kv_bits` (4 or 8) holds the attention layers' keys and values in that many bits,
+      in groups of `kv_group_size` features (default 64). It saves memory on long contexts; the
+      attention's inputs then carry the groups' rounding.
 
-    Speculative decoding is on by default where the model has an MTP head
-    (`draft="auto"`); `draft=None` turns it off. `draft="mtp"` drafts with the model's
-    own MTP head, `draft="ngram"` by looking the last tokens up in the prompt and output,
-    `draft_model=` with another model of the same vocabulary, or with a DFlash block drafter
-    (`loaders.load_draft_model`; `draft="dflash"`); up to `num_draft_tokens` per round (default
-    3; a DFlash drafter's block less one). The MTP head and draft models project onto the
-    `draft_vocab` most frequent tokens (default: 32768 when the vocabulary is larger
-    than 65536, else all; 0: all; see `draft_vocab`). Drafting stops when the draft's
-    top probability falls below `draft_p_min`; `adaptive_drafting` backs off after
-    rejections (default: on unless draft_p_min is 0, so that `draft_p_min=0` drafts
-    exactly `num_draft_tokens` every round). The output follows the model's distribution
-    exactly (greedy: token for token). Responses then carry `from_draft`,
-    `acceptance_rate`, `tokens_per_pass` and `acceptance_by_position`.
+    images: for a model with a vision tower, one image per `<|image_pad|>` in the prompt, in order:
+    paths, bytes, PIL images or data URLs. Render such a prompt with the chat template, from messages
+    with `{"type": "image"}` parts (see `Engine.submit`).
 
-    images: for a model with a vision tower, paths, bytes, PIL images or data URLs, one
-    per `<|image_pad|>` in the prompt, in order (render the prompt with the chat template
-    from messages with `{"type": "image"}` parts: see `Engine.submit`).
+    The last response has `finish_reason` "stop" (an end token) or "length" (max_tokens, or the end
+    of the model's context).
 
-    The tokens come from the batch engine's step (as for `batch_generate`, the commands
-    and the server), with this sequence its only row, stepped on the caller's thread.
+    Speculative decoding is on by default where the model has an MTP head (`draft="auto"`);
+    `draft=None` turns it off. The drafters:
+    - `draft="mtp"`: the model's own MTP head;
+    - `draft="ngram"`: the last tokens looked up in the prompt and the output;
+    - `draft_model=`: another model with the same vocabulary, or a DFlash block drafter (loaded, or a
+      directory or hub name; `draft="dflash"` alone takes the model's own, beside its file).
+    A round drafts up to `num_draft_tokens` (default 3; a DFlash drafter's block less one). The MTP
+    head and draft models project onto the `draft_vocab` most frequent tokens (default 32768 when
+    the vocabulary is larger than 65536, else all; 0: all). Drafting stops when a draft's top
+    probability falls below `draft_p_min`, and `adaptive_drafting` backs off after rejections (on
+    unless `draft_p_min` is 0, so that `draft_p_min=0` drafts exactly `num_draft_tokens` every
+    round). The output follows the model's distribution exactly; greedy output is plain decoding's,
+    token for token. The responses then carry `from_draft`, `acceptance_rate`, `tokens_per_pass` and
+    `acceptance_by_position`.
+
+    The tokens come from the batch engine's step, as for `batch_generate`, the commands and the
+    server, with this sequence its only row, stepped on the caller's thread.
     """
     params, speculation, cache = request_settings(max_tokens, settings)
     engine = Engine.speculating(model, tokenizer, speculation, max_batch=1, prefix_store=PrefixStore(0), **cache)
