@@ -274,3 +274,27 @@ def test_a_model_near_mlxs_memory_limit_raises_it_to_the_machines_memory():
         assert mx.get_memory_limit() == max(limit, machine)
     finally:
         mx.set_memory_limit(limit)
+
+
+def test_a_pass_on_the_cpu_queues_each_layer_as_it_is_built(monkeypatch):
+    """MLX's host runs only about 100 dispatches ahead of its CPU stream, so a pass queued whole would
+    compute only after most of it was built: where every product runs on one thread (the fixture's),
+    the trunk queues each layer's output as it is built. A model with a product wide enough for
+    every core, and the GPU path (whose engine queues whole passes), queue none."""
+    from conftest import load_fixture
+
+    from mlx_hybrid.models.layers import widest_product
+    from mlx_hybrid.ops import backend, schedule
+
+    model, _ = load_fixture("qwen35", "model.gguf")
+    assert widest_product(model.args) < schedule.ONE_THREAD_WEIGHTS
+    queued = []
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: queued.append(arrays))
+    hidden = model.hidden_states(mx.array([[5, 6, 7]]), model.make_cache())
+    assert [arrays[0].shape for arrays in queued] == [hidden.shape] * len(model.layers)
+    assert queued[-1][0] is hidden
+    queued.clear()
+    ops.layer_built(hidden, schedule.ONE_THREAD_WEIGHTS)
+    monkeypatch.setattr(backend, "gpu_computes", lambda: True)
+    ops.layer_built(hidden, 1)
+    assert queued == []

@@ -246,6 +246,12 @@ class DFlashDraftModel(nn.Module):
                 args.hidden_size, args.vocab_size, args.selector_rank, args.selector_top_k
             )
 
+    @property
+    def widest_product(self) -> int:
+        """The most weights one of its products multiplies: `fc`'s or the feed-forward's."""
+        args = self.args
+        return args.hidden_size * max(args.intermediate_size, len(args.target_layer_ids) * args.hidden_size)
+
     def make_cache(self) -> list[KVCache]:
         return [KVCache() if layer.self_attn.window is None else WindowKVCache(layer.self_attn.window)
                 for layer in self.layers]  # fmt: skip
@@ -261,6 +267,7 @@ class DFlashDraftModel(nn.Module):
         context = self.hidden_norm(self.fc(features))
         for i, layer in enumerate(self.layers):
             x = layer(x, context, cache[i] if cache is not None else None, counts)
+            ops.layer_built(x, self.widest_product)
         for layer_cache in cache or ():
             layer_cache.trim(x.shape[1])
         return self.norm(x)

@@ -23,6 +23,12 @@ F32 = mx.float32
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
+def widest_product(args) -> int:
+    """The most weights one product of a model with these arguments multiplies: its LM head's or its
+    feed-forward's (`ops.layer_built` asks)."""
+    return args.hidden_size * max(args.vocab_size, args.intermediate_size)
+
+
 def check_layer_types(layer_types, num_layers: int):
     if len(layer_types) != num_layers or set(layer_types) - {LINEAR, FULL}:
         raise ValueError(f"layer_types must list {num_layers} of {LINEAR!r}/{FULL!r}")

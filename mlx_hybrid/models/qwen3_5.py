@@ -28,6 +28,7 @@ from .layers import (
     check_heads,
     check_layer_types,
     top_k_indices,
+    widest_product,
 )
 from .linear_attention import linear_attention
 from .trunk import HybridModel
@@ -269,12 +270,14 @@ class MTPHead(nn.Module):
         self.layers = [DecoderLayer(args, FULL, sparse=args.num_experts > 0)]
         self.norm = RMSNorm(E, args.rms_norm_eps)
         self.chains_normed = args.mtp_hidden == POST_NORM
+        self.widest_product = widest_product(args)
 
     def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: KVCache | None = None):
         """(y, carry): y = mtp.norm(u), which the LM head projects to predict the token after
         next, and carry, the next chained draft's h."""
         u = self.fc(mx.concatenate([self.enorm(next_embeddings), self.hnorm(hidden)], axis=-1))
         u = self.layers[0](u, cache)
+        ops.layer_built(u, self.widest_product)
         y = self.norm(u)
         return y, (y if self.chains_normed else u)
 

@@ -26,7 +26,7 @@ from .. import ops
 from ..cache import KVCache
 from ..parallel import TENSOR, ShardingError
 from ..row_caches import RowCaches, attend_rows
-from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm
+from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm, widest_product
 from .ngram_embedding import PLE, PLECache
 from .qwen3_5 import FLOAT32_PARAMS  # noqa: F401  (the loaders')
 from .qwen3_5 import PRE_NORM, GatedAttention, GatedDeltaNet, SparseMoE
@@ -260,6 +260,7 @@ class MTPHead(nn.Module):
         # a list, so that checkpoint names `mtp.layers.0.*` are the module paths
         self.layers = [DecoderLayer(replace(args, num_hidden_layers=1, layer_types=[FULL], ple_layer_ids=[]), 0)]
         self.norm = GatedResidual(args, inject=False)
+        self.widest_product = widest_product(args)
 
     def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: KVCache | None = None):
         """(y, carry): y [B, T, E] for the LM head (the token after next), carry [B, T, n E]."""
@@ -267,6 +268,7 @@ class MTPHead(nn.Module):
         streams = self.fc_hidden(self.hnorm(hidden).reshape(B, T, self.count, wide // self.count))
         streams = (streams + self.fc_embedding(self.enorm(next_embeddings))[:, :, None]).reshape(B, T, wide)
         carry = self.layers[0](streams, cache)
+        ops.layer_built(carry, self.widest_product)
         return self.norm(carry), carry
 
 

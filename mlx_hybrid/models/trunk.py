@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import ops
 from ..cache import KVCache, QuantizedKVCache, RecurrentCache, check_kv_quantization
 from ..parallel import (
     PIPELINE,
@@ -21,7 +22,7 @@ from ..parallel import (
     require,
 )
 from .heads import SplitVocabularySubsetHead, VocabularySubsetHead
-from .layers import LINEAR, Embedding, Linear, RMSNorm
+from .layers import LINEAR, Embedding, Linear, RMSNorm, widest_product
 from .sharding import LayerElsewhere, cut_parameters, prefixed
 
 
@@ -189,6 +190,8 @@ class HybridModel(nn.Module):
                 h = layer(h, cache[i] if cache is not None else None, **extra)
                 if evaluate_each_layer:
                     mx.eval(h)
+                else:
+                    ops.layer_built(h, widest_product(self.args))
                 if taps is not None and i in taps:
                     taps[i] = h
         if pipeline is not None:

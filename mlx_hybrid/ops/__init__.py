@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import activations, backend, cpu_extension, cpu_kernels, gpu_kernels, reference, rotary, row_kernels, selfcheck
+from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .attention import (  # noqa: F401  (attention and the KV cache's forms, for the layers)
     KV_BITS,
     KV_GROUP_SIZES,
@@ -61,13 +62,18 @@ from .products import (  # noqa: F401  (the products, for the layers)
     keeps_16bit_weights,
     linear,
     llama_cpp_row_limits,
-    rows_alike_pass_tokens,
     quantized_matmul,
     quantized_product_path,
+    rows_alike_pass_tokens,
 )
-from .activations import sigmoid, silu  # noqa: F401  (MLX's compiled forms, on every backend)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
 from .reference import QuantizedEntries  # noqa: F401  (a quantized cache's entries, for the caches)
+from .schedule import (  # noqa: F401  (how passes are evaluated, for the models and the engine)
+    layer_built,
+    overlap_decode_steps,
+    prefill_layer_by_layer,
+    read_draft_verdicts_first,
+)
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the
 # chunked form's matrices (benchmarks/linear_attention_ops.py --tokens 64 128, pure-MLX
@@ -240,41 +246,6 @@ def writable_array(shape, dtype) -> mx.array | None:
     array = mx.zeros(shape, dtype)
     mx.eval(array)
     return array
-
-
-def read_draft_verdicts_first() -> bool:
-    """Whether a speculative pass reads its drafts' p-min verdicts before it builds the pass that
-    verifies them, and verifies the sure drafts only (a plain step where none is), rather than
-    verifying every draft and cutting at the first unsure one after, in one wait a pass.
-
-    Yes on the CPU, where the wait costs the host little and every token verified costs its
-    products (the 0.8B shape, drafts that never land: 0.81x plain decoding verifying them, 0.98x
-    reading first); not where a GPU computes, which a wait between the two would leave idle.
-    """
-    return not backend.gpu_computes()
-
-
-def overlap_decode_steps() -> bool:
-    """Whether decoding builds and queues step t+1 before handing out token t.
-
-    Yes where a GPU computes. Not on the CPU, where building the next step takes a
-    core from the threads computing this one (2 cores, Qwen3.5-0.8B shape: 7.8
-    tokens/s stepping in turn, 7.5 overlapped).
-    """
-    return backend.gpu_computes()
-
-
-def prefill_layer_by_layer() -> bool:
-    """Whether a prompt chunk is evaluated one layer at a time (the trunk's
-    `hidden_states(evaluate_each_layer=True)`).
-
-    Yes on the CPU: MLX allocates the outputs of the work it has queued ahead of the threads
-    computing it, so a chunk built whole holds the intermediates of several layers (about
-    twice the peak over the weights, at the same speed: benchmarks/bench_generate.py prints
-    it). Where a GPU computes each layer would wait for the GPU: not measured there, so not
-    done.
-    """
-    return not backend.gpu_computes()
 
 
 # the kernels keep a column of S in registers: Dk / 32 floats per lane

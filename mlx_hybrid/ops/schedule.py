@@ -1,0 +1,67 @@
+"""How a pass is evaluated on this compute path: what the host queues as it builds, and what it waits
+for before building on."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import backend
+
+
+# Our CPU kernels run a product of fewer weights than this on the calling thread alone (csrc:
+# gemv_forward.c's and int8_products.cpp's 1 << 20), leaving the other cores free.
+ONE_THREAD_WEIGHTS = 1 << 20
+
+
+def layer_built(output: mx.array, widest_product: int):
+    """Hand a layer's output to the compute path as soon as it is built. widest_product: the most
+    weights one product of the model multiplies (its `widest_product`).
+
+    On the CPU, where every product of the model runs on one thread, the output is queued
+    (`mx.async_eval`): the CPU computes this layer while the host builds the next on a free core.
+    MLX lets the host run only about 100 dispatches ahead of its CPU stream (MAX_ACTIVE_TASKS tasks
+    of DISPATCHES_PER_TASK, mlx/transforms.cpp and backend/cpu/encoder.h), so a pass queued whole
+    returns from `async_eval` only once all but its last 50 or so ops are done: building a pass did
+    not overlap computing it. The bundled model (2 cores, three alternated rounds): plain decoding
+    250 -> 280 tokens/s, MTP 300 -> 338, DFlash 258 -> 295. Where products run on every core, the
+    host's building would hold up one of their threads (the 0.8B shape: 5.54 -> 5.32 tokens/s), and
+    where a GPU computes the engine queues whole passes a step ahead (`overlap_decode_steps`): there
+    nothing is queued here.
+    """
+    if widest_product < ONE_THREAD_WEIGHTS and not backend.gpu_computes():
+        mx.async_eval(output)
+
+
+def read_draft_verdicts_first() -> bool:
+    """Whether a speculative pass reads its drafts' p-min verdicts before it builds the pass that
+    verifies them, and verifies the sure drafts only (a plain step where none is), rather than
+    verifying every draft and cutting at the first unsure one after, in one wait a pass.
+
+    Yes on the CPU, where the wait costs the host little and every token verified costs its
+    products (the 0.8B shape, drafts that never land: 0.81x plain decoding verifying them, 0.98x
+    reading first); not where a GPU computes, which a wait between the two would leave idle.
+    """
+    return not backend.gpu_computes()
+
+
+def overlap_decode_steps() -> bool:
+    """Whether decoding builds and queues step t+1 before handing out token t.
+
+    Yes where a GPU computes. Not on the CPU, where building the next step takes a
+    core from the threads computing this one (2 cores, Qwen3.5-0.8B shape: 7.8
+    tokens/s stepping in turn, 7.5 overlapped).
+    """
+    return backend.gpu_computes()
+
+
+def prefill_layer_by_layer() -> bool:
+    """Whether a prompt chunk is evaluated one layer at a time (the trunk's
+    `hidden_states(evaluate_each_layer=True)`).
+
+    Yes on the CPU: MLX allocates the outputs of the work it has queued ahead of the threads
+    computing it, so a chunk built whole holds the intermediates of several layers (about
+    twice the peak over the weights, at the same speed: benchmarks/bench_generate.py prints
+    it). Where a GPU computes each layer would wait for the GPU: not measured there, so not
+    done.
+    """
+    return not backend.gpu_computes()
