@@ -25,8 +25,8 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 def widest_product(args) -> int:
     """The most weights one product of a model with these arguments multiplies: its LM head's or its
-    feed-forward's (`ops.layer_built` asks)."""
-    return args.hidden_size * max(args.vocab_size, args.intermediate_size)
+    dense feed-forward's, where it has one (`ops.layer_built` asks)."""
+    return args.hidden_size * max(args.vocab_size, vars(args).get("intermediate_size", 0))
 
 
 def check_layer_types(layer_types, num_layers: int):

@@ -29,7 +29,10 @@ def layer_built(output: mx.array, widest_product: int):
     nothing is queued here.
     """
     if widest_product < ONE_THREAD_WEIGHTS and not backend.gpu_computes():
-        mx.async_eval(output)
+        try:
+            mx.async_eval(output)
+        except ValueError:  # a graph being transformed (mx.grad, mx.compile), which MLX queues whole
+            pass
 
 
 def read_draft_verdicts_first() -> bool:
