@@ -1,12 +1,15 @@
-"""Decoding with each layer queued as it is built (`ops.layer_built`) against a pass queued whole, in
-one run: plain decoding, the MTP head and the DFlash drafter through the Python API, greedy.
+"""Decoding with each layer queued as it is built (`ops.layer_built`), and with plain decoding's next
+step queued before this one's tokens are read (`ops.overlap_decode_steps`), against passes queued
+whole and stepped in turn, in one run: plain decoding, the MTP head and the DFlash drafter through the
+Python API, greedy.
 
     python benchmarks/layer_queue.py                      # the bundled model, 3 alternated rounds
     python benchmarks/layer_queue.py --model DIR_OR_GGUF --rounds 5 --tokens 128
     python benchmarks/layer_queue.py --shape qwen3.5-0.8b --drafts none --tokens 32 --one-thread-weights 1e12
 
-The passes queued whole are this tree's with `ops.layer_built` turned off. Prints tokens/s per round,
-the medians and their ratio, and checks that both give the same tokens. --one-thread-weights moves
+Each mode is this tree's with those decisions set: "whole" queues neither, "by layer" the layers,
+"steps ahead" both. Prints tokens/s per round, the medians and their ratios to "whole", and checks
+that every mode gives the same tokens. --one-thread-weights moves
 the bound under which a model's products count as running on one thread (`ops.schedule`): a large
 value queues the layers of any model. --shape: random weights of a shape of benchmarks/shapes.py,
 prompted with the bundled model's token ids.
@@ -49,24 +52,26 @@ def main():
 
         model = random_model(SHAPES[args.shape]())
     queued = ops.layer_built
-    modes = {"whole": lambda *built: None, "by layer": queued}
+    modes = {"whole": (lambda *built: None, False), "by layer": (queued, False), "steps ahead": (queued, True)}
     rates, outputs = {}, {}
     for draft in args.drafts:  # a first untimed run: kernel builds and checks
         decode(model, tokenizer, None if draft == "none" else draft, 8)
     for round_ in range(args.rounds):
-        for mode, layer_built in modes.items():
-            ops.layer_built = layer_built
+        for mode, (layer_built, overlap) in modes.items():
+            ops.layer_built, ops.overlap_decode_steps = layer_built, lambda widest, overlap=overlap: overlap
             for draft in args.drafts:
                 rate, tokens = decode(model, tokenizer, None if draft == "none" else draft, args.tokens)
                 rates.setdefault((draft, mode), []).append(rate)
                 outputs.setdefault(draft, set()).add(tokens)
-    ops.layer_built = queued
     for draft in args.drafts:
-        whole, by_layer = (statistics.median(rates[draft, mode]) for mode in modes)
-        rounds = " ".join(f"{a:.3g}/{b:.3g}" for a, b in zip(rates[draft, "whole"], rates[draft, "by layer"]))
+        whole = statistics.median(rates[draft, "whole"])
+        line = [f"{draft:7s} whole {whole:6.1f}"]
+        for mode in list(modes)[1:]:
+            median = statistics.median(rates[draft, mode])
+            line.append(f"{mode} {median:6.1f} ({median / whole:.2f}x)")
+        rounds = " ".join("/".join(f"{rates[draft, mode][r]:.3g}" for mode in modes) for r in range(args.rounds))
         same = "same tokens" if len(outputs[draft]) == 1 else "TOKENS DIFFER"
-        print(f"{draft:7s} whole {whole:6.1f}  by layer {by_layer:6.1f} tok/s  {by_layer / whole:.2f}x  "
-              f"(rounds {rounds}; {same})")  # fmt: skip
+        print(", ".join(line) + f" tok/s (rounds {rounds}; {same})")
 
 
 if __name__ == "__main__":

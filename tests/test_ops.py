@@ -280,7 +280,7 @@ def test_a_pass_on_the_cpu_queues_each_layer_as_it_is_built(monkeypatch):
     """MLX's host runs only about 100 dispatches ahead of its CPU stream, so a pass queued whole would
     compute only after most of it was built: where every product runs on one thread (the fixture's),
     the trunk queues each layer's output as it is built. A model with a product wide enough for
-    every core, and the GPU path (whose engine queues whole passes), queue none."""
+    every core, and the GPU path (whose engine queues whole passes a step ahead), queue none."""
     from conftest import load_fixture
 
     from mlx_hybrid.models.layers import widest_product
@@ -293,8 +293,10 @@ def test_a_pass_on_the_cpu_queues_each_layer_as_it_is_built(monkeypatch):
     hidden = model.hidden_states(mx.array([[5, 6, 7]]), model.make_cache())
     assert [arrays[0].shape for arrays in queued] == [hidden.shape] * len(model.layers)
     assert queued[-1][0] is hidden
+    # plain decoding queues its next step too, there only (the engine's default)
+    assert ops.overlap_decode_steps(model.widest_product) and not ops.overlap_decode_steps(schedule.ONE_THREAD_WEIGHTS)
     queued.clear()
     ops.layer_built(hidden, schedule.ONE_THREAD_WEIGHTS)
     monkeypatch.setattr(backend, "gpu_computes", lambda: True)
     ops.layer_built(hidden, 1)
-    assert queued == []
+    assert queued == [] and ops.overlap_decode_steps(schedule.ONE_THREAD_WEIGHTS)

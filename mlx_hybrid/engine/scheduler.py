@@ -46,7 +46,7 @@ class Engine:
     `prefix_store.default_budget_bytes()`; a store with max_bytes=0 keeps none in memory).
     overlap: queue each plain decoding pass before reading the previous one's tokens, and a
     speculative round's drafts before building the pass that verifies them
-    (None: where a GPU computes, `ops.overlap_decode_steps`).
+    (None: as `ops.overlap_decode_steps` decides for the model).
     kv_bits, kv_group_size: every sequence's attention layers hold their keys and values in 4 or 8
     bits, in groups of kv_group_size features (`cache.QuantizedKVCache`); None: in the compute dtype.
     """
@@ -66,7 +66,7 @@ class Engine:
         self.adaptive = adaptive
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
-        self.overlap = ops.overlap_decode_steps() if overlap is None else overlap
+        self.overlap = ops.overlap_decode_steps(model.widest_product) if overlap is None else overlap
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
         self.pass_tokens = ops.rows_alike_pass_tokens(model)
         self.prompts_due = False  # the next pass feeds the prompts held back by the last

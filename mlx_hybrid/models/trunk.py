@@ -185,13 +185,14 @@ class HybridModel(nn.Module):
             # the embedding's all-sum first, as on the ranks before: a receive does not depend on it
             mx.eval(h)
             h = mx.distributed.recv_like(h, pipeline.rank - 1, group=pipeline.group)
+        widest = self.widest_product
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerElsewhere):
                 h = layer(h, cache[i] if cache is not None else None, **extra)
                 if evaluate_each_layer:
                     mx.eval(h)
                 else:
-                    ops.layer_built(h, widest_product(self.args))
+                    ops.layer_built(h, widest)
                 if taps is not None and i in taps:
                     taps[i] = h
         if pipeline is not None:
@@ -200,6 +201,11 @@ class HybridModel(nn.Module):
             # the last rank's output, on every rank (the gather also makes the send run)
             h = mx.distributed.all_gather(h, group=pipeline.group)[-h.shape[0] :]
         return h
+
+    @property
+    def widest_product(self) -> int:
+        """The most weights one of its products multiplies (`layers.widest_product`)."""
+        return widest_product(self.args)
 
     def mtp_input(self, hidden: mx.array) -> mx.array:
         """The trunk's hidden states (`hidden_states`) as the MTP head (`mtp`) reads them."""

@@ -22,8 +22,9 @@ def layer_built(output: mx.array, widest_product: int):
     MLX lets the host run only about 100 dispatches ahead of its CPU stream (MAX_ACTIVE_TASKS tasks
     of DISPATCHES_PER_TASK, mlx/transforms.cpp and backend/cpu/encoder.h), so a pass queued whole
     returns from `async_eval` only once all but its last 50 or so ops are done: building a pass did
-    not overlap computing it. The bundled model (2 cores, three alternated rounds): plain decoding
-    250 -> 280 tokens/s, MTP 300 -> 338, DFlash 258 -> 295. Where products run on every core, the
+    not overlap computing it. The bundled model (2 cores, benchmarks/layer_queue.py, 7 alternated
+    rounds): plain decoding 251 -> 307 tokens/s, MTP 300 -> 331, DFlash 269 -> 278. Where products
+    run on every core, the
     host's building would hold up one of their threads (the 0.8B shape: 5.54 -> 5.32 tokens/s), and
     where a GPU computes the engine queues whole passes a step ahead (`overlap_decode_steps`): there
     nothing is queued here.
@@ -47,14 +48,17 @@ def read_draft_verdicts_first() -> bool:
     return not backend.gpu_computes()
 
 
-def overlap_decode_steps() -> bool:
-    """Whether decoding builds and queues step t+1 before handing out token t.
+def overlap_decode_steps(widest_product: int) -> bool:
+    """Whether decoding builds and queues step t+1 before handing out token t, for a model whose widest
+    product multiplies `widest_product` weights.
 
-    Yes where a GPU computes. Not on the CPU, where building the next step takes a
-    core from the threads computing this one (2 cores, Qwen3.5-0.8B shape: 7.8
-    tokens/s stepping in turn, 7.5 overlapped).
+    Yes where a GPU computes. On the CPU, where every product runs on one thread (as in
+    `layer_built`): the bundled model, its layers queued as built, 307 -> 363 tokens/s
+    (benchmarks/layer_queue.py, 7 alternated rounds). Not where products run on every core, from
+    whose threads building the next step takes a core (2 cores, Qwen3.5-0.8B shape: 7.8 tokens/s
+    stepping in turn, 7.5 overlapped).
     """
-    return backend.gpu_computes()
+    return backend.gpu_computes() or widest_product < ONE_THREAD_WEIGHTS
 
 
 def prefill_layer_by_layer() -> bool:
