@@ -23,11 +23,11 @@ def layer_built(output: mx.array, widest_product: int):
     of DISPATCHES_PER_TASK, mlx/transforms.cpp and backend/cpu/encoder.h), so a pass queued whole
     returns from `async_eval` only once all but its last 50 or so ops are done: building a pass did
     not overlap computing it. The bundled model (2 cores, benchmarks/layer_queue.py, 7 alternated
-    rounds): plain decoding 251 -> 307 tokens/s, MTP 300 -> 331, DFlash 269 -> 278. Where products
-    run on every core, the
-    host's building would hold up one of their threads (the 0.8B shape: 5.54 -> 5.32 tokens/s), and
-    where a GPU computes the engine queues whole passes a step ahead (`overlap_decode_steps`): there
-    nothing is queued here.
+    rounds): plain decoding 251 -> 307 tokens/s, MTP 300 -> 331, DFlash 269 -> 278.
+
+    Where products run on every core, the host's building would hold up one of their threads (the
+    0.8B shape, queued regardless: 0.96x). Where a GPU computes, the engine queues whole passes a
+    step ahead (`overlap_decode_steps`), and nothing is queued here.
     """
     if widest_product < ONE_THREAD_WEIGHTS and not backend.gpu_computes():
         try:
