@@ -8,8 +8,9 @@ row accepts, rolls back and adapts on its own (`rows.Row`). Every decoding row c
 would compute alone (`step.build_batch`).
 
 A step builds the packed batch, runs the model and chooses tokens (`step`), then advances the rows
-(`_advance`). Where a GPU computes and no row drafts, it queues the next pass before it reads this
-pass's tokens (`_overlapped_pass`); the tokens are the same either way.
+(`_advance`). Where no row drafts and `ops.overlap_decode_steps` says so (a GPU, or a CPU whose
+products each run on one thread), it queues the next pass before it reads this pass's tokens
+(`_overlapped_pass`); the tokens are the same either way.
 
 Sequences join between steps and leave when they finish or are cancelled. Nothing here knows about
 HTTP: `submit` gives a `Sequence` whose tokens arrive as events.
