@@ -4,6 +4,7 @@ beside llama.cpp's on the same file, in the same run.
     python benchmarks/gguf_types.py --make bench_models/gguf-types --llama-bin DIR   # once: the files
     python benchmarks/gguf_types.py --dir bench_models/gguf-types --llama-bin DIR [DIR ...]
     python benchmarks/gguf_types.py --kernels [--rows 512]   # each type's product alone
+    python benchmarks/gguf_types.py --kernels --types F16 --rows 4 --matrix 768 256   # the bundled model's
 
 --make writes random weights at Qwen3.5-0.8B's shape (shapes.py) as a float32 GGUF in
 llama.cpp's layout (mlx_hybrid.export), then one file per type made by llama.cpp's own
@@ -198,9 +199,9 @@ def int8_inputs(q):
     return q.weight, q.scales, codes, held_type, cpu_quantized.int8_grid(q.block)
 
 
-def kernels(rounds: int, rows: int, types):
+def kernels(rounds: int, rows: int, types, matrix=(3584, 1024)):
     """One decode step's product per type, the kernel alone: 1 row (`rows`: a verify pass's, a prompt's)
-    against a 3584 x 1024 matrix (the 0.8B shape's gate projection) of random values in the type's
+    against an N x K `matrix` (the 0.8B shape's gate projection) of random values in the type's
     layout, with float32 activations and with llama.cpp's 8-bit ones ("int8": the 8-bit kernel at any
     rows, past the type's `ops.int8_row_limit` too, where a model's products take the float32 path); the
     16-bit matrices with float32 activations and with llama.cpp's 16-bit ones ("llama.cpp")."""
@@ -213,7 +214,7 @@ def kernels(rounds: int, rows: int, types):
     from mlx_hybrid.quantized_tensor import GRID_TYPES
     from mlx_hybrid.ops import cpu_quantized, llama_reference
 
-    n, k = 3584, 1024
+    n, k = matrix
     x = mx.random.normal((rows, k))
     dense = mx.random.normal((n, k)) / 8
     products = {"float32 (BLAS)": lambda: x @ dense.T}
@@ -327,6 +328,8 @@ def main():
         default=0,
         help="--kernels: time expert products instead, --rows tokens each against 8 of this many experts",
     )
+    p.add_argument("--matrix", type=int, nargs=2, default=[3584, 1024], metavar=("N", "K"),
+                   help="--kernels: the matrix's shape (default: the 0.8B shape's gate projection)")  # fmt: skip
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.kernels:
@@ -342,7 +345,7 @@ def main():
             if args.experts < 8:
                 p.error("--experts: at least 8 (each token chooses 8)")
             return expert_kernels(max(args.rounds, 3), args.rows, args.experts, types)
-        return kernels(max(args.rounds, 3), args.rows, types)
+        return kernels(max(args.rounds, 3), args.rows, types, tuple(args.matrix))
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")
     if args.make:

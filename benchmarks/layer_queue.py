@@ -1,18 +1,22 @@
-"""Decoding with each layer queued as it is built (`ops.layer_built`), and with plain decoding's next
-step queued before this one's tokens are read (`ops.overlap_decode_steps`), against passes queued
-whole and stepped in turn, in one run: plain decoding, the MTP head and the DFlash drafter through the
-Python API, greedy.
+"""How the CPU schedules a pass of a model whose products each run on one thread (the bundled
+model), each decision of `ops.schedule` added in turn, in one run: plain decoding, the MTP head and
+the DFlash drafter through the Python API, greedy.
 
     python benchmarks/layer_queue.py                      # the bundled model, 3 alternated rounds
     python benchmarks/layer_queue.py --model DIR_OR_GGUF --rounds 5 --tokens 128
     python benchmarks/layer_queue.py --shape qwen3.5-0.8b --drafts none --tokens 32 --one-thread-weights 1e12
 
-Each mode is this tree's with those decisions set: "whole" queues neither, "by layer" the layers,
-"steps ahead" both. Prints tokens/s per round, the medians and their ratios to "whole", and checks
-that every mode gives the same tokens. --one-thread-weights moves
-the bound under which a model's products count as running on one thread (`ops.schedule`): a large
-value queues the layers of any model. --shape: random weights of a shape of benchmarks/shapes.py,
-prompted with the bundled model's token ids.
+The modes, each with the decisions of the one before it: "whole" queues passes whole and steps in
+turn, with the kernels on every core and the drafts' verdicts read before the verify pass; "by
+layer" queues each layer as it is built (`ops.layer_built`); "steps ahead" queues plain decoding's
+next step before reading this one's tokens (`ops.overlap_decode_steps`); "one thread" keeps the
+queued layers' kernels on MLX's thread (`cpu_kernels.keep_to_one_thread`); "one wait" reads a
+speculative pass's verdicts with its tokens (`ops.read_draft_verdicts_first`): this tree's decisions.
+Prints tokens/s per round, the medians and their ratios to "whole", each drafter's to plain
+decoding in the last mode, and checks that every mode gives
+the same tokens. --one-thread-weights moves the bound under which a model's products count as
+running on one thread (`ops.schedule`): a large value queues the layers of any model. --shape: random
+weights of a shape of benchmarks/shapes.py, prompted with the bundled model's token ids.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import statistics
 import time
 
 import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
+import mlx.core as mx  # noqa: I001
 from mlx_hybrid import ops
-from mlx_hybrid.ops import schedule
+from mlx_hybrid.ops import cpu_kernels, schedule
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
@@ -51,14 +56,37 @@ def main():
         from shapes import SHAPES, random_model
 
         model = random_model(SHAPES[args.shape]())
-    queued = ops.layer_built
-    modes = {"whole": (lambda *built: None, False), "by layer": (queued, False), "steps ahead": (queued, True)}
+    decided = {
+        name: getattr(ops, name) for name in ("layer_built", "overlap_decode_steps", "read_draft_verdicts_first")
+    }
+    keep_to_one_thread = cpu_kernels.keep_to_one_thread
+
+    def whole_passes(output, widest_product, evaluate=False):
+        keep_to_one_thread(False)
+        if evaluate:
+            mx.eval(output)
+
+    # each mode: (layers queued, plain steps ahead, kernels kept to one thread, one wait a speculative pass)
+    modes = {
+        "whole": (False, False, False, False),
+        "by layer": (True, False, False, False),
+        "steps ahead": (True, True, False, False),
+        "one thread": (True, True, True, False),
+        "one wait": (True, True, True, True),
+    }
+
+    def decide(queued, ahead, one_thread, one_wait):
+        ops.layer_built = decided["layer_built"] if queued else whole_passes
+        ops.overlap_decode_steps = decided["overlap_decode_steps"] if ahead else (lambda widest: False)
+        cpu_kernels.keep_to_one_thread = keep_to_one_thread if one_thread else (lambda value: keep_to_one_thread(False))
+        ops.read_draft_verdicts_first = decided["read_draft_verdicts_first"] if one_wait else (lambda widest: True)
+
     rates, outputs = {}, {}
     for draft in args.drafts:  # a first untimed run: kernel builds and checks
         decode(model, tokenizer, None if draft == "none" else draft, 8)
     for round_ in range(args.rounds):
-        for mode, (layer_built, overlap) in modes.items():
-            ops.layer_built, ops.overlap_decode_steps = layer_built, lambda widest, overlap=overlap: overlap
+        for mode, decisions in modes.items():
+            decide(*decisions)
             for draft in args.drafts:
                 rate, tokens = decode(model, tokenizer, None if draft == "none" else draft, args.tokens)
                 rates.setdefault((draft, mode), []).append(rate)
@@ -72,6 +100,11 @@ def main():
         rounds = " ".join("/".join(f"{rates[draft, mode][r]:.3g}" for mode in modes) for r in range(args.rounds))
         same = "same tokens" if len(outputs[draft]) == 1 else "TOKENS DIFFER"
         print(", ".join(line) + f" tok/s (rounds {rounds}; {same})")
+    if "none" in args.drafts:
+        last = list(modes)[-1]
+        plain = statistics.median(rates["none", last])
+        ratios = [f"{d} {statistics.median(rates[d, last]) / plain:.2f}x" for d in args.drafts if d != "none"]
+        print(f"{last}, against plain decoding: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

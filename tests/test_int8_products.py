@@ -751,7 +751,7 @@ def test_16_bit_products_are_llama_cpps_arithmetic_and_row_invariant(dtype, K):
     """F16 and BF16 matrices with llama.cpp's 16-bit activations (`half_matmul`) against the arithmetic
     written in numpy (`half_reference`: x rounded as ggml rounds it, each exact product into its lane by
     a float32 sum, llama.cpp's trees): exactly, every row the same alone or with others (2 to 16 and 27
-    rows; 25 weight rows, taken two at a time, the last alone); the AVX2 and AVX-512 bodies alike;
+    rows; 25 weight rows, taken eight at a time, the last alone); the AVX2 and AVX-512 bodies alike;
     values halfway between two of the type's round to the even one."""
     rng = np.random.default_rng(K)
     w = mx.array((rng.standard_normal((25, K)) / 8).astype(np.float32)).astype(dtype)

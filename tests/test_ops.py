@@ -300,3 +300,30 @@ def test_a_pass_on_the_cpu_queues_each_layer_as_it_is_built(monkeypatch):
     monkeypatch.setattr(backend, "gpu_computes", lambda: True)
     ops.layer_built(hidden, 1)
     assert queued == [] and ops.overlap_decode_steps(schedule.ONE_THREAD_WEIGHTS)
+
+
+def test_queued_layers_keep_their_kernels_to_one_thread_and_read_verdicts_with_the_tokens():
+    """Where the host builds the next layers beside the CPU's thread (a queued layer: the fixture's
+    decoding), the kernels keep to that thread, which a helper woken for a larger job would take
+    the host's core from; a prompt's layers, evaluated in turn, and a model with products wide
+    enough for every core take every core. The same models read a speculative pass's draft
+    verdicts with its tokens (one wait), the wider ones before they verify."""
+    from conftest import load_fixture
+
+    from mlx_hybrid.ops import schedule
+    from mlx_hybrid.ops.cpu_extension import extension
+
+    kernels = extension()
+    if kernels is None or mx.default_device() != mx.cpu:
+        pytest.skip("needs our CPU kernels, computing on the CPU")
+    model, _ = load_fixture("qwen35", "model.gguf")
+    model.hidden_states(mx.array([[5, 6, 7]]), model.make_cache())
+    assert kernels.kept_to_one_thread()
+    model.hidden_states(mx.array([[5, 6, 7]]), model.make_cache(), evaluate_each_layer=True)
+    assert not kernels.kept_to_one_thread()
+    ops.layer_built(mx.zeros(3), model.widest_product)
+    assert kernels.kept_to_one_thread()
+    ops.layer_built(mx.zeros(3), schedule.ONE_THREAD_WEIGHTS)
+    assert not kernels.kept_to_one_thread()
+    assert not ops.read_draft_verdicts_first(model.widest_product)
+    assert ops.read_draft_verdicts_first(schedule.ONE_THREAD_WEIGHTS)

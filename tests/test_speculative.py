@@ -19,7 +19,6 @@ from conftest import (
     reference,
     reference_processing,
 )
-from mlx_hybrid import ops
 from mlx_hybrid.cache import KVCache
 from mlx_hybrid.drafting import Drafter, MTPDrafter, NgramDrafter
 from mlx_hybrid.drafting.dflash import DFlashDrafter
@@ -571,12 +570,13 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
         assert [int(t) for t in drafter.draft(3, Sampler(0.0))[0]] == _latest_continuation(history, 3), seed
 
 
+@pytest.mark.parametrize("verdicts_first", [False, True])
 @pytest.mark.parametrize("rows, temp", [(1, 0.0), (3, 0.0), (3, 0.8)])
-def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp):
+def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, verdicts_first):
     """The bundled model's head drafts confidently, so deciding p-min while drafting read the device
     after every draft (7 reads a pass at k=3), and sampling rows read it again for every draft's
     acceptance test; the verdicts and the speculative sampling rule now stay on the device until the
-    verify pass reads its tokens: one read a pass, whatever the rows (two on the CPU, which reads the
+    verify pass reads its tokens: one read a pass, whatever the rows (two where the engine reads the
     verdicts before it verifies: `ops.read_draft_verdicts_first`). Each row's tokens are those it
     gives alone, and greedy, those of plain decoding."""
     from benchmarks.engine_step import DeviceUse
@@ -585,6 +585,7 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp):
 
     model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
     engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), 3, prefix_store=PrefixStore(0))
+    engine.verdicts_first = verdicts_first  # (the model's size decides it: both ways here)
     prompts = ["def parse_args(", "import os\n", "class Parser:"][:rows]
     sequences = [engine.submit(prompt, max_tokens=40, temp=temp, seed=i) for i, prompt in enumerate(prompts)]
     while any(row.prefilling for row in engine.rows) or not engine.rows:
@@ -595,7 +596,7 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp):
         with use.counting():
             engine.step()
         reads.append(use.waits)
-    most = 2 if ops.read_draft_verdicts_first() else 1
+    most = 2 if verdicts_first else 1
     assert max(reads) == most and set(reads) <= {1, most}  # (a pass that drafts nothing reads once)
     assert all(s.stats.drafted > 0 for s in sequences)
     for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):

@@ -26,6 +26,9 @@ NB_MODULE(cpu_kernels_ext, m) {
     m.doc() = "mlx_hybrid's kernels for MLX's CPU backend";
     m.def("supported", &mlx_hybrid::cpu_supported, "whether this CPU runs the kernels (AVX2, FMA, F16C)");
     m.def("threads", [] { return mlx_hybrid::Pool::get().threads(); });
+    m.def("keep_to_one_thread", [](bool value) { mlx_hybrid::Pool::get().keep_to_one_thread(value); },
+          "whether the kernels run every job on MLX's thread alone, from the jobs computed after this call");
+    m.def("kept_to_one_thread", [] { return mlx_hybrid::Pool::get().kept_to_one_thread(); });
     m.def("uninitialized", &uninitialized, nb::arg("shape"), nb::arg("dtype"),
           "an evaluated array whose memory is not yet written");
     mlx_hybrid::bind_quantized_matmul(m);

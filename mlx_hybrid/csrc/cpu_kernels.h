@@ -281,7 +281,8 @@ class Pool {
 
     // run(part) for part in [0, parts): in parallel when `parallel`, else on this thread
     void run(int parts, bool parallel, const std::function<void(int)>& work) {
-        if (!parallel || helpers_.empty() || parts < 2 || !busy_.try_lock()) {
+        if (!parallel || one_thread_.load(std::memory_order_relaxed) || helpers_.empty() || parts < 2 ||
+            !busy_.try_lock()) {
             for (int p = 0; p < parts; p++) work(p);
             return;
         }
@@ -304,6 +305,11 @@ class Pool {
     }
 
     int threads() const { return (int)helpers_.size() + 1; }
+
+    // Whether every job runs on the calling thread alone, whatever `parallel` says: while the host
+    // builds the next layers on the other core (mlx_hybrid/ops/schedule.py decides)
+    void keep_to_one_thread(bool value) { one_thread_.store(value, std::memory_order_relaxed); }
+    bool kept_to_one_thread() const { return one_thread_.load(std::memory_order_relaxed); }
 
    private:
     Pool() {
@@ -366,6 +372,7 @@ class Pool {
     std::atomic<int> unfinished_{0};
     int parts_ = 0;
     std::atomic<int> next_{0};
+    std::atomic<bool> one_thread_{false};
     const std::function<void(int)>* work_ = nullptr;
 };
 

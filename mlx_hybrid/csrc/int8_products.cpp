@@ -1282,12 +1282,17 @@ INT8_FN inline void bf16_accumulators_in_order(__m256 (&acc)[4]) {
     }
 }
 
+// An F16 product's 4 accumulators summed as llama.cpp sums them first: (0 + 2) + (1 + 3)
+INT8_FN inline __m256 f16_accumulators_sum(const __m256 (&acc)[4]) {
+    return _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+}
+
 // A row's product from its 4 accumulators in llama.cpp's order: (0 + 2) + (1 + 3), the halves, the 4
 // lanes F16 (0 + 1) + (2 + 3) (two hadds), BF16 (0 + 2) + (1 + 3); then the products past the steps
 // (float32, exact: w's and x's values from `steps` to K) added in double, rounded to float32
 template <bool BF16>
 INT8_FN inline float half_lanes_total(const __m256 (&acc)[4], const uint16_t* w, const float* x, int steps, int K) {
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]));
+    const __m256 sum = f16_accumulators_sum(acc);
     __m128 four = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     if constexpr (BF16) {
         four = _mm_add_ps(four, _mm_movehl_ps(four, four));
@@ -1301,15 +1306,40 @@ INT8_FN inline float half_lanes_total(const __m256 (&acc)[4], const uint16_t* w,
     return (float)total;
 }
 
+// half_lanes_total's F16 sums after f16_accumulators_sum for 8 products at once, where K has no values
+// past the steps: each level of its tree (the halves, then lanes 0 + 1 and 2 + 3, then the two) is one
+// add for all 8, their lanes brought together by shuffles, rather than a product's own horizontal adds
+// (each sum the same two values: the same bits)
+INT8_FN inline void f16_totals(const __m256 (&sums)[8], float (&totals)[8]) {
+    __m256 four[4], pairs[2];
+    for (int i = 0; i < 4; i++)  // [product 2i's 4 | 2i+1's]
+        four[i] = _mm256_add_ps(_mm256_permute2f128_ps(sums[2 * i], sums[2 * i + 1], 0x20),
+                                _mm256_permute2f128_ps(sums[2 * i], sums[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  // lanes 0-3 [4i's (0 + 1, 2 + 3), 4i+2's], lanes 4-7 4i+1's and 4i+3's
+        pairs[i] = _mm256_add_ps(_mm256_shuffle_ps(four[2 * i], four[2 * i + 1], 0x88),
+                                 _mm256_shuffle_ps(four[2 * i], four[2 * i + 1], 0xdd));
+    // products 0, 2, 4, 6, then 1, 3, 5, 7
+    const __m256 all = _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                     _mm256_shuffle_ps(pairs[0], pairs[1], 0xdd));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, all);
+    for (int i = 0; i < 8; i++) totals[i] = lanes[i % 2 * 4 + i / 2];
+}
+
+// Accumulators of R rows of x against up to 8 weight rows, per (row, weight row) 4 registers of 8
+// lanes in llama.cpp's order (half_lanes_total's)
+template <int R>
+using HalfAccumulators = __m256[R][8][4];
+
 // ggml_vec_dot_f16's AVX2 arithmetic (BF16: ggml_vec_dot_bf16's, as llama.cpp's build compiles it, its
 // products and sums fused) for C weight rows of 16-bit values (each K values after the one before) and
-// R rows of x rounded to 16 bits (round_row_to_16_bits; x[r]; out[r][c] gets row r's product with
-// weight row c): per 32 values, 4 accumulators of 8 lanes each take 8 products by fused multiply-adds
-// (every product exact: 11 or 8 bits a factor; each lane the same values in the same order, in
-// step_values' order); then half_lanes_total. Two weight rows put more streams of loads in flight, for
-// a decode step's row of x, which waits on them.
+// R rows of x rounded to 16 bits (round_row_to_16_bits; x[r]; acc[r][c0 + c] gets row r's accumulators
+// against weight row c): per 32 values, 4 accumulators of 8 lanes each take 8 products by fused
+// multiply-adds (every product exact: 11 or 8 bits a factor; each lane the same values in the same
+// order, in step_values' order). Two weight rows put more streams of loads in flight, for a decode
+// step's row of x, which waits on them.
 template <bool BF16, int R, int C>
-INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, float* const* out) {
+INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, __m256 (*acc_out)[8][4], int c0) {
     __m256 acc[R][C][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
@@ -1331,15 +1361,16 @@ INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, floa
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             if constexpr (BF16) bf16_accumulators_in_order(acc[r][c]);
-            out[r][c] = half_lanes_total<BF16>(acc[r][c], w + (long)c * K, x[r], steps, K);
+            for (int j = 0; j < 4; j++) acc_out[r][c0 + c][j] = acc[r][c][j];
         }
 }
 
-// dot_rows_half with AVX-512: two accumulators a 512-bit register (F16: values 0-15 and 16-31 of a step
-// in order; BF16: the step's even values and its odd ones, x's in that order), so that 8 rows of x take
-// a weight row at once; each lane's operations the AVX2 body's, so the same bits.
+// dot_rows_half with AVX-512 for one weight row: two accumulators a 512-bit register (F16: values 0-15
+// and 16-31 of a step in order; BF16: the step's even values and its odd ones, x's in that order), so
+// that 8 rows of x take a weight row at once; each lane's operations the AVX2 body's, so the same bits.
 template <bool BF16, int R>
-INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, int K, float* const* out) {
+INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, int K, __m256 (*acc_out)[8][4],
+                                     int c) {
     __m512 acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int steps = K / 32 * 32;
@@ -1360,7 +1391,7 @@ INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, i
                 acc[r][h] = _mm512_fmadd_ps(values[h], _mm512_loadu_ps(x[r] + i + 16 * h), acc[r][h]);
     }
     for (int r = 0; r < R; r++) {
-        __m256 halves[4];
+        __m256(&halves)[4] = acc_out[r][c];
         if constexpr (BF16) {  // as step_values' registers: even and odd values of 0-15, then of 16-31
             halves[0] = _mm512_castps512_ps256(acc[r][0]), halves[1] = _mm512_castps512_ps256(acc[r][1]);
             halves[2] = _mm512_extractf32x8_ps(acc[r][0], 1), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
@@ -1369,32 +1400,45 @@ INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, i
             halves[0] = _mm512_castps512_ps256(acc[r][0]), halves[1] = _mm512_extractf32x8_ps(acc[r][0], 1);
             halves[2] = _mm512_castps512_ps256(acc[r][1]), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
         }
-        *out[r] = half_lanes_total<BF16>(halves, w, x[r], steps, K);
     }
 }
 
-// The 16-bit types' product of R rows of x and `columns` (1 or 2) weight rows on the body that reads
+// The 16-bit types' product of R rows of x and `columns` (up to 8) weight rows on the body that reads
 // x in its order (round_row_to_16_bits' `wide`): with AVX-512, dot_rows_half_wide for each weight row
-// (F16's row alone, which waits on memory, as without); else a row alone against both weight rows at
+// (F16's row alone, which waits on memory, as without); else a row alone against two weight rows at
 // once, more rows 3 at a time against one (their 12 accumulators and a step's 4 weight registers fill
-// AVX2's 16)
+// AVX2's 16). Then each product's total: F16's 8 at a time (f16_totals) where K is whole steps.
 template <bool BF16, int R>
 INT8_FN void dot_rows_half_tile(const uint16_t* w, const float* const* x, int columns, int K, float* const* out,
                                 bool wide) {
+    HalfAccumulators<R> acc;
     const bool wide_body = wide && (R > 1 || BF16);
-    if (!wide_body && R == 1 && columns == 2) return dot_rows_half<BF16, 1, 2>(w, x, K, out);
     for (int c = 0; c < columns; c++) {
-        float* shifted[R];
-        for (int r = 0; r < R; r++) shifted[r] = out[r] + c;
         const uint16_t* row = w + (long)c * K;
         if (wide_body) {
-            dot_rows_half_wide<BF16, R>(row, x, K, shifted);
+            dot_rows_half_wide<BF16, R>(row, x, K, acc, c);
+            continue;
+        }
+        if (R == 1 && c + 1 < columns) {
+            dot_rows_half<BF16, 1, 2>(row, x, K, acc, c++);
             continue;
         }
         int r = 0;
-        for (; r + 3 <= R; r += 3) dot_rows_half<BF16, 3, 1>(row, x + r, K, shifted + r);
-        if (R - r == 2) dot_rows_half<BF16, 2, 1>(row, x + r, K, shifted + r);
-        if (R - r == 1) dot_rows_half<BF16, 1, 1>(row, x + r, K, shifted + r);
+        for (; r + 3 <= R; r += 3) dot_rows_half<BF16, 3, 1>(row, x + r, K, acc + r, c);
+        if (R - r == 2) dot_rows_half<BF16, 2, 1>(row, x + r, K, acc + r, c);
+        if (R - r == 1) dot_rows_half<BF16, 1, 1>(row, x + r, K, acc + r, c);
+    }
+    const int steps = K / 32 * 32;
+    for (int r = 0; r < R; r++) {
+        if (!BF16 && steps == K) {
+            __m256 sums[8];
+            for (int c = 0; c < 8; c++) sums[c] = c < columns ? f16_accumulators_sum(acc[r][c]) : _mm256_setzero_ps();
+            float totals[8];
+            f16_totals(sums, totals);
+            for (int c = 0; c < columns; c++) out[r][c] = totals[c];
+            continue;
+        }
+        for (int c = 0; c < columns; c++) out[r][c] = half_lanes_total<BF16>(acc[r][c], w + (long)c * K, x[r], steps, K);
     }
 }
 
@@ -1433,6 +1477,13 @@ template <int MOST, typename F>
 void by_powers_of_two(int rows, F&& f, int first = 0) {
     if (rows >= MOST) f(std::integral_constant<int, MOST>{}, first), rows -= MOST, first += MOST;
     if constexpr (MOST > 1) by_powers_of_two<MOST / 2>(rows, f, first);
+}
+
+// f(integral_constant<rows>, 0) for rows in [1, MOST]: a tile's rows at once
+template <int MOST, class F>
+void by_count(int rows, F&& f) {
+    if (rows == MOST) return f(std::integral_constant<int, MOST>{}, 0);
+    if constexpr (MOST > 1) by_count<MOST - 1>(rows, f);
 }
 
 // y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
@@ -1513,9 +1564,9 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
         tiles.emplace_back(at, rows), at += rows;
     }
     // both threads where the product is worth a helper's wake-up (tens of microseconds): a matrix of a
-    // million weights or more (read once, whatever the rows), or two million multiply-adds (the
-    // bundled model's verify passes: 2-core AMD EPYC, their products of 4 rows at K = 256 single-threaded
-    // took MTP from 0.91x to 1.1x plain decoding)
+    // million weights or more (read once, whatever the rows), or two million multiply-adds (a verify
+    // pass's few rows; not where the host builds the next layers beside them, whose kernels
+    // mlx_hybrid/ops/schedule.py keeps to this thread: Pool::keep_to_one_thread)
     const bool parallel = (long)N * K >= (1L << 20) || (long)N * K * M >= (1L << 21);
     Pool::get().run(parts, parallel, [&](int part) {
         const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
@@ -1537,11 +1588,11 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 shared[i] = q.shared.data() + r * row_shared, x_s[i] = q.s.data() + r * blocks;
             }
             // weight rows taken at a time: Q4_0's, IQ4_NL's and MXFP4's rows in eights and Q4_K's 8 (16
-            // with AVX-512), the 16-bit types' 2 (dot_rows_half_tile)
+            // with AVX-512), the 16-bit types' 8 (dot_rows_half_tile)
             const bool q4_k_rows8 = q4_k_eights && rows > 1;
             for (long n = first, step; n < end; n += step) {
                 const bool q4_k_rows16 = q4_k_rows8 && wide && end - n >= 16;
-                step = q4_k_rows16 ? 16 : eights || q4_k_rows8 ? 8 : half ? 2 : 1;
+                step = q4_k_rows16 ? 16 : eights || q4_k_rows8 || half ? 8 : 1;
                 const long row = matrix * N + n;
                 const uint8_t* w_row = w + row * row_bytes;
                 // the codes 4 KiB ahead into the cache as this row is read (measured best of 1-8 KiB: the
@@ -1584,6 +1635,14 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                                            ? wide_rows ? dot_rows_groups16_wide<3, ROWS> : dot_rows_groups16<3, ROWS>
                                            : wide_rows ? dot_rows_groups16_wide<2, ROWS> : dot_rows_groups16<2, ROWS>;
                         product(w_row, factor_row, code_row, codes + i, shared + i, d + i, blocks, out + i);
+                    });
+                    continue;
+                }
+                if (half) {  // the tile's rows of x at once: the wide body takes up to 8 a weight row
+                    by_count<8>(rows, [&](auto R, int) {
+                        constexpr int ROWS = decltype(R)::value;
+                        (s.type == BF16 ? dot_rows_half_tile<true, ROWS> : dot_rows_half_tile<false, ROWS>)(
+                            (const uint16_t*)w_row, rounded, (int)std::min<long>(8, end - n), K, out, wide);
                     });
                     continue;
                 }
@@ -1648,11 +1707,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         case TQ2_0:
                             dot_rows_ternary<false, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
                             break;
-                        case F16: case BF16:
-                            (s.type == BF16 ? dot_rows_half_tile<true, ROWS> : dot_rows_half_tile<false, ROWS>)(
-                                (const uint16_t*)w_row, rounded + i, (int)std::min<long>(2, end - n), K, o, wide);
-                            break;
-                        default: break;  // (Q4_K's rows in eights and the groups of 16: above)
+                        default: break;  // (Q4_K's rows in eights, the groups of 16 and the 16-bit types: above)
                     }
                 });
             }

@@ -112,7 +112,8 @@ class DFlashDrafter(Drafter):
     def _draft_together(cls, drafters, ks, samplers):
         first, n = drafters[0], max(ks)
         hidden = cls.block_hidden(drafters)
-        logits = first.model.block_logits(hidden, first.head.project)[:, :n]
+        # the head projects the positions drafted only: each row's logits are the same bits alone
+        logits = first.model.block_logits(hidden[:, : n + 1], first.head.project)
         if first.model.args.dflash2:
             drafts, marked, logprobs = first._selected(drafters, hidden[:, 1 : n + 1], logits, samplers[0])
         elif samplers[0].greedy:  # a group is greedy rows or one sampling row

@@ -68,6 +68,7 @@ class Engine:
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
         self.overlap = ops.overlap_decode_steps(model.widest_product) if overlap is None else overlap
+        self.verdicts_first = ops.read_draft_verdicts_first(model.widest_product)
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
         self.pass_tokens = ops.rows_alike_pass_tokens(model)
         self.prompts_due = False  # the next pass feeds the prompts held back by the last
@@ -303,7 +304,9 @@ class Engine:
             return
         for row in self.rows:
             row.take_back()
-        batch = build_batch(self.rows, self.prefill_chunk, self.overlap, self.pass_tokens, self.prompts_due)
+        batch = build_batch(
+            self.rows, self.prefill_chunk, self.overlap, self.pass_tokens, self.prompts_due, self.verdicts_first
+        )
         self.prompts_due = batch.prompts_held_back
         hidden = run_model(self.model, batch, self.prefill_layer_by_layer)
         self._advance(batch, hidden, choose_tokens(self.model, batch, hidden))

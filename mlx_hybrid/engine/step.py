@@ -17,7 +17,6 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from .. import ops
 from ..cache import marks, record_snapshots
 from ..drafting import draft_rows, sure_drafts, unmarked
 from ..drafting.base import StateSpan
@@ -67,7 +66,7 @@ class Choice:
 
 
 def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False, pass_tokens: int | None = None,
-                prompts_only: bool = False) -> Batch:  # fmt: skip
+                prompts_only: bool = False, verdicts_first: bool = False) -> Batch:  # fmt: skip
     """Decide what each row feeds this pass.
 
     A decoding row feeds its last token and this round's drafts (still lazy arrays). A prefilling row
@@ -77,7 +76,9 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False,
     queue_drafts: start computing the drafts (`mx.async_eval`) while the host builds the verify pass.
     pass_tokens: the most tokens a pass with decoding rows may hold (`ops.rows_alike_pass_tokens`);
         prompt tokens beyond it wait (`Batch.prompts_held_back`).
-    prompts_only: while a prompt is being read, the decoding rows sit this pass out."""
+    prompts_only: while a prompt is being read, the decoding rows sit this pass out.
+    verdicts_first: read the drafts' p-min verdicts now and feed the sure drafts only
+        (`ops.read_draft_verdicts_first`)."""
     prompts_only = prompts_only and any(row.prefilling for row in rows)
     feeds, asked = {}, {}  # row -> its tokens known to the host (a list), or its lazy drafts after them
     for row in rows:
@@ -112,7 +113,7 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False,
                 tokens = [column[columns.row : columns.row + 1] for column in columns.columns[: len(tokens)]]
             if tokens:
                 feeds[row] = (feeds[row], tokens)
-        if ops.read_draft_verdicts_first():
+        if verdicts_first:
             _keep_sure_drafts(drafting, feeds, asked)
     fed, pieces = _packed([row for row in rows if row in feeds], feeds)
     marked = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)

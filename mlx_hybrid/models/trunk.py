@@ -189,10 +189,7 @@ class HybridModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, LayerElsewhere):
                 h = layer(h, cache[i] if cache is not None else None, **extra)
-                if evaluate_each_layer:
-                    mx.eval(h)
-                else:
-                    ops.layer_built(h, widest)
+                ops.layer_built(h, widest, evaluate=evaluate_each_layer)
                 if taps is not None and i in taps:
                     taps[i] = h
         if pipeline is not None:

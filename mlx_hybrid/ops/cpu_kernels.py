@@ -11,6 +11,12 @@ from .cpu_extension import extension
 from .reference import L2_EPS, Decay, HeadShape, LayerResult, OutputNorm
 
 
+def keep_to_one_thread(value: bool):
+    """Whether the kernels computed from now on run each job on MLX's CPU thread alone, however large
+    (`schedule.layer_built` decides)."""
+    extension().keep_to_one_thread(value)
+
+
 def linear_attention(
     x, conv_weight, a, b, gate, decay: Decay, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
     snapshots=False,

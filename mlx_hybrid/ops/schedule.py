@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import backend
+from . import backend, cpu_kernels
 
 
 # Our CPU kernels run a product of fewer weights than this on the calling thread alone (csrc:
@@ -13,9 +13,10 @@ from . import backend
 ONE_THREAD_WEIGHTS = 1 << 20
 
 
-def layer_built(output: mx.array, widest_product: int):
+def layer_built(output: mx.array, widest_product: int, evaluate: bool = False):
     """Hand a layer's output to the compute path as soon as it is built. widest_product: the most
-    weights one product of the model multiplies (its `widest_product`).
+    weights one product of the model multiplies (its `widest_product`). evaluate: compute it before
+    building on (a prompt's layers, `prefill_layer_by_layer`).
 
     On the CPU, where every product of the model runs on one thread, the output is queued
     (`mx.async_eval`): the CPU computes this layer while the host builds the next on a free core.
@@ -25,27 +26,41 @@ def layer_built(output: mx.array, widest_product: int):
     not overlap computing it. The bundled model (2 cores, benchmarks/layer_queue.py, 7 alternated
     rounds): plain decoding 251 -> 307 tokens/s, MTP 300 -> 331, DFlash 269 -> 278.
 
+    The kernels of a layer so queued keep to one thread (`cpu_kernels.keep_to_one_thread`): the
+    larger jobs of a verify pass (its head's product over 4 tokens or more, attention, the delta rule
+    over 8) would otherwise wake a helper on the core the host builds on. The bundled model
+    (benchmarks/layer_queue.py, 9 alternated rounds): MTP 338 -> 382 tokens/s, DFlash 267 -> 313,
+    plain decoding within the rounds' spread. A prompt's layers, evaluated in turn, take every core.
+
     Where products run on every core, the host's building would hold up one of their threads (the
     0.8B shape, queued regardless: 0.96x). Where a GPU computes, the engine queues whole passes a
     step ahead (`overlap_decode_steps`), and nothing is queued here.
     """
-    if widest_product < ONE_THREAD_WEIGHTS and not backend.gpu_computes():
+    queued = not evaluate and widest_product < ONE_THREAD_WEIGHTS and not backend.gpu_computes()
+    if backend.cpu_kernels_built():
+        cpu_kernels.keep_to_one_thread(queued)
+    if evaluate:
+        mx.eval(output)
+    elif queued:
         try:
             mx.async_eval(output)
         except ValueError:  # a graph being transformed (mx.grad, mx.compile), which MLX queues whole
             pass
 
 
-def read_draft_verdicts_first() -> bool:
+def read_draft_verdicts_first(widest_product: int) -> bool:
     """Whether a speculative pass reads its drafts' p-min verdicts before it builds the pass that
     verifies them, and verifies the sure drafts only (a plain step where none is), rather than
     verifying every draft and cutting at the first unsure one after, in one wait a pass.
 
-    Yes on the CPU, where the wait costs the host little and every token verified costs its
-    products (the 0.8B shape, drafts that never land: 0.81x plain decoding verifying them, 0.98x
-    reading first); not where a GPU computes, which a wait between the two would leave idle.
+    Yes on the CPU where products run on every core, where the wait costs the host little and every
+    token verified costs its products (the 0.8B shape, drafts that never land: 0.81x plain decoding
+    verifying them, 0.98x reading first). Not where the host builds beside the CPU's one thread
+    (`layer_built`): the wait would empty the queue it keeps ahead (the bundled model,
+    benchmarks/layer_queue.py, 9 alternated rounds: MTP 382 -> 435 tokens/s in one wait, DFlash 313
+    -> 339). Not where a GPU computes, which a wait between the two would leave idle.
     """
-    return not backend.gpu_computes()
+    return not backend.gpu_computes() and widest_product >= ONE_THREAD_WEIGHTS
 
 
 def overlap_decode_steps(widest_product: int) -> bool:

@@ -1,0 +1,90 @@
+"""Decoding speed of two or more source trees of the package (a commit before a change, checked out
+with `git worktree add`, and this one), alternated in fresh processes: plain decoding, the MTP head
+and the DFlash drafter through the Python API, greedy, on the bundled model.
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/compare_trees.py /tmp/before . --rounds 7
+
+Each round runs every tree once, in its own process (its package first on the path, its CPU kernels
+built from its sources), each drafter twice after an untimed run; a round's figure is the better of
+the two. Prints each round, then per tree the medians, each drafter's ratio to plain decoding, and
+whether the trees' tokens agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+DRAFTS = ("none", "mtp", "dflash")
+
+
+def measure(tokens: int) -> dict:
+    """In a tree's own process: {draft: [tokens/s, the tokens]}."""
+    import mlx_hybrid
+
+    model, tokenizer = mlx_hybrid.load(mlx_hybrid.bundled_model_path())
+
+    def decode(draft):
+        started, out = time.perf_counter(), []
+        for response in mlx_hybrid.stream_generate(model, tokenizer, PROMPT, tokens, temp=0.0,
+                                                   draft=None if draft == "none" else draft):  # fmt: skip
+            out.append(response.token)
+        return len(out) / (time.perf_counter() - started), out
+
+    results = {}
+    for draft in DRAFTS:
+        decode(draft)  # untimed: kernel builds and checks
+        runs = [decode(draft) for _ in range(2)]
+        results[draft] = [max(rate for rate, _ in runs), runs[0][1]]
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trees", nargs="+", help="source trees (each holds mlx_hybrid/)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.tokens)))
+        return
+    trees = [str(Path(tree).resolve()) for tree in args.trees]
+    for tree in trees:
+        if not (Path(tree) / "mlx_hybrid" / "__init__.py").is_file():
+            p.error(f"{tree} holds no mlx_hybrid package")
+    rates, tokens = {}, {}
+    for round_ in range(args.rounds):
+        for tree in trees:
+            env = {**os.environ, "PYTHONPATH": tree}
+            command = [sys.executable, __file__, "--child", "--tokens", str(args.tokens), tree]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
+            if done.returncode != 0:
+                sys.exit(f"{tree}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            for draft, (rate, out) in result.items():
+                rates.setdefault((tree, draft), []).append(rate)
+                tokens.setdefault(draft, set()).add(tuple(out))
+            print(
+                f"round {round_ + 1} {tree}: " + ", ".join(f"{d} {r:.0f}" for d, (r, _) in result.items()), flush=True
+            )
+    for tree in trees:
+        plain = statistics.median(rates[tree, "none"])
+        line = [f"plain {plain:.1f} tok/s"]
+        for draft in DRAFTS[1:]:
+            median = statistics.median(rates[tree, draft])
+            line.append(f"{draft} {median:.1f} ({median / plain:.2f}x plain)")
+        print(f"{tree}: " + ", ".join(line))
+    print("tokens: " + ", ".join(f"{d} {'the same' if len(tokens[d]) == 1 else 'DIFFER'}" for d in DRAFTS))
+
+
+if __name__ == "__main__":
+    main()
