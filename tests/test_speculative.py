@@ -570,8 +570,9 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
         assert [int(t) for t in drafter.draft(3, Sampler(0.0))[0]] == _latest_continuation(history, 3), seed
 
 
-@pytest.mark.parametrize("verdicts_first", [False, True])
-@pytest.mark.parametrize("rows, temp", [(1, 0.0), (3, 0.0), (3, 0.8)])
+@pytest.mark.parametrize(
+    "rows, temp, verdicts_first", [(1, 0.0, False), (3, 0.0, False), (3, 0.8, False), (3, 0.0, True)]
+)
 def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, verdicts_first):
     """The bundled model's head drafts confidently, so deciding p-min while drafting read the device
     after every draft (7 reads a pass at k=3), and sampling rows read it again for every draft's
