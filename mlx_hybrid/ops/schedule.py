@@ -13,6 +13,12 @@ from . import backend, cpu_kernels
 ONE_THREAD_WEIGHTS = 1 << 20
 
 
+def _host_builds_beside(widest_product: int) -> bool:
+    """Whether the CPU computes a model every product of which runs on one thread, so that the host
+    has a core of its own to build on while the CPU's thread computes (the decisions below)."""
+    return widest_product < ONE_THREAD_WEIGHTS and not backend.gpu_computes()
+
+
 def layer_built(output: mx.array, widest_product: int, evaluate: bool = False):
     """Hand a layer's output to the compute path as soon as it is built. widest_product: the most
     weights one product of the model multiplies (its `widest_product`). evaluate: compute it before
@@ -36,7 +42,7 @@ def layer_built(output: mx.array, widest_product: int, evaluate: bool = False):
     0.8B shape, queued regardless: 0.96x). Where a GPU computes, the engine queues whole passes a
     step ahead (`overlap_decode_steps`), and nothing is queued here.
     """
-    queued = not evaluate and widest_product < ONE_THREAD_WEIGHTS and not backend.gpu_computes()
+    queued = not evaluate and _host_builds_beside(widest_product)
     if backend.cpu_kernels_built():
         cpu_kernels.keep_to_one_thread(queued)
     if evaluate:
@@ -60,7 +66,7 @@ def read_draft_verdicts_first(widest_product: int) -> bool:
     benchmarks/layer_queue.py, 9 alternated rounds: MTP 382 -> 435 tokens/s in one wait, DFlash 313
     -> 339). Not where a GPU computes, which a wait between the two would leave idle.
     """
-    return not backend.gpu_computes() and widest_product >= ONE_THREAD_WEIGHTS
+    return not backend.gpu_computes() and not _host_builds_beside(widest_product)
 
 
 def overlap_decode_steps(widest_product: int) -> bool:
@@ -73,7 +79,7 @@ def overlap_decode_steps(widest_product: int) -> bool:
     whose threads building the next step takes a core (2 cores, Qwen3.5-0.8B shape: 7.8 tokens/s
     stepping in turn, 7.5 overlapped).
     """
-    return backend.gpu_computes() or widest_product < ONE_THREAD_WEIGHTS
+    return backend.gpu_computes() or _host_builds_beside(widest_product)
 
 
 def prefill_layer_by_layer() -> bool:
