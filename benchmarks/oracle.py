@@ -47,12 +47,12 @@ class OracleDrafter(Drafter):
         return self.draft_rows([self], [k], [sampler], [None])[0]
 
     @classmethod
-    def draft_rows(cls, drafters, ks, samplers, masks):
+    def draft_rows(cls, drafters, ks, samplers, masks, verdicts_first=False):
         """The inner drafters draft together (as they would without the oracle), then each row's
         tokens are replaced."""
         inner = [d.inner for d in drafters]
         if inner[0] is not None:
-            inner_drafts = type(inner[0]).draft_rows(inner, ks, samplers, masks)
+            inner_drafts = type(inner[0]).draft_rows(inner, ks, samplers, masks, verdicts_first)
             mx.eval([tokens for tokens, _ in inner_drafts])  # MLX is lazy: replaced tokens must still run
             ks = [len(tokens) for tokens, _ in inner_drafts]
         drafts = [drafter._replay(k) for drafter, k in zip(drafters, ks)]

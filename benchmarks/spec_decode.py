@@ -5,7 +5,7 @@
 
 Prints, each against plain decoding measured in the same run (for every row, plain
 decoding runs again just before it: the ratio is within that pair, which keeps a
-shared machine's drift out of it):
+shared machine's drift out of it; `--rounds N` runs N pairs and prints medians):
 - the verify pass (1 + k tokens, snapshots on) relative to one decode step;
 - tokens/s with the model's MTP head drafting, default settings;
 - tokens/s with an oracle drafter at set acceptance rates, k = 1..4, adaptive length
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from statistics import median
 from pathlib import Path
 
 import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
@@ -94,16 +95,22 @@ def verify_cost(model, prompt, k):
     return timed(verify_pass), timed(decode_step)
 
 
-def against_plain(model, prompt, reference, n, k, make_drafter, adaptive=False):
-    """Speculative decoding with a fresh `make_drafter()` against plain decoding run just before it:
-    (tokens/s, plain tokens/s, its SpeculativeStats, the index where its greedy tokens leave
-    `reference`, plain decoding's, or None)."""
+def against_plain(model, prompt, reference, n, k, make_drafter, adaptive=False, rounds=1):
+    """Speculative decoding with a fresh `make_drafter()` against plain decoding run just before it,
+    `rounds` times: (the median of its tokens/s, of plain tokens/s, and of the rounds' ratios; the last
+    round's SpeculativeStats; the index where its greedy tokens leave `reference`, plain decoding's, or
+    None)."""
     # a short untimed run first: a GPU compiles each new kernel and shape on its first use
     speculative_decode(model, prompt, min(n, 2 * (k + 1)), k, make_drafter(), adaptive)
-    _, baseline = plain_decode(model, prompt, n)
-    tokens, tps, stats = speculative_decode(model, prompt, n, k, make_drafter(), adaptive)
-    departs = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
-    return tps, baseline, stats, departs
+    speeds, baselines, departs = [], [], None
+    for _ in range(rounds):
+        baselines.append(plain_decode(model, prompt, n)[1])
+        tokens, tps, stats = speculative_decode(model, prompt, n, k, make_drafter(), adaptive)
+        speeds.append(tps)
+        if departs is None:
+            departs = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    ratios = [a / b for a, b in zip(speeds, baselines)]
+    return median(speeds), median(baselines), median(ratios), stats, departs
 
 
 def main():
@@ -118,6 +125,12 @@ def main():
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="0: the whole vocabulary")
     p.add_argument("--skip-verify", action="store_true", help="leave out the verify-pass timings")
     p.add_argument("--verify-only", action="store_true", help="only the verify-pass timings")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="pairs of plain and speculative runs per row: medians (a noisy machine wants 5 or more)",
+    )
     args = p.parse_args()
     from mlx_hybrid.blas import active_blas
 
@@ -151,13 +164,15 @@ def main():
         return
 
     def report(label, k, make_drafter, adaptive=False):
-        tps, baseline, stats, departs = against_plain(model, prompt, reference, args.tokens, k, make_drafter, adaptive)
+        tps, baseline, ratio, stats, departs = against_plain(
+            model, prompt, reference, args.tokens, k, make_drafter, adaptive, args.rounds
+        )
         print(
-            f"  {label:<29} k={k}: {tps:6.2f} vs {baseline:5.2f} tokens/s  {tps / baseline:5.2f}x  "
+            f"  {label:<29} k={k}: {tps:6.2f} vs {baseline:5.2f} tokens/s  {ratio:5.2f}x  "
             f"(acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass)"
             + ("" if departs is None else f"  GREEDY OUTPUT DEPARTS FROM PLAIN DECODING AT TOKEN {departs}")
         )
-        return tps / baseline
+        return ratio
 
     def mtp(p_min):
         return MTPDrafter(model, draft_p_min=p_min, vocabulary=vocabulary)

@@ -540,6 +540,41 @@ def test_p_min_stops_drafting_below_the_confidence():
     assert never_stats.drafted == 0 and always_stats.drafted >= 3 * (always_stats.passes - 2)  # the last: shorter
 
 
+@pytest.mark.parametrize("verdicts_first", [False, True])
+def test_mtp_drafting_stops_at_the_first_unsure_draft_where_verdicts_are_read_first(verdicts_first, monkeypatch):
+    """Drafting in lockstep runs the head k times a round whatever the verdicts (the verify pass cuts
+    the drafts); where the engine reads the verdicts before verifying, a row stops drafting at its
+    first unsure draft, so a round whose drafts keep missing costs one head step. Either way the
+    tokens are plain decoding's. A p-min of 0.8 leaves the bundled model's head unsure about as often
+    as not."""
+    from mlx_hybrid.loaders import BUNDLED_MODEL
+
+    model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
+    fed = []
+    feed = MTPDrafter._feed
+    monkeypatch.setattr(
+        MTPDrafter, "_feed", staticmethod(lambda drafters, tokens: fed.append(1) or feed(drafters, tokens))
+    )
+    engine = Engine(model, tokenizer, MTPDrafter(model, draft_p_min=0.8), 3, prefix_store=PrefixStore(0))
+    engine.verdicts_first = verdicts_first  # (the model's size decides it: both ways here)
+    sequence = engine.submit("def parse_args(", max_tokens=60)
+    while any(row.prefilling for row in engine.rows) or not engine.rows:
+        engine.step()
+    passes = []  # (sure drafts verified, head steps fed a draft) of each pass
+    while engine.rows:
+        fed.clear()
+        drafted = sequence.stats.drafted
+        engine.step()
+        passes.append((sequence.stats.drafted - drafted, len(fed)))
+    if verdicts_first:
+        assert all(feeds <= drafted for drafted, feeds in passes), passes  # a draft is fed only if sure
+    else:
+        assert any(feeds > drafted for drafted, feeds in passes), passes  # the lockstep ran past unsure drafts
+    assert any(drafted == 0 for drafted, _ in passes) and any(drafted > 0 for drafted, _ in passes), passes
+    plain = mlx_hybrid.stream_generate(model, tokenizer, "def parse_args(", max_tokens=60, draft=None)
+    assert sequence.tokens == [response.token for response in plain]
+
+
 def _latest_continuation(history, k, sizes=(4, 3, 2)):
     """What followed the latest earlier occurrence of the longest matching suffix, by scanning."""
     for n in sizes:
@@ -577,9 +612,10 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, ve
     """The bundled model's head drafts confidently, so deciding p-min while drafting read the device
     after every draft (7 reads a pass at k=3), and sampling rows read it again for every draft's
     acceptance test; the verdicts and the speculative sampling rule now stay on the device until the
-    verify pass reads its tokens: one read a pass, whatever the rows (two where the engine reads the
-    verdicts before it verifies: `ops.read_draft_verdicts_first`). Each row's tokens are those it
-    gives alone, and greedy, those of plain decoding."""
+    verify pass reads its tokens: one read a pass, whatever the rows. Where the engine reads the
+    verdicts before it verifies (`ops.read_draft_verdicts_first`), drafting reads after each draft, to
+    stop at the first unsure one, then the pass reads the drafts and its tokens: k + 2. Each row's
+    tokens are those it gives alone, and greedy, those of plain decoding."""
     from benchmarks.engine_step import DeviceUse
     from mlx_hybrid.drafting import make_drafter
     from mlx_hybrid.loaders import BUNDLED_MODEL
@@ -597,8 +633,9 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, ve
         with use.counting():
             engine.step()
         reads.append(use.waits)
-    most = 2 if verdicts_first else 1
-    assert max(reads) == most and set(reads) <= {1, most}  # (a pass that drafts nothing reads once)
+    # a pass that drafts nothing reads once; reading verdicts first, one that drafts reads 1 to 3 times
+    # while drafting (until its rows stop), then once for its drafts and once for its tokens
+    assert set(reads) <= ({1, 3, 4, 5} if verdicts_first else {1}) and max(reads) == (5 if verdicts_first else 1)
     assert all(s.stats.drafted > 0 for s in sequences)
     for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):
         alone = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, temp=temp, seed=i)

@@ -69,7 +69,7 @@ class DFlashDrafter(Drafter):
         return self.draft_rows([self], [k], [sampler], [None])[0]
 
     @classmethod
-    def draft_rows(cls, drafters, ks, samplers, masks):
+    def draft_rows(cls, drafters, ks, samplers, masks, verdicts_first=False):
         """Up to block_size - 1 drafts for each row, its block's first ks[r], each marked with its p-min
         verdict (the verify pass cuts a row's drafts at its first unsure one; see `drafting.base.GroupRow`).
 

@@ -101,7 +101,7 @@ def build_batch(rows: list[Row], prefill_chunk: int, queue_drafts: bool = False,
     if drafting:
         masks = [None if row.processor is None else row.processor.draft_mask for row in drafting]
         drafts = draft_rows([row.drafter for row in drafting], [asked[row][0] for row in drafting],
-                            [row.sampler for row in drafting], masks)  # fmt: skip
+                            [row.sampler for row in drafting], masks, verdicts_first)  # fmt: skip
         for row, (tokens, logprobs) in zip(drafting, drafts):
             if row.processor is not None and tokens:
                 row.drafts = mx.stack(tokens).reshape(-1).tolist()

@@ -57,7 +57,8 @@ def layer_built(output: mx.array, widest_product: int, evaluate: bool = False):
 def read_draft_verdicts_first(widest_product: int) -> bool:
     """Whether a speculative pass reads its drafts' p-min verdicts before it builds the pass that
     verifies them, and verifies the sure drafts only (a plain step where none is), rather than
-    verifying every draft and cutting at the first unsure one after, in one wait a pass.
+    verifying every draft and cutting at the first unsure one after, in one wait a pass. Drafting
+    then reads after each draft and stops at a row's first unsure one (`drafting.draft_rows`).
 
     Yes on the CPU where products run on every core, where the wait costs the host little and every
     token verified costs its products (the 0.8B shape, drafts that never land: 0.81x plain decoding
