@@ -39,7 +39,7 @@ from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocabulary  # noqa
 from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter  # noqa: E402
 from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
 from mlx_hybrid.api import prefill  # noqa: E402
-from mlx_hybrid.speculative import keep_snapshot_buffers  # noqa: E402
+from mlx_hybrid.speculative import DraftingPolicy, keep_snapshot_buffers  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
 from shapes import SHAPES, random_model  # noqa: E402
 
@@ -126,12 +126,19 @@ def main():
     p.add_argument("--skip-verify", action="store_true", help="leave out the verify-pass timings")
     p.add_argument("--verify-only", action="store_true", help="only the verify-pass timings")
     p.add_argument(
+        "--max-plain-rounds",
+        type=int,
+        default=DraftingPolicy.MAX_PLAIN_ROUNDS,
+        help="the adaptive policy's longest run of plain rounds between tries (default: the package's)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="pairs of plain and speculative runs per row: medians (a noisy machine wants 5 or more)",
     )
     args = p.parse_args()
+    DraftingPolicy.MAX_PLAIN_ROUNDS = args.max_plain_rounds
     from mlx_hybrid.blas import active_blas
 
     dtype = getattr(mx, args.dtype)

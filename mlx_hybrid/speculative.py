@@ -180,9 +180,11 @@ class DraftingPolicy:
     else two more than it accepted (at least MIN_LENGTH): a verify pass's cost grows with its tokens
     where the products are compute-bound (a CPU), and a block is often accepted in part."""
 
-    # misses in a row before the policy backs off, and the longest run of plain rounds
+    # misses in a row before the policy backs off, and the longest run of plain rounds (the bundled
+    # model with drafts that never land: 0.83-0.85x plain decoding at 16, 0.87-0.88x at 64;
+    # docs/benchmarks.md, "Drafts that keep missing")
     MISSES_BEFORE_BACKOFF = 3
-    MAX_PLAIN_ROUNDS = 16
+    MAX_PLAIN_ROUNDS = 64
     MIN_LENGTH = 2
 
     def __init__(self, num_draft_tokens: int, adaptive: bool = False, adaptive_length: bool = False):
@@ -199,6 +201,10 @@ class DraftingPolicy:
             self.plain_rounds -= 1
             return 0
         return self.length if max_new is None else max(0, min(self.length, max_new - 1))
+
+    def backed_off_for(self, rounds: int) -> bool:
+        """Whether the next `rounds` rounds are plain steps, whatever `plan` is told."""
+        return self.plain_rounds >= rounds
 
     def record(self, drafted: int, accepted: int, asked: int, declines_cost: bool):
         """After a verify pass of `drafted` drafts (`asked` for) that accepted the first `accepted`;

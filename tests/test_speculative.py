@@ -517,16 +517,42 @@ def test_adaptive_drafting_backs_off_after_misses_and_keeps_k_while_accepting():
     prompt = reference("qwen35")["prompt_ids"][0].tolist()
     plain = plain_greedy("qwen35", "model.gguf")
     V = model.args.vocab_size
-    # every draft wrong: after 3 misses, plain rounds (1, 2, 4, ... 16) between tries, so
-    # over 128 tokens at most 16 rounds draft
+    # every draft wrong: after 3 misses, plain rounds (1, 2, 4, ... 64) between tries, so
+    # over 128 tokens 9 rounds draft
     tokens, stats = decode_with(model, prompt, OracleDrafter(plain, 0.0, V), 4, len(plain), adaptive=True)
     assert tokens == plain
-    assert stats.accepted == 0 and stats.drafted <= 4 * 16, stats
+    assert stats.accepted == 0 and stats.drafted <= 4 * 9, stats
     fixed_tokens, fixed = decode_with(model, prompt, OracleDrafter(plain, 0.0, V), 4, len(plain), adaptive=False)
     assert fixed_tokens == plain and fixed.drafted >= 4 * (len(plain) - 8), fixed
     # every draft right: the length stays at k
     tokens, stats = decode_with(model, prompt, OracleDrafter(plain, 1.0, V), 4, len(plain), adaptive=True)
     assert tokens == plain and stats.tokens_per_pass > 4.5, stats
+
+
+def test_a_row_whose_drafts_keep_missing_steps_ahead_as_plain_decoding_does(monkeypatch):
+    """Once a row's policy has backed off (drafts that never land: an oracle at 0%), its plain rounds
+    are queued a step ahead as plain decoding's are (`Engine._overlapped_pass`), and the round after
+    them drafts again. Its tokens are plain decoding's, beside a row without a drafter too."""
+    from mlx_hybrid.loaders import BUNDLED_MODEL
+
+    model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
+    prompts = [tokenizer.encode("def parse_args("), tokenizer.encode("import os\n")]
+
+    def decode(drafters):
+        engine = Engine(model, tokenizer, None, 3, adaptive=True, overlap=True, prefix_store=PrefixStore(0))
+        sequences = [engine.submit(p, 48, drafter=d, stop_tokens=()) for p, d in zip(prompts, drafters)]
+        engine.run()
+        return sequences
+
+    plain = [s.tokens for s in decode([None, None])]
+    overlapped = []
+    step_ahead = Engine._overlapped_pass
+    monkeypatch.setattr(Engine, "_overlapped_pass", lambda engine: overlapped.append(1) or step_ahead(engine))
+    missing, beside = decode([OracleDrafter(plain[0], 0.0, model.args.vocab_size), None])
+    assert missing.tokens == plain[0] and beside.tokens == plain[1]
+    # 48 tokens: rounds 1-3, 5, 8, 13, 22 and 39 draft, the 40 others step plainly, most of them ahead
+    assert missing.stats.drafted == 3 * 8 and missing.stats.accepted == 0, missing.stats
+    assert len(overlapped) >= 30, len(overlapped)
 
 
 def test_p_min_stops_drafting_below_the_confidence():
@@ -555,7 +581,8 @@ def test_mtp_drafting_stops_at_the_first_unsure_draft_where_verdicts_are_read_fi
     monkeypatch.setattr(
         MTPDrafter, "_feed", staticmethod(lambda drafters, tokens: fed.append(1) or feed(drafters, tokens))
     )
-    engine = Engine(model, tokenizer, MTPDrafter(model, draft_p_min=0.8), 3, prefix_store=PrefixStore(0))
+    drafter = MTPDrafter(model, draft_p_min=0.8)
+    engine = Engine(model, tokenizer, drafter, 3, adaptive=False, prefix_store=PrefixStore(0))  # every round drafts
     engine.verdicts_first = verdicts_first  # (the model's size decides it: both ways here)
     sequence = engine.submit("def parse_args(", max_tokens=60)
     while any(row.prefilling for row in engine.rows) or not engine.rows:

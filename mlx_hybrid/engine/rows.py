@@ -47,7 +47,7 @@ class Row:
         self.fed: list[int] = []  # tokens the caches have read
         self.last_hidden = None  # the trunk's hidden state at the last fed token [1, 1, E]
         self.drafts: list[int] = []  # with a processor: the drafts this pass verifies
-        self.ahead: Ahead | None = None  # a queued pass that reads `token` (see `Engine._overlapped_pass`)
+        self.ahead: Ahead | None = None  # a queued pass that reads `token` (see `step.plain_round_ahead`)
         self.prompt_checkpoint: tuple[int, ...] | None = None  # the key of the last checkpoint in its prompt
         self.number: int | None = None  # the request's number, where an engine numbers them (replicated)
 
@@ -67,6 +67,12 @@ class Row:
     def plan(self) -> int:
         """How many drafts to ask for this round (0: a plain step)."""
         return self.policy.plan(self.remaining) if self.policy is not None else 0
+
+    def steps_plain(self, rounds: int = 1) -> bool:
+        """Whether the row's next `rounds` rounds are plain steps whose drafter, if any, reads only the
+        trunk's last states: no drafter, or one whose policy has backed off (such steps may be queued a
+        step ahead, `step.plain_round_ahead`)."""
+        return self.drafter is None or (not self.drafter.reads_layers and self.policy.backed_off_for(rounds))
 
     def begin(self, first_token: int):
         """The prompt is read (and the drafter has read its parts): the first token."""

@@ -8,9 +8,10 @@ row accepts, rolls back and adapts on its own (`rows.Row`). Every decoding row c
 would compute alone (`step.build_batch`).
 
 A step builds the packed batch, runs the model and chooses tokens (`step`), then advances the rows
-(`_advance`). Where no row drafts and `ops.overlap_decode_steps` says so (a GPU, or a CPU whose
-products each run on one thread), it queues the next pass before it reads this pass's tokens
-(`_overlapped_pass`); the tokens are the same either way.
+(`_advance`). Where no row drafts (no drafter, or its policy has backed off) and
+`ops.overlap_decode_steps` says so (a GPU, or a CPU whose products each run on one thread), it queues
+the next pass before it reads this pass's tokens (`_overlapped_pass`); the tokens are the same either
+way.
 
 Sequences join between steps and leave when they finish or are cancelled. Nothing here knows about
 HTTP: `submit` gives a `Sequence` whose tokens arrive as events.
@@ -35,7 +36,7 @@ from .prefix_store import PrefixStore, capture, default_budget_bytes, restore
 from .prompt_images import PromptImages
 from .rows import Row
 from .sequence import Event, Sequence, request_params, token_logprobs
-from .step import Batch, Choice, build_batch, choose_tokens, drafter_states, queue_plain_pass, run_model
+from .step import Batch, Choice, build_batch, choose_tokens, drafter_states, plain_round_ahead, run_model
 
 
 class Engine:
@@ -299,7 +300,7 @@ class Engine:
 
     def _pass(self):
         """One model pass over the rows that have tokens to feed this step, in four parts."""
-        if self.overlap and all(not r.prefilling and r.drafter is None and r.processor is None for r in self.rows):
+        if self.overlap and all(not r.prefilling and r.processor is None and r.steps_plain() for r in self.rows):
             self._overlapped_pass()
             return
         for row in self.rows:
@@ -325,15 +326,10 @@ class Engine:
                 self.rows.remove(row)
 
     def _overlapped_pass(self):
-        """Plain decoding with the next pass queued before this one's tokens are read. Each
-        row's `ahead` is the pass that reads its `token`; the step queues the pass
-        that reads the tokens it chooses, then reads them."""
+        """Plain decoding with the next pass queued before this one's tokens are read
+        (`step.plain_round_ahead`)."""
         rows = list(self.rows)
-        missing = [row for row in rows if row.ahead is None]
-        if missing:
-            queue_plain_pass(self.model, missing, [mx.array([row.token]) for row in missing])
-        current = [row.ahead for row in rows]
-        queue_plain_pass(self.model, rows, [ahead.token for ahead in current])
+        current = plain_round_ahead(self.model, rows)
         tokens = mx.concatenate([ahead.token for ahead in current]).tolist()
         for row, ahead, token in zip(rows, current, tokens):
             row.advance(ahead.hidden, [token], 0, 0)

@@ -363,6 +363,23 @@ def _sampled_rounds(batch: Batch, sampling: list[int], samplers: Samplers, logit
     )
 
 
+def plain_round_ahead(model, rows: list[Row]) -> list[Ahead]:
+    """A plain round of `rows` from the passes queued a step ahead (`Row.ahead`; a row without one queues
+    it now), which it returns, once it has queued the next round's pass for the rows whose next round is
+    plain too (`Row.steps_plain`; a row that drafts next round queues nothing)."""
+    missing = [row for row in rows if row.ahead is None]
+    if missing:
+        queue_plain_pass(model, missing, [mx.array([row.token]) for row in missing])
+    current = [row.ahead for row in rows]
+    for row in rows:
+        row.plan()  # this round's plain step (a backed-off policy counts it off)
+        row.ahead = None
+    going_on = [i for i, row in enumerate(rows) if row.steps_plain()]
+    if going_on:
+        queue_plain_pass(model, [rows[i] for i in going_on], [current[i].token for i in going_on])
+    return current
+
+
 def queue_plain_pass(model, rows: list[Row], feeds: list[mx.array]):
     """Build one plain pass over `rows`, each fed its token [1] (lazy or known), and start it computing.
     It becomes each row's `ahead`: the engine reads its tokens a step later, and `Row.take_back` undoes
