@@ -202,9 +202,10 @@ class DraftingPolicy:
             return 0
         return self.length if max_new is None else max(0, min(self.length, max_new - 1))
 
-    def backed_off_for(self, rounds: int) -> bool:
-        """Whether the next `rounds` rounds are plain steps, whatever `plan` is told."""
-        return self.plain_rounds >= rounds
+    @property
+    def backed_off(self) -> bool:
+        """Whether the next round is a plain step, whatever `plan` is told."""
+        return self.plain_rounds > 0
 
     def record(self, drafted: int, accepted: int, asked: int, declines_cost: bool):
         """After a verify pass of `drafted` drafts (`asked` for) that accepted the first `accepted`;

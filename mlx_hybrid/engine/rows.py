@@ -68,11 +68,11 @@ class Row:
         """How many drafts to ask for this round (0: a plain step)."""
         return self.policy.plan(self.remaining) if self.policy is not None else 0
 
-    def steps_plain(self, rounds: int = 1) -> bool:
-        """Whether the row's next `rounds` rounds are plain steps whose drafter, if any, reads only the
-        trunk's last states: no drafter, or one whose policy has backed off (such steps may be queued a
-        step ahead, `step.plain_round_ahead`)."""
-        return self.drafter is None or (not self.drafter.reads_layers and self.policy.backed_off_for(rounds))
+    def steps_plain(self) -> bool:
+        """Whether the row's next round is a plain step whose drafter, if any, reads only the trunk's last
+        states: no drafter, or one whose policy has backed off (such steps may be queued a step ahead,
+        `step.plain_round_ahead`)."""
+        return self.drafter is None or (not self.drafter.reads_layers and self.policy.backed_off)
 
     def begin(self, first_token: int):
         """The prompt is read (and the drafter has read its parts): the first token."""
