@@ -532,15 +532,18 @@ def test_adaptive_drafting_backs_off_after_misses_and_keeps_k_while_accepting():
 def test_a_row_whose_drafts_keep_missing_steps_ahead_as_plain_decoding_does(monkeypatch):
     """Once a row's policy has backed off (drafts that never land: an oracle at 0%), its plain rounds
     are queued a step ahead as plain decoding's are (`Engine._overlapped_pass`), and the round after
-    them drafts again. Its tokens are plain decoding's, beside a row without a drafter too."""
+    them drafts again. Its tokens are plain decoding's, beside a row without a drafter too; sampling,
+    it draws the tokens it draws stepping in turn."""
     from mlx_hybrid.loaders import BUNDLED_MODEL
 
     model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
     prompts = [tokenizer.encode("def parse_args("), tokenizer.encode("import os\n")]
 
-    def decode(drafters):
-        engine = Engine(model, tokenizer, None, 3, adaptive=True, overlap=True, prefix_store=PrefixStore(0))
-        sequences = [engine.submit(p, 48, drafter=d, stop_tokens=()) for p, d in zip(prompts, drafters)]
+    def decode(drafters, overlap=True, temp=0.0):
+        engine = Engine(model, tokenizer, None, 3, adaptive=True, overlap=overlap, prefix_store=PrefixStore(0))
+        sequences = [
+            engine.submit(p, 48, drafter=d, stop_tokens=(), temp=temp, seed=7) for p, d in zip(prompts, drafters)
+        ]
         engine.run()
         return sequences
 
@@ -553,6 +556,12 @@ def test_a_row_whose_drafts_keep_missing_steps_ahead_as_plain_decoding_does(monk
     # 48 tokens: rounds 1-3, 5, 8, 13, 22 and 39 draft, the 40 others step plainly, most of them ahead
     assert missing.stats.drafted == 3 * 8 and missing.stats.accepted == 0, missing.stats
     assert len(overlapped) >= 30, len(overlapped)
+    # sampling rows draw the same tokens stepping ahead as stepping in turn
+    ahead, in_turn = (
+        decode([OracleDrafter(plain[0], 0.0, model.args.vocab_size), None], overlap, temp=0.8)
+        for overlap in (True, False)
+    )
+    assert [s.tokens for s in ahead] == [s.tokens for s in in_turn]
 
 
 def test_p_min_stops_drafting_below_the_confidence():
