@@ -138,6 +138,8 @@ def main():
         help="pairs of plain and speculative runs per row: medians (a noisy machine wants 5 or more)",
     )
     args = p.parse_args()
+    if args.rounds < 1 or args.max_plain_rounds < 1:
+        p.error("--rounds and --max-plain-rounds must be at least 1")
     DraftingPolicy.MAX_PLAIN_ROUNDS = args.max_plain_rounds
     from mlx_hybrid.blas import active_blas
 
