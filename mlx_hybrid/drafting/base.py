@@ -317,7 +317,10 @@ class _ConfidentDrafting(Drafter):
                 allowed = [masks[r] and masks[r](_values(drafts[r][0])) for r in active]
             tokens, logprobs, tops = head.draw(x, Samplers([samplers[r] for r in active]), allowed)
             if p_min > 0:
-                confident = (tops >= p_min).tolist()  # deciding whether to go on needs the values now
+                # deciding whether to go on needs the values now; the tokens are queued first, so that the
+                # same wait computes them for the grammar's or the verify pass's read of them after
+                mx.async_eval(tokens)
+                confident = (tops >= p_min).tolist()
             else:
                 confident = [True] * len(active)
             going = []
