@@ -16,12 +16,11 @@ from .common import (
 )
 from .running import (
     decode_rate,
-    exit_with,
     follow,
     load_for_generation,
     make_engine,
     on_every_rank,
-    quiet_on_closed_pipe,
+    run_command,
 )
 
 DESCRIPTION = """\
@@ -197,10 +196,7 @@ def _converse(session: ChatSession, args, described: str) -> int:
 
 
 def entry():
-    from mlx_hybrid.blas import prefer_optimized_blas
-
-    prefer_optimized_blas()
-    exit_with(quiet_on_closed_pipe(main))
+    run_command(main)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ from .common import (
 )
 from .running import (
     decode_rate,
-    exit_with,
     follow,
     load_for_generation,
     make_engine,
     on_every_rank,
     percentages,
-    quiet_on_closed_pipe,
+    run_command,
 )
 
 DESCRIPTION = """\
@@ -251,7 +250,4 @@ def _unwritable(path) -> str | None:
 
 
 def entry():
-    from mlx_hybrid.blas import prefer_optimized_blas
-
-    prefer_optimized_blas()  # restarts once with OpenBLAS preloaded, where installed (Linux)
-    exit_with(quiet_on_closed_pipe(main))
+    run_command(main)

@@ -127,6 +127,15 @@ def percentages(rates: list[float]) -> str:
     return ", ".join(f"{rate:.0%}" for rate in rates) or "none drafted"
 
 
+def run_command(main):
+    """A command's entry point: OpenBLAS preferred (the process restarts once with it preloaded, where
+    installed: Linux), then `main()`, quiet where its reader leaves early, its status the exit status."""
+    from mlx_hybrid.blas import prefer_optimized_blas
+
+    prefer_optimized_blas()
+    exit_with(quiet_on_closed_pipe(main))
+
+
 def exit_with(status: int | None):
     """End the command with `status`. A rank of an mlx.launch run ends at once, its output flushed:
     at exit MLX's ring backend joins its socket threads (`RingGroup`'s destructor), which can wait

@@ -24,7 +24,7 @@ from .common import (
     launched_rank,
     sampling_settings,
 )
-from .running import exit_with, load_for_generation, make_engine, on_every_rank
+from .running import load_for_generation, make_engine, on_every_rank, run_command
 
 # On SIGTERM or Ctrl-C, how long requests in flight may go on before they are ended: uvicorn's own
 # default waits for them all, which for a long prompt's prefill or a long answer is minutes.
@@ -221,7 +221,4 @@ def _cannot_listen(host: str, port: int) -> str | None:
 
 
 def entry():
-    from mlx_hybrid.blas import prefer_optimized_blas
-
-    prefer_optimized_blas()
-    exit_with(main())
+    run_command(main)
