@@ -221,7 +221,7 @@ def int8_type(bits: int, group_size: int, block) -> int | None:
 def int8_activations_computed() -> bool:
     """Whether products with llama.cpp's 8-bit activations compute in this process (the CPU, with our
     kernels built and checked)."""
-    return not backend.gpu_computes() and cpu_kernel_passed(INT8_PRODUCTS, cpu_quantized.small_case_int8)
+    return cpu_kernel_passed(INT8_PRODUCTS, cpu_quantized.small_case_int8)
 
 
 def half_activations() -> str | None:

@@ -11,6 +11,11 @@ import numpy as np
 F32 = mx.float32
 
 
+# Positions a block of factors holds: the few tokens of a decode step or a verify pass fall in one, and
+# read it as a view instead of computing their own (about 20 us of host time a call, 2 us a view).
+FACTOR_BLOCK = 256
+
+
 @lru_cache(maxsize=4)
 def _rope_factors(positions: range, head_dim: int, dims: int, base: float):
     """Per-feature factors c, s [T, head_dim] with rope(x) = x c + x[partner] s.
@@ -18,7 +23,18 @@ def _rope_factors(positions: range, head_dim: int, dims: int, base: float):
     Angles are computed in float64 on the host (the same for a position whichever call
     it comes in). Features past `dims` get c = 1, s = 0: they pass through unchanged.
     """
-    return _factors_at(positions, head_dim, dims, base)
+    block, at = divmod(positions.start, FACTOR_BLOCK)
+    if at + len(positions) > FACTOR_BLOCK:
+        return _factors_at(positions, head_dim, dims, base)
+    c, s = _factor_block(block, head_dim, dims, base)
+    return c[at : at + len(positions)], s[at : at + len(positions)]
+
+
+@lru_cache(maxsize=8)
+def _factor_block(block: int, head_dim: int, dims: int, base: float):
+    """The factors of positions block * FACTOR_BLOCK and on, `FACTOR_BLOCK` of them."""
+    start = block * FACTOR_BLOCK
+    return _factors_at(range(start, start + FACTOR_BLOCK), head_dim, dims, base)
 
 
 def _factors_at(positions, head_dim: int, dims: int, base: float):
