@@ -110,9 +110,6 @@ inline int grid_code(int values, const uint8_t* block, int g) {
 GRID_INLINE __m256i negated(__m256i magnitudes, __m256i minus) {
     return _mm256_sub_epi8(_mm256_xor_si256(magnitudes, minus), minus);  // two's complement where negative
 }
-GRID_INLINE __m256i signed_magnitudes(__m256i magnitudes, uint64_t m0, uint64_t m1, uint64_t m2, uint64_t m3) {
-    return negated(magnitudes, _mm256_setr_epi64x((long long)m0, (long long)m1, (long long)m2, (long long)m3));
-}
 
 // The masks that negate 32 values (0xFF where a value's sign bit is set) from their 32 sign bits, the
 // lowest first (IQ3_S's 4 sign bytes): each byte spread over its 8 values, then each value's bit.
@@ -202,47 +199,46 @@ GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid)
             deltas};
 }
 
-// Step `step` (32 values) of a grid type's row `row`: the signed values as bytes, in order.
+// Step `step` (32 values) of the row `row` of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
+// IQ3_XXS, IQ3_S): the magnitudes, and the masks that negate them (0xFF where a value is negative).
+struct GridStep {
+    __m256i magnitudes, minus;
+};
+GRID_INLINE __m256i masks(uint64_t m0, uint64_t m1, uint64_t m2, uint64_t m3) {
+    return _mm256_setr_epi64x((long long)m0, (long long)m1, (long long)m2, (long long)m3);
+}
+// the masks of four rows of 8 from the four 7-bit sign fields of a word (bits 0-27)
+GRID_INLINE __m256i masks_of_word(uint32_t word) {
+    return masks(SIGN_MASKS_OF_7_BITS[word & 127], SIGN_MASKS_OF_7_BITS[word >> 7 & 127],
+                 SIGN_MASKS_OF_7_BITS[word >> 14 & 127], SIGN_MASKS_OF_7_BITS[word >> 21 & 127]);
+}
 template <int VALUES>
-GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid) {
+GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid) {
     const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
     const int sub = step % 8;  // the 32 values' place in the block
     auto row8 = [grid](int index) { return grid_row8(grid, index); };
     auto row4 = [grid](int index) { return (int)load_u32(grid + 4 * index); };
-    // four 7-bit sign fields of a word (bits 0-27)
-    auto masks_of_word = [](uint32_t word, int j) { return SIGN_MASKS_OF_7_BITS[word >> (7 * j) & 127]; };
     if constexpr (VALUES == IQ2_XXS) {  // 4 index bytes, then a word of 4 x 7 sign bits and the code
         const uint8_t* q = block + 2 + 8 * sub;
-        const uint32_t word = load_u32(q + 4);
-        return signed_magnitudes(_mm256_setr_epi64x(row8(q[0]), row8(q[1]), row8(q[2]), row8(q[3])),
-                                 masks_of_word(word, 0), masks_of_word(word, 1), masks_of_word(word, 2),
-                                 masks_of_word(word, 3));
+        return {_mm256_setr_epi64x(row8(q[0]), row8(q[1]), row8(q[2]), row8(q[3])), masks_of_word(load_u32(q + 4))};
     } else if constexpr (VALUES == IQ2_XS) {  // 4 16-bit words: a 9-bit index and 7 sign bits
         uint16_t w[4];
         memcpy(w, block + 2 + 8 * sub, 8);
-        return signed_magnitudes(
-            _mm256_setr_epi64x(row8(w[0] & 511), row8(w[1] & 511), row8(w[2] & 511), row8(w[3] & 511)),
-            SIGN_MASKS_OF_7_BITS[w[0] >> 9], SIGN_MASKS_OF_7_BITS[w[1] >> 9], SIGN_MASKS_OF_7_BITS[w[2] >> 9],
-            SIGN_MASKS_OF_7_BITS[w[3] >> 9]);
+        return {_mm256_setr_epi64x(row8(w[0] & 511), row8(w[1] & 511), row8(w[2] & 511), row8(w[3] & 511)),
+                masks(SIGN_MASKS_OF_7_BITS[w[0] >> 9], SIGN_MASKS_OF_7_BITS[w[1] >> 9],
+                      SIGN_MASKS_OF_7_BITS[w[2] >> 9], SIGN_MASKS_OF_7_BITS[w[3] >> 9])};
     } else if constexpr (VALUES == IQ2_S) {  // 4 index bytes, 2 high bits each in qh, 4 sign bytes
         const uint8_t *q = block + 2 + 4 * sub, *signs = block + 34 + 4 * sub, high = block[66 + sub];
         auto index = [&](int j) { return q[j] | (high >> (2 * j) & 3) << 8; };
-        return signed_magnitudes(_mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))),
-                                 SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]],
-                                 SIGN_MASKS[signs[3]]);
+        return {_mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))),
+                masks(SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]], SIGN_MASKS[signs[3]])};
     } else if constexpr (VALUES == IQ3_XXS) {  // 8 index bytes; a word of signs and code after the block's indices
         const uint8_t* q = block + 2 + 8 * sub;
-        const uint32_t word = load_u32(block + 66 + 4 * sub);
-        return signed_magnitudes(_mm256_setr_epi32(row4(q[0]), row4(q[1]), row4(q[2]), row4(q[3]), row4(q[4]),
-                                                   row4(q[5]), row4(q[6]), row4(q[7])),
-                                 masks_of_word(word, 0), masks_of_word(word, 1), masks_of_word(word, 2),
-                                 masks_of_word(word, 3));
-    } else if constexpr (VALUES == IQ1_S || VALUES == IQ1_M) {
-        const Iq1Step parts = iq1_step<VALUES>(block, sub, grid);
-        return _mm256_add_epi8(parts.rows, parts.deltas);  // 8 g +- 1
-    } else if constexpr (VALUES == TQ1_0) {
-        return ternary_lanes(block, sub);
+        return {_mm256_setr_epi32(row4(q[0]), row4(q[1]), row4(q[2]), row4(q[3]), row4(q[4]), row4(q[5]), row4(q[6]),
+                                  row4(q[7])),
+                masks_of_word(load_u32(block + 66 + 4 * sub))};
     } else {  // IQ3_S: 8 index bytes, a ninth bit each in qh (bit j moved to bit 8), 4 sign bytes
+        static_assert(VALUES == IQ3_S);
         // (the 8 rows gathered in one instruction: 1.7-1.9x faster here than 8 loads and inserts on an
         // Intel Xeon with AVX-512; the other grid types' products were not faster so)
         const uint8_t *q = block + 2 + 8 * sub, high = block[66 + sub];
@@ -250,8 +246,21 @@ GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid
         const __m256i ninth =
             _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(high), shifts), _mm256_set1_epi32(256));
         const __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)), ninth);
-        return negated(_mm256_i32gather_epi32((const int*)grid, index, 4),
-                       sign_masks_of_bits(load_u32(block + 74 + 4 * sub)));
+        return {_mm256_i32gather_epi32((const int*)grid, index, 4), sign_masks_of_bits(load_u32(block + 74 + 4 * sub))};
+    }
+}
+
+// Step `step` (32 values) of a grid type's row `row`: the signed values as bytes, in order.
+template <int VALUES>
+GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid) {
+    if constexpr (VALUES == IQ1_S || VALUES == IQ1_M) {
+        const Iq1Step parts = iq1_step<VALUES>(row + (long)(step / 8) * grid_block_bytes(VALUES), step % 8, grid);
+        return _mm256_add_epi8(parts.rows, parts.deltas);  // 8 g +- 1
+    } else if constexpr (VALUES == TQ1_0) {
+        return ternary_lanes(row + (long)(step / 8) * grid_block_bytes(VALUES), step % 8);
+    } else {
+        const GridStep parts = grid_step<VALUES>(row, step, grid);
+        return negated(parts.magnitudes, parts.minus);
     }
 }
 

@@ -937,20 +937,23 @@ INT8_FN void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const i
                                           _mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub + 1) + 1)));
             else
                 scale = _mm256_set1_epi16((short)(2 * grid::grid_code(VALUES, block, sub) + 1));
-            __m256i v, delta_scales = _mm256_setzero_si256();
+            // the values' magnitudes, and their signs as bytes +-1 (0 where a value is 0) for x's codes
+            __m256i magnitudes, signs, delta_scales = _mm256_setzero_si256();
             if constexpr (IQ1) {
                 const grid::Iq1Step step = grid::iq1_step<VALUES>(block, sub, grid_rows);
-                v = _mm256_sign_epi8(ones, step.rows);  // (the grid's rows are 8 g)
+                signs = _mm256_sign_epi8(ones, step.rows);  // (the grid's rows are 8 g)
+                magnitudes = _mm256_sign_epi8(signs, signs);
                 if constexpr (VALUES == grid::IQ1_M) {
                     // each lane's delta sign (one a row of 8: its first byte's) times its scale, an int32 whose
                     // low word the madd takes (x's sums of 4 come with a high word of 0)
                     const __m256i lane_signs = _mm256_srai_epi32(_mm256_slli_epi32(step.deltas, 24), 24);
                     delta_scales = _mm256_sign_epi32(_mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF)), lane_signs);
                 }
-            } else {
-                v = grid::grid_lanes<VALUES>(row, 8 * b + sub, grid_rows);
+            } else {  // llama.cpp's way: the grid's magnitudes, x's codes negated where the values are
+                const grid::GridStep step = grid::grid_step<VALUES>(row, 8 * b + sub, grid_rows);
+                magnitudes = step.magnitudes;
+                signs = _mm256_or_si256(step.minus, ones);
             }
-            const __m256i magnitudes = _mm256_sign_epi8(v, v);
             const int at = b * SUPER_BLOCK + sub * BLOCK;
             for (int r = 0; r < R; r++) {
                 const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + at));
@@ -958,7 +961,7 @@ INT8_FN void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const i
                     delta_sums[r] = _mm256_add_epi32(
                         delta_sums[r],
                         _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums[r] + at / 2)), delta_scales));
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(signed_pairs(magnitudes, v, codes), scale));
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(signed_pairs(magnitudes, signs, codes), scale));
             }
         }
         const float d_w = _cvtsh_ss(grid::grid_d(VALUES, block));
