@@ -174,26 +174,35 @@ inline int iq1_s_sign(const uint8_t* block, int sub) { return load_u16(block + 3
 
 // IQ1_S's and IQ1_M's step `sub` (32 values) of a block: its grid rows (8 g for g -1, 0 or 1) and its
 // deltas (+-1 a value: one for the step's 32 values (IQ1_S), one a row of 8 (IQ1_M)); the values, times
-// 8, are their sums.
+// 8, are their sums. GATHER: as `grid_step`'s.
 struct Iq1Step {
     __m256i rows, deltas;
 };
-template <int VALUES>
+template <int VALUES, bool GATHER = false>
 GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid) {
     int index[4];
     __m256i deltas;
+    const uint8_t* q;
+    uint32_t high;  // per grid row, its 3 high index bits at 3 j (IQ1_S) or 4 j (IQ1_M)
     if constexpr (VALUES == IQ1_S) {  // 4 index bytes, then the step's word: 3 high bits each, the delta's sign
-        const uint8_t* q = block + 2 + 4 * sub;
-        const uint32_t word = load_u16(block + 34 + 2 * sub);
-        for (int j = 0; j < 4; j++) index[j] = q[j] | (word >> (3 * j) & 7) << 8;
+        q = block + 2 + 4 * sub;
+        high = load_u16(block + 34 + 2 * sub);
         deltas = _mm256_set1_epi8((char)iq1_s_sign(block, sub));
     } else {  // IQ1_M: 4 index bytes, a nibble each in qh: 3 high bits, the row's delta sign
-        const uint8_t* q = block + 4 * sub;
-        const uint32_t high = load_u16(block + 32 + 2 * sub);
-        for (int j = 0; j < 4; j++) index[j] = q[j] | (high >> (4 * j) & 7) << 8;
+        q = block + 4 * sub;
+        high = load_u16(block + 32 + 2 * sub);
         auto delta = [&](int j) { return (long long)(high >> (4 * j + 3) & 1 ? -1LL : 0x0101010101010101LL); };
         deltas = _mm256_setr_epi64x(delta(0), delta(1), delta(2), delta(3));
     }
+    constexpr int FIELD = VALUES == IQ1_S ? 3 : 4;
+    if constexpr (GATHER) {
+        const __m128i high_bits = _mm_and_si128(  // row j's 3 bits moved to bits 8-10
+            _mm_srlv_epi32(_mm_set1_epi32((int)(high << 8)), _mm_setr_epi32(0, FIELD, 2 * FIELD, 3 * FIELD)),
+            _mm_set1_epi32(0x700));
+        const __m128i at = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))), high_bits);
+        return {_mm256_i32gather_epi64((const long long*)grid, at, 8), deltas};
+    }
+    for (int j = 0; j < 4; j++) index[j] = q[j] | (high >> (FIELD * j) & 7) << 8;
     return {_mm256_setr_epi64x(grid_row8(grid, index[0]), grid_row8(grid, index[1]), grid_row8(grid, index[2]),
                                grid_row8(grid, index[3])),
             deltas};
@@ -201,46 +210,77 @@ GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid)
 
 // Step `step` (32 values) of the row `row` of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
 // IQ3_XXS, IQ3_S): the magnitudes, and the masks that negate them (0xFF where a value is negative).
+// GATHER: the grid rows and sign masks read by gather instructions, where the CPU's gathers are quicker
+// than a load and an insert a row (int8_products.cpp decides); IQ3_S's 8 rows always.
 struct GridStep {
     __m256i magnitudes, minus;
 };
-GRID_INLINE __m256i masks(uint64_t m0, uint64_t m1, uint64_t m2, uint64_t m3) {
-    return _mm256_setr_epi64x((long long)m0, (long long)m1, (long long)m2, (long long)m3);
+// four rows of 8 bytes of `table` (a grid's, or SIGN_MASKS'), at index (4 int32), by one gather
+GRID_INLINE __m256i gathered_rows(const void* table, __m128i index) {
+    return _mm256_i32gather_epi64((const long long*)table, index, 8);
+}
+GRID_INLINE __m256i rows_at(uint64_t r0, uint64_t r1, uint64_t r2, uint64_t r3) {
+    return _mm256_setr_epi64x((long long)r0, (long long)r1, (long long)r2, (long long)r3);
 }
 // the masks of four rows of 8 from the four 7-bit sign fields of a word (bits 0-27)
+template <bool GATHER>
 GRID_INLINE __m256i masks_of_word(uint32_t word) {
-    return masks(SIGN_MASKS_OF_7_BITS[word & 127], SIGN_MASKS_OF_7_BITS[word >> 7 & 127],
-                 SIGN_MASKS_OF_7_BITS[word >> 14 & 127], SIGN_MASKS_OF_7_BITS[word >> 21 & 127]);
+    const uint64_t* masks = SIGN_MASKS_OF_7_BITS.data();
+    if constexpr (GATHER)
+        return gathered_rows(
+            masks, _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)word), _mm_setr_epi32(0, 7, 14, 21)),
+                                 _mm_set1_epi32(127)));
+    return rows_at(masks[word & 127], masks[word >> 7 & 127], masks[word >> 14 & 127], masks[word >> 21 & 127]);
 }
-template <int VALUES>
+template <int VALUES, bool GATHER = false>
 GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid) {
     const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
     const int sub = step % 8;  // the 32 values' place in the block
-    auto row8 = [grid](int index) { return grid_row8(grid, index); };
-    auto row4 = [grid](int index) { return (int)load_u32(grid + 4 * index); };
+    auto row8 = [grid](int index) { return (uint64_t)grid_row8(grid, index); };
+    const uint64_t* masks7 = SIGN_MASKS_OF_7_BITS.data();
     if constexpr (VALUES == IQ2_XXS) {  // 4 index bytes, then a word of 4 x 7 sign bits and the code
         const uint8_t* q = block + 2 + 8 * sub;
-        return {_mm256_setr_epi64x(row8(q[0]), row8(q[1]), row8(q[2]), row8(q[3])), masks_of_word(load_u32(q + 4))};
+        const __m256i masks = masks_of_word<GATHER>(load_u32(q + 4));
+        if constexpr (GATHER)
+            return {gathered_rows(grid, _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q)))), masks};
+        return {rows_at(row8(q[0]), row8(q[1]), row8(q[2]), row8(q[3])), masks};
     } else if constexpr (VALUES == IQ2_XS) {  // 4 16-bit words: a 9-bit index and 7 sign bits
+        if constexpr (GATHER) {
+            const __m128i words = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)(block + 2 + 8 * sub)));
+            return {gathered_rows(grid, _mm_and_si128(words, _mm_set1_epi32(511))),
+                    gathered_rows(masks7, _mm_srli_epi32(words, 9))};
+        }
         uint16_t w[4];
         memcpy(w, block + 2 + 8 * sub, 8);
-        return {_mm256_setr_epi64x(row8(w[0] & 511), row8(w[1] & 511), row8(w[2] & 511), row8(w[3] & 511)),
-                masks(SIGN_MASKS_OF_7_BITS[w[0] >> 9], SIGN_MASKS_OF_7_BITS[w[1] >> 9],
-                      SIGN_MASKS_OF_7_BITS[w[2] >> 9], SIGN_MASKS_OF_7_BITS[w[3] >> 9])};
+        return {rows_at(row8(w[0] & 511), row8(w[1] & 511), row8(w[2] & 511), row8(w[3] & 511)),
+                rows_at(masks7[w[0] >> 9], masks7[w[1] >> 9], masks7[w[2] >> 9], masks7[w[3] >> 9])};
     } else if constexpr (VALUES == IQ2_S) {  // 4 index bytes, 2 high bits each in qh, 4 sign bytes
         const uint8_t *q = block + 2 + 4 * sub, *signs = block + 34 + 4 * sub, high = block[66 + sub];
+        if constexpr (GATHER) {
+            const __m128i high_bits = _mm_and_si128(
+                _mm_sllv_epi32(_mm_set1_epi32(high), _mm_setr_epi32(8, 6, 4, 2)), _mm_set1_epi32(0x300));
+            const __m128i index = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))), high_bits);
+            return {gathered_rows(grid, index),
+                    gathered_rows(SIGN_MASKS.data(), _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(signs))))};
+        }
         auto index = [&](int j) { return q[j] | (high >> (2 * j) & 3) << 8; };
-        return {_mm256_setr_epi64x(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))),
-                masks(SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]], SIGN_MASKS[signs[3]])};
+        return {rows_at(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))),
+                rows_at(SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]], SIGN_MASKS[signs[3]])};
     } else if constexpr (VALUES == IQ3_XXS) {  // 8 index bytes; a word of signs and code after the block's indices
         const uint8_t* q = block + 2 + 8 * sub;
+        const __m256i masks = masks_of_word<GATHER>(load_u32(block + 66 + 4 * sub));
+        if constexpr (GATHER) {
+            const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+            return {_mm256_i32gather_epi32((const int*)grid, index, 4), masks};
+        }
+        auto row4 = [grid](int index) { return (int)load_u32(grid + 4 * index); };
         return {_mm256_setr_epi32(row4(q[0]), row4(q[1]), row4(q[2]), row4(q[3]), row4(q[4]), row4(q[5]), row4(q[6]),
                                   row4(q[7])),
-                masks_of_word(load_u32(block + 66 + 4 * sub))};
+                masks};
     } else {  // IQ3_S: 8 index bytes, a ninth bit each in qh (bit j moved to bit 8), 4 sign bytes
         static_assert(VALUES == IQ3_S);
-        // (the 8 rows gathered in one instruction: 1.7-1.9x faster here than 8 loads and inserts on an
-        // Intel Xeon with AVX-512; the other grid types' products were not faster so)
+        // (the 8 rows gathered in one instruction whatever GATHER: 1.7-1.9x faster than 8 loads and inserts
+        // on an Intel Xeon with AVX-512)
         const uint8_t *q = block + 2 + 8 * sub, high = block[66 + sub];
         const __m256i shifts = _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1);
         const __m256i ninth =
