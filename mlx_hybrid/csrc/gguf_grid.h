@@ -191,8 +191,10 @@ GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid)
     } else {  // IQ1_M: 4 index bytes, a nibble each in qh: 3 high bits, the row's delta sign
         q = block + 4 * sub;
         high = load_u16(block + 32 + 2 * sub);
-        auto delta = [&](int j) { return (long long)(high >> (4 * j + 3) & 1 ? -1LL : 0x0101010101010101LL); };
-        deltas = _mm256_setr_epi64x(delta(0), delta(1), delta(2), delta(3));
+        // row j's delta: -1 where bit 4 j + 3 is set, else +1, in each of its bytes
+        const __m256i bits = _mm256_and_si256(
+            _mm256_srlv_epi64(_mm256_set1_epi64x(high), _mm256_setr_epi64x(3, 7, 11, 15)), _mm256_set1_epi64x(1));
+        deltas = _mm256_or_si256(_mm256_cmpeq_epi64(bits, _mm256_set1_epi64x(1)), _mm256_set1_epi8(1));
     }
     constexpr int FIELD = VALUES == IQ1_S ? 3 : 4;
     if constexpr (GATHER) {
