@@ -172,6 +172,14 @@ inline long long grid_row8(const uint8_t* grid, int index) {
 // IQ1_S's step `sub`'s delta sign, +1 or -1 (its word's top bit)
 inline int iq1_s_sign(const uint8_t* block, int sub) { return load_u16(block + 34 + 2 * sub) >> 15 ? -1 : 1; }
 
+// four rows of 8 bytes of `table` (a grid's, or SIGN_MASKS'), at index (4 int32), by one gather
+GRID_INLINE __m256i gathered_rows(const void* table, __m128i index) {
+    return _mm256_i32gather_epi64((const long long*)table, index, 8);
+}
+GRID_INLINE __m256i rows_at(uint64_t r0, uint64_t r1, uint64_t r2, uint64_t r3) {
+    return _mm256_setr_epi64x((long long)r0, (long long)r1, (long long)r2, (long long)r3);
+}
+
 // IQ1_S's and IQ1_M's step `sub` (32 values) of a block: its grid rows (8 g for g -1, 0 or 1) and its
 // deltas (+-1 a value: one for the step's 32 values (IQ1_S), one a row of 8 (IQ1_M)); the values, times
 // 8, are their sums. GATHER: as `grid_step`'s.
@@ -180,7 +188,6 @@ struct Iq1Step {
 };
 template <int VALUES, bool GATHER = false>
 GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid) {
-    int index[4];
     __m256i deltas;
     const uint8_t* q;
     uint32_t high;  // per grid row, its 3 high index bits at 3 j (IQ1_S) or 4 j (IQ1_M)
@@ -202,12 +209,10 @@ GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid)
             _mm_srlv_epi32(_mm_set1_epi32((int)(high << 8)), _mm_setr_epi32(0, FIELD, 2 * FIELD, 3 * FIELD)),
             _mm_set1_epi32(0x700));
         const __m128i at = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))), high_bits);
-        return {_mm256_i32gather_epi64((const long long*)grid, at, 8), deltas};
+        return {gathered_rows(grid, at), deltas};
     }
-    for (int j = 0; j < 4; j++) index[j] = q[j] | (high >> (FIELD * j) & 7) << 8;
-    return {_mm256_setr_epi64x(grid_row8(grid, index[0]), grid_row8(grid, index[1]), grid_row8(grid, index[2]),
-                               grid_row8(grid, index[3])),
-            deltas};
+    auto row = [&](int j) { return (uint64_t)grid_row8(grid, q[j] | (high >> (FIELD * j) & 7) << 8); };
+    return {rows_at(row(0), row(1), row(2), row(3)), deltas};
 }
 
 // Step `step` (32 values) of the row `row` of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
@@ -217,13 +222,6 @@ GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid)
 struct GridStep {
     __m256i magnitudes, minus;
 };
-// four rows of 8 bytes of `table` (a grid's, or SIGN_MASKS'), at index (4 int32), by one gather
-GRID_INLINE __m256i gathered_rows(const void* table, __m128i index) {
-    return _mm256_i32gather_epi64((const long long*)table, index, 8);
-}
-GRID_INLINE __m256i rows_at(uint64_t r0, uint64_t r1, uint64_t r2, uint64_t r3) {
-    return _mm256_setr_epi64x((long long)r0, (long long)r1, (long long)r2, (long long)r3);
-}
 // the masks of four rows of 8 from the four 7-bit sign fields of a word (bits 0-27)
 template <bool GATHER>
 GRID_INLINE __m256i masks_of_word(uint32_t word) {
