@@ -890,8 +890,9 @@ INT8_FN inline float block_scale(const void* scales, long b) {
     return _cvtsh_ss(((const uint16_t*)scales)[b]);
 }
 
-// signed bytes v (their magnitudes given, taken once for many rows of x) times signed codes x, in int16
-// sums of pairs (llama.cpp's: |v| times x with v's sign)
+// values given as their magnitudes (taken once for many rows of x) and their signs (v: the signed
+// values themselves, or +-1 a byte) times signed codes x, in int16 sums of pairs (llama.cpp's: the
+// magnitudes times x with v's sign)
 INT8_FN inline __m256i signed_pairs(__m256i magnitudes, __m256i v, __m256i x) {
     return _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, v));
 }
