@@ -17,8 +17,7 @@ from .common import (
 from .running import (
     decode_rate,
     follow,
-    load_for_generation,
-    make_engine,
+    load_engine,
     on_every_rank,
     run_command,
 )
@@ -140,8 +139,7 @@ def main(argv=None) -> int:
     import mlx_hybrid
 
     try:
-        model, tokenizer, drafting, described = load_for_generation(args)
-        engine = make_engine(model, tokenizer, drafting, args, max_batch=1)
+        model, tokenizer, engine, described = load_engine(args, max_batch=1)
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
     if not tokenizer.chat_template:

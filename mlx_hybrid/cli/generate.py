@@ -15,14 +15,14 @@ from .common import (
     add_model_arguments,
     add_sampling_arguments,
     fail,
+    launched,
     launched_rank,
     sampling_params,
 )
 from .running import (
     decode_rate,
     follow,
-    load_for_generation,
-    make_engine,
+    load_engine,
     on_every_rank,
     percentages,
     run_command,
@@ -98,6 +98,8 @@ def main(argv=None) -> int:
                     "<|vision_start|><|image_pad|><|vision_end|> per image in the prompt")  # fmt: skip
     if args.image and args.prompt_cache_file:
         return fail("--prompt-cache-file keeps text prompts only; it cannot be used with --image")
+    if launched() and args.prompt_cache_file:
+        return fail("--prompt-cache-file is for one process; it cannot be used under mlx.launch")
     missing = [path for path in args.image if not os.path.isfile(path)]
     if missing:
         return fail(f"--image {missing[0]}: no such file")
@@ -109,32 +111,31 @@ def main(argv=None) -> int:
     if problem:  # before the model loads and generates
         return fail(f"--prompt-cache-file {args.prompt_cache_file}: {problem}")
     try:
-        model, tokenizer, drafting, described = load_for_generation(args)
-        if model.parallel is not None and args.prompt_cache_file:
-            return fail("--prompt-cache-file is for one process; a split model cannot use it")
-        run = _Generation(model, tokenizer, drafting, args)
+        run = _Generation(args)
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
-    return on_every_rank(run.engine, lambda: run.main(prompt, described))
+    return on_every_rank(run.engine, lambda: run.main(prompt))
 
 
 class _Generation:
-    """One request through the engine (the same one the server drives), streamed to stdout."""
+    """The model and its engine (the one the server drives), and one request through it, streamed to stdout."""
 
-    def __init__(self, model, tokenizer, drafting, args):
+    def __init__(self, args):
         from mlx_hybrid.engine import PrefixStore
 
-        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.args = args
         self.store = PrefixStore(1 << 62)  # only what this run saves, or its prompt cache file
-        self.engine = make_engine(model, tokenizer, drafting, args, max_batch=1, prefix_store=self.store)
+        self.model, self.tokenizer, self.engine, self.described = load_engine(
+            args, max_batch=1, prefix_store=self.store
+        )
 
-    def main(self, prompt, described: str) -> int:
+    def main(self, prompt) -> int:
         import mlx_hybrid
         from mlx_hybrid.prompt import chat_prompt, user_message
 
         args = self.args
         if args.verbose:
-            print(described, file=sys.stderr)
+            print(self.described, file=sys.stderr)
         try:
             reusable = None  # the token count whose state --prompt-cache-file keeps
             if args.chat:

@@ -32,12 +32,14 @@ def describe_speculation(args, drafter, draft_tokens: int) -> str:
     return described + (f", p-min {args.draft_p_min}" if args.draft_p_min > 0 else ", exactly k")
 
 
-def load_for_generation(args):
-    """(model, tokenizer, the engine's drafting: (SpeculationSettings, a drafter built from them), a
-    line describing the setup) from the model and draft arguments; raises MlxHybridError
-    (GenerationError for contradictory options)."""
+def load_engine(args, **options):
+    """(model, tokenizer, the engine a command drives, a line describing the setup) from the model,
+    draft and --kv-* arguments, the rest of the engine's options as its constructor's; for a split
+    model, an engine that runs in step on every rank. Raises MlxHybridError (GenerationError for
+    contradictory options)."""
     import mlx_hybrid
     from mlx_hybrid import GenerationError, ops
+    from mlx_hybrid.engine import Engine, ReplicatedEngine
     from mlx_hybrid.blas import active_blas
     from mlx_hybrid.loaders.quantized import size_text
     from mlx_hybrid.parallel import launched_group
@@ -66,18 +68,9 @@ def load_for_generation(args):
         described += f"; KV cache in {args.kv_bits} bits, groups of {args.kv_group_size}"
     if model.parallel is not None:
         described += f"; {model.parallel.describe()}"
-    return model, tokenizer, (speculation, drafter), described
-
-
-def make_engine(model, tokenizer, drafting, args, **options):
-    """The engine a command drives (drafting: as `load_for_generation` gives it; its caches as the
-    --kv-* flags say); for a split model, one that runs in step on every rank."""
-    from mlx_hybrid.engine import Engine, ReplicatedEngine
-
     kind = Engine if model.parallel is None else ReplicatedEngine
-    speculation, drafter = drafting
     kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
-    return kind.speculating(model, tokenizer, speculation, drafter, **kv, **options)
+    return model, tokenizer, kind.speculating(model, tokenizer, speculation, drafter, **kv, **options), described
 
 
 def follow(engine, sequence, show) -> bool:

@@ -21,10 +21,11 @@ from .common import (
     add_sampling_settings,
     byte_count,
     fail,
+    launched,
     launched_rank,
     sampling_settings,
 )
-from .running import load_for_generation, make_engine, on_every_rank, run_command
+from .running import load_engine, on_every_rank, run_command
 
 # On SIGTERM or Ctrl-C, how long requests in flight may go on before they are ended: uvicorn's own
 # default waits for them all, which for a long prompt's prefill or a long answer is minutes.
@@ -175,15 +176,14 @@ def main(argv=None) -> int:
         image_access = image_access_of(args)
     except ValueError as e:
         return fail(str(e))
+    if launched() and args.prefix_cache_dir:
+        return fail("--prefix-cache-dir is for one process; under mlx.launch the checkpoints stay in memory")
     problem = _cannot_listen(args.host, args.port) if launched_rank() == 0 else None
     if problem:  # before the model loads, which can take minutes
         return fail(f"cannot listen on {args.host}:{args.port}: {problem}")
     try:
-        model, tokenizer, drafting, described = load_for_generation(args)
-        if model.parallel is not None and args.prefix_cache_dir:
-            return fail("--prefix-cache-dir is for one process; a split model keeps its checkpoints in memory")
         store = PrefixStore(args.prefix_cache_bytes, directory=args.prefix_cache_dir)
-        engine = make_engine(model, tokenizer, drafting, args, max_batch=args.max_batch, prefix_store=store)
+        model, tokenizer, engine, described = load_engine(args, max_batch=args.max_batch, prefix_store=store)
     except mlx_hybrid.MlxHybridError as e:
         return fail(str(e))
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
