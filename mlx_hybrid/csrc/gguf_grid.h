@@ -180,39 +180,45 @@ GRID_INLINE __m256i rows_at(uint64_t r0, uint64_t r1, uint64_t r2, uint64_t r3) 
     return _mm256_setr_epi64x((long long)r0, (long long)r1, (long long)r2, (long long)r3);
 }
 
-// IQ1_S's and IQ1_M's step `sub` (32 values) of a block: its grid rows (8 g for g -1, 0 or 1) and its
-// deltas (+-1 a value: one for the step's 32 values (IQ1_S), one a row of 8 (IQ1_M)); the values, times
-// 8, are their sums. GATHER: as `grid_step`'s.
-struct Iq1Step {
-    __m256i rows, deltas;
-};
+// IQ1_S's and IQ1_M's step `sub` (32 values) of a block: where its 4 grid indices' low bytes are, and
+// its word of their 3 high bits (at 3 j (IQ1_S) or 4 j (IQ1_M)), beside its scale code and delta sign
+// (IQ1_S: bits 12-15) or each row's delta sign (IQ1_M: bit 4 j + 3).
+template <int VALUES>
+GRID_INLINE const uint8_t* iq1_indices(const uint8_t* block, int sub) {
+    return VALUES == IQ1_S ? block + 2 + 4 * sub : block + 4 * sub;
+}
+template <int VALUES>
+GRID_INLINE uint32_t iq1_high(const uint8_t* block, int sub) {
+    return load_u16(block + (VALUES == IQ1_S ? 34 : 32) + 2 * sub);
+}
+
+// The step's four grid rows (8 g for g -1, 0 or 1). GATHER: as `grid_step`'s.
 template <int VALUES, bool GATHER = false>
-GRID_INLINE Iq1Step iq1_step(const uint8_t* block, int sub, const uint8_t* grid) {
-    __m256i deltas;
-    const uint8_t* q;
-    uint32_t high;  // per grid row, its 3 high index bits at 3 j (IQ1_S) or 4 j (IQ1_M)
-    if constexpr (VALUES == IQ1_S) {  // 4 index bytes, then the step's word: 3 high bits each, the delta's sign
-        q = block + 2 + 4 * sub;
-        high = load_u16(block + 34 + 2 * sub);
-        deltas = _mm256_set1_epi8((char)iq1_s_sign(block, sub));
-    } else {  // IQ1_M: 4 index bytes, a nibble each in qh: 3 high bits, the row's delta sign
-        q = block + 4 * sub;
-        high = load_u16(block + 32 + 2 * sub);
-        // row j's delta: -1 where bit 4 j + 3 is set, else +1, in each of its bytes
-        const __m256i bits = _mm256_and_si256(
-            _mm256_srlv_epi64(_mm256_set1_epi64x(high), _mm256_setr_epi64x(3, 7, 11, 15)), _mm256_set1_epi64x(1));
-        deltas = _mm256_or_si256(_mm256_cmpeq_epi64(bits, _mm256_set1_epi64x(1)), _mm256_set1_epi8(1));
-    }
+GRID_INLINE __m256i iq1_rows(const uint8_t* block, int sub, const uint8_t* grid) {
+    const uint8_t* q = iq1_indices<VALUES>(block, sub);
+    const uint32_t high = iq1_high<VALUES>(block, sub);
     constexpr int FIELD = VALUES == IQ1_S ? 3 : 4;
     if constexpr (GATHER) {
         const __m128i high_bits = _mm_and_si128(  // row j's 3 bits moved to bits 8-10
             _mm_srlv_epi32(_mm_set1_epi32((int)(high << 8)), _mm_setr_epi32(0, FIELD, 2 * FIELD, 3 * FIELD)),
             _mm_set1_epi32(0x700));
-        const __m128i at = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))), high_bits);
-        return {gathered_rows(grid, at), deltas};
+        return gathered_rows(grid, _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))), high_bits));
     }
     auto row = [&](int j) { return (uint64_t)grid_row8(grid, q[j] | (high >> (FIELD * j) & 7) << 8); };
-    return {rows_at(row(0), row(1), row(2), row(3)), deltas};
+    return rows_at(row(0), row(1), row(2), row(3));
+}
+
+// The step's deltas, +-1 a value (one sign for the 32 values (IQ1_S), one a row of 8 (IQ1_M)): its values
+// times 8 are the rows plus these.
+template <int VALUES>
+GRID_INLINE __m256i iq1_deltas(const uint8_t* block, int sub) {
+    if constexpr (VALUES == IQ1_S) return _mm256_set1_epi8((char)iq1_s_sign(block, sub));
+    // row j's: -1 where bit 4 j + 3 is set, else +1, in each of its bytes
+    const __m256i bits =
+        _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(iq1_high<VALUES>(block, sub)),
+                                           _mm256_setr_epi64x(3, 7, 11, 15)),
+                         _mm256_set1_epi64x(1));
+    return _mm256_or_si256(_mm256_cmpeq_epi64(bits, _mm256_set1_epi64x(1)), _mm256_set1_epi8(1));
 }
 
 // Step `step` (32 values) of the row `row` of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
@@ -294,8 +300,8 @@ GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid
 template <int VALUES>
 GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid) {
     if constexpr (VALUES == IQ1_S || VALUES == IQ1_M) {
-        const Iq1Step parts = iq1_step<VALUES>(row + (long)(step / 8) * grid_block_bytes(VALUES), step % 8, grid);
-        return _mm256_add_epi8(parts.rows, parts.deltas);  // 8 g +- 1
+        const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
+        return _mm256_add_epi8(iq1_rows<VALUES>(block, step % 8, grid), iq1_deltas<VALUES>(block, step % 8));
     } else if constexpr (VALUES == TQ1_0) {
         return ternary_lanes(row + (long)(step / 8) * grid_block_bytes(VALUES), step % 8);
     } else {

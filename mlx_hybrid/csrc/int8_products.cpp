@@ -82,7 +82,9 @@ constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); 
 #define INT8_FN __attribute__((target("avx2,fma,f16c")))
 // and of their AVX-512 bodies (where the CPU has AVX-512 F, VL, BW and DQ: `mlx_hybrid::avx512_in_use`),
 // each the AVX2 one's arithmetic to the bit
-#define INT8_WIDE_FN __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
+#define INT8_WIDE_FN AVX512_FN
+// an AVX2 body inlined into both (compiled for AVX-512 where its caller is)
+#define INT8_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 struct Q8Shape {
     int rows, inputs, outputs;  // M, K, N
@@ -485,6 +487,7 @@ INT8_WIDE_FN void dot_rows16_q4_k_wide(const uint8_t* w, long row_bytes, const u
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], _mm512_sub_ps(acc[r], acc_mins[r]));
+    mlx_hybrid::leave_avx512();
 }
 
 // ggml_vec_dot_q4_K_q8_K's AVX2 arithmetic, for the Q4_K matrices llama.cpp does not repack (rows
@@ -818,6 +821,7 @@ INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* facto
         }
     }
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
+    mlx_hybrid::leave_avx512();
 }
 
 // The 32-value types' AVX2 arithmetic for one weight row and one row of x quantized to Q8_0 (with its
@@ -902,35 +906,22 @@ INT8_FN inline __m256i signed_lanes(__m256i magnitudes, __m256i v, __m256i x) {
     return _mm256_madd_epi16(signed_pairs(magnitudes, v, x), _mm256_set1_epi16(1));
 }
 
-// ggml_vec_dot_iq2_xxs_q8_K's AVX2 arithmetic and its siblings' (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
-// IQ1_M) for one row of the file's blocks and one row of x quantized to Q8_K (in value order): per
-// block, lane k of 8 sums values 4k..4k+3 of every 32 (signed grid values times the codes) times their
-// scale 2 s + 1 (IQ2_XS's, IQ2_S's and IQ1_M's: one a 16 values) as integers, then times d_w d_x into
-// its float lane (a fused multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's
-// 0.125f, 0.25f: exact). The IQ1 types' grid values are -1, 0 and 1 and their deltas of +-1/8 a sum of
-// their own: the deltas times the codes times the scales, likewise in lanes (IQ1_M: a lane's 4 values share
-// a delta, so its sum of 4 codes, x_sums, times the delta's sign and the scale), or one integer a block
-// (IQ1_S: a step's one sign times x's sums of 16, x_sums), into float sums by fused multiply-adds;
-// their tree (IQ1_M) times 1/8 added at the end. R rows of x at once (x[r], x_d[r], x_sums[r]; *out[r]
-// gets row r's product), each grid row looked up once for them.
-template <int VALUES, int R = 1, bool GATHER = false>
-INT8_FN void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
-                           const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
-    constexpr bool IQ1 = VALUES == grid::IQ1_S || VALUES == grid::IQ1_M;
+// ggml_vec_dot_iq2_xxs_q8_K's AVX2 arithmetic and its siblings' (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) for one
+// row of the file's blocks and one row of x quantized to Q8_K (in value order): per block, lane k of 8
+// sums values 4k..4k+3 of every 32 (signed grid values times the codes) times their scale 2 s + 1 (IQ2_XS's
+// and IQ2_S's: one a 16 values) as integers, then times d_w d_x into its float lane (a fused
+// multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's 0.125f, 0.25f: exact). R rows
+// of x at once (x[r], x_d[r]; *out[r] gets row r's product), each grid row looked up once for them.
+template <int VALUES, int R, bool GATHER>
+INT8_INLINE void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
+                               const float* const* x_d, int blocks, float* const* out) {
     const __m256i ones = _mm256_set1_epi8(1);
-    __m256 acc[R], acc_deltas[R];
-    float acc_delta[R];  // IQ1_S's
-    for (int r = 0; r < R; r++) acc[r] = acc_deltas[r] = _mm256_setzero_ps(), acc_delta[r] = 0.0f;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
-        __m256i sums[R], delta_sums[R];
-        for (int r = 0; r < R; r++) sums[r] = delta_sums[r] = _mm256_setzero_si256();
-        // IQ1_S: each step's sign times its scale, for its two sums of 16 codes (stored here, read after
-        // the steps: a vector load right after the stores would wait for them)
-        int16_t signed_scales[16];
-        for (int sub = 0; VALUES == grid::IQ1_S && sub < 8; sub++)
-            signed_scales[2 * sub] = signed_scales[2 * sub + 1] =
-                (int16_t)(grid::iq1_s_sign(block, sub) * (2 * grid::grid_code(VALUES, block, sub) + 1));
+        __m256i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         for (int sub = 0; sub < 8; sub++) {
             __m256i scale;
             if constexpr (grid::grid_group_size(VALUES) == 16)  // word pairs 0-7: the first 16 values
@@ -938,53 +929,138 @@ INT8_FN void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const i
                                           _mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub + 1) + 1)));
             else
                 scale = _mm256_set1_epi16((short)(2 * grid::grid_code(VALUES, block, sub) + 1));
-            // the values' magnitudes, and their signs as bytes +-1 (0 where a value is 0) for x's codes
-            __m256i magnitudes, signs, delta_scales = _mm256_setzero_si256();
-            if constexpr (IQ1) {
-                const grid::Iq1Step step = grid::iq1_step<VALUES, GATHER>(block, sub, grid_rows);
-                signs = _mm256_sign_epi8(ones, step.rows);  // (the grid's rows are 8 g)
-                magnitudes = _mm256_sign_epi8(signs, signs);
-                if constexpr (VALUES == grid::IQ1_M) {
-                    // each lane's delta sign (one a row of 8: its first byte's) times its scale, an int32 whose
-                    // low word the madd takes (x's sums of 4 come with a high word of 0)
-                    const __m256i lane_signs = _mm256_srai_epi32(_mm256_slli_epi32(step.deltas, 24), 24);
-                    delta_scales = _mm256_sign_epi32(_mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF)), lane_signs);
-                }
-            } else {  // llama.cpp's way: the grid's magnitudes, x's codes negated where the values are
-                const grid::GridStep step = grid::grid_step<VALUES, GATHER>(row, 8 * b + sub, grid_rows);
-                magnitudes = step.magnitudes;
-                signs = _mm256_or_si256(step.minus, ones);
+            // llama.cpp's way: the grid's magnitudes, x's codes negated where the values are
+            const grid::GridStep step = grid::grid_step<VALUES, GATHER>(row, 8 * b + sub, grid_rows);
+            const __m256i signs = _mm256_or_si256(step.minus, ones);
+            const int at = b * SUPER_BLOCK + sub * BLOCK;
+            for (int r = 0; r < R; r++) {
+                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + at));
+                sums[r] = _mm256_add_epi32(sums[r],
+                                           _mm256_madd_epi16(signed_pairs(step.magnitudes, signs, codes), scale));
+            }
+        }
+        const float d_w = _cvtsh_ss(grid::grid_d(VALUES, block));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * x_d[r][b]), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+    }
+    for (int r = 0; r < R; r++)
+        *out[r] = mlx_hybrid::sum_lanes(acc[r]) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
+}
+
+// ggml_vec_dot_iq1_s_q8_K's and ggml_vec_dot_iq1_m_q8_K's AVX2 arithmetic, with dot_rows_grid's lanes and
+// arguments. The grid rows are 8 g for g -1, 0 or 1, so x's codes signed by them are the products, summed
+// in pairs by one maddubs with ones (signed_pairs of magnitudes 1). The deltas of +-1/8 make a sum of
+// their own, times 1/8 at the end: IQ1_M's (a sign a row of 8, so a lane's 4 values share it) as x's
+// sums of 4 codes (x_sums) times the signed scale, in lanes likewise; IQ1_S's (a sign a step) as one
+// integer a block, its steps' signed scales times x's sums of 16 codes, into a float sum by fused
+// multiply-adds.
+template <int VALUES, int R, bool GATHER>
+INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
+                              const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
+    constexpr bool M = VALUES == grid::IQ1_M;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc[R], acc_deltas[R];  // IQ1_M's deltas in lanes
+    float acc_delta[R];            // IQ1_S's
+    for (int r = 0; r < R; r++) acc[r] = acc_deltas[r] = _mm256_setzero_ps(), acc_delta[r] = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
+        __m256i sums[R], delta_sums[R];
+        for (int r = 0; r < R; r++) sums[r] = delta_sums[r] = _mm256_setzero_si256();
+        // The block's scales 2 s + 1 as int16. IQ1_M's 16, slot g for values 16 g..16 g + 15: the 3 bits at
+        // 3 (g % 4) of the word g / 4 at byte 48, moved to bits 9-11 by a multiply. IQ1_S's 8 (one a step:
+        // bits 12-14 of its word at byte 34) in both halves, and each also signed by its delta (bit 15)
+        // for the step's two sums of 16 codes.
+        __m256i scales, signed_scales;
+        if constexpr (M) {
+            uint64_t words;
+            memcpy(&words, block + 48, 8);
+            const __m256i word_of_slot = _mm256_shuffle_epi8(
+                _mm256_set1_epi64x((long long)words),
+                _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6,
+                                 7, 6, 7));
+            const __m256i moved = _mm256_mullo_epi16(
+                word_of_slot, _mm256_setr_epi16(512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1));
+            scales = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(moved, 8), _mm256_set1_epi16(14)),
+                                     _mm256_set1_epi16(1));
+        } else {
+            const __m128i words = _mm_loadu_si128((const __m128i*)(block + 34));
+            const __m128i step_scales =
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(words, 11), _mm_set1_epi16(14)), _mm_set1_epi16(1));
+            scales = _mm256_broadcastsi128_si256(step_scales);
+            const __m128i signed_steps = _mm_sign_epi16(step_scales, _mm_or_si128(words, _mm_set1_epi16(1)));
+            signed_scales = _mm256_setr_m128i(_mm_unpacklo_epi16(signed_steps, signed_steps),
+                                              _mm_unpackhi_epi16(signed_steps, signed_steps));
+        }
+#pragma GCC unroll 8
+        for (int sub = 0; sub < 8; sub++) {
+            const __m256i rows = grid::iq1_rows<VALUES, GATHER>(block, sub, grid_rows);
+            __m256i scale, delta_scales;
+            if constexpr (M) {
+                // every dword (s_2sub, s_2sub+1), then s_2sub in each word of the first half, s_2sub+1 in the second
+                scale = _mm256_shuffle_epi8(
+                    _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(sub)),
+                    _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                     2, 3, 2, 3));
+                // each lane's scale negated where its row's delta is (bit 4 j + 3, moved to the sign bit); x's
+                // sums of 4 come as (sum, 0) pairs, so only a dword's low word counts, and it is negated with it
+                const __m256i high = _mm256_set1_epi32((int)grid::iq1_high<VALUES>(block, sub));
+                delta_scales = _mm256_sign_epi32(
+                    scale, _mm256_or_si256(_mm256_sllv_epi32(high, _mm256_setr_epi32(28, 28, 24, 24, 20, 20, 16, 16)),
+                                           _mm256_set1_epi32(1)));
+            } else {
+                scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * sub)));
             }
             const int at = b * SUPER_BLOCK + sub * BLOCK;
             for (int r = 0; r < R; r++) {
                 const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + at));
-                if constexpr (VALUES == grid::IQ1_M)  // the deltas times the codes: each lane's sum of 4 codes
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(signed_pairs(ones, rows, codes), scale));
+                if constexpr (M)
                     delta_sums[r] = _mm256_add_epi32(
                         delta_sums[r],
                         _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x_sums[r] + at / 2)), delta_scales));
-                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(signed_pairs(magnitudes, signs, codes), scale));
             }
         }
         const float d_w = _cvtsh_ss(grid::grid_d(VALUES, block));
         for (int r = 0; r < R; r++) {
             const float d = d_w * x_d[r][b];
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sums[r]), acc[r]);
-            if constexpr (VALUES == grid::IQ1_M)
+            if constexpr (M)
                 acc_deltas[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(delta_sums[r]), acc_deltas[r]);
-            if constexpr (VALUES == grid::IQ1_S) {  // the block's deltas times x's sums of 16 codes, one integer
-                const __m256i delta_lanes = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)signed_scales),
-                                                              _mm256_loadu_si256((const __m256i*)(x_sums[r] + 16 * b)));
-                acc_delta[r] = std::fma(d, (float)sum_int_lanes(delta_lanes), acc_delta[r]);
-            }
+            else
+                acc_delta[r] = std::fma(d, (float)sum_int_lanes(_mm256_madd_epi16(
+                                               signed_scales, _mm256_loadu_si256((const __m256i*)(x_sums[r] + 16 * b)))),
+                                        acc_delta[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        if constexpr (VALUES == grid::IQ1_S) *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * acc_delta[r];
-        else if constexpr (VALUES == grid::IQ1_M)
-            *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * mlx_hybrid::sum_lanes(acc_deltas[r]);
-        else
-            *out[r] = mlx_hybrid::sum_lanes(acc[r]) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
-    }
+    for (int r = 0; r < R; r++)
+        *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * (M ? mlx_hybrid::sum_lanes(acc_deltas[r]) : acc_delta[r]);
+}
+
+// A grid type's product on the CPU it runs on. With AVX-512, compiled for it: twice AVX2's vector
+// registers, so nothing spills (the IQ1 products 15-18% faster on an Intel Xeon, Emerald Rapids), and
+// the grid rows and sign masks read by gathers (the IQ2 and IQ3_XXS products 24-42% faster there, the
+// IQ1 ones a few percent); an AVX2 CPU reads them a row at a time (on an AMD EPYC with AVX2 the gathers
+// were slower).
+template <int VALUES, int R, bool GATHER>
+INT8_INLINE void dot_rows_grid_type(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
+                                    const float* const* x_d, const int16_t* const* x_sums, int blocks,
+                                    float* const* out) {
+    if constexpr (VALUES == grid::IQ1_S || VALUES == grid::IQ1_M)
+        dot_rows_iq1<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    else
+        dot_rows_grid<VALUES, R, GATHER>(row, grid_rows, x, x_d, blocks, out);
+}
+template <int VALUES, int R>
+INT8_FN void dot_rows_grid_avx2(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
+                                const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
+    dot_rows_grid_type<VALUES, R, false>(row, grid_rows, x, x_d, x_sums, blocks, out);
+}
+template <int VALUES, int R>
+INT8_WIDE_FN void dot_rows_grid_wide(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
+                                     const float* const* x_d, const int16_t* const* x_sums, int blocks,
+                                     float* const* out) {
+    dot_rows_grid_type<VALUES, R, true>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    mlx_hybrid::leave_avx512();
 }
 
 // TQ2_0's step `sub` of a block of 2-bit values (MLX's packing: byte m of 128 values holds 4m..4m+3),
@@ -1405,6 +1481,7 @@ INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, i
             halves[2] = _mm512_castps512_ps256(acc[r][1]), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
         }
     }
+    mlx_hybrid::leave_avx512();
 }
 
 // The 16-bit types' product of R rows of x and `columns` (up to 8) weight rows on the body that reads
@@ -1664,13 +1741,10 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                         else
                             dot_rows_table<decltype(kind)::value, ROWS>(w_row, scales, x_codes, x_d, blocks, o);
                     };
-                    // the grid rows and sign masks by gathers with AVX-512 (an Intel Xeon, Emerald Rapids: the
-                    // IQ2 and IQ3_XXS products 24-42% faster, the IQ1 ones 10-13%); an AVX2 CPU reads them a row at
-                    // a time (on an AMD EPYC with AVX2 the gathers were slower)
                     auto grid_product = [&](auto values) {
-                        (wide ? dot_rows_grid<decltype(values)::value, ROWS, true>
-                                : dot_rows_grid<decltype(values)::value, ROWS, false>)(w_row, grid_rows, x_codes, x_d,
-                                                                                        x_shared, blocks, o);
+                        (wide ? dot_rows_grid_wide<decltype(values)::value, ROWS>
+                              : dot_rows_grid_avx2<decltype(values)::value, ROWS>)(w_row, grid_rows, x_codes, x_d,
+                                                                                    x_shared, blocks, o);
                     };
                     switch (s.type) {
                         case Q8_0: dot_rows_q8_0<ROWS>(w_row, factor_row, x_codes, x_d, blocks, o); break;
