@@ -966,20 +966,21 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
         const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
         __m256i sums[R], delta_sums[R];
         for (int r = 0; r < R; r++) sums[r] = delta_sums[r] = _mm256_setzero_si256();
-        // The block's scales 2 s + 1 as int16. IQ1_M's 16, slot g for values 16 g..16 g + 15: the 3 bits at
-        // 3 (g % 4) of the word g / 4 at byte 48, moved to bits 9-11 by a multiply. IQ1_S's 8 (one a step:
-        // bits 12-14 of its word at byte 34) in both halves, and each also signed by its delta (bit 15)
-        // for the step's two sums of 16 codes.
+        // The block's scales 2 s + 1 as int16, so that step sub's are words 2 sub and 2 sub + 1 of each half
+        // (one shuffle a step gives them). IQ1_M's 16, one a 16 values (value group g: the 3 bits at 3 (g % 4)
+        // of the word g / 4 at byte 48, moved to bits 9-11 by a multiply): the even groups in the first half,
+        // the odd ones in the second. IQ1_S's 8, one a step (bits 12-14 of its word at byte 34), in both
+        // halves, and each also signed by its delta (bit 15) for the step's two sums of 16 codes.
         __m256i scales, signed_scales;
         if constexpr (M) {
             uint64_t words;
             memcpy(&words, block + 48, 8);
-            const __m256i word_of_slot = _mm256_shuffle_epi8(
+            const __m256i word_of_group = _mm256_shuffle_epi8(
                 _mm256_set1_epi64x((long long)words),
-                _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6,
+                _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6,
                                  7, 6, 7));
             const __m256i moved = _mm256_mullo_epi16(
-                word_of_slot, _mm256_setr_epi16(512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1));
+                word_of_group, _mm256_setr_epi16(512, 8, 512, 8, 512, 8, 512, 8, 64, 1, 64, 1, 64, 1, 64, 1));
             scales = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(moved, 8), _mm256_set1_epi16(14)),
                                      _mm256_set1_epi16(1));
         } else {
@@ -994,21 +995,16 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
 #pragma GCC unroll 8
         for (int sub = 0; sub < 8; sub++) {
             const __m256i rows = grid::iq1_rows<VALUES, GATHER>(block, sub, grid_rows);
-            __m256i scale, delta_scales;
+            const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * sub)));
+            __m256i delta_scales;
             if constexpr (M) {
-                // every dword (s_2sub, s_2sub+1), then s_2sub in each word of the first half, s_2sub+1 in the second
-                scale = _mm256_shuffle_epi8(
-                    _mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(sub)),
-                    _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
-                                     2, 3, 2, 3));
-                // each lane's scale negated where its row's delta is (bit 4 j + 3, moved to the sign bit); x's
-                // sums of 4 come as (sum, 0) pairs, so only a dword's low word counts, and it is negated with it
-                const __m256i high = _mm256_set1_epi32((int)grid::iq1_high<VALUES>(block, sub));
+                // each lane's scale negated where its row's delta is (bit 4 j + 3 of the step's word, moved to
+                // the sign bit; the word read with the next, whose bits the shifts drop); x's sums of 4 come as
+                // (sum, 0) pairs, so only a dword's low word counts, and it is negated with it
+                const __m256i high = _mm256_set1_epi32((int)grid::load_u32(block + 32 + 2 * sub));
                 delta_scales = _mm256_sign_epi32(
                     scale, _mm256_or_si256(_mm256_sllv_epi32(high, _mm256_setr_epi32(28, 28, 24, 24, 20, 20, 16, 16)),
                                            _mm256_set1_epi32(1)));
-            } else {
-                scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * sub)));
             }
             const int at = b * SUPER_BLOCK + sub * BLOCK;
             for (int r = 0; r < R; r++) {
