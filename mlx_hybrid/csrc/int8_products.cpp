@@ -1032,11 +1032,12 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
         *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * (M ? mlx_hybrid::sum_lanes(acc_deltas[r]) : acc_delta[r]);
 }
 
-// A grid type's product on the CPU it runs on. With AVX-512, compiled for it: twice AVX2's vector
-// registers, so nothing spills (the IQ1 products 15-18% faster on an Intel Xeon, Emerald Rapids), and
-// the grid rows and sign masks read by gathers (the IQ2 and IQ3_XXS products 24-42% faster there, the
-// IQ1 ones a few percent); an AVX2 CPU reads them a row at a time (on an AMD EPYC with AVX2 the gathers
-// were slower).
+// A grid type's product on the CPU it runs on. With AVX-512, the grid rows and sign masks read by
+// gathers (on an Intel Xeon, Emerald Rapids: the IQ2 and IQ3_XXS products 24-42% faster, the IQ1 ones a
+// few percent), and the body compiled for AVX-512, whose twice as many vector registers spare the IQ1
+// products' spills (15-18% faster there; the IQ2 and IQ3_XXS ones 2-5%, and IQ3_S's 3-6% slower, so
+// that it keeps the AVX2 body). An AVX2 CPU reads the rows a load each (on an AMD EPYC with AVX2 the
+// gathers were slower).
 template <int VALUES, int R, bool GATHER>
 INT8_INLINE void dot_rows_grid_type(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                     const float* const* x_d, const int16_t* const* x_sums, int blocks,
@@ -1046,10 +1047,10 @@ INT8_INLINE void dot_rows_grid_type(const uint8_t* row, const uint8_t* grid_rows
     else
         dot_rows_grid<VALUES, R, GATHER>(row, grid_rows, x, x_d, blocks, out);
 }
-template <int VALUES, int R>
+template <int VALUES, int R, bool GATHER>
 INT8_FN void dot_rows_grid_avx2(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                 const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
-    dot_rows_grid_type<VALUES, R, false>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    dot_rows_grid_type<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
 }
 template <int VALUES, int R>
 INT8_WIDE_FN void dot_rows_grid_wide(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
@@ -1738,9 +1739,11 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                             dot_rows_table<decltype(kind)::value, ROWS>(w_row, scales, x_codes, x_d, blocks, o);
                     };
                     auto grid_product = [&](auto values) {
-                        (wide ? dot_rows_grid_wide<decltype(values)::value, ROWS>
-                              : dot_rows_grid_avx2<decltype(values)::value, ROWS>)(w_row, grid_rows, x_codes, x_d,
-                                                                                    x_shared, blocks, o);
+                        constexpr int V = decltype(values)::value;
+                        (!wide             ? dot_rows_grid_avx2<V, ROWS, false>
+                         : V == grid::IQ3_S ? dot_rows_grid_avx2<V, ROWS, true>
+                                            : dot_rows_grid_wide<V, ROWS>)(w_row, grid_rows, x_codes, x_d, x_shared,
+                                                                           blocks, o);
                     };
                     switch (s.type) {
                         case Q8_0: dot_rows_q8_0<ROWS>(w_row, factor_row, x_codes, x_d, blocks, o); break;
