@@ -172,7 +172,7 @@ inline long long grid_row8(const uint8_t* grid, int index) {
 // IQ1_S's step `sub`'s delta sign, +1 or -1 (its word's top bit)
 inline int iq1_s_sign(const uint8_t* block, int sub) { return load_u16(block + 34 + 2 * sub) >> 15 ? -1 : 1; }
 
-// four rows of 8 bytes of `table` (a grid's, or SIGN_MASKS'), at index (4 int32), by one gather
+// four rows of 8 bytes of `table` (a grid's, or SIGN_MASKS_OF_7_BITS'), at index (4 int32), by one gather
 GRID_INLINE __m256i gathered_rows(const void* table, __m128i index) {
     return _mm256_i32gather_epi64((const long long*)table, index, 8);
 }
@@ -262,16 +262,15 @@ GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid
                 rows_at(masks7[w[0] >> 9], masks7[w[1] >> 9], masks7[w[2] >> 9], masks7[w[3] >> 9])};
     } else if constexpr (VALUES == IQ2_S) {  // 4 index bytes, 2 high bits each in qh, 4 sign bytes
         const uint8_t *q = block + 2 + 4 * sub, *signs = block + 34 + 4 * sub, high = block[66 + sub];
+        const __m256i masks = sign_masks_of_bits(load_u32(signs));
         if constexpr (GATHER) {
             const __m128i high_bits = _mm_and_si128(
                 _mm_sllv_epi32(_mm_set1_epi32(high), _mm_setr_epi32(8, 6, 4, 2)), _mm_set1_epi32(0x300));
             const __m128i index = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))), high_bits);
-            return {gathered_rows(grid, index),
-                    gathered_rows(SIGN_MASKS.data(), _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(signs))))};
+            return {gathered_rows(grid, index), masks};
         }
         auto index = [&](int j) { return q[j] | (high >> (2 * j) & 3) << 8; };
-        return {rows_at(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))),
-                rows_at(SIGN_MASKS[signs[0]], SIGN_MASKS[signs[1]], SIGN_MASKS[signs[2]], SIGN_MASKS[signs[3]])};
+        return {rows_at(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))), masks};
     } else if constexpr (VALUES == IQ3_XXS) {  // 8 index bytes; a word of signs and code after the block's indices
         const uint8_t* q = block + 2 + 8 * sub;
         const __m256i masks = masks_of_word<GATHER>(load_u32(block + 66 + 4 * sub));

@@ -906,6 +906,56 @@ INT8_FN inline __m256i signed_lanes(__m256i magnitudes, __m256i v, __m256i x) {
     return _mm256_madd_epi16(signed_pairs(magnitudes, v, x), _mm256_set1_epi16(1));
 }
 
+// A grid block's scales 2 s + 1 as int16, held so that a step's are word `sub` of each half
+// (`step_scale`: one shuffle a step). Where a code covers 16 values (IQ2_XS, IQ2_S, IQ1_M) the even
+// groups' (a step's first 16 values) are the first half and the odd groups' the second; else both
+// halves hold the 8 steps'.
+template <int VALUES>
+INT8_INLINE __m256i block_scales(const uint8_t* block) {
+    __m256i codes;
+    if constexpr (VALUES == grid::IQ2_XS || VALUES == grid::IQ2_S) {  // group g's nibble: byte g / 2, bits 4 (g % 2)
+        const __m128i bytes = _mm_loadl_epi64((const __m128i*)(block + (VALUES == grid::IQ2_XS ? 66 : 74)));
+        const __m128i low = _mm_set1_epi8(15);
+        codes = _mm256_setr_m128i(_mm_cvtepu8_epi16(_mm_and_si128(bytes, low)),
+                                  _mm_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+    } else if constexpr (VALUES == grid::IQ1_M) {  // group g's: the 3 bits at 3 (g % 4) of the word g / 4 at
+        uint64_t words;                             // byte 48, moved to bits 9-11 by a multiply
+        memcpy(&words, block + 48, 8);
+        const __m256i word_of_group = _mm256_shuffle_epi8(
+            _mm256_set1_epi64x((long long)words),
+            _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6,
+                             7));
+        const __m256i moved = _mm256_mullo_epi16(
+            word_of_group, _mm256_setr_epi16(512, 8, 512, 8, 512, 8, 512, 8, 64, 1, 64, 1, 64, 1, 64, 1));
+        codes = _mm256_and_si256(_mm256_srli_epi16(moved, 9), _mm256_set1_epi16(7));
+    } else {
+        __m128i steps;  // the 8 steps' codes as int16
+        if constexpr (VALUES == grid::IQ2_XXS) {  // the top 4 bits of each step's second word (of 2 from byte 2)
+            const __m256i first = _mm256_srli_epi64(_mm256_loadu_si256((const __m256i*)(block + 2)), 60);
+            const __m256i last = _mm256_srli_epi64(_mm256_loadu_si256((const __m256i*)(block + 34)), 60);
+            const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+            steps = _mm_packus_epi32(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(first, even)),
+                                     _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(last, even)));
+        } else if constexpr (VALUES == grid::IQ3_XXS) {  // the top 4 bits of the step's word at byte 66
+            const __m256i words = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i*)(block + 66)), 28);
+            steps = _mm_packus_epi32(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+        } else if constexpr (VALUES == grid::IQ3_S) {  // step sub's nibble: byte sub / 2 from 106, bits 4 (sub % 2)
+            const __m128i bytes = _mm_cvtsi32_si128((int)grid::load_u32(block + 106));
+            const __m128i low = _mm_set1_epi8(15);
+            steps = _mm_cvtepu8_epi16(
+                _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+        } else {  // IQ1_S: bits 12-14 of the step's word at byte 34
+            static_assert(VALUES == grid::IQ1_S);
+            steps = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)(block + 34)), 12), _mm_set1_epi16(7));
+        }
+        codes = _mm256_broadcastsi128_si256(steps);
+    }
+    return _mm256_or_si256(_mm256_slli_epi16(codes, 1), _mm256_set1_epi16(1));
+}
+INT8_INLINE __m256i step_scale(__m256i scales, int sub) {
+    return _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * sub)));
+}
+
 // ggml_vec_dot_iq2_xxs_q8_K's AVX2 arithmetic and its siblings' (IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) for one
 // row of the file's blocks and one row of x quantized to Q8_K (in value order): per block, lane k of 8
 // sums values 4k..4k+3 of every 32 (signed grid values times the codes) times their scale 2 s + 1 (IQ2_XS's
@@ -922,13 +972,10 @@ INT8_INLINE void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, con
         const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
         __m256i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        const __m256i scales = block_scales<VALUES>(block);
+#pragma GCC unroll 8
         for (int sub = 0; sub < 8; sub++) {
-            __m256i scale;
-            if constexpr (grid::grid_group_size(VALUES) == 16)  // word pairs 0-7: the first 16 values
-                scale = _mm256_setr_m128i(_mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub) + 1)),
-                                          _mm_set1_epi16((short)(2 * grid::grid_code(VALUES, block, 2 * sub + 1) + 1)));
-            else
-                scale = _mm256_set1_epi16((short)(2 * grid::grid_code(VALUES, block, sub) + 1));
+            const __m256i scale = step_scale(scales, sub);
             // llama.cpp's way: the grid's magnitudes, x's codes negated where the values are
             const grid::GridStep step = grid::grid_step<VALUES, GATHER>(row, 8 * b + sub, grid_rows);
             const __m256i signs = _mm256_or_si256(step.minus, ones);
@@ -966,36 +1013,21 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
         const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
         __m256i sums[R], delta_sums[R];
         for (int r = 0; r < R; r++) sums[r] = delta_sums[r] = _mm256_setzero_si256();
-        // The block's scales 2 s + 1 as int16, so that step sub's are words 2 sub and 2 sub + 1 of each half
-        // (one shuffle a step gives them). IQ1_M's 16, one a 16 values (value group g: the 3 bits at 3 (g % 4)
-        // of the word g / 4 at byte 48, moved to bits 9-11 by a multiply): the even groups in the first half,
-        // the odd ones in the second. IQ1_S's 8, one a step (bits 12-14 of its word at byte 34), in both
-        // halves, and each also signed by its delta (bit 15) for the step's two sums of 16 codes.
-        __m256i scales, signed_scales;
-        if constexpr (M) {
-            uint64_t words;
-            memcpy(&words, block + 48, 8);
-            const __m256i word_of_group = _mm256_shuffle_epi8(
-                _mm256_set1_epi64x((long long)words),
-                _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6,
-                                 7, 6, 7));
-            const __m256i moved = _mm256_mullo_epi16(
-                word_of_group, _mm256_setr_epi16(512, 8, 512, 8, 512, 8, 512, 8, 64, 1, 64, 1, 64, 1, 64, 1));
-            scales = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(moved, 8), _mm256_set1_epi16(14)),
-                                     _mm256_set1_epi16(1));
-        } else {
-            const __m128i words = _mm_loadu_si128((const __m128i*)(block + 34));
-            const __m128i step_scales =
-                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(words, 11), _mm_set1_epi16(14)), _mm_set1_epi16(1));
-            scales = _mm256_broadcastsi128_si256(step_scales);
-            const __m128i signed_steps = _mm_sign_epi16(step_scales, _mm_or_si128(words, _mm_set1_epi16(1)));
+        // IQ1_S's step scales also signed by the step's delta (bit 15 of its word at byte 34), for the
+        // step's two sums of 16 codes
+        const __m256i scales = block_scales<VALUES>(block);
+        __m256i signed_scales;
+        if constexpr (!M) {
+            const __m128i signed_steps = _mm_sign_epi16(
+                _mm256_castsi256_si128(scales),
+                _mm_or_si128(_mm_loadu_si128((const __m128i*)(block + 34)), _mm_set1_epi16(1)));
             signed_scales = _mm256_setr_m128i(_mm_unpacklo_epi16(signed_steps, signed_steps),
                                               _mm_unpackhi_epi16(signed_steps, signed_steps));
         }
 #pragma GCC unroll 8
         for (int sub = 0; sub < 8; sub++) {
             const __m256i rows = grid::iq1_rows<VALUES, GATHER>(block, sub, grid_rows);
-            const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x0202 * sub)));
+            const __m256i scale = step_scale(scales, sub);
             __m256i delta_scales;
             if constexpr (M) {
                 // each lane's scale negated where its row's delta is (bit 4 j + 3 of the step's word, moved to
