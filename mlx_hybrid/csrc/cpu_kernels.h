@@ -42,8 +42,9 @@ bool avx512_in_use();
 // products' body, compiled per instruction set, names its own).
 #define AVX2_FN __attribute__((target("avx2,fma")))
 
-// The target of int8_products.cpp's AVX-512 functions (the quantized products' body names the same).
-#define AVX512_FN __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")))
+// The target of the AVX-512 builds (int8_products.cpp's wide functions, the quantized products' body).
+#define AVX512_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"
+#define AVX512_FN __attribute__((target(AVX512_TARGET)))
 
 // The last instructions of an AVX-512 function before it returns to code built for any x86-64: vector
 // registers 16-31 zeroed, then VZEROUPPER. VZEROUPPER leaves registers 16-31 as they are, and while they

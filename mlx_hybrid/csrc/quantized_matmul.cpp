@@ -125,7 +125,7 @@ int padded_groups(int k, int bits, int group_size) {
 #include "quantized_matmul_body.inc"
 #undef KERNEL_TARGET
 #undef KERNEL_NS
-#define KERNEL_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"
+#define KERNEL_TARGET AVX512_TARGET
 #define KERNEL_NS avx512
 #define KERNEL_WIDE
 #include "quantized_matmul_body.inc"
