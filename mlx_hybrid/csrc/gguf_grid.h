@@ -91,6 +91,12 @@ inline uint16_t grid_d(int values, const uint8_t* block) {
     return d;
 }
 
+// Where IQ1_S's and IQ1_M's blocks hold their 8 step words (16 bits each: each grid row's 3 high index
+// bits, at 3 j (IQ1_S) or 4 j (IQ1_M), beside IQ1_S's scale code and delta sign, bits 12-15, or IQ1_M's
+// row delta signs, bit 4 j + 3).
+template <int VALUES>
+constexpr int IQ1_WORDS = VALUES == IQ1_S ? 34 : 32;
+
 // The scale code of group g (of grid_group_size values) in a block.
 inline int grid_code(int values, const uint8_t* block, int g) {
     switch (values) {
@@ -98,7 +104,7 @@ inline int grid_code(int values, const uint8_t* block, int g) {
         case IQ2_XS: return block[66 + g / 2] >> (4 * (g % 2)) & 15;
         case IQ2_S: return block[74 + g / 2] >> (4 * (g % 2)) & 15;
         case IQ3_XXS: return load_u32(block + 66 + 4 * g) >> 28;
-        case IQ1_S: return load_u16(block + 34 + 2 * g) >> 12 & 7;
+        case IQ1_S: return load_u16(block + IQ1_WORDS<IQ1_S> + 2 * g) >> 12 & 7;
         case IQ1_M: return load_u16(block + 48 + 2 * (g / 4)) >> (3 * (g % 4)) & 7;
         case TQ1_0: return 0;  // d alone
         default: return block[106 + g / 2] >> (4 * (g % 2)) & 15;  // IQ3_S
@@ -170,7 +176,9 @@ inline long long grid_row8(const uint8_t* grid, int index) {
 }
 
 // IQ1_S's step `sub`'s delta sign, +1 or -1 (its word's top bit)
-inline int iq1_s_sign(const uint8_t* block, int sub) { return load_u16(block + 34 + 2 * sub) >> 15 ? -1 : 1; }
+inline int iq1_s_sign(const uint8_t* block, int sub) {
+    return load_u16(block + IQ1_WORDS<IQ1_S> + 2 * sub) >> 15 ? -1 : 1;
+}
 
 // four rows of 8 bytes of `table` (a grid's, or SIGN_MASKS_OF_7_BITS'), at index (4 int32), by one gather
 GRID_INLINE __m256i gathered_rows(const void* table, __m128i index) {
@@ -181,15 +189,14 @@ GRID_INLINE __m256i rows_at(uint64_t r0, uint64_t r1, uint64_t r2, uint64_t r3) 
 }
 
 // IQ1_S's and IQ1_M's step `sub` (32 values) of a block: where its 4 grid indices' low bytes are, and
-// its word of their 3 high bits (at 3 j (IQ1_S) or 4 j (IQ1_M)), beside its scale code and delta sign
-// (IQ1_S: bits 12-15) or each row's delta sign (IQ1_M: bit 4 j + 3).
+// its word (IQ1_WORDS).
 template <int VALUES>
 GRID_INLINE const uint8_t* iq1_indices(const uint8_t* block, int sub) {
     return VALUES == IQ1_S ? block + 2 + 4 * sub : block + 4 * sub;
 }
 template <int VALUES>
 GRID_INLINE uint32_t iq1_high(const uint8_t* block, int sub) {
-    return load_u16(block + (VALUES == IQ1_S ? 34 : 32) + 2 * sub);
+    return load_u16(block + IQ1_WORDS<VALUES> + 2 * sub);
 }
 
 // The step's four grid rows (8 g for g -1, 0 or 1). GATHER: as `grid_step`'s.

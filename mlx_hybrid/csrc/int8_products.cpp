@@ -944,9 +944,10 @@ INT8_INLINE __m256i block_scales(const uint8_t* block) {
             const __m128i low = _mm_set1_epi8(15);
             steps = _mm_cvtepu8_epi16(
                 _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
-        } else {  // IQ1_S: bits 12-14 of the step's word at byte 34
+        } else {  // IQ1_S: bits 12-14 of the step's word
             static_assert(VALUES == grid::IQ1_S);
-            steps = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)(block + 34)), 12), _mm_set1_epi16(7));
+            const __m128i words = _mm_loadu_si128((const __m128i*)(block + grid::IQ1_WORDS<VALUES>));
+            steps = _mm_and_si128(_mm_srli_epi16(words, 12), _mm_set1_epi16(7));
         }
         codes = _mm256_broadcastsi128_si256(steps);
     }
@@ -1013,14 +1014,14 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
         const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
         __m256i sums[R], delta_sums[R];
         for (int r = 0; r < R; r++) sums[r] = delta_sums[r] = _mm256_setzero_si256();
-        // IQ1_S's step scales also signed by the step's delta (bit 15 of its word at byte 34), for the
-        // step's two sums of 16 codes
+        // IQ1_S's step scales also signed by the step's delta (bit 15 of its word), for the step's two sums
+        // of 16 codes
         const __m256i scales = block_scales<VALUES>(block);
         __m256i signed_scales;
         if constexpr (!M) {
             const __m128i signed_steps = _mm_sign_epi16(
                 _mm256_castsi256_si128(scales),
-                _mm_or_si128(_mm_loadu_si128((const __m128i*)(block + 34)), _mm_set1_epi16(1)));
+                _mm_or_si128(_mm_loadu_si128((const __m128i*)(block + grid::IQ1_WORDS<VALUES>)), _mm_set1_epi16(1)));
             signed_scales = _mm256_setr_m128i(_mm_unpacklo_epi16(signed_steps, signed_steps),
                                               _mm_unpackhi_epi16(signed_steps, signed_steps));
         }
@@ -1033,7 +1034,7 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
                 // each lane's scale negated where its row's delta is (bit 4 j + 3 of the step's word, moved to
                 // the sign bit; the word read with the next, whose bits the shifts drop); x's sums of 4 come as
                 // (sum, 0) pairs, so only a dword's low word counts, and it is negated with it
-                const __m256i high = _mm256_set1_epi32((int)grid::load_u32(block + 32 + 2 * sub));
+                const __m256i high = _mm256_set1_epi32((int)grid::load_u32(block + grid::IQ1_WORDS<VALUES> + 2 * sub));
                 delta_scales = _mm256_sign_epi32(
                     scale, _mm256_or_si256(_mm256_sllv_epi32(high, _mm256_setr_epi32(28, 28, 24, 24, 20, 20, 16, 16)),
                                            _mm256_set1_epi32(1)));
