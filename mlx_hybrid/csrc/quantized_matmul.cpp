@@ -479,6 +479,10 @@ mx::array gather_grid_matmul(const mx::array& x, const mx::array& blocks, const 
 }  // namespace
 
 bool mlx_hybrid::avx512_in_use() { return level_in_use() == AVX512; }
+bool mlx_hybrid::avx512_vbmi_in_use() {
+    static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+    return vbmi && avx512_in_use();
+}
 
 void mlx_hybrid::bind_quantized_matmul(nb::module_& m) {
     m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
