@@ -1137,12 +1137,14 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
         *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * (M ? mlx_hybrid::sum_lanes(acc_deltas[r]) : acc_delta[r]);
 }
 
-// A grid type's product on the CPU it runs on. With AVX-512, the grid rows and sign masks read by
-// gathers (on an Intel Xeon, Emerald Rapids: the IQ2 and IQ3_XXS products 24-42% faster, the IQ1 ones a
-// few percent), and the body compiled for AVX-512, whose twice as many vector registers spare the IQ1
-// products' spills (15-18% faster there; the IQ2 and IQ3_XXS ones 2-5%, and IQ3_S's 3-6% slower, so
-// that it keeps the AVX2 body). An AVX2 CPU reads the rows a load each (on an AMD EPYC with AVX2 the
-// gathers were slower).
+// A grid type's product on the CPU it runs on. With AVX-512, the body compiled for AVX-512, whose twice
+// as many vector registers spare the IQ1 products' spills (on an Intel Xeon, Emerald Rapids, 15-18%
+// faster; the IQ2 and IQ3_XXS ones 2-5%, and IQ3_S's 3-6% slower, so that it keeps the AVX2 body), and
+// on an Intel CPU the grid rows and sign masks read by gathers (there the IQ2 and IQ3_XXS products
+// 24-42% faster, the IQ1 ones a few percent). Elsewhere a load each: on an AMD EPYC (Zen 4) the gathers
+// took 45% of IQ2_S's samples, and the products of 3584 x 1024 on one thread without them were 6-20%
+// faster (IQ2_XS 531 -> 426 us, IQ2_XXS 435 -> 372; IQ2_S 3% slower); with AVX2 alone they were slower
+// there too.
 template <int VALUES, int R, bool GATHER>
 INT8_INLINE void dot_rows_grid_type(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                     const float* const* x_d, const int16_t* const* x_sums, int blocks,
@@ -1157,11 +1159,11 @@ INT8_FN void dot_rows_grid_avx2(const uint8_t* row, const uint8_t* grid_rows, co
                                 const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
     dot_rows_grid_type<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
 }
-template <int VALUES, int R>
+template <int VALUES, int R, bool GATHER>
 INT8_WIDE_FN void dot_rows_grid_wide(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                      const float* const* x_d, const int16_t* const* x_sums, int blocks,
                                      float* const* out) {
-    dot_rows_grid_type<VALUES, R, true>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    dot_rows_grid_type<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
     mlx_hybrid::leave_avx512();
 }
 
@@ -1690,6 +1692,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const size_t quantized = half ? 0 : x_rows;  // (rows of the 8-bit forms)
     const bool wide = mlx_hybrid::avx512_in_use();  // (BF16's x is rounded into the order of the body it meets)
     const bool vbmi = mlx_hybrid::avx512_vbmi_in_use();
+    static const bool intel_gathers = __builtin_cpu_is("intel");  // (dot_rows_grid_type says why)
     QuantizedRows q{std::vector<int8_t>(quantized * K), std::vector<float>(quantized * blocks),
                     std::vector<int16_t>(quantized * row_shared), std::vector<float>(quantized * blocks),
                     std::vector<float>(half ? (size_t)x_rows * K : 0)};
@@ -1848,10 +1851,11 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     };
                     auto grid_product = [&](auto values) {
                         constexpr int V = decltype(values)::value;
-                        (!wide             ? dot_rows_grid_avx2<V, ROWS, false>
-                         : V == grid::IQ3_S ? dot_rows_grid_avx2<V, ROWS, true>
-                                            : dot_rows_grid_wide<V, ROWS>)(w_row, grid_rows, x_codes, x_d, x_shared,
-                                                                           blocks, o);
+                        (!wide               ? dot_rows_grid_avx2<V, ROWS, false>
+                         : V == grid::IQ3_S   ? dot_rows_grid_avx2<V, ROWS, true>
+                         : intel_gathers      ? dot_rows_grid_wide<V, ROWS, true>
+                                              : dot_rows_grid_wide<V, ROWS, false>)(w_row, grid_rows, x_codes, x_d,
+                                                                                    x_shared, blocks, o);
                     };
                     switch (s.type) {
                         case Q8_0: dot_rows_q8_0<ROWS>(w_row, factor_row, x_codes, x_d, blocks, o); break;
