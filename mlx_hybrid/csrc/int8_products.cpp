@@ -1154,10 +1154,10 @@ INT8_INLINE void dot_rows_grid_type(const uint8_t* row, const uint8_t* grid_rows
     else
         dot_rows_grid<VALUES, R, GATHER>(row, grid_rows, x, x_d, blocks, out);
 }
-template <int VALUES, int R, bool GATHER>
+template <int VALUES, int R>
 INT8_FN void dot_rows_grid_avx2(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                 const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
-    dot_rows_grid_type<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    dot_rows_grid_type<VALUES, R, false>(row, grid_rows, x, x_d, x_sums, blocks, out);
 }
 template <int VALUES, int R, bool GATHER>
 INT8_WIDE_FN void dot_rows_grid_wide(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
@@ -1851,11 +1851,13 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     };
                     auto grid_product = [&](auto values) {
                         constexpr int V = decltype(values)::value;
-                        (!wide               ? dot_rows_grid_avx2<V, ROWS, false>
-                         : V == grid::IQ3_S   ? dot_rows_grid_avx2<V, ROWS, true>
-                         : intel_gathers      ? dot_rows_grid_wide<V, ROWS, true>
-                                              : dot_rows_grid_wide<V, ROWS, false>)(w_row, grid_rows, x_codes, x_d,
-                                                                                    x_shared, blocks, o);
+                        // (IQ3_S keeps the AVX2 body, its rows gathered whatever GATHER)
+                        auto product = dot_rows_grid_avx2<V, ROWS>;
+                        if constexpr (V != grid::IQ3_S)
+                            if (wide)
+                                product = intel_gathers ? dot_rows_grid_wide<V, ROWS, true>
+                                                        : dot_rows_grid_wide<V, ROWS, false>;
+                        product(w_row, grid_rows, x_codes, x_d, x_shared, blocks, o);
                     };
                     switch (s.type) {
                         case Q8_0: dot_rows_q8_0<ROWS>(w_row, factor_row, x_codes, x_d, blocks, o); break;
