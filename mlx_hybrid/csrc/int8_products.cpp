@@ -58,7 +58,7 @@ namespace {
 
 constexpr int BLOCK = 32;           // Q8_0's values a block; Q4_K's a group
 constexpr int SUPER_BLOCK = 256;    // Q8_K's and Q4_K's values a block
-constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time
+constexpr long ROWS_PER_PART = 64;  // weight rows a thread takes at a time (the least, for a row of x alone)
 // rows of x the products take at a time: the groups-of-16 K-quants' AVX-512 body 16 (its 32 registers)
 // where K <= 2048 (16 rows of codes within L1), else 8 as their AVX2 one; Q4_K matrices of rows in
 // eights 4 with AVX2 (dot_rows8_q4_k: 8 weight rows' values fill half the registers), 8 with AVX-512
@@ -1671,6 +1671,17 @@ void by_count(int rows, F&& f) {
     if constexpr (MOST > 1) by_count<MOST - 1>(rows, f);
 }
 
+// A step's first weight row n of a product (its bytes, its factors' and its codes') and where the
+// tile's rows of x put their products of it
+struct Weights {
+    long n;
+    const uint8_t* w;
+    const uint8_t* scales;  // (float16 factors, MXFP4's uint8 exponents)
+    const int8_t* codes;
+    float* out[TILE_ROWS];
+    const uint16_t* factors() const { return (const uint16_t*)scales; }
+};
+
 // y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
 // matrix it multiplies (the one matrix, or matrix indices[m]).
 void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
@@ -1733,7 +1744,6 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
         for (int i = 0; offset && i < K / 2; i++) shared[i] = (int16_t)(offset * (codes[2 * i] + codes[2 * i + 1]));
     });
     const long row_bytes = held.bytes;
-    const int parts = (int)((N + ROWS_PER_PART - 1) / ROWS_PER_PART);
     // rows of x taken at a time where they multiply the same matrix (an expert product's: the rows that
     // chose the same expert), each weight row read once for them; Q4_K matrices of rows in eights take 8
     // weight rows at a time too, for a tile of several rows of x (one row alone, a decode step's or an
@@ -1755,8 +1765,24 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     // pass's few rows; not where the host builds the next layers beside them, whose kernels
     // mlx_hybrid/ops/schedule.py keeps to this thread: Pool::keep_to_one_thread)
     const bool parallel = (long)N * K >= (1L << 20) || (long)N * K * M >= (1L << 21);
-    Pool::get().run(parts, parallel, [&](int part) {
-        const long first = part * ROWS_PER_PART, end = std::min<long>(N, first + ROWS_PER_PART);
+    // The threads claim weight rows in runs from a shared cursor. A row of x alone (a decode step's,
+    // with its experts'), whose products wait on memory: runs of a quarter of the rows left a thread,
+    // down to 64, which the hardware's prefetch follows further than runs of 64, while the last runs stay
+    // short enough that no thread waits long on another (a Q4_K_M file's 186 products of a step on an AMD
+    // EPYC, Zen 4: 17.3 -> 14.6 ms, its LM head 8.0 -> 6.7); many rows of x, whose products compute: 64
+    const int threads = Pool::get().threads();
+    std::atomic<long> cursor{0};
+    auto claim = [&](long& first, long& end) {
+        first = cursor.load(std::memory_order_relaxed);
+        do {
+            if (first >= N) return false;
+            const long left = N - first, share = left / (4 * threads) / ROWS_PER_PART * ROWS_PER_PART;
+            end = x_rows > 1 ? first + ROWS_PER_PART : first + std::max(ROWS_PER_PART, share);
+            end = std::min<long>(N, end);
+        } while (!cursor.compare_exchange_weak(first, end, std::memory_order_relaxed));
+        return true;
+    };
+    auto rows_of = [&](long first, long end) {
         for (const auto& [at, rows] : tiles) {
             const long matrix = indices ? indices[order[at]] : 0;
             // the part's rows of this matrix come from memory for its first tile only; later tiles find
@@ -1774,41 +1800,53 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 codes[i] = q.codes.data() + r * K, d[i] = q.d.data() + r * blocks;
                 shared[i] = q.shared.data() + r * row_shared, x_s[i] = q.s.data() + r * blocks;
             }
-            // weight rows taken at a time: Q4_0's, IQ4_NL's and MXFP4's rows in eights and Q4_K's 8 (16
-            // with AVX-512), the 16-bit types' 8 (dot_rows_half_tile)
-            const bool q4_k_rows8 = q4_k_eights && rows > 1;
-            for (long n = first, step; n < end; n += step) {
-                const bool q4_k_rows16 = q4_k_rows8 && wide && end - n >= 16;
-                step = q4_k_rows16 ? 16 : eights || q4_k_rows8 || half ? 8 : 1;
-                const long row = matrix * N + n;
-                const uint8_t* w_row = w + row * row_bytes;
-                // the codes 4 KiB ahead into the cache as this row is read (measured best of 1-8 KiB: the
-                // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time); the 16-bit
-                // types' a line at a time, in dot_rows_half
-                for (long line = 0; from_memory && !half && line < std::min<long>(step, end - n) * row_bytes;
-                     line += 64)
-                    _mm_prefetch((const char*)(w_row + 4096 + line), _MM_HINT_T0);
-                const uint8_t* scales = factors + row * held.factors * factor_size;
-                const uint16_t* factor_row = (const uint16_t*)scales;
-                const int8_t* code_row = w_codes + row * held.codes;
-                float* out[TILE_ROWS];
-                for (int i = 0; i < rows; i++) out[i] = y + (long)order[at + i] * N + n;
-                if (q4_k_rows16) {
-                    by_powers_of_two<8>(rows, [&](auto R, int i) {
-                        dot_rows16_q4_k_wide<decltype(R)::value>(w_row, row_bytes, factor_row, held.factors, code_row,
-                                                                 held.codes, codes + i, d + i, shared + i, blocks,
-                                                                 out + i);
-                    });
-                    continue;
+            // product(weights) for the part's weight rows `step` at a time. The type is dispatched once a
+            // tile, below, and each case's loop is its own: dispatched a weight row, a row of x alone (a
+            // decode step's) spent a fifth of a 3584 x 1024 Q4_K product's time on it (AMD EPYC, Zen 4)
+            auto each_step = [&](long step, auto&& product) {
+                for (long n = first; n < end; n += step) {
+                    const long row = matrix * N + n;
+                    Weights rows_at;  // (its outputs not zeroed first: a REP STOSQ a row cost a Q4_K product 20%)
+                    rows_at.n = n, rows_at.w = w + row * row_bytes, rows_at.codes = w_codes + row * held.codes;
+                    rows_at.scales = factors + row * held.factors * factor_size;
+                    // the codes 4 KiB ahead into the cache as this row is read (measured best of 1-8 KiB: the
+                    // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time); the
+                    // 16-bit types' a line at a time, in dot_rows_half
+                    for (long line = 0; from_memory && !half && line < std::min(step, end - n) * row_bytes;
+                         line += 64)
+                        _mm_prefetch((const char*)(rows_at.w + 4096 + line), _MM_HINT_T0);
+                    for (int i = 0; i < rows; i++) rows_at.out[i] = y + (long)order[at + i] * N + n;
+                    product(rows_at);
                 }
-                if (q4_k_rows8) {  // (with AVX-512, a part's last 8 rows: its tiles of 8)
+            };
+            // a weight row at a time, the tile's rows of x in powers of two: product(R, i, weights) for R
+            // rows from the tile's i-th
+            auto each_row = [&](auto&& product) {
+                each_step(1, [&](const Weights& at) {
+                    by_powers_of_two<8>(rows, [&](auto R, int i) { product(R, i, at); });
+                });
+            };
+            // Q4_K's rows in eights take 8 weight rows at a time (16 with AVX-512) for several rows of x
+            if (q4_k_eights && rows > 1) {
+                each_step(wide ? 16 : 8, [&](const Weights& at) {
+                    if (wide && end - at.n >= 16) {
+                        by_powers_of_two<8>(rows, [&](auto R, int i) {
+                            dot_rows16_q4_k_wide<decltype(R)::value>(at.w, row_bytes, at.factors(), held.factors,
+                                                                     at.codes, held.codes, codes + i, d + i,
+                                                                     shared + i, blocks, at.out + i);
+                        });
+                        return;
+                    }
                     by_powers_of_two<8>(rows, [&](auto R, int i) {
-                        dot_rows8_q4_k<decltype(R)::value>(w_row, row_bytes, factor_row, held.factors, code_row,
-                                                           held.codes, codes + i, d + i, shared + i, blocks, out + i);
+                        dot_rows8_q4_k<decltype(R)::value>(at.w, row_bytes, at.factors(), held.factors, at.codes,
+                                                           held.codes, codes + i, d + i, shared + i, blocks,
+                                                           at.out + i);
                     });
-                    continue;
-                }
-                if (groups16) {
+                });
+                continue;
+            }
+            if (groups16) {
+                each_step(1, [&](const Weights& at) {
                     by_powers_of_two<TILE_ROWS>(rows, [&](auto R, int i) {
                         constexpr int ROWS = decltype(R)::value;
                         // a row alone, a decode step's, waits on memory: the AVX2 body, without the wide registers'
@@ -1823,90 +1861,114 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                                        : s.type == Q3_K
                                            ? wide_rows ? dot_rows_groups16_wide<3, ROWS> : dot_rows_groups16<3, ROWS>
                                            : wide_rows ? dot_rows_groups16_wide<2, ROWS> : dot_rows_groups16<2, ROWS>;
-                        product(w_row, factor_row, code_row, codes + i, shared + i, d + i, blocks, out + i);
+                        product(at.w, at.factors(), at.codes, codes + i, shared + i, d + i, blocks, at.out + i);
                     });
-                    continue;
-                }
-                if (half) {  // the tile's rows of x at once: the wide body takes up to 8 a weight row
+                });
+                continue;
+            }
+            if (half) {  // 8 weight rows at a time, the tile's rows of x at once: the wide body takes up to 8
+                each_step(8, [&](const Weights& at) {
                     by_count<8>(rows, [&](auto R, int) {
                         constexpr int ROWS = decltype(R)::value;
                         (s.type == BF16 ? dot_rows_half_tile<true, ROWS> : dot_rows_half_tile<false, ROWS>)(
-                            (const uint16_t*)w_row, rounded, (int)std::min<long>(8, end - n), K, out, wide);
+                            (const uint16_t*)at.w, rounded, (int)std::min<long>(8, end - at.n), K, at.out, wide);
                     });
-                    continue;
-                }
-                by_powers_of_two<8>(rows, [&](auto R, int i) {
-                    constexpr int ROWS = decltype(R)::value;
-                    const int8_t* const* x_codes = codes + i;
-                    const float* const* x_d = d + i;
-                    const int16_t* const* x_shared = shared + i;
-                    float* const* o = out + i;
-                    // IQ4_NL's and MXFP4's: 8 weight rows at a time where llama.cpp repacks the matrix
-                    auto table_product = [&](auto kind) {
-                        if (eights)
-                            dot_rows8_b32<decltype(kind)::value, ROWS>(w_row, row_bytes, scales, held.factors, x_codes,
-                                                                       x_shared, x_d, blocks, o);
-                        else
-                            dot_rows_table<decltype(kind)::value, ROWS>(w_row, scales, x_codes, x_d, blocks, o);
-                    };
-                    auto grid_product = [&](auto values) {
-                        constexpr int V = decltype(values)::value;
-                        // (IQ3_S keeps the AVX2 body, its rows gathered whatever GATHER)
-                        auto product = dot_rows_grid_avx2<V, ROWS>;
-                        if constexpr (V != grid::IQ3_S)
-                            if (wide)
-                                product = intel_gathers ? dot_rows_grid_wide<V, ROWS, true>
-                                                        : dot_rows_grid_wide<V, ROWS, false>;
-                        product(w_row, grid_rows, x_codes, x_d, x_shared, blocks, o);
-                    };
-                    switch (s.type) {
-                        case Q8_0: dot_rows_q8_0<ROWS>(w_row, factor_row, x_codes, x_d, blocks, o); break;
-                        case Q4_K:  // (a row of x alone, or a matrix llama.cpp does not repack)
-                            for (int j = 0; j < ROWS; j++)
-                                *o[j] = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(
-                                    w_row, factor_row, code_row, x_codes[j], x_d[j], x_shared[j], blocks);
-                            break;
-                        case Q5_K:
-                            dot_rows_q5_k<ROWS>(w_row, factor_row, code_row, x_codes, x_d, x_shared, blocks, o);
-                            break;
-                        case IQ4_XS: dot_rows_iq4_xs<ROWS>(w_row, factor_row, code_row, x_codes, x_d, blocks, o); break;
-                        case Q5_0:
-                            dot_rows_b32<5, false, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks, o);
-                            break;
-                        case Q5_1:
-                            dot_rows_b32<5, true, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks, o);
-                            break;
-                        case Q4_1:
-                            dot_rows_b32<4, true, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks, o);
-                            break;
-                        case Q4_0:
-                            if (eights)
-                                dot_rows8_b32<Q4_0_VALUES, ROWS>(w_row, row_bytes, scales, held.factors, x_codes,
-                                                                 x_shared, x_d, blocks, o);
-                            else
-                                dot_rows_b32<4, false, ROWS>(w_row, factor_row, x_codes, x_shared, x_d, x_s + i, blocks,
-                                                             o);
-                            break;
-                        case IQ4_NL: table_product(std::integral_constant<Nibbles, IQ4_NL_VALUES>{}); break;
-                        case MXFP4: table_product(std::integral_constant<Nibbles, MXFP4_VALUES>{}); break;
-                        case IQ2_XXS: grid_product(std::integral_constant<int, grid::IQ2_XXS>{}); break;
-                        case IQ2_XS: grid_product(std::integral_constant<int, grid::IQ2_XS>{}); break;
-                        case IQ2_S: grid_product(std::integral_constant<int, grid::IQ2_S>{}); break;
-                        case IQ3_XXS: grid_product(std::integral_constant<int, grid::IQ3_XXS>{}); break;
-                        case IQ3_S: grid_product(std::integral_constant<int, grid::IQ3_S>{}); break;
-                        case IQ1_S: grid_product(std::integral_constant<int, grid::IQ1_S>{}); break;
-                        case IQ1_M: grid_product(std::integral_constant<int, grid::IQ1_M>{}); break;
-                        case TQ1_0:
-                            dot_rows_ternary<true, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
-                            break;
-                        case TQ2_0:
-                            dot_rows_ternary<false, ROWS>(w_row, factor_row, x_codes, x_d, x_shared, blocks, o);
-                            break;
-                        default: break;  // (Q4_K's rows in eights, the groups of 16 and the 16-bit types: above)
-                    }
                 });
+                continue;
+            }
+            // IQ4_NL's and MXFP4's: 8 weight rows at a time where llama.cpp repacks the matrix
+            auto table_product = [&](auto kind) {
+                constexpr Nibbles KIND = decltype(kind)::value;
+                if (eights)
+                    each_step(8, [&](const Weights& at) {
+                        by_powers_of_two<8>(rows, [&](auto R, int i) {
+                            dot_rows8_b32<KIND, decltype(R)::value>(at.w, row_bytes, at.scales, held.factors,
+                                                                    codes + i, shared + i, d + i, blocks, at.out + i);
+                        });
+                    });
+                else
+                    each_row([&](auto R, int i, const Weights& at) {
+                        dot_rows_table<KIND, decltype(R)::value>(at.w, at.scales, codes + i, d + i, blocks, at.out + i);
+                    });
+            };
+            auto grid_product = [&](auto values) {
+                constexpr int V = decltype(values)::value;
+                each_row([&](auto R, int i, const Weights& at) {
+                    constexpr int ROWS = decltype(R)::value;
+                    // (IQ3_S keeps the AVX2 body, its rows gathered whatever GATHER)
+                    auto product = dot_rows_grid_avx2<V, ROWS>;
+                    if constexpr (V != grid::IQ3_S)
+                        if (wide)
+                            product = intel_gathers ? dot_rows_grid_wide<V, ROWS, true>
+                                                    : dot_rows_grid_wide<V, ROWS, false>;
+                    product(at.w, grid_rows, codes + i, d + i, shared + i, blocks, at.out + i);
+                });
+            };
+            switch (s.type) {
+                case Q8_0:
+                    each_row([&](auto R, int i, const Weights& at) {
+                        dot_rows_q8_0<decltype(R)::value>(at.w, at.factors(), codes + i, d + i, blocks, at.out + i);
+                    });
+                    break;
+                case Q4_K:  // (a row of x alone, or a matrix llama.cpp does not repack)
+                    each_step(1, [&](const Weights& at) {
+                        for (int j = 0; j < rows; j++)
+                            *at.out[j] = (repacked ? dot_row_q4_k : dot_row_q4_k_lanes)(
+                                at.w, at.factors(), at.codes, codes[j], d[j], shared[j], blocks);
+                    });
+                    break;
+                case Q5_K:
+                    each_row([&](auto R, int i, const Weights& at) {
+                        dot_rows_q5_k<decltype(R)::value>(at.w, at.factors(), at.codes, codes + i, d + i, shared + i,
+                                                          blocks, at.out + i);
+                    });
+                    break;
+                case IQ4_XS:
+                    each_row([&](auto R, int i, const Weights& at) {
+                        dot_rows_iq4_xs<decltype(R)::value>(at.w, at.factors(), at.codes, codes + i, d + i, blocks,
+                                                            at.out + i);
+                    });
+                    break;
+                case Q5_0:
+                case Q5_1:
+                case Q4_1:
+                case Q4_0:
+                    if (eights) {
+                        table_product(std::integral_constant<Nibbles, Q4_0_VALUES>{});
+                        break;
+                    }
+                    each_row([&](auto R, int i, const Weights& at) {
+                        constexpr int ROWS = decltype(R)::value;
+                        auto product = s.type == Q5_0   ? dot_rows_b32<5, false, ROWS>
+                                       : s.type == Q5_1 ? dot_rows_b32<5, true, ROWS>
+                                       : s.type == Q4_1 ? dot_rows_b32<4, true, ROWS>
+                                                        : dot_rows_b32<4, false, ROWS>;
+                        product(at.w, at.factors(), codes + i, shared + i, d + i, x_s + i, blocks, at.out + i);
+                    });
+                    break;
+                case IQ4_NL: table_product(std::integral_constant<Nibbles, IQ4_NL_VALUES>{}); break;
+                case MXFP4: table_product(std::integral_constant<Nibbles, MXFP4_VALUES>{}); break;
+                case IQ2_XXS: grid_product(std::integral_constant<int, grid::IQ2_XXS>{}); break;
+                case IQ2_XS: grid_product(std::integral_constant<int, grid::IQ2_XS>{}); break;
+                case IQ2_S: grid_product(std::integral_constant<int, grid::IQ2_S>{}); break;
+                case IQ3_XXS: grid_product(std::integral_constant<int, grid::IQ3_XXS>{}); break;
+                case IQ3_S: grid_product(std::integral_constant<int, grid::IQ3_S>{}); break;
+                case IQ1_S: grid_product(std::integral_constant<int, grid::IQ1_S>{}); break;
+                case IQ1_M: grid_product(std::integral_constant<int, grid::IQ1_M>{}); break;
+                case TQ1_0:
+                case TQ2_0:
+                    each_row([&](auto R, int i, const Weights& at) {
+                        constexpr int ROWS = decltype(R)::value;
+                        (s.type == TQ1_0 ? dot_rows_ternary<true, ROWS> : dot_rows_ternary<false, ROWS>)(
+                            at.w, at.factors(), codes + i, d + i, shared + i, blocks, at.out + i);
+                    });
+                    break;
+                default: break;  // (the groups of 16 and the 16-bit types: above)
             }
         }
+    };
+    Pool::get().run(threads, parallel, [&](int) {
+        for (long first, end; claim(first, end);) rows_of(first, end);
     });
 }
 
