@@ -1765,29 +1765,41 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     // pass's few rows; not where the host builds the next layers beside them, whose kernels
     // mlx_hybrid/ops/schedule.py keeps to this thread: Pool::keep_to_one_thread)
     const bool parallel = (long)N * K >= (1L << 20) || (long)N * K * M >= (1L << 21);
-    // The threads claim weight rows in runs from a shared cursor. A row of x alone (a decode step's,
-    // with its experts'), whose products wait on memory: runs of a quarter of the rows left a thread,
-    // down to 64, which the hardware's prefetch follows further than runs of 64, while the last runs stay
-    // short enough that no thread waits long on another (a Q4_K_M file's 186 products of a step on an AMD
-    // EPYC, Zen 4: 17.3 -> 14.6 ms, its LM head 8.0 -> 6.7); many rows of x, whose products compute: 64
+    // The tiles by the matrix they multiply: (first tile, end), one group but for an expert product
+    std::vector<std::pair<int, int>> groups;
+    for (int t = 0; t < (int)tiles.size(); t++)
+        if (t == 0 || (indices && indices[order[tiles[t].first]] != indices[order[tiles[t - 1].first]]))
+            groups.emplace_back(t, t + 1);
+        else
+            groups.back().second = t + 1;
+    // The threads claim runs of a group's weight rows from a shared cursor over the groups' rows in turn.
+    // A row of x alone (a decode step's, with its experts'), whose products wait on memory: runs of a
+    // quarter of the rows left a thread, down to 64, which the hardware's prefetch follows further than
+    // runs of 64, while the last runs stay short enough that no thread waits long on another (a Q4_K_M
+    // file's 186 products of a step on an AMD EPYC, Zen 4: 17.3 -> 14.6 ms, its LM head 8.0 -> 6.7; the
+    // 8 experts' three products of a token at 35B-A3B's widths, an expert a run, 0.81-1.06 -> 0.71-0.88
+    // ms); many rows of x, whose
+    // products compute: 64
     const int threads = Pool::get().threads();
+    const long units = (long)groups.size() * N;
     std::atomic<long> cursor{0};
     auto claim = [&](long& first, long& end) {
         first = cursor.load(std::memory_order_relaxed);
         do {
-            if (first >= N) return false;
-            const long left = N - first, share = left / (4 * threads) / ROWS_PER_PART * ROWS_PER_PART;
+            if (first >= units) return false;
+            const long left = units - first, share = left / (4 * threads) / ROWS_PER_PART * ROWS_PER_PART;
             end = x_rows > 1 ? first + ROWS_PER_PART : first + std::max(ROWS_PER_PART, share);
-            end = std::min<long>(N, end);
+            end = std::min(end, (first / N + 1) * N);  // (within a group)
         } while (!cursor.compare_exchange_weak(first, end, std::memory_order_relaxed));
         return true;
     };
-    auto rows_of = [&](long first, long end) {
-        for (const auto& [at, rows] : tiles) {
+    auto rows_of = [&](const std::pair<int, int>& group, long first, long end) {
+        for (int t = group.first; t < group.second; t++) {
+            const auto [at, rows] = tiles[t];
             const long matrix = indices ? indices[order[at]] : 0;
-            // the part's rows of this matrix come from memory for its first tile only; later tiles find
-            // them in the cache, where prefetching them again cost a 512-token prompt 4% of its time
-            const bool from_memory = at == 0 || (indices && indices[order[at - 1]] != matrix);
+            // the run's rows come from memory for the group's first tile only; later tiles find them in
+            // the cache, where prefetching them again cost a 512-token prompt 4% of its time
+            const bool from_memory = t == group.first;
             const int8_t* codes[TILE_ROWS];
             const float *d[TILE_ROWS], *x_s[TILE_ROWS], *rounded[TILE_ROWS];
             const int16_t* shared[TILE_ROWS];
@@ -1968,7 +1980,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
         }
     };
     Pool::get().run(threads, parallel, [&](int) {
-        for (long first, end; claim(first, end);) rows_of(first, end);
+        for (long first, end; claim(first, end);) rows_of(groups[first / N], first % N, end - first / N * N);
     });
 }
 
