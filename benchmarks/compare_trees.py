@@ -1,9 +1,11 @@
 """Decoding speed of two or more source trees of the package (a commit before a change, checked out
 with `git worktree add`, and this one), alternated in fresh processes: plain decoding, the MTP head
-and the DFlash drafter through the Python API, greedy, on the bundled model.
+and the DFlash drafter through the Python API, greedy, on the bundled model (or --model's, with the
+--drafts it takes).
 
     git worktree add /tmp/before HEAD~1
     python benchmarks/compare_trees.py /tmp/before . --rounds 7
+    python benchmarks/compare_trees.py /tmp/before . --model FILE.gguf --drafts none --tokens 200
 
 Each round runs every tree once, in its own process (its package first on the path, its CPU kernels
 built from its sources), each drafter twice after an untimed run; a round's figure is the better of
@@ -26,11 +28,11 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DRAFTS = ("none", "mtp", "dflash")
 
 
-def measure(tokens: int) -> dict:
+def measure(model_path: str | None, drafts: list[str], tokens: int) -> dict:
     """In a tree's own process: {draft: [tokens/s, the tokens]}."""
     import mlx_hybrid
 
-    model, tokenizer = mlx_hybrid.load(mlx_hybrid.bundled_model_path())
+    model, tokenizer = mlx_hybrid.load(model_path or mlx_hybrid.bundled_model_path())
 
     def decode(draft):
         started, out = time.perf_counter(), []
@@ -40,7 +42,7 @@ def measure(tokens: int) -> dict:
         return len(out) / (time.perf_counter() - started), out
 
     results = {}
-    for draft in DRAFTS:
+    for draft in drafts:
         decode(draft)  # untimed: kernel builds and checks
         runs = [decode(draft) for _ in range(2)]
         results[draft] = [max(rate for rate, _ in runs), runs[0][1]]
@@ -52,11 +54,15 @@ def main():
     p.add_argument("trees", nargs="+", help="source trees (each holds mlx_hybrid/)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--model", help="a checkpoint directory or GGUF file (default: the bundled model)")
+    p.add_argument("--drafts", nargs="+", choices=DRAFTS, default=list(DRAFTS), help="default: all; plain first")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    drafts = ["none", *(d for d in args.drafts if d != "none")]
     if args.child:
-        print(json.dumps(measure(args.tokens)))
+        print(json.dumps(measure(args.model, drafts, args.tokens)))
         return
+    model = str(Path(args.model).resolve()) if args.model else None
     trees = [str(Path(tree).resolve()) for tree in args.trees]
     for tree in trees:
         if not (Path(tree) / "mlx_hybrid" / "__init__.py").is_file():
@@ -65,7 +71,8 @@ def main():
     for round_ in range(args.rounds):
         for tree in trees:
             env = {**os.environ, "PYTHONPATH": tree}
-            command = [sys.executable, __file__, "--child", "--tokens", str(args.tokens), tree]
+            command = [sys.executable, __file__, tree, "--child", "--tokens", str(args.tokens), "--drafts", *drafts]
+            command += ["--model", model] if model else []
             done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
             if done.returncode != 0:
                 sys.exit(f"{tree}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
@@ -79,11 +86,11 @@ def main():
     for tree in trees:
         plain = statistics.median(rates[tree, "none"])
         line = [f"plain {plain:.1f} tok/s"]
-        for draft in DRAFTS[1:]:
+        for draft in drafts[1:]:
             median = statistics.median(rates[tree, draft])
             line.append(f"{draft} {median:.1f} ({median / plain:.2f}x plain)")
         print(f"{tree}: " + ", ".join(line))
-    print("tokens: " + ", ".join(f"{d} {'the same' if len(tokens[d]) == 1 else 'DIFFER'}" for d in DRAFTS))
+    print("tokens: " + ", ".join(f"{d} {'the same' if len(tokens[d]) == 1 else 'DIFFER'}" for d in drafts))
 
 
 if __name__ == "__main__":

@@ -1775,11 +1775,10 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     // The threads claim runs of a group's weight rows from a shared cursor over the groups' rows in turn.
     // A row of x alone (a decode step's, with its experts'), whose products wait on memory: runs of a
     // quarter of the rows left a thread, down to 64, which the hardware's prefetch follows further than
-    // runs of 64, while the last runs stay short enough that no thread waits long on another (a Q4_K_M
-    // file's 186 products of a step on an AMD EPYC, Zen 4: 17.3 -> 14.6 ms, its LM head 8.0 -> 6.7; the
-    // 8 experts' three products of a token at 35B-A3B's widths, an expert a run, 0.81-1.06 -> 0.71-0.88
-    // ms); many rows of x, whose
-    // products compute: 64
+    // runs of 64, while the last runs stay short enough that no thread waits long on another (on an AMD
+    // EPYC, Zen 4: a Q4_K_M file's 186 products of a step 16.5-16.8 -> 15.2-16.2 ms, its LM head 7.8-8.4
+    // -> 6.0-7.9; the 8 experts' three products of a token at 35B-A3B's widths, an expert a run,
+    // 0.81-1.06 -> 0.71-0.88 ms). Many rows of x, whose products compute: runs of 64.
     const int threads = Pool::get().threads();
     const long units = (long)groups.size() * N;
     std::atomic<long> cursor{0};
@@ -1812,7 +1811,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 codes[i] = q.codes.data() + r * K, d[i] = q.d.data() + r * blocks;
                 shared[i] = q.shared.data() + r * row_shared, x_s[i] = q.s.data() + r * blocks;
             }
-            // product(weights) for the part's weight rows `step` at a time. The type is dispatched once a
+            // product(weights) for the run's weight rows `step` at a time. The type is dispatched once a
             // tile, below, and each case's loop is its own: dispatched a weight row, a row of x alone (a
             // decode step's) spent a fifth of a 3584 x 1024 Q4_K product's time on it (AMD EPYC, Zen 4)
             auto each_step = [&](long step, auto&& product) {
