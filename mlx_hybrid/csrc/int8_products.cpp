@@ -1755,23 +1755,20 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     std::iota(order.begin(), order.end(), 0);
     if (indices) std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return indices[a] < indices[b]; });
     std::vector<std::pair<int, int>> tiles;  // (first place in order, rows)
+    std::vector<std::pair<int, int>> groups;  // tiles by the matrix they multiply (one but for experts): [first, end)
     for (int at = 0; at < M;) {
         int rows = 1;
         while (rows < tile && at + rows < M && (!indices || indices[order[at + rows]] == indices[order[at]])) rows++;
+        if (at == 0 || (indices && indices[order[at]] != indices[order[at - 1]]))
+            groups.emplace_back((int)tiles.size(), (int)tiles.size());
         tiles.emplace_back(at, rows), at += rows;
+        groups.back().second = (int)tiles.size();
     }
     // both threads where the product is worth a helper's wake-up (tens of microseconds): a matrix of a
     // million weights or more (read once, whatever the rows), or two million multiply-adds (a verify
     // pass's few rows; not where the host builds the next layers beside them, whose kernels
     // mlx_hybrid/ops/schedule.py keeps to this thread: Pool::keep_to_one_thread)
     const bool parallel = (long)N * K >= (1L << 20) || (long)N * K * M >= (1L << 21);
-    // The tiles by the matrix they multiply: (first tile, end), one group but for an expert product
-    std::vector<std::pair<int, int>> groups;
-    for (int t = 0; t < (int)tiles.size(); t++)
-        if (t == 0 || (indices && indices[order[tiles[t].first]] != indices[order[tiles[t - 1].first]]))
-            groups.emplace_back(t, t + 1);
-        else
-            groups.back().second = t + 1;
     // The threads claim runs of a group's weight rows from a shared cursor over the groups' rows in turn.
     // A row of x alone (a decode step's, with its experts'), whose products wait on memory: runs of a
     // quarter of the rows left a thread, down to 64, which the hardware's prefetch follows further than
@@ -1906,7 +1903,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 constexpr int V = decltype(values)::value;
                 each_row([&](auto R, int i, const Weights& at) {
                     constexpr int ROWS = decltype(R)::value;
-                    // (IQ3_S keeps the AVX2 body, its rows gathered whatever GATHER)
+                    // (IQ3_S keeps the AVX2 body, which gathers its rows on any CPU: gguf_grid.h)
                     auto product = dot_rows_grid_avx2<V, ROWS>;
                     if constexpr (V != grid::IQ3_S)
                         if (wide)
