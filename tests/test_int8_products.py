@@ -21,7 +21,7 @@ from mlx_hybrid import ModelLoadError, ops
 from mlx_hybrid.export import save_gguf
 from mlx_hybrid.ops import cpu_quantized, llama_reference
 from mlx_hybrid.loaders.quantized import from_gguf_blocks
-from mlx_hybrid.models.layers import Embedding, Linear
+from mlx_hybrid.models.layers import Embedding, Linear, QuantizedLinear
 from mlx_hybrid.quantized_tensor import GRID_TYPES, INT8_TYPES, GridBlocks, int8_number, no_codes
 
 pytestmark = pytest.mark.skipif(not ops.backend.cpu_kernels_built(), reason="needs the CPU kernels (x86-64, AVX2)")
@@ -164,6 +164,38 @@ def test_k_quant_products_are_exact_where_the_arithmetic_is(held_type, bits, N):
     x[:, ::256] = -127
     got = product(x, llama_reference.held_k_quant(q, bits, d, dmin, sc, m), held_type)
     np.testing.assert_array_equal(got, llama_reference.k_quant_reference(x, q, d, dmin, sc, m).astype(np.float32))
+
+
+@pytest.mark.parametrize("N", [24, 40], ids=["rows in eights", "an eight past the sixteens"])
+def test_q4_k_rows_held_interleaved_give_the_rows_as_stored(N):
+    """A Q4_K matrix of rows in eights held interleaved (`interleave_eights`: each eight's 32-bit words in
+    turn, as llama.cpp's x86 build repacks Q4_K) multiplies as the matrix as stored, to the bit: a decode
+    step's row, a prompt's rows, experts' rows, from every build this CPU runs."""
+    rng = np.random.default_rng(N)
+    weights = llama_reference.random_k_quant(rng, (5, N, 1024), 4)
+    w, factors, codes = (mx.array(a) for a in llama_reference.held_k_quant(weights[0], 4, *weights[1:]))
+    interleaved = cpu_quantized.interleave_eights(w)
+    words = np.array(w).reshape(5, N // 8, 8, -1)
+    np.testing.assert_array_equal(np.array(interleaved), words.swapaxes(-1, -2).reshape(5, N, -1))
+    x = mx.random.normal((9, 1024), key=mx.random.key(N))
+    tokens, indices = mx.random.normal((4, 1, 1024), key=mx.random.key(1)), mx.array(rng.integers(0, 5, (4, 3)))
+
+    def products(held, held_interleaved):
+        matrix = (held[1], factors[1], codes[1], Q4_K, None, held_interleaved)
+        return [np.array(cpu_quantized.int8_matmul(x[:rows], *matrix)) for rows in (1, 3, 9)] + [
+            np.array(cpu_quantized.int8_gather_matmul(tokens, held, factors, codes, indices, Q4_K, None,
+                                                      held_interleaved))]  # fmt: skip
+
+    extension = cpu_quantized.extension()
+    try:
+        for name in extension.instruction_sets():
+            extension.use_instruction_set(name)
+            for got, want in zip(products(interleaved, True), products(w, False)):
+                np.testing.assert_array_equal(got, want, err_msg=name)
+    finally:
+        extension.use_instruction_set(None)
+    with pytest.raises(ValueError, match="only Q4_K matrices of rows in eights are held interleaved"):
+        cpu_quantized.int8_matmul(x, w[1, :20], factors[1, :20], codes[1, :20], Q4_K, None, True)
 
 
 def test_q8_k_quantization_is_llama_cpps():
@@ -543,6 +575,25 @@ def test_every_instruction_set_gives_the_same_bits(type_name):
         lambda: [cpu_quantized.int8_matmul(x[:rows], q.weight, q.scales, codes, list(INT8_TYPES).index(type_name),
                                            cpu_quantized.int8_grid(q.block)) for rows in (1, 3, 16, 27)]
     )  # fmt: skip
+
+
+def test_a_q4_k_m_files_layer_matrices_are_held_interleaved_for_the_8_bit_products():
+    """The bundled model in Q4_K_M, loaded in float32 with 8-bit activations: its Q4_K matrices of rows in
+    eights held interleaved (the others as stored), which only the 8-bit products read, so a product that
+    would read them otherwise (x in bfloat16) is refused by name; in bfloat16 none is interleaved."""
+    path = FIXTURES / "llama-cpp" / "bundled-Q4_K_M.gguf"
+    model, _ = mlx_hybrid.load(path)
+    quantized = [m for _, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    held = {id(m): ops.activations_of(m["weight"]) for m in quantized}
+    q4_k = [m for m in quantized if m.block == INT8_TYPES["Q4_K"][2]]
+    assert q4_k and all((held[id(m)] == ops.products.INT8_INTERLEAVED) == (m.weight.shape[0] % 8 == 0) for m in q4_k)
+    assert {held[id(m)] for m in quantized if m.block != INT8_TYPES["Q4_K"][2]} == {"int8"}
+    matrix = next(m for m in q4_k if m.weight.shape[0] % 8 == 0)
+    with pytest.raises(ValueError, match="a Q4_K matrix held for the CPU's 8-bit products cannot be computed"):
+        matrix(mx.zeros((1, matrix.weight.shape[1] * 8), mx.bfloat16))
+    halves, _ = mlx_hybrid.load(path, dtype="bfloat16")
+    assert ops.products.INT8_INTERLEAVED not in {ops.activations_of(m["weight"]) for _, m in halves.named_modules()
+                                                 if isinstance(m, QuantizedLinear)}  # fmt: skip
 
 
 def test_a_q4_k_m_file_computes_many_rows_as_it_computes_one():

@@ -91,6 +91,7 @@ struct Q8Shape {
     int chosen = 0;             // an expert product's matrices a token (k), else 0
     bool shared = false;        // an expert product's x: one row a token for all its k choices
     Type type = Q8_0;
+    bool interleaved = false;   // Q4_K rows held in eights, their nibbles interleaved (`interleave_eights`)
     bool operator==(const Q8Shape&) const = default;
 };
 
@@ -355,13 +356,34 @@ INT8_FN inline void block_scales8(const int8_t* w_codes, long row_codes, int b, 
     transpose8_epi32(groups);
 }
 
+// The 16 nibble bytes of group g of block b of 8 weight rows (each `row_bytes` apart), 4 a lane: quads[q]
+// lane n holds row n's bytes 4q..4q+3 of the group. Rows held interleaved (`interleave_eights`) hold them
+// so; rows as stored are gathered.
+template <bool INTERLEAVED>
+INT8_INLINE void group_quads8(const uint8_t* w, long row_bytes, int b, int g, __m256i (&quads)[4]) {
+    const long at = (long)b * SUPER_BLOCK / 2 + g * 16;
+    if constexpr (INTERLEAVED) {
+        for (int q = 0; q < 4; q++) quads[q] = _mm256_loadu_si256((const __m256i*)(w + 8 * (at + 4 * q)));
+        return;
+    }
+    __m256i t[4];  // rows 0-3 in the low half, 4-7 in the high
+    for (int n = 0; n < 4; n++)
+        t[n] = _mm256_loadu2_m128i((const __m128i*)(w + (n + 4) * row_bytes + at),
+                                   (const __m128i*)(w + n * row_bytes + at));
+    const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
+    const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
+    quads[0] = _mm256_unpacklo_epi64(a0, a2), quads[1] = _mm256_unpackhi_epi64(a0, a2);
+    quads[2] = _mm256_unpacklo_epi64(a1, a3), quads[3] = _mm256_unpackhi_epi64(a1, a3);
+}
+
 // dot_row_q4_k's arithmetic for R rows of x and 8 weight rows at once (the matrix's rows n..n+7, each
 // `row_bytes`, `row_factors` and `row_codes` apart; out[r] gets x row r's 8 products), for prompts,
 // batches and verify passes: a block's sum per output is one exact integer, so it is taken with the 8
 // weight rows in the lanes (each lane 4 nibble bytes of its row, times x's 4 codes in every lane), and
 // its float steps are dot_row_q4_k's, lane by lane. (A row of x alone, a decode step, keeps
-// dot_row_q4_k: this one for it decoded a Q4_K_M file 4-7% slower.)
-template <int R>
+// dot_row_q4_k where the rows are as stored: gathering their words, this one decoded a Q4_K_M file 4-7%
+// slower; held interleaved, it reads one stream.)
+template <int R, bool INTERLEAVED>
 INT8_FN void dot_rows8_q4_k(const uint8_t* w, long row_bytes, const uint16_t* factors, long row_factors,
                             const int8_t* w_codes, long row_codes, const int8_t* const* x, const float* const* x_d,
                             const int16_t* const* x_sums, int blocks, float* const* out) {
@@ -383,16 +405,8 @@ INT8_FN void dot_rows8_q4_k(const uint8_t* w, long row_bytes, const uint16_t* fa
         __m256i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
         for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
-            // the 8 rows' 16 nibble bytes of group g, 4 a lane: rows 0-3 in the low half, 4-7 in the high
-            const long at = (long)b * SUPER_BLOCK / 2 + g * 16;
-            __m256i t[4];
-            for (int n = 0; n < 4; n++)
-                t[n] = _mm256_loadu2_m128i((const __m128i*)(w + (n + 4) * row_bytes + at),
-                                           (const __m128i*)(w + n * row_bytes + at));
-            const __m256i a0 = _mm256_unpacklo_epi32(t[0], t[1]), a1 = _mm256_unpackhi_epi32(t[0], t[1]);
-            const __m256i a2 = _mm256_unpacklo_epi32(t[2], t[3]), a3 = _mm256_unpackhi_epi32(t[2], t[3]);
-            const __m256i quads[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2),
-                                      _mm256_unpacklo_epi64(a1, a3), _mm256_unpackhi_epi64(a1, a3)};
+            __m256i quads[4];
+            group_quads8<INTERLEAVED>(w, row_bytes, b, g, quads);
             __m256i even[4], odd[4];  // values 2i and 2i + 1 of bytes 4q..4q+3 (quad q)
             for (int q = 0; q < 4; q++)
                 even[q] = _mm256_and_si256(quads[q], low),
@@ -435,7 +449,7 @@ INT8_WIDE_FN inline __m512i broadcast4_wide(const void* p) {
 // dot_rows8_q4_k with AVX-512 (BW) for 16 weight rows at once (rows n..n+15: lane i of a register row
 // n + i), as llama.cpp's AVX-512 build multiplies two eights of rows together in its prompts. Each
 // lane's integer sums and float steps are dot_rows8_q4_k's, so the outputs are its to the bit.
-template <int R>
+template <int R, bool INTERLEAVED>
 INT8_WIDE_FN void dot_rows16_q4_k_wide(const uint8_t* w, long row_bytes, const uint16_t* factors, long row_factors,
                                        const int8_t* w_codes, long row_codes, const int8_t* const* x,
                                        const float* const* x_d, const int16_t* const* x_sums, int blocks,
@@ -465,20 +479,12 @@ INT8_WIDE_FN void dot_rows16_q4_k_wide(const uint8_t* w, long row_bytes, const u
         __m512i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
         for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
-            // the 16 rows' 16 nibble bytes of group g, 4 a lane: t[n]'s 128-bit quarter k holds row n + 4k's
-            const long at = (long)b * SUPER_BLOCK / 2 + g * 16;
-            __m512i t[4];
-            for (int n = 0; n < 4; n++) {
-                const __m256i lower = _mm256_loadu2_m128i((const __m128i*)(w + (n + 4) * row_bytes + at),
-                                                          (const __m128i*)(w + n * row_bytes + at));
-                const __m256i upper = _mm256_loadu2_m128i((const __m128i*)(w + (n + 12) * row_bytes + at),
-                                                          (const __m128i*)(w + (n + 8) * row_bytes + at));
-                t[n] = _mm512_inserti64x4(_mm512_castsi256_si512(lower), upper, 1);
-            }
-            const __m512i a0 = _mm512_unpacklo_epi32(t[0], t[1]), a1 = _mm512_unpackhi_epi32(t[0], t[1]);
-            const __m512i a2 = _mm512_unpacklo_epi32(t[2], t[3]), a3 = _mm512_unpackhi_epi32(t[2], t[3]);
-            const __m512i quads[4] = {_mm512_unpacklo_epi64(a0, a2), _mm512_unpackhi_epi64(a0, a2),
-                                      _mm512_unpacklo_epi64(a1, a3), _mm512_unpackhi_epi64(a1, a3)};
+            // each eight's quads (group_quads8): rows 0-7 in the low half, 8-15 in the high
+            __m256i lower[4], upper[4];
+            group_quads8<INTERLEAVED>(w, row_bytes, b, g, lower);
+            group_quads8<INTERLEAVED>(w + 8 * row_bytes, row_bytes, b, g, upper);
+            __m512i quads[4];
+            for (int q = 0; q < 4; q++) quads[q] = _mm512_inserti64x4(_mm512_castsi256_si512(lower[q]), upper[q], 1);
             __m512i even[4], odd[4];  // values 2i and 2i + 1 of bytes 4q..4q+3 (quad q)
             for (int q = 0; q < 4; q++)
                 even[q] = _mm512_and_si512(quads[q], low),
@@ -1746,9 +1752,10 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const long row_bytes = held.bytes;
     // rows of x taken at a time where they multiply the same matrix (an expert product's: the rows that
     // chose the same expert), each weight row read once for them; Q4_K matrices of rows in eights take 8
-    // weight rows at a time too, for a tile of several rows of x (one row alone, a decode step's or an
-    // expert's that one token chose: dot_row_q4_k, the same arithmetic)
-    const bool q4_k_eights = s.type == Q4_K && repacked && M > 1;
+    // weight rows at a time too (16 with AVX-512): held interleaved, for any rows of x; as stored, for
+    // a tile of several (one row alone, a decode step's or an expert's that one token chose:
+    // dot_row_q4_k, the same arithmetic, where gathering 8 rows' words cost more than it saved)
+    const bool q4_k_eights = s.type == Q4_K && repacked && (M > 1 || s.interleaved);
     const bool groups16 = s.type == Q6_K || s.type == Q3_K || s.type == Q2_K;
     const int tile = q4_k_eights ? (wide ? 8 : 4) : groups16 && wide && K <= 2048 ? 16 : 8;
     std::vector<int> order(M);  // output rows, an expert product's by the matrix they multiply
@@ -1819,9 +1826,11 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     rows_at.scales = factors + row * held.factors * factor_size;
                     // the codes 4 KiB ahead into the cache as this row is read (measured best of 1-8 KiB: the
                     // hardware's own prefetch leaves the loads waiting, 25-30% of a product's time); the
-                    // 16-bit types' a line at a time, in dot_rows_half
-                    for (long line = 0; from_memory && !half && line < std::min(step, end - n) * row_bytes;
-                         line += 64)
+                    // 16-bit types' a line at a time, in dot_rows_half. Not rows held interleaved, which the
+                    // hardware's prefetch follows (a 3584 x 1024 Q4_K product, 2 threads, from memory: 114-133
+                    // us prefetched, 78 not)
+                    const bool prefetched = from_memory && !half && !s.interleaved;
+                    for (long line = 0; prefetched && line < std::min(step, end - n) * row_bytes; line += 64)
                         _mm_prefetch((const char*)(rows_at.w + 4096 + line), _MM_HINT_T0);
                     for (int i = 0; i < rows; i++) rows_at.out[i] = y + (long)order[at + i] * N + n;
                     product(rows_at);
@@ -1834,21 +1843,25 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     by_powers_of_two<8>(rows, [&](auto R, int i) { product(R, i, at); });
                 });
             };
-            // Q4_K's rows in eights take 8 weight rows at a time (16 with AVX-512) for several rows of x
-            if (q4_k_eights && rows > 1) {
-                each_step(wide ? 16 : 8, [&](const Weights& at) {
-                    if (wide && end - at.n >= 16) {
+            if (q4_k_eights && (rows > 1 || s.interleaved)) {
+                // (a row of x alone, which waits on memory: 8 weight rows, one stream the hardware's prefetch
+                // follows; 16 read two, one thread 11 GB/s against 23 from memory)
+                const bool wide_rows = wide && rows > 1;
+                each_step(wide_rows ? 16 : 8, [&](const Weights& at) {
+                    if (wide_rows && end - at.n >= 16) {
                         by_powers_of_two<8>(rows, [&](auto R, int i) {
-                            dot_rows16_q4_k_wide<decltype(R)::value>(at.w, row_bytes, at.factors(), held.factors,
-                                                                     at.codes, held.codes, codes + i, d + i,
-                                                                     shared + i, blocks, at.out + i);
+                            constexpr int ROWS = decltype(R)::value;
+                            (s.interleaved ? dot_rows16_q4_k_wide<ROWS, true> : dot_rows16_q4_k_wide<ROWS, false>)(
+                                at.w, row_bytes, at.factors(), held.factors, at.codes, held.codes, codes + i, d + i,
+                                shared + i, blocks, at.out + i);
                         });
                         return;
                     }
                     by_powers_of_two<8>(rows, [&](auto R, int i) {
-                        dot_rows8_q4_k<decltype(R)::value>(at.w, row_bytes, at.factors(), held.factors, at.codes,
-                                                           held.codes, codes + i, d + i, shared + i, blocks,
-                                                           at.out + i);
+                        constexpr int ROWS = decltype(R)::value;
+                        (s.interleaved ? dot_rows8_q4_k<ROWS, true> : dot_rows8_q4_k<ROWS, false>)(
+                            at.w, row_bytes, at.factors(), held.factors, at.codes, held.codes, codes + i, d + i,
+                            shared + i, blocks, at.out + i);
                     });
                 });
                 continue;
@@ -2011,8 +2024,50 @@ std::vector<mx::array> with_grid(std::vector<mx::array> inputs, const std::optio
 
 // x [..., K] float32 @ W^T for W [N, K] held as `type` (w packed codes, factors,
 // codes: see the top) -> float32 [..., N]
+// A Q4_K matrix's nibbles held interleaved: each 8 rows' 4-byte words in turn (word p of row 8s + n at
+// (8s) K / 8 + 8p + n, 32 bytes a step of 8 rows, as llama.cpp's x86 build repacks Q4_K), so that the
+// products of rows in eights load 8 rows' words with one load where gathering them took 3 instructions
+// a word (a 3584 x 1024 product on one thread, AMD EPYC (Zen 4), from the L3 cache: 90 -> 57 us, 23.5 ->
+// 37 GB/s; its factors and codes stay a row's in turn).
+struct Eights {
+    long eights;  // over all matrices
+    int words;    // a row's (K / 8)
+    bool operator==(const Eights&) const = default;
+};
+
+void interleave(const Eights& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const uint32_t* w = in[0].data<uint32_t>();
+    uint32_t* out = outs[0].data<uint32_t>();
+    const int parts = 4 * Pool::get().threads();
+    Pool::get().run(parts, s.eights * s.words >= (1L << 16), [&](int part) {
+        for (long e = s.eights * part / parts; e < s.eights * (part + 1) / parts; e++) {
+            const uint32_t* rows = w + e * 8 * s.words;
+            uint32_t* eight = out + e * 8 * s.words;
+            for (int p = 0; p < s.words; p++)
+                for (int n = 0; n < 8; n++) eight[8 * p + n] = rows[(long)n * s.words + p];
+        }
+    });
+}
+
+using Interleave = mlx_hybrid::CpuPrimitive<Eights, interleave>;
+
+mx::array interleave_eights(const mx::array& w) {
+    if (w.dtype() != mx::uint32 || w.ndim() < 2 || w.shape(-2) % 8)
+        throw std::invalid_argument("interleave_eights: a Q4_K matrix's nibbles [..., N, K / 8] (uint32), N a "
+                                    "multiple of 8");
+    Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1)};
+    return mx::array(w.shape(), mx::uint32,
+                     std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s, "InterleaveEights"), {w});
+}
+
+// Throws unless a matrix held interleaved (`interleave_eights`) is Q4_K's, of rows in eights
+void check_interleaved(bool interleaved, int type, int N) {
+    if (interleaved && (type != Q4_K || N % 8))
+        throw std::invalid_argument("int8 products: only Q4_K matrices of rows in eights are held interleaved");
+}
+
 mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
-                      int type, const std::optional<mx::array>& grid) {
+                      int type, const std::optional<mx::array>& grid, bool interleaved) {
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
         type < 0 || type >= TYPES)
         throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
@@ -2022,10 +2077,11 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
                                     "21 (MXFP4)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes, grid);
+    check_interleaved(interleaved, type, N);
     auto shape = x.shape();
     shape.back() = N;
     auto stream = mx::default_stream(mx::Device::cpu);
-    Q8Shape s{M, K, N, 0, false, (Type)type};
+    Q8Shape s{M, K, N, 0, false, (Type)type, interleaved};
     return mx::array(shape, mx::float32, std::make_shared<Q8Product>(stream, s, "Int8Product"),
                      with_grid({x, w, factors, codes}, grid));
 }
@@ -2033,7 +2089,8 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
 // x [T, 1 or k, K] float32 against the matrices of w [E, N, ...] (held as `type`) chosen by indices
 // [T, k] -> float32 [T, k, N]
 mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
-                             const mx::array& indices, int type, const std::optional<mx::array>& grid) {
+                             const mx::array& indices, int type, const std::optional<mx::array>& grid,
+                             bool interleaved) {
     if (x.dtype() != mx::float32 || x.ndim() != 3 || w.ndim() != 3 || factors.ndim() != 3 || indices.ndim() != 2 ||
         indices.shape(0) != x.shape(0) || (x.shape(1) != 1 && x.shape(1) != indices.shape(1)) ||
         type < 0 || type >= TYPES)
@@ -2041,8 +2098,9 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
                                     "int8_matmul takes, indices [T, k]");
     const int K = x.shape(2), N = w.shape(1), k = indices.shape(1), M = indices.shape(0) * k;
     check_held((Type)type, K, w, factors, codes, grid);
+    check_interleaved(interleaved, type, N);
     auto stream = mx::default_stream(mx::Device::cpu);
-    Q8Shape s{M, K, N, k, x.shape(1) == 1, (Type)type};
+    Q8Shape s{M, K, N, k, x.shape(1) == 1, (Type)type, interleaved};
     return mx::array({indices.shape(0), k, N}, mx::float32,
                      std::make_shared<Q8Product>(stream, s, "Int8GatherProduct"),
                      with_grid({x, w, factors, codes, mx::astype(indices, mx::uint32)}, grid));
@@ -2080,13 +2138,17 @@ mx::array half_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 
 void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("int8_matmul", &int8_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("type"), nb::arg("grid") = nb::none(),
+          nb::arg("type"), nb::arg("grid") = nb::none(), nb::arg("interleaved") = false,
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
           "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, "
           "16: IQ3_S, 17: IQ1_S, 18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks "
-          "with their grid) as llama.cpp computes it");
+          "with their grid; `interleaved`: a Q4_K matrix of rows in eights held interleaved, as interleave_eights "
+          "makes it) as llama.cpp computes it");
+    m.def("interleave_eights", &interleave_eights, nb::arg("w"),
+          "a Q4_K matrix's nibbles [..., N, K / 8] (uint32, N a multiple of 8) held interleaved: each 8 rows' "
+          "words in turn, as the int8 products read them with `interleaved`");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
-          nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(),
+          nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), nb::arg("interleaved") = false,
           "int8_matmul against the matrices each token chose (experts)");
     m.def("half_matmul", &half_matmul, nb::arg("x"), nb::arg("w"),
           "x @ W^T for a float16 or bfloat16 matrix as llama.cpp computes it: x rounded to 16 bits, its dot");

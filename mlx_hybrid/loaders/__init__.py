@@ -140,7 +140,7 @@ def load(
         if group is not None and group.size() > 1:
             raise ModelLoadError("an MTP head from another checkpoint is not taken by a split model")
         _attach_mtp_head(model, Path(mtp).expanduser(), dtype)
-    set_cpu_activations(model, cpu_activations, path, whole_products(group, pipeline))
+    set_cpu_activations(model, cpu_activations, path, whole_products(group, pipeline), dtype)
     model.loaded_from = path.resolve()
     ops.allow_memory_for(model.nbytes)
     return model, tokenizer

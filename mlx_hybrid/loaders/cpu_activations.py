@@ -29,16 +29,19 @@ def whole_products(group, pipeline: bool) -> bool:
     return group is None or group.size() == 1 or pipeline
 
 
-def set_cpu_activations(model, activations: str | None, path: Path, whole_products: bool):
+def set_cpu_activations(model, activations: str | None, path: Path, whole_products: bool, dtype):
     """Every quantized product of the model, and every product of a 16-bit matrix, takes `activations`
     (see `load`), or the load is refused; None: "int8" for a GGUF file whose every such product takes
     it here, whole, else "float32". "int8" names the matrices to the CPU backend
-    (`ops.compute_as_llama_cpp`), which computes them so."""
-    modules = [
-        m
-        for _, m in model.named_modules()
+    (`ops.compute_as_llama_cpp`), which computes them so; in a float32 model (dtype) it holds the
+    layers' Q4_K matrices as their products read them fastest (`ops.held_interleaved`), but an output
+    head's, whose rows a draft head gathers (`vocabulary_head`)."""
+    named = {
+        id(m): (name, m)
+        for name, m in model.named_modules()
         if isinstance(m, _MATRICES + _EXPERTS) and ("scales" in m or m.weight.dtype in ops.SIXTEEN_BITS)
-    ]
+    }
+    modules = [m for _, m in named.values()]  # (each once, where it is shared)
 
     def refusal(m):
         return ops.int8_activations(m.bits, m.group_size, m.block) if "scales" in m else ops.half_activations()
@@ -65,8 +68,17 @@ def set_cpu_activations(model, activations: str | None, path: Path, whole_produc
         reason, names = next(iter(refused.items()))
         raise ModelLoadError(f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "
                              f"this file holds {', '.join(sorted(names))} tensors")  # fmt: skip
-    for module in modules:
-        ops.compute_as_llama_cpp(module["weight"], _rows_alike(module))
+    held = {}  # the array held for each matrix (by id), where modules share one
+    for name, module in named.values():
+        matrix = module["weight"]
+        if dtype == mx.float32 and isinstance(module, (QuantizedLinear, QuantizedSwitchLinear)) and (
+                name.split(".")[-1] != "lm_head"):  # fmt: skip
+            if id(matrix) not in held:
+                held[id(matrix)] = ops.held_interleaved(matrix, module.bits, module.group_size, module.block,
+                                                        _rows_alike(module))  # fmt: skip
+            module["weight"] = held[id(matrix)]
+        else:
+            ops.compute_as_llama_cpp(matrix, _rows_alike(module))
 
 
 def _rows_alike(module) -> int | None:

@@ -56,6 +56,7 @@ from .products import (  # noqa: F401  (the products, for the layers)
     gather_matmul,
     gather_quantized_matmul,
     half_activations,
+    held_interleaved,
     int8_activations,
     int8_activations_computed,
     int8_row_limit,

@@ -146,18 +146,27 @@ def small_case_16bit(_platform, dtype):
     return got, want
 
 
-def int8_matmul(x, w, factors, codes, held_type: int, grid: mx.array | None = None) -> mx.array:
+def int8_matmul(x, w, factors, codes, held_type: int, grid: mx.array | None = None, interleaved: bool = False):
     """x [..., K] (any rows) @ W^T for a GGUF matrix held as the package holds its type
     (`quantized_tensor.INT8_TYPES`, numbered in order: packed codes, float16 factors, int8 codes; a grid
     type's blocks and empty factors and codes, with its `grid_of`), as llama.cpp computes it on x86: each
-    row quantized to the type's 8-bit blocks, integer block sums: float32 [..., N]."""
-    return extension().int8_matmul(x, w, factors, codes, held_type, grid)
+    row quantized to the type's 8-bit blocks, integer block sums: float32 [..., N]. interleaved: a Q4_K
+    matrix whose packed codes `interleave_eights` made."""
+    return extension().int8_matmul(x, w, factors, codes, held_type, grid, interleaved)
 
 
-def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.array | None = None) -> mx.array:
+def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.array | None = None,
+                       interleaved: bool = False) -> mx.array:  # fmt: skip
     """`int8_matmul` for x [T, 1 or k, K] against the matrices of w [E, N, ...] chosen by indices [T, k]:
     float32 [T, k, N]."""
-    return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type, grid)
+    return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type, grid, interleaved)
+
+
+def interleave_eights(w: mx.array) -> mx.array:
+    """A Q4_K matrix's packed codes [..., N, K / 8] (N a multiple of 8) as `int8_matmul(...,
+    interleaved=True)` reads them: each 8 rows' 32-bit words in turn, as llama.cpp's x86 build repacks
+    Q4_K (its factors and codes stay as they are)."""
+    return extension().interleave_eights(w)
 
 
 def half_matmul(x, w) -> mx.array:

@@ -14,7 +14,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..quantized_tensor import INT8_TYPES, BlockScales, QuantizedTensor, no_codes
+from ..quantized_tensor import INT8_TYPES, BlockScales, QuantizedTensor, int8_number, no_codes
 from . import backend, cpu_quantized, row_kernels, selfcheck
 from .backend import cpu_kernel_passed, path_key
 from .cpu_extension import INT8_PRODUCTS, QUANTIZED
@@ -27,15 +27,20 @@ SIXTEEN_BITS = (mx.bfloat16, mx.float16)
 # 8-bit activations, F16's and BF16's 16-bit ones): the loader names them, each product asks here
 # (`activations_of`), and the models never carry the choice. By the array's id, with a weak reference
 # that drops the entry when the matrix goes; each with the most rows a product of it keeps every row's
-# bits (None: any).
-_LLAMA_CPP_MATRICES: dict[int, tuple[weakref.ref, int | None]] = {}
+# bits (None: any), and whether it is held interleaved (`cpu_quantized.interleave_eights`).
+_LLAMA_CPP_MATRICES: dict[int, tuple[weakref.ref, int | None, bool]] = {}
+
+# `activations_of` a Q4_K matrix held interleaved, which only the 8-bit products read
+INT8_INTERLEAVED = "int8, interleaved"
 
 
-def compute_as_llama_cpp(matrix: mx.array, rows_alike: int | None):
+def compute_as_llama_cpp(matrix: mx.array, rows_alike: int | None, interleaved: bool = False):
     """From here on, `matrix`'s products take llama.cpp's activations where they compute (see
-    `int8_activations`); rows_alike: the most rows a product of it keeps each row's bits."""
+    `int8_activations`); rows_alike: the most rows a product of it keeps each row's bits; interleaved:
+    its packed codes are `cpu_quantized.interleave_eights`'s, which no other product reads."""
     key = id(matrix)
-    _LLAMA_CPP_MATRICES[key] = (weakref.ref(matrix, lambda _: _LLAMA_CPP_MATRICES.pop(key, None)), rows_alike)
+    _LLAMA_CPP_MATRICES[key] = (weakref.ref(matrix, lambda _: _LLAMA_CPP_MATRICES.pop(key, None)), rows_alike,
+                                interleaved)  # fmt: skip
 
 
 def _named(matrix: mx.array) -> tuple | None:
@@ -47,12 +52,16 @@ def _named(matrix: mx.array) -> tuple | None:
 def compute_like(matrix: mx.array, source: mx.array):
     """`matrix` (rows cut from `source`, say) computes as `source` does."""
     if (entry := _named(source)) is not None:
+        if entry[2]:
+            raise ValueError("rows cut from a matrix held interleaved are not its rows")
         compute_as_llama_cpp(matrix, entry[1])
 
 
 def activations_of(matrix: mx.array) -> str:
-    """ "int8" where the matrix's products compute as llama.cpp computes them, else "float32"."""
-    return "float32" if _named(matrix) is None else "int8"
+    """ "int8" where the matrix's products compute as llama.cpp computes them (`INT8_INTERLEAVED` where it
+    is held interleaved), else "float32"."""
+    entry = _named(matrix)
+    return "float32" if entry is None else INT8_INTERLEAVED if entry[2] else "int8"
 
 
 def llama_cpp_row_limits(matrices) -> list[int | None]:
@@ -218,6 +227,22 @@ def int8_type(bits: int, group_size: int, block) -> int | None:
     return next((i for i, held in enumerate(INT8_TYPES.values()) if held == (bits, group_size, block)), None)
 
 
+def held_interleaved(matrix: mx.array, bits: int, group_size: int, block, rows_alike: int | None) -> mx.array:
+    """What to hold for `matrix` (packed codes [..., N, K / 8]) whose products take llama.cpp's 8-bit
+    activations (`compute_as_llama_cpp`, here too): a Q4_K matrix of rows in eights interleaved
+    (`cpu_quantized.interleave_eights`, as llama.cpp's x86 build repacks it: a decode step's 3584 x 1024
+    product from memory on an AMD EPYC (Zen 4) 150-170 -> 91-100 us on one thread, 94-111 -> 78 on two),
+    evaluated; any other the matrix itself. Only the 8-bit products read an interleaved matrix: its rows
+    are not to be cut or gathered."""
+    if int8_type(bits, group_size, block) != int8_number("Q4_K") or matrix.shape[-2] % 8:
+        compute_as_llama_cpp(matrix, rows_alike)
+        return matrix
+    interleaved = cpu_quantized.interleave_eights(matrix)
+    mx.eval(interleaved)
+    compute_as_llama_cpp(interleaved, rows_alike, interleaved=True)
+    return interleaved
+
+
 def int8_activations_computed() -> bool:
     """Whether products with llama.cpp's 8-bit activations compute in this process (the CPU, with our
     kernels built and checked)."""
@@ -242,22 +267,33 @@ def int8_activations(bits: int, group_size: int, block) -> str | None:
     return half_activations()
 
 
+def _check_interleaved_computes(dtype, bits: int, group_size: int, block):
+    """Raises unless the 8-bit products compute a matrix held interleaved here (only they read it)."""
+    if reason := int8_activations(bits, group_size, block) or (dtype != mx.float32 and "x is not float32"):
+        raise ValueError(f"a Q4_K matrix held for the CPU's 8-bit products cannot be computed ({reason}): load "
+                         "the model again where it computes (`load(..., cpu_activations='float32')` holds it "
+                         "for every product)")
+
+
 @lru_cache(maxsize=None)
 def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtype, activations, *key) -> Callable:
     """`quantized_matmul`'s path for inputs of `dtype` in this layout, decided once per
     `backend.path_key`: a function (x, w, scales, biases) -> x @ W^T in dtype that calls the kernel
     directly. Deciding on every call cost each product two more Python calls on the host."""
     affine = group_size in MLX_GROUP_SIZES and block is None
-    if activations == "int8" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
+    interleaved = activations == INT8_INTERLEAVED
+    if interleaved:
+        _check_interleaved_computes(dtype, bits, group_size, block)
+    if activations in ("int8", INT8_INTERLEAVED) and dtype == mx.float32 and not int8_activations(bits, group_size, block):
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
-        limit = int8_row_limit(bits, group_size, block)
+        limit = None if interleaved else int8_row_limit(bits, group_size, block)  # (Q4_K's: any rows)
 
         def int8_product(x, w, scales, biases):
             if limit is not None and x.size // x.shape[-1] > limit:
                 return float_path(x, w, scales, biases)
             codes = no_codes(scales) if biases is None else biases  # (none in MLX's mxfp4 mode)
-            return cpu_quantized.int8_matmul(x, w, scales, codes, held_type, grid)
+            return cpu_quantized.int8_matmul(x, w, scales, codes, held_type, grid, interleaved)
 
         return int8_product
 
@@ -291,10 +327,15 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
     """x [..., 1 or k, 1, K] against the experts of w [E, N, ...] chosen by indices [..., k]:
     [..., k, 1, N], in x's dtype (as `quantized_matmul`)."""
     biases = no_codes(scales) if biases is None else biases  # (none in MLX's float modes)
-    if activations_of(w) == "int8" and x.dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
+    activations = activations_of(w)
+    interleaved = activations == INT8_INTERLEAVED
+    if interleaved:
+        _check_interleaved_computes(x.dtype, bits, group_size, block)
+    if activations != "float32" and x.dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
         return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
-                                                                                   held_type, grid), x, indices)  # fmt: skip
+                                                                                   held_type, grid, interleaved),
+                              x, indices)  # fmt: skip
     out = None if block is not None else row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)
     if out is not None:
         return out
