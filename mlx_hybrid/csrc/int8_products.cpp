@@ -2035,29 +2035,64 @@ struct Eights {
     bool operator==(const Eights&) const = default;
 };
 
-void interleave(const Eights& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
-    const uint32_t* w = in[0].data<uint32_t>();
-    uint32_t* out = outs[0].data<uint32_t>();
-    const int parts = 4 * Pool::get().threads();
-    Pool::get().run(parts, s.eights * s.words >= (1L << 16), [&](int part) {
-        for (long e = s.eights * part / parts; e < s.eights * (part + 1) / parts; e++) {
-            const uint32_t* rows = w + e * 8 * s.words;
-            uint32_t* eight = out + e * 8 * s.words;
-            for (int p = 0; p < s.words; p++)
-                for (int n = 0; n < 8; n++) eight[8 * p + n] = rows[(long)n * s.words + p];
-        }
-    });
-}
+// In the matrix's own buffer where nothing else holds it (a loader's matrix, replaced by its
+// interleaved one: no second copy at the peak, no fresh pages to fault in), each eight through a copy.
+class Interleave : public mx::Primitive {
+   public:
+    Interleave(mx::Stream stream, Eights eights) : mx::Primitive(stream), s_(eights) {}
 
-using Interleave = mlx_hybrid::CpuPrimitive<Eights, interleave>;
+    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+        auto& encoder = mx::cpu::get_command_encoder(stream());
+        const mx::array& in = inputs[0];
+        mx::array& out = outputs[0];
+        encoder.set_input_array(in);
+        if (in.flags().row_contiguous && in.is_donatable())
+            out.copy_shared_buffer(in);
+        else
+            out.set_data(mx::allocator::malloc(out.nbytes()));
+        encoder.set_output_array(out);
+        encoder.dispatch([in = mx::array::unsafe_weak_copy(in), out = mx::array::unsafe_weak_copy(out),
+                          s = s_]() mutable {
+            mx::array rows = in;
+            if (!rows.flags().row_contiguous) {  // (a view: read by its strides into a copy first)
+                rows = mx::array(in.shape(), in.dtype(), nullptr, {});
+                rows.set_data(mx::allocator::malloc(rows.nbytes()));
+                mlx_hybrid::copy_by_strides(in, rows);
+            }
+            const uint32_t* w = rows.data<uint32_t>();
+            uint32_t* to = out.data<uint32_t>();
+            const int parts = 4 * Pool::get().threads();
+            Pool::get().run(parts, s.eights * s.words >= (1L << 16), [&](int part) {
+                thread_local std::vector<uint32_t> copy;
+                copy.resize(8L * s.words);
+                for (long e = s.eights * part / parts; e < s.eights * (part + 1) / parts; e++) {
+                    std::memcpy(copy.data(), w + e * 8 * s.words, copy.size() * 4);
+                    for (int p = 0; p < s.words; p++)
+                        for (int n = 0; n < 8; n++) to[e * 8 * s.words + 8 * p + n] = copy[(long)n * s.words + p];
+                }
+            });
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("InterleaveEights runs on the CPU only");
+    }
+    const char* name() const override { return "InterleaveEights"; }
+    bool is_equivalent(const mx::Primitive& other) const override {
+        return s_ == static_cast<const Interleave&>(other).s_;
+    }
+
+   private:
+    Eights s_;
+};
 
 mx::array interleave_eights(const mx::array& w) {
     if (w.dtype() != mx::uint32 || w.ndim() < 2 || w.shape(-2) % 8)
         throw std::invalid_argument("interleave_eights: a Q4_K matrix's nibbles [..., N, K / 8] (uint32), N a "
                                     "multiple of 8");
     Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1)};
-    return mx::array(w.shape(), mx::uint32,
-                     std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s, "InterleaveEights"), {w});
+    return mx::array(w.shape(), mx::uint32, std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s),
+                     {w});
 }
 
 // Throws unless a matrix held interleaved (`interleave_eights`) is Q4_K's, of rows in eights

@@ -70,15 +70,16 @@ def set_cpu_activations(model, activations: str | None, path: Path, whole_produc
                              f"this file holds {', '.join(sorted(names))} tensors")  # fmt: skip
     held = {}  # the array held for each matrix (by id), where modules share one
     for name, module in named.values():
-        matrix = module["weight"]
         if dtype == mx.float32 and isinstance(module, (QuantizedLinear, QuantizedSwitchLinear)) and (
                 name.split(".")[-1] != "lm_head"):  # fmt: skip
-            if id(matrix) not in held:
-                held[id(matrix)] = ops.held_interleaved(matrix, module.bits, module.group_size, module.block,
-                                                        _rows_alike(module))  # fmt: skip
-            module["weight"] = held[id(matrix)]
+            key = id(module["weight"])
+            if key not in held:  # (taken out of the module first: interleaved in its own buffer)
+                held[key] = ops.held_interleaved(module.pop("weight"), module.bits, module.group_size,
+                                                 module.block, _rows_alike(module))  # fmt: skip
+                mx.eval(held[key])
+            module["weight"] = held[key]
         else:
-            ops.compute_as_llama_cpp(matrix, _rows_alike(module))
+            ops.compute_as_llama_cpp(module["weight"], _rows_alike(module))
 
 
 def _rows_alike(module) -> int | None:

@@ -232,13 +232,13 @@ def held_interleaved(matrix: mx.array, bits: int, group_size: int, block, rows_a
     activations (`compute_as_llama_cpp`, here too): a Q4_K matrix of rows in eights interleaved
     (`cpu_quantized.interleave_eights`, as llama.cpp's x86 build repacks it: a decode step's 3584 x 1024
     product from memory on an AMD EPYC (Zen 4) 150-170 -> 91-100 us on one thread, 94-111 -> 78 on two),
-    evaluated; any other the matrix itself. Only the 8-bit products read an interleaved matrix: its rows
+    not yet evaluated: where the caller holds `matrix` no more when it evaluates it, in matrix's own
+    buffer; any other the matrix itself. Only the 8-bit products read an interleaved matrix: its rows
     are not to be cut or gathered."""
     if int8_type(bits, group_size, block) != int8_number("Q4_K") or matrix.shape[-2] % 8:
         compute_as_llama_cpp(matrix, rows_alike)
         return matrix
     interleaved = cpu_quantized.interleave_eights(matrix)
-    mx.eval(interleaved)
     compute_as_llama_cpp(interleaved, rows_alike, interleaved=True)
     return interleaved
 
