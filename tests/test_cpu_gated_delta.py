@@ -7,7 +7,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import cpu_kernel_tests
+from conftest import assert_every_instruction_set_agrees, cpu_kernel_tests
 
 from mlx_hybrid import ops
 from mlx_hybrid.ops import cpu_extension, cpu_kernels
@@ -53,6 +53,14 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
             assert mx.array_equal(step_out[:, 0], out[row : row + 1, t])
             assert mx.array_equal(state, states[t][row : row + 1])
     assert mx.array_equal(final, states[-1])
+
+
+@pytest.mark.parametrize("vector_gate", [False, True])
+def test_every_instruction_set_gives_a_decode_step_the_same_bits(vector_gate):
+    """A token alone (a decode step: whole rows at a time where the AVX-512 build runs, 32 columns at a
+    time in the AVX2 one): the same bits from each build this CPU runs."""
+    inputs = [mx.array(x) for x in make_inputs(1, 1, 2, 4, 128, 128, vector_gate, seed=11)]
+    assert_every_instruction_set_agrees(lambda: cpu_kernels.gated_delta_recurrent(*inputs)[:2])
 
 
 def test_the_op_runs_the_kernel_on_the_cpu():

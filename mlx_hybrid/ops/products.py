@@ -284,7 +284,7 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     interleaved = activations == INT8_INTERLEAVED
     if interleaved:
         _check_interleaved_computes(dtype, bits, group_size, block)
-    if activations in ("int8", INT8_INTERLEAVED) and dtype == mx.float32 and not int8_activations(bits, group_size, block):
+    if activations != "float32" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
         limit = None if interleaved else int8_row_limit(bits, group_size, block)  # (Q4_K's: any rows)
