@@ -166,24 +166,32 @@ def test_k_quant_products_are_exact_where_the_arithmetic_is(held_type, bits, N):
     np.testing.assert_array_equal(got, llama_reference.k_quant_reference(x, q, d, dmin, sc, m).astype(np.float32))
 
 
-@pytest.mark.parametrize("N", [24, 40], ids=["rows in eights", "an eight past the sixteens"])
-def test_q4_k_rows_held_interleaved_give_the_rows_as_stored(N):
-    """A Q4_K matrix of rows in eights held interleaved (`interleave_eights`: each eight's 32-bit words in
-    turn, as llama.cpp's x86 build repacks Q4_K) multiplies as the matrix as stored, to the bit: a decode
-    step's row, a prompt's rows, experts' rows, from every build this CPU runs."""
-    rng = np.random.default_rng(N)
-    weights = llama_reference.random_k_quant(rng, (5, N, 1024), 4)
-    w, factors, codes = (mx.array(a) for a in llama_reference.held_k_quant(weights[0], 4, *weights[1:]))
-    interleaved = cpu_quantized.interleave_eights(w)
-    words = np.array(w).reshape(5, N // 8, 8, -1)
-    np.testing.assert_array_equal(np.array(interleaved), words.swapaxes(-1, -2).reshape(5, N, -1))
+@pytest.mark.parametrize(
+    "held_type, N", [(Q4_K, 24), (Q4_K, 40), (Q4_0, 24)], ids=["Q4_K", "Q4_K, an eight past the sixteens", "Q4_0"]
+)
+def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
+    """A Q4_K or Q4_0 matrix of rows in eights held interleaved (`interleave_eights`: each eight's turns in
+    turn, a 32-bit word of Q4_K, two blocks of Q4_0, as llama.cpp's x86 build repacks them) multiplies as
+    the matrix as stored, to the bit: a decode step's row, a prompt's rows, experts' rows, from every build
+    this CPU runs."""
+    rng = np.random.default_rng(N + held_type)
+    if held_type == Q4_K:
+        weights = llama_reference.random_k_quant(rng, (5, N, 1024), 4)
+        w, factors, codes = (mx.array(a) for a in llama_reference.held_k_quant(weights[0], 4, *weights[1:]))
+    else:
+        q, d = llama_reference.random_b32(rng, (5, N, 1024), 4, False)
+        w, factors, codes = llama_reference.held_b32(q, 4, d)
+    unit = cpu_quantized.interleaved_unit(held_type, N, 1024)
+    interleaved = cpu_quantized.interleave_eights(w, held_type)
+    turns = np.array(w).reshape(5, N // 8, 8, -1, unit)
+    np.testing.assert_array_equal(np.array(interleaved), turns.swapaxes(2, 3).reshape(5, N, -1))
     x = mx.random.normal((9, 1024), key=mx.random.key(N))
     tokens, indices = mx.random.normal((4, 1, 1024), key=mx.random.key(1)), mx.array(rng.integers(0, 5, (4, 3)))
 
     def products(held, held_interleaved):
-        matrix = (held[1], factors[1], codes[1], Q4_K, None, held_interleaved)
+        matrix = (held[1], factors[1], codes[1], held_type, None, held_interleaved)
         return [np.array(cpu_quantized.int8_matmul(x[:rows], *matrix)) for rows in (1, 3, 9)] + [
-            np.array(cpu_quantized.int8_gather_matmul(tokens, held, factors, codes, indices, Q4_K, None,
+            np.array(cpu_quantized.int8_gather_matmul(tokens, held, factors, codes, indices, held_type, None,
                                                       held_interleaved))]  # fmt: skip
 
     extension = cpu_quantized.extension()
@@ -194,8 +202,8 @@ def test_q4_k_rows_held_interleaved_give_the_rows_as_stored(N):
                 np.testing.assert_array_equal(got, want, err_msg=name)
     finally:
         extension.use_instruction_set(None)
-    with pytest.raises(ValueError, match="only Q4_K matrices of rows in eights are held interleaved"):
-        cpu_quantized.int8_matmul(x, w[1, :20], factors[1, :20], codes[1, :20], Q4_K, None, True)
+    with pytest.raises(ValueError, match="only Q4_K and Q4_0 matrices of rows in eights are held interleaved"):
+        cpu_quantized.int8_matmul(x, w[1, :20], factors[1, :20], codes[1, :20], held_type, None, True)
 
 
 def test_q8_k_quantization_is_llama_cpps():
@@ -589,7 +597,7 @@ def test_a_q4_k_m_files_layer_matrices_are_held_interleaved_for_the_8_bit_produc
     assert q4_k and all((held[id(m)] == ops.products.INT8_INTERLEAVED) == (m.weight.shape[0] % 8 == 0) for m in q4_k)
     assert {held[id(m)] for m in quantized if m.block != INT8_TYPES["Q4_K"][2]} == {"int8"}
     matrix = next(m for m in q4_k if m.weight.shape[0] % 8 == 0)
-    with pytest.raises(ValueError, match="a Q4_K matrix held for the CPU's 8-bit products cannot be computed"):
+    with pytest.raises(ValueError, match="a matrix held for the CPU's 8-bit products cannot be computed"):
         matrix(mx.zeros((1, matrix.weight.shape[1] * 8), mx.bfloat16))
     halves, _ = mlx_hybrid.load(path, dtype="bfloat16")
     assert ops.products.INT8_INTERLEAVED not in {ops.activations_of(m["weight"]) for _, m in halves.named_modules()

@@ -91,7 +91,7 @@ struct Q8Shape {
     int chosen = 0;             // an expert product's matrices a token (k), else 0
     bool shared = false;        // an expert product's x: one row a token for all its k choices
     Type type = Q8_0;
-    bool interleaved = false;   // Q4_K rows held in eights, their nibbles interleaved (`interleave_eights`)
+    bool interleaved = false;   // rows held in eights, their codes interleaved (`interleave_eights`)
     bool operator==(const Q8Shape&) const = default;
 };
 
@@ -1346,7 +1346,8 @@ INT8_FN inline __m256i two_blocks(const NibbleRow& v, __m256i x_even, __m256i x_
 // split, two blocks at a time (the blocks' even values, then their odd ones: a byte's low nibbles, then
 // its high ones; a last odd block alone), with each block's sum of codes (Q4_0's -8). R rows of x at
 // once (x[r], x_sums[r], x_d[r]), the weight rows' values taken once for them; out[r][0..7] gets row r's.
-template <Nibbles KIND, int R = 1>
+// INTERLEAVED: Q4_0's rows held interleaved (`interleave_eights`: each pair of blocks of the 8 in turn).
+template <Nibbles KIND, int R = 1, bool INTERLEAVED = false>
 INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scales, long row_factors,
                            const int8_t* const* x, const int16_t* const* x_sums, const float* const* x_d, int blocks,
                            float* const* out) {
@@ -1379,7 +1380,7 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scale
             }
         }
         for (int n = 0; n < 8; n++) {
-            const uint8_t* p = w + n * row_bytes + b * 16;
+            const uint8_t* p = INTERLEAVED ? w + (long)b / 2 * 256 + n * 32 : w + n * row_bytes + b * 16;
             NibbleRow values;
             if (pair) {
                 values = nibble_row<KIND>(p);
@@ -1903,8 +1904,10 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 if (eights)
                     each_step(8, [&](const Weights& at) {
                         by_powers_of_two<8>(rows, [&](auto R, int i) {
-                            dot_rows8_b32<KIND, decltype(R)::value>(at.w, row_bytes, at.scales, held.factors,
-                                                                    codes + i, shared + i, d + i, blocks, at.out + i);
+                            constexpr int ROWS = decltype(R)::value;
+                            (s.interleaved ? dot_rows8_b32<KIND, ROWS, true> : dot_rows8_b32<KIND, ROWS, false>)(
+                                at.w, row_bytes, at.scales, held.factors, codes + i, shared + i, d + i, blocks,
+                                at.out + i);
                         });
                     });
                 else
@@ -2024,16 +2027,27 @@ std::vector<mx::array> with_grid(std::vector<mx::array> inputs, const std::optio
 
 // x [..., K] float32 @ W^T for W [N, K] held as `type` (w packed codes, factors,
 // codes: see the top) -> float32 [..., N]
-// A Q4_K matrix's nibbles held interleaved: each 8 rows' 4-byte words in turn (word p of row 8s + n at
-// (8s) K / 8 + 8p + n, 32 bytes a step of 8 rows, as llama.cpp's x86 build repacks Q4_K), so that the
-// products of rows in eights load 8 rows' words with one load where gathering them took 3 instructions
-// a word (a 3584 x 1024 product on one thread, AMD EPYC (Zen 4), from the L3 cache: 90 -> 57 us, 23.5 ->
-// 37 GB/s; its factors and codes stay a row's in turn).
+// A matrix's packed codes held interleaved: each 8 rows' turns of `unit` 4-byte words in turn (Q4_K's
+// word p of row 8s + n at (8s) K / 8 + 8p + n, as llama.cpp's x86 build repacks Q4_K; Q4_0's 32 bytes,
+// two blocks, a row's turn), so that the products of rows in eights read one stream,
+// which the hardware's prefetch follows, and Q4_K's load 8 rows' words with one load where gathering
+// them took 3 instructions a word (a 3584 x 1024 product on one thread, AMD EPYC (Zen 4), from the L3
+// cache: 90 -> 57 us, 23.5 -> 37 GB/s). Their factors and codes stay a row's in turn.
 struct Eights {
     long eights;  // over all matrices
     int words;    // a row's (K / 8)
+    int unit;     // words a row's turn: 1 (Q4_K), 8 (a pair of Q4_0's blocks)
     bool operator==(const Eights&) const = default;
 };
+
+// The words of a row's turn where rows of `type` (N of K values) are held interleaved, else 0: Q4_K's and
+// Q4_0's matrices of rows in eights (which llama.cpp's x86 build repacks, and whose 8-bit products take
+// any number of rows: IQ4_NL's and MXFP4's prompts take the float32 path, which reads rows as stored),
+// Q4_0's in pairs of blocks (K a multiple of 64)
+int interleaved_unit(int type, int N, int K) {
+    if (N % 8) return 0;
+    return type == Q4_K ? 1 : type == Q4_0 && K % 64 == 0 ? 8 : 0;
+}
 
 // In the matrix's own buffer where nothing else holds it (a loader's matrix, replaced by its
 // interleaved one: no second copy at the peak, no fresh pages to fault in), each eight through a copy.
@@ -2067,8 +2081,10 @@ class Interleave : public mx::Primitive {
                 copy.resize(8L * s.words);
                 for (long e = s.eights * part / parts; e < s.eights * (part + 1) / parts; e++) {
                     std::memcpy(copy.data(), w + e * 8 * s.words, copy.size() * 4);
-                    for (int p = 0; p < s.words; p++)
-                        for (int n = 0; n < 8; n++) to[e * 8 * s.words + 8 * p + n] = copy[(long)n * s.words + p];
+                    for (int p = 0; p < s.words; p += s.unit)
+                        for (int n = 0; n < 8; n++)
+                            std::memcpy(to + e * 8 * s.words + 8 * p + n * s.unit, copy.data() + (long)n * s.words + p,
+                                        4 * s.unit);
                 }
             });
         });
@@ -2086,19 +2102,21 @@ class Interleave : public mx::Primitive {
     Eights s_;
 };
 
-mx::array interleave_eights(const mx::array& w) {
-    if (w.dtype() != mx::uint32 || w.ndim() < 2 || w.shape(-2) % 8)
-        throw std::invalid_argument("interleave_eights: a Q4_K matrix's nibbles [..., N, K / 8] (uint32), N a "
-                                    "multiple of 8");
-    Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1)};
+mx::array interleave_eights(const mx::array& w, int type) {
+    const int unit = w.ndim() < 2 ? 0 : interleaved_unit(type, w.shape(-2), w.shape(-1) * 8);
+    if (w.dtype() != mx::uint32 || !unit)
+        throw std::invalid_argument("interleave_eights: the packed codes [..., N, K / 8] (uint32) of a Q4_K or "
+                                    "Q4_0 matrix of rows in eights (Q4_0's K a multiple of 64)");
+    Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1), unit};
     return mx::array(w.shape(), mx::uint32, std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s),
                      {w});
 }
 
-// Throws unless a matrix held interleaved (`interleave_eights`) is Q4_K's, of rows in eights
-void check_interleaved(bool interleaved, int type, int N) {
-    if (interleaved && (type != Q4_K || N % 8))
-        throw std::invalid_argument("int8 products: only Q4_K matrices of rows in eights are held interleaved");
+// Throws unless a matrix held interleaved (`interleave_eights`) can be
+void check_interleaved(bool interleaved, int type, int N, int K) {
+    if (interleaved && !interleaved_unit(type, N, K))
+        throw std::invalid_argument("int8 products: only Q4_K and Q4_0 matrices of rows in eights are held "
+                                    "interleaved");
 }
 
 mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
@@ -2112,7 +2130,7 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
                                     "21 (MXFP4)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes, grid);
-    check_interleaved(interleaved, type, N);
+    check_interleaved(interleaved, type, N, K);
     auto shape = x.shape();
     shape.back() = N;
     auto stream = mx::default_stream(mx::Device::cpu);
@@ -2133,7 +2151,7 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
                                     "int8_matmul takes, indices [T, k]");
     const int K = x.shape(2), N = w.shape(1), k = indices.shape(1), M = indices.shape(0) * k;
     check_held((Type)type, K, w, factors, codes, grid);
-    check_interleaved(interleaved, type, N);
+    check_interleaved(interleaved, type, N, K);
     auto stream = mx::default_stream(mx::Device::cpu);
     Q8Shape s{M, K, N, k, x.shape(1) == 1, (Type)type, interleaved};
     return mx::array({indices.shape(0), k, N}, mx::float32,
@@ -2179,9 +2197,11 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
           "16: IQ3_S, 17: IQ1_S, 18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks "
           "with their grid; `interleaved`: a Q4_K matrix of rows in eights held interleaved, as interleave_eights "
           "makes it) as llama.cpp computes it");
-    m.def("interleave_eights", &interleave_eights, nb::arg("w"),
-          "a Q4_K matrix's nibbles [..., N, K / 8] (uint32, N a multiple of 8) held interleaved: each 8 rows' "
-          "words in turn, as the int8 products read them with `interleaved`");
+    m.def("interleave_eights", &interleave_eights, nb::arg("w"), nb::arg("type"),
+          "the packed codes [..., N, K / 8] (uint32) of a matrix of `type` held interleaved: each 8 rows' words in "
+          "turn, as the int8 products read them with `interleaved`");
+    m.def("interleaved_unit", &interleaved_unit, nb::arg("type"), nb::arg("N"), nb::arg("K"),
+          "the words of a row's turn where a matrix of `type` (N x K) is held interleaved, else 0");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), nb::arg("interleaved") = false,
           "int8_matmul against the matrices each token chose (experts)");

@@ -150,8 +150,8 @@ def int8_matmul(x, w, factors, codes, held_type: int, grid: mx.array | None = No
     """x [..., K] (any rows) @ W^T for a GGUF matrix held as the package holds its type
     (`quantized_tensor.INT8_TYPES`, numbered in order: packed codes, float16 factors, int8 codes; a grid
     type's blocks and empty factors and codes, with its `grid_of`), as llama.cpp computes it on x86: each
-    row quantized to the type's 8-bit blocks, integer block sums: float32 [..., N]. interleaved: a Q4_K
-    matrix whose packed codes `interleave_eights` made."""
+    row quantized to the type's 8-bit blocks, integer block sums: float32 [..., N]. interleaved: a matrix
+    whose packed codes `interleave_eights` made."""
     return extension().int8_matmul(x, w, factors, codes, held_type, grid, interleaved)
 
 
@@ -162,11 +162,17 @@ def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.a
     return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type, grid, interleaved)
 
 
-def interleave_eights(w: mx.array) -> mx.array:
-    """A Q4_K matrix's packed codes [..., N, K / 8] (N a multiple of 8) as `int8_matmul(...,
-    interleaved=True)` reads them: each 8 rows' 32-bit words in turn, as llama.cpp's x86 build repacks
-    Q4_K (its factors and codes stay as they are)."""
-    return extension().interleave_eights(w)
+def interleaved_unit(held_type: int, rows: int, columns: int) -> int:
+    """The 32-bit words of a row's turn where a matrix of the kernel's type `held_type` ([rows, columns])
+    can be held interleaved (`interleave_eights`), else 0."""
+    return extension().interleaved_unit(held_type, rows, columns)
+
+
+def interleave_eights(w: mx.array, held_type: int) -> mx.array:
+    """The packed codes [..., N, K / 8] of a matrix of the kernel's type `held_type` (`interleaved_unit`)
+    as `int8_matmul(..., interleaved=True)` reads them: each 8 rows' turns in turn, as llama.cpp's x86
+    build repacks Q4_K and Q4_0 (its factors and codes stay as they are)."""
+    return extension().interleave_eights(w, held_type)
 
 
 def half_matmul(x, w) -> mx.array:

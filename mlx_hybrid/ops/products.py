@@ -14,7 +14,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..quantized_tensor import INT8_TYPES, BlockScales, QuantizedTensor, int8_number, no_codes
+from ..quantized_tensor import INT8_TYPES, BlockScales, QuantizedTensor, no_codes
 from . import backend, cpu_quantized, row_kernels, selfcheck
 from .backend import cpu_kernel_passed, path_key
 from .cpu_extension import INT8_PRODUCTS, QUANTIZED
@@ -30,7 +30,7 @@ SIXTEEN_BITS = (mx.bfloat16, mx.float16)
 # bits (None: any), and whether it is held interleaved (`cpu_quantized.interleave_eights`).
 _LLAMA_CPP_MATRICES: dict[int, tuple[weakref.ref, int | None, bool]] = {}
 
-# `activations_of` a Q4_K matrix held interleaved, which only the 8-bit products read
+# `activations_of` a matrix held interleaved, which only the 8-bit products read
 INT8_INTERLEAVED = "int8, interleaved"
 
 
@@ -229,16 +229,17 @@ def int8_type(bits: int, group_size: int, block) -> int | None:
 
 def held_interleaved(matrix: mx.array, bits: int, group_size: int, block, rows_alike: int | None) -> mx.array:
     """What to hold for `matrix` (packed codes [..., N, K / 8]) whose products take llama.cpp's 8-bit
-    activations (`compute_as_llama_cpp`, here too): a Q4_K matrix of rows in eights interleaved
-    (`cpu_quantized.interleave_eights`, as llama.cpp's x86 build repacks it: a decode step's 3584 x 1024
-    product from memory on an AMD EPYC (Zen 4) 150-170 -> 91-100 us on one thread, 94-111 -> 78 on two),
-    not yet evaluated: where the caller holds `matrix` no more when it evaluates it, in matrix's own
-    buffer; any other the matrix itself. Only the 8-bit products read an interleaved matrix: its rows
-    are not to be cut or gathered."""
-    if int8_type(bits, group_size, block) != int8_number("Q4_K") or matrix.shape[-2] % 8:
+    activations (`compute_as_llama_cpp`, here too): a Q4_K or Q4_0 matrix of rows in eights
+    (`cpu_quantized.interleaved_unit`) interleaved as llama.cpp's x86 build repacks them
+    (`cpu_quantized.interleave_eights`: a decode step's 3584 x 1024 Q4_K product from memory on an AMD
+    EPYC (Zen 4) 150-170 -> 91-100 us on one thread, 94-111 -> 78 on two), not yet evaluated: where the
+    caller holds `matrix` no more when it evaluates it, in matrix's own buffer; any other the matrix
+    itself. Only the 8-bit products read an interleaved matrix: its rows are not to be cut or gathered."""
+    held_type = int8_type(bits, group_size, block)
+    if held_type is None or not cpu_quantized.interleaved_unit(held_type, matrix.shape[-2], matrix.shape[-1] * 8):
         compute_as_llama_cpp(matrix, rows_alike)
         return matrix
-    interleaved = cpu_quantized.interleave_eights(matrix)
+    interleaved = cpu_quantized.interleave_eights(matrix, held_type)
     compute_as_llama_cpp(interleaved, rows_alike, interleaved=True)
     return interleaved
 
@@ -270,9 +271,11 @@ def int8_activations(bits: int, group_size: int, block) -> str | None:
 def _check_interleaved_computes(dtype, bits: int, group_size: int, block):
     """Raises unless the 8-bit products compute a matrix held interleaved here (only they read it)."""
     if reason := int8_activations(bits, group_size, block) or (dtype != mx.float32 and "x is not float32"):
-        raise ValueError(f"a Q4_K matrix held for the CPU's 8-bit products cannot be computed ({reason}): load "
-                         "the model again where it computes (`load(..., cpu_activations='float32')` holds it "
-                         "for every product)")
+        raise ValueError(
+            f"a matrix held for the CPU's 8-bit products cannot be computed ({reason}): load "
+            "the model again where it computes (`load(..., cpu_activations='float32')` holds it "
+            "for every product)"
+        )
 
 
 @lru_cache(maxsize=None)
@@ -287,7 +290,7 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     if activations != "float32" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
-        limit = None if interleaved else int8_row_limit(bits, group_size, block)  # (Q4_K's: any rows)
+        limit = int8_row_limit(bits, group_size, block)
 
         def int8_product(x, w, scales, biases):
             if limit is not None and x.size // x.shape[-1] > limit:
