@@ -2195,8 +2195,8 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
           "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, "
           "16: IQ3_S, 17: IQ1_S, 18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks "
-          "with their grid; `interleaved`: a Q4_K matrix of rows in eights held interleaved, as interleave_eights "
-          "makes it) as llama.cpp computes it");
+          "with their grid; `interleaved`: a Q4_K or Q4_0 matrix of rows in eights held interleaved, as "
+          "interleave_eights makes it) as llama.cpp computes it");
     m.def("interleave_eights", &interleave_eights, nb::arg("w"), nb::arg("type"),
           "the packed codes [..., N, K / 8] (uint32) of a matrix of `type` held interleaved: each 8 rows' words in "
           "turn, as the int8 products read them with `interleaved`");
