@@ -181,7 +181,7 @@ def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
     else:
         q, d = llama_reference.random_b32(rng, (5, N, 1024), 4, False)
         w, factors, codes = llama_reference.held_b32(q, 4, d)
-    unit = cpu_quantized.interleaved_unit(held_type, N, 1024)
+    unit = cpu_quantized.interleaved_unit(held_type, N, w.shape[-1])
     interleaved = cpu_quantized.interleave_eights(w, held_type)
     turns = np.array(w).reshape(5, N // 8, 8, -1, unit)
     np.testing.assert_array_equal(np.array(interleaved), turns.swapaxes(2, 3).reshape(5, N, -1))

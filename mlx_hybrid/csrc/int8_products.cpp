@@ -2040,13 +2040,13 @@ struct Eights {
     bool operator==(const Eights&) const = default;
 };
 
-// The words of a row's turn where rows of `type` (N of K values) are held interleaved, else 0: Q4_K's and
-// Q4_0's matrices of rows in eights (which llama.cpp's x86 build repacks, and whose 8-bit products take
-// any number of rows: IQ4_NL's and MXFP4's prompts take the float32 path, which reads rows as stored),
-// Q4_0's in pairs of blocks (K a multiple of 64)
-int interleaved_unit(int type, int N, int K) {
+// The words of a row's turn where N rows of `type`, each `words` 32-bit words packed, are held
+// interleaved, else 0: Q4_K's and Q4_0's matrices of rows in eights (which llama.cpp's x86 build
+// repacks, and whose 8-bit products take any number of rows: IQ4_NL's and MXFP4's prompts take the
+// float32 path, which reads rows as stored), Q4_0's in pairs of blocks
+int interleaved_unit(int type, int N, int words) {
     if (N % 8) return 0;
-    return type == Q4_K ? 1 : type == Q4_0 && K % 64 == 0 ? 8 : 0;
+    return type == Q4_K ? 1 : type == Q4_0 && words % 8 == 0 ? 8 : 0;
 }
 
 // In the matrix's own buffer where nothing else holds it (a loader's matrix, replaced by its
@@ -2103,18 +2103,18 @@ class Interleave : public mx::Primitive {
 };
 
 mx::array interleave_eights(const mx::array& w, int type) {
-    const int unit = w.ndim() < 2 ? 0 : interleaved_unit(type, w.shape(-2), w.shape(-1) * 8);
+    const int unit = w.ndim() < 2 ? 0 : interleaved_unit(type, w.shape(-2), w.shape(-1));
     if (w.dtype() != mx::uint32 || !unit)
         throw std::invalid_argument("interleave_eights: the packed codes [..., N, K / 8] (uint32) of a Q4_K or "
-                                    "Q4_0 matrix of rows in eights (Q4_0's K a multiple of 64)");
+                                    "Q4_0 matrix of rows in eights (Q4_0's rows in pairs of blocks)");
     Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1), unit};
     return mx::array(w.shape(), mx::uint32, std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s),
                      {w});
 }
 
 // Throws unless a matrix held interleaved (`interleave_eights`) can be
-void check_interleaved(bool interleaved, int type, int N, int K) {
-    if (interleaved && !interleaved_unit(type, N, K))
+void check_interleaved(bool interleaved, int type, const mx::array& w) {
+    if (interleaved && !interleaved_unit(type, w.shape(-2), w.shape(-1)))
         throw std::invalid_argument("int8 products: only Q4_K and Q4_0 matrices of rows in eights are held "
                                     "interleaved");
 }
@@ -2130,7 +2130,7 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
                                     "21 (MXFP4)");
     const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
     check_held((Type)type, K, w, factors, codes, grid);
-    check_interleaved(interleaved, type, N, K);
+    check_interleaved(interleaved, type, w);
     auto shape = x.shape();
     shape.back() = N;
     auto stream = mx::default_stream(mx::Device::cpu);
@@ -2151,7 +2151,7 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
                                     "int8_matmul takes, indices [T, k]");
     const int K = x.shape(2), N = w.shape(1), k = indices.shape(1), M = indices.shape(0) * k;
     check_held((Type)type, K, w, factors, codes, grid);
-    check_interleaved(interleaved, type, N, K);
+    check_interleaved(interleaved, type, w);
     auto stream = mx::default_stream(mx::Device::cpu);
     Q8Shape s{M, K, N, k, x.shape(1) == 1, (Type)type, interleaved};
     return mx::array({indices.shape(0), k, N}, mx::float32,
@@ -2200,8 +2200,9 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
     m.def("interleave_eights", &interleave_eights, nb::arg("w"), nb::arg("type"),
           "the packed codes [..., N, K / 8] (uint32) of a matrix of `type` held interleaved: each 8 rows' words in "
           "turn, as the int8 products read them with `interleaved`");
-    m.def("interleaved_unit", &interleaved_unit, nb::arg("type"), nb::arg("N"), nb::arg("K"),
-          "the words of a row's turn where a matrix of `type` (N x K) is held interleaved, else 0");
+    m.def("interleaved_unit", &interleaved_unit, nb::arg("type"), nb::arg("N"), nb::arg("words"),
+          "the words of a row's turn where a matrix of `type`, N rows of `words` 32-bit words packed, is held "
+          "interleaved, else 0");
     m.def("int8_gather_matmul", &int8_gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("factors"), nb::arg("codes"),
           nb::arg("indices"), nb::arg("type"), nb::arg("grid") = nb::none(), nb::arg("interleaved") = false,
           "int8_matmul against the matrices each token chose (experts)");

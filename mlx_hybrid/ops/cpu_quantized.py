@@ -162,10 +162,10 @@ def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.a
     return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type, grid, interleaved)
 
 
-def interleaved_unit(held_type: int, rows: int, columns: int) -> int:
-    """The 32-bit words of a row's turn where a matrix of the kernel's type `held_type` ([rows, columns])
-    can be held interleaved (`interleave_eights`), else 0."""
-    return extension().interleaved_unit(held_type, rows, columns)
+def interleaved_unit(held_type: int, rows: int, words: int) -> int:
+    """The 32-bit words of a row's turn where a matrix of the kernel's type `held_type`, its packed codes
+    [rows, words] uint32, can be held interleaved (`interleave_eights`), else 0."""
+    return extension().interleaved_unit(held_type, rows, words)
 
 
 def interleave_eights(w: mx.array, held_type: int) -> mx.array:

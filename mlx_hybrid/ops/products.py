@@ -236,7 +236,7 @@ def held_interleaved(matrix: mx.array, bits: int, group_size: int, block, rows_a
     caller holds `matrix` no more when it evaluates it, in matrix's own buffer; any other the matrix
     itself. Only the 8-bit products read an interleaved matrix: its rows are not to be cut or gathered."""
     held_type = int8_type(bits, group_size, block)
-    if held_type is None or not cpu_quantized.interleaved_unit(held_type, matrix.shape[-2], matrix.shape[-1] * 8):
+    if held_type is None or not cpu_quantized.interleaved_unit(held_type, *matrix.shape[-2:]):
         compute_as_llama_cpp(matrix, rows_alike)
         return matrix
     interleaved = cpu_quantized.interleave_eights(matrix, held_type)
