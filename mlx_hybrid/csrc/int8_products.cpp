@@ -2025,8 +2025,6 @@ std::vector<mx::array> with_grid(std::vector<mx::array> inputs, const std::optio
     return inputs;
 }
 
-// x [..., K] float32 @ W^T for W [N, K] held as `type` (w packed codes, factors,
-// codes: see the top) -> float32 [..., N]
 // A matrix's packed codes held interleaved: each 8 rows' turns of `unit` 4-byte words in turn (Q4_K's
 // word p of row 8s + n at (8s) K / 8 + 8p + n, as llama.cpp's x86 build repacks Q4_K; Q4_0's 32 bytes,
 // two blocks, a row's turn), so that the products of rows in eights read one stream,
@@ -2119,6 +2117,8 @@ void check_interleaved(bool interleaved, int type, const mx::array& w) {
                                     "interleaved");
 }
 
+// x [..., K] float32 @ W^T for W [N, K] held as `type` (w packed codes, factors,
+// codes: see the top) -> float32 [..., N]
 mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
                       int type, const std::optional<mx::array>& grid, bool interleaved) {
     if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||

@@ -268,8 +268,8 @@ def int8_activations(bits: int, group_size: int, block) -> str | None:
     return half_activations()
 
 
-def _check_interleaved_computes(dtype, bits: int, group_size: int, block):
-    """Raises unless the 8-bit products compute a matrix held interleaved here (only they read it)."""
+def _refuse_interleaved(dtype, bits: int, group_size: int, block):
+    """Raises for a matrix held interleaved whose 8-bit products do not compute here (only they read it)."""
     if reason := int8_activations(bits, group_size, block) or (dtype != mx.float32 and "x is not float32"):
         raise ValueError(
             f"a matrix held for the CPU's 8-bit products cannot be computed ({reason}): load "
@@ -285,8 +285,6 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     directly. Deciding on every call cost each product two more Python calls on the host."""
     affine = group_size in MLX_GROUP_SIZES and block is None
     interleaved = activations == INT8_INTERLEAVED
-    if interleaved:
-        _check_interleaved_computes(dtype, bits, group_size, block)
     if activations != "float32" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
@@ -299,6 +297,8 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
             return cpu_quantized.int8_matmul(x, w, scales, codes, held_type, grid, interleaved)
 
         return int8_product
+    if interleaved:
+        _refuse_interleaved(dtype, bits, group_size, block)
 
     def mlx_product(x, w, scales, biases):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits).astype(dtype)
@@ -332,13 +332,13 @@ def gather_quantized_matmul(x, w, scales, biases, indices, *, group_size: int, b
     biases = no_codes(scales) if biases is None else biases  # (none in MLX's float modes)
     activations = activations_of(w)
     interleaved = activations == INT8_INTERLEAVED
-    if interleaved:
-        _check_interleaved_computes(x.dtype, bits, group_size, block)
     if activations != "float32" and x.dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
         return _on_token_rows(lambda rows, flat: cpu_quantized.int8_gather_matmul(rows, w, scales, biases, flat,
                                                                                    held_type, grid, interleaved),
                               x, indices)  # fmt: skip
+    if interleaved:
+        _refuse_interleaved(x.dtype, bits, group_size, block)
     out = None if block is not None else row_product(x, w, scales, biases, indices, bits=bits, group_size=group_size)
     if out is not None:
         return out
