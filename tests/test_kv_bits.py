@@ -16,8 +16,7 @@ from mlx_hybrid.cache import KVCache, QuantizedKVCache
 from mlx_hybrid.engine import Engine, PrefixStore, load_checkpoint, save_checkpoint
 from mlx_hybrid.engine.prefix_store import capture
 from mlx_hybrid.loaders.hf_config import kimi_args
-from mlx_hybrid.models import kimi_linear, qwen4_exp
-from mlx_hybrid.models.layers import Linear, RMSNorm
+from mlx_hybrid.models import kimi_linear
 from mlx_hybrid.models.random_weights import initialise
 from mlx_hybrid.prompt import prefill
 
@@ -63,32 +62,17 @@ def kimi_with_wider_latents():
     return model, load_fixture("kimilinear", "hf")[1]
 
 
-def qwen4_with_wider_index_keys():
-    """The qwen4exp fixture with index keys of 32 features (the fixture's 16 take no group of 32): each
-    indexed layer's (the MTP head's too) index projection and norms drawn at random, with the fixture's
-    tokenizer."""
-    model, tokenizer = mlx_hybrid.load(FIXTURES / "qwen4exp" / "hf", dtype="float32")  # (changed: not the shared one)
-    model.args.indexer_head_dim = width = 32
-    attentions = [m for _, m in model.named_modules() if isinstance(m, qwen4_exp.IndexedAttention)]
-    for i, attention in enumerate(attentions):
-        attention.index_dim = width
-        projection = Linear(model.args.hidden_size, (attention.index_heads + 1) * width, bias=False)
-        projection.weight = 0.2 * mx.random.normal(projection.weight.shape, key=mx.random.key(i))
-        attention.index_qk_proj = projection
-        attention.q_layernorm, attention.k_layernorm = (RMSNorm(width, model.args.rms_norm_eps) for _ in range(2))
-    return model, tokenizer
-
-
-@pytest.mark.parametrize("name", ["qwen35", "kimi", "qwen4exp"])
+@pytest.mark.parametrize("name", ["qwen35", "kimi"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_model_over_a_quantized_cache_equals_it_over_the_dequantized_entries(name, bits):
+    models = {"qwen35": lambda: load_fixture("qwen35", "hf")[0], "kimi": lambda: kimi_with_wider_latents()[0]}
+    assert_over_a_quantized_cache_as_over_the_dequantized_entries(models[name](), bits)
+
+
+def assert_over_a_quantized_cache_as_over_the_dequantized_entries(model, bits):
     """A 300-token prompt (the prompt path), then 3 tokens one at a time (the per-row path): logits
     over the quantized cache against a float32 cache of mx.dequantize's values, to the float32 floor
-    (our decode rounds once where MLX's rounds twice). Kimi's values are views of its latent's codes;
-    qwen4_exp's indexed layers hold their index keys quantized too (their third entry)."""
-    models = {"qwen35": lambda: load_fixture("qwen35", "hf")[0], "kimi": lambda: kimi_with_wider_latents()[0],
-              "qwen4exp": lambda: qwen4_with_wider_index_keys()[0]}  # fmt: skip
-    model = models[name]()
+    (our decode rounds once where MLX's rounds twice). Kimi's values are views of its latent's codes."""
     prompt = mx.array([prompts_for()[3] + prompts_for()[6]])[:, :300]
     got_cache = model.make_cache(kv_bits=bits, kv_group_size=32)
     want_cache = [DequantizedKVCache(bits, 32) if isinstance(c, KVCache) else c for c in model.make_cache()]
@@ -108,13 +92,6 @@ def test_greedy_mtp_speculation_over_a_quantized_cache_equals_plain_decoding_ove
     plain = greedy(model, tok, prompt, draft=None, kv_bits=bits, kv_group_size=32)
     for k in (1, 3):
         assert greedy(model, tok, prompt, draft="mtp", num_draft_tokens=k, kv_bits=bits, kv_group_size=32) == plain
-
-
-def test_greedy_mtp_speculation_over_a_quantized_qwen4_exp_cache_equals_plain_decoding_over_it():
-    model, tok = qwen4_with_wider_index_keys()
-    prompt = prompts_for()[4]
-    plain = greedy(model, tok, prompt, draft=None, kv_bits=4, kv_group_size=32)
-    assert greedy(model, tok, prompt, draft="mtp", num_draft_tokens=3, kv_bits=4, kv_group_size=32) == plain
 
 
 def test_greedy_ngram_speculation_and_batch_rows_over_a_quantized_kimi_cache():

@@ -18,8 +18,11 @@ from mlx_hybrid.engine import Engine, PrefixStore
 from mlx_hybrid.export import _quantizable as quantized_by_convert
 from mlx_hybrid.export import convert
 from mlx_hybrid.models import ngram_embedding, qwen4_exp
+from mlx_hybrid.models.layers import Linear, RMSNorm
 from mlx_hybrid.parallel import ShardingError
 from mlx_hybrid.sampling import Sampler, SamplingParams
+from test_engine import prompts_for
+from test_kv_bits import assert_over_a_quantized_cache_as_over_the_dequantized_entries
 from test_speculative import UniformDrafter, _exact_distribution, assert_mtp_chains_match
 from test_vision import logits_with_images, unexpanded
 
@@ -369,3 +372,34 @@ def test_converts_to_a_4_bit_mlx_directory_that_loads_as_the_quantized_model(tmp
     assert_close_to_floor(loaded(ids), expected(ids))
     assert isinstance(loaded.mtp.fc_hidden, nn.QuantizedLinear)
     assert_close_to_floor(loaded.mtp_logits(ids), expected.mtp_logits(ids))
+
+
+def with_wider_index_keys():
+    """The fixture with index keys of 32 features (the fixture's 16 take no group of 32, which a
+    quantized cache needs): each indexed layer's (the MTP head's too) index projection and norms drawn
+    at random, with the fixture's tokenizer."""
+    model, tokenizer = mlx_hybrid.load(FIXTURES / FAMILY / "hf", dtype="float32")  # (changed: not the shared one)
+    model.args.indexer_head_dim = width = 32
+    attentions = [m for _, m in model.named_modules() if isinstance(m, qwen4_exp.IndexedAttention)]
+    for i, attention in enumerate(attentions):
+        attention.index_dim = width
+        projection = Linear(model.args.hidden_size, (attention.index_heads + 1) * width, bias=False)
+        projection.weight = 0.2 * mx.random.normal(projection.weight.shape, key=mx.random.key(i))
+        attention.index_qk_proj = projection
+        attention.q_layernorm, attention.k_layernorm = (RMSNorm(width, model.args.rms_norm_eps) for _ in range(2))
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_over_a_quantized_cache_as_over_its_dequantized_entries(bits):
+    """As test_kv_bits's families; the indexed layers hold their index keys quantized too."""
+    assert_over_a_quantized_cache_as_over_the_dequantized_entries(with_wider_index_keys()[0], bits)
+
+
+def test_greedy_mtp_speculation_over_a_quantized_cache_equals_plain_decoding_over_it():
+    model, tok = with_wider_index_keys()
+    prompt = prompts_for()[4]
+    settings = dict(max_tokens=24, kv_bits=4, kv_group_size=32)
+    plain = [r.token for r in mlx_hybrid.stream_generate(model, tok, prompt, draft=None, **settings)]
+    drafted = mlx_hybrid.stream_generate(model, tok, prompt, draft="mtp", num_draft_tokens=3, **settings)
+    assert [r.token for r in drafted] == plain
