@@ -206,6 +206,33 @@ def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
         cpu_quantized.int8_matmul(x, w[1, :20], factors[1, :20], codes[1, :20], held_type, None, True)
 
 
+def test_several_matrices_of_one_x_give_each_its_own_products_bits():
+    """`int8_matmuls` (a layer's projections of one input as one node) gives each matrix the bits of its
+    own product: Q4_K held interleaved, Q6_K, Q8_0, a grid type and F16, for a decode step's row and a
+    verify pass's rows, from every build this CPU runs."""
+    rng = np.random.default_rng(5)
+    weights = llama_reference.random_k_quant(rng, (16, 1024), 4)
+    q4_k = [mx.array(a) for a in llama_reference.held_k_quant(weights[0], 4, *weights[1:])]
+    q4_k[0] = cpu_quantized.interleave_eights(q4_k[0], Q4_K)
+    (q6_k, _), q8_0 = groups16_case(rng, Q6_K, 6, 32, (24, 1024)), q8_0_matrix(rng, (40, 1024))[2]
+    _, grid_held, grid = grid_matrix((8, 1024), "IQ2_XXS", 3)
+    f16 = mx.array(rng.standard_normal((12, 1024)).astype(np.float16))
+    matrices = [(*q4_k, Q4_K, None, True), (*map(mx.array, q6_k), Q6_K, None, False),
+                (*map(mx.array, q8_0), Q8_0, None, False), (*grid_held, IQ2_XXS, grid, False)]  # fmt: skip
+    extension = cpu_quantized.extension()
+    try:
+        for name in extension.instruction_sets():
+            extension.use_instruction_set(name)
+            for rows in (1, 5):
+                x = mx.random.normal((rows, 1024), key=mx.random.key(rows))
+                got = cpu_quantized.int8_matmuls(x, [*matrices, (f16, None, None, 0, None, False)])
+                want = [cpu_quantized.int8_matmul(x, *matrix) for matrix in matrices]
+                for g, w in zip(got, [*want, cpu_quantized.half_matmul(x, f16)]):
+                    np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
+    finally:
+        extension.use_instruction_set(None)
+
+
 def test_q8_k_quantization_is_llama_cpps():
     """The value of largest magnitude sets the scale with its sign (-127 / v), the first of equal
     magnitudes wins, codes above 127 are cut to 127, ties round to even: against values worked by hand."""

@@ -33,6 +33,7 @@
 // decoded once for them, each output's arithmetic the same as for its row alone. The Python side
 // (ops/products.py) decides which products take this path.
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -2139,6 +2140,66 @@ mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& f
                      with_grid({x, w, factors, codes}, grid));
 }
 
+// Products of one x with several matrices (a layer's projections of the same input), one node: each
+// matrix's inputs (w, factors, codes, a grid type's grid) after x, in turn
+struct Q8Shapes {
+    std::vector<Q8Shape> each;
+    bool operator==(const Q8Shapes&) const = default;
+};
+
+void compute_each(const Q8Shapes& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    size_t at = 1;
+    for (size_t i = 0; i < s.each.size(); i++) {
+        const size_t count = is_half_type(s.each[i].type) ? 1 : is_grid_type(s.each[i].type) ? 4 : 3;
+        std::vector<mx::array> inputs{in[0]};
+        inputs.insert(inputs.end(), in.begin() + at, in.begin() + at + count);
+        std::vector<mx::array> out{outs[i]};
+        compute(s.each[i], inputs, out);
+        at += count;
+    }
+}
+
+using Q8Products = mlx_hybrid::CpuPrimitive<Q8Shapes, compute_each>;
+
+// int8_matmul of x with each matrix of `matrices` ((w, factors, codes, type, grid, interleaved) each),
+// as one MLX node: what one call a matrix gives, without a node's cost a matrix
+std::vector<mx::array> int8_matmuls(const mx::array& x, const std::vector<nb::tuple>& matrices) {
+    if (x.dtype() != mx::float32 || x.ndim() < 1 || matrices.empty())
+        throw std::invalid_argument("int8_matmuls: x float32 [..., K] and one matrix or more");
+    const int K = x.shape(-1), M = (int)(x.size() / std::max(K, 1));
+    Q8Shapes s;
+    std::vector<mx::array> inputs{x};
+    std::vector<mx::Shape> shapes;
+    for (const nb::tuple& matrix : matrices) {
+        if (matrix.size() != 6)
+            throw std::invalid_argument("int8_matmuls: each matrix (w, factors, codes, type, grid, interleaved)");
+        const auto w = nb::cast<mx::array>(matrix[0]);
+        if (matrix[1].is_none()) {  // a float16 or bfloat16 matrix (half_matmul's)
+            if (w.ndim() != 2 || w.shape(1) != K || (w.dtype() != mx::float16 && w.dtype() != mx::bfloat16))
+                throw std::invalid_argument("int8_matmuls: a 16-bit matrix [N, K] of float16 or bfloat16");
+            s.each.push_back(Q8Shape{M, K, w.shape(0), 0, false, w.dtype() == mx::bfloat16 ? BF16 : F16});
+            inputs.push_back(w);
+        } else {
+            const auto factors = nb::cast<mx::array>(matrix[1]), codes = nb::cast<mx::array>(matrix[2]);
+            const int type = nb::cast<int>(matrix[3]);
+            const auto grid = nb::cast<std::optional<mx::array>>(matrix[4]);
+            const bool interleaved = nb::cast<bool>(matrix[5]);
+            if (w.ndim() != 2 || factors.ndim() != 2 || type < 0 || type >= TYPES)
+                throw std::invalid_argument("int8_matmuls: a matrix [N, ...] of a type int8_matmul takes");
+            check_held((Type)type, K, w, factors, codes, grid);
+            check_interleaved(interleaved, type, w);
+            s.each.push_back(Q8Shape{M, K, w.shape(0), 0, false, (Type)type, interleaved});
+            for (const auto& input : with_grid({w, factors, codes}, grid)) inputs.push_back(input);
+        }
+        auto shape = x.shape();
+        shape.back() = w.shape(0);
+        shapes.push_back(shape);
+    }
+    return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(matrices.size(), mx::float32),
+                                  std::make_shared<Q8Products>(mx::default_stream(mx::Device::cpu), s, "Int8Products"),
+                                  inputs);
+}
+
 // x [T, 1 or k, K] float32 against the matrices of w [E, N, ...] (held as `type`) chosen by indices
 // [T, k] -> float32 [T, k, N]
 mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
@@ -2197,6 +2258,9 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
           "16: IQ3_S, 17: IQ1_S, 18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks "
           "with their grid; `interleaved`: a Q4_K or Q4_0 matrix of rows in eights held interleaved, as "
           "interleave_eights makes it) as llama.cpp computes it");
+    m.def("int8_matmuls", &int8_matmuls, nb::arg("x"), nb::arg("matrices"),
+          "int8_matmul of x with each of `matrices` ((w, factors, codes, type, grid, interleaved) each), as one "
+          "node");
     m.def("interleave_eights", &interleave_eights, nb::arg("w"), nb::arg("type"),
           "the packed codes [..., N, K / 8] (uint32) of a matrix of `type` held interleaved: each 8 rows' words in "
           "turn, as the int8 products read them with `interleaved`");

@@ -56,6 +56,26 @@ def check_heads(heads: int, size: int, what: str):
     require(heads % size == 0, f"{heads} {what} cannot be split evenly over {size} ranks")
 
 
+def projections(x: mx.array, *modules) -> list[mx.array]:
+    """Each module's product of x, the bits its own call gives: one node where the CPU computes every one
+    as llama.cpp computes it (`ops.llama_cpp_products`: a layer's projections of one input; a node cost
+    a decode step about 5 us of the host's time and of the CPU thread's). The decision is kept beside the
+    first module per x's dtype, `ops.path_key` and the arrays multiplied; a pass of more rows than a
+    matrix's limit (`ops.int8_row_limit`) takes each module's own call."""
+    key = (x.dtype, ops.path_key(), *(id(m.get(name)) for m in modules for name in ("weight", "scales", "biases")))
+    kept = modules[0].__dict__.get("_projections")
+    if kept is None or kept[0] != key:
+        each = [m.llama_cpp_operands(x) if isinstance(m, (Linear, QuantizedLinear)) else None for m in modules]
+        grouped = len(modules) > 1 and all(e is not None for e in each)
+        limits = [e[1] for e in each if grouped and e[1] is not None]
+        kept = (key, [e[0] for e in each] if grouped else None, min(limits, default=None))
+        modules[0].__dict__["_projections"] = kept  # not a parameter: beside the module's tree
+    _, operands, limit = kept
+    if operands is None or (limit is not None and x.size // x.shape[-1] > limit):
+        return [m(x) for m in modules]
+    return ops.llama_cpp_products(x, operands)
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
@@ -67,7 +87,7 @@ class MLP(nn.Module):
         self.group = None  # split: each rank's down projection gives a partial sum
 
     def __call__(self, x):
-        return all_sum(self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x))), self.group)
+        return all_sum(self.down_proj(ops.swiglu(*projections(x, self.gate_proj, self.up_proj))), self.group)
 
     def split_heads(self, group, reduce: bool = True) -> dict[str, Split]:
         """Split the hidden units; reduce=False leaves the all-sum to the caller (a shared expert)."""
@@ -109,18 +129,27 @@ class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
         if "_input_order" in self:
             x = mx.take(x, self["_input_order"], axis=-1)
-        # the product's path is decided once per input dtype and `ops.path_key`, and kept beside the
-        # parameters (a decode step runs hundreds of these: each costs the host this call, the key's
-        # and the kernel's)
+        out = self._path(x)(x, self["weight"], self["scales"], self.get("biases"))
+        return out + self["bias"].astype(out.dtype) if "bias" in self else out
+
+    def _path(self, x):
+        """The product's path, decided once per input dtype and `ops.path_key` and kept beside the
+        parameters (a decode step runs hundreds of these: each costs the host this call, the key's and
+        the kernel's)."""
         key = (x.dtype, self["scales"].dtype, self.block, ops.activations_of(self["weight"]), ops.path_key())
-        chosen = self.__dict__.get("_path")
+        chosen = self.__dict__.get("_path_chosen")
         if chosen is None or chosen[0] != key:
             dtype, scales_dtype, block, activations, where = key
             path = ops.quantized_product_path(dtype, self.bits, self.group_size, block, scales_dtype, activations,
                                               *where)  # fmt: skip
-            chosen = self.__dict__["_path"] = (key, path)  # not a parameter: beside the module's tree
-        out = chosen[1](x, self["weight"], self["scales"], self.get("biases"))
-        return out + self["bias"].astype(out.dtype) if "bias" in self else out
+            chosen = self.__dict__["_path_chosen"] = (key, path)  # not a parameter: beside the module's tree
+        return chosen[1]
+
+    def llama_cpp_operands(self, x):
+        """See `projections`."""
+        if "_input_order" in self or "bias" in self:
+            return None
+        return ops.llama_cpp_operands(x.dtype, self["weight"], self._path(x), self["scales"], self.get("biases"))
 
 
 def _mlx_group(group_size: int) -> int:
@@ -156,6 +185,10 @@ class Linear(nn.Linear):
 
     def __call__(self, x):
         return ops.linear(x, self["weight"], self.get("bias"))
+
+    def llama_cpp_operands(self, x):
+        """See `projections`."""
+        return None if "bias" in self else ops.llama_cpp_operands(x.dtype, self["weight"])
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_):
         return _regrouped(QuantizedLinear.from_linear(self, _mlx_group(group_size), bits, mode), group_size, mode)

@@ -27,6 +27,7 @@ from .layers import (
     causal_attention,
     check_heads,
     check_layer_types,
+    projections,
     top_k_indices,
     widest_product,
 )
@@ -138,10 +139,8 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         heads = ops.HeadShape(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
         norm = ops.OutputNorm(self.norm.weight, self.eps, self.gate_activation)
-        out = linear_attention(
-            self.in_proj_qkv(x), self.conv1d_weight, self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x),
-            ops.Decay(self.A, self.dt_bias), norm, cache, heads,
-        )  # fmt: skip
+        qkv, z, b, a = projections(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        out = linear_attention(qkv, self.conv1d_weight, a, b, z, ops.Decay(self.A, self.dt_bias), norm, cache, heads)
         return all_sum(self.out_proj(out), self.group)
 
 
@@ -202,9 +201,10 @@ class GatedAttention(nn.Module):
     def projected(self, x: mx.array):
         """(q, gate, k, v) of x [B, T, E], [B, T, heads, D] each, q and k normed."""
         B, T, _ = x.shape
-        query, gate = mx.split(self.q_proj(x).reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, self.num_kv_heads, -1))
-        return self.q_norm(query), gate, k, self.v_proj(x).reshape(B, T, self.num_kv_heads, -1)
+        q, k, v = projections(x, self.q_proj, self.k_proj, self.v_proj)
+        query, gate = mx.split(q.reshape(B, T, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, -1))
+        return self.q_norm(query), gate, k, v.reshape(B, T, self.num_kv_heads, -1)
 
     def gated_output(self, out: mx.array, gate: mx.array) -> mx.array:
         B, T = out.shape[:2]

@@ -62,6 +62,8 @@ from .products import (  # noqa: F401  (the products, for the layers)
     int8_row_limit,
     keeps_16bit_weights,
     linear,
+    llama_cpp_operands,
+    llama_cpp_products,
     llama_cpp_row_limits,
     quantized_matmul,
     quantized_product_path,

@@ -155,6 +155,12 @@ def int8_matmul(x, w, factors, codes, held_type: int, grid: mx.array | None = No
     return extension().int8_matmul(x, w, factors, codes, held_type, grid, interleaved)
 
 
+def int8_matmuls(x, matrices) -> list:
+    """`int8_matmul` of x with each of `matrices` ((w, factors, codes, held_type, grid, interleaved) each),
+    as one MLX node: the same bits as a call a matrix."""
+    return extension().int8_matmuls(x, [tuple(matrix) for matrix in matrices])
+
+
 def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.array | None = None,
                        interleaved: bool = False) -> mx.array:  # fmt: skip
     """`int8_matmul` for x [T, 1 or k, K] against the matrices of w [E, N, ...] chosen by indices [T, k]:

@@ -278,6 +278,43 @@ def _refuse_interleaved(dtype, bits: int, group_size: int, block):
         )
 
 
+class Int8Path:
+    """`quantized_product_path`'s 8-bit product of a GGUF type (x @ W^T as llama.cpp computes it), and the
+    float32 path for more rows than its limit."""
+
+    def __init__(self, held_type: int, grid, limit: int | None, interleaved: bool, float_path: Callable):
+        self.held_type, self.grid, self.limit, self.interleaved = held_type, grid, limit, interleaved
+        self.float_path = float_path
+
+    def operands(self, w, scales, biases) -> tuple:
+        """What `cpu_quantized.int8_matmul` takes of the matrix after x."""
+        codes = no_codes(scales) if biases is None else biases  # (none in MLX's mxfp4 mode)
+        return w, scales, codes, self.held_type, self.grid, self.interleaved
+
+    def __call__(self, x, w, scales, biases):
+        if self.limit is not None and x.size // x.shape[-1] > self.limit:
+            return self.float_path(x, w, scales, biases)
+        return cpu_quantized.int8_matmul(x, *self.operands(w, scales, biases))
+
+
+def llama_cpp_operands(dtype, weight: mx.array, path: Callable | None = None, scales=None, biases=None):
+    """(what `llama_cpp_products` takes of a matrix, the most rows of x it takes them for: None, any) where
+    the matrix's products of x in `dtype` compute as llama.cpp computes them (an F16 or BF16 matrix's
+    `takes_16bit_activations`; a quantized one's `Int8Path`, its product's path given), else None."""
+    if path is None:
+        sixteen_bits = activations_of(weight) == "int8" and weight.dtype in SIXTEEN_BITS and dtype == mx.float32
+        return (
+            ((weight, None, None, 0, None, False), HALF_ROWS) if sixteen_bits and int8_activations_computed() else None
+        )
+    return (path.operands(weight, scales, biases), path.limit) if isinstance(path, Int8Path) else None
+
+
+def llama_cpp_products(x: mx.array, operands: list) -> list:
+    """x @ W^T for each matrix of `operands` (`llama_cpp_operands`' each), the bits of a product each, as
+    one node: a layer's projections of one input."""
+    return cpu_quantized.int8_matmuls(x, operands)
+
+
 @lru_cache(maxsize=None)
 def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtype, activations, *key) -> Callable:
     """`quantized_matmul`'s path for inputs of `dtype` in this layout, decided once per
@@ -287,16 +324,8 @@ def quantized_product_path(dtype, bits: int, group_size: int, block, scales_dtyp
     interleaved = activations == INT8_INTERLEAVED
     if activations != "float32" and dtype == mx.float32 and int8_activations(bits, group_size, block) is None:
         float_path = quantized_product_path(dtype, bits, group_size, block, scales_dtype, "float32", *key)
-        held_type, grid = int8_type(bits, group_size, block), cpu_quantized.int8_grid(block)
-        limit = int8_row_limit(bits, group_size, block)
-
-        def int8_product(x, w, scales, biases):
-            if limit is not None and x.size // x.shape[-1] > limit:
-                return float_path(x, w, scales, biases)
-            codes = no_codes(scales) if biases is None else biases  # (none in MLX's mxfp4 mode)
-            return cpu_quantized.int8_matmul(x, w, scales, codes, held_type, grid, interleaved)
-
-        return int8_product
+        return Int8Path(int8_type(bits, group_size, block), cpu_quantized.int8_grid(block),
+                        int8_row_limit(bits, group_size, block), interleaved, float_path)  # fmt: skip
     if interleaved:
         _refuse_interleaved(dtype, bits, group_size, block)
 
