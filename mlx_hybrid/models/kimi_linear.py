@@ -27,6 +27,7 @@ from .layers import (
     causal_attention,
     check_heads,
     check_layer_types,
+    projections,
     top_k_indices,
 )
 from .linear_attention import linear_attention
@@ -113,15 +114,17 @@ class KimiDeltaAttention(nn.Module):
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        q, k, v, decay_low, gate_low, beta = projections(
+            x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj
+        )
         # the three depthwise convs are one conv over the concatenated channels
-        mixed = mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        mixed = mx.concatenate([q, k, v], axis=-1)
         conv_weight = mx.concatenate([self.q_conv1d_weight, self.k_conv1d_weight, self.v_conv1d_weight], axis=0)
-        decay_in = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)  # the decay per head and channel
-        gate = self.g_b_proj(self.g_a_proj(x))
+        decay_in = self.f_b_proj(decay_low).reshape(B, T, H, D)  # the decay per head and channel
         norm = ops.OutputNorm(self.o_norm.weight, self.eps, "sigmoid")
         out = linear_attention(
-            mixed, conv_weight, decay_in, self.b_proj(x), gate, ops.Decay(self.A, self.dt_bias), norm, cache,
-            ops.HeadShape(H, H, D, D),
+            mixed, conv_weight, decay_in, beta, self.g_b_proj(gate_low), ops.Decay(self.A, self.dt_bias), norm,
+            cache, ops.HeadShape(H, H, D, D),
         )  # fmt: skip
         return all_sum(self.o_proj(out), self.group)
 
@@ -157,10 +160,11 @@ class LatentAttention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.num_heads, -1).transpose(0, 2, 1, 3)
+        q, compressed = projections(x, self.q_proj, self.kv_a_proj_with_mqa)
+        q = q.reshape(B, T, self.num_heads, -1).transpose(0, 2, 1, 3)
         q_nope, q_rope = mx.split(q, [self.nope_dim], axis=-1)
         queries = mx.concatenate([q_nope @ self.k_b_proj.swapaxes(-1, -2), q_rope], axis=-1)
-        latent, k_rope = mx.split(self.kv_a_proj_with_mqa(x), [self.latent_dim], axis=-1)
+        latent, k_rope = mx.split(compressed, [self.latent_dim], axis=-1)
         keys = mx.concatenate([self.kv_a_layernorm(latent), k_rope], axis=-1)  # [B, T, L + R]
         out = attend_rows(self._attend, cache, queries.transpose(0, 2, 1, 3), keys)  # [B, T, H, L]
         out = out.transpose(0, 2, 1, 3) @ self.v_b_proj.swapaxes(-1, -2)  # [B, H, T, v_head_dim]
