@@ -58,10 +58,11 @@ def check_heads(heads: int, size: int, what: str):
 
 def projections(x: mx.array, *modules) -> list[mx.array]:
     """Each module's product of x, the bits its own call gives: one node where the CPU computes every one
-    as llama.cpp computes it (`ops.llama_cpp_products`: a layer's projections of one input; a node cost
-    a decode step about 5 us of the host's time and of the CPU thread's). The decision is kept beside the
-    first module per x's dtype, `ops.path_key` and the arrays multiplied; a pass of more rows than a
-    matrix's limit (`ops.int8_row_limit`) takes each module's own call."""
+    as llama.cpp computes it (`ops.llama_cpp_products`: a layer's projections of one input, each node
+    costing the host's thread and MLX's a few microseconds; the 0.8B shape's decode step 481 -> 391
+    nodes, docs/benchmarks.md). The decision is kept beside the first module per x's dtype,
+    `ops.path_key` and the arrays multiplied; a pass of more rows than a matrix's limit
+    (`ops.int8_row_limit`) takes each module's own call."""
     key = (x.dtype, ops.path_key(), *(id(m.get(name)) for m in modules for name in ("weight", "scales", "biases")))
     kept = modules[0].__dict__.get("_projections")
     if kept is None or kept[0] != key:
