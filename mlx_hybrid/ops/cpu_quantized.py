@@ -158,7 +158,7 @@ def int8_matmul(x, w, factors, codes, held_type: int, grid: mx.array | None = No
 def int8_matmuls(x, matrices) -> list:
     """`int8_matmul` of x with each of `matrices` ((w, factors, codes, held_type, grid, interleaved) each),
     as one MLX node: the same bits as a call a matrix."""
-    return extension().int8_matmuls(x, [tuple(matrix) for matrix in matrices])
+    return extension().int8_matmuls(x, matrices)
 
 
 def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.array | None = None,

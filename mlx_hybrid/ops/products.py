@@ -114,8 +114,14 @@ def takes_16bit_activations(x: mx.array, weight: mx.array, activations: str, any
     It does when the matrix computes as llama.cpp computes it (activations "int8"), x is float32 with
     at most `HALF_ROWS` rows (any number for an expert product: any_rows), and our kernels run here
     (`int8_activations_computed`)."""
-    return (activations == "int8" and weight.dtype in SIXTEEN_BITS and x.dtype == mx.float32
-            and (any_rows or x.size // max(x.shape[-1], 1) <= HALF_ROWS) and int8_activations_computed())  # fmt: skip
+    return (any_rows or x.size // max(x.shape[-1], 1) <= HALF_ROWS) and _16bit_activations(x.dtype, weight, activations)
+
+
+def _16bit_activations(dtype, weight: mx.array, activations: str) -> bool:
+    """`takes_16bit_activations` for x of any rows in `dtype`."""
+    return (
+        activations == "int8" and weight.dtype in SIXTEEN_BITS and dtype == mx.float32 and int8_activations_computed()
+    )
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
@@ -301,11 +307,8 @@ def llama_cpp_operands(dtype, weight: mx.array, path: Callable | None = None, sc
     """(what `llama_cpp_products` takes of a matrix, the most rows of x it takes them for: None, any) where
     the matrix's products of x in `dtype` compute as llama.cpp computes them (an F16 or BF16 matrix's
     `takes_16bit_activations`; a quantized one's `Int8Path`, its product's path given), else None."""
-    if path is None:
-        sixteen_bits = activations_of(weight) == "int8" and weight.dtype in SIXTEEN_BITS and dtype == mx.float32
-        return (
-            ((weight, None, None, 0, None, False), HALF_ROWS) if sixteen_bits and int8_activations_computed() else None
-        )
+    if path is None and _16bit_activations(dtype, weight, activations_of(weight)):
+        return (weight, None, None, 0, None, False), HALF_ROWS
     return (path.operands(weight, scales, biases), path.limit) if isinstance(path, Int8Path) else None
 
 
