@@ -42,8 +42,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import free_port  # noqa: E402
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "assistant"
-WORDS = ("file", "module", "function", "test", "error", "branch", "commit", "change", "review", "build", "path",
-         "value", "type", "return", "class", "import", "config", "option", "format", "line", "read", "write")  # fmt: skip
+WORDS = (
+    "file",
+    "module",
+    "function",
+    "test",
+    "error",
+    "branch",
+    "commit",
+    "change",
+    "review",
+    "build",
+    "path",
+    "value",
+    "type",
+    "return",
+    "class",
+    "import",
+    "config",
+    "option",
+    "format",
+    "line",
+    "read",
+    "write",
+)
 
 
 def checkpoint(models: Path) -> Path:
@@ -145,15 +167,20 @@ def session(runner: Runner, args, system: str, tools: list[dict], results: list[
     rows = []
     for turn in range(args.turns):
         # a client a turn: no kept-alive connection the server may have closed during a long turn
-        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{runner.port}", api_key="unused", max_retries=0,
-                                     timeout=6 * 3600)  # fmt: skip
+        client = anthropic.Anthropic(
+            base_url=f"http://127.0.0.1:{runner.port}", api_key="unused", max_retries=0, timeout=6 * 3600
+        )
         start = time.perf_counter()
         first = None
         with client.messages.stream(
-            model="m", max_tokens=args.max_tokens, system=[{"type": "text", "text": system,
-            "cache_control": {"type": "ephemeral"}}], tools=tools, tool_choice={"type": "any"}, messages=messages,
+            model="m",
+            max_tokens=args.max_tokens,
+            system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            tools=tools,
+            tool_choice={"type": "any"},
+            messages=messages,
             extra_body={"temperature": 0},
-        ) as events:  # fmt: skip
+        ) as events:
             for event in events:
                 if first is None and event.type not in ("message_start", "ping"):
                     first = time.perf_counter() - start
@@ -161,16 +188,31 @@ def session(runner: Runner, args, system: str, tools: list[dict], results: list[
         usage = reply.usage
         prompt = usage.input_tokens + (usage.cache_read_input_tokens or 0)
         rss, peak = runner.memory_mib()
-        rows.append({"turn": turn + 1, "prompt": prompt, "cached": usage.cache_read_input_tokens or 0,
-                     "ttft": first, "rss": rss, "peak": peak, "stop": reply.stop_reason})  # fmt: skip
+        rows.append(
+            {
+                "turn": turn + 1,
+                "prompt": prompt,
+                "cached": usage.cache_read_input_tokens or 0,
+                "ttft": first,
+                "rss": rss,
+                "peak": peak,
+                "stop": reply.stop_reason,
+            }
+        )
         print(f"  {runner.name} turn {turn + 1}: {json.dumps(rows[-1])}", flush=True)
         content = [block.model_dump(exclude_none=True) for block in reply.content]
         calls = [block for block in content if block["type"] == "tool_use"]
         messages.append({"role": "assistant", "content": content or [{"type": "text", "text": "..."}]})
         result = results[turn % len(results)]
         if calls:
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": call["id"], "content": result} for call in calls]})  # fmt: skip
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": call["id"], "content": result} for call in calls
+                    ],
+                }
+            )
         else:  # the reply was cut before its call closed: the agent says so
             messages.append({"role": "user", "content": result})
     return rows
@@ -180,9 +222,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=Path, default=Path("bench_models/agent_session"))
     p.add_argument("--llama-server", help="llama-server's executable, to run the same session against it")
-    p.add_argument("--servers", nargs="+", default=["mlx-hybrid", "llama-server"],
-                   choices=["mlx-hybrid", "mlx-hybrid-kv", "llama-server"],
-                   help="which to run (llama-server: with --llama-server; mlx-hybrid-kv: with --kv-bits)")  # fmt: skip
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=["mlx-hybrid", "llama-server"],
+        choices=["mlx-hybrid", "mlx-hybrid-kv", "llama-server"],
+        help="which to run (llama-server: with --llama-server; mlx-hybrid-kv: with --kv-bits)",
+    )
     p.add_argument("--kv-bits", type=int, choices=[4, 8], help="mlx-hybrid-kv's --kv-bits")
     p.add_argument("--prefix-cache-bytes", help="our servers' --prefix-cache-bytes (default: the server's)")
     p.add_argument("--turns", type=int, default=20)
@@ -200,14 +246,40 @@ def main():
     system = prose(rng, args.system_tokens, tokenizer)
     results = [prose(rng, args.result_tokens, tokenizer) for _ in range(4)]
     tools = tool_schemas(args.tools)
-    commands = {"mlx-hybrid": lambda port: [sys.executable, "-m", "mlx_hybrid.server", "--model", str(gguf),
-                                            "--port", str(port), "--served-model-name", "m", "--log-level", "warning"]
-                + (["--prefix-cache-bytes", args.prefix_cache_bytes] if args.prefix_cache_bytes else [])}  # fmt: skip
+    commands = {
+        "mlx-hybrid": lambda port: (
+            [
+                sys.executable,
+                "-m",
+                "mlx_hybrid.server",
+                "--model",
+                str(gguf),
+                "--port",
+                str(port),
+                "--served-model-name",
+                "m",
+                "--log-level",
+                "warning",
+            ]
+            + (["--prefix-cache-bytes", args.prefix_cache_bytes] if args.prefix_cache_bytes else [])
+        )
+    }
     if args.kv_bits:
         commands["mlx-hybrid-kv"] = lambda port: commands["mlx-hybrid"](port) + ["--kv-bits", str(args.kv_bits)]
     if args.llama_server:
-        commands["llama-server"] = lambda port: [args.llama_server, "-m", str(gguf), "--port", str(port), "--jinja",
-                                                 "-c", str(args.context), "-np", "1", "--log-disable"]  # fmt: skip
+        commands["llama-server"] = lambda port: [
+            args.llama_server,
+            "-m",
+            str(gguf),
+            "--port",
+            str(port),
+            "--jinja",
+            "-c",
+            str(args.context),
+            "-np",
+            "1",
+            "--log-disable",
+        ]
     table = {}
     for name, command in [(name, command) for name, command in commands.items() if name in args.servers]:
         port = free_port()
@@ -231,8 +303,12 @@ def main():
         cells = [str(i + 1), str(table[names[0]][i]["prompt"])]
         for n in names:
             row = table[n][i]
-            cells += [str(row["cached"]), f"{row['cached'] / row['prompt']:.1%}", f"{row['ttft']:.2f}",
-                      f"{row['rss']:.0f} / {row['peak']:.0f}"]  # fmt: skip
+            cells += [
+                str(row["cached"]),
+                f"{row['cached'] / row['prompt']:.1%}",
+                f"{row['ttft']:.2f}",
+                f"{row['rss']:.0f} / {row['peak']:.0f}",
+            ]
         print("| " + " | ".join(cells) + " |")
 
 

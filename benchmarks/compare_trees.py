@@ -36,8 +36,9 @@ def measure(model_path: str | None, drafts: list[str], tokens: int) -> dict:
 
     def decode(draft):
         started, out = time.perf_counter(), []
-        for response in mlx_hybrid.stream_generate(model, tokenizer, PROMPT, tokens, temp=0.0,
-                                                   draft=None if draft == "none" else draft):  # fmt: skip
+        for response in mlx_hybrid.stream_generate(
+            model, tokenizer, PROMPT, tokens, temp=0.0, draft=None if draft == "none" else draft
+        ):
             out.append(response.token)
         return len(out) / (time.perf_counter() - started), out
 

@@ -31,8 +31,10 @@ from mlx_hybrid.ops import cpu_extension, reference
 
 # (query heads, KV heads, head features, causal, query tokens, keys): the text model's decode step,
 # verify passes of k=3 and 15 drafts and prompt chunks; the vision towers' images
-CASES = [(8, 2, 256, True, *shape) for shape in [(1, 2048), (4, 2048), (1, 16384), (4, 16384), (16, 16384),
-         (512, 512), (512, 16384)]] + [(12, 12, 64, False, 3072, 3072), (16, 16, 72, False, 1024, 1024)]  # fmt: skip
+CASES = [
+    (8, 2, 256, True, *shape)
+    for shape in [(1, 2048), (4, 2048), (1, 16384), (4, 16384), (16, 16384), (512, 512), (512, 16384)]
+] + [(12, 12, 64, False, 3072, 3072), (16, 16, 72, False, 1024, 1024)]
 # (query tokens, keys) of the text shape over a quantized cache
 QUANTIZED_CASES = [(1, 2048), (1, 32768), (4, 32768), (512, 8192)]
 
@@ -65,10 +67,15 @@ def main():
         theirs = median_ms(
             lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)), args.repeats
         )
-        print(f"| {heads} ({kv_heads}) x {features} | {mask or 'none'} | {tokens} | {keys} | {ours:.2f} | "
-              f"{theirs:.2f} | {theirs / ours:.2f}x |", flush=True)  # fmt: skip
-    print("\n| KV bits | query tokens | keys | ours ms | ours over float32 ms | float32 / ours | MLX's quantized "
-          "products ms | MLX / ours |")  # fmt: skip
+        print(
+            f"| {heads} ({kv_heads}) x {features} | {mask or 'none'} | {tokens} | {keys} | {ours:.2f} | "
+            f"{theirs:.2f} | {theirs / ours:.2f}x |",
+            flush=True,
+        )
+    print(
+        "\n| KV bits | query tokens | keys | ours ms | ours over float32 ms | float32 / ours | MLX's quantized "
+        "products ms | MLX / ours |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for tokens, keys in QUANTIZED_CASES:
         q = mx.random.normal((1, 8, tokens, 256))
@@ -78,11 +85,15 @@ def main():
         for bits in (8, 4):
             kq, vq = (ops.quantize_entries(x, bits, 64) for x in (k, v))
             mx.eval(kq.arrays, vq.arrays)
-            ours = median_ms(lambda: mx.eval(ops.scaled_dot_product_attention(q, kq, vq, 1 / 16, "causal")),
-                             args.repeats)  # fmt: skip
+            ours = median_ms(
+                lambda: mx.eval(ops.scaled_dot_product_attention(q, kq, vq, 1 / 16, "causal")), args.repeats
+            )
             mlx = median_ms(lambda: mx.eval(reference.quantized_attention(q, kq, vq, 1 / 16, "causal")), args.repeats)
-            print(f"| {bits} | {tokens} | {keys} | {ours:.2f} | {plain:.2f} | {plain / ours:.2f}x | {mlx:.2f} | "
-                  f"{mlx / ours:.2f}x |", flush=True)  # fmt: skip
+            print(
+                f"| {bits} | {tokens} | {keys} | {ours:.2f} | {plain:.2f} | {plain / ours:.2f}x | {mlx:.2f} | "
+                f"{mlx / ours:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

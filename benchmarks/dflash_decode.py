@@ -62,12 +62,20 @@ DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 32, "selector_rank": 64, "s
 def random_drafter(target, layers: int, block: int, dtype, kind: str = "dflash") -> DFlashDraftModel:
     t = target.args
     args = DFlashArgs(
-        hidden_size=t.hidden_size, intermediate_size=3 * t.hidden_size, num_hidden_layers=layers,
-        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads, head_dim=128,
-        rms_norm_eps=1e-6, rope_theta=1e7, vocab_size=t.vocab_size,
-        target_layer_ids=target_layer_ids(t.num_hidden_layers, layers), block_size=block, mask_token_id=t.vocab_size - 1,
+        hidden_size=t.hidden_size,
+        intermediate_size=3 * t.hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e7,
+        vocab_size=t.vocab_size,
+        target_layer_ids=target_layer_ids(t.num_hidden_layers, layers),
+        block_size=block,
+        mask_token_id=t.vocab_size - 1,
         **(DFLASH2 if kind == "dflash2" else {}),
-    )  # fmt: skip
+    )
     return initialise(DFlashDraftModel(args), 1, dtype)
 
 
@@ -93,8 +101,20 @@ def zlab_comparison(zlab_python: str, target_dir: Path, tokens: int, dtype):
     from mlx_hybrid.loaders import bundled_drafter_path, load_draft_model
 
     if not target_dir.exists():
-        subprocess.run([sys.executable, "-m", "mlx_hybrid.convert", "--mlx-path", str(target_dir), "--q-bits", "8",
-                        "--dtype", "float32"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlx_hybrid.convert",
+                "--mlx-path",
+                str(target_dir),
+                "--q-bits",
+                "8",
+                "--dtype",
+                "float32",
+            ],
+            check=True,
+        )
     target, tokenizer = mlx_hybrid.load(target_dir)
     random_dir = Path(tempfile.mkdtemp()) / "dflash2"
     bundled = load_draft_model(bundled_drafter_path())
@@ -109,29 +129,47 @@ def zlab_comparison(zlab_python: str, target_dir: Path, tokens: int, dtype):
         block = load_draft_model(drafter_dir).args.block_size
         for prompt in prompts:
             ids = tokenizer.encode(prompt)
-            out = subprocess.run([zlab_python, str(Path(__file__).parent / "zlab_runner.py"), str(target_dir),
-                                  str(drafter_dir), "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(tokens)],
-                                 capture_output=True, text=True)  # fmt: skip
+            out = subprocess.run(
+                [
+                    zlab_python,
+                    str(Path(__file__).parent / "zlab_runner.py"),
+                    str(target_dir),
+                    str(drafter_dir),
+                    "--prompt-ids",
+                    ",".join(map(str, ids)),
+                    "--max-tokens",
+                    str(tokens),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode:
                 sys.exit(f"zlab_runner.py failed: {out.stderr.strip().splitlines()[-1]}")
             theirs = json.loads(out.stdout.strip().splitlines()[-1])
-            rows = [f"  {name}, {prompt.splitlines()[0]!r}: z-lab {theirs['decode_tps']:6.1f} tok/s, "
-                    f"{sum(theirs['passes']) / len(theirs['passes']):.2f} tokens a pass"]  # fmt: skip
-            for label, settings in [("whole blocks", dict(num_draft_tokens=block - 1, draft_p_min=0)),
-                                    ("defaults", {})]:  # fmt: skip
+            rows = [
+                f"  {name}, {prompt.splitlines()[0]!r}: z-lab {theirs['decode_tps']:6.1f} tok/s, "
+                f"{sum(theirs['passes']) / len(theirs['passes']):.2f} tokens a pass"
+            ]
+            for label, settings in [
+                ("whole blocks", dict(num_draft_tokens=block - 1, draft_p_min=0)),
+                ("defaults", {}),
+            ]:
                 best = None
                 for _ in range(3):
                     times, responses = [], []
-                    for response in mlx_hybrid.stream_generate(target, tokenizer, ids, max_tokens=tokens,
-                                                               draft_model=drafter_dir, **settings):  # fmt: skip
+                    for response in mlx_hybrid.stream_generate(
+                        target, tokenizer, ids, max_tokens=tokens, draft_model=drafter_dir, **settings
+                    ):
                         times.append(time.perf_counter())
                         responses.append(response)
                     rate = (len(times) - 1) / (times[-1] - times[0])
                     best = max(best or (0, None), (rate, responses), key=lambda r: r[0])
                 rate, responses = best
                 same = [r.token for r in responses] == theirs["tokens"][: len(responses)]
-                rows.append(f"ours ({label}) {rate:6.1f} tok/s {rate / theirs['decode_tps']:5.2f}x, "
-                            f"{responses[-1].tokens_per_pass:.2f} tokens a pass, output {'equal' if same else 'DIFFERS'}")  # fmt: skip
+                rows.append(
+                    f"ours ({label}) {rate:6.1f} tok/s {rate / theirs['decode_tps']:5.2f}x, "
+                    f"{responses[-1].tokens_per_pass:.2f} tokens a pass, output {'equal' if same else 'DIFFERS'}"
+                )
             print("; ".join(rows))
 
 

@@ -114,8 +114,18 @@ def main():
     this = [__file__, options.model, "--tokens", str(options.tokens), "--rank-run"]
     runs = {"1 process": [sys.executable, *this, "tensor"]}
     for split in ("tensor", "pipeline"):
-        runs[f"2 ranks, {split}"] = [launcher, "--backend", "ring", "-n", "2", "--python", sys.executable, "--",
-                                     *this, split]  # fmt: skip
+        runs[f"2 ranks, {split}"] = [
+            launcher,
+            "--backend",
+            "ring",
+            "-n",
+            "2",
+            "--python",
+            sys.executable,
+            "--",
+            *this,
+            split,
+        ]
     results = {}
     for name, command in runs.items():
         done = subprocess.run(command, capture_output=True, text=True)

@@ -117,8 +117,9 @@ def make_drafter(model, draft: str | None):
     if draft == "dflash":
         from dflash_decode import random_drafter
 
-        return DFlashDrafter(model, random_drafter(model, 5, 16, model.norm.weight.dtype), DEFAULT_DRAFT_P_MIN,
-                             vocabulary)  # fmt: skip
+        return DFlashDrafter(
+            model, random_drafter(model, 5, 16, model.norm.weight.dtype), DEFAULT_DRAFT_P_MIN, vocabulary
+        )
     return None
 
 

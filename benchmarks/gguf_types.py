@@ -40,9 +40,31 @@ import sys
 import time
 from pathlib import Path
 
-TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q3_K_S",
-         "IQ3_S", "IQ3_XXS", "Q2_K", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S", "MXFP4", "TQ2_0",
-         "TQ1_0"]  # fmt: skip
+TYPES = [
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q6_K",
+    "Q5_K_M",
+    "Q5_0",
+    "Q4_K_M",
+    "Q4_0",
+    "IQ4_NL",
+    "IQ4_XS",
+    "Q3_K_M",
+    "Q3_K_S",
+    "IQ3_S",
+    "IQ3_XXS",
+    "Q2_K",
+    "IQ2_S",
+    "IQ2_XS",
+    "IQ2_XXS",
+    "IQ1_M",
+    "IQ1_S",
+    "MXFP4",
+    "TQ2_0",
+    "TQ1_0",
+]
 # llama-quantize wants an importance matrix for them
 WITH_IMATRIX = ("IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 # llama-quantize's MXFP4_MOE puts a MoE model's experts alone in MXFP4 (the rest Q8_0); on this
@@ -108,8 +130,9 @@ def run_ours(path: Path, tokens: int, prompt_tokens: int, dequantize: bool, acti
         start = time.perf_counter()
         mx.eval(prefill(model, [PROMPT[i % len(PROMPT)] + i % 7 for i in range(prompt_tokens)], model.make_cache()))
         prefill_s = min(prefill_s, time.perf_counter() - start)
-    times = [time.perf_counter() for _ in mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens,
-                                                                       draft=None)]  # fmt: skip
+    times = [
+        time.perf_counter() for _ in mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens, draft=None)
+    ]
     return {
         "decode": (len(times) - 1) / (times[-1] - times[0]),
         "prefill": prompt_tokens / prefill_s,
@@ -119,8 +142,22 @@ def run_ours(path: Path, tokens: int, prompt_tokens: int, dequantize: bool, acti
 
 def run_llama_cpp(path: Path, tokens: int, prompt_tokens: int, threads: int, llama_bin: Path, options=()) -> dict:
     """llama-bench's prompt and decode rates on the file (options: more of its flags), its peak memory."""
-    command = [str(llama_bin / "llama-bench"), "-m", str(path), "-p", str(prompt_tokens), "-n", str(tokens),
-               "-t", str(threads), "-r", "1", "-o", "json", *options]  # fmt: skip
+    command = [
+        str(llama_bin / "llama-bench"),
+        "-m",
+        str(path),
+        "-p",
+        str(prompt_tokens),
+        "-n",
+        str(tokens),
+        "-t",
+        str(threads),
+        "-r",
+        "1",
+        "-o",
+        "json",
+        *options,
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = process.communicate()
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
@@ -151,10 +188,24 @@ def measure_in_child(runner: str, path: Path, args) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from quantized_cpu import json_of_child
 
-    return json_of_child([__file__, "--child", runner, str(path), "--tokens", str(args.tokens),
-                          "--prefill", str(args.prefill), "--threads", str(args.threads),
-                          "--llama-bin", *map(str, args.llama_bin)]
-                         + (["--instruction-set", args.instruction_set] if args.instruction_set else []), args)  # fmt: skip
+    return json_of_child(
+        [
+            __file__,
+            "--child",
+            runner,
+            str(path),
+            "--tokens",
+            str(args.tokens),
+            "--prefill",
+            str(args.prefill),
+            "--threads",
+            str(args.threads),
+            "--llama-bin",
+            *map(str, args.llama_bin),
+        ]
+        + (["--instruction-set", args.instruction_set] if args.instruction_set else []),
+        args,
+    )
 
 
 def child(args):
@@ -169,8 +220,13 @@ def child(args):
             from mlx_hybrid.ops import cpu_quantized
 
             cpu_quantized.extension().use_instruction_set(args.instruction_set)
-        result = run_ours(Path(path), args.tokens, args.prefill, dequantize=runner == "dequantized",
-                          activations="float32" if runner == "float32" else None)  # fmt: skip
+        result = run_ours(
+            Path(path),
+            args.tokens,
+            args.prefill,
+            dequantize=runner == "dequantized",
+            activations="float32" if runner == "float32" else None,
+        )
         result["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps(result))
 
@@ -223,14 +279,18 @@ def kernels(rounds: int, rows: int, types, matrix=(3584, 1024)):
         products[name] = lambda w=w: cpu_quantized.matmul_16bit(x, w)
         # llama.cpp's 16-bit activations (a GGUF file's F16 and BF16 matrices)
         products[f"{name} llama.cpp"] = lambda w=w: cpu_quantized.half_matmul(x, w)
-    tensors = {name: without_subnormal_blocks(llama_reference.random_block_weights((n, k), bits, group_size, block))
-               for name, (bits, group_size, _, block) in BLOCK_TYPES.items() if name not in GRID_TYPES}  # fmt: skip
+    tensors = {
+        name: without_subnormal_blocks(llama_reference.random_block_weights((n, k), bits, group_size, block))
+        for name, (bits, group_size, _, block) in BLOCK_TYPES.items()
+        if name not in GRID_TYPES
+    }
     tensors |= {name: llama_reference.random_grid_weights((n, k), grid) for name, grid in GRID_TYPES.items()}
     for name, q in tensors.items():
         if types and name not in types:
             continue
-        products[name] = lambda q=q: cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size,
-                                                                   q.bits, q.block)  # fmt: skip
+        products[name] = lambda q=q: cpu_quantized.quantized_matmul(
+            x, q.weight, q.scales, q.biases, q.group_size, q.bits, q.block
+        )
         if not ops.int8_activations(q.bits, q.group_size, q.block):
             products[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_matmul(x, *held)
     calls = max(1, 300 // rows)
@@ -289,7 +349,8 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
             bits, group_size, _, block = BLOCK_TYPES[name]
             q = without_subnormal_blocks(llama_reference.random_block_weights((experts, n, k), bits, group_size, block))
         timed[name] = lambda q=q: cpu_quantized.gather_quantized_matmul(
-            x, q.weight, q.scales, q.biases, indices, q.group_size, q.bits, q.block)  # fmt: skip
+            x, q.weight, q.scales, q.biases, indices, q.group_size, q.bits, q.block
+        )
         timed[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_gather_matmul(
             x, *held[:3], indices, *held[3:]
         )
@@ -328,8 +389,14 @@ def main():
         default=0,
         help="--kernels: time expert products instead, --rows tokens each against 8 of this many experts",
     )
-    p.add_argument("--matrix", type=int, nargs=2, default=[3584, 1024], metavar=("N", "K"),
-                   help="--kernels: the matrix's shape (default: the 0.8B shape's gate projection)")  # fmt: skip
+    p.add_argument(
+        "--matrix",
+        type=int,
+        nargs=2,
+        default=[3584, 1024],
+        metavar=("N", "K"),
+        help="--kernels: the matrix's shape (default: the 0.8B shape's gate projection)",
+    )
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.kernels:
@@ -378,20 +445,26 @@ def main():
         return ", ".join(f"{median(type_name, b, key):.2f} ({b.removeprefix('llama.cpp ')})" for b in builds)
 
     print(f"\n32 tokens after an 8-token prompt, {args.threads} threads; medians of {args.rounds}; decode in tokens/s")
-    print("| type | file GiB | weights / file | peak / file | decode | float32 decode | dequantized decode | "
-          "llama.cpp decode | decode / fastest llama.cpp | float32 / fastest | llama.cpp peak / file |")  # fmt: skip
+    print(
+        "| type | file GiB | weights / file | peak / file | decode | float32 decode | dequantized decode | "
+        "llama.cpp decode | decode / fastest llama.cpp | float32 / fastest | llama.cpp peak / file |"
+    )
     print("| --- " * 11 + "|")
     prefill_rows = []
     for type_name in args.types:
         size = file_of(args.dir, type_name).stat().st_size
         ours, floats = median(type_name, "mlx-hybrid", "decode"), median(type_name, "float32", "decode")
         build, theirs = fastest(type_name, "decode")
-        print(f"| {type_name} | {size / 2**30:.2f} | {median(type_name, 'mlx-hybrid', 'weights') / size:.2f}x | "
-              f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | {floats:.2f} | "
-              f"{median(type_name, 'dequantized', 'decode'):.2f} | {rates_text(type_name, 'decode')} | "
-              f"{ours / theirs:.2f}x | {floats / theirs:.2f}x | {median(type_name, build, 'peak_gib') * 2**30 / size:.2f}x |")  # fmt: skip
-        prefill_rows.append(f"| {type_name} | {median(type_name, 'mlx-hybrid', 'prefill'):.1f} | "
-                            f"{median(type_name, 'float32', 'prefill'):.1f} | {rates_text(type_name, 'prefill')} |")  # fmt: skip
+        print(
+            f"| {type_name} | {size / 2**30:.2f} | {median(type_name, 'mlx-hybrid', 'weights') / size:.2f}x | "
+            f"{median(type_name, 'mlx-hybrid', 'peak_gib') * 2**30 / size:.2f}x | {ours:.2f} | {floats:.2f} | "
+            f"{median(type_name, 'dequantized', 'decode'):.2f} | {rates_text(type_name, 'decode')} | "
+            f"{ours / theirs:.2f}x | {floats / theirs:.2f}x | {median(type_name, build, 'peak_gib') * 2**30 / size:.2f}x |"
+        )
+        prefill_rows.append(
+            f"| {type_name} | {median(type_name, 'mlx-hybrid', 'prefill'):.1f} | "
+            f"{median(type_name, 'float32', 'prefill'):.1f} | {rates_text(type_name, 'prefill')} |"
+        )
     if args.prefill:
         print(f"\n{args.prefill}-token prefill in tokens/s")
         print("| type | prefill | float32 prefill | llama.cpp prefill |\n" + "| --- " * 4 + "|")

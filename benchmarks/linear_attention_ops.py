@@ -91,8 +91,19 @@ def norms(i, snapshots):
 
 def layer(i, snapshots):
     norm = ops.OutputNorm(i["norm_weight"], 1e-6, "silu")
-    return ops.linear_attention(i["x"], i["weight"], i["a"], i["b"], i["z"], i["decay"], norm, i["heads"], i["tail"],
-                                i["state"], snapshots=snapshots)  # fmt: skip
+    return ops.linear_attention(
+        i["x"],
+        i["weight"],
+        i["a"],
+        i["b"],
+        i["z"],
+        i["decay"],
+        norm,
+        i["heads"],
+        i["tail"],
+        i["state"],
+        snapshots=snapshots,
+    )
 
 
 def outputs(result) -> list:

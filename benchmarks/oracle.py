@@ -58,10 +58,17 @@ class OracleDrafter(Drafter):
         drafts = [drafter._replay(k) for drafter, k in zip(drafters, ks)]
         for drafter, (tokens, _) in zip(drafters, drafts):  # the inner drafts' p-min verdicts, on these
             columns = drafter.inner.drafted_columns if drafter.inner is not None else None
-            drafter.drafted_columns = None if columns is None or not tokens else GroupRow([
-                mx.where(column[columns.row : columns.row + 1] < 0, -1 - token.reshape(1), token.reshape(1))
-                for column, token in zip(columns.columns, tokens)
-            ], 0)  # fmt: skip
+            drafter.drafted_columns = (
+                None
+                if columns is None or not tokens
+                else GroupRow(
+                    [
+                        mx.where(column[columns.row : columns.row + 1] < 0, -1 - token.reshape(1), token.reshape(1))
+                        for column, token in zip(columns.columns, tokens)
+                    ],
+                    0,
+                )
+            )
         return drafts
 
     def _replay(self, k: int):

@@ -76,9 +76,14 @@ def run_llama_cpp(path: Path, prompt: list[int], tokens: int, threads: int) -> t
     import llama_cpp
 
     llm = llama_cpp.Llama(
-        str(path), n_ctx=len(prompt) + tokens + 8, n_batch=len(prompt), n_ubatch=len(prompt),
-        n_threads=threads, n_threads_batch=threads, verbose=False,
-    )  # fmt: skip
+        str(path),
+        n_ctx=len(prompt) + tokens + 8,
+        n_batch=len(prompt),
+        n_ubatch=len(prompt),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     import numpy as np
 
     def last_token_argmax() -> int:  # the logits of the batch's last token (the only ones kept)
@@ -124,8 +129,21 @@ PROMPT: list[int] = []
 
 
 def measure_in_child(runner: str, path: Path, args) -> dict:
-    return json_of_child([__file__, "--child", runner, str(path), "--prompt-tokens", str(args.prompt_tokens),
-                          "--tokens", str(args.tokens), "--threads", str(args.threads)], args)  # fmt: skip
+    return json_of_child(
+        [
+            __file__,
+            "--child",
+            runner,
+            str(path),
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+        ],
+        args,
+    )
 
 
 def json_of_child(arguments: list[str], args) -> dict:
@@ -176,8 +194,10 @@ def main():
                 results.setdefault((name, runner), []).append(r)
                 print(f"round {round_index + 1} {name:7s} {runner:10s} {r}", file=sys.stderr, flush=True)
     blas = sorted({r["blas"] for runs in results.values() for r in runs if "blas" in r})
-    print(f"\n{args.prompt_tokens}-token prompt, {args.tokens} tokens, {args.threads} threads; medians of {args.rounds}; "
-          f"MLX's BLAS: {', '.join(blas) or '-'}")  # fmt: skip
+    print(
+        f"\n{args.prompt_tokens}-token prompt, {args.tokens} tokens, {args.threads} threads; medians of {args.rounds}; "
+        f"MLX's BLAS: {', '.join(blas) or '-'}"
+    )
     print(f"{'file':7s} {'runner':10s} {'prefill t/s':>12s} {'decode t/s':>11s} {'peak GiB':>8s} {'file GiB':>8s}")
     for name in args.files:
         size = (args.dir / FILES[name]).stat().st_size / 2**30
@@ -191,8 +211,10 @@ def main():
             print(f"{name:7s} {runner:10s} {m['prefill']:12.1f} {m['decode']:11.2f} {m['peak_gib']:8.2f} {size:8.2f}")
         if "llama.cpp" in medians and "mlx-hybrid" in medians:
             ours, theirs = medians["mlx-hybrid"], medians["llama.cpp"]
-            print(f"{'':7s} ratio      {ours['prefill'] / theirs['prefill']:11.2f}x {ours['decode'] / theirs['decode']:10.2f}x "
-                  f"{ours['peak_gib'] / size:7.2f}x of the file")  # fmt: skip
+            print(
+                f"{'':7s} ratio      {ours['prefill'] / theirs['prefill']:11.2f}x {ours['decode'] / theirs['decode']:10.2f}x "
+                f"{ours['peak_gib'] / size:7.2f}x of the file"
+            )
 
 
 if __name__ == "__main__":

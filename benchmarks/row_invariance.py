@@ -92,8 +92,9 @@ def first_keys(entries, keys: int):
     """A cache's first `keys` entries (views), float or quantized."""
     if isinstance(entries, mx.array):
         return entries[:, :, :keys]
-    return entries._replace(codes=entries.codes[:, :, :keys], scales=entries.scales[:, :, :keys],
-                            biases=entries.biases[:, :, :keys])  # fmt: skip
+    return entries._replace(
+        codes=entries.codes[:, :, :keys], scales=entries.scales[:, :, :keys], biases=entries.biases[:, :, :keys]
+    )
 
 
 def linear_attention(dtype, rows: int) -> float | None:

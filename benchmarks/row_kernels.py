@@ -46,9 +46,11 @@ def microseconds(fn, calls: int) -> float:
 def cases(platform: str):
     """name -> (ours(rows), MLX's(rows)), each a function of the row count giving a call."""
     found = {}
-    for name, (inputs, outputs) in {"q/k/v-sized (1024 -> 3584)": (HIDDEN, FEED_FORWARD),
-                                    "down (3584 -> 1024)": (FEED_FORWARD, HIDDEN),
-                                    "output head (1024 -> 248320)": (HIDDEN, VOCABULARY)}.items():  # fmt: skip
+    for name, (inputs, outputs) in {
+        "q/k/v-sized (1024 -> 3584)": (HIDDEN, FEED_FORWARD),
+        "down (3584 -> 1024)": (FEED_FORWARD, HIDDEN),
+        "output head (1024 -> 248320)": (HIDDEN, VOCABULARY),
+    }.items():
         weight = random((outputs, inputs), mx.bfloat16, 1, inputs**-0.5)
         codes, scales, biases = mx.quantize(weight, group_size=64, bits=4)
         x = {rows: random((1, rows, inputs), mx.bfloat16, 2 + rows) for rows in ROWS}
@@ -57,10 +59,11 @@ def cases(platform: str):
             lambda rows, x=x, w=weight: x[rows] @ w.T,
         )
         found[f"4-bit {name}"] = (
-            lambda rows, x=x, q=(codes, scales, biases): row_kernels.product(x[rows], q[0], platform, *q[1:], bits=4,
-                                                                             group_size=64),
+            lambda rows, x=x, q=(codes, scales, biases): row_kernels.product(
+                x[rows], q[0], platform, *q[1:], bits=4, group_size=64
+            ),
             lambda rows, x=x, q=(codes, scales, biases): mx.quantized_matmul(x[rows], *q, group_size=64, bits=4),
-        )  # fmt: skip
+        )
     k, v = (random((1, KV_HEADS, KEYS, HEAD_DIM), mx.bfloat16, key) for key in (20, 21))
     q = {rows: random((1, HEADS, rows, HEAD_DIM), mx.bfloat16, 22 + rows) for rows in ROWS}
     scale = HEAD_DIM**-0.5
@@ -85,11 +88,16 @@ def main():
     print("| shape | " + " | ".join(f"{r} rows ours / MLX's" for r in ROWS) + " | 1 row ours / MLX's | 4 rows / 1 |")
     print("| --- |" + " --- |" * (len(ROWS) + 2))
     for name, (ours, theirs) in cases(platform).items():
-        times = {rows: (microseconds(lambda: ours(rows), args.calls), microseconds(lambda: theirs(rows), args.calls))
-                 for rows in ROWS}  # fmt: skip
+        times = {
+            rows: (microseconds(lambda: ours(rows), args.calls), microseconds(lambda: theirs(rows), args.calls))
+            for rows in ROWS
+        }
         cells = [f"{a:.1f} / {b:.1f}" for a, b in times.values()]
-        print(f"| {name} | " + " | ".join(cells) + f" | {times[1][0] / times[1][1]:.2f}x | "
-              f"{times[4][0] / times[1][0]:.2f}x |", flush=True)  # fmt: skip
+        print(
+            f"| {name} | " + " | ".join(cells) + f" | {times[1][0] / times[1][1]:.2f}x | "
+            f"{times[4][0] / times[1][0]:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,11 @@ from mlx_hybrid import Engine, SamplingParams, batch_generate, load, stream_gene
 from mlx_hybrid.drafting import make_drafter
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-          "required": ["name", "n"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+}
 PROMPTS = ["The quick brown fox", "1, 2, 3, 4, 5, 6, 7", "Once upon a time there was", "hello hello hello hello"]
 
 
@@ -36,8 +39,9 @@ def tokens_of(model, tokenizer, prompt, **kwargs) -> dict:
 
 
 def cases(family: str, path: Path, cpu_activations: str | None = None) -> dict:
-    model, tokenizer = load(path, **({"cpu_activations": cpu_activations} if cpu_activations and path.suffix == ".gguf"
-                                     else {}))  # fmt: skip
+    model, tokenizer = load(
+        path, **({"cpu_activations": cpu_activations} if cpu_activations and path.suffix == ".gguf" else {})
+    )
     has_mtp = getattr(model, "mtp", None) is not None
     prompt = PROMPTS[0]
     out = {
@@ -68,16 +72,27 @@ def cases(family: str, path: Path, cpu_activations: str | None = None) -> dict:
     if has_mtp:
         for k in (1, 3):
             out[f"mtp-k{k}"] = tokens_of(model, tokenizer, prompt, max_tokens=24, draft="mtp", num_draft_tokens=k)
-            out[f"mtp-k{k}-sampled"] = tokens_of(model, tokenizer, prompt, max_tokens=24, draft="mtp",
-                                                 num_draft_tokens=k, temp=0.9, seed=7)  # fmt: skip
+            out[f"mtp-k{k}-sampled"] = tokens_of(
+                model, tokenizer, prompt, max_tokens=24, draft="mtp", num_draft_tokens=k, temp=0.9, seed=7
+            )
         out["mtp-fixed"] = tokens_of(model, tokenizer, prompt, max_tokens=24, draft="mtp", draft_p_min=0)
-        out["mtp-json"] = tokens_of(model, tokenizer, prompt, max_tokens=40, draft="mtp",
-                                    response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})  # fmt: skip
+        out["mtp-json"] = tokens_of(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=40,
+            draft="mtp",
+            response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+        )
     draft = "mtp" if has_mtp else None
     out["batch"] = batch_generate(model, tokenizer, PROMPTS, max_tokens=20, draft=draft, max_batch=3)
     out["batch-sampled"] = batch_generate(model, tokenizer, PROMPTS, max_tokens=20, draft=draft, temp=0.8, seed=11)
-    settings = [{"max_tokens": 12, "logprobs": 2}, {"max_tokens": 20, "temp": 0.7, "seed": 2},
-                {"max_tokens": 5}, {"max_tokens": 16, "temp": 0.5, "seed": 9, "logprobs": 0}]  # fmt: skip
+    settings = [
+        {"max_tokens": 12, "logprobs": 2},
+        {"max_tokens": 20, "temp": 0.7, "seed": 2},
+        {"max_tokens": 5},
+        {"max_tokens": 16, "temp": 0.5, "seed": 9, "logprobs": 0},
+    ]
     drafter = make_drafter(model, tokenizer, draft, None, None, 0.0) if draft else None
     engine = Engine(model, tokenizer, drafter, 3, max_batch=3)
     sequences = [engine.submit(p, params=SamplingParams().replace(**s)) for p, s in zip(PROMPTS, settings)]
@@ -88,10 +103,15 @@ def cases(family: str, path: Path, cpu_activations: str | None = None) -> dict:
         while not s.events.empty():
             events[i].append(s.events.get())
     out["engine"] = [
-        {"tokens": s.tokens, "finish": s.finish_reason,
-         "logprobs": [[round(t.logprob, 5), [(a, round(b, 5)) for a, b in t.top]] for e in ev for t in e.logprobs or []]}
+        {
+            "tokens": s.tokens,
+            "finish": s.finish_reason,
+            "logprobs": [
+                [round(t.logprob, 5), [(a, round(b, 5)) for a, b in t.top]] for e in ev for t in e.logprobs or []
+            ],
+        }
         for s, ev in zip(sequences, events)
-    ]  # fmt: skip
+    ]
     # a second turn resumed from the first one's checkpoint
     first = engine.submit(PROMPTS[2], max_tokens=8)
     engine.run()
@@ -112,8 +132,11 @@ def main():
         help="how the GGUF files' quantized products compute (default: load()'s)",
     )
     args = p.parse_args()
-    sources = {f"{family}/{kind}": FIXTURES / family / kind for family in ("qwen35", "qwen35moe", "qwen3next",
-               "kimilinear") for kind in ("hf", "model.gguf", "model-Q8_0.gguf", "model-Q4_K_M.gguf")}  # fmt: skip
+    sources = {
+        f"{family}/{kind}": FIXTURES / family / kind
+        for family in ("qwen35", "qwen35moe", "qwen3next", "kimilinear")
+        for kind in ("hf", "model.gguf", "model-Q8_0.gguf", "model-Q4_K_M.gguf")
+    }
     outputs = {}
     for name, path in sources.items():
         if path.exists():

@@ -75,8 +75,12 @@ SHAPES = {
 
 # float16 fields of a block (offset in bytes) and the size of a random block's scale there: small
 # enough that a weight is a few hundredths (q and the sub-block codes multiply it)
-BLOCKS = {"Q4_K": (144, (0, 2), 1e-4), "Q5_K": (176, (0, 2), 5e-5), "Q6_K": (210, (208,), 1e-5),
-          "Q8_0": (34, (0,), 2e-4)}  # fmt: skip
+BLOCKS = {
+    "Q4_K": (144, (0, 2), 1e-4),
+    "Q5_K": (176, (0, 2), 5e-5),
+    "Q6_K": (210, (208,), 1e-5),
+    "Q8_0": (34, (0,), 2e-4),
+}
 
 
 # llama.cpp's llama_ftype of each mixture (general.file_type)
@@ -94,28 +98,49 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
         full = (i + 1) % 4 == 0 or i == shape.layers
         block = [("attn_norm.weight", (e,)), ("post_attention_norm.weight", (e,))]
         if full:
-            block += [("attn_q.weight", (2 * q_dim, e)), ("attn_k.weight", (kv_dim, e)), ("attn_v.weight", (kv_dim, e)),
-                      ("attn_output.weight", (e, q_dim)), ("attn_q_norm.weight", (shape.head_dim,)),
-                      ("attn_k_norm.weight", (shape.head_dim,))]  # fmt: skip
+            block += [
+                ("attn_q.weight", (2 * q_dim, e)),
+                ("attn_k.weight", (kv_dim, e)),
+                ("attn_v.weight", (kv_dim, e)),
+                ("attn_output.weight", (e, q_dim)),
+                ("attn_q_norm.weight", (shape.head_dim,)),
+                ("attn_k_norm.weight", (shape.head_dim,)),
+            ]
         else:
             conv = 2 * key_dim + value_dim
-            block += [("attn_qkv.weight", (conv, e)), ("attn_gate.weight", (value_dim, e)),
-                      ("ssm_alpha.weight", (shape.value_heads, e)), ("ssm_beta.weight", (shape.value_heads, e)),
-                      ("ssm_a", (shape.value_heads,)), ("ssm_dt.bias", (shape.value_heads,)),
-                      ("ssm_conv1d.weight", (conv, 4)), ("ssm_norm.weight", (lin,)),
-                      ("ssm_out.weight", (e, value_dim))]  # fmt: skip
+            block += [
+                ("attn_qkv.weight", (conv, e)),
+                ("attn_gate.weight", (value_dim, e)),
+                ("ssm_alpha.weight", (shape.value_heads, e)),
+                ("ssm_beta.weight", (shape.value_heads, e)),
+                ("ssm_a", (shape.value_heads,)),
+                ("ssm_dt.bias", (shape.value_heads,)),
+                ("ssm_conv1d.weight", (conv, 4)),
+                ("ssm_norm.weight", (lin,)),
+                ("ssm_out.weight", (e, value_dim)),
+            ]
         if shape.experts:
             x, f, s = shape.experts, shape.expert_intermediate, shape.shared_intermediate
-            block += [("ffn_gate_inp.weight", (x, e)), ("ffn_gate_exps.weight", (x, f, e)),
-                      ("ffn_up_exps.weight", (x, f, e)), ("ffn_down_exps.weight", (x, e, f)),
-                      ("ffn_gate_inp_shexp.weight", (e,)), ("ffn_gate_shexp.weight", (s, e)),
-                      ("ffn_up_shexp.weight", (s, e)), ("ffn_down_shexp.weight", (e, s))]  # fmt: skip
+            block += [
+                ("ffn_gate_inp.weight", (x, e)),
+                ("ffn_gate_exps.weight", (x, f, e)),
+                ("ffn_up_exps.weight", (x, f, e)),
+                ("ffn_down_exps.weight", (x, e, f)),
+                ("ffn_gate_inp_shexp.weight", (e,)),
+                ("ffn_gate_shexp.weight", (s, e)),
+                ("ffn_up_shexp.weight", (s, e)),
+                ("ffn_down_shexp.weight", (e, s)),
+            ]
         else:
             f = shape.intermediate
             block += [("ffn_gate.weight", (f, e)), ("ffn_up.weight", (f, e)), ("ffn_down.weight", (e, f))]
         if i == shape.layers:
-            block += [("nextn.eh_proj.weight", (e, 2 * e)), ("nextn.enorm.weight", (e,)),
-                      ("nextn.hnorm.weight", (e,)), ("nextn.shared_head_norm.weight", (e,))]  # fmt: skip
+            block += [
+                ("nextn.eh_proj.weight", (e, 2 * e)),
+                ("nextn.enorm.weight", (e,)),
+                ("nextn.hnorm.weight", (e,)),
+                ("nextn.shared_head_norm.weight", (e,)),
+            ]
         out += [(f"blk.{i}.{name}", dims) for name, dims in sorted(block)]
     return out + [("output_norm.weight", (e,)), ("output.weight", (shape.vocab, e))]
 
@@ -126,8 +151,11 @@ def chosen_types(names: list[tuple[str, tuple]], shape: Shape, quant: str) -> di
     def more_bits(i, n):
         return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
-    quantized = [name for name, dims in names
-                 if len(dims) > 1 and not any(part in name for part in ("ffn_gate_inp.", "ssm_conv1d"))]  # fmt: skip
+    quantized = [
+        name
+        for name, dims in names
+        if len(dims) > 1 and not any(part in name for part in ("ffn_gate_inp.", "ssm_conv1d"))
+    ]
     attention_values = [name for name in quantized if "attn_v." in name or "attn_qkv." in name]
     blocks = shape.layers + 1
     types = {name: "F32" for name, _ in names}
@@ -157,8 +185,11 @@ def random_tensor(rng, dims: tuple, type_name: str, name: str) -> np.ndarray:
         return (0.05 * rng.standard_normal(dims)).astype(np.float32)
     block_bytes, fields, scale = BLOCKS[type_name]
     rows = int(np.prod(dims[:-1]))
-    blocks = np.frombuffer(rng.bytes(rows * dims[-1] // (32 if type_name == "Q8_0" else 256) * block_bytes),
-                           np.uint8).reshape(-1, block_bytes).copy()  # fmt: skip
+    blocks = (
+        np.frombuffer(rng.bytes(rows * dims[-1] // (32 if type_name == "Q8_0" else 256) * block_bytes), np.uint8)
+        .reshape(-1, block_bytes)
+        .copy()
+    )
     for at in fields:
         d = (scale * rng.uniform(0.5, 1.5, len(blocks))).astype(np.float16)
         blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
@@ -252,10 +283,16 @@ def run_ours(path: Path, prompt_tokens: int, tokens: int) -> dict:
         begin = time.perf_counter()
         mx.eval(prefill(model, prompt, model.make_cache()))
         prefill_s = min(prefill_s, time.perf_counter() - begin)
-    times = [time.perf_counter() for _ in mlx_hybrid.stream_generate(model, tokenizer, prompt[:8], max_tokens=tokens,
-                                                                       draft=None)]  # fmt: skip
-    return {"load_s": load_s, "weights_gb": weights / 1e9, "prefill": prompt_tokens / prefill_s,
-            "decode": (len(times) - 1) / (times[-1] - times[0])}  # fmt: skip
+    times = [
+        time.perf_counter()
+        for _ in mlx_hybrid.stream_generate(model, tokenizer, prompt[:8], max_tokens=tokens, draft=None)
+    ]
+    return {
+        "load_s": load_s,
+        "weights_gb": weights / 1e9,
+        "prefill": prompt_tokens / prefill_s,
+        "decode": (len(times) - 1) / (times[-1] - times[0]),
+    }
 
 
 def run_llama_cpp(path: Path, prompt_tokens: int, tokens: int, threads: int, llama_bin: Path, repack: bool) -> dict:
@@ -289,8 +326,9 @@ def child(args):
     else:
         llama_bin, repack = runners(args.llama_bin)[runner]
         result = run_llama_cpp(Path(path), args.prompt, args.tokens, args.threads, llama_bin, repack)
-    result["peak_gb"] = max(resource.getrusage(who).ru_maxrss for who in
-                            (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024 / 1e9  # fmt: skip
+    result["peak_gb"] = (
+        max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024 / 1e9
+    )
     print(json.dumps(result))
 
 
@@ -299,8 +337,22 @@ def measure(runner: str, path: Path, args) -> dict:
     from quantized_cpu import json_of_child
 
     builds = ["--llama-bin", *map(str, args.llama_bin)] if args.llama_bin else []
-    return json_of_child([__file__, "--child", runner, str(path), "--prompt", str(args.prompt), "--tokens",
-                          str(args.tokens), "--threads", str(args.threads), *builds], args)  # fmt: skip
+    return json_of_child(
+        [
+            __file__,
+            "--child",
+            runner,
+            str(path),
+            "--prompt",
+            str(args.prompt),
+            "--tokens",
+            str(args.tokens),
+            "--threads",
+            str(args.threads),
+            *builds,
+        ],
+        args,
+    )
 
 
 def warm(path: Path):
@@ -354,8 +406,10 @@ def main():
         for runner in names:
             results[runner].append(measure(runner, path, args))
             print(runner, json.dumps(results[runner][-1]), file=sys.stderr)
-    print(f"{path.name}, {path.stat().st_size / 1e9:.2f} GB, {args.threads} threads, prompt {args.prompt}, "
-          f"{args.tokens} tokens, medians of {args.rounds}")  # fmt: skip
+    print(
+        f"{path.name}, {path.stat().st_size / 1e9:.2f} GB, {args.threads} threads, prompt {args.prompt}, "
+        f"{args.tokens} tokens, medians of {args.rounds}"
+    )
     medians = {}
     for runner, rounds in results.items():
         good = [r for r in rounds if "error" not in r]
@@ -365,8 +419,10 @@ def main():
         medians[runner] = {k: float(np.median([r[k] for r in good])) for k in good[0]}
     peers = [m for runner, m in medians.items() if runner != OURS]
     for runner, m in medians.items():
-        line = (f"  {runner:36s} load {m['load_s']:6.1f} s  peak {m['peak_gb']:6.2f} GB  prompt {m['prefill']:7.1f} "
-                f"tok/s  decode {m['decode']:6.2f} tok/s")  # fmt: skip
+        line = (
+            f"  {runner:36s} load {m['load_s']:6.1f} s  peak {m['peak_gb']:6.2f} GB  prompt {m['prefill']:7.1f} "
+            f"tok/s  decode {m['decode']:6.2f} tok/s"
+        )
         if runner == OURS and peers:
             line += "  ({:.2f}x / {:.2f}x llama.cpp's fastest)".format(
                 m["prefill"] / max(p["prefill"] for p in peers), m["decode"] / max(p["decode"] for p in peers)

@@ -27,8 +27,16 @@ import mlx_hybrid  # first: on Linux it loads OpenBLAS before MLX's library
 
 
 def questions(n: int) -> list[str]:
-    topics = ["parse a config file", "merge two sorted lists", "retry a request", "read a CSV", "walk a tree",
-              "cache a function", "format a table", "split a path"]  # fmt: skip
+    topics = [
+        "parse a config file",
+        "merge two sorted lists",
+        "retry a request",
+        "read a CSV",
+        "walk a tree",
+        "cache a function",
+        "format a table",
+        "split a path",
+    ]
     return [f"Write a Python function to {topics[i % len(topics)]} (variant {i})." for i in range(n)]
 
 
@@ -93,8 +101,11 @@ def main():
     model_path = args.model or str(mlx_hybrid.bundled_model_path())
     model, tokenizer = mlx_hybrid.load(model_path)
     drafter = make_drafter(model, tokenizer, "mtp" if model.has_mtp else None)
-    print(f"{model_path}: {model.model_type}, {model.args.num_hidden_layers} layers; speculation: "
-          f"{'MTP' if drafter else 'off'}; {args.tokens} tokens a request", flush=True)  # fmt: skip
+    print(
+        f"{model_path}: {model.model_type}, {model.args.num_hidden_layers} layers; speculation: "
+        f"{'MTP' if drafter else 'off'}; {args.tokens} tokens a request",
+        flush=True,
+    )
     engine_round(model, tokenizer, drafter, 1, 4)  # warm up
     alone = {c: engine_round(model, tokenizer, drafter, c, args.tokens) for c in counts}
     del model, drafter

@@ -38,9 +38,21 @@ from mlx.utils import tree_flatten
 
 # primitives that make a view of their input where it is contiguous: no kernel on a GPU
 VIEWS = frozenset(
-    {"Reshape", "Broadcast", "Slice", "Transpose", "AsStrided", "ExpandDims", "Squeeze", "Split", "Flatten",
-     "Unflatten", "StopGradient", "Depends"}
-)  # fmt: skip
+    {
+        "Reshape",
+        "Broadcast",
+        "Slice",
+        "Transpose",
+        "AsStrided",
+        "ExpandDims",
+        "Squeeze",
+        "Split",
+        "Flatten",
+        "Unflatten",
+        "StopGradient",
+        "Depends",
+    }
+)
 STAND_IN = "ErfInv"  # the node a kernel or fused op stands as under gpu_path_graph(): no model uses it
 _NODE = re.compile(r'(\d+) \[label ="([^"]+)", shape=rectangle\]')
 _EDGE_IN = re.compile(r'^"[^"]+" -> (\d+)$', re.M)
@@ -168,9 +180,10 @@ def main():
     p.add_argument("--rows", type=int, default=1, help="sequences decoded together (our step; default %(default)s)")
     p.add_argument("--top", type=int, default=12, help="list the most frequent primitives")
     p.add_argument(
-        "--gpu-path", action="store_true",
+        "--gpu-path",
+        action="store_true",
         help=f"count the graph the GPU path builds, here (each kernel and fused op one {STAND_IN} node)",
-    )  # fmt: skip
+    )
     args = p.parse_args()
     from unittest import mock
 

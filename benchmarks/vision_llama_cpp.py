@@ -43,8 +43,12 @@ VISION = {  # Qwen3.5-0.8B's vision_config
     "temporal_patch_size": 2, "out_hidden_size": 1024, "num_position_embeddings": 2304,
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"},
 }  # fmt: skip
-TEXT = {"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"]}  # fmt: skip
+TEXT = {
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+}
 SIZE = (1024, 768)
 
 
@@ -133,11 +137,26 @@ def run_llama_cpp(directory: Path, rounds: int, llama_bin: Path, threads: int) -
         port = s.getsockname()[1]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
     server = subprocess.Popen(
-        [str(llama_bin / "llama-server"), "-m", str(directory / "model.gguf"), "--mmproj",
-         str(directory / "mmproj-model.gguf"), "-t", str(threads), "-c", "4096", "--port", str(port),
-         "--no-warmup", "-np", "1", "-v"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            str(llama_bin / "llama-server"),
+            "-m",
+            str(directory / "model.gguf"),
+            "--mmproj",
+            str(directory / "mmproj-model.gguf"),
+            "-t",
+            str(threads),
+            "-c",
+            "4096",
+            "--port",
+            str(port),
+            "--no-warmup",
+            "-np",
+            "1",
+            "-v",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -147,12 +166,20 @@ def run_llama_cpp(directory: Path, rounds: int, llama_bin: Path, threads: int) -
             except OSError:
                 time.sleep(0.5)
         data = "data:image/jpeg;base64," + base64.b64encode(image_bytes()).decode()
-        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data}},
-                                                          {"type": "text", "text": "x"}]}],
-                "max_tokens": 1, "cache_prompt": False}  # fmt: skip
+        body = {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": data}}, {"type": "text", "text": "x"}],
+                }
+            ],
+            "max_tokens": 1,
+            "cache_prompt": False,
+        }
         for _ in range(rounds + 1):  # the first: a warm-up
-            request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})  # fmt: skip
+            request = urllib.request.Request(
+                url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
             urllib.request.urlopen(request, timeout=900).read()
     finally:
         server.terminate()
@@ -195,8 +222,9 @@ def main():
         p.error("--llama-bin is needed (the folder of llama-server)")
     ours, theirs = [], []
     for _ in range(args.rounds):  # alternating, each of ours in a process of its own
-        done = subprocess.run([sys.executable, __file__, "--child", "--dir", str(args.dir)], stdout=subprocess.PIPE,
-                              text=True, check=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", "--dir", str(args.dir)], stdout=subprocess.PIPE, text=True, check=True
+        )
         ours += json.loads(done.stdout)
         theirs += run_llama_cpp(args.dir, 1, args.llama_bin, args.threads)
     print(f"{SIZE[0]}x{SIZE[1]} image, {args.threads} threads, medians of {args.rounds}")

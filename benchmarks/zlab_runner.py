@@ -30,8 +30,9 @@ def main():
     best = None
     for _ in range(args.rounds):
         tokens, passes, first_at = [], [], None
-        for response in runner.stream_generate(model, draft, tokenizer, prompt, block_size=args.block_size,
-                                               max_tokens=args.max_tokens):  # fmt: skip
+        for response in runner.stream_generate(
+            model, draft, tokenizer, prompt, block_size=args.block_size, max_tokens=args.max_tokens
+        ):
             if first_at is None:
                 first_at = time.perf_counter()
             elif response.accepted is not None:

@@ -19,8 +19,10 @@ for response in mlx_hybrid.stream_generate(model, tokenizer, "def parse_args(", 
 print(f"\n{response.generation_tps:.1f} tokens/s, finish: {response.finish_reason}")
 if response.acceptance_rate is not None:
     by_position = ", ".join(f"{rate:.0%}" for rate in response.acceptance_by_position)
-    print(f"MTP: {response.acceptance_rate:.0%} of drafts accepted (by position in a round: {by_position}), "
-          f"{response.tokens_per_pass:.2f} tokens per trunk pass")  # fmt: skip
+    print(
+        f"MTP: {response.acceptance_rate:.0%} of drafts accepted (by position in a round: {by_position}), "
+        f"{response.tokens_per_pass:.2f} tokens per trunk pass"
+    )
 
 # draft=None: plain decoding, one trunk pass per token (the same text when greedy).
 plain = mlx_hybrid.generate(model, tokenizer, "def parse_args(", max_tokens=32, draft=None)

@@ -73,8 +73,10 @@ def main():
     print(f"first MTP draft agrees with the trunk (acceptance of draft 1): {first_draft:.3f}")
     counts = np.sort(np.bincount(tokens, minlength=model.args.vocab_size))[::-1]
     covering = int(np.searchsorted(np.cumsum(counts), 0.99 * counts.sum())) + 1
-    print(f"the {covering} most frequent tokens ({covering / model.args.vocab_size:.1%} of the vocabulary) "
-          f"cover 99% of the held-out tokens")  # fmt: skip
+    print(
+        f"the {covering} most frequent tokens ({covering / model.args.vocab_size:.1%} of the vocabulary) "
+        f"cover 99% of the held-out tokens"
+    )
 
     prompts = [ids[: args.prompt_tokens] for ids in encoded if len(ids) > args.prompt_tokens][: args.prompts]
 
@@ -109,17 +111,20 @@ def main():
     dflash_settings = {"whole blocks (p-min 0)": dict(draft_p_min=0), "default settings": {}}
     for label, extra in dflash_settings.items() if drafter is not None else ():
         for k in sorted({min(3, block - 1), min(7, block - 1), block - 1}):
-            spec_tokens, tps, per_pass, by_position = run(draft="dflash", draft_model=drafter, num_draft_tokens=k,
-                                                          **extra)  # fmt: skip
+            spec_tokens, tps, per_pass, by_position = run(
+                draft="dflash", draft_model=drafter, num_draft_tokens=k, **extra
+            )
             results.append((f"DFlash k={k}, {label}", per_pass, by_position, tps, spec_tokens == plain_tokens))
     _, plain_after, _, _ = run(draft=None)
     plain_tps = (plain_before + plain_after) / 2  # before and after: the machine's drift shows, and averages out
     print(f"plain greedy decoding: {plain_before:.1f} tokens/s before, {plain_after:.1f} after (baseline: the mean)")
     for label, per_pass, by_position, tps, same in results:
         accepted = ", ".join(f"{rate:.0%}" for rate in by_position)
-        print(f"{label}: {per_pass:.2f} tokens per trunk pass, accepted by draft position "
-              f"{accepted}, {tps:.1f} tokens/s, speedup {tps / plain_tps:.2f}x, "
-              f"same tokens as plain: {same}")  # fmt: skip
+        print(
+            f"{label}: {per_pass:.2f} tokens per trunk pass, accepted by draft position "
+            f"{accepted}, {tps:.1f} tokens/s, speedup {tps / plain_tps:.2f}x, "
+            f"same tokens as plain: {same}"
+        )
 
 
 if __name__ == "__main__":

@@ -65,20 +65,36 @@ from train_tiny import compiled_train_step, corpus_files, learning_rate, tokeniz
 MASK_TOKEN = "<|im_start|>"  # never in the training text: the bundled vocabulary has no spare id
 
 
-def drafter_args(target, tokenizer, layers: int, block: int, layer_ids: list[int] | None,
-                 dflash2: tuple[int, int, int, int] | None = None) -> DFlashArgs:  # fmt: skip
+def drafter_args(
+    target,
+    tokenizer,
+    layers: int,
+    block: int,
+    layer_ids: list[int] | None,
+    dflash2: tuple[int, int, int, int] | None = None,
+) -> DFlashArgs:
     """dflash2: (convolution kernel, channels a group, selector top-k, selector rank), or None for DFlash."""
     trunk = target.args
     layer_ids = layer_ids or target_layer_ids(len(target.layers), layers)
     kernel, group, top_k, rank = dflash2 or (0, 0, 0, 0)
     return DFlashArgs(
-        hidden_size=trunk.hidden_size, intermediate_size=trunk.intermediate_size, num_hidden_layers=layers,
-        num_attention_heads=trunk.num_attention_heads, num_key_value_heads=trunk.num_key_value_heads,
-        head_dim=trunk.head_dim, rms_norm_eps=trunk.rms_norm_eps, rope_theta=trunk.rope_theta,
-        vocab_size=trunk.vocab_size, target_layer_ids=layer_ids,
-        block_size=block, mask_token_id=tokenizer.token_to_id(MASK_TOKEN),
-        conv_kernel_size=kernel, conv_group_size=group, selector_top_k=top_k, selector_rank=rank,
-    )  # fmt: skip
+        hidden_size=trunk.hidden_size,
+        intermediate_size=trunk.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=trunk.num_attention_heads,
+        num_key_value_heads=trunk.num_key_value_heads,
+        head_dim=trunk.head_dim,
+        rms_norm_eps=trunk.rms_norm_eps,
+        rope_theta=trunk.rope_theta,
+        vocab_size=trunk.vocab_size,
+        target_layer_ids=layer_ids,
+        block_size=block,
+        mask_token_id=tokenizer.token_to_id(MASK_TOKEN),
+        conv_kernel_size=kernel,
+        conv_group_size=group,
+        selector_top_k=top_k,
+        selector_rank=rank,
+    )
 
 
 def identity_convolutions(drafter: DFlashDraftModel):
@@ -90,8 +106,10 @@ def identity_convolutions(drafter: DFlashDraftModel):
             conv = layer[name]
             base = mx.zeros_like(conv.base_kernel)
             base[:, 0] = 1.0
-            weights += [(f"layers.{i}.{name}.base_kernel", base),
-                        (f"layers.{i}.{name}.kernel_projection.weight", mx.zeros_like(conv.kernel_projection.weight))]  # fmt: skip
+            weights += [
+                (f"layers.{i}.{name}.base_kernel", base),
+                (f"layers.{i}.{name}.kernel_projection.weight", mx.zeros_like(conv.kernel_projection.weight)),
+            ]
     drafter.load_weights(weights, strict=False)
 
 
@@ -100,8 +118,11 @@ def warm_start(drafter: DFlashDraftModel, path: Path):
     the columns of the target layers both read (the others start at zero)."""
     source = load_drafter(path)
     theirs = dict(tree_flatten(source.parameters()))
-    weights = [(name, theirs[name]) for name, mine in tree_flatten(drafter.parameters())
-               if name in theirs and theirs[name].shape == mine.shape and name != "fc.weight"]  # fmt: skip
+    weights = [
+        (name, theirs[name])
+        for name, mine in tree_flatten(drafter.parameters())
+        if name in theirs and theirs[name].shape == mine.shape and name != "fc.weight"
+    ]
     E, fc = drafter.args.hidden_size, mx.zeros_like(drafter.fc.weight)
     for i, layer in enumerate(drafter.args.target_layer_ids):
         if layer in source.args.target_layer_ids:
@@ -229,9 +250,13 @@ def main():
     p.add_argument("--generate-length", type=int, default=224)
     p.add_argument("--layers", type=int, default=2, help="the drafter's decoder layers")
     p.add_argument(
-        "--target-layers", type=int, nargs="+", default=None, metavar="ID",
+        "--target-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="ID",
         help="the target layers it reads (default: z-lab's recipe for --layers layers)",
-    )  # fmt: skip
+    )
     p.add_argument("--block", type=int, default=16, help="block size: the block's first token and B - 1 drafts")
     p.add_argument("--context", type=int, default=96, help="target positions a block sees in training")
     p.add_argument("--span", type=int, default=64, help="anchors are drawn over this many positions a window")
@@ -251,10 +276,14 @@ def main():
         "weights where they fit (another drafter directory, e.g. with other target layers)",
     )
     p.add_argument(
-        "--dflash2", type=int, nargs=4, default=None, metavar=("KERNEL", "GROUP", "TOP_K", "RANK"),
+        "--dflash2",
+        type=int,
+        nargs=4,
+        default=None,
+        metavar=("KERNEL", "GROUP", "TOP_K", "RANK"),
         help="a DFlash2 drafter: its convolutions' kernel and channels a group, its selector's top-k and rank "
         "(with --init-from a DFlash drafter: its weights, the convolutions as the identity)",
-    )  # fmt: skip
+    )
     p.add_argument("--export-only", action="store_true")
     p.add_argument("--install", action="store_true", help="copy the drafter into the package beside the bundled model")
     args = p.parse_args()
@@ -283,9 +312,11 @@ def main():
         if not generated_file.exists():
             np.save(generated_file, greedy_continuations(target, tokenizer, np.load(tokens_file), args))
         streams = [np.load(generated_file), np.load(tokens_file)]
-        print(f"{sum(v.size for _, v in tree_flatten(drafter.parameters())) / 1e6:.2f} M parameters; "
-              f"{streams[0].size / 1e3:.0f} k generated and {streams[1].size / 1e6:.1f} M training tokens",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{sum(v.size for _, v in tree_flatten(drafter.parameters())) / 1e6:.2f} M parameters; "
+            f"{streams[0].size / 1e3:.0f} k generated and {streams[1].size / 1e6:.1f} M training tokens",
+            file=sys.stderr,
+        )
         train(target, drafter, streams, args, out)
     export(drafter, target, out, args.install)
 

@@ -171,13 +171,17 @@ def main():
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--resume", action="store_true")
     p.add_argument(
-        "--init-from", default=None, metavar="MODEL",
+        "--init-from",
+        default=None,
+        metavar="MODEL",
         help="start from this model's weights and tokenizer (BUNDLED: the packaged model)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--train", choices=("all", "mtp"), default="all",
+        "--train",
+        choices=("all", "mtp"),
+        default="all",
         help="what learns: the whole model, or only the MTP head (the trunk frozen)",
-    )  # fmt: skip
+    )
     p.add_argument("--export-only", action="store_true")
     p.add_argument("--install", action="store_true", help="copy the GGUF into the package as the default model")
     args = p.parse_args()

@@ -111,8 +111,16 @@ def source(request):
     return request.param
 
 
-def reference_processing(logits, prompt, output, logit_bias=None, presence_penalty=0.0, frequency_penalty=0.0,
-                         repetition_penalty=1.0, repetition_context_size=20):  # fmt: skip
+def reference_processing(
+    logits,
+    prompt,
+    output,
+    logit_bias=None,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    repetition_penalty=1.0,
+    repetition_context_size=20,
+):
     """The logit processors' formulas (llama.cpp's repetition penalty, OpenAI's bias and
     presence / frequency penalties), written the slow obvious way in numpy float32, one token at a time."""
     x = np.array(logits, dtype=np.float32)

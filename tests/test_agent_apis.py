@@ -71,9 +71,14 @@ def blocks_of(claude, stream: bool, **request) -> tuple[list[dict], str, dict]:
 def test_messages_tool_round_trip_equals_chat_completions(claude, oai, conversations, stream, assistant):
     tools, expected = conversations["tools"], conversations["expected"]
     system, question = (m["content"] for m in conversations["turn_1"]["messages"])
-    request = dict(model="assistant", max_tokens=200, system=[{"type": "text", "text": system,
-                   "cache_control": {"type": "ephemeral"}}], tools=anthropic_tools(tools),
-                   messages=[{"role": "user", "content": question}], extra_body={"temperature": 0})  # fmt: skip
+    request = dict(
+        model="assistant",
+        max_tokens=200,
+        system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        tools=anthropic_tools(tools),
+        messages=[{"role": "user", "content": question}],
+        extra_body={"temperature": 0},
+    )
     blocks, stop, usage = blocks_of(claude, stream, **request)
     assert [b["type"] for b in blocks] == ["thinking", "tool_use"] and stop == "tool_use"
     assert blocks[0]["thinking"] == expected["turn_1"]["reasoning"]
@@ -123,8 +128,16 @@ def test_tool_choice_any_and_named_give_valid_calls(claude, conversations, strea
     schemas = {t["name"]: t["input_schema"] for t in tools}
     prose = [{"role": "user", "content": "Thanks! Tell me a story."}]
     for choice, names in (({"type": "any"}, set(schemas)), ({"type": "tool", "name": "set_units"}, {"set_units"})):
-        blocks, stop, _ = blocks_of(claude, stream, model="assistant", max_tokens=200, tools=tools, messages=prose,
-                                    tool_choice=choice, extra_body={"temperature": 0})  # fmt: skip
+        blocks, stop, _ = blocks_of(
+            claude,
+            stream,
+            model="assistant",
+            max_tokens=200,
+            tools=tools,
+            messages=prose,
+            tool_choice=choice,
+            extra_body={"temperature": 0},
+        )
         calls = [b for b in blocks if b["type"] == "tool_use"]
         assert stop == "tool_use" and calls
         for call in calls:
@@ -150,15 +163,21 @@ def test_a_request_that_offers_no_tools_gets_no_tool_call(claude, oai, conversat
         reply = oai.chat.completions.create(**chat, **offered).choices[0]
         assert (reply.message.tool_calls is None) == (choice == "none")
 
-    messages_request = dict(model="assistant", max_tokens=200, system=system, extra_body={"temperature": 0},
-                            messages=[{"role": "user", "content": question}])  # fmt: skip
+    messages_request = dict(
+        model="assistant",
+        max_tokens=200,
+        system=system,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": question}],
+    )
     blocks, stop, _ = blocks_of(claude, stream, **messages_request)
     assert [b["type"] for b in blocks] == ["thinking"] and stop == "end_turn" and markup in blocks[0]["thinking"]
     blocks, stop, _ = blocks_of(claude, stream, **messages_request, tools=anthropic_tools(tools))
     assert [b["type"] for b in blocks] == ["thinking", "tool_use"] and stop == "tool_use"
 
-    responses_request = dict(model="assistant", instructions=system, input=question, temperature=0,
-                             max_output_tokens=200)  # fmt: skip
+    responses_request = dict(
+        model="assistant", instructions=system, input=question, temperature=0, max_output_tokens=200
+    )
     response = responses_create(oai, stream, **responses_request)
     assert [item.type for item in response.output] == ["reasoning"] and markup in response.output[0].content[0].text
     functions = [{"type": "function", **t["function"]} for t in tools]
@@ -168,8 +187,13 @@ def test_a_request_that_offers_no_tools_gets_no_tool_call(claude, oai, conversat
 
 def test_thinking_disabled_and_a_budget_that_ends_it(claude, conversations, assistant):
     system, question = (m["content"] for m in conversations["turn_1"]["messages"])
-    request = dict(model="assistant", max_tokens=40, system=system, messages=[{"role": "user", "content": question}],
-                   extra_body={"temperature": 0})  # fmt: skip
+    request = dict(
+        model="assistant",
+        max_tokens=40,
+        system=system,
+        messages=[{"role": "user", "content": question}],
+        extra_body={"temperature": 0},
+    )
     off = claude.messages.create(**request, thinking={"type": "disabled"})
     assert all(b.type != "thinking" for b in off.content)
     _, tokenizer = mlx_hybrid.load(ASSISTANT)
@@ -192,11 +216,21 @@ def test_thinking_disabled_and_a_budget_that_ends_it(claude, conversations, assi
 
 def test_stop_sequences_count_tokens_and_the_same_tokens_as_chat(claude, oai, conversations):
     messages = conversations["turn_1"]["messages"]
-    request = dict(model="assistant", max_tokens=30, system=messages[0]["content"],
-                   messages=[{"role": "user", "content": messages[1]["content"]}], extra_body={"temperature": 0})  # fmt: skip
+    request = dict(
+        model="assistant",
+        max_tokens=30,
+        system=messages[0]["content"],
+        messages=[{"role": "user", "content": messages[1]["content"]}],
+        extra_body={"temperature": 0},
+    )
     plain = claude.messages.create(**request, thinking={"type": "disabled"})
-    chat = oai.chat.completions.create(model="assistant", messages=messages, max_tokens=30, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    chat = oai.chat.completions.create(
+        model="assistant",
+        messages=messages,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     text = plain.content[0].text
     assert text == chat.choices[0].message.content and plain.usage.output_tokens == chat.usage.completion_tokens
     stop = text[len(text) // 2 : len(text) // 2 + 3]
@@ -204,8 +238,9 @@ def test_stop_sequences_count_tokens_and_the_same_tokens_as_chat(claude, oai, co
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.index(stop)]
 
-    counted = claude.messages.count_tokens(model="assistant", system=messages[0]["content"],
-                                           messages=[{"role": "user", "content": messages[1]["content"]}])  # fmt: skip
+    counted = claude.messages.count_tokens(
+        model="assistant", system=messages[0]["content"], messages=[{"role": "user", "content": messages[1]["content"]}]
+    )
     _, tokenizer = mlx_hybrid.load(ASSISTANT)
     assert counted.input_tokens == len(chat_prompt(tokenizer, messages).ids)
 
@@ -260,13 +295,21 @@ def test_a_cache_control_mark_inside_a_message_is_resumed_from_by_another_questi
         content = [{"type": "text", "text": document, **mark}, {"type": "text", "text": question}]
         if route == "messages":
             client = anthropic.Anthropic(base_url=server_url, api_key=API_KEY, max_retries=0, timeout=120)
-            reply = client.messages.create(model="assistant", max_tokens=8, system=system,
-                                           extra_body={"temperature": 0},
-                                           messages=[{"role": "user", "content": content}])  # fmt: skip
+            reply = client.messages.create(
+                model="assistant",
+                max_tokens=8,
+                system=system,
+                extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": content}],
+            )
             return reply.content, reply.usage.cache_read_input_tokens
         client = openai.OpenAI(base_url=server_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model="assistant", max_tokens=8, temperature=0, messages=[
-            {"role": "system", "content": system}, {"role": "user", "content": content}])  # fmt: skip
+        reply = client.chat.completions.create(
+            model="assistant",
+            max_tokens=8,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": content}],
+        )
         return reply.choices[0].message, reply.usage.prompt_tokens_details.cached_tokens
 
     tokenizer = Tokenizer.from_hf_dir(ASSISTANT, {})
@@ -278,8 +321,9 @@ def test_a_cache_control_mark_inside_a_message_is_resumed_from_by_another_questi
     (_, first_cached), (second, second_cached) = (ask(assistant.url, q) for q in questions)
     assert first_cached < shared - 300  # at most the system prompt
     assert shared - 2 <= second_cached <= shared
-    fresh = Server("--model", str(ASSISTANT), "--served-model-name", "assistant", "--api-key", API_KEY,
-                   "--prefix-cache-bytes", "0")  # fmt: skip
+    fresh = Server(
+        "--model", str(ASSISTANT), "--served-model-name", "assistant", "--api-key", API_KEY, "--prefix-cache-bytes", "0"
+    )
     try:
         reference, cached = ask(fresh.url, questions[1])
         assert cached == 0 and reference == second
@@ -319,15 +363,21 @@ def test_responses_function_call_round_trip_equals_chat_completions(oai, convers
     assert call.name == "get_weather" and json.loads(call.arguments) == expected["turn_1"]["tool_call"]["arguments"]
 
     result = conversations["turn_2"]["messages"][-1]["content"]
-    items = [{"role": "user", "content": question}, *[item.model_dump(exclude_none=True) for item in response.output],
-             {"type": "function_call_output", "call_id": call.call_id, "output": result}]  # fmt: skip
+    items = [
+        {"role": "user", "content": question},
+        *[item.model_dump(exclude_none=True) for item in response.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": result},
+    ]
     response = responses_create(oai, stream, input=items, **request)
     assert response.output_text == expected["turn_2"]["content"]
     assert response.usage.input_tokens_details.cached_tokens > 0
     chat = oai.chat.completions.create(
-        model="assistant", messages=conversations["turn_2"]["messages"], tools=conversations["tools"], temperature=0,
+        model="assistant",
+        messages=conversations["turn_2"]["messages"],
+        tools=conversations["tools"],
+        temperature=0,
         max_tokens=200,
-    )  # fmt: skip
+    )
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.output_tokens == chat.usage.completion_tokens
 
@@ -346,12 +396,20 @@ def responses_create(oai, stream: bool, **request):
 
 
 def test_responses_text_format_json_schema_and_refusals(oai, assistant):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     response = oai.responses.create(
-        model="assistant", input="Where?", max_output_tokens=60, temperature=0, reasoning={"effort": "none"},
+        model="assistant",
+        input="Where?",
+        max_output_tokens=60,
+        temperature=0,
+        reasoning={"effort": "none"},
         text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}},
-    )  # fmt: skip
+    )
     import jsonschema
 
     jsonschema.validate(json.loads(response.output_text), schema)
@@ -377,13 +435,35 @@ def test_an_image_block_gives_what_the_image_url_part_gives():
     try:
         data = base64.b64encode((FIXTURES / "qwen35vl" / "image_a.png").read_bytes()).decode()
         claude = anthropic.Anthropic(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
-        reply = claude.messages.create(model="vl", max_tokens=8, extra_body={"temperature": 0}, messages=[{
-            "role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-            "data": data}}, {"type": "text", "text": "What is this?"}]}])  # fmt: skip
+        reply = claude.messages.create(
+            model="vl",
+            max_tokens=8,
+            extra_body={"temperature": 0},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                        {"type": "text", "text": "What is this?"},
+                    ],
+                }
+            ],
+        )
         oai = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        chat = oai.chat.completions.create(model="vl", max_tokens=8, temperature=0, messages=[{
-            "role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
-            {"type": "text", "text": "What is this?"}]}])  # fmt: skip
+        chat = oai.chat.completions.create(
+            model="vl",
+            max_tokens=8,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                        {"type": "text", "text": "What is this?"},
+                    ],
+                }
+            ],
+        )
         assert reply.usage.output_tokens == chat.usage.completion_tokens == 8
         text = "".join(b.text for b in reply.content if b.type == "text")
         assert text == (chat.choices[0].message.content or "")

@@ -15,9 +15,15 @@ def greedy_text(family, source, prompt, n):
 
 def test_cli_generates_the_api_text():
     result = run_cli(
-        "--model", str(FIXTURES / "qwen35" / "model.gguf"), "--prompt", "def parse_args(", "--max-tokens", "12",
-        "--dtype", "float32",  # greedy_text's dtype (a GPU's default is bfloat16)
-    )  # fmt: skip
+        "--model",
+        str(FIXTURES / "qwen35" / "model.gguf"),
+        "--prompt",
+        "def parse_args(",
+        "--max-tokens",
+        "12",
+        "--dtype",
+        "float32",  # greedy_text's dtype (a GPU's default is bfloat16)
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == greedy_text("qwen35", "model.gguf", "def parse_args(", 12).rstrip("\n")
     assert "generation: 12 tokens" in result.stderr and "peak memory" in result.stderr
@@ -39,8 +45,9 @@ def test_cli_takes_llama_cpps_8_bit_activations():
     path = FIXTURES / "qwen35" / "model-Q8_0.gguf"
     texts = {}
     for activations in ("int8", "float32"):
-        result = run_cli("--model", str(path), "--cpu-activations", activations, "--prompt", "class A:",
-                         "--max-tokens", "8")  # fmt: skip
+        result = run_cli(
+            "--model", str(path), "--cpu-activations", activations, "--prompt", "class A:", "--max-tokens", "8"
+        )
         assert result.returncode == 0, result.stderr
         model, tok = mlx_hybrid.load(path, cpu_activations=activations)
         texts[activations] = mlx_hybrid.generate(model, tok, "class A:", max_tokens=8).rstrip("\n")
@@ -95,9 +102,19 @@ def test_cli_takes_a_gguf_files_own_dflash_drafter_beside_it(tmp_path):
 
 def test_cli_chat_template_and_verbose():
     result = run_cli(
-        "--model", str(FIXTURES / "qwen3next" / "model.gguf"), "--prompt", "hi", "--chat", "--system", "be brief",
-        "--max-tokens", "4", "--verbose", "--dtype", "float32",
-    )  # fmt: skip
+        "--model",
+        str(FIXTURES / "qwen3next" / "model.gguf"),
+        "--prompt",
+        "hi",
+        "--chat",
+        "--system",
+        "be brief",
+        "--max-tokens",
+        "4",
+        "--verbose",
+        "--dtype",
+        "float32",
+    )
     assert result.returncode == 0, result.stderr
     model, tok = load_fixture("qwen3next", "model.gguf")
     prompt = tok.apply_chat_template(
@@ -115,9 +132,18 @@ def test_cli_help_explains_the_options():
     result = run_cli("--help")
     assert result.returncode == 0
     for option in (
-        "--model", "--prompt", "--draft", "--no-mtp", "--draft-model", "--num-draft-tokens", "--draft-vocab",
-        "--draft-p-min", "--chat", "--temp", "--mtp-from",
-    ):  # fmt: skip
+        "--model",
+        "--prompt",
+        "--draft",
+        "--no-mtp",
+        "--draft-model",
+        "--num-draft-tokens",
+        "--draft-vocab",
+        "--draft-p-min",
+        "--chat",
+        "--temp",
+        "--mtp-from",
+    ):
         assert option in result.stdout
     assert "Kimi Linear" in result.stdout
 
@@ -175,8 +201,12 @@ def test_cli_constrains_with_a_schema_a_gbnf_grammar_or_a_regex_and_penalizes(tm
     import jsonschema
 
     model = str(FIXTURES / "qwen35" / "model.gguf")
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     (tmp_path / "answer.gbnf").write_text('root ::= "yes" | "no" | "(" [a-c]+ ")"')
     for flags, holds in [
@@ -190,8 +220,16 @@ def test_cli_constrains_with_a_schema_a_gbnf_grammar_or_a_regex_and_penalizes(tm
     settings = ["--presence-penalty", "1.5", "--frequency-penalty", "2", "--repetition-penalty", "2"]
     result = run_cli("--model", model, "--prompt", "def parse_args(", "--max-tokens", "24", *settings)
     model_, tok = load_fixture("qwen35", "model.gguf")
-    want = mlx_hybrid.generate(model_, tok, "def parse_args(", max_tokens=24, draft=None, presence_penalty=1.5,
-                               frequency_penalty=2.0, repetition_penalty=2.0)  # fmt: skip
+    want = mlx_hybrid.generate(
+        model_,
+        tok,
+        "def parse_args(",
+        max_tokens=24,
+        draft=None,
+        presence_penalty=1.5,
+        frequency_penalty=2.0,
+        repetition_penalty=2.0,
+    )
     assert result.stdout.rstrip("\n") == want.rstrip("\n") != greedy_text("qwen35", "model.gguf", "def parse_args(", 24)
 
 

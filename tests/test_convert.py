@@ -84,8 +84,11 @@ def test_conversions_are_in_the_peers_layout(family, peer, tmp_path):
     out = convert(FIXTURES / family / "hf", tmp_path / "q", bits=4, group_size=32, mode=mode)
     ours = mx.load(str(out / "model.safetensors"))
     theirs = mx.load(str(FIXTURES / family / peer / "model.safetensors"))
-    differ = {name for name in ours.keys() | theirs.keys() if name not in ours or name not in theirs or
-              ours[name].shape != theirs[name].shape}  # fmt: skip
+    differ = {
+        name
+        for name in ours.keys() | theirs.keys()
+        if name not in ours or name not in theirs or ours[name].shape != theirs[name].shape
+    }
     assert all(any(part in name for part in MLX_LM_ONLY_QUANTIZED) for name in differ), sorted(differ)
     for name in ours.keys() & theirs.keys() - differ:  # the same quantization of the same weights: the same bits
         if name.endswith("A_log"):  # held as A = -exp(A_log), as GGUF files hold it: back within an ulp or two
@@ -188,10 +191,23 @@ def test_a_quantized_gguf_converts_from_its_exactly_dequantized_weights(tmp_path
 
 def test_convert_command(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_hybrid.convert", "--hf-path", str(FIXTURES / "qwen35" / "hf"),
-         "--mlx-path", str(tmp_path / "q"), "--q-bits", "8", "--q-group-size", "32"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlx_hybrid.convert",
+            "--hf-path",
+            str(FIXTURES / "qwen35" / "hf"),
+            "--mlx-path",
+            str(tmp_path / "q"),
+            "--q-bits",
+            "8",
+            "--q-group-size",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "8-bit, groups of 32" in result.stderr and "model.safetensors" in result.stderr  # what it wrote
     model, tok = mlx_hybrid.load(tmp_path / "q")
@@ -202,8 +218,17 @@ def test_convert_command_in_mxfp4(tmp_path):
     """--q-mode mxfp4 as mlx-lm's: 4 bits in groups of 32 unless told otherwise, and a conflicting
     group size refused by name (exit 2, nothing written); the result decodes, greedy, what the same
     checkpoint converted by mlx-lm in mxfp4 decodes."""
-    command = [sys.executable, "-m", "mlx_hybrid.convert", "--hf-path", str(FIXTURES / "qwen35" / "hf"),
-               "--mlx-path", str(tmp_path / "q"), "--q-mode", "mxfp4"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mlx_hybrid.convert",
+        "--hf-path",
+        str(FIXTURES / "qwen35" / "hf"),
+        "--mlx-path",
+        str(tmp_path / "q"),
+        "--q-mode",
+        "mxfp4",
+    ]
     refused = subprocess.run([*command, "--q-group-size", "64"], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--q-mode mxfp4 takes 4 bits in groups of 32" in refused.stderr
     assert not (tmp_path / "q").exists()
@@ -220,10 +245,19 @@ def test_convert_never_writes_over_an_existing_path(tmp_path):
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "notes.txt").write_text("mine")
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_hybrid.convert", "--hf-path", str(FIXTURES / "qwen35" / "hf"),
-         "--mlx-path", str(tmp_path / "q")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlx_hybrid.convert",
+            "--hf-path",
+            str(FIXTURES / "qwen35" / "hf"),
+            "--mlx-path",
+            str(tmp_path / "q"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "already exists" in result.stderr and "Traceback" not in result.stderr
     assert [f.name for f in (tmp_path / "q").iterdir()] == ["notes.txt"]
 
@@ -233,10 +267,25 @@ def test_checkpoints_converted_by_mlx_lm_load_identically(family, tmp_path):
     """The leading MLX runner's own conversion: our forward agrees with its forward."""
     mlx_lm = pytest.importorskip("mlx_lm")
     subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(FIXTURES / family / "hf"),
-         "--mlx-path", str(tmp_path / "q"), "-q", "--q-bits", "4", "--q-group-size", "32"],
-        capture_output=True, check=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "convert",
+            "--hf-path",
+            str(FIXTURES / family / "hf"),
+            "--mlx-path",
+            str(tmp_path / "q"),
+            "-q",
+            "--q-bits",
+            "4",
+            "--q-group-size",
+            "32",
+        ],
+        capture_output=True,
+        check=True,
+        timeout=300,
+    )
     ours, _ = mlx_hybrid.load(tmp_path / "q")
     theirs, _ = mlx_lm.load(str(tmp_path / "q"))
     ids = mx.array(reference(family)["input_ids"])
@@ -267,8 +316,9 @@ def test_mlx_lm_conversions_decode_as_mlx_lm_does(family, layout):
         assert tokens == reference(family)["greedy_ids"][0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("family,peer", [("qwen35moe", "mlx-lm-4bit"), ("qwen35", "mlx-lm-mxfp4"),
-                                         ("qwen35moe", "mlx-lm-mxfp4")])  # fmt: skip
+@pytest.mark.parametrize(
+    "family,peer", [("qwen35moe", "mlx-lm-4bit"), ("qwen35", "mlx-lm-mxfp4"), ("qwen35moe", "mlx-lm-mxfp4")]
+)
 def test_a_head_taken_for_a_conversion_is_quantized_as_convert_quantizes_it(family, peer, tmp_path):
     """mlx-lm's conversions drop the MTP head; taken from the checkpoint they were made from
     (`load(mtp=)`), it is quantized as the trunk is, module by module (experts in 4 bits or mxfp4,
@@ -310,8 +360,10 @@ def test_help_example_converts_the_bundled_model(tmp_path):
     assert "mlx_hybrid.convert --mlx-path ./tiny-q4" in help_text
     done = subprocess.run(
         [sys.executable, "-m", "mlx_hybrid.convert", "--mlx-path", str(tmp_path / "tiny-q4")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     model, tok = mlx_hybrid.load(tmp_path / "tiny-q4")
     bundled_tok = mlx_hybrid.load(mlx_hybrid.bundled_model_path())[1]

@@ -66,8 +66,9 @@ def test_kernel_equals_the_float64_attention(shape, causal):
     B, H, Hkv, T, S, Dk, Dv = shape
     q, k, v = attention_inputs(*shape, seed=sum(shape))
     scale = Dk**-0.5
-    got = cpu_extension.extension().attention(mx.array(q), cached(mx.array(k), S + 9), cached(mx.array(v), S + 9),
-                                              scale, causal)  # fmt: skip
+    got = cpu_extension.extension().attention(
+        mx.array(q), cached(mx.array(k), S + 9), cached(mx.array(v), S + 9), scale, causal
+    )
     np.testing.assert_allclose(np.array(got), numpy_attention(q, k, v, scale, causal), atol=ATTENTION_TOL, rtol=0)
 
 
@@ -79,8 +80,9 @@ def test_a_verify_pass_reproduces_the_decode_steps(T):
     whole = module.attention(q, cached(k, 64), cached(v, 64), 0.0625, True)
     for t in range(T):
         seen = 40 - T + t + 1
-        step = module.attention(q[:, :, t : t + 1], cached(k[:, :, :seen], 64), cached(v[:, :, :seen], 64), 0.0625,
-                                False)  # fmt: skip
+        step = module.attention(
+            q[:, :, t : t + 1], cached(k[:, :, :seen], 64), cached(v[:, :, :seen], 64), 0.0625, False
+        )
         assert mx.array_equal(step, whole[:, :, t : t + 1])
 
 
@@ -296,8 +298,9 @@ def test_the_gpu_paths_mask_gives_each_row_its_own_keys(kv_bits):
     the float32 attention's tolerance (MLX's op sums the masked row in another order)."""
     lengths, rng = (5, 12), np.random.default_rng(3)
     q = mx.array(rng.standard_normal((2, 4, 3, 64)).astype(np.float32))
-    keys, values = (batch_of_rows([rng.standard_normal((1, 2, n, 64)).astype(np.float32) for n in lengths], 16)
-                    for _ in range(2))  # fmt: skip
+    keys, values = (
+        batch_of_rows([rng.standard_normal((1, 2, n, 64)).astype(np.float32) for n in lengths], 16) for _ in range(2)
+    )
     if kv_bits:
         keys, values = (ops.quantize_entries(x, kv_bits, 32) for x in (keys, values))
     mask = ops.attention._rows_mask(lengths, 3, 16, True)

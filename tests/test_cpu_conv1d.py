@@ -81,9 +81,11 @@ def test_the_op_runs_the_kernel_on_the_cpu():
     assert all(mx.array_equal(a, b) for a, b in zip(got.snapshots, want[2]))
     # no carried tail: zeros, as the reference
     np.testing.assert_allclose(
-        np.array(ops.conv1d_update(x, weight).out), numpy_conv_silu(*(np.array(a) for a in (x, weight, 0 * tail)))[0],
-        atol=OP_TOL, rtol=0,
-    )  # fmt: skip
+        np.array(ops.conv1d_update(x, weight).out),
+        numpy_conv_silu(*(np.array(a) for a in (x, weight, 0 * tail)))[0],
+        atol=OP_TOL,
+        rtol=0,
+    )
 
 
 def test_shapes_that_do_not_fit_are_refused():

@@ -19,10 +19,12 @@ pytestmark = cpu_kernel_tests()
 # norms (Dk 20) and the rule's columns (Dv 44, 5); g per head or per key channel; both gates
 SHAPES = list(
     itertools.product(
-        [(1, 1), (2, 5), (1, 70)], [(1, 1, 16, 16), (2, 3, 128, 128), (2, 2, 20, 44), (1, 2, 8, 5)],
-        [False, True], ["silu", "sigmoid"],
+        [(1, 1), (2, 5), (1, 70)],
+        [(1, 1, 16, 16), (2, 3, 128, 128), (2, 2, 20, 44), (1, 2, 8, 5)],
+        [False, True],
+        ["silu", "sigmoid"],
     )
-)  # fmt: skip
+)
 
 # The layer in float32 against float64: its output is an RMS-normalised row (values ~1) times
 # the activated gate (up to ~3 for inputs of scale 1), so the conv's and the rule's float32
@@ -105,8 +107,9 @@ def test_the_op_runs_the_kernel_on_the_cpu():
     inputs = layer_inputs(1, 4, heads, 4, True, seed=3)
     got = run(inputs, heads, "sigmoid", True, layer=ops.linear_attention)
     want = run(inputs, heads, "sigmoid", True)
-    for a, b in zip([got.out, got.tail, got.state, *got.state_snapshots], [want.out, want.tail, want.state,
-                                                                          *want.state_snapshots]):  # fmt: skip
+    for a, b in zip(
+        [got.out, got.tail, got.state, *got.state_snapshots], [want.out, want.tail, want.state, *want.state_snapshots]
+    ):
         assert mx.array_equal(a, b)
 
 

@@ -61,8 +61,9 @@ def test_block_form_products_match_float64(type_name):
         if rows <= 16:  # the row-invariant path (a verify pass); more rows take the BLAS's order
             np.testing.assert_array_equal(np.array(got[:1]), np.array(alone))
     indices = mx.array([[1, 0], [0, 1], [1, 1]], dtype=mx.uint32)
-    got = ops.gather_quantized_matmul(x[:3, None, None], q.weight, q.scales, q.biases, indices,
-                                      group_size=group_size, bits=bits, block=block)  # fmt: skip
+    got = ops.gather_quantized_matmul(
+        x[:3, None, None], q.weight, q.scales, q.biases, indices, group_size=group_size, bits=bits, block=block
+    )
     want = np.einsum("tk,tenk->ten", np.array(x[:3], np.float64), dense[np.array(indices)])
     assert_close_to_floor(got[:, :, 0], want)
 
@@ -88,8 +89,9 @@ def test_grid_type_products_match_float64(type_name):
     got = cpu_quantized.quantized_matmul(x[:3], stepped, q.scales[0, ::2], q.biases[0, ::2], 256, 8, grid)
     assert_close_to_floor(got, np.array(x[:3], np.float64) @ dense[0, ::2].T)
     indices = mx.array([[1, 0], [0, 1], [1, 1]], dtype=mx.uint32)
-    got = ops.gather_quantized_matmul(x[:3, None, None], q.weight, q.scales, q.biases, indices,
-                                      group_size=256, bits=8, block=grid)  # fmt: skip
+    got = ops.gather_quantized_matmul(
+        x[:3, None, None], q.weight, q.scales, q.biases, indices, group_size=256, bits=8, block=grid
+    )
     want = np.einsum("tk,tenk->ten", np.array(x[:3], np.float64), dense[np.array(indices)])
     assert_close_to_floor(got[:, :, 0], want)
 
@@ -119,11 +121,15 @@ def test_every_instruction_set_gives_the_same_bits(type_name):
     w, scales, biases = quantized((37, 512), bits, 32)
     x = mx.random.normal((9, 512), key=mx.random.key(5))
     assert_every_instruction_set_agrees(
-        lambda: [cpu_quantized.quantized_matmul(x[:rows], *parts, layout)
-                 for rows in (1, 3, 8, 9)  # the small-row kernel and the tiled one
-                 for *parts, layout in ((q.weight, q.scales, q.biases, group_size, bits, block),
-                                        (w, scales, biases, 32, bits, None))]
-    )  # fmt: skip
+        lambda: [
+            cpu_quantized.quantized_matmul(x[:rows], *parts, layout)
+            for rows in (1, 3, 8, 9)  # the small-row kernel and the tiled one
+            for *parts, layout in (
+                (q.weight, q.scales, q.biases, group_size, bits, block),
+                (w, scales, biases, 32, bits, None),
+            )
+        ]
+    )
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 20])

@@ -86,11 +86,23 @@ def test_a_drafter_config_it_cannot_compute_is_refused_by_name(tmp_path):
         ({"layer_types": ["chunked_attention", "full_attention"]}, "not one of full_attention or sliding_attention"),
         ({"layer_types": ["full_attention"]}, "for each of its 2 layers"),
         ({"dflash_config": {"block_size": 8}}, "lacks target_layer_ids, mask_token_id"),
-        ({"architectures": ["DFlash2DraftModel"], "dflash_config": {
-            "block_size": 8, "target_layer_ids": [0], "mask_token_id": 1, "conv_kernel_size": 2,
-            "conv_group_size": 24, "selector_rank": 4, "selector_top_k": 4}}, "conv_group_size 24 does not divide"),
+        (
+            {
+                "architectures": ["DFlash2DraftModel"],
+                "dflash_config": {
+                    "block_size": 8,
+                    "target_layer_ids": [0],
+                    "mask_token_id": 1,
+                    "conv_kernel_size": 2,
+                    "conv_group_size": 24,
+                    "selector_rank": 4,
+                    "selector_top_k": 4,
+                },
+            },
+            "conv_group_size 24 does not divide",
+        ),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope scaling 'yarn'"),
-    ]:  # fmt: skip
+    ]:
         shutil.copytree(source, tmp_path / "d", dirs_exist_ok=True)
         config = json.loads((source / "config.json").read_text()) | change
         (tmp_path / "d" / "config.json").write_text(json.dumps(config))
@@ -112,8 +124,15 @@ def test_greedy_dflash_speculation_gives_plain_decoding_in_a_batch(drafter_dir):
     target, tokenizer = load_fixture(family, "hf")
     model = load_drafter(drafter_dir)
     drafter = make_drafter(target, tokenizer, "dflash", model)
-    engine = Engine(target, tokenizer, drafter, model.args.block_size - 1, adaptive=False,
-                    prefix_store=PrefixStore(0), prefill_chunk=16)  # fmt: skip
+    engine = Engine(
+        target,
+        tokenizer,
+        drafter,
+        model.args.block_size - 1,
+        adaptive=False,
+        prefix_store=PrefixStore(0),
+        prefill_chunk=16,
+    )
     prompts = [[5, 9, 14] * 7, [300, 2, 77], list(range(40, 80))]
     sequences = [engine.submit(prompt, max_tokens=20, stop_tokens=[]) for prompt in prompts]
     engine.run()
@@ -133,18 +152,32 @@ def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_c
     target, tokenizer = load_fixture("qwen35", "model.gguf")
     drafter = load_draft_model(FIXTURES / "dflash" / drafter_name)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    for settings in [{}, {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
-                     {"kv_bits": 8, "kv_group_size": 32}]:  # fmt: skip
+    for settings in [
+        {},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+        {"kv_bits": 8, "kv_group_size": 32},
+    ]:
         plain = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft=None, **settings)
-        spec = list(mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft="dflash",
-                                               draft_model=drafter, draft_p_min=0, **settings))  # fmt: skip
+        spec = list(
+            mlx_hybrid.stream_generate(
+                target,
+                tokenizer,
+                "def f(",
+                max_tokens=24,
+                draft="dflash",
+                draft_model=drafter,
+                draft_p_min=0,
+                **settings,
+            )
+        )
         assert [r.token for r in spec] == [r.token for r in plain], settings
     engine = Engine.speculating(target, tokenizer, mlx_hybrid.drafting.SpeculationSettings("dflash", drafter))
     assert engine.num_draft_tokens == drafter.args.block_size - 1
     # over a reduced vocabulary (the target's head's first rows by the tokenizer's ranking): still plain decoding
     plain = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft=None)
-    reduced = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft="dflash",
-                                         draft_model=drafter, draft_vocab=64, draft_p_min=0)  # fmt: skip
+    reduced = mlx_hybrid.stream_generate(
+        target, tokenizer, "def f(", max_tokens=24, draft="dflash", draft_model=drafter, draft_vocab=64, draft_p_min=0
+    )
     assert [r.token for r in reduced] == [r.token for r in plain]
 
 
@@ -278,8 +311,9 @@ def test_draft_model_takes_a_path_a_hub_name_or_refuses_by_name(tmp_path, offlin
     plain = [r.token for r in mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=16, draft=None)]
     add_to_cache(offline_hub, "test-org/Tiny-DFlash2", {f.name: f for f in drafter_dir.iterdir()})
     for draft_model in [str(drafter_dir), drafter_dir, FIXTURES / "qwen35" / "model.gguf", "test-org/Tiny-DFlash2"]:
-        spec = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=16, draft_model=draft_model,
-                                          draft_p_min=0)  # fmt: skip
+        spec = mlx_hybrid.stream_generate(
+            target, tokenizer, "def f(", max_tokens=16, draft_model=draft_model, draft_p_min=0
+        )
         assert [r.token for r in spec] == plain, draft_model
     with pytest.raises(GenerationError, match="draft_model= takes a loaded model .*; not a int"):
         mlx_hybrid.generate(target, tokenizer, "def f(", max_tokens=4, draft_model=42)
@@ -296,8 +330,10 @@ def test_a_sliding_dflash2_drafter_resumes_from_a_prefix_checkpoint():
     drafter = make_drafter(target, tokenizer, "dflash", model, draft_p_min=0)
     engine = Engine(target, tokenizer, drafter, 15, adaptive=False, prefix_store=PrefixStore(1 << 30))
     prompt = list(range(40, 70))
-    plain = [r.token for r in mlx_hybrid.stream_generate(target, tokenizer, prompt, max_tokens=20, draft=None,
-                                                         stop_tokens=[])]  # fmt: skip
+    plain = [
+        r.token
+        for r in mlx_hybrid.stream_generate(target, tokenizer, prompt, max_tokens=20, draft=None, stop_tokens=[])
+    ]
     first = engine.submit(prompt, max_tokens=20, stop_tokens=[], checkpoint_at=[len(prompt)])
     engine.run()
     again = engine.submit(prompt + [5], max_tokens=20, stop_tokens=[])

@@ -203,8 +203,17 @@ def test_bad_command_lines_are_one_line_usage_errors(args, fragment):
 
 def test_output_into_a_reader_that_leaves_early_ends_quietly():
     """`mlx_hybrid.generate ... | head -c 5`: the closed pipe ends the command, no traceback."""
-    command = [sys.executable, "-m", "mlx_hybrid.generate", "--model", str(QWEN35 / "model.gguf"),
-               "--prompt", "def f(", "--max-tokens", "200"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mlx_hybrid.generate",
+        "--model",
+        str(QWEN35 / "model.gguf"),
+        "--prompt",
+        "def f(",
+        "--max-tokens",
+        "200",
+    ]
     generator = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     head = generator.stdout.read(5)
     generator.stdout.close()  # the reader leaves
@@ -219,8 +228,7 @@ def test_cli_says_when_the_context_ends_generation():
     prompt = "x" * 4000  # tokens short of the 4096-token context
     room = context - len(tokenizer.encode(prompt))
     assert 0 < room < 200
-    result = run_cli("--model", str(QWEN35 / "model.gguf"), "--prompt", prompt, "--max-tokens", "100000000",
-                     "--no-mtp")  # fmt: skip
+    result = run_cli("--model", str(QWEN35 / "model.gguf"), "--prompt", prompt, "--max-tokens", "100000000", "--no-mtp")
     assert result.returncode == 0, result.stderr
     assert f"stopped at the model's context of {context} tokens" in result.stderr
 
@@ -228,8 +236,17 @@ def test_cli_says_when_the_context_ends_generation():
 def test_ctrl_c_stops_generation_with_its_statistics():
     import signal
 
-    command = [sys.executable, "-m", "mlx_hybrid.generate", "--model", str(QWEN35 / "model.gguf"),
-               "--prompt", "def f(", "--max-tokens", "3000"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mlx_hybrid.generate",
+        "--model",
+        str(QWEN35 / "model.gguf"),
+        "--prompt",
+        "def f(",
+        "--max-tokens",
+        "3000",
+    ]
     generator = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     shown = generator.stdout.read(20)  # it is generating
     generator.send_signal(signal.SIGINT)

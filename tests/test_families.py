@@ -90,9 +90,12 @@ GGUF_RULES = [
 ]
 
 TOY = families.Family(
-    "toy_diagonal", sys.modules[__name__], hf_args, hf_rules,
+    "toy_diagonal",
+    sys.modules[__name__],
+    hf_args,
+    hf_rules,
     gguf=families.GGUFArchitecture("toy-diagonal", gguf_args, GGUF_RULES),
-)  # fmt: skip
+)
 
 # -----------------------------------------------------------------------------------------------------
 
@@ -106,8 +109,11 @@ NUMPY_TOL = 1e-4
 def _weights(vocab: int) -> dict[str, np.ndarray]:
     """The toy's parameters by our names, random."""
     rng = np.random.default_rng(0)
-    weights = {"embed_tokens.weight": rng.standard_normal((vocab, WIDTH)), "norm.weight": 1 + rng.random(WIDTH),
-               "lm_head.weight": rng.standard_normal((vocab, WIDTH)) / 3}  # fmt: skip
+    weights = {
+        "embed_tokens.weight": rng.standard_normal((vocab, WIDTH)),
+        "norm.weight": 1 + rng.random(WIDTH),
+        "lm_head.weight": rng.standard_normal((vocab, WIDTH)) / 3,
+    }
     for i in range(LAYERS):
         weights |= {
             f"layers.{i}.norm.weight": 1 + rng.random(WIDTH),
@@ -170,8 +176,11 @@ def toy_files(tmp_path):
                 writer.add_key_value(
                     name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None
                 )
-        outer = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}  # fmt: skip
+        outer = {
+            "embed_tokens.weight": "token_embd.weight",
+            "norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight",
+        }
         for name, w in weights.items():
             writer.add_tensor(outer.get(name) or name.replace("layers.", "blk.", 1), w)
         writer.write_header_to_file()

@@ -20,8 +20,11 @@ def test_metadata_and_tensors_match_gguf_reader(path):
     assert len(ours.tensors) == len(theirs.tensors)
     for mine, want in zip(ours.tensors, theirs.tensors):
         assert (mine.name, mine.tensor_type, mine.data_offset, mine.n_bytes) == (
-            want.name, want.tensor_type, want.data_offset, want.n_bytes
-        )  # fmt: skip
+            want.name,
+            want.tensor_type,
+            want.data_offset,
+            want.n_bytes,
+        )
         assert tuple(mine.shape) == tuple(int(d) for d in want.shape)
         assert mine.data.dtype == want.data.dtype and mine.data.shape == want.data.shape
         assert np.array_equal(mine.data, want.data, equal_nan=True)
@@ -39,9 +42,17 @@ def test_a_big_endian_file_is_refused_by_name(tmp_path):
 def test_every_value_type_reads_back_as_gguf_writer_wrote_it(tmp_path):
     """Scalars of each type, strings, and arrays of numbers, strings and arrays (gguf's own
     reader flattens the last: its contents() of [[1, 2], [3]] is [1, 2, 3])."""
-    values = {"x.u8": (1, "uint8"), "x.i16": (-2, "int16"), "x.u64": (2**40, "uint64"), "x.f64": (0.25, "float64"),
-              "x.bool": (True, "bool"), "x.text": ("bé", "string"), "x.floats": ([0.5, -1.0], "array"),
-              "x.words": (["a", "<|im_end|>"], "array"), "x.nested": ([[1, 2], [3]], "array")}  # fmt: skip
+    values = {
+        "x.u8": (1, "uint8"),
+        "x.i16": (-2, "int16"),
+        "x.u64": (2**40, "uint64"),
+        "x.f64": (0.25, "float64"),
+        "x.bool": (True, "bool"),
+        "x.text": ("bé", "string"),
+        "x.floats": ([0.5, -1.0], "array"),
+        "x.words": (["a", "<|im_end|>"], "array"),
+        "x.nested": ([[1, 2], [3]], "array"),
+    }
     writer = gguf.GGUFWriter(str(tmp_path / "values.gguf"), "qwen35")
     for key, (value, kind) in values.items():
         getattr(writer, f"add_{kind}")(key, value)
@@ -77,8 +88,11 @@ def test_a_model_that_does_not_fit_in_memory_is_refused_before_it_is_read(family
     model, _ = mlx_hybrid.load(path, dequantize=dequantize)
     needed = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     monkeypatch.setattr(loaders, "memory_available", lambda: (needed - 1, 8 << 30))
-    with pytest.raises(ModelLoadError, match=rf"takes {needed / 1e6:.1f} MB in memory once loaded \(.* on disk\), more "
-                                             rf"than the {(needed - 1) / 1e6:.1f} MB available \(8.59 GB in all\)"):  # fmt: skip
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"takes {needed / 1e6:.1f} MB in memory once loaded \(.* on disk\), more "
+        rf"than the {(needed - 1) / 1e6:.1f} MB available \(8.59 GB in all\)",
+    ):
         mlx_hybrid.load(path, dequantize=dequantize)
     monkeypatch.setattr(loaders, "memory_available", lambda: (needed, 8 << 30))
     mlx_hybrid.load(path, dequantize=dequantize)
@@ -99,18 +113,32 @@ def test_a_control_groups_memory_limit_bounds_what_is_available(tmp_path, monkey
 
     GiB = 1 << 30
     v2 = tmp_path / "v2"
-    _cgroup_files(v2 / "user.slice", {"memory.max": f"{4 * GiB}\n", "memory.current": f"{3 * GiB}\n",
-                                      "memory.stat": f"anon {2 * GiB}\nfile {GiB}\n"})  # fmt: skip
-    _cgroup_files(v2 / "user.slice" / "app", {"memory.max": "max\n", "memory.current": f"{GiB}\n",
-                                              "memory.stat": "anon 1\nfile 0\n"})  # fmt: skip
+    _cgroup_files(
+        v2 / "user.slice",
+        {
+            "memory.max": f"{4 * GiB}\n",
+            "memory.current": f"{3 * GiB}\n",
+            "memory.stat": f"anon {2 * GiB}\nfile {GiB}\n",
+        },
+    )
+    _cgroup_files(
+        v2 / "user.slice" / "app",
+        {"memory.max": "max\n", "memory.current": f"{GiB}\n", "memory.stat": "anon 1\nfile 0\n"},
+    )
     assert memory.cgroup_memory(v2, "0::/user.slice/app\n") == (2 * GiB, 4 * GiB)
     _cgroup_files(v2 / "user.slice" / "app", {"memory.max": f"{3 * GiB}\n", "memory.current": f"{5 * GiB // 2}\n"})
     assert memory.cgroup_memory(v2, "0::/user.slice/app\n") == (GiB // 2, 3 * GiB)  # the tighter child
     # a container's own view: its group is the root it sees
     assert memory.cgroup_memory(v2 / "user.slice", "0::/\n") == (2 * GiB, 4 * GiB)
     v1 = tmp_path / "v1"
-    _cgroup_files(v1 / "memory" / "docker", {"memory.limit_in_bytes": f"{8 * GiB}\n", "memory.usage_in_bytes": f"{6 * GiB}\n",
-                                             "memory.stat": f"cache 5\ntotal_cache {2 * GiB}\n"})  # fmt: skip
+    _cgroup_files(
+        v1 / "memory" / "docker",
+        {
+            "memory.limit_in_bytes": f"{8 * GiB}\n",
+            "memory.usage_in_bytes": f"{6 * GiB}\n",
+            "memory.stat": f"cache 5\ntotal_cache {2 * GiB}\n",
+        },
+    )
     _cgroup_files(v1 / "memory" / "docker" / "abc", {"memory.limit_in_bytes": "9223372036854771712\n"})
     membership = "4:memory:/docker/abc\n3:cpuset:/\n"
     assert memory.cgroup_memory(v1, membership) == (4 * GiB, 8 * GiB)

@@ -56,10 +56,21 @@ def test_logits_match_the_file_dequantized_to_float32(name):
     assert_close_to_floor(model(PROMPT), np.array(float32_reference(TYPES / name)(PROMPT)))
 
 
-@pytest.mark.parametrize("name", ["qwen35-Q2_K.gguf", "qwen35-IQ4_XS.gguf", "qwen35-IQ2_XXS.gguf",
-                                  "qwen35-IQ2_XS.gguf", "qwen35-IQ1_M.gguf", "qwen35moe-Q2_K.gguf",
-                                  "qwen35moe-IQ4_XS.gguf", "qwen35moe-MXFP4_MOE.gguf", "qwen35-TQ1_0.gguf",
-                                  "qwen35-64-BF16.gguf"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen35-Q2_K.gguf",
+        "qwen35-IQ4_XS.gguf",
+        "qwen35-IQ2_XXS.gguf",
+        "qwen35-IQ2_XS.gguf",
+        "qwen35-IQ1_M.gguf",
+        "qwen35moe-Q2_K.gguf",
+        "qwen35moe-IQ4_XS.gguf",
+        "qwen35moe-MXFP4_MOE.gguf",
+        "qwen35-TQ1_0.gguf",
+        "qwen35-64-BF16.gguf",
+    ],
+)
 def test_greedy_speculation_equals_plain_decoding(name):
     """A verify pass gives each position the bits a decode step gives it (each row's sums in one
     order whatever rows come with it), so MTP drafting changes no token."""
@@ -94,9 +105,12 @@ def test_a_type_no_product_takes_is_named_at_load(caplog, monkeypatch):
     IQ3_S maps exactly onto MLX's 4-bit groups, Q4_K and Q5_K onto its affine groups, TQ1_0 onto
     its 2-bit groups, MXFP4 is its own mxfp4 mode: not named."""
     monkeypatch.setattr(ops.backend, "forced_by_environment", True)  # MLX_HYBRID_FORCE_REFERENCE=1
-    for name, named in [("qwen35-Q2_K.gguf", ["1 Q6_K", "16 Q2_K", "8 Q3_K"]),
-                        ("qwen35-IQ3_XXS.gguf", ["12 IQ3_XXS", "2 IQ2_S"]),
-                        ("qwen35-TQ1_0.gguf", ["1 Q6_K"]), ("qwen35moe-MXFP4_MOE.gguf", [])]:  # fmt: skip
+    for name, named in [
+        ("qwen35-Q2_K.gguf", ["1 Q6_K", "16 Q2_K", "8 Q3_K"]),
+        ("qwen35-IQ3_XXS.gguf", ["12 IQ3_XXS", "2 IQ2_S"]),
+        ("qwen35-TQ1_0.gguf", ["1 Q6_K"]),
+        ("qwen35moe-MXFP4_MOE.gguf", []),
+    ]:
         caplog.clear()
         with caplog.at_level("WARNING", logger="mlx_hybrid"):
             model, _ = mlx_hybrid.load(TYPES / name)

@@ -31,10 +31,56 @@ ODD_BLOCKS = 1056
 
 
 # the kernel's type numbers, each found by its name (`quantized_tensor.int8_number`)
-(Q8_0, Q4_K, Q6_K, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
- IQ1_S, IQ1_M, TQ1_0, TQ2_0, MXFP4) = map(int8_number, [
-    "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_XXS",
-    "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"])  # fmt: skip
+(
+    Q8_0,
+    Q4_K,
+    Q6_K,
+    Q5_0,
+    Q5_1,
+    Q4_0,
+    Q4_1,
+    IQ4_NL,
+    Q5_K,
+    Q3_K,
+    Q2_K,
+    IQ4_XS,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ2_S,
+    IQ3_XXS,
+    IQ3_S,
+    IQ1_S,
+    IQ1_M,
+    TQ1_0,
+    TQ2_0,
+    MXFP4,
+) = map(
+    int8_number,
+    [
+        "Q8_0",
+        "Q4_K",
+        "Q6_K",
+        "Q5_0",
+        "Q5_1",
+        "Q4_0",
+        "Q4_1",
+        "IQ4_NL",
+        "Q5_K",
+        "Q3_K",
+        "Q2_K",
+        "IQ4_XS",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ1_S",
+        "IQ1_M",
+        "TQ1_0",
+        "TQ2_0",
+        "MXFP4",
+    ],
+)
 
 
 def q8_0_matrix(rng, shape, scale=1 / 256):
@@ -111,8 +157,9 @@ def test_q8_0_expert_products_gather_each_tokens_matrices(shared):
     for t in range(5):
         for j, e in enumerate(indices[t]):
             row = x[t, 0 if shared else j][None]
-            assert_at_float32_floor(got[t, j][None], llama_reference.q8_0_reference(row, codes[e], d[e]), row,
-                                    codes[e], d[e])  # fmt: skip
+            assert_at_float32_floor(
+                got[t, j][None], llama_reference.q8_0_reference(row, codes[e], d[e]), row, codes[e], d[e]
+            )
     alone = np.array(cpu_quantized.int8_gather_matmul(mx.array(x[2:3]), *held, mx.array(indices[2:3]), Q8_0))
     np.testing.assert_array_equal(got[2], alone[0])
 
@@ -191,8 +238,12 @@ def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
     def products(held, held_interleaved):
         matrix = (held[1], factors[1], codes[1], held_type, None, held_interleaved)
         return [np.array(cpu_quantized.int8_matmul(x[:rows], *matrix)) for rows in (1, 3, 9)] + [
-            np.array(cpu_quantized.int8_gather_matmul(tokens, held, factors, codes, indices, held_type, None,
-                                                      held_interleaved))]  # fmt: skip
+            np.array(
+                cpu_quantized.int8_gather_matmul(
+                    tokens, held, factors, codes, indices, held_type, None, held_interleaved
+                )
+            )
+        ]
 
     extension = cpu_quantized.extension()
     try:
@@ -217,8 +268,12 @@ def test_several_matrices_of_one_x_give_each_its_own_products_bits():
     (q6_k, _), q8_0 = groups16_case(rng, Q6_K, 6, 32, (24, 1024)), q8_0_matrix(rng, (40, 1024))[2]
     _, grid_held, grid = grid_matrix((8, 1024), "IQ2_XXS", 3)
     f16 = mx.array(rng.standard_normal((12, 1024)).astype(np.float16))
-    matrices = [(*q4_k, Q4_K, None, True), (*map(mx.array, q6_k), Q6_K, None, False),
-                (*map(mx.array, q8_0), Q8_0, None, False), (*grid_held, IQ2_XXS, grid, False)]  # fmt: skip
+    matrices = [
+        (*q4_k, Q4_K, None, True),
+        (*map(mx.array, q6_k), Q6_K, None, False),
+        (*map(mx.array, q8_0), Q8_0, None, False),
+        (*grid_held, IQ2_XXS, grid, False),
+    ]
     extension = cpu_quantized.extension()
     try:
         for name in extension.instruction_sets():
@@ -266,8 +321,9 @@ def test_q8_k_quantization_takes_a_nan_as_llama_cpp_does():
 
 
 # the types of groups of 16: (kernel type, bits, the values' offset; Q2_K: none, its mins apart)
-GROUPS16 = pytest.mark.parametrize("held_type, bits, offset", [(Q6_K, 6, 32), (Q3_K, 3, 4), (Q2_K, 2, 0)],
-                                   ids=["Q6_K", "Q3_K", "Q2_K"])  # fmt: skip
+GROUPS16 = pytest.mark.parametrize(
+    "held_type, bits, offset", [(Q6_K, 6, 32), (Q3_K, 3, 4), (Q2_K, 2, 0)], ids=["Q6_K", "Q3_K", "Q2_K"]
+)
 
 
 def groups16_case(rng, held_type, bits, offset, shape):
@@ -350,10 +406,13 @@ def test_iq4_xs_products_are_exact_where_the_arithmetic_is():
 
 def reference_of(held_type: int):
     """A 32-value type's numpy reference (x, q, d[, m])."""
-    return {Q5_0: lambda x, q, d: llama_reference.offset_reference(x, q, d, 16),
-            Q4_0: lambda x, q, d: llama_reference.offset_reference(x, q, d, 8),
-            Q5_1: llama_reference.d_and_m_reference, Q4_1: llama_reference.d_and_m_reference,
-            IQ4_NL: llama_reference.iq4_nl_reference}[held_type]  # fmt: skip
+    return {
+        Q5_0: lambda x, q, d: llama_reference.offset_reference(x, q, d, 16),
+        Q4_0: lambda x, q, d: llama_reference.offset_reference(x, q, d, 8),
+        Q5_1: llama_reference.d_and_m_reference,
+        Q4_1: llama_reference.d_and_m_reference,
+        IQ4_NL: llama_reference.iq4_nl_reference,
+    }[held_type]
 
 
 # the 32-value types: (kernel type, bits, with m, the largest magnitude of a value)
@@ -547,18 +606,35 @@ def test_a_grid_type_takes_its_grid_and_others_none():
 
 @pytest.mark.parametrize(
     "held_type, weights, held, shared",
-    [(Q4_K, llama_reference.random_k_quant, lambda q, *rest: llama_reference.held_k_quant(q, 4, *rest), True),
-     (Q6_K, llama_reference.random_groups16, lambda q, *rest: llama_reference.held_groups16(q, 6, *rest), False),
-     (Q2_K, llama_reference.random_q2_k, llama_reference.held_q2_k, True),
-     (Q5_1, lambda rng, shape: llama_reference.random_b32(rng, shape, 5, True),
-      lambda q, d, m: llama_reference.held_b32(q, 5, d, m), True),
-     (IQ4_NL, lambda rng, shape: llama_reference.random_b32(rng, shape, 4, False),
-      lambda q, d: llama_reference.held_b32(q, 4, d), False),
-     (TQ2_0, llama_reference.random_ternary, llama_reference.held_ternary, False),
-     (MXFP4, llama_reference.random_mxfp4, llama_reference.held_mxfp4, True)],
-    ids=["Q4_K, one row a token", "Q6_K, a row a choice", "Q2_K, one row a token", "Q5_1, one row a token",
-         "IQ4_NL, rows in eights", "TQ2_0, a row a choice", "MXFP4, rows in eights"],
-)  # fmt: skip
+    [
+        (Q4_K, llama_reference.random_k_quant, lambda q, *rest: llama_reference.held_k_quant(q, 4, *rest), True),
+        (Q6_K, llama_reference.random_groups16, lambda q, *rest: llama_reference.held_groups16(q, 6, *rest), False),
+        (Q2_K, llama_reference.random_q2_k, llama_reference.held_q2_k, True),
+        (
+            Q5_1,
+            lambda rng, shape: llama_reference.random_b32(rng, shape, 5, True),
+            lambda q, d, m: llama_reference.held_b32(q, 5, d, m),
+            True,
+        ),
+        (
+            IQ4_NL,
+            lambda rng, shape: llama_reference.random_b32(rng, shape, 4, False),
+            lambda q, d: llama_reference.held_b32(q, 4, d),
+            False,
+        ),
+        (TQ2_0, llama_reference.random_ternary, llama_reference.held_ternary, False),
+        (MXFP4, llama_reference.random_mxfp4, llama_reference.held_mxfp4, True),
+    ],
+    ids=[
+        "Q4_K, one row a token",
+        "Q6_K, a row a choice",
+        "Q2_K, one row a token",
+        "Q5_1, one row a token",
+        "IQ4_NL, rows in eights",
+        "TQ2_0, a row a choice",
+        "MXFP4, rows in eights",
+    ],
+)
 # (4 tokens' rows over 5 matrices; 20 tokens' over 3: the rows that chose one expert taken together, in
 # tiles of up to 8 or 16 and a short last one)
 @pytest.mark.parametrize("tokens, experts", [(4, 5), (20, 3)], ids=["few rows an expert", "many rows an expert"])
@@ -607,9 +683,13 @@ def test_every_instruction_set_gives_the_same_bits(type_name):
     codes = no_codes(q.scales) if q.biases is None else q.biases
     x = mx.random.normal((27, 512), key=mx.random.key(3))
     assert_every_instruction_set_agrees(
-        lambda: [cpu_quantized.int8_matmul(x[:rows], q.weight, q.scales, codes, list(INT8_TYPES).index(type_name),
-                                           cpu_quantized.int8_grid(q.block)) for rows in (1, 3, 16, 27)]
-    )  # fmt: skip
+        lambda: [
+            cpu_quantized.int8_matmul(
+                x[:rows], q.weight, q.scales, codes, list(INT8_TYPES).index(type_name), cpu_quantized.int8_grid(q.block)
+            )
+            for rows in (1, 3, 16, 27)
+        ]
+    )
 
 
 def test_a_q4_k_m_files_layer_matrices_are_held_interleaved_for_the_8_bit_products():
@@ -627,8 +707,9 @@ def test_a_q4_k_m_files_layer_matrices_are_held_interleaved_for_the_8_bit_produc
     with pytest.raises(ValueError, match="a matrix held for the CPU's 8-bit products cannot be computed"):
         matrix(mx.zeros((1, matrix.weight.shape[1] * 8), mx.bfloat16))
     halves, _ = mlx_hybrid.load(path, dtype="bfloat16")
-    assert ops.products.INT8_INTERLEAVED not in {ops.activations_of(m["weight"]) for _, m in halves.named_modules()
-                                                 if isinstance(m, QuantizedLinear)}  # fmt: skip
+    assert ops.products.INT8_INTERLEAVED not in {
+        ops.activations_of(m["weight"]) for _, m in halves.named_modules() if isinstance(m, QuantizedLinear)
+    }
 
 
 def test_a_q4_k_m_file_computes_many_rows_as_it_computes_one():
@@ -662,8 +743,9 @@ def test_products_take_8_bit_activations_up_to_their_types_row_limit(type_name):
     ops.compute_as_llama_cpp(q.weight, limit)
 
     def int8(x):
-        return np.array(ops.quantized_matmul(x, q.weight, q.scales, q.biases, group_size=group_size, bits=bits,
-                                             block=block))  # fmt: skip
+        return np.array(
+            ops.quantized_matmul(x, q.weight, q.scales, q.biases, group_size=group_size, bits=bits, block=block)
+        )
 
     alone = np.concatenate([int8(x[r : r + 1]) for r in range(rows)])
     if limit is None:
@@ -697,8 +779,15 @@ def test_a_batch_speculating_on_a_q8_0_file_equals_its_single_runs(family):
         return [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=16, draft=None)]
 
     def engine(prefill_chunk):
-        return Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), num_draft_tokens=3, adaptive=False,
-                      prefill_chunk=prefill_chunk, prefix_store=PrefixStore(0))  # fmt: skip
+        return Engine(
+            model,
+            tokenizer,
+            make_drafter(model, tokenizer, "mtp"),
+            num_draft_tokens=3,
+            adaptive=False,
+            prefill_chunk=prefill_chunk,
+            prefix_store=PrefixStore(0),
+        )
 
     batch = engine(16)
     sequences = [batch.submit(p, max_tokens=16) for p in prompts]
@@ -770,8 +859,10 @@ def bundled_file(type_name: str, record: dict, directory: Path) -> Path:
 
         path = directory / f"bundled-{type_name}.gguf"
         save_gguf(bundled, tokenizer, path, encode_matrix=encode)
-    held = {t.name: [t.tensor_type.name, hashlib.sha256(np.asarray(t.data).tobytes()).hexdigest()]
-            for t in gguf.GGUFReader(str(path)).tensors}  # fmt: skip
+    held = {
+        t.name: [t.tensor_type.name, hashlib.sha256(np.asarray(t.data).tobytes()).hexdigest()]
+        for t in gguf.GGUFReader(str(path)).tensors
+    }
     assert held == record["tensors"]
     return path
 
@@ -808,8 +899,9 @@ def test_the_bundled_model_as_it_ships_computes_what_llama_cpp_computes():
     assert matrices and {ops.activations_of(matrix) for matrix in matrices} == {"int8"}
     tokens, logits = greedy_token_by_token(model, record["prompt"], len(record["greedy"]))
     assert tokens == record["greedy"]
-    differences = [np.abs(step[[i for i, _ in top]] - [v for _, v in top]).max()
-                   for step, top in zip(logits, record["top"])]  # fmt: skip
+    differences = [
+        np.abs(step[[i for i, _ in top]] - [v for _, v in top]).max() for step, top in zip(logits, record["top"])
+    ]
     assert max(differences) <= 2e-3 and np.median(differences) <= 3e-4, (max(differences), np.median(differences))
 
 
@@ -847,8 +939,9 @@ def test_16_bit_products_are_llama_cpps_arithmetic_and_row_invariant(dtype, K):
         return np.array(cpu_quantized.half_matmul(mx.array(rows), w))
 
     alone = np.concatenate([half(x[r : r + 1]) for r in range(16)])
-    np.testing.assert_array_equal(alone, llama_reference.half_reference(x, np.array(w.astype(mx.float32)),
-                                                                      dtype == mx.bfloat16))  # fmt: skip
+    np.testing.assert_array_equal(
+        alone, llama_reference.half_reference(x, np.array(w.astype(mx.float32)), dtype == mx.bfloat16)
+    )
     for rows in (2, 3, 4, 7, 8, 16):
         np.testing.assert_array_equal(half(x[:rows]), alone[:rows], err_msg=f"{rows} rows")
     np.testing.assert_array_equal(half(np.concatenate([x, x[:11]])), np.concatenate([alone, alone[:11]]))
@@ -891,8 +984,9 @@ def test_a_random_fixture_computes_what_llama_cpp_computes(type_name):
     llama.cpp's tokens within the first 4 steps (Q8_0 at the third, at a top-2 gap of 0.11)."""
     record = json.loads((FIXTURES / "llama-cpp" / f"random-qwen35-{type_name}.json").read_text())
     path = FIXTURES / "qwen35" / f"model-{type_name}.gguf"
-    model, _ = mlx_hybrid.load(path if path.exists() else FIXTURES / "llama-cpp" / f"random-qwen35-{type_name}.gguf",
-                               cpu_activations="int8")  # fmt: skip
+    model, _ = mlx_hybrid.load(
+        path if path.exists() else FIXTURES / "llama-cpp" / f"random-qwen35-{type_name}.gguf", cpu_activations="int8"
+    )
     tokens, logits = greedy_token_by_token(model, record["prompt"], len(record["greedy"]))
     assert tokens == record["greedy"]
     for step, top in zip(logits, record["top"]):

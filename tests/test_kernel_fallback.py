@@ -23,8 +23,14 @@ from test_ops import OP_TOL, make_inputs
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the emulation")
 
 
-KERNELS = (gpu_kernels.GATED_DELTA, gpu_kernels.CONV1D_SILU, gpu_kernels.LINEAR_ATTENTION, gpu_kernels.ADD_RMS_NORM,
-           row_kernels.ROW_PRODUCT, row_kernels.ROW_ATTENTION)  # fmt: skip
+KERNELS = (
+    gpu_kernels.GATED_DELTA,
+    gpu_kernels.CONV1D_SILU,
+    gpu_kernels.LINEAR_ATTENTION,
+    gpu_kernels.ADD_RMS_NORM,
+    row_kernels.ROW_PRODUCT,
+    row_kernels.ROW_ATTENTION,
+)
 
 
 def broken_kernel(monkeypatch, tmp_path, spec, old, new):
@@ -142,8 +148,9 @@ def test_a_layer_runs_as_one_kernel_token_by_token(emulated, caplog):
             got, want = linear_attention_layer(T, snapshots)
             assert_same_layer(got, want, OP_TOL)  # the body against pure MLX: two float32 orders
         assert [key[0] for key in selfcheck.kernel_usable] == [gpu_kernels.LINEAR_ATTENTION.name] * 2
-        args = linear_attention_args(np.random.default_rng(0), 1, ops.CHUNKED_MIN_TOKENS, LAYER_HEADS, 4, False,
-                                     "silu", mx.float32)  # fmt: skip
+        args = linear_attention_args(
+            np.random.default_rng(0), 1, ops.CHUNKED_MIN_TOKENS, LAYER_HEADS, 4, False, "silu", mx.float32
+        )
         ops.linear_attention(*args)  # built, not evaluated: the kernels it asks for are the point
     assert not caplog.records
     assert gpu_kernels.GATED_DELTA.name not in {key[0] for key in selfcheck.kernel_usable}  # chunked: no rule kernel
@@ -166,8 +173,12 @@ def test_models_on_the_layer_body_match_transformers_and_speculate_exactly(emula
         got = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=len(want), **settings)]
         assert got == want, settings
     emulated_kernels = {key: usable for key, usable in selfcheck.kernel_usable.items() if key[1] == "emulated"}
-    layer_kernels = {gpu_kernels.LINEAR_ATTENTION.name, gpu_kernels.ADD_RMS_NORM.name, row_kernels.ROW_PRODUCT.name,
-                     row_kernels.ROW_ATTENTION.name}  # fmt: skip
+    layer_kernels = {
+        gpu_kernels.LINEAR_ATTENTION.name,
+        gpu_kernels.ADD_RMS_NORM.name,
+        row_kernels.ROW_PRODUCT.name,
+        row_kernels.ROW_ATTENTION.name,
+    }
     assert {key[0] for key in emulated_kernels} == layer_kernels and all(emulated_kernels.values())
 
 

@@ -194,7 +194,7 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
     for i, ((vector_gate, activation), snapshots) in enumerate(itertools.product(LAYER_KINDS.values(), [False, True])):
         args = linear_attention_args(  # Dk=48: a partly idle lane
             np.random.default_rng(0), 1, 3, reference.HeadShape(1, 2, 48, 16), 4, vector_gate, activation, mx.float32
-        )  # fmt: skip
+        )
         launch = gpu_kernels.linear_attention_launch(*args, snapshots)
         emulate(gpu_kernels.LINEAR_ATTENTION, launch, coverage_dir=tmp_path / f"la{i}")
     x = mx.ones((2, 200))
@@ -217,9 +217,13 @@ def test_every_line_of_every_kernel_body_runs(tmp_path):
         launch = row_kernels.attention_launch(q, *kv, 0.5, causal, mx.array([5], mx.int32))
         emulate(row_kernels.ROW_ATTENTION, launch, coverage_dir=tmp_path / f"ra{i}")
     for prefix, spec in (
-        ("gd", gpu_kernels.GATED_DELTA), ("cv", gpu_kernels.CONV1D_SILU), ("la", gpu_kernels.LINEAR_ATTENTION),
-        ("an", gpu_kernels.ADD_RMS_NORM), ("rp", row_kernels.ROW_PRODUCT), ("ra", row_kernels.ROW_ATTENTION),
-    ):  # fmt: skip
+        ("gd", gpu_kernels.GATED_DELTA),
+        ("cv", gpu_kernels.CONV1D_SILU),
+        ("la", gpu_kernels.LINEAR_ATTENTION),
+        ("an", gpu_kernels.ADD_RMS_NORM),
+        ("rp", row_kernels.ROW_PRODUCT),
+        ("ra", row_kernels.ROW_ATTENTION),
+    ):
         dead = None  # a line is dead only if no variant ran it
         for build in sorted(tmp_path.glob(f"{prefix}*")):
             lines = {int(line.split(":")[1]) for line in _gcov_unexecuted(build, spec.file)}

@@ -112,10 +112,18 @@ def layer_inputs(B, T, heads, K, vector_gate, seed=0):
     Hk, Hv, Dk, Dv = heads
     C = 2 * Hk * Dk + Hv * Dv
     a = 0.5 * rng.standard_normal((B, T, Hv, Dk) if vector_gate else (B, T, Hv))
-    arrays = [rng.standard_normal((B, T, C)), 0.5 * rng.standard_normal((C, K)), rng.standard_normal((B, K - 1, C)),
-              a, rng.standard_normal((B, T, Hv)), -rng.uniform(1, 8, Hv), rng.uniform(-4, -1, a[0, 0].size),
-              rng.standard_normal((B, T, Hv * Dv)), 1 + 0.1 * rng.standard_normal(Dv),
-              0.1 * rng.standard_normal((B, Hv, Dk, Dv))]  # fmt: skip
+    arrays = [
+        rng.standard_normal((B, T, C)),
+        0.5 * rng.standard_normal((C, K)),
+        rng.standard_normal((B, K - 1, C)),
+        a,
+        rng.standard_normal((B, T, Hv)),
+        -rng.uniform(1, 8, Hv),
+        rng.uniform(-4, -1, a[0, 0].size),
+        rng.standard_normal((B, T, Hv * Dv)),
+        1 + 0.1 * rng.standard_normal(Dv),
+        0.1 * rng.standard_normal((B, Hv, Dk, Dv)),
+    ]
     return [x.astype(np.float32) for x in arrays]
 
 

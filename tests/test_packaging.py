@@ -34,8 +34,18 @@ def build_wheel(tree: Path, out: Path) -> Path:
             shutil.copy(tree / name, source / name)
     for name in ("mlx_hybrid", "metal"):
         shutil.copytree(tree / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", str(source),
-               "-w", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        str(source),
+        "-w",
+        str(out),
+    ]
     subprocess.run(command, check=True, capture_output=True, cwd=out, env={**os.environ, "PIP_NO_INDEX": "1"})
     (wheel,) = out.glob("mlx_hybrid-*.whl")
     return wheel

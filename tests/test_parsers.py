@@ -182,9 +182,17 @@ def test_streaming_holds_back_only_what_may_be_a_tag():
 
 # -- grammars that hold the output to tool calls (tool_choice "required" or a named function)
 
-WEATHER_REQUIRED = {"type": "function", "function": {**WEATHER["function"], "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"],
-}}}  # fmt: skip
+WEATHER_REQUIRED = {
+    "type": "function",
+    "function": {
+        **WEATHER["function"],
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
 MODE = {
     "type": "function",
     "function": {
@@ -248,8 +256,13 @@ def tool_tokenizer():
 
     plain = Tokenizer.from_hf_dir(FIXTURES / "qwen3next" / "hf", {})
     backend = copy.deepcopy(plain.backend)
-    markers = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-               "<|tool_call_argument_begin|>", "<|tool_call_end|>"]  # fmt: skip
+    markers = [
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ]
     backend.add_special_tokens([AddedToken(m, special=True) for m in markers])
     return plain, Tokenizer(backend, plain.eos_token_ids)
 

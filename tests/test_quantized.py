@@ -121,9 +121,20 @@ def set_quantized(module, q):
 @pytest.mark.parametrize("forced_reference", [False, True])
 @pytest.mark.parametrize(
     "type_name, block_form",
-    [("Q6_K", True), ("Q6_K", False), ("Q2_K", True), ("Q3_K", False), ("IQ4_NL", True), ("IQ4_XS", True),
-     ("IQ2_XXS", True), ("IQ3_S", True), ("MXFP4", True), ("TQ2_0", True), ("TQ1_0", True)],
-)  # fmt: skip
+    [
+        ("Q6_K", True),
+        ("Q6_K", False),
+        ("Q2_K", True),
+        ("Q3_K", False),
+        ("IQ4_NL", True),
+        ("IQ4_XS", True),
+        ("IQ2_XXS", True),
+        ("IQ3_S", True),
+        ("MXFP4", True),
+        ("TQ2_0", True),
+        ("TQ1_0", True),
+    ],
+)
 def test_kernel_only_types_in_modules_match_float64(type_name, block_form, forced_reference, monkeypatch):
     """Types MLX's products do not take (groups of 16: Q6_K, the LM head of a Q4_K_M file, and
     Q2_K, Q3_K; IQ4's nonlinear values; the grid types' and TQ1_0's blocks; scales without codes:
@@ -214,8 +225,9 @@ def test_bfloat16_models_on_quantized_modules_compute_in_bfloat16(family, compac
     compact loading keeps bfloat16 scales for a bfloat16 model."""
     model, _ = mlx_hybrid.load(FIXTURES / family / "model-Q4_K_M.gguf", dtype="bfloat16", compact=compact)
     if compact:  # 16-bit scales where they are expanded; else as stored (float16 factors)
-        assert {m.block is None and m.scales.dtype for _, m in model.named_modules()
-                if isinstance(m, nn.QuantizedLinear)} in ({mx.bfloat16}, {False})  # fmt: skip
+        assert {
+            m.block is None and m.scales.dtype for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)
+        } in ({mx.bfloat16}, {False})
     hidden = model.hidden_states(mx.array(reference(family)["input_ids"]))
     assert hidden.dtype == mx.bfloat16 and model.logits_from_hidden(hidden).dtype == mx.bfloat16
 

@@ -131,8 +131,12 @@ def test_greedy_speculation_equals_plain_decoding(draft):
     model, tok = model_and_tokenizer()
     ids = reference(FAMILY)["input_ids"][0].tolist()
     prompt = ids[:10] * 3 if draft == "ngram" else ids[:12]
-    settings = {"mtp": dict(draft="mtp"), "ngram": dict(draft="ngram"), "self": dict(draft_model=model, draft_p_min=0, draft_vocab=0),
-                "qwen35": dict(draft_model=load_fixture("qwen35", "hf")[0], draft_vocab=0)}[draft]  # fmt: skip
+    settings = {
+        "mtp": dict(draft="mtp"),
+        "ngram": dict(draft="ngram"),
+        "self": dict(draft_model=model, draft_p_min=0, draft_vocab=0),
+        "qwen35": dict(draft_model=load_fixture("qwen35", "hf")[0], draft_vocab=0),
+    }[draft]
     responses = list(mlx_hybrid.stream_generate(model, tok, prompt, max_tokens=32, num_draft_tokens=3, **settings))
     assert [r.token for r in responses] == plain(prompt)
     assert responses[-1].acceptance_rate == 1.0 if draft == "self" else responses[-1].acceptance_rate is not None
@@ -234,9 +238,11 @@ def test_a_batch_mixing_images_and_text_equals_each_alone():
     images = [FIXTURES / "qwen35vl" / name for name in ("image_a.png", "image_b.png")]
     text = ref["ids_one"][0, -12:].tolist()
     engine = Engine(model, tokenizer, None, prefill_chunk=20)
-    sequences = [engine.submit(unexpanded(ref["ids_two"][0].tolist(), pad), 24, images=images),
-                 engine.submit(text, 24),
-                 engine.submit(unexpanded(ref["ids_one"][0].tolist(), pad), 24, images=images[:1])]  # fmt: skip
+    sequences = [
+        engine.submit(unexpanded(ref["ids_two"][0].tolist(), pad), 24, images=images),
+        engine.submit(text, 24),
+        engine.submit(unexpanded(ref["ids_one"][0].tolist(), pad), 24, images=images[:1]),
+    ]
     engine.run()
     assert sequences[0].tokens == ref["greedy_two"][0, ref["ids_two"].shape[1] :].tolist()
     assert sequences[1].tokens == [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, text, max_tokens=24)]
@@ -330,8 +336,9 @@ def test_the_ngram_tables_stay_in_their_files(tmp_path):
     mx.save_safetensors(str(target / "model.safetensors"), tensors)
     table_bytes = _write_sparse_tables(target / "ngram-tables.safetensors", config["text_config"])
     assert table_bytes > 2e9
-    report = subprocess.run([sys.executable, "-c", RESIDENT_GROWTH, str(target)], capture_output=True, text=True,
-                            check=True).stdout.split()  # fmt: skip
+    report = subprocess.run(
+        [sys.executable, "-c", RESIDENT_GROWTH, str(target)], capture_output=True, text=True, check=True
+    ).stdout.split()
     mapped, grown_kb = map(int, report[-2:])
     assert mapped == table_bytes
     # the fixture model itself is 3 MB; MLX's and the package's buffers add some tens of MB. (The

@@ -144,8 +144,10 @@ def test_eight_batch_rows_are_each_their_sequence_alone_in_bfloat16(counted, mon
         alone = [mlx_hybrid.generate(model, tokenizer, prompt, max_tokens=12, **settings) for prompt in prompts]
         assert together == alone, settings
     decoding = [p for p in passes if p[1]]
-    assert all(tokens <= row_kernels.ROW_KERNEL_PASS_TOKENS and products == launches
-               for tokens, _, _, products, launches in decoding), decoding  # fmt: skip
+    assert all(
+        tokens <= row_kernels.ROW_KERNEL_PASS_TOKENS and products == launches
+        for tokens, _, _, products, launches in decoding
+    ), decoding
     # prompts read beside decoding rows, and prompts held back for a pass of their own
     assert any(reads for _, _, reads, *_ in decoding)
     assert any(tokens > row_kernels.ROW_KERNEL_PASS_TOKENS for tokens, decodes, *_ in passes if not decodes)

@@ -91,8 +91,9 @@ def product_case(rng, K, N, dtype, weights, group_size=64, experts=0):
 
 def run_product(platform, x, stored, indices=None):
     quantized = {name: stored[name] for name in ("scales", "biases") if name in stored}
-    launch = row_kernels.product_launch(x, stored["w"], indices=indices, bits=stored.get("bits", 0),
-                                        group_size=stored.get("group_size", 0), **quantized)  # fmt: skip
+    launch = row_kernels.product_launch(
+        x, stored["w"], indices=indices, bits=stored.get("bits", 0), group_size=stored.get("group_size", 0), **quantized
+    )
     return launched(platform, row_kernels.ROW_PRODUCT, launch)
 
 
@@ -220,8 +221,9 @@ def test_verify_pass_attention_gives_each_token_its_decode_steps_bits(platform, 
 
 def _row(k, v, b):
     if isinstance(k, QuantizedEntries):
-        return [e._replace(codes=e.codes[b : b + 1], scales=e.scales[b : b + 1], biases=e.biases[b : b + 1])
-                for e in (k, v)]  # fmt: skip
+        return [
+            e._replace(codes=e.codes[b : b + 1], scales=e.scales[b : b + 1], biases=e.biases[b : b + 1]) for e in (k, v)
+        ]
     return k[b : b + 1], v[b : b + 1]
 
 
@@ -247,5 +249,6 @@ def test_attention_of_small_and_wide_heads(platform):
         q = random(rng, (1, 4, 3, dims[0]), mx.float32)
         launch = row_kernels.attention_launch(q, k, v, 0.25, True, mx.array([19], mx.int32))
         got = launched(platform, row_kernels.ROW_ATTENTION, launch)
-        assert_within_rounding(got, attention_float64(float64(q), k64, v64, 0.25, [19], True), np.abs(v64).max(), 64,
-                               mx.float32)  # fmt: skip
+        assert_within_rounding(
+            got, attention_float64(float64(q), k64, v64, 0.25, [19], True), np.abs(v64).max(), 64, mx.float32
+        )

@@ -349,9 +349,12 @@ def test_a_stop_signal_ends_the_requests_in_flight_after_a_grace_period():
     def stream():
         try:
             for chunk in client.chat.completions.create(
-                model="assistant", messages=[{"role": "user", "content": "hi"}], max_tokens=4000, stream=True,
+                model="assistant",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4000,
+                stream=True,
                 logit_bias={str(t): -100 for t in eos},
-            ):  # fmt: skip
+            ):
                 chunks.append(chunk)
                 first.set()
         except openai.APIConnectionError:
@@ -479,13 +482,34 @@ def test_tool_call_round_trip_with_the_call_inside_reasoning(assistant, conversa
 
 
 # tools whose arguments a small model can finish (bounded strings), for tool_choice
-UNITS = {"type": "function", "function": {"name": "set_units", "parameters": {"type": "object", "properties": {
-    "units": {"type": "string", "enum": ["metric", "imperial"]},
-    "level": {"type": "integer", "minimum": 0, "maximum": 9},
-}, "required": ["units"]}}}  # fmt: skip
-CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
-}, "required": ["city", "days"]}}}  # fmt: skip
+UNITS = {
+    "type": "function",
+    "function": {
+        "name": "set_units",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "units": {"type": "string", "enum": ["metric", "imperial"]},
+                "level": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["units"],
+        },
+    },
+}
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
 
 
 def assert_valid_calls(message, tools, finish, name=None):
@@ -520,8 +544,12 @@ def test_tool_choice_required_or_named_always_gives_valid_calls(assistant, conve
         ("required", {"response_format": {"type": "json_object"}}, "response_format"),
     ]:
         body = dict(model="assistant", messages=weather, tools=tools, tool_choice=choice, **extra)
-        status, response = http("POST", assistant.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        status, response = http(
+            "POST",
+            assistant.url + "/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Authorization": f"Bearer {API_KEY}"},
+        )
         assert status == 400 and response["error"]["param"] == param
 
 
@@ -530,8 +558,14 @@ def test_parallel_tool_calls_false_with_auto_ends_the_output_at_its_call(assista
     """No grammar holds an "auto" output to one call: the server ends the run at the first call
     (Codex sends parallel_tool_calls false with tool_choice auto)."""
     client = openai.OpenAI(base_url=assistant.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    request = dict(model="assistant", messages=conversations["turn_1"]["messages"], tools=conversations["tools"],
-                   temperature=0, tool_choice="auto", parallel_tool_calls=False)  # fmt: skip
+    request = dict(
+        model="assistant",
+        messages=conversations["turn_1"]["messages"],
+        tools=conversations["tools"],
+        temperature=0,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+    )
     message, finish = _answer(client, request, stream)
     free, _ = _answer(client, {**request, "parallel_tool_calls": True}, stream)
     assert finish == "tool_calls" and len(message["tool_calls"]) == 1
@@ -556,8 +590,15 @@ def test_tool_choice_holds_a_random_model_to_its_own_call_format(tmp_path, style
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         tools = [CITY, UNITS]
         for temperature in (0.0, 1.0):
-            request = dict(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=tools,
-                           temperature=temperature, seed=3, max_tokens=200, parallel_tool_calls=False)  # fmt: skip
+            request = dict(
+                model="m",
+                messages=[{"role": "user", "content": "Weather?"}],
+                tools=tools,
+                temperature=temperature,
+                seed=3,
+                max_tokens=200,
+                parallel_tool_calls=False,
+            )
             message, finish = _answer(client, {**request, "tool_choice": "required"}, stream=False)
             assert_valid_calls(message, tools, finish)
             assert len(message["tool_calls"]) == 1
@@ -625,9 +666,15 @@ def test_logit_bias_and_penalties_change_the_text_as_a_single_run_does(client, l
     settings = dict(logit_bias={str(plain[0]): -100, str(plain[2]): -5}, presence_penalty=1.0, frequency_penalty=1.5)
     response = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, **settings)
     want = mlx_hybrid.generate(
-        model, tokenizer, ids, max_tokens=24, draft=None, presence_penalty=1.0, frequency_penalty=1.5,
+        model,
+        tokenizer,
+        ids,
+        max_tokens=24,
+        draft=None,
+        presence_penalty=1.0,
+        frequency_penalty=1.5,
         logit_bias={plain[0]: -100, plain[2]: -5},
-    )  # fmt: skip
+    )
     assert response.choices[0].text == want.removesuffix(tokenizer.decode(tokenizer.eos_token_ids[:1]))
     assert response.choices[0].text != tokenizer.decode([t for t in plain if t not in tokenizer.eos_token_ids])
 
@@ -658,10 +705,16 @@ def schemas(n=50):
             }
         if i % 5 == 0:  # an array of objects
             properties["items"] = {
-                "type": "array", "minItems": 1, "maxItems": 2,
-                "items": {"type": "object", "properties": {"id": leaves[0]}, "required": ["id"],
-                          "additionalProperties": False},
-            }  # fmt: skip
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {"id": leaves[0]},
+                    "required": ["id"],
+                    "additionalProperties": False,
+                },
+            }
         required = list(properties)[: 1 + i % len(properties)]
         made.append({"type": "object", "properties": properties, "required": required, "additionalProperties": False})
     assert len({json.dumps(s, sort_keys=True) for s in made}) == n
@@ -674,10 +727,13 @@ def test_50_json_schemas_8_at_a_time_with_mtp_give_valid_answers(client, tempera
 
     def ask(schema):
         response = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Describe a thing in JSON."}], max_tokens=300,
-            temperature=temperature, seed=7,
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe a thing in JSON."}],
+            max_tokens=300,
+            temperature=temperature,
+            seed=7,
             response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}},
-        )  # fmt: skip
+        )
         return response.choices[0]
 
     with ThreadPoolExecutor(8) as pool:
@@ -689,9 +745,12 @@ def test_50_json_schemas_8_at_a_time_with_mtp_give_valid_answers(client, tempera
 
 def test_json_object_gives_an_object_and_the_defaults_are_shown(server, client):
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=200, temperature=0,
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=200,
+        temperature=0,
         response_format={"type": "json_object"},
-    )  # fmt: skip
+    )
     content = response.choices[0].message.content
     if response.choices[0].finish_reason == "stop":  # a random model may wander inside a string
         assert isinstance(json.loads(content), dict)

@@ -428,9 +428,12 @@ def test_speculative_sampling_follows_the_target_distribution(drafter_kind, proc
         # where the repetition penalty (over the prompt) and, once drawn, the others act on it
         first = max(exact, key=exact.get)[0]
         processing = dict(
-            logit_bias={first: -2.0, prompt[-1]: 4.0}, presence_penalty=0.8, frequency_penalty=0.5,
-            repetition_penalty=1.4, repetition_context_size=8,
-        )  # fmt: skip
+            logit_bias={first: -2.0, prompt[-1]: 4.0},
+            presence_penalty=0.8,
+            frequency_penalty=0.5,
+            repetition_penalty=1.4,
+            repetition_context_size=8,
+        )
         unprocessed, exact = exact, _exact_distribution(model, prompt, Sampler(**settings), 3, processing)
         moved = sum(abs(exact.get(o, 0.0) - unprocessed.get(o, 0.0)) for o in exact.keys() | unprocessed.keys())
         assert moved > 0.5, moved  # the processors change the law

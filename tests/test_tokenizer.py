@@ -222,7 +222,7 @@ def test_either_prompt_form_generates_the_same_tokens():
         (dict(add_generation_prompt=True, continue_final_message=True), "not compatible"),
         (dict(tools=[len]), "tools are JSON schemas"),
     ],
-)  # fmt: skip
+)
 def test_apply_chat_template_refuses_what_it_cannot_honour(keywords, refusal):
     tokenizer = mlx_hybrid.load(FIXTURES / "qwen35" / "hf")[1]
     with pytest.raises(ValueError, match=refusal):
@@ -243,7 +243,7 @@ KIMI_PATTERN = "|".join(
         r"""\s+(?!\S)""",
         r"""\s+""",
     ]
-)  # fmt: skip
+)
 KIMI_TEXTS = [
     "[BOS]<|im_user|>user<|im_middle|>hi<|im_end|>[EOS] and <|reserved_token_300|>",
     "not special: [EOS ] <|im_middle |> [bos]",

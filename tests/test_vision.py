@@ -78,8 +78,9 @@ def test_vision_tower_matches_transformers(family, source):
 def test_logits_with_images_match_transformers(family, source, key):
     """One pass over a prompt with images: their tokens' embeddings and 3-D positions."""
     model, tokenizer, ref, prompt, paths, ids = case(family, source, key)
-    np.testing.assert_allclose(logits_with_images(model, tokenizer, prompt, paths, ids), ref[f"logits_{key}"],
-                               atol=REFERENCE_TOL, rtol=0)  # fmt: skip
+    np.testing.assert_allclose(
+        logits_with_images(model, tokenizer, prompt, paths, ids), ref[f"logits_{key}"], atol=REFERENCE_TOL, rtol=0
+    )
 
 
 def logits_with_images(model, tokenizer, prompt: list[int], paths: list, ids: list[int]) -> np.ndarray:
@@ -131,8 +132,11 @@ def test_dflash_drafting_with_images_matches_transformers(family):
 
     model, tokenizer, ref, prompt, paths, ids = case(family, "hf", "two")
     drafter = load_drafter(FIXTURES / "dflash" / "qwen35-b8-l0-2")
-    responses = list(mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=24, images=paths,
-                                                draft="dflash", draft_model=drafter, draft_p_min=0.0))  # fmt: skip
+    responses = list(
+        mlx_hybrid.stream_generate(
+            model, tokenizer, prompt, max_tokens=24, images=paths, draft="dflash", draft_model=drafter, draft_p_min=0.0
+        )
+    )
     assert [r.token for r in responses] == ref["greedy_two"][0, len(ids) :].tolist()
     assert responses[-1].tokens_per_pass is not None  # it drafted
 
@@ -236,8 +240,9 @@ def test_server_reads_image_urls():
         reply = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
         assert reply.choices[0].message.content == want
         assert reply.usage.prompt_tokens == len(rendered.ids) - 1 + 30  # the image's 30 tokens
-        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
-                                                stream=True)  # fmt: skip
+        stream = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
         assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == want
         truncated = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         broken = [{"role": "user", "content": [truncated]}]
@@ -261,9 +266,13 @@ def test_mlx_vlm_conversions_see_images_as_mlx_vlm_does(family, layout):
     out = model.vision(mx.array(ref["pixel_values_one"]), tuple(ref["grid_thw_one"][0].tolist()))
     np.testing.assert_allclose(np.array(out), ref["vision_one"], atol=TOWER_TOL, rtol=0)
     responses = mlx_hybrid.stream_generate(
-        model, tokenizer, tokenizer.encode(record["prompt"]), max_tokens=len(record["greedy_ids"]),
-        images=images_of(family), draft=None,
-    )  # fmt: skip
+        model,
+        tokenizer,
+        tokenizer.encode(record["prompt"]),
+        max_tokens=len(record["greedy_ids"]),
+        images=images_of(family),
+        draft=None,
+    )
     assert [r.token for r in responses] == record["greedy_ids"]
 
 
@@ -353,8 +362,10 @@ def image_hosts(monkeypatch):
 
         return Handler
 
-    servers = {address: http.server.HTTPServer(("127.0.0.1", 0), handler(body))
-               for address, body in ((PUBLIC, picture.getvalue()), ("127.0.0.1", secret.getvalue()))}  # fmt: skip
+    servers = {
+        address: http.server.HTTPServer(("127.0.0.1", 0), handler(body))
+        for address, body in ((PUBLIC, picture.getvalue()), ("127.0.0.1", secret.getvalue()))
+    }
     for server in servers.values():
         threading.Thread(target=server.serve_forever, daemon=True).start()
     lookups, connections = [], []
