@@ -128,8 +128,9 @@ def request_settings(max_tokens: int, settings: dict) -> tuple[SamplingParams, S
     return request_params(None, max_tokens, sampling), speculation, cache
 
 
-def batch_generate(model, tokenizer, prompts: list, max_tokens: int = 256, *, max_batch: int = 8, images=None,
-                   **settings) -> list[str]:  # fmt: skip
+def batch_generate(
+    model, tokenizer, prompts: list, max_tokens: int = 256, *, max_batch: int = 8, images=None, **settings
+) -> list[str]:
     """The generated text for each prompt (strings or token ids), decoded together.
 
     Settings as `stream_generate`'s, each sequence with its own penalties and grammar; with a seed,

@@ -19,12 +19,23 @@ _NO_PADDING = (False, None, "do_not_pad", "longest", True)  # on a single conver
 
 
 def apply_chat_template(
-    tokenizer, conversation, tools=None, documents=None, chat_template: str | None = None,
-    add_generation_prompt: bool = False, continue_final_message: bool | str = False, tokenize: bool = True,
-    padding=False, truncation: bool = False, max_length: int | None = None, return_tensors: str | None = None,
-    return_dict: bool = False, return_assistant_tokens_mask: bool = False, tokenizer_kwargs: dict | None = None,
+    tokenizer,
+    conversation,
+    tools=None,
+    documents=None,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool | str = False,
+    tokenize: bool = True,
+    padding=False,
+    truncation: bool = False,
+    max_length: int | None = None,
+    return_tensors: str | None = None,
+    return_dict: bool = False,
+    return_assistant_tokens_mask: bool = False,
+    tokenizer_kwargs: dict | None = None,
     **template_variables,
-):  # fmt: skip
+):
     """A conversation (a list of messages; a list of them: one result each) rendered by the chat
     template: its text with tokenize=False, else its token ids (the text encoded without special
     tokens added, as HF does), or with return_dict=True {"input_ids", "attention_mask"};
@@ -46,11 +57,16 @@ def apply_chat_template(
     template = chat_template or tokenizer.chat_template
     if not template:
         raise ValueError("this model has no chat template")
-    variables = dict(
-        tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-        bos_token=tokenizer.bos_token or "",
-        eos_token=tokenizer.decode(tokenizer.eos_token_ids[:1]) if tokenizer.eos_token_ids else "",
-    ) | template_variables  # fmt: skip
+    variables = (
+        dict(
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tokenizer.bos_token or "",
+            eos_token=tokenizer.decode(tokenizer.eos_token_ids[:1]) if tokenizer.eos_token_ids else "",
+        )
+        | template_variables
+    )
     conversations = conversation if batched else [conversation]
     texts = [_render(template, list(messages), continue_final_message, variables) for messages in conversations]
     if not tokenize:

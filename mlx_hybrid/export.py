@@ -186,9 +186,12 @@ def _write_directory(directory: Path, tensors: dict, config: dict, tokenizer, so
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if source_dir is not None:
         for name in (
-            "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
             "preprocessor_config.json",
-        ):  # fmt: skip
+        ):
             if (Path(source_dir) / name).is_file():
                 shutil.copy(Path(source_dir) / name, directory / name)
         return

@@ -31,9 +31,14 @@ def compiler(kind: str = "c") -> str | None:
 
 
 def build_once(
-    name: str, sources: list[Path], command, identity: str = "", timeout: float = 300, compile_steps=(),
+    name: str,
+    sources: list[Path],
+    command,
+    identity: str = "",
+    timeout: float = 300,
+    compile_steps=(),
     announce: str | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """The shared object `name-<hash>.so` built from `sources`, reusing an earlier build.
 
     command(output_path) -> the compiler's argument list; identity: whatever else the build

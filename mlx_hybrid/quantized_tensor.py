@@ -82,9 +82,15 @@ class BlockScales:
 # values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) times an E8M0 power of two. As a table:
 # twice the E2M1 values plus 128, scale 2^(e - 127) / 2, bias -128 scale.
 MXFP4 = BlockScales(
-    1, 1, 0, -128.0, table=(128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116),
-    factor_scale=0.5, exponent_factors=True, mlx_mode="mxfp4",
-)  # fmt: skip
+    1,
+    1,
+    0,
+    -128.0,
+    table=(128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116),
+    factor_scale=0.5,
+    exponent_factors=True,
+    mlx_mode="mxfp4",
+)
 
 
 # GGUF's Q8_0: 8-bit codes q + 128 a group of 32, one float16 d a group (code 1), bias -128 d
@@ -175,9 +181,19 @@ class GridBlocks:
 
 # GGML type name -> its blocks as stored, where our kernels multiply them (loaders/quantized.py: else
 # gguf_blocks.BLOCK_TYPES' form, or dequantized)
-GRID_TYPES = {name: GridBlocks(name, size) for name, size in
-              [("IQ2_XXS", 66), ("IQ2_XS", 74), ("IQ2_S", 82), ("IQ3_XXS", 98), ("IQ3_S", 110), ("IQ1_S", 50),
-               ("IQ1_M", 56), ("TQ1_0", 54)]}  # fmt: skip
+GRID_TYPES = {
+    name: GridBlocks(name, size)
+    for name, size in [
+        ("IQ2_XXS", 66),
+        ("IQ2_XS", 74),
+        ("IQ2_S", 82),
+        ("IQ3_XXS", 98),
+        ("IQ3_S", 110),
+        ("IQ1_S", 50),
+        ("IQ1_M", 56),
+        ("TQ1_0", 54),
+    ]
+}
 
 # How a GGUF file's products compute where the CPU computes (`load(cpu_activations=)`): with float32
 # activations (what the file's dequantized weights compute), or as llama.cpp computes them, each row
@@ -185,13 +201,26 @@ GRID_TYPES = {name: GridBlocks(name, size) for name, size in
 CPU_ACTIVATIONS = ("float32", "int8")
 # the types whose products take 8-bit activations so far: name -> (bits, group size, block form), in
 # the order of the CPU kernel's type numbers
-INT8_TYPES = {"Q8_0": (8, 32, Q8_0), "Q4_K": (4, 32, K_QUANT), "Q6_K": (6, 16, Q6_K), "Q5_0": (5, 32, Q5_0),
-              "Q5_1": (5, 32, D_AND_M), "Q4_0": (4, 32, Q4_0), "Q4_1": (4, 32, D_AND_M),
-              "IQ4_NL": (4, 32, IQ4_NL), "Q5_K": (5, 32, K_QUANT), "Q3_K": (3, 16, Q3_K),
-              "Q2_K": (2, 16, Q2_K), "IQ4_XS": (4, 32, IQ4_XS),
-              **{name: (GridBlocks.BITS, GridBlocks.VALUES, GRID_TYPES[name])
-                 for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0")},
-              "TQ2_0": (2, 32, TERNARY), "MXFP4": (4, 32, MXFP4)}  # fmt: skip
+INT8_TYPES = {
+    "Q8_0": (8, 32, Q8_0),
+    "Q4_K": (4, 32, K_QUANT),
+    "Q6_K": (6, 16, Q6_K),
+    "Q5_0": (5, 32, Q5_0),
+    "Q5_1": (5, 32, D_AND_M),
+    "Q4_0": (4, 32, Q4_0),
+    "Q4_1": (4, 32, D_AND_M),
+    "IQ4_NL": (4, 32, IQ4_NL),
+    "Q5_K": (5, 32, K_QUANT),
+    "Q3_K": (3, 16, Q3_K),
+    "Q2_K": (2, 16, Q2_K),
+    "IQ4_XS": (4, 32, IQ4_XS),
+    **{
+        name: (GridBlocks.BITS, GridBlocks.VALUES, GRID_TYPES[name])
+        for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0")
+    },
+    "TQ2_0": (2, 32, TERNARY),
+    "MXFP4": (4, 32, MXFP4),
+}
 
 
 def int8_number(type_name: str) -> int:
@@ -327,8 +356,9 @@ def dequantize(weight, scales, biases, bits: int, group_size: int, block: BlockS
     if isinstance(block, GridBlocks):
         return block.dequantize(weight)
     if block and block.mlx_mode:
-        return mx.dequantize(weight, scales, None, group_size=group_size, bits=bits, mode=block.mlx_mode,
-                             dtype=mx.float32)  # fmt: skip
+        return mx.dequantize(
+            weight, scales, None, group_size=group_size, bits=bits, mode=block.mlx_mode, dtype=mx.float32
+        )
     if block:
         scales, biases = block.expand(scales, biases)
     scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)

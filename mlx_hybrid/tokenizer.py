@@ -253,10 +253,12 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         tokenizer = _byte_level_bpe(
-            tokens, merges, pre,
+            tokens,
+            merges,
+            pre,
             special=[t for t, k in zip(tokens, types) if k == _CONTROL],
             user_defined=[t for t, k in zip(tokens, types) if k == _USER_DEFINED],
-        )  # fmt: skip
+        )
         eos = _as_list(meta.get("tokenizer.ggml.eos_token_id")) + _as_list(meta.get("tokenizer.ggml.eot_token_id"))
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         return cls(

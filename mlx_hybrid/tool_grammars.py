@@ -24,8 +24,9 @@ def tool_call_style(rendered: str) -> str | None:
     return None
 
 
-def tool_call_grammar(style: str, tools: list[dict], reasoning_opened: bool, is_special=lambda text: False,
-                      parallel: bool = True):  # fmt: skip
+def tool_call_grammar(
+    style: str, tools: list[dict], reasoning_opened: bool, is_special=lambda text: False, parallel: bool = True
+):
     """A `processors.Grammar` (Lark) for output that is one or more calls (one: not `parallel`) to
     `tools` written in `style`, and nothing after them, so that the request ends with its calls.
 

@@ -145,9 +145,12 @@ def add_sampling_settings(p, defaults: bool = True):
     """The SAMPLING_FLAGS; defaults=False leaves a flag not given at None (see `sampling_settings`)."""
     for flag, kind, metavar, default, what in SAMPLING_FLAGS:
         p.add_argument(
-            flag, type=kind, metavar=metavar, default=default if defaults else None,
+            flag,
+            type=kind,
+            metavar=metavar,
+            default=default if defaults else None,
             help=f"{what} (default: {default})" if defaults else what,
-        )  # fmt: skip
+        )
 
 
 def sampling_settings(args) -> dict:
@@ -189,25 +192,40 @@ def grammar_file(kind: str):
 def add_grammar_arguments(p: argparse.ArgumentParser):
     what = p.add_mutually_exclusive_group()
     what.add_argument(
-        "--json-schema", type=grammar_file("json_schema"), default=None, dest="grammar", metavar="FILE",
+        "--json-schema",
+        type=grammar_file("json_schema"),
+        default=None,
+        dest="grammar",
+        metavar="FILE",
         help="the output is JSON valid under the JSON schema in FILE",
-    )  # fmt: skip
+    )
     what.add_argument(
-        "--grammar", type=grammar_file("grammar"), default=None, dest="grammar", metavar="FILE",
+        "--grammar",
+        type=grammar_file("grammar"),
+        default=None,
+        dest="grammar",
+        metavar="FILE",
         help="the output matches the grammar in FILE: llguidance's Lark, or llama.cpp's GBNF (rules with ::=)",
-    )  # fmt: skip
+    )
     what.add_argument(
-        "--regex", type=grammar_file("regex"), default=None, dest="grammar", metavar="R",
+        "--regex",
+        type=grammar_file("regex"),
+        default=None,
+        dest="grammar",
+        metavar="R",
         help="the output matches the regular expression R (Rust regex syntax)",
-    )  # fmt: skip
+    )
 
 
 def sampling_params(args, **changes) -> SamplingParams:
     """The request settings of `add_sampling_arguments`' (and `add_grammar_arguments`') flags."""
     return SamplingParams(
-        max_tokens=args.max_tokens, seed=args.seed, grammar=getattr(args, "grammar", None),
-        **sampling_settings(args), **changes,
-    )  # fmt: skip
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        grammar=getattr(args, "grammar", None),
+        **sampling_settings(args),
+        **changes,
+    )
 
 
 def add_cache_arguments(p: argparse.ArgumentParser):
@@ -243,11 +261,13 @@ def add_draft_arguments(p: argparse.ArgumentParser):
     how.add_argument("--mtp", action="store_const", dest="draft", const="mtp", help="the same as --draft mtp")
     how.add_argument("--no-mtp", action="store_const", dest="draft", const="none", help="the same as --draft none")
     p.add_argument(
-        "--draft-model", default=None, metavar="PATH",
+        "--draft-model",
+        default=None,
+        metavar="PATH",
         help="speculative decoding with this draft model, or a DFlash drafter's directory (its config.json "
         "names DFlashDraftModel; --draft dflash may be given with it). Without it --draft dflash takes the "
         "model's own drafter: the directory <GGUF file stem>-dflash beside the file, as the bundled model has",
-    )  # fmt: skip
+    )
     add_count(
         p,
         "--num-draft-tokens",

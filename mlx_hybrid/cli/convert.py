@@ -39,14 +39,19 @@ def main(argv=None) -> int:
     p.add_argument("--mlx-path", required=True, help="where to write the quantized model")
     p.add_argument("--q-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8], help="bits per weight (default: 4)")
     p.add_argument(
-        "--q-group-size", type=int, default=None, choices=[32, 64, 128],
+        "--q-group-size",
+        type=int,
+        default=None,
+        choices=[32, 64, 128],
         help="group size (default: 64; mxfp4: 32)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--q-mode", default="affine", choices=["affine", *FLOAT_MODES],
+        "--q-mode",
+        default="affine",
+        choices=["affine", *FLOAT_MODES],
         help="quantization mode, as mlx-lm's: affine (a scale and a bias a group) or mxfp4 (4-bit floats "
         "times a power of two a group of 32; MoE routers stay affine in 8 bits) (default: affine)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),

@@ -94,8 +94,10 @@ def main(argv=None) -> int:
     if args.system is not None and not args.chat:
         return fail("--system needs --chat")
     if args.image and not args.chat and "<|image_pad|>" not in prompt:
-        return fail("--image needs --chat (the chat template places the images), or one "
-                    "<|vision_start|><|image_pad|><|vision_end|> per image in the prompt")  # fmt: skip
+        return fail(
+            "--image needs --chat (the chat template places the images), or one "
+            "<|vision_start|><|image_pad|><|vision_end|> per image in the prompt"
+        )
     if args.image and args.prompt_cache_file:
         return fail("--prompt-cache-file keeps text prompts only; it cannot be used with --image")
     if launched() and args.prompt_cache_file:
@@ -168,9 +170,11 @@ class _Generation:
         mx.reset_peak_memory()
         watch = Stopwatch()  # a first run's kernel builds and checks are reported apart
         sequence = self.engine.submit(
-            ids, params=sampling_params(self.args), checkpoint_at=[boundary] if boundary else (),
+            ids,
+            params=sampling_params(self.args),
+            checkpoint_at=[boundary] if boundary else (),
             images=self.args.image,
-        )  # fmt: skip
+        )
         detokenizer = StreamingDetokenizer(self.tokenizer)
         first_at = None
 

@@ -48,9 +48,15 @@ def load_engine(args, **options):
     if args.pipeline and group is None:
         raise GenerationError("--pipeline splits a model over the processes of an mlx.launch run; this is one process")
     model, tokenizer = mlx_hybrid.load(
-        args.model or mlx_hybrid.bundled_model_path(), dtype=args.dtype, compact=args.compact, group=group,
-        pipeline=args.pipeline, mmproj=args.mmproj, mtp=args.mtp_from, cpu_activations=args.cpu_activations,
-    )  # fmt: skip
+        args.model or mlx_hybrid.bundled_model_path(),
+        dtype=args.dtype,
+        compact=args.compact,
+        group=group,
+        pipeline=args.pipeline,
+        mmproj=args.mmproj,
+        mtp=args.mtp_from,
+        cpu_activations=args.cpu_activations,
+    )
     if args.draft_model and args.draft not in (None, "dflash"):
         raise GenerationError(f"--draft {args.draft} and --draft-model contradict each other: give one")
     draft_model = load_draft_model(args.draft_model, dtype=args.dtype) if args.draft_model else None

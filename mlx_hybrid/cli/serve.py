@@ -189,9 +189,15 @@ def main(argv=None) -> int:
     name = args.served_model_name or args.model or mlx_hybrid.bundled_model_path().stem
     defaults = recommended_defaults(tokenizer.generation_defaults) | flags
     served = ServedModel(
-        name, tokenizer, engine, default_max_tokens=args.max_tokens, sampling_defaults=defaults,
-        image_access=image_access, max_images=args.max_images, context=model.args.max_position_embeddings,
-    )  # fmt: skip
+        name,
+        tokenizer,
+        engine,
+        default_max_tokens=args.max_tokens,
+        sampling_defaults=defaults,
+        image_access=image_access,
+        max_images=args.max_images,
+        context=model.args.max_position_embeddings,
+    )
 
     def serve() -> int:
         print(f"{described}\nserving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

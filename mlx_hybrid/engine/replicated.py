@@ -72,8 +72,18 @@ class ReplicatedEngine(Engine):
         self._numbered = 0
         self._stopped = False
 
-    def submit(self, prompt, max_tokens=None, *, params=None, checkpoint_at=(), drafter=None, events=None,
-               images=None, **settings):  # fmt: skip
+    def submit(
+        self,
+        prompt,
+        max_tokens=None,
+        *,
+        params=None,
+        checkpoint_at=(),
+        drafter=None,
+        events=None,
+        images=None,
+        **settings,
+    ):
         """As `Engine.submit`, on rank 0 only, with the engine's own drafter and no images."""
         if not self.leader:
             raise GenerationError("only rank 0 takes requests; the other ranks follow it")

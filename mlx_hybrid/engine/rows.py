@@ -32,8 +32,18 @@ class Row:
     processor: the request's `processors.LogitsProcessor`, or None; images: its `PromptImages`.
     """
 
-    def __init__(self, sequence: Sequence, cache, sampler, stop_tokens, checkpoint_at, drafter=None,
-                 policy: DraftingPolicy | None = None, processor=None, images: PromptImages | None = None):  # fmt: skip
+    def __init__(
+        self,
+        sequence: Sequence,
+        cache,
+        sampler,
+        stop_tokens,
+        checkpoint_at,
+        drafter=None,
+        policy: DraftingPolicy | None = None,
+        processor=None,
+        images: PromptImages | None = None,
+    ):
         self.sequence = sequence
         self.cache = cache
         self.sampler = sampler
@@ -81,8 +91,15 @@ class Row:
             self.drafter.begin(first_token)
             keep_snapshot_buffers(self.cache, self.policy.k)
 
-    def advance(self, hidden: mx.array, accepted: list[int], drafted: int, asked: int, verified: int | None = None,
-                drafter_states=None):  # fmt: skip
+    def advance(
+        self,
+        hidden: mx.array,
+        accepted: list[int],
+        drafted: int,
+        asked: int,
+        verified: int | None = None,
+        drafter_states=None,
+    ):
         """Move on after a pass.
 
         The pass read the row's token and `verified` drafts (default: `drafted`), of which the first

@@ -52,30 +52,42 @@ def set_cpu_activations(model, activations: str | None, path: Path, whole_produc
     if activations == "float32":
         return
     if path.is_dir():
-        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes a GGUF file as llama.cpp does; a "
-                             "Hugging Face or MLX checkpoint computes with float activations")  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: cpu_activations={activations!r} computes a GGUF file as llama.cpp does; a "
+            "Hugging Face or MLX checkpoint computes with float activations"
+        )
     if not whole_products:
-        raise ModelLoadError(f"{path}: cpu_activations={activations!r} computes each product whole, as llama.cpp "
-                             "does; a tensor-parallel split sums its ranks' parts of it (pipeline=True, "
-                             "--pipeline, keeps products whole)")  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: cpu_activations={activations!r} computes each product whole, as llama.cpp "
+            "does; a tensor-parallel split sums its ranks' parts of it (pipeline=True, "
+            "--pipeline, keeps products whole)"
+        )
     refused = {}
     for module in modules:
         if reason := refusal(module):
             refused.setdefault(reason, set()).add(
-                block_type_name(module.bits, module.group_size, module.block) if "scales" in module
-                else {mx.float16: "F16", mx.bfloat16: "BF16"}[module.weight.dtype])  # fmt: skip
+                block_type_name(module.bits, module.group_size, module.block)
+                if "scales" in module
+                else {mx.float16: "F16", mx.bfloat16: "BF16"}[module.weight.dtype]
+            )
     if refused:
         reason, names = next(iter(refused.items()))
-        raise ModelLoadError(f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "
-                             f"this file holds {', '.join(sorted(names))} tensors")  # fmt: skip
+        raise ModelLoadError(
+            f"{path}: cpu_activations={activations!r} (--cpu-activations {activations}): {reason}; "
+            f"this file holds {', '.join(sorted(names))} tensors"
+        )
     held = {}  # the array held for each matrix (by id), where modules share one
     for name, module in named.values():
-        if dtype == mx.float32 and isinstance(module, (QuantizedLinear, QuantizedSwitchLinear)) and (
-                name.split(".")[-1] != "lm_head"):  # fmt: skip
+        if (
+            dtype == mx.float32
+            and isinstance(module, (QuantizedLinear, QuantizedSwitchLinear))
+            and (name.split(".")[-1] != "lm_head")
+        ):
             key = id(module["weight"])
             if key not in held:  # (taken out of the module first: interleaved in its own buffer)
-                held[key] = ops.held_interleaved(module.pop("weight"), module.bits, module.group_size,
-                                                 module.block, _rows_alike(module))  # fmt: skip
+                held[key] = ops.held_interleaved(
+                    module.pop("weight"), module.bits, module.group_size, module.block, _rows_alike(module)
+                )
                 mx.eval(held[key])
             module["weight"] = held[key]
         else:

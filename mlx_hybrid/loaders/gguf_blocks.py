@@ -234,10 +234,14 @@ def block_form_parts(type_name: str, rows: int, cols: int) -> list[tuple[tuple[i
     """The shapes and dtypes of a block form's weight, factors and codes for rows x cols values."""
     bits, group_size, _, block = BLOCK_TYPES[type_name]
     groups = cols // group_size
-    return [((rows, cols * bits // 32), mx.uint32),
-            ((rows, groups // block.groups_per_factor * block.factor_count),
-             mx.uint8 if block.exponent_factors else mx.float16),
-            ((rows, round(groups * block.code_bytes)), mx.int8)]  # fmt: skip
+    return [
+        ((rows, cols * bits // 32), mx.uint32),
+        (
+            (rows, groups // block.groups_per_factor * block.factor_count),
+            mx.uint8 if block.exponent_factors else mx.float16,
+        ),
+        ((rows, round(groups * block.code_bytes)), mx.int8),
+    ]
 
 
 def block_form(raw: np.ndarray, type_name: str) -> QuantizedTensor:
@@ -268,16 +272,32 @@ def block_form(raw: np.ndarray, type_name: str) -> QuantizedTensor:
             q, factors_part, codes_part = parse(part)  # q [rows, blocks, groups, group_size]
             rows = slice(start, start + len(part))
             weight[rows] = pack(q.reshape(-1, cols), bits)
-            factors[rows], codes[rows] = (p.reshape(len(part), -1) if p.size else p.reshape(len(part), 0)
-                                          for p in (factors_part, codes_part))  # fmt: skip
+            factors[rows], codes[rows] = (
+                p.reshape(len(part), -1) if p.size else p.reshape(len(part), 0) for p in (factors_part, codes_part)
+            )
     if parts[0] is None:
         parts = [mx.array(view) for view in views]
     return QuantizedTensor(*(part.reshape(*lead, part.shape[-1]) for part in parts), bits, group_size, block)
 
 
 # The types csrc/gguf_blocks.c unpacks (the parsers above are its reference, and its fallback)
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS",
-                "MXFP4", "TQ2_0", "TQ1_0")  # fmt: skip
+NATIVE_TYPES = (
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q2_K",
+    "Q3_K",
+    "IQ4_NL",
+    "IQ4_XS",
+    "MXFP4",
+    "TQ2_0",
+    "TQ1_0",
+)
 _UNPACK_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "gguf_blocks.c"
 _log = logging.getLogger("mlx_hybrid")
 
@@ -291,8 +311,12 @@ def _native_unpack():
         if cc is None:
             raise BuildError("no C compiler was found (set CC)")
         source = str(_UNPACK_SOURCE)
-        path = build_once("gguf_blocks", [_UNPACK_SOURCE], lambda out: [cc, "-O3", "-shared", "-fPIC", "-o", str(out),
-                                                                          source], timeout=60)  # fmt: skip
+        path = build_once(
+            "gguf_blocks",
+            [_UNPACK_SOURCE],
+            lambda out: [cc, "-O3", "-shared", "-fPIC", "-o", str(out), source],
+            timeout=60,
+        )
         function = ctypes.CDLL(str(path)).mlx_hybrid_unpack_blocks
     except (BuildError, OSError, AttributeError) as e:
         _log.warning("mlx_hybrid: GGUF blocks are unpacked by numpy, slowly (%s)", e)
@@ -321,8 +345,19 @@ def _unpack_in_threads(unpack, type_number: int, blocks: np.ndarray, values: int
 
     def run(start, end):
         at = [part.ctypes.data + start * size for part, size in outputs]
-        return unpack(type_number, blocks.ctypes.data + start * block_bytes, end - start, block_bytes, values, bits,
-                      at[0], at[1], outputs[1][1], at[2], outputs[2][1])  # fmt: skip
+        return unpack(
+            type_number,
+            blocks.ctypes.data + start * block_bytes,
+            end - start,
+            block_bytes,
+            values,
+            bits,
+            at[0],
+            at[1],
+            outputs[1][1],
+            at[2],
+            outputs[2][1],
+        )
 
     if any(list(_threads().map(run, bounds[:-1], bounds[1:]))):
         raise ValueError(f"csrc/gguf_blocks.c does not know GGML type {type_number}")

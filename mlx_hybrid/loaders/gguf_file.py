@@ -77,8 +77,15 @@ class GGUFTensor:
         from gguf import GGMLQuantizationType as T
         from gguf.quants import quant_shape_to_byte_shape
 
-        plain = {T.F32: np.float32, T.F16: np.float16, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
-                 T.I32: np.int32, T.I64: np.int64}  # fmt: skip
+        plain = {
+            T.F32: np.float32,
+            T.F16: np.float16,
+            T.F64: np.float64,
+            T.I8: np.int8,
+            T.I16: np.int16,
+            T.I32: np.int32,
+            T.I64: np.int64,
+        }
         shape, dtype = tuple(reversed(self.shape)), plain.get(self.tensor_type)
         if dtype is None:  # blocks: bytes, a row's blocks along the last axis
             shape, dtype = quant_shape_to_byte_shape(shape, self.tensor_type), np.uint8

@@ -58,20 +58,27 @@ def read_mmproj(path: Path, text_width: int):
 
     patch, merge = need("patch_size"), meta.get("clip.vision.spatial_merge_size", 2)
     args = VisionArgs(
-        depth=need("block_count"), hidden_size=need("embedding_length"), intermediate_size=need("feed_forward_length"),
-        num_heads=need("attention.head_count"), out_hidden_size=need("projection_dim"),
-        num_position_embeddings=shapes.get("v.position_embd.weight", (0,))[0], patch_size=patch,
-        spatial_merge_size=merge, layer_norm_eps=meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6),
-    )  # fmt: skip
+        depth=need("block_count"),
+        hidden_size=need("embedding_length"),
+        intermediate_size=need("feed_forward_length"),
+        num_heads=need("attention.head_count"),
+        out_hidden_size=need("projection_dim"),
+        num_position_embeddings=shapes.get("v.position_embd.weight", (0,))[0],
+        patch_size=patch,
+        spatial_merge_size=merge,
+        layer_norm_eps=meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6),
+    )
     if args.out_hidden_size != text_width:
         raise ModelLoadError(f"{path}: the projector gives width {args.out_hidden_size}, the model's is {text_width}")
     per_token = (patch * merge) ** 2
     processor = ImageProcessor(
         min_pixels=meta.get("clip.vision.image_min_pixels", MMPROJ_MIN_TOKENS * per_token),
         max_pixels=meta.get("clip.vision.image_max_pixels", MMPROJ_MAX_TOKENS * per_token),
-        patch_size=patch, merge_size=merge,
-        image_mean=tuple(need("image_mean")), image_std=tuple(need("image_std")),
-    )  # fmt: skip
+        patch_size=patch,
+        merge_size=merge,
+        image_mean=tuple(need("image_mean")),
+        image_std=tuple(need("image_std")),
+    )
     weights, frames = {}, {}
     for name, load in block_names(reader, 0, keep_quantized=False):
         m = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)", name)

@@ -36,13 +36,18 @@ def _vision_args(config: dict) -> VisionArgs:
         raise ModelLoadError("vision towers with deepstack mergers (Qwen3-VL) are not supported")
     try:
         return VisionArgs(
-            depth=config["depth"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-            num_heads=config["num_heads"], out_hidden_size=config["out_hidden_size"],
-            num_position_embeddings=config["num_position_embeddings"], patch_size=config.get("patch_size", 16),
+            depth=config["depth"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_heads=config["num_heads"],
+            out_hidden_size=config["out_hidden_size"],
+            num_position_embeddings=config["num_position_embeddings"],
+            patch_size=config.get("patch_size", 16),
             temporal_patch_size=config.get("temporal_patch_size", 2),
-            spatial_merge_size=config.get("spatial_merge_size", 2), in_channels=config.get("in_channels", 3),
+            spatial_merge_size=config.get("spatial_merge_size", 2),
+            in_channels=config.get("in_channels", 3),
             rope_theta=(config.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-        )  # fmt: skip
+        )
     except KeyError as e:
         raise ModelLoadError(f"config.json's vision_config lacks {e.args[0]!r}") from None
 

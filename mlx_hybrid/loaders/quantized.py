@@ -62,8 +62,9 @@ def block_type_name(bits: int, group_size: int, block) -> str:
     if isinstance(block, GridBlocks):
         return block.type_name
     held = (bits, group_size, block)
-    return next((name for name, (*layout, _, form) in BLOCK_TYPES.items() if (*layout, form) == held),
-                "MLX's affine groups")  # fmt: skip
+    return next(
+        (name for name, (*layout, _, form) in BLOCK_TYPES.items() if (*layout, form) == held), "MLX's affine groups"
+    )
 
 
 # Compact loading: types with no exact form in MLX's affine groups (of 32 or more) that are

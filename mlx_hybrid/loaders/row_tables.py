@@ -68,8 +68,11 @@ def write_row_tables(path: Path, tables: dict[str, MappedRows], chunk_bytes: int
     inverse = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
     header, offset = {}, 0
     for name, table in tables.items():
-        header[name] = {"dtype": inverse[table.dtype], "shape": list(table.shape),
-                        "data_offsets": [offset, offset + table.nbytes]}  # fmt: skip
+        header[name] = {
+            "dtype": inverse[table.dtype],
+            "shape": list(table.shape),
+            "data_offsets": [offset, offset + table.nbytes],
+        }
         offset += table.nbytes
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data aligned to 8 bytes, as safetensors writes it
@@ -101,8 +104,10 @@ def take_row_tables(tensors: dict, files: list[Path], pattern: str) -> dict[str,
         for index in range(len(shards)):
             path, entry, start = shards[index]
             if entry["dtype"] not in _DTYPES or len(entry["shape"]) != 2:
-                raise ModelLoadError(f"{path}: {table} shard {index}: a {entry['dtype']} table of shape "
-                                     f"{entry['shape']} is not read (2-D float32, float16 or bfloat16)")  # fmt: skip
+                raise ModelLoadError(
+                    f"{path}: {table} shard {index}: a {entry['dtype']} table of shape "
+                    f"{entry['shape']} is not read (2-D float32, float16 or bfloat16)"
+                )
             stored, dtype = _DTYPES[entry["dtype"]]
             begin, _ = entry["data_offsets"]
             arrays.append(np.memmap(path, stored, "r", offset=start + begin, shape=tuple(entry["shape"])))

@@ -54,8 +54,9 @@ def group_quantized(tensors: dict, quantization: dict) -> dict:
         try:
             weight, scales = grouped.pop(path + ".weight"), grouped.pop(name)
             if mode == "affine":
-                tensor = QuantizedTensor(weight, scales, grouped.pop(path + ".biases"), params["bits"],
-                                         params["group_size"])  # fmt: skip
+                tensor = QuantizedTensor(
+                    weight, scales, grouped.pop(path + ".biases"), params["bits"], params["group_size"]
+                )
             else:
                 bits, group_size, form = FLOAT_MODES[mode]
                 if (params.get("bits", bits), params.get("group_size", group_size)) != (bits, group_size):

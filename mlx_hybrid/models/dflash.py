@@ -120,21 +120,27 @@ class DFlashArgs:
             raise ModelLoadError(f"DFlash drafters with rope scaling {rope.get('rope_type', rope.get('type'))!r}")
         softcap = setting("final_logit_softcapping")
         return cls(
-            hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"], num_attention_heads=config["num_attention_heads"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config["num_key_value_heads"],
             head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-            rms_norm_eps=config["rms_norm_eps"], rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e6)),
-            vocab_size=config["vocab_size"], target_layer_ids=list(setting("target_layer_ids")),
-            block_size=int(setting("block_size", 16)), mask_token_id=int(setting("mask_token_id")),
+            rms_norm_eps=config["rms_norm_eps"],
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e6)),
+            vocab_size=config["vocab_size"],
+            target_layer_ids=list(setting("target_layer_ids")),
+            block_size=int(setting("block_size", 16)),
+            mask_token_id=int(setting("mask_token_id")),
             attention_bias=config.get("attention_bias", False),
             input_embedding_scale=float(setting("input_embedding_scale", 1.0)),
             output_multiplier=float(setting("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
-            layer_types=tuple(layer_types), sliding_window=int(window) if window is not None else None,
+            layer_types=tuple(layer_types),
+            sliding_window=int(window) if window is not None else None,
             is_causal=None if config.get("is_causal") is None else bool(config["is_causal"]),
             **{name: int(setting(name)) for name in dflash2_settings},
-        )  # fmt: skip
+        )
 
 
 def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -153,8 +159,13 @@ class DFlashAttention(nn.Module):
     def __init__(self, args: DFlashArgs, layer: int = 0):
         super().__init__()
         self.causal, self.window = args.causal(layer), args.window_of(layer)
-        E, H, Hkv, D, bias = (args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                              args.attention_bias)  # fmt: skip
+        E, H, Hkv, D, bias = (
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            args.attention_bias,
+        )
         self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = H, Hkv, D, args.rope_theta
         self.q_proj = Linear(E, H * D, bias=bias)
         self.k_proj = Linear(E, Hkv * D, bias=bias)
@@ -186,8 +197,9 @@ class DFlashAttention(nn.Module):
             kept = None if counts is None else _plus(counts, T)  # a row's keys: its context and the block
             k, v = cache.update_and_fetch(k, v) if kept is None else cache.update_and_fetch(k, v, counts=kept)
         lengths = None if counts is None else cache.key_lengths
-        out = ops.scaled_dot_product_attention(q, k, v, self.head_dim**-0.5, "causal" if self.causal else None,
-                                               key_lengths=lengths, window=self.window)  # fmt: skip
+        out = ops.scaled_dot_product_attention(
+            q, k, v, self.head_dim**-0.5, "causal" if self.causal else None, key_lengths=lengths, window=self.window
+        )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -218,8 +230,9 @@ class DFlashLayer(nn.Module):
             self.mlp_conv = GroupedDynamicConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
     def __call__(self, x: mx.array, context: mx.array, cache, counts=None) -> mx.array:
-        h = x + self._around("attention_conv", lambda y: self.self_attn(y, context, cache, counts),
-                             self.input_layernorm(x))  # fmt: skip
+        h = x + self._around(
+            "attention_conv", lambda y: self.self_attn(y, context, cache, counts), self.input_layernorm(x)
+        )
         return h + self._around("mlp_conv", self.mlp, self.post_attention_layernorm(h))
 
     def _around(self, conv: str, block, x: mx.array) -> mx.array:
@@ -253,8 +266,10 @@ class DFlashDraftModel(nn.Module):
         return args.hidden_size * max(args.intermediate_size, len(args.target_layer_ids) * args.hidden_size)
 
     def make_cache(self) -> list[KVCache]:
-        return [KVCache() if layer.self_attn.window is None else WindowKVCache(layer.self_attn.window)
-                for layer in self.layers]  # fmt: skip
+        return [
+            KVCache() if layer.self_attn.window is None else WindowKVCache(layer.self_attn.window)
+            for layer in self.layers
+        ]
 
     def block_hidden(self, block_embeddings: mx.array, features: mx.array, cache: list | None, counts=None) -> mx.array:
         """block_embeddings [B, T, E] (the target's embedding of the block's ids), features [B, C, L E] (the

@@ -107,9 +107,15 @@ class KimiDeltaAttention(nn.Module):
         self.group = group
         rows = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj")
         convs = ("q_conv1d_weight", "k_conv1d_weight", "v_conv1d_weight")
-        return {f"{name}.weight": ROWS for name in rows} | {name: ROWS for name in convs} | {
-            "dt_bias": VECTOR, "A": VECTOR, "o_proj.weight": COLUMNS,
-        }  # fmt: skip
+        return (
+            {f"{name}.weight": ROWS for name in rows}
+            | {name: ROWS for name in convs}
+            | {
+                "dt_bias": VECTOR,
+                "A": VECTOR,
+                "o_proj.weight": COLUMNS,
+            }
+        )
 
     def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -123,9 +129,16 @@ class KimiDeltaAttention(nn.Module):
         decay_in = self.f_b_proj(decay_low).reshape(B, T, H, D)  # the decay per head and channel
         norm = ops.OutputNorm(self.o_norm.weight, self.eps, "sigmoid")
         out = linear_attention(
-            mixed, conv_weight, decay_in, beta, self.g_b_proj(gate_low), ops.Decay(self.A, self.dt_bias), norm,
-            cache, ops.HeadShape(H, H, D, D),
-        )  # fmt: skip
+            mixed,
+            conv_weight,
+            decay_in,
+            beta,
+            self.g_b_proj(gate_low),
+            ops.Decay(self.A, self.dt_bias),
+            norm,
+            cache,
+            ops.HeadShape(H, H, D, D),
+        )
         return all_sum(self.o_proj(out), self.group)
 
 

@@ -101,9 +101,14 @@ def quantized_product(x: mx.array, module) -> mx.array:
     """x @ W^T for a module holding a quantized W (weight, scales, and biases but in a float mode
     such as mxfp4), in x's dtype, through `ops` (our CPU kernels where they run)."""
     return ops.quantized_matmul(
-        x, module["weight"], module["scales"], module.get("biases"),
-        group_size=module.group_size, bits=module.bits, block=module.block,
-    )  # fmt: skip
+        x,
+        module["weight"],
+        module["scales"],
+        module.get("biases"),
+        group_size=module.group_size,
+        bits=module.bits,
+        block=module.block,
+    )
 
 
 def mode_form(mode: str):
@@ -141,8 +146,9 @@ class QuantizedLinear(nn.QuantizedLinear):
         chosen = self.__dict__.get("_path_chosen")
         if chosen is None or chosen[0] != key:
             dtype, scales_dtype, block, activations, where = key
-            path = ops.quantized_product_path(dtype, self.bits, self.group_size, block, scales_dtype, activations,
-                                              *where)  # fmt: skip
+            path = ops.quantized_product_path(
+                dtype, self.bits, self.group_size, block, scales_dtype, activations, *where
+            )
             chosen = self.__dict__["_path_chosen"] = (key, path)  # not a parameter: beside the module's tree
         return chosen[1]
 
@@ -202,8 +208,14 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 
     def __call__(self, x):
         biases = self.get("biases")
-        return dequantize(self.weight[x], self.scales[x], None if biases is None else biases[x], self.bits,
-                          self.group_size, self.block)  # fmt: skip
+        return dequantize(
+            self.weight[x],
+            self.scales[x],
+            None if biases is None else biases[x],
+            self.bits,
+            self.group_size,
+            self.block,
+        )
 
     def as_linear(self, x):
         return quantized_product(x, self)
@@ -230,8 +242,9 @@ class SwitchLinear(nn.Module):
 
     def to_quantized(self, group_size: int = 32, bits: int = 4, mode: str = "affine"):
         quantized = QuantizedSwitchLinear(self.weight.shape, _mlx_group(group_size), bits, mode)
-        quantized.update(dict(zip(("weight", "scales", "biases"),
-                                  mx.quantize(self.weight, _mlx_group(group_size), bits, mode=mode))))  # fmt: skip
+        quantized.update(
+            dict(zip(("weight", "scales", "biases"), mx.quantize(self.weight, _mlx_group(group_size), bits, mode=mode)))
+        )
         return _regrouped(quantized, group_size, mode)
 
 
@@ -250,9 +263,15 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         return ops.gather_quantized_matmul(
-            x, self.weight, self.scales, self.get("biases"), indices, group_size=self.group_size, bits=self.bits,
+            x,
+            self.weight,
+            self.scales,
+            self.get("biases"),
+            indices,
+            group_size=self.group_size,
+            bits=self.bits,
             block=self.block,
-        )  # fmt: skip
+        )
 
 
 class SwitchGLU(nn.Module):

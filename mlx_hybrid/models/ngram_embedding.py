@@ -223,11 +223,15 @@ class PLE(nn.Module):
         normed = group_rms_norm(gated, self.norm_conv.weight, self.eps, self.width)
         padded = mx.concatenate([tail, normed], axis=1)
         S = self.conv_tail
-        conv = sum(padded[:, S - (self.kernel - 1 - j) * self.dilation :][:, :T] * self.conv1d_weight[:, j]
-                   for j in range(self.kernel))  # fmt: skip
+        conv = sum(
+            padded[:, S - (self.kernel - 1 - j) * self.dilation :][:, :T] * self.conv1d_weight[:, j]
+            for j in range(self.kernel)
+        )
         kept = mx.array(history[:, -self.history :].astype(np.int32))
         snapshots = None
         if record:
-            snapshots = ([mx.array(history[:, t + 1 : t + 1 + self.history].astype(np.int32)) for t in range(T)],
-                         [padded[:, t + 1 : t + 1 + S] for t in range(T)])  # fmt: skip
+            snapshots = (
+                [mx.array(history[:, t + 1 : t + 1 + self.history].astype(np.int32)) for t in range(T)],
+                [padded[:, t + 1 : t + 1 + S] for t in range(T)],
+            )
         return RecurrentStep(gated + nn.silu(conv), (kept, padded[:, T:]), snapshots)

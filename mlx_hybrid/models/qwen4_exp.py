@@ -71,23 +71,32 @@ class ModelArgs(Qwen35Args):
         if self.hc_count <= 1:
             raise ValueError(f"hc_count must be above 1, got {self.hc_count}")
         if self.mtp_hidden != PRE_NORM:
-            raise ValueError(f"a qwen4_exp MTP head reads the streams before the last mixer ({PRE_NORM!r}), "
-                             f"not {self.mtp_hidden!r}")  # fmt: skip
+            raise ValueError(
+                f"a qwen4_exp MTP head reads the streams before the last mixer ({PRE_NORM!r}), not {self.mtp_hidden!r}"
+            )
         if (self.output_gate_type or "silu") not in ("silu", "sigmoid"):
             raise ValueError(f"output_gate_type {self.output_gate_type!r} is not computed (silu or sigmoid)")
-        indexer = (self.indexer_n_heads, self.indexer_kv_heads, self.indexer_head_dim, self.indexer_budget,
-                   self.indexer_compress_ratio)  # fmt: skip
+        indexer = (
+            self.indexer_n_heads,
+            self.indexer_kv_heads,
+            self.indexer_head_dim,
+            self.indexer_budget,
+            self.indexer_compress_ratio,
+        )
         if FULL in self.layer_types and (None in indexer or self.indexer_kv_heads != 1):
-            raise ValueError("indexed attention needs indexer_n_heads, indexer_head_dim, indexer_budget and "
-                             "indexer_compress_ratio, and indexer_kv_heads 1")  # fmt: skip
+            raise ValueError(
+                "indexed attention needs indexer_n_heads, indexer_head_dim, indexer_budget and "
+                "indexer_compress_ratio, and indexer_kv_heads 1"
+            )
         if FULL in self.layer_types and self.indexer_budget % self.indexer_compress_ratio:
             raise ValueError("indexer_budget must be a multiple of indexer_compress_ratio")
         heads = (self.ngram_size - 1) * self.heads_per_ngram
         if self.ple_layer_ids:
             if heads <= 0 or self.ple_embed_dim % heads:
                 raise ValueError(f"ple_embed_dim {self.ple_embed_dim} must split over {heads} n-gram heads")
-            if any(not 1 <= i <= self.num_hidden_layers or self.layer_types[i - 1] != LINEAR
-                   for i in self.ple_layer_ids):  # fmt: skip
+            if any(
+                not 1 <= i <= self.num_hidden_layers or self.layer_types[i - 1] != LINEAR for i in self.ple_layer_ids
+            ):
                 raise ValueError("ple_layer_ids must name linear-attention layers (one-indexed)")
             if self.eos_token_id is None:
                 raise ValueError("PLE layers need eos_token_id (their n-grams restart after it)")
@@ -149,8 +158,9 @@ class IndexedAttention(GatedAttention):
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         B, T, _ = x.shape
         q, gate, k, v = self.projected(x)
-        index_q, index_k = mx.split(self.index_qk_proj(x).reshape(B, T, self.index_heads + 1, self.index_dim),
-                                    [self.index_heads], axis=2)  # fmt: skip
+        index_q, index_k = mx.split(
+            self.index_qk_proj(x).reshape(B, T, self.index_heads + 1, self.index_dim), [self.index_heads], axis=2
+        )
         out = attend_rows(self._attend, cache, q, k, v, self.q_layernorm(index_q), index_k, reads_key_positions=True)
         return self.gated_output(out, gate)
 
@@ -182,8 +192,9 @@ class IndexedAttention(GatedAttention):
             return mx.array(causal)[:, None]  # every complete block kept
         pooled = index_k[:, 0, : blocks * C].astype(F32).reshape(B, blocks, C, -1).mean(axis=2).astype(index_k.dtype)
         starts = _block_positions(key_positions, C, blocks)
-        pooled = ops.rope_at(self.k_layernorm(pooled)[:, None], self.rope_dims, self.rope_theta, starts,
-                             self.mrope_section)  # fmt: skip
+        pooled = ops.rope_at(
+            self.k_layernorm(pooled)[:, None], self.rope_dims, self.rope_theta, starts, self.mrope_section
+        )
         scores = mx.maximum(index_q.astype(F32) @ pooled.astype(F32).swapaxes(-1, -2), 0).sum(axis=1)  # [B, T, blocks]
         scores = mx.where(mx.array(np.arange(blocks) < complete[..., None]), scores, -mx.inf)
         best = mx.argsort(-scores, axis=-1)[..., : self.blocks_kept]  # [B, T, kept]
@@ -283,8 +294,9 @@ class Model(HybridModel):
             self.vision = VisionTower(args.vision)
 
     def shard(self, group, mode: str = TENSOR):
-        raise ShardingError("qwen4_exp models are not split over ranks yet (their hyper-connections and PLE "
-                            "layers have no split)")  # fmt: skip
+        raise ShardingError(
+            "qwen4_exp models are not split over ranks yet (their hyper-connections and PLE layers have no split)"
+        )
 
     @property
     def kv_features(self) -> tuple[int, ...]:
@@ -301,8 +313,11 @@ class Model(HybridModel):
         return {"ids": ids}
 
     def row_tables(self) -> dict:
-        return {f"layers.{i}.ple.ple_embedding.ngram_embedding.shard_0": layer.ple.table
-                for i, layer in enumerate(self.layers) if layer.has_ple and layer.ple.table is not None}  # fmt: skip
+        return {
+            f"layers.{i}.ple.ple_embedding.ngram_embedding.shard_0": layer.ple.table
+            for i, layer in enumerate(self.layers)
+            if layer.has_ple and layer.ple.table is not None
+        }
 
     def take_stored_values(self, weights: dict) -> dict:
         """Each PLE layer's stored hash values (`ple.hash.*`, `NGramHash.take_stored`)."""

@@ -324,9 +324,19 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
 
 
 def linear_attention(
-    x, conv_weight, a, b, gate, decay: Decay, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
+    x,
+    conv_weight,
+    a,
+    b,
+    gate,
+    decay: Decay,
+    norm: OutputNorm,
+    heads: HeadShape,
+    tail=None,
+    state=None,
+    *,
     snapshots=False,
-) -> LayerResult:  # fmt: skip
+) -> LayerResult:
     """A linear-attention layer's work between its projections (see `reference.linear_attention`):
     on the CPU one primitive of ours where it runs (a decode step's ~300 nodes fewer on
     Qwen3.5-0.8B, each microseconds on MLX's CPU stream); on a GPU one kernel where the rule runs
@@ -362,6 +372,19 @@ def linear_attention(
             x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots=snapshots
         )
     return reference.linear_attention(
-        x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots=snapshots,
-        conv=conv1d_update, rule=gated_delta_update, l2=l2_normalize, rms=rms_norm,
-    )  # fmt: skip
+        x,
+        conv_weight,
+        a,
+        b,
+        gate,
+        decay,
+        norm,
+        heads,
+        tail,
+        state,
+        snapshots=snapshots,
+        conv=conv1d_update,
+        rule=gated_delta_update,
+        l2=l2_normalize,
+        rms=rms_norm,
+    )

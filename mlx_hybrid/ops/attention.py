@@ -64,8 +64,9 @@ def _row_attention(q, k, v, scale: float, causal: bool, key_lengths):
     if platform is None:
         return None
     form = row_kernels.attention_form(q.shape, q.dtype, *row_kernels.entries_of(k, v), causal)
-    if form is None or not selfcheck.passed(row_kernels.ROW_ATTENTION, row_kernels.small_attention_case, platform,
-                                            *form.variant):  # fmt: skip
+    if form is None or not selfcheck.passed(
+        row_kernels.ROW_ATTENTION, row_kernels.small_attention_case, platform, *form.variant
+    ):
         return None
     launch = row_kernels.attention_form_launch(form, q, k, v, scale, row_kernels.key_counts_of(q, k, key_lengths))
     return gpu_kernels.run(row_kernels.ROW_ATTENTION, launch, platform)[0]

@@ -18,9 +18,19 @@ def keep_to_one_thread(value: bool):
 
 
 def linear_attention(
-    x, conv_weight, a, b, gate, decay: Decay, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
+    x,
+    conv_weight,
+    a,
+    b,
+    gate,
+    decay: Decay,
+    norm: OutputNorm,
+    heads: HeadShape,
+    tail=None,
+    state=None,
+    *,
     snapshots=False,
-) -> LayerResult:  # fmt: skip
+) -> LayerResult:
     """Shapes as in `reference.linear_attention`; x and tail float32. Each token's bits are the same
     whatever tokens or rows come with it."""
     B, T, C = x.shape
@@ -30,9 +40,23 @@ def linear_attention(
     if state is None:
         state = mx.zeros((B, Hv, Dk, Dv), dtype=mx.float32)
     out, new_tail, *rest = extension().linear_attention(
-        x, conv_weight, tail, a, b, decay.A, decay.dt_bias, gate, norm.weight, state, Hk, Dk**-0.5, L2_EPS, norm.eps,
-        norm.activation == "sigmoid", snapshots,
-    )  # fmt: skip
+        x,
+        conv_weight,
+        tail,
+        a,
+        b,
+        decay.A,
+        decay.dt_bias,
+        gate,
+        norm.weight,
+        state,
+        Hk,
+        Dk**-0.5,
+        L2_EPS,
+        norm.eps,
+        norm.activation == "sigmoid",
+        snapshots,
+    )
     if not snapshots:
         return LayerResult(out, new_tail, rest[0], None, None)
     tails, *states = rest

@@ -51,9 +51,15 @@ def _layout(block: BlockScales | None) -> dict:
     """A block form's description as the kernels take it (keywords; none for MLX's affine groups)."""
     if block is None:
         return {}
-    return {"groups_per_factor": block.groups_per_factor, "factor_count": block.factor_count,
-            "code_count": block.code_count, "code_bits": block.code_bits, "bias_ratio": block.bias_ratio,
-            "factor_scale": block.factor_scale, "table": list(block.table)}  # fmt: skip
+    return {
+        "groups_per_factor": block.groups_per_factor,
+        "factor_count": block.factor_count,
+        "code_count": block.code_count,
+        "code_bits": block.code_bits,
+        "bias_ratio": block.bias_ratio,
+        "factor_scale": block.factor_scale,
+        "table": list(block.table),
+    }
 
 
 def quantized_matmul(x, w, scales, biases, group_size: int, bits: int, block=None) -> mx.array:
@@ -117,8 +123,11 @@ def small_case(_platform, bits: int, group_size: int, scales_form):
     got = [quantized_matmul(rows, *one, group_size, bits, tensor.block) for rows in (x[:1], x[:9], x)]
     want = [mlx_product(rows, 1) for rows in (x[:1], x[:9], x)]
     got.append(gather_quantized_matmul(x[:2, None], *parts, indices, group_size, bits, tensor.block))
-    want.append(mx.stack([mx.concatenate([mlx_product(x[t : t + 1], e) for e in row]) for t, row in
-                          enumerate(indices.tolist())]))  # fmt: skip
+    want.append(
+        mx.stack(
+            [mx.concatenate([mlx_product(x[t : t + 1], e) for e in row]) for t, row in enumerate(indices.tolist())]
+        )
+    )
     return got, want
 
 
@@ -161,8 +170,9 @@ def int8_matmuls(x, matrices) -> list:
     return extension().int8_matmuls(x, matrices)
 
 
-def int8_gather_matmul(x, w, factors, codes, indices, held_type: int, grid: mx.array | None = None,
-                       interleaved: bool = False) -> mx.array:  # fmt: skip
+def int8_gather_matmul(
+    x, w, factors, codes, indices, held_type: int, grid: mx.array | None = None, interleaved: bool = False
+) -> mx.array:
     """`int8_matmul` for x [T, 1 or k, K] against the matrices of w [E, N, ...] chosen by indices [T, k]:
     float32 [T, k, N]."""
     return extension().int8_gather_matmul(x, w, factors, codes, indices, held_type, grid, interleaved)
@@ -212,17 +222,31 @@ def small_case_int8(_platform):
     six_bits, three_bits = ref.random_groups16(rng, (3, 24, 512)), ref.random_groups16(rng, (3, 24, 512), 3)
     two_bits = ref.random_q2_k(rng, (3, 24, 512))
     xs_four = ref.random_iq4_xs(rng, (3, 24, 512))
-    cases = [(ref.held_q8_0(codes, d), lambda rows, e: ref.q8_0_reference(rows, codes[e], d[e]), "Q8_0"),
-             (ref.held_k_quant(four_bits[0], 4, *four_bits[1:]),
-              lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in four_bits)), "Q4_K"),
-             (ref.held_groups16(six_bits[0], 6, *six_bits[1:]),
-              lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in six_bits), 32), "Q6_K"),
-             (ref.held_groups16(three_bits[0], 3, *three_bits[1:]),
-              lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in three_bits), 4), "Q3_K"),
-             (ref.held_q2_k(*two_bits), lambda rows, e: ref.q2_k_reference(rows, *(a[e] for a in two_bits)), "Q2_K"),
-             (ref.held_iq4_xs(*xs_four), lambda rows, e: ref.iq4_xs_reference(rows, *(a[e] for a in xs_four)), "IQ4_XS"),
-             (ref.held_k_quant(five_bits[0], 5, *five_bits[1:]),
-              lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in five_bits)), "Q5_K")]  # fmt: skip
+    cases = [
+        (ref.held_q8_0(codes, d), lambda rows, e: ref.q8_0_reference(rows, codes[e], d[e]), "Q8_0"),
+        (
+            ref.held_k_quant(four_bits[0], 4, *four_bits[1:]),
+            lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in four_bits)),
+            "Q4_K",
+        ),
+        (
+            ref.held_groups16(six_bits[0], 6, *six_bits[1:]),
+            lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in six_bits), 32),
+            "Q6_K",
+        ),
+        (
+            ref.held_groups16(three_bits[0], 3, *three_bits[1:]),
+            lambda rows, e: ref.groups16_reference(rows, *(a[e] for a in three_bits), 4),
+            "Q3_K",
+        ),
+        (ref.held_q2_k(*two_bits), lambda rows, e: ref.q2_k_reference(rows, *(a[e] for a in two_bits)), "Q2_K"),
+        (ref.held_iq4_xs(*xs_four), lambda rows, e: ref.iq4_xs_reference(rows, *(a[e] for a in xs_four)), "IQ4_XS"),
+        (
+            ref.held_k_quant(five_bits[0], 5, *five_bits[1:]),
+            lambda rows, e: ref.k_quant_reference(rows, *(a[e] for a in five_bits)),
+            "Q5_K",
+        ),
+    ]
     # the 32-value types (5, 4 and 4 bits with an offset, Q5_1 and Q4_1 with m, IQ4_NL's table)
     for type_name, bits, with_m, reference in [
         ("Q5_0", 5, False, lambda x, q, d: ref.offset_reference(x, q, d, 16)),
@@ -232,8 +256,13 @@ def small_case_int8(_platform):
         ("IQ4_NL", 4, False, ref.iq4_nl_reference),
     ]:
         weights = ref.random_b32(rng, (3, 24, 512), bits, with_m)
-        cases.append((ref.held_b32(weights[0], bits, *weights[1:]),
-                      lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)), type_name))  # fmt: skip
+        cases.append(
+            (
+                ref.held_b32(weights[0], bits, *weights[1:]),
+                lambda rows, e, w=weights, f=reference: f(rows, *(a[e] for a in w)),
+                type_name,
+            )
+        )
     for seed, name in enumerate(GRID_TYPES):
         tensor = ref.random_grid_weights((3, 24, 512), GRID_TYPES[name], 12 + seed)
         blocks = np.array(tensor.weight)
@@ -266,6 +295,12 @@ def small_case_int8(_platform):
         got += [half_matmul(mx.array(rows[:n]), w[1]) for n in (1, 9)]
         want += [ref.half_reference(rows[:n], values[1], dtype == mx.bfloat16) for n in (1, 9)]
         got.append(half_gather_matmul(mx.array(rows[:2, None]), w, mx.array(indices)))
-        want.append(np.stack([[ref.half_reference(rows[t : t + 1], values[e], dtype == mx.bfloat16)[0] for e in row]
-                              for t, row in enumerate(indices)]))  # fmt: skip
+        want.append(
+            np.stack(
+                [
+                    [ref.half_reference(rows[t : t + 1], values[e], dtype == mx.bfloat16)[0] for e in row]
+                    for t, row in enumerate(indices)
+                ]
+            )
+        )
     return got, [mx.array(a.astype(np.float32)) for a in want]

@@ -202,9 +202,12 @@ __device__ inline float simd_sum(float value) {
 @lru_cache(maxsize=None)
 def _metal_kernel(spec: KernelSpec):
     return mx.fast.metal_kernel(
-        name=spec.name, input_names=list(spec.input_names), output_names=list(spec.output_names), source=spec.source,
+        name=spec.name,
+        input_names=list(spec.input_names),
+        output_names=list(spec.output_names),
+        source=spec.source,
         ensure_row_contiguous=spec.contiguous_inputs,
-    )  # fmt: skip
+    )
 
 
 @lru_cache(maxsize=None)

@@ -214,8 +214,9 @@ def q8_k_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(x.shape), d
 
 
-def k_quant_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
-                      m: np.ndarray, group: int = 32) -> np.ndarray:  # fmt: skip
+def k_quant_reference(
+    x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray, group: int = 32
+) -> np.ndarray:
     """llama.cpp's Q4_K and Q5_K (groups of 32) and Q2_K (groups of 16) products the slow obvious way
     (float64 sums): x [M, K] float32 quantized as `q8_k_rows`, the weight's values q [N, K], float16 d
     and dmin [N, K / 256] and codes sc and m [N, K / group]: per block d_w d_x sum_j sc_j (q . x codes
@@ -240,8 +241,9 @@ def groups16_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, sc: np.ndarr
     return (blocks * d.astype(np.float64)[None] * d_x.astype(np.float64)[:, None]).sum(-1)
 
 
-def q2_k_reference(x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray,
-                   m: np.ndarray) -> np.ndarray:  # fmt: skip
+def q2_k_reference(
+    x: np.ndarray, q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray
+) -> np.ndarray:
     """llama.cpp's Q2_K product the slow obvious way: `k_quant_reference` over groups of 16 (2-bit values,
     4-bit sc and m [N, K / 16])."""
     return k_quant_reference(x, q, d, dmin, sc, m, group=16)

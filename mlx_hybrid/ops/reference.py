@@ -273,9 +273,23 @@ class LayerResult(NamedTuple):
 
 
 def linear_attention(
-    x, conv_weight, a, b, gate, decay: Decay, norm: OutputNorm, heads: HeadShape, tail=None, state=None, *,
-    snapshots: bool = False, conv=causal_conv1d_silu, rule=gated_delta_recurrent, l2=l2_normalize, rms=rms_norm,
-) -> LayerResult:  # fmt: skip
+    x,
+    conv_weight,
+    a,
+    b,
+    gate,
+    decay: Decay,
+    norm: OutputNorm,
+    heads: HeadShape,
+    tail=None,
+    state=None,
+    *,
+    snapshots: bool = False,
+    conv=causal_conv1d_silu,
+    rule=gated_delta_recurrent,
+    l2=l2_normalize,
+    rms=rms_norm,
+) -> LayerResult:
     """A linear-attention layer's work between its projections: the causal conv + SiLU over
     x = q|k|v [B, T, 2 Hk Dk + Hv Dv], q and k L2-normalised (q scaled by Dk**-0.5), the gated
     delta rule from `state` with the `gates` of a and b, then the output norm with gate
@@ -315,8 +329,9 @@ class QuantizedEntries(NamedTuple):
     def leading(self, features: int) -> QuantizedEntries:
         """The first `features` of each entry (a multiple of the group size): views of the same arrays."""
         words, groups = features * self.bits // 32, features // self.group_size
-        return self._replace(codes=self.codes[..., :words], scales=self.scales[..., :groups],
-                             biases=self.biases[..., :groups])  # fmt: skip
+        return self._replace(
+            codes=self.codes[..., :words], scales=self.scales[..., :groups], biases=self.biases[..., :groups]
+        )
 
 
 def quantized_attention(q, keys: QuantizedEntries, values: QuantizedEntries, scale: float, mask=None) -> mx.array:

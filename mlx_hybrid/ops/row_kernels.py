@@ -24,9 +24,12 @@ from .reference import QuantizedEntries
 
 NOT_INVARIANT = "using MLX's own kernel for it, no longer row-invariant (greedy speculation may leave plain decoding)"
 ROW_PRODUCT = KernelSpec(
-    "mlx_hybrid_row_product", "row_product.metal", ("x", "w", "scales", "biases", "indices"), ("out",),
+    "mlx_hybrid_row_product",
+    "row_product.metal",
+    ("x", "w", "scales", "biases", "indices"),
+    ("out",),
     fallback=NOT_INVARIANT,
-)  # fmt: skip
+)
 ROW_ATTENTION = KernelSpec(
     "mlx_hybrid_row_attention",
     "row_attention.metal",
@@ -84,8 +87,15 @@ def product_form(x_shape, dtype, w_shape, w_dtype, bits: int, group_size: int, i
     rows = 1 if experts else rows_a_threadgroup(M)
     columns = COLUMNS_A_SIMDGROUP if N >= COLUMNS_A_SIMDGROUP else 1
     simdgroups = min(SIMDGROUPS, math.ceil(N / columns))
-    template = [("T", dtype), ("Bits", bits), ("GroupSize", group_size or 1), ("Rows", rows), ("Columns", columns),
-                ("Experts", experts), ("Share", share)]  # fmt: skip
+    template = [
+        ("T", dtype),
+        ("Bits", bits),
+        ("GroupSize", group_size or 1),
+        ("Rows", rows),
+        ("Columns", columns),
+        ("Experts", experts),
+        ("Share", share),
+    ]
     grid = (32, simdgroups * math.ceil(N / (simdgroups * columns)), math.ceil(M / rows))
     out_shape = (*indices_shape, 1, N) if experts else (*x_shape[:-1], N)
     variant = (dtype, bits or w_dtype, group_size, rows, share if experts else 0)
@@ -96,18 +106,27 @@ def form_launch(form: ProductForm, x, w, scales=None, biases=None, indices=None)
     """A product's launch of this form (unread inputs: a one-element array)."""
     unused = _unused()
     return Launch(
-        inputs=[x, w, unused if scales is None else scales, unused if biases is None else biases,
-                _unused(mx.int32) if indices is None else indices],  # fmt: skip
-        template=form.template, grid=form.grid, threadgroup=form.threadgroup, output_shapes=[form.output_shape],
+        inputs=[
+            x,
+            w,
+            unused if scales is None else scales,
+            unused if biases is None else biases,
+            _unused(mx.int32) if indices is None else indices,
+        ],
+        template=form.template,
+        grid=form.grid,
+        threadgroup=form.threadgroup,
+        output_shapes=[form.output_shape],
         output_dtypes=[x.dtype],
-    )  # fmt: skip
+    )
 
 
 def product_launch(x, w, scales=None, biases=None, indices=None, *, bits: int = 0, group_size: int = 0) -> Launch:
     """`product_form`'s launch for these arrays (indices: int32 or uint32, as a router's top-k gives them)."""
     chosen = None if indices is None else indices.shape
-    return form_launch(product_form(x.shape, x.dtype, w.shape, w.dtype, bits, group_size, chosen), x, w, scales,
-                       biases, indices)  # fmt: skip
+    return form_launch(
+        product_form(x.shape, x.dtype, w.shape, w.dtype, bits, group_size, chosen), x, w, scales, biases, indices
+    )
 
 
 def rows_a_threadgroup(rows: int) -> int:
@@ -155,8 +174,15 @@ def attention_form(q_shape, dtype, kv_heads: int, value_dim: int, bits, group_si
     if bits is None or (bits and (bits not in QUANTIZED_BITS or group_size not in GROUP_SIZES)):
         return None
     groups = key_groups(value_dim)
-    template = [("T", dtype), ("Bits", bits), ("GroupSize", group_size), ("Dk", Dk), ("Dv", value_dim),
-                ("Causal", causal), ("KeyGroups", groups)]  # fmt: skip
+    template = [
+        ("T", dtype),
+        ("Bits", bits),
+        ("GroupSize", group_size),
+        ("Dk", Dk),
+        ("Dv", value_dim),
+        ("Causal", causal),
+        ("KeyGroups", groups),
+    ]
     variant = (dtype, bits, group_size, Dk, value_dim, causal)
     return AttentionForm(variant, template, (32, groups, B * H * T), (32, groups, 1), (B, H, T, value_dim))
 
@@ -168,9 +194,13 @@ def attention_form_launch(form: AttentionForm, q, k, v, scale: float, lengths: m
     else:
         arrays = [k.codes, v.codes, k.scales, k.biases, v.scales, v.biases]
     return Launch(
-        inputs=[q, *arrays, lengths, _scale(scale)], template=form.template, grid=form.grid,
-        threadgroup=form.threadgroup, output_shapes=[form.output_shape], output_dtypes=[q.dtype],
-    )  # fmt: skip
+        inputs=[q, *arrays, lengths, _scale(scale)],
+        template=form.template,
+        grid=form.grid,
+        threadgroup=form.threadgroup,
+        output_shapes=[form.output_shape],
+        output_dtypes=[q.dtype],
+    )
 
 
 def attention_launch(q, k, v, scale: float, causal: bool, lengths: mx.array) -> Launch:

@@ -157,9 +157,18 @@ def linear_attention_args(rng, B: int, T: int, heads, width: int, vector_gate: b
     )
     norm = reference.OutputNorm(1 + array(Dv, 0.1), 1e-6, activation)
     a = array((B, T, Hv, Dk) if vector_gate else (B, T, Hv), dtype=dtype)
-    return (array((B, T, C), dtype=dtype), array((C, width), 0.5), a, array((B, T, Hv), dtype=dtype),
-            array((B, T, Hv * Dv), dtype=dtype), decay, norm, heads, array((B, width - 1, C), dtype=dtype),
-            array((B, Hv, Dk, Dv)))  # fmt: skip
+    return (
+        array((B, T, C), dtype=dtype),
+        array((C, width), 0.5),
+        a,
+        array((B, T, Hv), dtype=dtype),
+        array((B, T, Hv * Dv), dtype=dtype),
+        decay,
+        norm,
+        heads,
+        array((B, width - 1, C), dtype=dtype),
+        array((B, Hv, Dk, Dv)),
+    )
 
 
 def small_linear_attention_case(platform, vector_gate: bool, activation: str, snapshots: bool, *shape):
@@ -168,9 +177,15 @@ def small_linear_attention_case(platform, vector_gate: bool, activation: str, sn
     4, float32), or the GPU body at a call's shape = (dtype, key_dim, value_dim, width)."""
     dtype, key_dim, value_dim, width = shape or (mx.float32, 20, 44, 4)
     args = linear_attention_args(
-        np.random.default_rng(0), 1, 3, reference.HeadShape(1, 2, key_dim, value_dim), width, vector_gate,
-        activation, dtype,
-    )  # fmt: skip
+        np.random.default_rng(0),
+        1,
+        3,
+        reference.HeadShape(1, 2, key_dim, value_dim),
+        width,
+        vector_gate,
+        activation,
+        dtype,
+    )
     want = _layer_arrays(reference.linear_attention(*args, snapshots=snapshots))
     if platform == "cpu":
         got = _layer_arrays(cpu_kernels.linear_attention(*args, snapshots=snapshots))

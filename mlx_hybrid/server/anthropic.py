@@ -120,8 +120,10 @@ def _messages(body: CountTokensRequest) -> list[dict]:
         messages.append({"role": "system", "content": body.system})
     elif body.system:  # blocks: their texts joined by a blank line, their marks kept
         last = len(body.system) - 1
-        parts = [_marked({"type": "text", "text": b.text + ("\n\n" if k < last else "")}, b.model_extra)
-                 for k, b in enumerate(body.system)]  # fmt: skip
+        parts = [
+            _marked({"type": "text", "text": b.text + ("\n\n" if k < last else "")}, b.model_extra)
+            for k, b in enumerate(body.system)
+        ]
         messages.append({"role": "system", "content": parts})
     for i, message in enumerate(body.messages):
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
@@ -214,8 +216,11 @@ def _assistant_turn(blocks: list[dict], where: str) -> dict:
 
 def _tool(i: int, tool: dict) -> dict:
     if tool.get("type") not in (None, "custom"):
-        raise ApiError(400, f"tools.{i}: tools of type {tool['type']!r} (Anthropic's server tools) are not supported",
-                       param=f"tools.{i}.type")  # fmt: skip
+        raise ApiError(
+            400,
+            f"tools.{i}: tools of type {tool['type']!r} (Anthropic's server tools) are not supported",
+            param=f"tools.{i}.type",
+        )
     if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
         raise ApiError(400, f"tools.{i}: a tool needs a name and an input_schema object", param=f"tools.{i}")
     function = {"name": tool["name"], "parameters": tool["input_schema"]}
@@ -252,8 +257,11 @@ def _thinking(body: CountTokensRequest, tokenizer) -> tuple[dict, int | None]:
     if kind == "enabled":
         max_tokens = getattr(body, "max_tokens", None)
         if not isinstance(budget, int) or budget < 1 or (max_tokens is not None and budget >= max_tokens):
-            raise ApiError(400, "thinking.budget_tokens must be an integer >= 1 and less than max_tokens",
-                           param="thinking.budget_tokens")  # fmt: skip
+            raise ApiError(
+                400,
+                "thinking.budget_tokens must be an integer >= 1 and less than max_tokens",
+                param="thinking.budget_tokens",
+            )
     if thinking.get("display") not in (None, "summarized", "omitted"):
         raise ApiError(400, "thinking.display must be summarized or omitted", param="thinking.display")
     return {"enable_thinking": kind != "disabled"}, budget
@@ -291,8 +299,12 @@ def _stop(ending, called: bool) -> tuple[str, str | None]:
 
 def _tool_use(call: dict) -> dict:
     function = call["function"]
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": function["name"],
-            "input": json.loads(function["arguments"])}  # fmt: skip
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": function["name"],
+        "input": json.loads(function["arguments"]),
+    }
 
 
 def _omitted(body) -> bool:
@@ -300,8 +312,13 @@ def _omitted(body) -> bool:
 
 
 def _envelope(chat) -> dict:
-    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": chat.model,
-            "content": []}  # fmt: skip
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": chat.model,
+        "content": [],
+    }
 
 
 async def reply(chat, body: MessagesRequest, request) -> dict:
@@ -364,6 +381,12 @@ async def events(chat, body: MessagesRequest):
     if open_kind:
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
     stop_reason, stop_sequence = _stop(ending, called)
-    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                            "usage": _usage(chat)}  # fmt: skip
+    yield (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": _usage(chat),
+        },
+    )
     yield "message_stop", {"type": "message_stop"}

@@ -97,8 +97,12 @@ def create_app(served: ServedModel, api_key: str | None = None, max_request_byte
 
     @app.get("/health")
     async def health():
-        health = {"status": "ok", **served.engine.occupancy, "memory": served.engine.memory,
-                  "prefix_cache": served.engine.checkpoints}  # fmt: skip
+        health = {
+            "status": "ok",
+            **served.engine.occupancy,
+            "memory": served.engine.memory,
+            "prefix_cache": served.engine.checkpoints,
+        }
         if served.engine.drafter is not None:  # over the requests finished so far
             health["speculation"] = served.engine.speculation_stats.summary()
         if served.engine.kv_bits is not None:
@@ -187,12 +191,16 @@ async def _render_chat(served: ServedModel, body: ChatCompletionRequest):
         marks += [(index, chars) for chars in ends]
     if len(images) > served.max_images:
         raise ApiError(
-            400, f"{len(images)} images: a request may have {served.max_images} (the server's --max-images)",
+            400,
+            f"{len(images)} images: a request may have {served.max_images} (the server's --max-images)",
             param="messages",
-        )  # fmt: skip
+        )
     if len(marks) > MAX_CACHE_MARKS:
-        raise ApiError(400, f"A maximum of {MAX_CACHE_MARKS} blocks with cache_control may be provided. "
-                       f"Found {len(marks)}.", param="messages")  # fmt: skip
+        raise ApiError(
+            400,
+            f"A maximum of {MAX_CACHE_MARKS} blocks with cache_control may be provided. Found {len(marks)}.",
+            param="messages",
+        )
     rendered = await run_in_threadpool(_render, served.tokenizer, messages, options, served.context, marks)
     return rendered, tools, images
 
@@ -206,8 +214,16 @@ async def _start_chat(served: ServedModel, body: ChatCompletionRequest, reasonin
     top = (body.top_logprobs or 0) if body.logprobs else None
     if images:  # decoded off the event loop
         images = await run_in_threadpool(_read_images, images, served.image_access)
-    run = RequestRun.submit(served, body, rendered.ids, top, checkpoint_at=rendered.boundaries, grammar=grammar,
-                      images=images, reasoning_budget=reasoning_budget)  # fmt: skip
+    run = RequestRun.submit(
+        served,
+        body,
+        rendered.ids,
+        top,
+        checkpoint_at=rendered.boundaries,
+        grammar=grammar,
+        images=images,
+        reasoning_budget=reasoning_budget,
+    )
     one_call = bool(tools) and not body.parallel_tool_calls and grammar is None
     # no tools offered (or tool_choice "none"): the model's call markup comes back as text
     parser = OutputParser(tools=tools, reasoning_opened=reasoning_opened, tool_calls=bool(tools))
@@ -282,8 +298,9 @@ def _read_images(urls: list[str], access: ImageAccess) -> list:
 def _render(tokenizer, messages, options, context, marks=()):
     try:
         if options.get("tools") and not tokenizer.renders_tools:
-            raise ApiError(400, "this model's chat template does not render tools: it would never see them",
-                           param="tools")  # fmt: skip
+            raise ApiError(
+                400, "this model's chat template does not render tools: it would never see them", param="tools"
+            )
         return chat_prompt(tokenizer, messages, context=context, marks=marks, **options)
     except ContextOverflowError as e:
         raise ApiError(400, str(e), "context_length_exceeded", "messages") from None
@@ -314,16 +331,22 @@ def _tool_choice_grammar(tokenizer, body, tools: list[dict], reasoning_opened: b
     if choice != "required":
         tools = [tool for tool in tools if tool["function"]["name"] == choice.function.name]
         if not tools:
-            raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                           param="tool_choice")  # fmt: skip
+            raise ApiError(
+                400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+            )
     if (body.response_format or {}).get("type", "text") != "text":
-        raise ApiError(400, "tool_choice and response_format both constrain the output: give one",
-                       param="response_format")  # fmt: skip
+        raise ApiError(
+            400, "tool_choice and response_format both constrain the output: give one", param="response_format"
+        )
     style = tool_call_style(tokenizer.rendered_tool_call)
     if style is None:
-        raise ApiError(400, f"tool_choice {'required' if choice == 'required' else 'naming a function'} needs the "
-                       "model's tool-call format, and this chat template writes none the server knows "
-                       f"({', '.join(TOOL_CALL_STYLES)})", param="tool_choice")  # fmt: skip
+        raise ApiError(
+            400,
+            f"tool_choice {'required' if choice == 'required' else 'naming a function'} needs the "
+            "model's tool-call format, and this chat template writes none the server knows "
+            f"({', '.join(TOOL_CALL_STYLES)})",
+            param="tool_choice",
+        )
     try:
         return tool_call_grammar(style, tools, reasoning_opened, tokenizer.is_special_token, body.parallel_tool_calls)
     except GenerationError as e:

@@ -77,9 +77,16 @@ class RequestRun:
 
     @classmethod
     def submit(
-        cls, served: ServedModel, body, prompt, logprobs: int | None, checkpoint_at=(), grammar=None, images=(),
+        cls,
+        served: ServedModel,
+        body,
+        prompt,
+        logprobs: int | None,
+        checkpoint_at=(),
+        grammar=None,
+        images=(),
         reasoning_budget=None,
-    ) -> "RequestRun":  # fmt: skip
+    ) -> "RequestRun":
         events = Events()
         asked = {PARAM_NAMES.get(name, name): getattr(body, name) for name in SAMPLING_FIELDS}
         sampling = served.sampling_defaults | {name: value for name, value in asked.items() if value is not None}

@@ -35,9 +35,17 @@ MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 MAX_CACHE_MARKS = 4
 
 IGNORED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
-     "cache_prompt"}
-)  # fmt: skip
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "cache_prompt",
+    }
+)
 
 
 class ApiError(Exception):
@@ -58,8 +66,14 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
-_ANTHROPIC_ERRORS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                     413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}  # fmt: skip
+_ANTHROPIC_ERRORS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 
 
 class Strict(BaseModel):

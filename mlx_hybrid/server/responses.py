@@ -87,8 +87,9 @@ def chat_request(body: ResponsesRequest, tokenizer) -> tuple[ChatCompletionReque
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         if "enable_thinking" not in (tokenizer.chat_template or ""):
-            raise ApiError(400, "reasoning.effort: this model's chat template has no thinking switch",
-                           param="reasoning.effort")  # fmt: skip
+            raise ApiError(
+                400, "reasoning.effort: this model's chat template has no thinking switch", param="reasoning.effort"
+            )
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
     return translated_chat_request(chat, _FIELD_NAMES), None
 
@@ -123,8 +124,11 @@ def _messages(items: list[dict]) -> list[dict]:
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise ApiError(400, f"{where}: a function_call needs name and arguments", param=where)
-            call = {"id": str(item.get("call_id") or item.get("id")), "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+            call = {
+                "id": str(item.get("call_id") or item.get("id")),
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
@@ -165,8 +169,11 @@ def _parts(content, where: str) -> list[dict]:
 
 def _tool(i: int, tool: dict) -> dict:
     if tool.get("type") != "function":
-        raise ApiError(400, f"tools.{i}: tools of type {tool.get('type')!r} are not supported (only function)",
-                       param=f"tools.{i}.type")  # fmt: skip
+        raise ApiError(
+            400,
+            f"tools.{i}: tools of type {tool.get('type')!r} are not supported (only function)",
+            param=f"tools.{i}.type",
+        )
     if not isinstance(tool.get("name"), str):
         raise ApiError(400, f"tools.{i}: a function tool needs a name", param=f"tools.{i}.name")
     function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
@@ -223,14 +230,25 @@ def _reasoning_item(text: str) -> dict:
 
 
 def _message_item(text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}  # fmt: skip
+    return {
+        "type": "message",
+        "id": _item_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
 
 
 def _call_item(call: dict) -> dict:
     function = call["function"]
-    return {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"], "name": function["name"],
-            "arguments": function["arguments"], "status": "completed"}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": _item_id("fc"),
+        "call_id": call["id"],
+        "name": function["name"],
+        "arguments": function["arguments"],
+        "status": "completed",
+    }
 
 
 class _Envelope:
@@ -346,8 +364,9 @@ async def events(chat, body: ResponsesRequest):
             yield event(
                 "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=arguments
             )
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                        arguments=arguments)  # fmt: skip
+            yield event(
+                "response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=arguments
+            )
             yield event("response.output_item.done", output_index=index, item=item)
         ending = end or ending
     if open_item is not None:
