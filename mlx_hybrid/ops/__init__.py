@@ -323,20 +323,7 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
     return ConvResult(*reference.causal_conv1d_silu(x, weight, tail, snapshots=snapshots))
 
 
-def linear_attention(
-    x,
-    conv_weight,
-    a,
-    b,
-    gate,
-    decay: Decay,
-    norm: OutputNorm,
-    heads: HeadShape,
-    tail=None,
-    state=None,
-    *,
-    snapshots=False,
-) -> LayerResult:
+def linear_attention(x, conv_weight, a, b, gate, decay, norm, heads, tail=None, state=None, *, snapshots=False):
     """A linear-attention layer's work between its projections (see `reference.linear_attention`):
     on the CPU one primitive of ours where it runs (a decode step's ~300 nodes fewer on
     Qwen3.5-0.8B, each microseconds on MLX's CPU stream); on a GPU one kernel where the rule runs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cpu_extension import extension
-from .reference import L2_EPS, Decay, HeadShape, LayerResult, OutputNorm
+from .reference import L2_EPS, LayerResult
 
 
 def keep_to_one_thread(value: bool):
@@ -17,20 +17,7 @@ def keep_to_one_thread(value: bool):
     extension().keep_to_one_thread(value)
 
 
-def linear_attention(
-    x,
-    conv_weight,
-    a,
-    b,
-    gate,
-    decay: Decay,
-    norm: OutputNorm,
-    heads: HeadShape,
-    tail=None,
-    state=None,
-    *,
-    snapshots=False,
-) -> LayerResult:
+def linear_attention(x, conv_weight, a, b, gate, decay, norm, heads, tail=None, state=None, *, snapshots=False):
     """Shapes as in `reference.linear_attention`; x and tail float32. Each token's bits are the same
     whatever tokens or rows come with it."""
     B, T, C = x.shape
