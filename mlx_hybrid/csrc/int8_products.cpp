@@ -2118,25 +2118,38 @@ void check_interleaved(bool interleaved, int type, const mx::array& w) {
                                     "interleaved");
 }
 
+// The product of M rows of x [..., K] with a matrix held as `type` (w packed codes, factors, codes, a grid
+// type's grid; `interleaved`: see interleave_eights), or throws naming `caller`
+Q8Shape held_product(const char* caller, int M, int K, const mx::array& w, const mx::array& factors,
+                     const mx::array& codes, int type, const std::optional<mx::array>& grid, bool interleaved) {
+    if (w.ndim() != 2 || factors.ndim() != 2 || type < 0 || type >= TYPES)
+        throw std::invalid_argument(std::string(caller) + ": a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), 2 (Q6_K), "
+                                    "3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K), "
+                                    "10 (Q2_K), 11 (IQ4_XS), 12 (IQ2_XXS), 13 (IQ2_XS), 14 (IQ2_S), 15 (IQ3_XXS), "
+                                    "16 (IQ3_S), 17 (IQ1_S), 18 (IQ1_M), 19 (TQ1_0), 20 (TQ2_0) or 21 (MXFP4)");
+    check_held((Type)type, K, w, factors, codes, grid);
+    check_interleaved(interleaved, type, w);
+    return Q8Shape{M, K, w.shape(0), 0, false, (Type)type, interleaved};
+}
+
+// The product of M rows of x [..., K] with w [N, K] float16 or bfloat16, or throws naming `caller`
+Q8Shape half_product(const char* caller, int M, int K, const mx::array& w) {
+    if (w.ndim() != 2 || w.shape(1) != K || (w.dtype() != mx::float16 && w.dtype() != mx::bfloat16))
+        throw std::invalid_argument(std::string(caller) + ": a matrix [N, K] of float16 or bfloat16");
+    return Q8Shape{M, K, w.shape(0), 0, false, w.dtype() == mx::bfloat16 ? BF16 : F16};
+}
+
 // x [..., K] float32 @ W^T for W [N, K] held as `type` (w packed codes, factors,
 // codes: see the top) -> float32 [..., N]
 mx::array int8_matmul(const mx::array& x, const mx::array& w, const mx::array& factors, const mx::array& codes,
                       int type, const std::optional<mx::array>& grid, bool interleaved) {
-    if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || factors.ndim() != 2 ||
-        type < 0 || type >= TYPES)
-        throw std::invalid_argument("int8_matmul: x float32 [..., K], a matrix [N, ...] of type 0 (Q8_0), 1 (Q4_K), "
-                                    "2 (Q6_K), 3 (Q5_0), 4 (Q5_1), 5 (Q4_0), 6 (Q4_1), 7 (IQ4_NL), 8 (Q5_K), 9 (Q3_K), "
-                                    "10 (Q2_K), 11 (IQ4_XS), 12 (IQ2_XXS), 13 (IQ2_XS), 14 (IQ2_S), "
-                                    "15 (IQ3_XXS), 16 (IQ3_S), 17 (IQ1_S), 18 (IQ1_M), 19 (TQ1_0), 20 (TQ2_0) or "
-                                    "21 (MXFP4)");
-    const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
-    check_held((Type)type, K, w, factors, codes, grid);
-    check_interleaved(interleaved, type, w);
+    if (x.dtype() != mx::float32 || x.ndim() < 1) throw std::invalid_argument("int8_matmul: x float32 [..., K]");
+    const int K = x.shape(-1), M = (int)(x.size() / std::max(K, 1));
+    const Q8Shape s = held_product("int8_matmul", M, K, w, factors, codes, type, grid, interleaved);
     auto shape = x.shape();
-    shape.back() = N;
-    auto stream = mx::default_stream(mx::Device::cpu);
-    Q8Shape s{M, K, N, 0, false, (Type)type, interleaved};
-    return mx::array(shape, mx::float32, std::make_shared<Q8Product>(stream, s, "Int8Product"),
+    shape.back() = s.outputs;
+    return mx::array(shape, mx::float32, std::make_shared<Q8Product>(mx::default_stream(mx::Device::cpu), s,
+                                                                     "Int8Product"),
                      with_grid({x, w, factors, codes}, grid));
 }
 
@@ -2175,20 +2188,13 @@ std::vector<mx::array> int8_matmuls(const mx::array& x, const std::vector<nb::tu
             throw std::invalid_argument("int8_matmuls: each matrix (w, factors, codes, type, grid, interleaved)");
         const auto w = nb::cast<mx::array>(matrix[0]);
         if (matrix[1].is_none()) {  // a float16 or bfloat16 matrix (half_matmul's)
-            if (w.ndim() != 2 || w.shape(1) != K || (w.dtype() != mx::float16 && w.dtype() != mx::bfloat16))
-                throw std::invalid_argument("int8_matmuls: a 16-bit matrix [N, K] of float16 or bfloat16");
-            s.each.push_back(Q8Shape{M, K, w.shape(0), 0, false, w.dtype() == mx::bfloat16 ? BF16 : F16});
+            s.each.push_back(half_product("int8_matmuls", M, K, w));
             inputs.push_back(w);
         } else {
             const auto factors = nb::cast<mx::array>(matrix[1]), codes = nb::cast<mx::array>(matrix[2]);
-            const int type = nb::cast<int>(matrix[3]);
             const auto grid = nb::cast<std::optional<mx::array>>(matrix[4]);
-            const bool interleaved = nb::cast<bool>(matrix[5]);
-            if (w.ndim() != 2 || factors.ndim() != 2 || type < 0 || type >= TYPES)
-                throw std::invalid_argument("int8_matmuls: a matrix [N, ...] of a type int8_matmul takes");
-            check_held((Type)type, K, w, factors, codes, grid);
-            check_interleaved(interleaved, type, w);
-            s.each.push_back(Q8Shape{M, K, w.shape(0), 0, false, (Type)type, interleaved});
+            s.each.push_back(held_product("int8_matmuls", M, K, w, factors, codes, nb::cast<int>(matrix[3]), grid,
+                                          nb::cast<bool>(matrix[5])));
             for (const auto& input : with_grid({w, factors, codes}, grid)) inputs.push_back(input);
         }
         auto shape = x.shape();
@@ -2223,13 +2229,11 @@ mx::array int8_gather_matmul(const mx::array& x, const mx::array& w, const mx::a
 // x [..., K] float32 @ W^T for W [N, K] float16 or bfloat16, as llama.cpp computes it (x rounded to W's
 // 16 bits, dot_rows_half) -> float32 [..., N]
 mx::array half_matmul(const mx::array& x, const mx::array& w) {
-    if (x.dtype() != mx::float32 || x.ndim() < 1 || w.ndim() != 2 || w.shape(1) != x.shape(-1) ||
-        (w.dtype() != mx::float16 && w.dtype() != mx::bfloat16))
-        throw std::invalid_argument("half_matmul: x float32 [..., K], a matrix [N, K] of float16 or bfloat16");
-    const int K = x.shape(-1), N = w.shape(0), M = (int)(x.size() / std::max(K, 1));
+    if (x.dtype() != mx::float32 || x.ndim() < 1) throw std::invalid_argument("half_matmul: x float32 [..., K]");
+    const int K = x.shape(-1), M = (int)(x.size() / std::max(K, 1));
+    const Q8Shape s = half_product("half_matmul", M, K, w);
     auto shape = x.shape();
-    shape.back() = N;
-    Q8Shape s{M, K, N, 0, false, w.dtype() == mx::bfloat16 ? BF16 : F16};
+    shape.back() = s.outputs;
     return mx::array(shape, mx::float32, std::make_shared<Q8Product>(mx::default_stream(mx::Device::cpu), s,
                                                                      "HalfProduct"), {x, w});
 }
