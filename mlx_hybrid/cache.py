@@ -8,10 +8,13 @@ selects one. Speculation, drafting, the engine's rows and prefix checkpoints use
 through the functions at the end of this module, which act on a model's list of layer caches.
 
 Several sequences can run in one pass, packed along the token axis: each keeps its own caches, and
-`row_caches` runs them together.
+`row_caches` runs them together, its batches handing each row's cache a handle on its row (the
+cache's `store`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -32,10 +35,13 @@ class LayerCache:
     step_nbytes: the size of one recorded token's snapshot (0 for a cache that rolls back by trimming).
     form: how the cache holds its state, where there is a choice ("" if there is one way). Checkpoint
         fingerprints include it.
+    store: where a cache that holds arrays keeps them: its own, or a batch's handle on its row
+        (`row_caches.batch_of` tells which batch).
     """
 
     record_snapshots = False
     form = ""
+    store = None
 
     def rollback(self, keep: int, recorded: int):
         raise NotImplementedError
@@ -94,23 +100,38 @@ class RotaryPositions:
         return positions
 
 
+class OwnEntries(NamedTuple):
+    """Entries a KVCache holds alone: buffers [B, H, capacity, D] of its own, grown in steps; the first
+    `offset` entries (the cache's) are in use."""
+
+    buffers: list
+
+    def entries(self, offset: int) -> tuple:
+        return tuple(buffer[..., :offset, :] for buffer in self.buffers)
+
+    def alone(self, offset: int) -> list:
+        """The buffers the cache writes its next entries into: these."""
+        return self.buffers
+
+
 class KVCache(LayerCache):
-    """The per-token entries [B, H, T, D] of one attention layer, in buffers grown in steps.
+    """The per-token entries [B, H, T, D] of one attention layer.
 
     The entries are usually keys and values. An absorbed MLA layer caches a single array (the
     normalised latent and the rope key), whose first part serves as the values.
-    After a pass over several rows together, the row's entries live in that pass's batch
-    (`row_caches.KVRows`, at row `index`), where its first `offset` entries are its own.
+    Its first `offset` entries are in its `store`: buffers of its own (`OwnEntries`), or, after a pass
+    over several rows together, the handle on its row that the pass's batch gave it
+    (`row_caches.KVRows`). Either gives the entries (`entries(offset)`) and the buffers to write the
+    next ones into (`alone(offset)`: a row of a batch copies its entries out first).
     """
 
     step = 256
     key_lengths = None  # every key held is the row's (a batch's rows hold their own counts)
 
     def __init__(self):
-        self.buffers = None  # grown in steps of `step` tokens; the first `offset` are in use
+        self.store = None  # OwnEntries, a batch's handle on this row, or None before any entry
         self.offset = 0
         self.positions: RotaryPositions | None = None  # None: token i at position i
-        self.batch, self.index = None, 0  # the KVRows it lives in, and its row there
 
     def rotary_span(self, count: int) -> int | np.ndarray:
         """The rotary positions of the next `count` tokens (see `RotaryPositions.span`)."""
@@ -118,8 +139,6 @@ class KVCache(LayerCache):
 
     def update_and_fetch(self, *entries: mx.array):
         """Append the call's entries [B, H, T, D]; all of them so far, as views."""
-        if self.batch is not None:  # it runs alone now: its own entries out of the batch first
-            self.restore(self.checkpoint())
         return self.fetched(self._append(self.held(entries)))
 
     def held(self, entries) -> list[mx.array]:
@@ -133,21 +152,18 @@ class KVCache(LayerCache):
     def _append(self, arrays) -> tuple:
         T = arrays[0].shape[2]
         needed = self.offset + T
-        if self.buffers is None or needed > self.buffers[0].shape[2]:
+        buffers = self.store.alone(self.offset) if self.store is not None else None
+        if buffers is None or needed > buffers[0].shape[2]:
             capacity = ((needed + self.step - 1) // self.step) * self.step
             grown = [mx.zeros((*a.shape[:2], capacity, a.shape[3]), a.dtype) for a in arrays]
-            if self.buffers is not None:
-                for new, old in zip(grown, self.buffers):
+            if buffers is not None:
+                for new, old in zip(grown, buffers):
                     new[..., : self.offset, :] = old[..., : self.offset, :]
-            self.buffers = grown
-        for buffer, array in zip(self.buffers, arrays):
+            buffers = grown
+        for buffer, array in zip(buffers, arrays):
             buffer[..., self.offset : needed, :] = array
-        self.offset = needed
-        return tuple(buffer[..., :needed, :] for buffer in self.buffers)
-
-    def join(self, batch, index: int):
-        """Live at row `index` of `batch` (a KVRows holding this row's entries)."""
-        self.buffers, self.batch, self.index = None, batch, index
+        self.store, self.offset = OwnEntries(buffers), needed
+        return tuple(buffer[..., :needed, :] for buffer in buffers)
 
     def trim(self, n: int) -> int:
         """Forget the last n tokens."""
@@ -166,13 +182,11 @@ class KVCache(LayerCache):
 
     @property
     def holds_entries(self) -> bool:
-        return self.buffers is not None or self.batch is not None
+        return self.store is not None
 
     @property
     def state(self):
-        if self.batch is not None:
-            return tuple(buffer[self.index : self.index + 1, :, : self.offset] for buffer in self.batch.buffers)
-        return tuple(buffer[..., : self.offset, :] for buffer in self.buffers)
+        return self.store.entries(self.offset)
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -184,7 +198,7 @@ class KVCache(LayerCache):
         return tuple(mx.contiguous(entry) for entry in self.state) if self.holds_entries else ()
 
     def restore(self, entries: tuple):
-        self.buffers, self.batch = list(entries) or None, None
+        self.store = OwnEntries(list(entries)) if entries else None
         self.offset = entries[0].shape[2] if entries else 0
 
 
@@ -257,61 +271,60 @@ def check_kv_quantization(bits: int, group_size: int, features: tuple[int, ...])
         )
 
 
+class HeldState(NamedTuple):
+    """A recurrent state a cache holds alone: its arrays, and while they are kept the last call's
+    snapshots (per array, its value after each token)."""
+
+    state: tuple
+    snapshots: tuple | None = None
+
+    def kept(self, keep: int, recorded: int) -> HeldState:
+        """The state after the first `keep` (>= 1) of the `recorded` tokens of the last call."""
+        return HeldState(tuple(s[keep - 1] for s in self.snapshots) if keep < recorded else self.state)
+
+    def checkpoint(self) -> tuple:
+        return self.state  # references: states are replaced, never written in place
+
+
 class RecurrentCache(LayerCache):
     """A recurrent layer's state for one sequence: the arrays [B, ...] that its mixer's step returns
     (for a linear-attention layer, the conv tail and the delta-rule state; `row_caches.recurrent` runs
     the step). With record_snapshots on, it also keeps each array's value after every token of the
     last call, for rollback.
 
-    After a pass over several rows together, the row's state is its place in that pass's batch
-    (`row_caches.RowStates`). The next pass over the same rows reads the batch as it is; the rows'
-    states are gathered and split again only when the rows change, not on every step."""
+    The state is in its `store`: its own (`HeldState`), or, after a pass over several rows together,
+    the handle on its row that the pass's batch gave it (`row_caches.RowStates`). Either gives the
+    state and snapshots, the state a rollback keeps (`kept`) and a checkpoint of it."""
 
     def __init__(self):
-        self._held = None  # the state held alone: a tuple of arrays
-        self._snapshots = None  # after each token of the last call: per array, T arrays
-        self.batch = None  # the RowStates where it lives in a batch of rows' states instead
-        self.index = 0  # its row there
+        self.store = None  # HeldState, a batch's handle on this row, or None before any token
         self.record_snapshots = False
 
     def update(self, state: tuple | None, snapshots: tuple | None = None):
-        self._held, self._snapshots, self.batch = state, snapshots, None
-
-    def join(self, batch, index: int):
-        """Live at row `index` of `batch` (the RowStates a pass over several rows gave)."""
-        self.update(None)
-        self.batch, self.index = batch, index
+        self.store = None if state is None else HeldState(state, snapshots)
 
     @property
     def holds_state(self) -> bool:
-        return self.batch is not None or self._held is not None
+        return self.store is not None
 
     @property
     def state(self) -> tuple | None:
-        return self.batch.row(self.index) if self.batch is not None else self._held
+        return self.store.state if self.store is not None else None
 
     @property
     def snapshots(self) -> tuple | None:
-        return self.batch.snapshots(self.index) if self.batch is not None else self._snapshots
+        return self.store.snapshots if self.store is not None else None
 
     def checkpoint(self) -> tuple:
-        if not self.holds_state:
-            return ()
-        # states are replaced, never written in place, so references are enough; a row of a batch is
-        # copied out, else the checkpoint would hold every row's state
-        return self._held if self.batch is None else tuple(mx.contiguous(array) for array in self.state)
+        return self.store.checkpoint() if self.store is not None else ()
 
     def restore(self, entries: tuple):
         self.update(tuple(entries) or None)
 
     def rollback(self, keep: int, recorded: int):
         """Keep the first `keep` (>= 1) of the `recorded` tokens of the last call."""
-        if self.batch is not None:
-            self.batch.keep(self.index, keep - 1 if keep < recorded else None)
-        elif keep < recorded:
-            self.update(tuple(snapshots[keep - 1] for snapshots in self._snapshots))
-        else:
-            self.update(self._held)
+        if self.store is not None:
+            self.store = self.store.kept(keep, recorded)
 
     def mark(self) -> tuple:
         return self.state or ()  # references: states are replaced, never written in place

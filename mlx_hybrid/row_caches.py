@@ -7,9 +7,10 @@ the same rows run together again, they read and write their states where the las
 (`RowStates` for a recurrent layer, `KVRows` for an attention layer). Whether rows are the same rows in
 the same order, or else which runs of neighbours to gather, is decided in one place (`_runs_of`).
 
-Each row keeps its own cache (`cache.LayerCache`). Rollback, checkpoints and marks act on one row; a row
-that leaves, or runs alone, takes its state out of the batch. A recurrent mixer declares only its step
-(`recurrent`); batching, snapshots, rollback and checkpoints come with it.
+Each row keeps its own cache (`cache.LayerCache`); a batch hands each row's cache a handle on its row
+(`StateRow`, `EntriesRow`), which the cache holds as its `store`. Rollback, checkpoints and marks act on
+one row through it; a row that leaves, or runs alone, takes its state out of the batch. A recurrent
+mixer declares only its step (`recurrent`); batching, snapshots, rollback and checkpoints come with it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache, RecurrentCache
+from .cache import KVCache, LayerCache, RecurrentCache
 
 
 class RowCaches:
@@ -82,7 +83,7 @@ def recurrent(step: Callable[..., RecurrentStep], cache, *inputs: mx.array) -> m
         result = step(*inputs, _states_of(members), members[0].record_snapshots)
         states = RowStates(result.state, result.snapshots)
         for i, member in enumerate(members):
-            member.join(states, i)
+            member.store = StateRow(states, i)
         return result.out
 
     return in_batches(cache, inputs, batch_key, run_batch, one_sequence)
@@ -188,12 +189,55 @@ class RowStates:
         return [held[start:stop] for held in self.whole()]
 
 
+class BatchRow(NamedTuple):
+    """A row's place in a batch of rows' states (`RowStates`, `KVRows`): the handle a batch gives the
+    row's cache, to hold as its `store` in place of arrays of its own."""
+
+    batch: RowStates | KVRows
+    index: int
+
+
+class StateRow(BatchRow):
+    """A row's recurrent state in a `RowStates`: as `cache.HeldState` gives a state held alone."""
+
+    @property
+    def state(self) -> tuple:
+        return self.batch.row(self.index)
+
+    @property
+    def snapshots(self) -> tuple | None:
+        return self.batch.snapshots(self.index)
+
+    def kept(self, keep: int, recorded: int) -> StateRow:
+        self.batch.keep(self.index, keep - 1 if keep < recorded else None)
+        return self
+
+    def checkpoint(self) -> tuple:
+        return tuple(mx.contiguous(array) for array in self.state)  # else it would hold every row's state
+
+
+class EntriesRow(BatchRow):
+    """A row's attention entries in a `KVRows`: as `cache.OwnEntries` gives entries held alone."""
+
+    def entries(self, offset: int) -> tuple:
+        return tuple(buffer[self.index : self.index + 1, :, :offset] for buffer in self.batch.buffers)
+
+    def alone(self, offset: int) -> list:
+        """Buffers of the row's own, its entries copied out of the batch, for it to write on alone."""
+        return [mx.contiguous(entry) for entry in self.entries(offset)]
+
+
+def batch_of(cache: LayerCache):
+    """The batch (`RowStates`, `KVRows`) that holds a row's cache's state, or None where it holds its own."""
+    return cache.store.batch if isinstance(cache.store, BatchRow) else None
+
+
 def _states_of(members: list[RecurrentCache]) -> list[mx.array]:
     """These rows' states as one batch: a batch the last pass left, read as it is where the same rows
     come in its order; else its runs of rows and single rows joined."""
     parts = []
     for first, last in _runs_of(members):
-        source = members[first]
+        source = members[first].store
         parts.append(source.batch.rows(source.index, source.index + last - first) if last - first > 1 else source.state)
     return [part[0] if len(parts) == 1 else mx.concatenate(list(part), axis=0) for part in zip(*parts)]
 
@@ -218,23 +262,23 @@ class KVRows:
         self.buffers = [mx.zeros((self.size, a.shape[1], capacity, a.shape[3]), a.dtype) for a in like]
         for first, last in _runs_of(members):
             source, rows = members[first], slice(first, last)
-            if source.batch is not None:  # rows side by side in another batch: one copy
-                keys = max(m.offset for m in members[rows])
-                parts = [b[source.index : source.index + last - first, :, :keys] for b in source.batch.buffers]
+            if batch_of(source) is not None:  # rows side by side in another batch: one copy
+                keys, at = max(m.offset for m in members[rows]), source.store.index
+                parts = [b[at : at + last - first, :, :keys] for b in source.store.batch.buffers]
             else:
                 keys = source.offset
                 parts = list(source.state) if keys else []
             for buffer, part in zip(self.buffers, parts):
                 buffer[rows, :, :keys] = part
         for index, member in enumerate(members):
-            member.join(self, index)
+            member.store = EntriesRow(self, index)
 
     @classmethod
     def of(cls, members: list, arrays: list[mx.array]) -> KVRows:
         """These rows' batch, for a pass that writes `arrays`: the one they live in where they are its
         rows in its order, else a new one."""
-        batch = members[0].batch
-        whole = batch is not None and batch.size == len(members) and members[0].index == 0
+        batch = batch_of(members[0])
+        whole = batch is not None and batch.size == len(members) and members[0].store.index == 0
         return batch if whole and _runs_of(members) == [(0, len(members))] else cls(members, arrays)
 
     def write(self, arrays: list[mx.array], offsets: tuple[int, ...]):
@@ -298,7 +342,12 @@ def _runs(items: list, follows) -> list[tuple[int, int]]:
 
 def _runs_of(members: list) -> list[tuple[int, int]]:
     """[first, last) runs of row caches that lie side by side in one batch (others alone)."""
-    return _runs(members, lambda a, b: b.batch is not None and b.batch is a.batch and b.index == a.index + 1)
+
+    def follows(a, b) -> bool:
+        batch = batch_of(b)
+        return batch is not None and batch is batch_of(a) and b.store.index == a.store.index + 1
+
+    return _runs(members, follows)
 
 
 def _rounded(count: int, step: int) -> int:

@@ -103,8 +103,7 @@ def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family, kv_bits):
     neighbours), rolled back to different tokens; all decoding again; row 1 leaving; three rows
     verifying and keeping the same token's state; a row's checkpoint taken from the batch and
     decoded alone. Each row's logits equal, to the bit, those of the same calls on the row alone."""
-    from mlx_hybrid.row_caches import packed
-    from mlx_hybrid.row_caches import KVRows, RowStates
+    from mlx_hybrid.row_caches import KVRows, RowStates, batch_of, packed
 
     model, _ = load_fixture(family, "model.gguf")
     prompts = [[5 + row] * (6 + row) for row in range(4)]
@@ -142,7 +141,7 @@ def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family, kv_bits):
     step({0: [9], 2: [15], 3: [6]})
     step({0: [1, 2, 3], 2: [4, 5, 6], 3: [7, 8, 9]}, keeps={0: 2, 2: 2, 3: 2})  # all keep the same token's
     step({0: [1], 2: [2], 3: [3]})
-    kinds = {type(c.batch) for c in together[0] if hasattr(c, "batch")}
+    kinds = {type(batch_of(c)) for c in together[0]}
     assert kinds == {KVRows, RowStates}, "the rows ran as batches"
     resumed = mlx_hybrid.make_cache(model, kv_bits, 32)
     for layer, checkpoint in zip(resumed, [c.checkpoint() for c in together[2]]):

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_hybrid.cache import RecurrentCache, record_snapshots, rollback
-from mlx_hybrid.row_caches import RecurrentStep, RowStates, packed, recurrent
+from mlx_hybrid.row_caches import RecurrentStep, RowStates, batch_of, packed, recurrent
 
 WIDTH = 8
 # The mixer's ops are elementwise float32 (a sigmoid, products and sums); numpy's sigmoid and MLX's
@@ -98,7 +98,7 @@ def test_a_toy_mixer_gets_batching_snapshots_rollback_and_checkpoints():
 
     step({0: 1, 1: 1, 2: 1, 3: 1})
     step({0: 1, 1: 1, 2: 1, 3: 1})
-    assert isinstance(together[0].batch, RowStates) and together[0].batch is together[3].batch, "one batch"
+    assert isinstance(batch_of(together[0]), RowStates) and batch_of(together[0]) is batch_of(together[3]), "one batch"
     step({0: 4, 1: 1, 2: 4, 3: 1}, keeps={0: 2, 2: 4})
     step({0: 1, 1: 1, 2: 1, 3: 1})
     step({0: 1, 2: 1, 3: 1})
