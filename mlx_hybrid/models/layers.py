@@ -72,7 +72,7 @@ def projections(x: mx.array, *modules) -> list[mx.array]:
         kept = (key, [e[0] for e in each] if grouped else None, min(limits, default=None))
         modules[0].__dict__["_projections"] = kept  # not a parameter: beside the module's tree
     _, operands, limit = kept
-    if operands is None or (limit is not None and x.size // x.shape[-1] > limit):
+    if operands is None or not ops.rows_within(x, limit):
         return [m(x) for m in modules]
     return ops.llama_cpp_products(x, operands)
 

@@ -68,6 +68,7 @@ from .products import (  # noqa: F401  (the products, for the layers)
     quantized_matmul,
     quantized_product_path,
     rows_alike_pass_tokens,
+    rows_within,
 )
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
 from .reference import QuantizedEntries  # noqa: F401  (a quantized cache's entries, for the caches)

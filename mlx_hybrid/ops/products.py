@@ -114,7 +114,13 @@ def takes_16bit_activations(x: mx.array, weight: mx.array, activations: str, any
     It does when the matrix computes as llama.cpp computes it (activations "int8"), x is float32 with
     at most `HALF_ROWS` rows (any number for an expert product: any_rows), and our kernels run here
     (`int8_activations_computed`)."""
-    return (any_rows or x.size // max(x.shape[-1], 1) <= HALF_ROWS) and _16bit_activations(x.dtype, weight, activations)
+    return (any_rows or rows_within(x, HALF_ROWS)) and _16bit_activations(x.dtype, weight, activations)
+
+
+def rows_within(x: mx.array, limit: int | None) -> bool:
+    """Whether x [..., K] has at most `limit` rows (None: any number): the most rows of x a product with
+    llama.cpp's activations takes, each row then computing as it does alone."""
+    return limit is None or x.size // max(x.shape[-1], 1) <= limit
 
 
 def _16bit_activations(dtype, weight: mx.array, activations: str) -> bool:
@@ -298,7 +304,7 @@ class Int8Path:
         return w, scales, codes, self.held_type, self.grid, self.interleaved
 
     def __call__(self, x, w, scales, biases):
-        if self.limit is not None and x.size // x.shape[-1] > self.limit:
+        if not rows_within(x, self.limit):
             return self.float_path(x, w, scales, biases)
         return cpu_quantized.int8_matmul(x, *self.operands(w, scales, biases))
 
