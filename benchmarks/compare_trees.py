@@ -10,7 +10,10 @@ and the DFlash drafter through the Python API, greedy, on the bundled model (or 
 Each round runs every tree once, in its own process (its package first on the path, its CPU kernels
 built from its sources), each drafter twice after an untimed run; a round's figure is the better of
 the two. Prints each round, then per tree the medians, each drafter's ratio to plain decoding, and
-whether the trees' tokens agree.
+whether the trees' tokens agree. Beside tokens/s, tokens per CPU-second (the process's threads
+together, `time.process_time`): the work a token costs, which a shared machine's drift moves less
+than the wall clock, and which bounds what a drafter can gain where plain decoding already keeps
+every core busy.
 """
 
 from __future__ import annotations
@@ -35,18 +38,18 @@ def measure(model_path: str | None, drafts: list[str], tokens: int) -> dict:
     model, tokenizer = mlx_hybrid.load(model_path or mlx_hybrid.bundled_model_path())
 
     def decode(draft):
-        started, out = time.perf_counter(), []
+        started, cpu, out = time.perf_counter(), time.process_time(), []
         for response in mlx_hybrid.stream_generate(
             model, tokenizer, PROMPT, tokens, temp=0.0, draft=None if draft == "none" else draft
         ):
             out.append(response.token)
-        return len(out) / (time.perf_counter() - started), out
+        return len(out) / (time.perf_counter() - started), len(out) / (time.process_time() - cpu), out
 
     results = {}
     for draft in drafts:
         decode(draft)  # untimed: kernel builds and checks
         runs = [decode(draft) for _ in range(2)]
-        results[draft] = [max(rate for rate, _ in runs), runs[0][1]]
+        results[draft] = [max(run[0] for run in runs), max(run[1] for run in runs), runs[0][2]]
     return results
 
 
@@ -68,7 +71,7 @@ def main():
     for tree in trees:
         if not (Path(tree) / "mlx_hybrid" / "__init__.py").is_file():
             p.error(f"{tree} holds no mlx_hybrid package")
-    rates, tokens = {}, {}
+    rates, per_cpu_second, tokens = {}, {}, {}
     for round_ in range(args.rounds):
         for tree in trees:
             env = {**os.environ, "PYTHONPATH": tree}
@@ -78,19 +81,22 @@ def main():
             if done.returncode != 0:
                 sys.exit(f"{tree}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            for draft, (rate, out) in result.items():
+            for draft, (rate, cpu_rate, out) in result.items():
                 rates.setdefault((tree, draft), []).append(rate)
+                per_cpu_second.setdefault((tree, draft), []).append(cpu_rate)
                 tokens.setdefault(draft, set()).add(tuple(out))
             print(
-                f"round {round_ + 1} {tree}: " + ", ".join(f"{d} {r:.0f}" for d, (r, _) in result.items()), flush=True
+                f"round {round_ + 1} {tree}: " + ", ".join(f"{d} {r:.0f}" for d, (r, _, _) in result.items()),
+                flush=True,
             )
     for tree in trees:
-        plain = statistics.median(rates[tree, "none"])
-        line = [f"plain {plain:.1f} tok/s"]
-        for draft in drafts[1:]:
-            median = statistics.median(rates[tree, draft])
-            line.append(f"{draft} {median:.1f} ({median / plain:.2f}x plain)")
-        print(f"{tree}: " + ", ".join(line))
+        for label, figures in (("tok/s", rates), ("tokens per CPU-second", per_cpu_second)):
+            plain = statistics.median(figures[tree, "none"])
+            line = [f"plain {plain:.1f} {label}"]
+            for draft in drafts[1:]:
+                median = statistics.median(figures[tree, draft])
+                line.append(f"{draft} {median:.1f} ({median / plain:.2f}x plain)")
+            print(f"{tree}: " + ", ".join(line))
     print("tokens: " + ", ".join(f"{d} {'the same' if len(tokens[d]) == 1 else 'DIFFER'}" for d in drafts))
 
 
