@@ -218,9 +218,9 @@ def test_k_quant_products_are_exact_where_the_arithmetic_is(held_type, bits, N):
 )
 def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
     """A Q4_K or Q4_0 matrix of rows in eights held interleaved (`interleave_eights`: each eight's turns in
-    turn, a 32-bit word of Q4_K, two blocks of Q4_0, as llama.cpp's x86 build repacks them) multiplies as
-    the matrix as stored, to the bit: a decode step's row, a prompt's rows, experts' rows, from every build
-    this CPU runs."""
+    turn, a 32-bit word of Q4_K, two blocks of Q4_0, as llama.cpp's x86 build repacks them; in the matrix's
+    own buffer where nothing else holds it) multiplies as the matrix as stored, to the bit: a decode step's
+    row, a prompt's rows, experts' rows, from every build this CPU runs."""
     rng = np.random.default_rng(N + held_type)
     if held_type == Q4_K:
         weights = llama_reference.random_k_quant(rng, (5, N, 1024), 4)
@@ -232,6 +232,9 @@ def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
     interleaved = cpu_quantized.interleave_eights(w, held_type)
     turns = np.array(w).reshape(5, N // 8, 8, -1, unit)
     np.testing.assert_array_equal(np.array(interleaved), turns.swapaxes(2, 3).reshape(5, N, -1))
+    # a matrix nothing else holds (a loader's) is interleaved in its own buffer: the same words
+    in_place = cpu_quantized.interleave_eights(mx.array(np.array(w)), held_type)
+    np.testing.assert_array_equal(np.array(in_place), turns.swapaxes(2, 3).reshape(5, N, -1))
     x = mx.random.normal((9, 1024), key=mx.random.key(N))
     tokens, indices = mx.random.normal((4, 1, 1024), key=mx.random.key(1)), mx.array(rng.integers(0, 5, (4, 3)))
 

@@ -223,10 +223,13 @@ inline void copy_by_strides(const mlx::core::array& src, mlx::core::array& dst) 
 // task, so that MLX needs no Contiguous node for every lazy input (a few microseconds each,
 // hundreds in a decode step). Inputs in the `strided` mask (bit i: input i) whose last axis is
 // contiguous come as they are, for a kernel that reads them by their strides (a KV cache's
-// slice of its grown buffer, which a copy would read whole every step).
+// slice of its grown buffer, which a copy would read whole every step). in_place: output 0 takes
+// input 0's buffer where nothing else holds it (a matrix replaced by its own transform: no second
+// copy at the peak, no fresh pages to fault in).
 template <class Compute>
 void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::array>& inputs,
-                     std::vector<mlx::core::array>& outputs, Compute compute, unsigned strided = 0) {
+                     std::vector<mlx::core::array>& outputs, Compute compute, unsigned strided = 0,
+                     bool in_place = false) {
     namespace mx = mlx::core;
     auto& encoder = mx::cpu::get_command_encoder(stream);
     std::vector<mx::array> held, written, copied_from, copied_to;
@@ -247,7 +250,12 @@ void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::arra
         held.push_back(mx::array::unsafe_weak_copy(copy));
     }
     for (auto& output : outputs) {
-        output.set_data(mx::allocator::malloc(output.nbytes()));
+        const auto& first = inputs[0];
+        if (in_place && &output == &outputs[0] && first.flags().row_contiguous && first.is_donatable() &&
+            first.nbytes() == output.nbytes())
+            output.copy_shared_buffer(first);
+        else
+            output.set_data(mx::allocator::malloc(output.nbytes()));
         encoder.set_output_array(output);
         written.push_back(mx::array::unsafe_weak_copy(output));
     }
@@ -260,10 +268,10 @@ void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::arra
 
 // An MLX primitive whose outputs compute(params, inputs, outputs) writes on the CPU stream;
 // equivalent to another (for mx.compile) when their params are equal. strided: the inputs it
-// reads by their strides (see dispatch_on_cpu).
+// reads by their strides; in_place: its output may be its input's buffer (see dispatch_on_cpu).
 template <class Params,
           void (*compute)(const Params&, const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&),
-          unsigned strided = 0>
+          unsigned strided = 0, bool in_place = false>
 class CpuPrimitive : public mlx::core::Primitive {
    public:
     CpuPrimitive(mlx::core::Stream stream, Params params, const char* name)
@@ -271,7 +279,7 @@ class CpuPrimitive : public mlx::core::Primitive {
 
     void eval_cpu(const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs) override {
         auto run = [params = params_](auto& held, auto& written) { compute(params, held, written); };
-        dispatch_on_cpu(stream(), inputs, outputs, run, strided);
+        dispatch_on_cpu(stream(), inputs, outputs, run, strided, in_place);
     }
 
     void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {

@@ -2048,58 +2048,26 @@ int interleaved_unit(int type, int N, int words) {
     return type == Q4_K ? 1 : type == Q4_0 && words % 8 == 0 ? 8 : 0;
 }
 
-// In the matrix's own buffer where nothing else holds it (a loader's matrix, replaced by its
-// interleaved one: no second copy at the peak, no fresh pages to fault in), each eight through a copy.
-class Interleave : public mx::Primitive {
-   public:
-    Interleave(mx::Stream stream, Eights eights) : mx::Primitive(stream), s_(eights) {}
+// Each eight of rows through a copy of it, so that the output may be the matrix's own buffer (a
+// loader's matrix, replaced by its interleaved one: dispatch_on_cpu's in_place)
+void interleave(const Eights& s, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    const uint32_t* w = inputs[0].data<uint32_t>();
+    uint32_t* to = outputs[0].data<uint32_t>();
+    const int parts = 4 * Pool::get().threads();
+    Pool::get().run(parts, s.eights * s.words >= (1L << 16), [&](int part) {
+        thread_local std::vector<uint32_t> copy;
+        copy.resize(8L * s.words);
+        for (long e = s.eights * part / parts; e < s.eights * (part + 1) / parts; e++) {
+            std::memcpy(copy.data(), w + e * 8 * s.words, copy.size() * 4);
+            for (int p = 0; p < s.words; p += s.unit)
+                for (int n = 0; n < 8; n++)
+                    std::memcpy(to + e * 8 * s.words + 8 * p + n * s.unit, copy.data() + (long)n * s.words + p,
+                                4 * s.unit);
+        }
+    });
+}
 
-    void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-        auto& encoder = mx::cpu::get_command_encoder(stream());
-        const mx::array& in = inputs[0];
-        mx::array& out = outputs[0];
-        encoder.set_input_array(in);
-        if (in.flags().row_contiguous && in.is_donatable())
-            out.copy_shared_buffer(in);
-        else
-            out.set_data(mx::allocator::malloc(out.nbytes()));
-        encoder.set_output_array(out);
-        encoder.dispatch([in = mx::array::unsafe_weak_copy(in), out = mx::array::unsafe_weak_copy(out),
-                          s = s_]() mutable {
-            mx::array rows = in;
-            if (!rows.flags().row_contiguous) {  // (a view: read by its strides into a copy first)
-                rows = mx::array(in.shape(), in.dtype(), nullptr, {});
-                rows.set_data(mx::allocator::malloc(rows.nbytes()));
-                mlx_hybrid::copy_by_strides(in, rows);
-            }
-            const uint32_t* w = rows.data<uint32_t>();
-            uint32_t* to = out.data<uint32_t>();
-            const int parts = 4 * Pool::get().threads();
-            Pool::get().run(parts, s.eights * s.words >= (1L << 16), [&](int part) {
-                thread_local std::vector<uint32_t> copy;
-                copy.resize(8L * s.words);
-                for (long e = s.eights * part / parts; e < s.eights * (part + 1) / parts; e++) {
-                    std::memcpy(copy.data(), w + e * 8 * s.words, copy.size() * 4);
-                    for (int p = 0; p < s.words; p += s.unit)
-                        for (int n = 0; n < 8; n++)
-                            std::memcpy(to + e * 8 * s.words + 8 * p + n * s.unit, copy.data() + (long)n * s.words + p,
-                                        4 * s.unit);
-                }
-            });
-        });
-    }
-
-    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-        throw std::runtime_error("InterleaveEights runs on the CPU only");
-    }
-    const char* name() const override { return "InterleaveEights"; }
-    bool is_equivalent(const mx::Primitive& other) const override {
-        return s_ == static_cast<const Interleave&>(other).s_;
-    }
-
-   private:
-    Eights s_;
-};
+using Interleave = mlx_hybrid::CpuPrimitive<Eights, interleave, 0, true>;
 
 mx::array interleave_eights(const mx::array& w, int type) {
     const int unit = w.ndim() < 2 ? 0 : interleaved_unit(type, w.shape(-2), w.shape(-1));
@@ -2107,8 +2075,8 @@ mx::array interleave_eights(const mx::array& w, int type) {
         throw std::invalid_argument("interleave_eights: the packed codes [..., N, K / 8] (uint32) of a Q4_K or "
                                     "Q4_0 matrix of rows in eights (Q4_0's rows in pairs of blocks)");
     Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1), unit};
-    return mx::array(w.shape(), mx::uint32, std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s),
-                     {w});
+    return mx::array(w.shape(), mx::uint32,
+                     std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s, "InterleaveEights"), {w});
 }
 
 // Throws unless a matrix held interleaved (`interleave_eights`) can be
