@@ -249,11 +249,11 @@ void dispatch_on_cpu(mlx::core::Stream stream, const std::vector<mlx::core::arra
         copied_to.push_back(mx::array::unsafe_weak_copy(copy));
         held.push_back(mx::array::unsafe_weak_copy(copy));
     }
+    const bool donated = in_place && inputs[0].flags().row_contiguous && inputs[0].is_donatable() &&
+                         inputs[0].nbytes() == outputs[0].nbytes();
     for (auto& output : outputs) {
-        const auto& first = inputs[0];
-        if (in_place && &output == &outputs[0] && first.flags().row_contiguous && first.is_donatable() &&
-            first.nbytes() == output.nbytes())
-            output.copy_shared_buffer(first);
+        if (donated && &output == &outputs[0])
+            output.copy_shared_buffer(inputs[0]);
         else
             output.set_data(mx::allocator::malloc(output.nbytes()));
         encoder.set_output_array(output);
