@@ -20,6 +20,18 @@ from mlx_hybrid.prompt import chat_prompt
 from test_quantized import quantized_modules
 
 
+def run_convert(*args, timeout=300):
+    """`python -m mlx_hybrid.convert ARGS`, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_hybrid.convert", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def qwen35_to(tmp_path) -> list[str]:
+    """The arguments that convert the qwen35 fixture's checkpoint into tmp_path / "q"."""
+    return ["--hf-path", str(FIXTURES / "qwen35" / "hf"), "--mlx-path", str(tmp_path / "q")]
+
+
 @pytest.mark.parametrize("family", QWEN_FAMILIES)
 def test_converted_checkpoint_is_the_quantized_model_with_its_mtp_head(family, tmp_path):
     """Loading the converted directory gives the in-memory quantized model.
@@ -190,24 +202,7 @@ def test_a_quantized_gguf_converts_from_its_exactly_dequantized_weights(tmp_path
 
 
 def test_convert_command(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlx_hybrid.convert",
-            "--hf-path",
-            str(FIXTURES / "qwen35" / "hf"),
-            "--mlx-path",
-            str(tmp_path / "q"),
-            "--q-bits",
-            "8",
-            "--q-group-size",
-            "32",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_convert(*qwen35_to(tmp_path), "--q-bits", "8", "--q-group-size", "32")
     assert result.returncode == 0, result.stderr
     assert "8-bit, groups of 32" in result.stderr and "model.safetensors" in result.stderr  # what it wrote
     model, tok = mlx_hybrid.load(tmp_path / "q")
@@ -218,21 +213,11 @@ def test_convert_command_in_mxfp4(tmp_path):
     """--q-mode mxfp4 as mlx-lm's: 4 bits in groups of 32 unless told otherwise, and a conflicting
     group size refused by name (exit 2, nothing written); the result decodes, greedy, what the same
     checkpoint converted by mlx-lm in mxfp4 decodes."""
-    command = [
-        sys.executable,
-        "-m",
-        "mlx_hybrid.convert",
-        "--hf-path",
-        str(FIXTURES / "qwen35" / "hf"),
-        "--mlx-path",
-        str(tmp_path / "q"),
-        "--q-mode",
-        "mxfp4",
-    ]
-    refused = subprocess.run([*command, "--q-group-size", "64"], capture_output=True, text=True, timeout=300)
+    command = [*qwen35_to(tmp_path), "--q-mode", "mxfp4"]
+    refused = run_convert(*command, "--q-group-size", "64")
     assert refused.returncode == 2 and "--q-mode mxfp4 takes 4 bits in groups of 32" in refused.stderr
     assert not (tmp_path / "q").exists()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = run_convert(*command)
     assert result.returncode == 0, result.stderr
     assert "4-bit mxfp4, groups of 32" in result.stderr
     record = json.loads((FIXTURES / "qwen35" / "mlx-lm-mxfp4" / "mlx_lm_greedy.json").read_text())
@@ -244,20 +229,7 @@ def test_convert_command_in_mxfp4(tmp_path):
 def test_convert_never_writes_over_an_existing_path(tmp_path):
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "notes.txt").write_text("mine")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlx_hybrid.convert",
-            "--hf-path",
-            str(FIXTURES / "qwen35" / "hf"),
-            "--mlx-path",
-            str(tmp_path / "q"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_convert(*qwen35_to(tmp_path))
     assert result.returncode == 2 and "already exists" in result.stderr and "Traceback" not in result.stderr
     assert [f.name for f in (tmp_path / "q").iterdir()] == ["notes.txt"]
 
@@ -354,16 +326,9 @@ def test_a_quantization_mode_not_taken_is_refused_by_name(tmp_path):
 def test_help_example_converts_the_bundled_model(tmp_path):
     """`mlx_hybrid.convert --mlx-path DIR` (the example in its --help): the bundled GGUF,
     quantized, then generating from it gives text, and its help shows that example."""
-    help_text = subprocess.run(
-        [sys.executable, "-m", "mlx_hybrid.convert", "--help"], capture_output=True, text=True, timeout=60
-    ).stdout
+    help_text = run_convert("--help", timeout=60).stdout
     assert "mlx_hybrid.convert --mlx-path ./tiny-q4" in help_text
-    done = subprocess.run(
-        [sys.executable, "-m", "mlx_hybrid.convert", "--mlx-path", str(tmp_path / "tiny-q4")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_convert("--mlx-path", str(tmp_path / "tiny-q4"))
     assert done.returncode == 0, done.stderr
     model, tok = mlx_hybrid.load(tmp_path / "tiny-q4")
     bundled_tok = mlx_hybrid.load(mlx_hybrid.bundled_model_path())[1]

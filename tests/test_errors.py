@@ -15,9 +15,13 @@ from conftest import FIXTURES, load_fixture
 QWEN35 = FIXTURES / "qwen35"
 
 
+def generate_command(*args) -> list[str]:
+    return [sys.executable, "-m", "mlx_hybrid.generate", *args]
+
+
 def run_cli(*args, stdin=""):
     return subprocess.run(
-        [sys.executable, "-m", "mlx_hybrid.generate", *args],
+        generate_command(*args),
         input=stdin,
         capture_output=True,
         text=True,
@@ -203,17 +207,7 @@ def test_bad_command_lines_are_one_line_usage_errors(args, fragment):
 
 def test_output_into_a_reader_that_leaves_early_ends_quietly():
     """`mlx_hybrid.generate ... | head -c 5`: the closed pipe ends the command, no traceback."""
-    command = [
-        sys.executable,
-        "-m",
-        "mlx_hybrid.generate",
-        "--model",
-        str(QWEN35 / "model.gguf"),
-        "--prompt",
-        "def f(",
-        "--max-tokens",
-        "200",
-    ]
+    command = generate_command("--model", str(QWEN35 / "model.gguf"), "--prompt", "def f(", "--max-tokens", "200")
     generator = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     head = generator.stdout.read(5)
     generator.stdout.close()  # the reader leaves
@@ -236,17 +230,7 @@ def test_cli_says_when_the_context_ends_generation():
 def test_ctrl_c_stops_generation_with_its_statistics():
     import signal
 
-    command = [
-        sys.executable,
-        "-m",
-        "mlx_hybrid.generate",
-        "--model",
-        str(QWEN35 / "model.gguf"),
-        "--prompt",
-        "def f(",
-        "--max-tokens",
-        "3000",
-    ]
+    command = generate_command("--model", str(QWEN35 / "model.gguf"), "--prompt", "def f(", "--max-tokens", "3000")
     generator = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     shown = generator.stdout.read(20)  # it is generating
     generator.send_signal(signal.SIGINT)
