@@ -100,6 +100,31 @@ class RotaryPositions:
         return positions
 
 
+class AttentionCache:
+    """What an attention layer's attention reads and writes: one sequence's `KVCache`, or the rows of a
+    pass that run as one batch (`row_caches.KVRowsPass`). An attention takes either (or None: no cache).
+
+    rotary_span(count): the rotary positions of the next `count` tokens (`RotaryPositions.span`; for a
+        batch, a tuple of each row's).
+    update_and_fetch(*entries): append the call's entries [B, H, T, D]; all of them so far, as views.
+    key_lengths: each batch row's count of the keys fetched (its first ones); None where every row holds
+        all of them.
+    key_positions(count): where the first `count` keys sit (`RotaryPositions.span`), for a layer that
+        reads its cached keys' positions (an indexer rotating blocks of them).
+    """
+
+    key_lengths = None
+
+    def rotary_span(self, count: int):
+        raise NotImplementedError
+
+    def update_and_fetch(self, *entries: mx.array) -> tuple:
+        raise NotImplementedError
+
+    def key_positions(self, count: int) -> int | np.ndarray:
+        raise NotImplementedError
+
+
 class OwnEntries(NamedTuple):
     """Entries a KVCache holds alone: buffers [B, H, capacity, D] of its own, grown in steps; the first
     `offset` entries (the cache's) are in use."""
@@ -114,7 +139,7 @@ class OwnEntries(NamedTuple):
         return self.buffers
 
 
-class KVCache(LayerCache):
+class KVCache(LayerCache, AttentionCache):
     """The per-token entries [B, H, T, D] of one attention layer.
 
     The entries are usually keys and values. An absorbed MLA layer caches a single array (the
@@ -126,7 +151,6 @@ class KVCache(LayerCache):
     """
 
     step = 256
-    key_lengths = None  # every key held is the row's (a batch's rows hold their own counts)
 
     def __init__(self):
         self.store = None  # OwnEntries, a batch's handle on this row, or None before any entry
@@ -137,8 +161,10 @@ class KVCache(LayerCache):
         """The rotary positions of the next `count` tokens (see `RotaryPositions.span`)."""
         return self.offset if self.positions is None else self.positions.span(self.offset, count)
 
+    def key_positions(self, count: int) -> int | np.ndarray:
+        return 0 if self.positions is None else self.positions.span(0, count)
+
     def update_and_fetch(self, *entries: mx.array):
-        """Append the call's entries [B, H, T, D]; all of them so far, as views."""
         return self.fetched(self._append(self.held(entries)))
 
     def held(self, entries) -> list[mx.array]:
@@ -215,6 +241,9 @@ class WindowKVCache(KVCache):
 
     def rotary_span(self, count: int) -> int:
         return self.dropped + self.offset
+
+    def key_positions(self, count: int) -> int:
+        return self.dropped
 
     def trim(self, n: int) -> int:
         n = super().trim(n)

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache, LayerCache, RecurrentCache
+from .cache import AttentionCache, KVCache, LayerCache, RecurrentCache
 
 
 class RowCaches:
@@ -33,6 +33,19 @@ class RowCaches:
     def __init__(self, caches: list, lengths: list[int]):
         self.caches = caches
         self.lengths = lengths
+
+
+# What a layer takes for a pass, and hands on unopened to `recurrent`, `attend_rows` or `part_of`: one
+# sequence's cache, or packed rows' caches (None: no cache).
+PassCache = LayerCache | RowCaches
+
+
+def part_of(cache: PassCache | None, part: Callable[[LayerCache], LayerCache]) -> PassCache | None:
+    """A part of a composite layer cache (`part(row_cache)`: a PLE layer's mixer's), of one sequence or of
+    packed rows, as the module the part belongs to takes it."""
+    if isinstance(cache, RowCaches):
+        return RowCaches([part(row_cache) for row_cache in cache.caches], cache.lengths)
+    return part(cache) if cache is not None else None
 
 
 def row_caches(caches: list, lengths: list[int]):
@@ -294,10 +307,10 @@ class KVRows:
         self.buffers = [mx.put_along_axis(b, at, a, axis=2) for b, a in zip(self.buffers, arrays)]
 
 
-class KVRowsPass:
-    """Several rows' KVCaches as one attention call reads them: the interface of a KVCache
-    (`rotary_span`, `update_and_fetch`) over one `KVRows` batch, found or made at the write. After the
-    write, `key_lengths` holds each row's count of keys."""
+class KVRowsPass(AttentionCache):
+    """Several rows' KVCaches as one attention call reads them (`cache.AttentionCache`), over one
+    `KVRows` batch, found or made at the write. After the write, `key_lengths` holds each row's count
+    of keys."""
 
     def __init__(self, members: list):
         self.members = members
@@ -306,10 +319,17 @@ class KVRowsPass:
     def rotary_span(self, count: int) -> tuple[int, ...]:
         return tuple(m.rotary_span(count) for m in self.members)
 
+    def key_positions(self, count: int) -> int:
+        """Where every row's first key sits: rows that read it run together only where it is the same
+        plain position for all (`attend_rows`' reads_key_positions)."""
+        first, *others = (m.key_positions(count) for m in self.members)
+        if not isinstance(first, int) or any(not isinstance(p, int) or p != first for p in others):
+            raise ValueError("rows whose keys sit apart (or at image positions) read their key positions alone")
+        return first
+
     def update_and_fetch(self, *entries: mx.array, counts: tuple[int, ...] | None = None):
-        """Append each row's entries [n, H, T, D] and return the batch's entries as views; row i's first
-        `key_lengths[i]` are its own. counts: only the first counts[i] of row i's new entries are kept;
-        the rest are written after them and overwritten by its next entries."""
+        """Row i's first `key_lengths[i]` entries are its own. counts: only the first counts[i] of row i's
+        new entries are kept; the rest are written after them and overwritten by its next entries."""
         first = self.members[0]
         arrays = first.held(entries)
         offsets = tuple(m.offset for m in self.members)

@@ -2,11 +2,22 @@
 recurrent): rolling back, rewinding to a mark, checkpointing, and what they hold."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import mlx_hybrid
 from conftest import FAMILIES, assert_close_to_floor, load_fixture, reference
-from mlx_hybrid.cache import LayerCache, marks, record_snapshots, rewind, rollback
+from mlx_hybrid.cache import (
+    KVCache,
+    LayerCache,
+    RotaryPositions,
+    WindowKVCache,
+    marks,
+    record_snapshots,
+    rewind,
+    rollback,
+)
+from mlx_hybrid.row_caches import KVRowsPass
 
 
 def _prompt(family):
@@ -147,3 +158,24 @@ def test_rows_kept_as_a_batch_give_what_each_row_gives_alone(family, kv_bits):
     for layer, checkpoint in zip(resumed, [c.checkpoint() for c in together[2]]):
         layer.restore(checkpoint)
     assert mx.array_equal(model(mx.array([[8, 9]]), resumed)[0], model(mx.array([[8, 9]]), alone[2])[0]).item()
+
+
+def test_an_attention_reads_where_its_cached_keys_sit():
+    """`key_positions` (what an indexer rotating blocks of keys reads), through the one interface of
+    one sequence's cache and of rows run together."""
+    plain, imaged = KVCache(), KVCache()
+    # a prompt whose tokens 2-4 are an image's, at 2-D positions (temporal, row, column)
+    table = np.array([[0, 1, 2, 2, 2, 5], [0, 1, 2, 2, 3, 5], [0, 1, 2, 3, 2, 5]])
+    imaged.positions = RotaryPositions(table)
+    assert plain.key_positions(6) == 0
+    assert np.array_equal(imaged.key_positions(6), table)
+
+    window = WindowKVCache(2)
+    for _ in range(5):
+        window.update_and_fetch(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))
+    window.trim(0)  # holding twice its window: it keeps the last window - 1 keys, the one at index 4
+    assert (window.offset, window.key_positions(1)) == (1, 4)
+
+    assert KVRowsPass([plain, KVCache()]).key_positions(6) == 0
+    with pytest.raises(ValueError, match="image positions"):
+        KVRowsPass([plain, imaged]).key_positions(6)

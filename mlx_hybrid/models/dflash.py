@@ -29,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import ops
-from ..cache import KVCache, WindowKVCache
+from ..cache import AttentionCache, KVCache, WindowKVCache
 from ..errors import ModelLoadError
 from .dflash2 import CandidateSelector, GroupedDynamicConv
 from .layers import MLP, Linear, RMSNorm
@@ -174,7 +174,9 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(D, args.rms_norm_eps)
         self.k_norm = RMSNorm(D, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, context: mx.array, cache, counts: tuple[int, ...] | None = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, context: mx.array, cache: AttentionCache | None, counts: tuple[int, ...] | None = None
+    ) -> mx.array:
         """x [B, T, E] (the block, normed), context [B, C, E] (the new context's states): the block's
         output [B, T, E]; the cache gains the context's and the block's entries (the caller drops the
         block's). Without a cache the context is all there is, from position 0 (training).

@@ -13,9 +13,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
-from ..cache import KVCache, RecurrentCache
+from ..cache import AttentionCache
 from ..parallel import COLUMNS, ROWS, VECTOR, Split, all_sum
-from ..row_caches import attend_rows
+from ..row_caches import PassCache, attend_rows
 from .layers import (
     F32,
     LINEAR,
@@ -117,7 +117,7 @@ class KimiDeltaAttention(nn.Module):
             }
         )
 
-    def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: PassCache | None = None) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q, k, v, decay_low, gate_low, beta = projections(
@@ -171,7 +171,7 @@ class LatentAttention(nn.Module):
         heads = Split(-3)
         return {"q_proj.weight": ROWS, "k_b_proj": heads, "v_b_proj": heads, "o_proj.weight": COLUMNS}
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: PassCache | None = None) -> mx.array:
         B, T, _ = x.shape
         q, compressed = projections(x, self.q_proj, self.kv_a_proj_with_mqa)
         q = q.reshape(B, T, self.num_heads, -1).transpose(0, 2, 1, 3)
@@ -183,8 +183,8 @@ class LatentAttention(nn.Module):
         out = out.transpose(0, 2, 1, 3) @ self.v_b_proj.swapaxes(-1, -2)  # [B, H, T, v_head_dim]
         return all_sum(self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), self.group)
 
-    def _attend(self, queries, keys, cache):
-        """One sequence's queries [B, T, H, L + R] over its latent cache; the result [B, T, H, L]."""
+    def _attend(self, queries, keys, cache: AttentionCache | None):
+        """Queries [B, T, H, L + R] over the latent cache; the result [B, T, H, L]."""
         queries, keys = queries.transpose(0, 2, 1, 3), keys[:, None]  # [B, 1, T, L + R]
         if cache is not None:
             (keys,) = cache.update_and_fetch(keys)

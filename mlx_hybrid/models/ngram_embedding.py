@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache import LayerCache, RecurrentCache
-from ..row_caches import RecurrentStep, recurrent
+from ..row_caches import PassCache, RecurrentStep, recurrent
 from .layers import Linear, RMSNorm, group_rms_norm
 
 _MASK64 = (1 << 64) - 1
@@ -195,9 +195,8 @@ class PLE(nn.Module):
     def conv_tail(self) -> int:
         return (self.kernel - 1) * self.dilation
 
-    def __call__(self, streams: mx.array, ids: mx.array, cache) -> mx.array:
-        """What the layer adds to the streams [B, T, n E] for the tokens ids [B, T], over its cache (a
-        sequence's `RecurrentCache` or packed rows' of them)."""
+    def __call__(self, streams: mx.array, ids: mx.array, cache: PassCache | None) -> mx.array:
+        """What the layer adds to the streams [B, T, n E] for the tokens ids [B, T]."""
         return recurrent(self.step, cache, streams, ids)
 
     def step(self, streams: mx.array, ids: mx.array, state: tuple | None, record: bool) -> RecurrentStep:

@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import ops
-from ..cache import KVCache, RecurrentCache
+from ..cache import AttentionCache
 from ..parallel import COLUMNS, ROWS, VECTOR, Split, all_sum, require
-from ..row_caches import attend_rows
+from ..row_caches import PassCache, attend_rows
 from .layers import (
     F32,
     FULL,
@@ -136,7 +136,7 @@ class GatedDeltaNet(nn.Module):
             "in_proj_a.weight": ROWS, "A": VECTOR, "dt_bias": VECTOR, "out_proj.weight": COLUMNS,
         }  # fmt: skip
 
-    def __call__(self, x: mx.array, cache: RecurrentCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: PassCache | None = None) -> mx.array:
         heads = ops.HeadShape(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
         norm = ops.OutputNorm(self.norm.weight, self.eps, self.gate_activation)
         qkv, z, b, a = projections(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
@@ -210,13 +210,12 @@ class GatedAttention(nn.Module):
         B, T = out.shape[:2]
         return all_sum(self.o_proj(ops.sigmoid_gated(out.reshape(B, T, -1), gate.reshape(B, T, -1))), self.group)
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: PassCache | None = None) -> mx.array:
         q, gate, k, v = self.projected(x)
         return self.gated_output(attend_rows(self._attend, cache, q, k, v), gate)
 
-    def _attend(self, q, k, v, cache):
-        """Positioned attention of one sequence over its cache, or of a batch's rows over theirs (`KVRowsPass`);
-        q, k, v and the result [B, T, H, D]."""
+    def _attend(self, q, k, v, cache: AttentionCache | None):
+        """Positioned attention over the cache; q, k, v and the result [B, T, H, D]."""
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         position = cache.rotary_span(q.shape[2]) if cache is not None else 0
         q, k = self._rope(q, position), self._rope(k, position)
@@ -272,7 +271,7 @@ class MTPHead(nn.Module):
         self.chains_normed = args.mtp_hidden == POST_NORM
         self.widest_product = widest_product(args)
 
-    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: KVCache | None = None):
+    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: PassCache | None = None):
         """(y, carry): y = mtp.norm(u), which the LM head projects to predict the token after
         next, and carry, the next chained draft's h."""
         u = self.fc(mx.concatenate([self.enorm(next_embeddings), self.hnorm(hidden)], axis=-1))

@@ -17,15 +17,16 @@ indexed (QSA) attention and per-layer n-gram embeddings (PLE).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from .. import ops
-from ..cache import KVCache
+from ..cache import AttentionCache
 from ..parallel import TENSOR, ShardingError
-from ..row_caches import RowCaches, attend_rows
+from ..row_caches import PassCache, attend_rows, part_of
 from .layers import F32, FULL, LINEAR, Linear, RMSNorm, group_rms_norm, widest_product
 from .ngram_embedding import PLE, PLECache
 from .qwen3_5 import FLOAT32_PARAMS  # noqa: F401  (the loaders')
@@ -155,7 +156,7 @@ class IndexedAttention(GatedAttention):
         self.q_layernorm = RMSNorm(self.index_dim, args.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.index_dim, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: PassCache | None = None) -> mx.array:
         B, T, _ = x.shape
         q, gate, k, v = self.projected(x)
         index_q, index_k = mx.split(
@@ -164,9 +165,9 @@ class IndexedAttention(GatedAttention):
         out = attend_rows(self._attend, cache, q, k, v, self.q_layernorm(index_q), index_k, reads_key_positions=True)
         return self.gated_output(out, gate)
 
-    def _attend(self, q, k, v, index_q, index_k, cache):
-        """Over one sequence's KVCache, or a batch's rows over theirs (`KVRowsPass`: rows whose keys all
-        sit at their indices, `attend_rows`); arrays and result [B, T, heads, D]."""
+    def _attend(self, q, k, v, index_q, index_k, cache: AttentionCache | None):
+        """Arrays and result [B, T, heads, D]. A batch's rows come here together only while their keys
+        all sit at their indices (`attend_rows`' reads_key_positions)."""
         q, k, v, index_q, index_k = (a.transpose(0, 2, 1, 3) for a in (q, k, v, index_q, index_k))
         position = cache.rotary_span(q.shape[2]) if cache is not None else 0
         q, k, index_q = self._rope(q, position), self._rope(k, position), self._rope(index_q, position)
@@ -174,8 +175,7 @@ class IndexedAttention(GatedAttention):
             k, v, index_k = cache.update_and_fetch(k, v, index_k)
         index_k = ops.dequantized_entries(index_k)
         lengths = (cache.key_lengths if cache is not None else None) or (index_k.shape[2],) * q.shape[0]
-        positioned = isinstance(cache, KVCache) and cache.positions is not None
-        key_positions = cache.positions.span(0, index_k.shape[2]) if positioned else 0
+        key_positions = cache.key_positions(index_k.shape[2]) if cache is not None else 0
         mask = self._kept_keys(index_q, index_k, lengths, key_positions)
         return ops.scaled_dot_product_attention(q, k, v, self.scale, mask).transpose(0, 2, 1, 3)
 
@@ -232,25 +232,16 @@ class DecoderLayer(nn.Module):
     def has_ple(self) -> bool:
         return "ple" in self
 
-    def __call__(self, streams, cache=None, ids=None):
+    def __call__(self, streams, cache: PassCache | None = None, ids=None):
         mixer_cache = cache
         if self.has_ple:
-            ple_cache, mixer_cache = _ple_parts(cache)
-            streams = streams + self.ple(streams, ids, ple_cache)
+            mixer_cache = part_of(cache, attrgetter("mixer"))
+            streams = streams + self.ple(streams, ids, part_of(cache, attrgetter("ple")))
         block_input, weights = self.attn_hyper_connection.mix(streams)
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
         streams = GatedResidual.add(streams, mixer(block_input, mixer_cache), weights)
         block_input, weights = self.mlp_hyper_connection.mix(streams)
         return GatedResidual.add(streams, self.mlp(block_input), weights)
-
-
-def _ple_parts(cache) -> tuple:
-    """A PLE layer's cache (`PLECache`), of one sequence or of packed rows, as its parts: the PLE's and
-    the mixer's."""
-    if isinstance(cache, RowCaches):
-        ples, mixers = ([row.ple for row in cache.caches], [row.mixer for row in cache.caches])
-        return RowCaches(ples, cache.lengths), RowCaches(mixers, cache.lengths)
-    return (cache.ple, cache.mixer) if cache is not None else (None, None)
 
 
 class MTPHead(nn.Module):
@@ -273,7 +264,7 @@ class MTPHead(nn.Module):
         self.norm = GatedResidual(args, inject=False)
         self.widest_product = widest_product(args)
 
-    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: KVCache | None = None):
+    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: PassCache | None = None):
         """(y, carry): y [B, T, E] for the LM head (the token after next), carry [B, T, n E]."""
         B, T, wide = hidden.shape
         streams = self.fc_hidden(self.hnorm(hidden).reshape(B, T, self.count, wide // self.count))

@@ -30,7 +30,7 @@ class HybridModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head; subclasses build the layers.
 
     Each layer has a `layer_type` ("linear_attention" or "full_attention") and is
-    called as layer(h, cache).
+    called as layer(h, cache), its cache a `row_caches.PassCache`.
     """
 
     def __init__(self, args, layers):
