@@ -238,25 +238,10 @@ def test_convert_never_writes_over_an_existing_path(tmp_path):
 def test_checkpoints_converted_by_mlx_lm_load_identically(family, tmp_path):
     """The leading MLX runner's own conversion: our forward agrees with its forward."""
     mlx_lm = pytest.importorskip("mlx_lm")
+    paths = ["--hf-path", str(FIXTURES / family / "hf"), "--mlx-path", str(tmp_path / "q")]
+    quantized = ["-q", "--q-bits", "4", "--q-group-size", "32"]
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlx_lm",
-            "convert",
-            "--hf-path",
-            str(FIXTURES / family / "hf"),
-            "--mlx-path",
-            str(tmp_path / "q"),
-            "-q",
-            "--q-bits",
-            "4",
-            "--q-group-size",
-            "32",
-        ],
-        capture_output=True,
-        check=True,
-        timeout=300,
+        [sys.executable, "-m", "mlx_lm", "convert", *paths, *quantized], capture_output=True, check=True, timeout=300
     )
     ours, _ = mlx_hybrid.load(tmp_path / "q")
     theirs, _ = mlx_lm.load(str(tmp_path / "q"))

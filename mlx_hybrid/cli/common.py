@@ -189,32 +189,22 @@ def grammar_file(kind: str):
     return read
 
 
+GRAMMAR_FLAGS = (  # flag, what its argument is read as, metavar, help
+    ("--json-schema", "json_schema", "FILE", "the output is JSON valid under the JSON schema in FILE"),
+    (
+        "--grammar",
+        "grammar",
+        "FILE",
+        "the output matches the grammar in FILE: llguidance's Lark, or llama.cpp's GBNF (rules with ::=)",
+    ),
+    ("--regex", "regex", "R", "the output matches the regular expression R (Rust regex syntax)"),
+)
+
+
 def add_grammar_arguments(p: argparse.ArgumentParser):
     what = p.add_mutually_exclusive_group()
-    what.add_argument(
-        "--json-schema",
-        type=grammar_file("json_schema"),
-        default=None,
-        dest="grammar",
-        metavar="FILE",
-        help="the output is JSON valid under the JSON schema in FILE",
-    )
-    what.add_argument(
-        "--grammar",
-        type=grammar_file("grammar"),
-        default=None,
-        dest="grammar",
-        metavar="FILE",
-        help="the output matches the grammar in FILE: llguidance's Lark, or llama.cpp's GBNF (rules with ::=)",
-    )
-    what.add_argument(
-        "--regex",
-        type=grammar_file("regex"),
-        default=None,
-        dest="grammar",
-        metavar="R",
-        help="the output matches the regular expression R (Rust regex syntax)",
-    )
+    for flag, kind, metavar, help in GRAMMAR_FLAGS:
+        what.add_argument(flag, type=grammar_file(kind), default=None, dest="grammar", metavar=metavar, help=help)
 
 
 def sampling_params(args, **changes) -> SamplingParams:
