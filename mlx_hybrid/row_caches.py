@@ -275,9 +275,10 @@ class KVRows:
         self.buffers = [mx.zeros((self.size, a.shape[1], capacity, a.shape[3]), a.dtype) for a in like]
         for first, last in _runs_of(members):
             source, rows = members[first], slice(first, last)
-            if batch_of(source) is not None:  # rows side by side in another batch: one copy
+            batch = batch_of(source)
+            if batch is not None:  # rows side by side in another batch: one copy
                 keys, at = max(m.offset for m in members[rows]), source.store.index
-                parts = [b[at : at + last - first, :, :keys] for b in source.store.batch.buffers]
+                parts = [b[at : at + last - first, :, :keys] for b in batch.buffers]
             else:
                 keys = source.offset
                 parts = list(source.state) if keys else []

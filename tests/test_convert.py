@@ -27,9 +27,9 @@ def run_convert(*args, timeout=300):
     )
 
 
-def qwen35_to(tmp_path) -> list[str]:
-    """The arguments that convert the qwen35 fixture's checkpoint into tmp_path / "q"."""
-    return ["--hf-path", str(FIXTURES / "qwen35" / "hf"), "--mlx-path", str(tmp_path / "q")]
+def convert_paths(tmp_path, family: str = "qwen35") -> list[str]:
+    """The arguments that convert a fixture's checkpoint (ours or mlx-lm's command) into tmp_path / "q"."""
+    return ["--hf-path", str(FIXTURES / family / "hf"), "--mlx-path", str(tmp_path / "q")]
 
 
 @pytest.mark.parametrize("family", QWEN_FAMILIES)
@@ -202,7 +202,7 @@ def test_a_quantized_gguf_converts_from_its_exactly_dequantized_weights(tmp_path
 
 
 def test_convert_command(tmp_path):
-    result = run_convert(*qwen35_to(tmp_path), "--q-bits", "8", "--q-group-size", "32")
+    result = run_convert(*convert_paths(tmp_path), "--q-bits", "8", "--q-group-size", "32")
     assert result.returncode == 0, result.stderr
     assert "8-bit, groups of 32" in result.stderr and "model.safetensors" in result.stderr  # what it wrote
     model, tok = mlx_hybrid.load(tmp_path / "q")
@@ -213,7 +213,7 @@ def test_convert_command_in_mxfp4(tmp_path):
     """--q-mode mxfp4 as mlx-lm's: 4 bits in groups of 32 unless told otherwise, and a conflicting
     group size refused by name (exit 2, nothing written); the result decodes, greedy, what the same
     checkpoint converted by mlx-lm in mxfp4 decodes."""
-    command = [*qwen35_to(tmp_path), "--q-mode", "mxfp4"]
+    command = [*convert_paths(tmp_path), "--q-mode", "mxfp4"]
     refused = run_convert(*command, "--q-group-size", "64")
     assert refused.returncode == 2 and "--q-mode mxfp4 takes 4 bits in groups of 32" in refused.stderr
     assert not (tmp_path / "q").exists()
@@ -229,7 +229,7 @@ def test_convert_command_in_mxfp4(tmp_path):
 def test_convert_never_writes_over_an_existing_path(tmp_path):
     (tmp_path / "q").mkdir()
     (tmp_path / "q" / "notes.txt").write_text("mine")
-    result = run_convert(*qwen35_to(tmp_path))
+    result = run_convert(*convert_paths(tmp_path))
     assert result.returncode == 2 and "already exists" in result.stderr and "Traceback" not in result.stderr
     assert [f.name for f in (tmp_path / "q").iterdir()] == ["notes.txt"]
 
@@ -238,11 +238,9 @@ def test_convert_never_writes_over_an_existing_path(tmp_path):
 def test_checkpoints_converted_by_mlx_lm_load_identically(family, tmp_path):
     """The leading MLX runner's own conversion: our forward agrees with its forward."""
     mlx_lm = pytest.importorskip("mlx_lm")
-    paths = ["--hf-path", str(FIXTURES / family / "hf"), "--mlx-path", str(tmp_path / "q")]
     quantized = ["-q", "--q-bits", "4", "--q-group-size", "32"]
-    subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "convert", *paths, *quantized], capture_output=True, check=True, timeout=300
-    )
+    command = [sys.executable, "-m", "mlx_lm", "convert", *convert_paths(tmp_path, family), *quantized]
+    subprocess.run(command, capture_output=True, check=True, timeout=300)
     ours, _ = mlx_hybrid.load(tmp_path / "q")
     theirs, _ = mlx_lm.load(str(tmp_path / "q"))
     ids = mx.array(reference(family)["input_ids"])
