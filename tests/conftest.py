@@ -18,6 +18,20 @@ from mlx_hybrid.ops import cpu_extension, cpu_quantized, gpu_kernels, selfcheck
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# The files that take longest, longest first: xdist hands each worker a whole file at a time, in
+# collection order (pyproject's `--no-loadscope-reorder`), so these start at once and the last files
+# to run are short ones, not a worker left alone with a minutes-long file.
+LONGEST_FILES = [
+    "test_distributed.py", "test_speculative.py", "test_row_kernel_models.py", "test_cli.py", "test_server.py",
+    "test_kernels.py", "test_qwen4_exp.py", "test_processors.py", "test_agent_apis.py", "test_bundled.py",
+]  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
+
+
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN_FAMILIES = ["qwen35", "qwen35moe", "qwen3next"]  # with MTP heads
 FAMILIES = QWEN_FAMILIES + ["kimilinear"]

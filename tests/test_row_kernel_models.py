@@ -139,9 +139,10 @@ def test_eight_batch_rows_are_each_their_sequence_alone_in_bfloat16(counted, mon
         return hidden
 
     monkeypatch.setattr(scheduler, "run_model", counted_pass)
+    # each prompt alone, plain: the text the rows together give with the default drafts and with 2 a round
+    alone = [mlx_hybrid.generate(model, tokenizer, prompt, max_tokens=12, draft=None) for prompt in prompts]
     for settings in ({}, {"draft": "mtp", "num_draft_tokens": 2}):
         together = mlx_hybrid.batch_generate(model, tokenizer, prompts, max_tokens=12, max_batch=4, **settings)
-        alone = [mlx_hybrid.generate(model, tokenizer, prompt, max_tokens=12, **settings) for prompt in prompts]
         assert together == alone, settings
     decoding = [p for p in passes if p[1]]
     assert all(

@@ -85,8 +85,12 @@ def render(spec, launch) -> str:
     )
 
 
+FLAGS = ["-std=c++17", "-fPIC", "-O2"]
+
+
 def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
-    digest = hashlib.sha256(code.encode() + (HERE / "metal_shim.h").read_bytes()).hexdigest()[:16]
+    shim = (HERE / "metal_shim.h").read_bytes()
+    digest = hashlib.sha256(code.encode() + shim).hexdigest()[:16]
     build = coverage_dir or BUILD
     build.mkdir(parents=True, exist_ok=True)
     # sources and libraries built under names of this process's, the library then renamed: test
@@ -95,15 +99,28 @@ def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
     library = build / f"kernel_{digest}.so"
     if not library.exists() or coverage_dir:
         source.write_text(code)
-        flags = ["--coverage", "-O0", "-DEMU_COVERAGE"] if coverage_dir else ["-O2"]
+        if coverage_dir:
+            flags = ["-std=c++17", "-fPIC", "--coverage", "-O0", "-DEMU_COVERAGE", "-I", str(HERE)]
+        else:  # g++ reads the shim precompiled where it finds it first on the include path
+            flags = [*FLAGS, "-I", str(_precompiled_shim(shim)), "-I", str(HERE)]
         partial = library.with_suffix(f".{os.getpid()}.so")
-        subprocess.run(
-            ["g++", "-std=c++17", "-shared", "-fPIC", *flags, "-I", str(HERE), "-o", str(partial), str(source)],
-            check=True,
-            cwd=build,
-        )
+        subprocess.run(["g++", "-shared", *flags, "-o", str(partial), str(source)], check=True, cwd=build)
         os.replace(partial, library)
     return ctypes.CDLL(str(library))
+
+
+def _precompiled_shim(shim: bytes) -> Path:
+    """A directory holding metal_shim.h precompiled with FLAGS (a third of a kernel's compile time is
+    the shim's headers; the suite compiles a few hundred kernels), named by the shim's contents: g++
+    checks a precompiled header's flags, not whether its source has changed since."""
+    directory = BUILD / f"shim_{hashlib.sha256(shim).hexdigest()[:16]}"
+    header = directory / "metal_shim.h.gch"
+    if not header.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = header.with_suffix(f".{os.getpid()}.gch")
+        subprocess.run(["g++", *FLAGS, "-x", "c++-header", str(HERE / "metal_shim.h"), "-o", str(partial)], check=True)
+        os.replace(partial, header)
+    return directory
 
 
 def emulate(spec, launch, coverage_dir: Path | None = None, strided: bool = False):
