@@ -85,7 +85,8 @@ def render(spec, launch) -> str:
     )
 
 
-FLAGS = ["-std=c++17", "-fPIC", "-O2"]
+COMPILE = ["g++", "-std=c++17", "-fPIC"]
+OPTIMIZED = [*COMPILE, "-O2"]  # the kernels' flags, which the precompiled shim must share for g++ to take it
 
 
 def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
@@ -100,17 +101,17 @@ def compile_source(code: str, coverage_dir: Path | None = None) -> ctypes.CDLL:
     if not library.exists() or coverage_dir:
         source.write_text(code)
         if coverage_dir:
-            flags = ["-std=c++17", "-fPIC", "--coverage", "-O0", "-DEMU_COVERAGE", "-I", str(HERE)]
+            command = [*COMPILE, "--coverage", "-O0", "-DEMU_COVERAGE", "-I", str(HERE)]
         else:  # g++ reads the shim precompiled where it finds it first on the include path
-            flags = [*FLAGS, "-I", str(_precompiled_shim(shim)), "-I", str(HERE)]
+            command = [*OPTIMIZED, "-I", str(_precompiled_shim(shim)), "-I", str(HERE)]
         partial = library.with_suffix(f".{os.getpid()}.so")
-        subprocess.run(["g++", "-shared", *flags, "-o", str(partial), str(source)], check=True, cwd=build)
+        subprocess.run([*command, "-shared", "-o", str(partial), str(source)], check=True, cwd=build)
         os.replace(partial, library)
     return ctypes.CDLL(str(library))
 
 
 def _precompiled_shim(shim: bytes) -> Path:
-    """A directory holding metal_shim.h precompiled with FLAGS (a third of a kernel's compile time is
+    """A directory holding metal_shim.h precompiled with OPTIMIZED (a third of a kernel's compile time is
     the shim's headers; the suite compiles a few hundred kernels), named by the shim's contents: g++
     checks a precompiled header's flags, not whether its source has changed since."""
     directory = BUILD / f"shim_{hashlib.sha256(shim).hexdigest()[:16]}"
@@ -118,7 +119,7 @@ def _precompiled_shim(shim: bytes) -> Path:
     if not header.exists():
         directory.mkdir(parents=True, exist_ok=True)
         partial = header.with_suffix(f".{os.getpid()}.gch")
-        subprocess.run(["g++", *FLAGS, "-x", "c++-header", str(HERE / "metal_shim.h"), "-o", str(partial)], check=True)
+        subprocess.run([*OPTIMIZED, "-x", "c++-header", str(HERE / "metal_shim.h"), "-o", str(partial)], check=True)
         os.replace(partial, header)
     return directory
 
