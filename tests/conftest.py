@@ -85,6 +85,14 @@ def load_fixture(family: str, source: str):
     return _models[key]
 
 
+def function_tool(name: str, properties: dict, required: list[str] | None = None) -> dict:
+    """An OpenAI chat-completions tool: the function `name` taking an object of `properties`."""
+    parameters = {"type": "object", "properties": properties}
+    if required is not None:
+        parameters["required"] = required
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:

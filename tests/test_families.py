@@ -19,7 +19,7 @@ from conftest import FIXTURES
 from mlx_hybrid.loaders import families
 from mlx_hybrid.loaders.common import Rule
 from mlx_hybrid.models.layers import LINEAR, Linear, RMSNorm
-from mlx_hybrid.models.trunk import HybridModel
+from mlx_hybrid.models.trunk import HybridModel, TrunkArgs
 from test_row_caches import DiagonalRecurrence
 
 # The model file of the toy family: its arguments, its layer, its model ---------------------------------
@@ -28,13 +28,8 @@ FLOAT32_PARAMS = ()
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
+class ModelArgs(TrunkArgs):
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
 
 

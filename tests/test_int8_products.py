@@ -56,30 +56,8 @@ ODD_BLOCKS = 1056
     MXFP4,
 ) = map(
     int8_number,
-    [
-        "Q8_0",
-        "Q4_K",
-        "Q6_K",
-        "Q5_0",
-        "Q5_1",
-        "Q4_0",
-        "Q4_1",
-        "IQ4_NL",
-        "Q5_K",
-        "Q3_K",
-        "Q2_K",
-        "IQ4_XS",
-        "IQ2_XXS",
-        "IQ2_XS",
-        "IQ2_S",
-        "IQ3_XXS",
-        "IQ3_S",
-        "IQ1_S",
-        "IQ1_M",
-        "TQ1_0",
-        "TQ2_0",
-        "MXFP4",
-    ],
+    """Q8_0 Q4_K Q6_K Q5_0 Q5_1 Q4_0 Q4_1 IQ4_NL Q5_K Q3_K Q2_K IQ4_XS
+    IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S IQ1_S IQ1_M TQ1_0 TQ2_0 MXFP4""".split(),
 )
 
 

@@ -4,25 +4,20 @@ import json
 
 import numpy as np
 import pytest
+from conftest import function_tool
 
 from mlx_hybrid.parsers import OutputParser, extract_tool_calls, parse_output, prompt_opens_reasoning
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer"},
-                "metric": {"type": "boolean"},
-                "hours": {"type": "array"},
-                "zip": {"type": "string"},
-            },
-        },
+WEATHER = function_tool(
+    "get_weather",
+    {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+        "hours": {"type": "array"},
+        "zip": {"type": "string"},
     },
-}
+)
 
 
 def arguments(call):
@@ -182,32 +177,16 @@ def test_streaming_holds_back_only_what_may_be_a_tag():
 
 # -- grammars that hold the output to tool calls (tool_choice "required" or a named function)
 
-WEATHER_REQUIRED = {
-    "type": "function",
-    "function": {
-        **WEATHER["function"],
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
+WEATHER_REQUIRED = function_tool("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"}}, ["city"])
+MODE = function_tool(
+    "set_mode",
+    {
+        "mode": {"type": "string", "enum": ["fast", "slow"]},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
+        "note": {"type": "string"},
     },
-}
-MODE = {
-    "type": "function",
-    "function": {
-        "name": "set_mode",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "mode": {"type": "string", "enum": ["fast", "slow"]},
-                "level": {"type": "integer", "minimum": 0, "maximum": 9},
-                "note": {"type": "string"},
-            },
-            "required": ["mode", "level"],
-        },
-    },
-}
+    ["mode", "level"],
+)
 CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("set_mode", {"mode": "fast", "level": 3})]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import mlx_hybrid
 from mlx.utils import tree_flatten
-from conftest import FIXTURES, free_port
+from conftest import FIXTURES, free_port, function_tool
 from fixtures.make_assistant import template_messages
 from mlx_hybrid.parsers import parse_output
 from mlx_hybrid.prompt import chat_prompt
@@ -482,34 +482,19 @@ def test_tool_call_round_trip_with_the_call_inside_reasoning(assistant, conversa
 
 
 # tools whose arguments a small model can finish (bounded strings), for tool_choice
-UNITS = {
-    "type": "function",
-    "function": {
-        "name": "set_units",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "units": {"type": "string", "enum": ["metric", "imperial"]},
-                "level": {"type": "integer", "minimum": 0, "maximum": 9},
-            },
-            "required": ["units"],
-        },
+UNITS = function_tool(
+    "set_units",
+    {
+        "units": {"type": "string", "enum": ["metric", "imperial"]},
+        "level": {"type": "integer", "minimum": 0, "maximum": 9},
     },
-}
-CITY = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-        },
-    },
-}
+    ["units"],
+)
+CITY = function_tool(
+    "get_weather",
+    {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    ["city", "days"],
+)
 
 
 def assert_valid_calls(message, tools, finish, name=None):

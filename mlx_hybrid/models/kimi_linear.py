@@ -31,16 +31,11 @@ from .layers import (
     top_k_indices,
 )
 from .linear_attention import linear_attention
-from .trunk import HybridModel
+from .trunk import HybridModel, TrunkArgs
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    rms_norm_eps: float
+class ModelArgs(TrunkArgs):
     layer_types: list[str]
     # KDA layers
     linear_num_heads: int
@@ -62,7 +57,6 @@ class ModelArgs:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     max_position_embeddings: int = 1048576
-    tie_word_embeddings: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer >= self.first_k_dense_replace

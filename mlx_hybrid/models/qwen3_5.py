@@ -32,7 +32,7 @@ from .layers import (
     widest_product,
 )
 from .linear_attention import linear_attention
-from .trunk import HybridModel
+from .trunk import HybridModel, TrunkArgs
 from .vision import VisionArgs, VisionTower
 
 # The hidden state an MTP head reads. The released Qwen3.5 / Qwen3-Next heads were trained
@@ -44,15 +44,10 @@ MTP_HIDDEN = (POST_NORM, PRE_NORM)
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
+class ModelArgs(TrunkArgs):
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
     rope_theta: float
     partial_rotary_factor: float
     linear_num_key_heads: int
@@ -64,7 +59,6 @@ class ModelArgs:
     max_position_embeddings: int = 262144
     intermediate_size: int = 0
     attention_bias: bool = False
-    tie_word_embeddings: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

@@ -3,6 +3,8 @@ with its caches and its split over a group's ranks."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -26,6 +28,18 @@ from .layers import LINEAR, Embedding, Linear, RMSNorm, widest_product
 from .sharding import LayerElsewhere, cut_parameters, prefixed
 
 
+@dataclass
+class TrunkArgs:
+    """The arguments the trunk reads; each family's `ModelArgs` adds its layers' own."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool = field(default=False, kw_only=True)
+
+
 class HybridModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head; subclasses build the layers.
 
@@ -33,7 +47,7 @@ class HybridModel(nn.Module):
     called as layer(h, cache), its cache a `row_caches.PassCache`.
     """
 
-    def __init__(self, args, layers):
+    def __init__(self, args: TrunkArgs, layers):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
