@@ -45,6 +45,19 @@ static void pack(const uint8_t *q, int count, int bits, uint8_t *out) {
     }
 }
 
+/* 4-bit values held as runs of `run_bytes` bytes, a run's low nibbles its first values and its high
+ * nibbles the rest, straight into MLX's stream (two values a byte, the even one low): what nibbles()
+ * and pack() give, without a byte a value between them (Q4_K's blocks unpacked at 2.3 GB/s through
+ * them, 10.9 without; IQ4_XS's 2.3 and 7.8) */
+static void nibble_runs(const uint8_t *bytes, int run_bytes, int runs, uint8_t *packed) {
+    for (int r = 0; r < runs; r++, bytes += run_bytes, packed += run_bytes)
+        for (int i = 0; i < run_bytes / 2; i++) {
+            const uint8_t even = bytes[2 * i], odd = bytes[2 * i + 1];
+            packed[i] = (uint8_t)((even & 15) | (odd << 4));
+            packed[run_bytes / 2 + i] = (uint8_t)((even >> 4) | (odd & 0xF0));
+        }
+}
+
 static void nibbles(const uint8_t *bytes, int count, uint8_t *q) {  /* low nibbles first */
     for (int i = 0; i < count; i++) {
         q[i] = bytes[i] & 15;
@@ -78,8 +91,9 @@ static void k_factors_and_codes(const uint8_t *b, uint8_t *factors, int8_t *code
     }
 }
 
-/* one block: its values into q (256 at most), its factors and codes */
-static int parse(int type, const uint8_t *b, uint8_t *q, uint8_t *factors, int8_t *codes) {
+/* one block: its factors and codes, and its values into q (256 at most; returns 0) or, for the 4-bit
+ * types, packed already (returns 1); -1 for a type it does not know */
+static int parse(int type, const uint8_t *b, uint8_t *q, uint8_t *packed, uint8_t *factors, int8_t *codes) {
     switch (type) {
     case Q8_0:
         memcpy(factors, b, 2);
@@ -89,14 +103,14 @@ static int parse(int type, const uint8_t *b, uint8_t *q, uint8_t *factors, int8_
     case Q4_0:
     case IQ4_NL:  /* indices into IQ4_NL's values, laid out as Q4_0's */
         memcpy(factors, b, 2);
-        nibbles(b + 2, 16, q);
+        nibble_runs(b + 2, 16, 1, packed);
         codes[0] = 1;
-        break;
+        return 1;
     case Q4_1:
         memcpy(factors, b, 4);
-        nibbles(b + 4, 16, q);
+        nibble_runs(b + 4, 16, 1, packed);
         codes[0] = 1;
-        break;
+        return 1;
     case Q5_0:
     case Q5_1: {
         int has_m = type == Q5_1;
@@ -111,7 +125,11 @@ static int parse(int type, const uint8_t *b, uint8_t *q, uint8_t *factors, int8_
     case Q5_K: {
         k_factors_and_codes(b, factors, codes);
         const uint8_t *qh = b + 16, *qs = b + (type == Q5_K ? 48 : 16);
-        for (int c = 0; c < 4; c++)  /* 4 chunks of 32 bytes: sub-blocks 2c (low nibbles), 2c + 1 */
+        if (type == Q4_K) {  /* 4 chunks of 32 bytes: sub-blocks 2c (low nibbles), 2c + 1 */
+            nibble_runs(qs, 32, 4, packed);
+            return 1;
+        }
+        for (int c = 0; c < 4; c++)  /* Q5_K's low 4 bits, as Q4_K's */
             for (int i = 0; i < 32; i++) {
                 q[64 * c + i] = qs[32 * c + i] & 15;
                 q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
@@ -161,14 +179,14 @@ static int parse(int type, const uint8_t *b, uint8_t *q, uint8_t *factors, int8_
         for (int g = 0; g < 8; g++) {
             int low = (b[4 + g / 2] >> (4 * (g % 2))) & 15;
             codes[g] = (int8_t)((low | (((scales_h >> (2 * g)) & 3) << 4)) - 32);
-            nibbles(b + 8 + 16 * g, 16, q + 32 * g);
         }
-        break;
+        nibble_runs(b + 8, 16, 8, packed);
+        return 1;
     }
     case MXFP4:  /* an E8M0 exponent, then 16 bytes of 4-bit values as Q4_0's */
         factors[0] = b[0];
-        nibbles(b + 1, 16, q);
-        break;
+        nibble_runs(b + 1, 16, 1, packed);
+        return 1;
     case TQ2_0:
         two_bit_runs(b, q);
         memcpy(factors, b + 64, 2);
@@ -217,8 +235,11 @@ int mlx_hybrid_unpack_blocks(int type, const uint8_t *blocks, int64_t count, int
     populate(codes, count * code_bytes);
     uint8_t q[256];
     for (int64_t n = 0; n < count; n++) {
-        if (parse(type, blocks + n * block_bytes, q, factors + n * factor_bytes, codes + n * code_bytes)) return -1;
-        pack(q, values, bits, weight + n * (values * bits / 8));
+        uint8_t *packed = weight + n * (values * bits / 8);
+        const int parsed = parse(type, blocks + n * block_bytes, q, packed, factors + n * factor_bytes,
+                                 codes + n * code_bytes);
+        if (parsed < 0 || (parsed == 1 && bits != 4)) return -1;
+        if (parsed == 0) pack(q, values, bits, packed);
     }
     return 0;
 }
