@@ -92,14 +92,14 @@ static void k_factors_and_codes(const uint8_t *b, uint8_t *factors, int8_t *code
 }
 
 /* one block: its factors and codes, and its values into q (256 at most; returns 0) or, for the 4-bit
- * types, packed already (returns 1); -1 for a type it does not know */
+ * types and Q8_0, packed already (returns 1); -1 for a type it does not know */
 static int parse(int type, const uint8_t *b, uint8_t *q, uint8_t *packed, uint8_t *factors, int8_t *codes) {
     switch (type) {
-    case Q8_0:
+    case Q8_0:  /* q + 128, MLX's 8-bit stream as it is */
         memcpy(factors, b, 2);
-        for (int i = 0; i < 32; i++) q[i] = (uint8_t)((int8_t)b[2 + i] + 128);
+        for (int i = 0; i < 32; i++) packed[i] = (uint8_t)(b[2 + i] ^ 0x80);
         codes[0] = 1;
-        break;
+        return 1;
     case Q4_0:
     case IQ4_NL:  /* indices into IQ4_NL's values, laid out as Q4_0's */
         memcpy(factors, b, 2);
@@ -238,7 +238,7 @@ int mlx_hybrid_unpack_blocks(int type, const uint8_t *blocks, int64_t count, int
         uint8_t *packed = weight + n * (values * bits / 8);
         const int parsed = parse(type, blocks + n * block_bytes, q, packed, factors + n * factor_bytes,
                                  codes + n * code_bytes);
-        if (parsed < 0 || (parsed == 1 && bits != 4)) return -1;
+        if (parsed < 0) return -1;
         if (parsed == 0) pack(q, values, bits, packed);
     }
     return 0;
