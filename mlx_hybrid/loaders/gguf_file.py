@@ -24,6 +24,7 @@ from .quantized import from_gguf_blocks
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_SIZE = struct.Struct("<Q")  # a string's length
 
 
 class _Header:
@@ -46,13 +47,30 @@ class _Header:
         self.at += size
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings one after another (a vocabulary's, its merges'), in one loop of locals (a
+        file with a 248k-token vocabulary opened in 114-170 ms, against 203-290 through string())."""
+        buffer, at, end, size_of = self.buffer, self.at, len(self.buffer), _SIZE.unpack_from
+        texts = []
+        for _ in range(count):
+            (size,) = size_of(buffer, at)
+            at += 8
+            if at + size > end:
+                raise IndexError("a string runs past the end of the file")
+            texts.append(str(buffer[at : at + size], "utf-8"))
+            at += size
+        self.at = at
+        return texts
+
     def value(self, kind: int):
         if kind == _STRING:
             return self.string()
         if kind != _ARRAY:
             return self.number(_SCALARS[kind])
         item, count = self.number("<I"), self.number("<Q")
-        if item in (_STRING, _ARRAY):
+        if item == _STRING:
+            return self.strings(count)
+        if item == _ARRAY:
             return [self.value(item) for _ in range(count)]
         dtype = np.dtype(_SCALARS[item])
         if self.at + count * dtype.itemsize > len(self.buffer):
