@@ -40,12 +40,7 @@ class _Header:
         return value
 
     def string(self) -> str:
-        size = self.number("<Q")
-        if self.at + size > len(self.buffer):
-            raise IndexError("a string runs past the end of the file")
-        text = str(self.buffer[self.at : self.at + size], "utf-8")
-        self.at += size
-        return text
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
         """`count` strings one after another (a vocabulary's, its merges'), in one loop of locals (a
