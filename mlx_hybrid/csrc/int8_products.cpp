@@ -1557,61 +1557,108 @@ INT8_FN void dot_rows_half(const uint16_t* w, const float* const* x, int K, __m2
         }
 }
 
-// dot_rows_half with AVX-512 for one weight row: two accumulators a 512-bit register (F16: values 0-15
-// and 16-31 of a step in order; BF16: the step's even values and its odd ones, x's in that order), so
-// that 8 rows of x take a weight row at once; each lane's operations the AVX2 body's, so the same bits.
-template <bool BF16, int R>
-INT8_WIDE_FN void dot_rows_half_wide(const uint16_t* w, const float* const* x, int K, __m256 (*acc_out)[8][4],
-                                     int c) {
-    __m512 acc[R][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// dot_rows_half with AVX-512 for C weight rows: two accumulators a 512-bit register (F16: values 0-15
+// and 16-31 of a step in order; BF16: the step's even values and its odd ones, x's in that order), each
+// load of x serving the C rows; each lane's operations the AVX2 body's, so the same bits.
+template <bool BF16, int R, int C>
+INT8_WIDE_FN inline void dot_rows_half_wide(const uint16_t* w, const float* const* x, int K, __m512 (&acc)[R][C][2]) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = _mm512_setzero_ps();
     const int steps = K / 32 * 32;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000);
     for (int i = 0; i < steps; i += 32) {
-        _mm_prefetch((const char*)(w + i) + 4096, _MM_HINT_T0);  // (as dot_rows_half's)
-        __m512 values[2];
-        if constexpr (BF16) {
-            const __m512i pairs = _mm512_loadu_si512(w + i);
-            values[0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-            values[1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
-        } else {
-            values[0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + i)));
-            values[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + i + 16)));
+        __m512 values[C][2];
+        for (int c = 0; c < C; c++) {
+            const uint16_t* p = w + (long)c * K + i;
+            _mm_prefetch((const char*)p + 4096, _MM_HINT_T0);  // (as dot_rows_half's)
+            if constexpr (BF16) {
+                const __m512i pairs = _mm512_loadu_si512(p);
+                values[c][0] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                values[c][1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+            } else {
+                values[c][0] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+                values[c][1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 16)));
+            }
         }
         for (int r = 0; r < R; r++)
-            for (int h = 0; h < 2; h++)
-                acc[r][h] = _mm512_fmadd_ps(values[h], _mm512_loadu_ps(x[r] + i + 16 * h), acc[r][h]);
+            for (int h = 0; h < 2; h++) {
+                const __m512 xs = _mm512_loadu_ps(x[r] + i + 16 * h);
+                for (int c = 0; c < C; c++) acc[r][c][h] = _mm512_fmadd_ps(values[c][h], xs, acc[r][c][h]);
+            }
     }
-    for (int r = 0; r < R; r++) {
-        __m256(&halves)[4] = acc_out[r][c];
-        if constexpr (BF16) {  // as step_values' registers: even and odd values of 0-15, then of 16-31
-            halves[0] = _mm512_castps512_ps256(acc[r][0]), halves[1] = _mm512_castps512_ps256(acc[r][1]);
-            halves[2] = _mm512_extractf32x8_ps(acc[r][0], 1), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
-            bf16_accumulators_in_order(halves);
-        } else {
-            halves[0] = _mm512_castps512_ps256(acc[r][0]), halves[1] = _mm512_extractf32x8_ps(acc[r][0], 1);
-            halves[2] = _mm512_castps512_ps256(acc[r][1]), halves[3] = _mm512_extractf32x8_ps(acc[r][1], 1);
+}
+
+// dot_rows_half_wide's products of weight rows c to c + C - 1: F16's of whole steps (in_registers) summed
+// to sums[r][c] as f16_accumulators_sum sums them; the others' accumulators to acc_out in the AVX2 body's order
+template <bool BF16, int R, int C>
+INT8_WIDE_FN inline void half_wide_columns(const uint16_t* w, const float* const* x, int K, int c, bool in_registers,
+                                           __m256 (&sums)[R][8], __m256 (&acc_out)[R][8][4]) {
+    __m512 acc[R][C][2];
+    dot_rows_half_wide<BF16, R, C>(w + (long)c * K, x, K, acc);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) {
+            const __m512(&a)[2] = acc[r][j];
+            if (in_registers) {  // [(0 + 2) | (1 + 3)], then its halves: f16_accumulators_sum's
+                const __m512 pairs = _mm512_add_ps(a[0], a[1]);
+                sums[r][c + j] = _mm256_add_ps(_mm512_castps512_ps256(pairs), _mm512_extractf32x8_ps(pairs, 1));
+                continue;
+            }
+            __m256(&halves)[4] = acc_out[r][c + j];
+            if constexpr (BF16) {  // as step_values' registers: even and odd values of 0-15, then of 16-31
+                halves[0] = _mm512_castps512_ps256(a[0]), halves[1] = _mm512_castps512_ps256(a[1]);
+                halves[2] = _mm512_extractf32x8_ps(a[0], 1), halves[3] = _mm512_extractf32x8_ps(a[1], 1);
+                bf16_accumulators_in_order(halves);
+            } else {
+                halves[0] = _mm512_castps512_ps256(a[0]), halves[1] = _mm512_extractf32x8_ps(a[0], 1);
+                halves[2] = _mm512_castps512_ps256(a[1]), halves[3] = _mm512_extractf32x8_ps(a[1], 1);
+            }
         }
+}
+
+// The 16-bit types' product of R rows of x and `columns` (up to 8) weight rows with AVX-512 (x in the
+// wide order of round_row_to_16_bits): two weight rows at once for up to 4 rows of x (their 16
+// accumulators and a step's 4 weight registers fit the 32), else one. F16's products of whole steps
+// are summed here as f16_accumulators_sum sums them, in registers, then 8 at a time (f16_totals); the
+// others' accumulators go back to the AVX2 body's order for half_lanes_total. One call a tile leaves
+// AVX-512's registers (mlx_hybrid::leave_avx512), where a call a weight row did: a 2048 x 256 F16
+// product of 4 rows of x in 47-53 us against 57-61, of 8 rows in 95-97 against 98-123 (one thread,
+// the call through MLX included; Intel Xeon, Emerald Rapids).
+template <bool BF16, int R>
+INT8_WIDE_FN void dot_rows_half_tile_wide(const uint16_t* w, const float* const* x, int columns, int K,
+                                          float* const* out) {
+    constexpr int C = R <= 4 ? 2 : 1;
+    const int steps = K / 32 * 32;
+    const bool in_registers = !BF16 && steps == K;
+    __m256 sums[R][8];
+    HalfAccumulators<R> acc;
+    int c = 0;
+    for (; c + C <= columns; c += C) half_wide_columns<BF16, R, C>(w, x, K, c, in_registers, sums, acc);
+    for (; c < columns; c++) half_wide_columns<BF16, R, 1>(w, x, K, c, in_registers, sums, acc);
+    for (int r = 0; r < R; r++) {
+        if (in_registers) {
+            for (int j = columns; j < 8; j++) sums[r][j] = _mm256_setzero_ps();
+            float totals[8];
+            f16_totals(sums[r], totals);
+            for (int j = 0; j < columns; j++) out[r][j] = totals[j];
+            continue;
+        }
+        for (int j = 0; j < columns; j++) out[r][j] = half_lanes_total<BF16>(acc[r][j], w + (long)j * K, x[r], steps, K);
     }
     mlx_hybrid::leave_avx512();
 }
 
 // The 16-bit types' product of R rows of x and `columns` (up to 8) weight rows on the body that reads
-// x in its order (round_row_to_16_bits' `wide`): with AVX-512, dot_rows_half_wide for each weight row
-// (F16's row alone, which waits on memory, as without); else a row alone against two weight rows at
-// once, more rows 3 at a time against one (their 12 accumulators and a step's 4 weight registers fill
-// AVX2's 16). Then each product's total: F16's 8 at a time (f16_totals) where K is whole steps.
+// x in its order (round_row_to_16_bits' `wide`): with AVX-512, dot_rows_half_tile_wide (F16's row
+// alone, which waits on memory, as without); else a row alone against two weight rows at once, more
+// rows 3 at a time against one (their 12 accumulators and a step's 4 weight registers fill AVX2's 16).
+// Then each product's total: F16's 8 at a time (f16_totals) where K is whole steps.
 template <bool BF16, int R>
 INT8_FN void dot_rows_half_tile(const uint16_t* w, const float* const* x, int columns, int K, float* const* out,
                                 bool wide) {
+    if (wide && (R > 1 || BF16)) return dot_rows_half_tile_wide<BF16, R>(w, x, columns, K, out);
     HalfAccumulators<R> acc;
-    const bool wide_body = wide && (R > 1 || BF16);
     for (int c = 0; c < columns; c++) {
         const uint16_t* row = w + (long)c * K;
-        if (wide_body) {
-            dot_rows_half_wide<BF16, R>(row, x, K, acc, c);
-            continue;
-        }
         if (R == 1 && c + 1 < columns) {
             dot_rows_half<BF16, 1, 2>(row, x, K, acc, c++);
             continue;
