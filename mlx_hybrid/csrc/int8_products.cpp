@@ -1616,17 +1616,22 @@ INT8_WIDE_FN inline void half_wide_columns(const uint16_t* w, const float* const
 }
 
 // The 16-bit types' product of R rows of x and `columns` (up to 8) weight rows with AVX-512 (x in the
-// wide order of round_row_to_16_bits): two weight rows at once for up to 4 rows of x (their 16
-// accumulators and a step's 4 weight registers fit the 32), else one. F16's products of whole steps
-// are summed here as f16_accumulators_sum sums them, in registers, then 8 at a time (f16_totals); the
-// others' accumulators go back to the AVX2 body's order for half_lanes_total. One call a tile leaves
-// AVX-512's registers (mlx_hybrid::leave_avx512), where a call a weight row did: a 2048 x 256 F16
-// product of 4 rows of x in 47-53 us against 57-61, of 8 rows in 95-97 against 98-123 (one thread,
-// the call through MLX included; Intel Xeon, Emerald Rapids).
+// wide order of round_row_to_16_bits): the rows of x four at a time against two weight rows at once
+// (16 accumulators and a step's 4 weight registers of the 32; each load of x serves two products). F16's
+// products of whole steps are summed here as f16_accumulators_sum sums them, in registers, then 8 at a
+// time (f16_totals); the others' accumulators go back to the AVX2 body's order for half_lanes_total. One
+// call a tile leaves AVX-512's registers (mlx_hybrid::leave_avx512), where a call a weight row did. A
+// 2048 x 256 F16 product (the bundled model's LM head) of 4 rows of x in 44-52 us against 56-63, of 8 rows
+// in 76-82 against 95-107, where each row of x took each weight row alone (one thread, the call through
+// MLX included; Intel Xeon, Emerald Rapids; three alternated runs).
 template <bool BF16, int R>
 INT8_WIDE_FN void dot_rows_half_tile_wide(const uint16_t* w, const float* const* x, int columns, int K,
                                           float* const* out) {
-    constexpr int C = R <= 4 ? 2 : 1;
+    if constexpr (R > 4) {
+        dot_rows_half_tile_wide<BF16, 4>(w, x, columns, K, out);
+        return dot_rows_half_tile_wide<BF16, R - 4>(w, x + 4, columns, K, out + 4);
+    }
+    constexpr int C = 2;
     const int steps = K / 32 * 32;
     const bool in_registers = !BF16 && steps == K;
     __m256 sums[R][8];
