@@ -1620,10 +1620,9 @@ INT8_WIDE_FN inline void half_wide_columns(const uint16_t* w, const float* const
 // (16 accumulators and a step's 4 weight registers of the 32; each load of x serves two products). F16's
 // products of whole steps are summed here as f16_accumulators_sum sums them, in registers, then 8 at a
 // time (f16_totals); the others' accumulators go back to the AVX2 body's order for half_lanes_total. One
-// call a tile leaves AVX-512's registers (mlx_hybrid::leave_avx512), where a call a weight row did. A
-// 2048 x 256 F16 product (the bundled model's LM head) of 4 rows of x in 44-52 us against 56-63, of 8 rows
-// in 76-82 against 95-107, where each row of x took each weight row alone (one thread, the call through
-// MLX included; Intel Xeon, Emerald Rapids; three alternated runs).
+// call a tile leaves AVX-512's registers (mlx_hybrid::leave_avx512), where a call a weight row did. Where
+// each row of x took each weight row alone, the bundled model's MTP head ran at 623 tokens/s against 685
+// now, its DFlash drafter at 538 against 585 (docs/benchmarks.md, "What speculation can gain").
 template <bool BF16, int R>
 INT8_WIDE_FN void dot_rows_half_tile_wide(const uint16_t* w, const float* const* x, int columns, int K,
                                           float* const* out) {
