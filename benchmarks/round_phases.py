@@ -4,8 +4,8 @@ head and the DFlash drafter on the bundled model (or --model's), greedy.
     python benchmarks/round_phases.py
     python benchmarks/round_phases.py --drafts none mtp --tokens 512 --rounds 5
 
-A speculative pass's parts, in milliseconds a pass (the medians of --rounds runs, each after an
-untimed one):
+A speculative pass's parts, in milliseconds a pass (the medians of --rounds runs, after one untimed
+run):
 - drafting: the drafts' graph built (`step.build_batch`), the drafter's layers queued as they are built;
 - verify: the trunk's pass over the round's tokens built and queued (`step.run_model`); where the CPU
   computes a small model beside the host (`ops.layer_built`), building waits here whenever the host is
@@ -14,7 +14,8 @@ untimed one):
 - read: the tokens chosen and read back (`step.choose_tokens`): the wait for the pass's last layers;
 - rest: the rows advanced (`Engine._advance`: acceptance, the caches rolled back, the tokens handed
   out) and what the step does besides.
-Plain decoding queues each step before it reads the one before (`step.plain_round_ahead`): one part.
+Plain decoding queues the next step before it reads this one's token (`step.plain_round_ahead`): one
+part.
 The parts are timed by wrapping those functions of the engine's scheduler, in this process only.
 """
 
