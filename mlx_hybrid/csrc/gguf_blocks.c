@@ -129,14 +129,9 @@ static int parse(int type, const uint8_t *b, uint8_t *q, uint8_t *packed, uint8_
             nibble_runs(qs, 32, 4, packed);
             return 1;
         }
-        for (int c = 0; c < 4; c++)  /* Q5_K's low 4 bits, as Q4_K's */
-            for (int i = 0; i < 32; i++) {
-                q[64 * c + i] = qs[32 * c + i] & 15;
-                q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
-            }
-        if (type == Q5_K)  /* bit j of qh[i]: the high bit of value i of sub-block j */
-            for (int j = 0; j < 8; j++)
-                for (int i = 0; i < 32; i++) q[32 * j + i] |= ((qh[i] >> j) & 1) << 4;
+        for (int c = 0; c < 4; c++) nibbles(qs + 32 * c, 32, q + 64 * c);  /* Q5_K's low 4 bits, as Q4_K's */
+        for (int j = 0; j < 8; j++)  /* bit j of qh[i]: the high bit of value i of sub-block j */
+            for (int i = 0; i < 32; i++) q[32 * j + i] |= ((qh[i] >> j) & 1) << 4;
         break;
     }
     case Q6_K: {

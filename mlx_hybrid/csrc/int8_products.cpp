@@ -1501,8 +1501,10 @@ INT8_FN inline float half_lanes_total(const __m256 (&acc)[4], const uint16_t* w,
 // half_lanes_total's F16 sums after f16_accumulators_sum for 8 products at once, where K has no values
 // past the steps: each level of its tree (the halves, then lanes 0 + 1 and 2 + 3, then the two) is one
 // add for all 8, their lanes brought together by shuffles, rather than a product's own horizontal adds
-// (each sum the same two values: the same bits)
-INT8_FN inline void f16_totals(const __m256 (&sums)[8], float (&totals)[8]) {
+// (each sum the same two values: the same bits). The first `columns` of sums are products', the rest
+// made zeros here; out gets those products' totals.
+INT8_FN inline void f16_totals(__m256 (&sums)[8], int columns, float* out) {
+    for (int i = columns; i < 8; i++) sums[i] = _mm256_setzero_ps();
     __m256 four[4], pairs[2];
     for (int i = 0; i < 4; i++)  // [product 2i's 4 | 2i+1's]
         four[i] = _mm256_add_ps(_mm256_permute2f128_ps(sums[2 * i], sums[2 * i + 1], 0x20),
@@ -1515,7 +1517,7 @@ INT8_FN inline void f16_totals(const __m256 (&sums)[8], float (&totals)[8]) {
                                      _mm256_shuffle_ps(pairs[0], pairs[1], 0xdd));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, all);
-    for (int i = 0; i < 8; i++) totals[i] = lanes[i % 2 * 4 + i / 2];
+    for (int i = 0; i < columns; i++) out[i] = lanes[i % 2 * 4 + i / 2];
 }
 
 // Accumulators of R rows of x against up to 8 weight rows, per (row, weight row) 4 registers of 8
@@ -1628,27 +1630,26 @@ INT8_WIDE_FN void dot_rows_half_tile_wide(const uint16_t* w, const float* const*
                                           float* const* out) {
     if constexpr (R > 4) {
         dot_rows_half_tile_wide<BF16, 4>(w, x, columns, K, out);
-        return dot_rows_half_tile_wide<BF16, R - 4>(w, x + 4, columns, K, out + 4);
-    }
-    constexpr int C = 2;
-    const int steps = K / 32 * 32;
-    const bool in_registers = !BF16 && steps == K;
-    __m256 sums[R][8];
-    HalfAccumulators<R> acc;
-    int c = 0;
-    for (; c + C <= columns; c += C) half_wide_columns<BF16, R, C>(w, x, K, c, in_registers, sums, acc);
-    for (; c < columns; c++) half_wide_columns<BF16, R, 1>(w, x, K, c, in_registers, sums, acc);
-    for (int r = 0; r < R; r++) {
-        if (in_registers) {
-            for (int j = columns; j < 8; j++) sums[r][j] = _mm256_setzero_ps();
-            float totals[8];
-            f16_totals(sums[r], totals);
-            for (int j = 0; j < columns; j++) out[r][j] = totals[j];
-            continue;
+        dot_rows_half_tile_wide<BF16, R - 4>(w, x + 4, columns, K, out + 4);
+    } else {
+        constexpr int C = 2;
+        const int steps = K / 32 * 32;
+        const bool in_registers = !BF16 && steps == K;
+        __m256 sums[R][8];
+        HalfAccumulators<R> acc;
+        int c = 0;
+        for (; c + C <= columns; c += C) half_wide_columns<BF16, R, C>(w, x, K, c, in_registers, sums, acc);
+        for (; c < columns; c++) half_wide_columns<BF16, R, 1>(w, x, K, c, in_registers, sums, acc);
+        for (int r = 0; r < R; r++) {
+            if (in_registers) {
+                f16_totals(sums[r], columns, out[r]);
+                continue;
+            }
+            for (int j = 0; j < columns; j++)
+                out[r][j] = half_lanes_total<BF16>(acc[r][j], w + (long)j * K, x[r], steps, K);
         }
-        for (int j = 0; j < columns; j++) out[r][j] = half_lanes_total<BF16>(acc[r][j], w + (long)j * K, x[r], steps, K);
+        mlx_hybrid::leave_avx512();
     }
-    mlx_hybrid::leave_avx512();
 }
 
 // The 16-bit types' product of R rows of x and `columns` (up to 8) weight rows on the body that reads
@@ -1676,10 +1677,8 @@ INT8_FN void dot_rows_half_tile(const uint16_t* w, const float* const* x, int co
     for (int r = 0; r < R; r++) {
         if (!BF16 && steps == K) {
             __m256 sums[8];
-            for (int c = 0; c < 8; c++) sums[c] = c < columns ? f16_accumulators_sum(acc[r][c]) : _mm256_setzero_ps();
-            float totals[8];
-            f16_totals(sums, totals);
-            for (int c = 0; c < columns; c++) out[r][c] = totals[c];
+            for (int c = 0; c < columns; c++) sums[c] = f16_accumulators_sum(acc[r][c]);
+            f16_totals(sums, columns, out[r]);
             continue;
         }
         for (int c = 0; c < columns; c++) out[r][c] = half_lanes_total<BF16>(acc[r][c], w + (long)c * K, x[r], steps, K);
