@@ -133,12 +133,28 @@ GRID_INLINE __m256i bytes_times_9(__m256i q) {
     return _mm256_add_epi8(_mm256_and_si256(_mm256_slli_epi16(q, 3), _mm256_set1_epi8((char)0xF8)), q);
 }
 
-// Step `sub` (32 values) of a TQ1_0 block as bytes 0, 1, 2. Value i of a byte b is ((b 3^i mod 256) 3)
-// >> 8: the first 32 bytes hold values 32 i + m (steps 0-4), the next 16 values 160 + 16 i + m (steps
-// 5-7), the last 4 (qh) values 240 + 4 i + j (step 7's upper half). The powers by shifts and adds of
-// bytes; (3 t) >> 8 of a byte t as ((t - 1, at least 0) + (t >> 1) + 1) >> 7, an unsigned average of
-// bytes then its top two bits (exact for every t: 3 t and 2 t + 2 (t >> 1) differ by at most one, and
-// 3 t is no multiple of 256 but 0).
+// A TQ1_0 value as the byte 0, 1 or 2 from its byte t = b 3^i mod 256 (b the byte that holds it): (3 t) >> 8,
+// as ((t - 1, at least 0) + (t >> 1) + 1) >> 7, an unsigned average of bytes then its top two bits (exact
+// for every t: 3 t and 2 t + 2 (t >> 1) differ by at most one, and 3 t is no multiple of 256 but 0).
+GRID_INLINE __m256i ternary_digit(__m256i t) {
+    const __m256i halves = _mm256_and_si256(_mm256_srli_epi16(t, 1), _mm256_set1_epi8(0x7F));
+    const __m256i average = _mm256_avg_epu8(_mm256_subs_epu8(t, _mm256_set1_epi8(1)), halves);
+    return _mm256_and_si256(_mm256_srli_epi16(average, 6), _mm256_set1_epi8(3));
+}
+
+// Step 7's bytes from the 16 bytes times 81 (`times_81`, in both halves) and the last 4 (qh, values 240 +
+// 4 i + j): the 16 bytes' values, then qh's times 1, 3, 9 and 27.
+GRID_INLINE __m256i ternary_last_step(__m256i times_81, const uint8_t* block) {
+    const __m256i q = _mm256_set1_epi32((int)load_u32(block + 48));
+    const __m256i q9 = bytes_times_9(q);
+    const __m256i t = _mm256_blend_epi32(times_81, q, 0x10);
+    return _mm256_blend_epi32(_mm256_blend_epi32(t, bytes_times_3(q), 0x20),
+                              _mm256_blend_epi32(q9, bytes_times_3(q9), 0x80), 0xC0);
+}
+
+// Step `sub` (32 values) of a TQ1_0 block as bytes 0, 1, 2 (ternary_digit): the first 32 bytes hold values
+// 32 i + m (steps 0-4), the next 16 values 160 + 16 i + m (steps 5-7), the last 4 (qh) values 240 + 4 i +
+// j (step 7's upper half). The powers by shifts and adds of bytes.
 GRID_INLINE __m256i ternary_digits(const uint8_t* block, int sub) {
     __m256i t;
     if (sub < 5) {
@@ -146,21 +162,26 @@ GRID_INLINE __m256i ternary_digits(const uint8_t* block, int sub) {
         if (sub % 2 == 1) t = bytes_times_3(t);  // 3, 27
         if (sub >= 2) t = bytes_times_9(t);      // 9, 27
         if (sub == 4) t = bytes_times_9(t);      // 81
-    } else if (sub < 7) {  // the 16 bytes in both halves, times 1 and 3 (step 5) or 9 and 27 (step 6)
-        t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(block + 32)));
-        if (sub == 6) t = bytes_times_9(t);
-        t = _mm256_blend_epi32(t, bytes_times_3(t), 0xF0);
-    } else {  // the 16 bytes times 81; the last 4, repeated, times 1, 3, 9 and 27
-        const __m256i q = _mm256_setr_m128i(_mm_loadu_si128((const __m128i*)(block + 32)),
-                                            _mm_set1_epi32((int)load_u32(block + 48)));
-        const __m256i q9 = bytes_times_9(q);
-        t = _mm256_blend_epi32(bytes_times_9(q9), q, 0x10);
-        t = _mm256_blend_epi32(t, bytes_times_3(q), 0x20);
-        t = _mm256_blend_epi32(t, _mm256_blend_epi32(q9, bytes_times_3(q9), 0x80), 0xC0);
+        return ternary_digit(t);
     }
-    const __m256i halves = _mm256_and_si256(_mm256_srli_epi16(t, 1), _mm256_set1_epi8(0x7F));
-    const __m256i average = _mm256_avg_epu8(_mm256_subs_epu8(t, _mm256_set1_epi8(1)), halves);
-    return _mm256_and_si256(_mm256_srli_epi16(average, 6), _mm256_set1_epi8(3));
+    t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(block + 32)));  // the 16 bytes in both halves
+    if (sub == 5) return ternary_digit(_mm256_blend_epi32(t, bytes_times_3(t), 0xF0));  // times 1 | 3
+    t = bytes_times_9(t);
+    if (sub == 6) return ternary_digit(_mm256_blend_epi32(t, bytes_times_3(t), 0xF0));  // times 9 | 27
+    return ternary_digit(ternary_last_step(bytes_times_9(t), block));
+}
+
+// A whole TQ1_0 block's steps as ternary_digits gives them, each power of 3 from the one before (a row's
+// decode takes half the shifts and adds, and one load of each part)
+GRID_INLINE void ternary_block_digits(const uint8_t* block, __m256i (&digits)[8]) {
+    __m256i t = _mm256_loadu_si256((const __m256i*)block);
+    for (int sub = 0; sub < 5; sub++, t = bytes_times_3(t)) digits[sub] = ternary_digit(t);
+    const __m256i sixteen = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(block + 32)));
+    const __m256i powers_1_3 = _mm256_blend_epi32(sixteen, bytes_times_3(sixteen), 0xF0);
+    const __m256i powers_9_27 = bytes_times_9(powers_1_3);
+    digits[5] = ternary_digit(powers_1_3);
+    digits[6] = ternary_digit(powers_9_27);
+    digits[7] = ternary_digit(ternary_last_step(bytes_times_9(powers_9_27), block));  // 81 | 243: the low half
 }
 
 // the same as signed bytes -1, 0, 1

@@ -1188,8 +1188,8 @@ INT8_FN inline __m256i tq2_step(const uint8_t* block, int sub) {
 }
 
 // ggml_vec_dot_tq1_0_q8_K's and ggml_vec_dot_tq2_0_q8_K's AVX2 arithmetic for one weight row (TQ1_0: the
-// file's blocks, decoded as gguf_grid.h's ternary_digits; TQ2_0: 2-bit values packed, d a block, read
-// as tq2_step lays them out) and one row of x quantized to Q8_K (in value order, TQ2_0's in tq2_step's;
+// file's blocks, each decoded whole by gguf_grid.h's ternary_block_digits; TQ2_0: 2-bit values packed, d
+// a block, read as tq2_step lays them out) and one row of x quantized to Q8_K (in value order, TQ2_0's in tq2_step's;
 // its sums of 16 codes in value order): per block, lane k of 8 sums values 4k..4k+3 of every 32 (q, 0 to
 // 2, times the codes) less the codes 32k..32k+31 (llama.cpp's -1 taken by the sums of 16, as its 16-bit
 // lanes take them), then times d_w d_x into its float lane (a fused multiply-add); the lanes' tree. R
@@ -1203,10 +1203,11 @@ INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const i
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const uint8_t* block = w + (long)b * BLOCK_BYTES;
-        __m256i sums[R];
+        __m256i sums[R], digits[8];
         for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        if constexpr (TQ1) grid::ternary_block_digits(block, digits);
         for (int sub = 0; sub < 8; sub++) {
-            const __m256i q = TQ1 ? grid::ternary_digits(block, sub) : tq2_step(block, sub);
+            const __m256i q = TQ1 ? digits[sub] : tq2_step(block, sub);
             for (int r = 0; r < R; r++) {
                 const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + b * SUPER_BLOCK + sub * BLOCK));
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, codes), one_word));
