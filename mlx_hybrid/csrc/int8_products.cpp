@@ -1188,11 +1188,11 @@ INT8_FN inline __m256i tq2_step(const uint8_t* block, int sub) {
 }
 
 // ggml_vec_dot_tq1_0_q8_K's and ggml_vec_dot_tq2_0_q8_K's AVX2 arithmetic for one weight row (TQ1_0: the
-// file's blocks, each decoded whole by gguf_grid.h's ternary_block_digits; TQ2_0: 2-bit values packed, d
-// a block, read as tq2_step lays them out) and one row of x quantized to Q8_K (in value order, TQ2_0's in tq2_step's;
-// its sums of 16 codes in value order): per block, lane k of 8 sums values 4k..4k+3 of every 32 (q, 0 to
-// 2, times the codes) less the codes 32k..32k+31 (llama.cpp's -1 taken by the sums of 16, as its 16-bit
-// lanes take them), then times d_w d_x into its float lane (a fused multiply-add); the lanes' tree. R
+// file's blocks, each decoded whole by gguf_grid.h's ternary_block_digits; TQ2_0: 2-bit values packed, d a
+// block, read as tq2_step lays them out) and one row of x quantized to Q8_K (in value order, TQ2_0's in
+// tq2_step's; its sums of 16 codes in value order): per block, lane k of 8 sums values 4k..4k+3 of every 32
+// (q, 0 to 2, times the codes) less the codes 32k..32k+31 (llama.cpp's -1 taken by the sums of 16, as its
+// 16-bit lanes take them), then times d_w d_x into its float lane (a fused multiply-add); the lanes' tree. R
 // rows of x at once (x[r], x_d[r], x_sums[r]; *out[r] gets row r's).
 template <bool TQ1, int R = 1>
 INT8_FN void dot_rows_ternary(const uint8_t* w, const uint16_t* factors, const int8_t* const* x,
