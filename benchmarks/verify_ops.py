@@ -1,7 +1,8 @@
 """What a verify pass's ops cost on the CPU beside a decode step's, at the bundled model's shapes (or
 --model's): its 16-bit products as llama.cpp computes them, for 1 row of x and for several, and a
 linear-attention layer (one primitive of ours) over 1 token and over several, with and without the
-state kept after every token, as a verify pass keeps it.
+state kept after every token, as a verify pass keeps it. Each kernel keeps to MLX's CPU thread, as a
+small model's queued layers do (`ops.schedule.layer_built`).
 
     python benchmarks/verify_ops.py
     python benchmarks/verify_ops.py --rows 1 4 16 --calls 200
@@ -35,10 +36,8 @@ def best_us(make, calls: int, repeats: int) -> float:
     return 1e6 * best
 
 
-def layer_outputs(x, gates, gate, snapshots: bool, fixed: dict) -> list:
-    result = cpu_kernels.linear_attention(
-        x, a=gates[:, :, 0], b=gates[:, :, 1], gate=gate, snapshots=snapshots, **fixed
-    )
+def layer_outputs(x, a, b, gate, snapshots: bool, fixed: dict) -> list:
+    result = cpu_kernels.linear_attention(x, a=a, b=b, gate=gate, snapshots=snapshots, **fixed)
     return [result.out, result.state, *(result.state_snapshots or [])]
 
 
@@ -50,10 +49,11 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     model, _ = mlx_hybrid.load(args.model or mlx_hybrid.bundled_model_path())
-    a, timed = model.args, partial(best_us, calls=args.calls, repeats=args.repeats)
-    E, V = a.hidden_size, a.vocab_size
+    config, timed = model.args, partial(best_us, calls=args.calls, repeats=args.repeats)
+    cpu_kernels.keep_to_one_thread(True)
+    E, V = config.hidden_size, config.vocab_size
     mx.random.seed(0)
-    for N, K in ((8, E), (a.intermediate_size, E), (E, a.intermediate_size), (V, E)):
+    for N, K in ((8, E), (config.intermediate_size, E), (E, config.intermediate_size), (V, E)):
         w = mx.random.normal((N, K)).astype(mx.float16)
         times = []
         for rows in args.rows:
@@ -61,8 +61,13 @@ def main():
             mx.eval(w, x, cpu_quantized.half_matmul(x, w))  # (the first call's check)
             times.append(f"{rows} rows {timed(partial(cpu_quantized.half_matmul, x, w)):.1f}")
         print(f"F16 product {N} x {K}: " + ", ".join(times) + " us")
-    Hk, Hv, Dk, Dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
-    C, width = 2 * Hk * Dk + Hv * Dv, a.linear_conv_kernel_dim
+    Hk, Hv, Dk, Dv = (
+        config.linear_num_key_heads,
+        config.linear_num_value_heads,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
+    C, width = 2 * Hk * Dk + Hv * Dv, config.linear_conv_kernel_dim
     fixed = {
         "conv_weight": mx.random.normal((C, width)) * 0.1,
         "decay": Decay(-mx.exp(mx.random.normal((Hv,))), mx.random.normal((Hv,))),
@@ -72,10 +77,11 @@ def main():
         "state": mx.random.normal((1, Hv, Dk, Dv)) * 0.1,
     }
     for tokens in args.rows:
-        x, gates = mx.random.normal((1, tokens, C)), mx.random.normal((1, tokens, 2, Hv))
+        x = mx.random.normal((1, tokens, C))
+        a, b = mx.random.normal((1, tokens, Hv)), mx.random.normal((1, tokens, Hv))
         gate = mx.random.normal((1, tokens, Hv * Dv))
-        mx.eval(x, gates, gate, *fixed.values())
-        without, with_snapshots = (timed(partial(layer_outputs, x, gates, gate, kept, fixed)) for kept in (False, True))
+        mx.eval(x, a, b, gate, *fixed.values())
+        without, with_snapshots = (timed(partial(layer_outputs, x, a, b, gate, kept, fixed)) for kept in (False, True))
         print(f"linear-attention layer, {tokens} tokens: {without:.1f} us, {with_snapshots:.1f} with a state a token")
 
 
