@@ -9,9 +9,8 @@ decode step or a verify pass runs it; past ops.CHUNKED_MIN_TOKENS the pure-MLX s
 chunked form, as a prompt runs it, and on a GPU both sides are), the norms (q's and k's L2
 normalization, the RMSNorm of the output) and the whole layer between its projections as the
 models call it (ops.linear_attention: on the CPU one fused kernel), over one call per layer,
-every layer's inputs its own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep the state
-after every token, and MLX's allocator keeps their buffers for reuse, as speculative decoding
-has it. Prints milliseconds
+every layer's inputs its own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep what a
+rollback needs, and MLX's allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds
 for all layers, medians of --repeats, and the ratio.
 """
 
@@ -107,14 +106,10 @@ def layer(i, snapshots):
 
 
 def outputs(result) -> list:
-    """Every array a result holds (snapshot lists included), for mx.eval."""
-    flat = []
-    for part in result:
-        if isinstance(part, list):
-            flat.extend(part)
-        elif part is not None:
-            flat.append(part)
-    return flat
+    """The arrays a result holds, for mx.eval, less its snapshots: those a verify pass computes come
+    with them (a kernel's other outputs, the recurrence's steps), and the others are built only where a
+    rollback reads one (`ops.reference.BuiltOnRead`)."""
+    return [part for part in result if isinstance(part, mx.array)]
 
 
 def median_ms(fn, layers, snapshots: bool, repeats: int) -> float:

@@ -1,7 +1,8 @@
 """What a verify pass's ops cost on the CPU beside a decode step's, at the bundled model's shapes (or
 --model's): its 16-bit products as llama.cpp computes them, for 1 row of x and for several, and a
-linear-attention layer (one primitive of ours) over 1 token and over several, with and without the
-state kept after every token, as a verify pass keeps it. Each kernel keeps to MLX's CPU thread, as a
+linear-attention layer (one primitive of ours) over 1 token and over several: alone, keeping what a
+rollback needs (as a verify pass does), and with a rollback to its first token (the state it keeps
+computed). Each kernel keeps to MLX's CPU thread, as a
 small model's queued layers do (`ops.schedule.layer_built`).
 
     python benchmarks/verify_ops.py
@@ -36,9 +37,11 @@ def best_us(make, calls: int, repeats: int) -> float:
     return 1e6 * best
 
 
-def layer_outputs(x, a, b, gate, snapshots: bool, fixed: dict) -> list:
+def layer_outputs(x, a, b, gate, snapshots: bool, fixed: dict, rolled_back_to: int | None = None) -> list:
+    """The layer's output and state, and the state a rollback to token `rolled_back_to` keeps."""
     result = cpu_kernels.linear_attention(x, a=a, b=b, gate=gate, snapshots=snapshots, **fixed)
-    return [result.out, result.state, *(result.state_snapshots or [])]
+    kept = [] if rolled_back_to is None else [result.state_snapshots[rolled_back_to]]
+    return [result.out, result.state, *kept]
 
 
 def main():
@@ -81,8 +84,14 @@ def main():
         a, b = mx.random.normal((1, tokens, Hv)), mx.random.normal((1, tokens, Hv))
         gate = mx.random.normal((1, tokens, Hv * Dv))
         mx.eval(x, a, b, gate, *fixed.values())
-        without, with_snapshots = (timed(partial(layer_outputs, x, a, b, gate, kept, fixed)) for kept in (False, True))
-        print(f"linear-attention layer, {tokens} tokens: {without:.1f} us, {with_snapshots:.1f} with a state a token")
+        without, kept, rolled_back = (
+            timed(partial(layer_outputs, x, a, b, gate, snapshots, fixed, rolled_back_to))
+            for snapshots, rolled_back_to in ((False, None), (True, None), (True, 0))
+        )
+        print(
+            f"linear-attention layer, {tokens} tokens: {without:.1f} us, {kept:.1f} keeping what a rollback needs, "
+            f"{rolled_back:.1f} with a rollback to its first token"
+        )
 
 
 if __name__ == "__main__":

@@ -55,6 +55,19 @@ def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
     assert mx.array_equal(final, states[-1])
 
 
+@pytest.mark.parametrize("Dk,Dv", [(64, 64), (128, 128)])
+def test_the_first_tokens_alone_give_the_states_kept_a_token(Dk, Dv):
+    """The rule over the first n of a call's tokens (a rollback's replay) against the state the whole
+    call kept after token n, over 18 tokens (past a chunk of 16) and 3 rows: equal to the bit."""
+    inputs = [mx.array(x) for x in make_inputs(3, 18, 2, 4, Dk, Dv, False, seed=5)]
+    _, _, states = cpu_kernels.gated_delta_recurrent(*inputs, snapshots=True)
+    module = cpu_extension.extension()
+    for count in range(1, 19):
+        out, state = module.gated_delta(*inputs, False, count)
+        assert out.shape == (3, count, 4, Dv)
+        assert mx.array_equal(state, states[count - 1])
+
+
 @pytest.mark.parametrize("vector_gate", [False, True])
 def test_every_instruction_set_gives_a_decode_step_the_same_bits(vector_gate):
     """A token alone (a decode step: whole rows at a time where the AVX-512 build runs, 32 columns at a
@@ -82,3 +95,6 @@ def test_shapes_that_do_not_fit_are_refused():
     ]:
         with pytest.raises(ValueError, match="gated_delta"):
             module.gated_delta(*bad, False)
+    for count in (0, 3):  # the first none, or more tokens than there are
+        with pytest.raises(ValueError, match="gated_delta"):
+            module.gated_delta(q, k, v, g, beta, state, False, count)

@@ -79,19 +79,22 @@ def test_its_steps_agree_with_the_single_kernels(vector_gate, activation):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=5e-6)
 
 
-@pytest.mark.parametrize("vector_gate", [False, True])
-def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate):
-    """k tokens at once (a verify pass) against k calls of one token (decode steps), and each
-    batch row alone: equal to the bit."""
-    heads = reference.HeadShape(2, 4, 128, 128)
+@pytest.mark.parametrize(
+    "vector_gate,key_dim,tokens",
+    [(False, 128, 6), (True, 128, 6), (False, 64, 18)],  # 18: past a chunk of 16
+)
+def test_a_token_gives_the_same_bits_whatever_comes_with_it(vector_gate, key_dim, tokens):
+    """k tokens at once (a verify pass: its states after each token replayed from what it kept) against
+    k calls of one token (decode steps), and each batch row alone: equal to the bit."""
+    heads = reference.HeadShape(2, 4, key_dim, key_dim)
     x, weight, tail, a, b, A, dt_bias, gate, norm_weight, state = map(
-        mx.array, layer_inputs(3, 6, heads, 4, vector_gate, seed=7)
+        mx.array, layer_inputs(3, tokens, heads, 4, vector_gate, seed=7)
     )
     decay, norm = reference.Decay(A, dt_bias), reference.OutputNorm(norm_weight, 1e-6, "silu")
     whole = cpu_kernels.linear_attention(x, weight, a, b, gate, decay, norm, heads, tail, state, snapshots=True)
     for row in range(3):
         row_tail, row_state = tail[row : row + 1], state[row : row + 1]
-        for t in range(6):
+        for t in range(tokens):
             xt, at, bt, zt = (u[row : row + 1, t : t + 1] for u in (x, a, b, gate))
             step = cpu_kernels.linear_attention(xt, weight, at, bt, zt, decay, norm, heads, row_tail, row_state)
             row_tail, row_state = step.tail, step.state

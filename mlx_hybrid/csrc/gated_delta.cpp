@@ -30,6 +30,7 @@ namespace {
 struct Shape {
     int batch, tokens, key_heads, value_heads, key_dim, value_dim;
     bool vector_gate;
+    int count;  // the rule runs over the first `count` tokens (a verify pass's, replayed), <= tokens
     bool operator==(const Shape&) const = default;
 };
 
@@ -192,48 +193,51 @@ void compute(const Shape& s, const std::vector<mx::array>& in, std::vector<mx::a
     bool snapshots = outs.size() > 2;
     long state_size = (long)s.key_dim * s.value_dim;
     int ratio = s.value_heads / s.key_heads, heads = s.batch * s.value_heads;
-    bool parallel = heads > 1 && (long)heads * s.tokens * state_size >= PARALLEL_MIN_VALUES;
+    bool parallel = heads > 1 && (long)heads * s.count * state_size >= PARALLEL_MIN_VALUES;
     Pool::get().run(heads, parallel, [&](int head) {
         thread_local DeltaRuleScratch scratch;
         thread_local std::vector<DeltaRuleToken> tokens;
-        tokens.resize(s.tokens);
+        tokens.resize(s.count);
         int b = head / s.value_heads, h = head % s.value_heads;
-        for (int t = 0; t < s.tokens; t++) {
-            long token = (long)b * s.tokens + t;  // [B, T] position
+        for (int t = 0; t < s.count; t++) {
+            long token = (long)b * s.tokens + t;  // [B, T] position in the inputs
             long key_row = (token * s.key_heads + h / ratio) * s.key_dim;
             long value_head = token * s.value_heads + h;
+            long out_head = ((long)b * s.count + t) * s.value_heads + h;
             tokens[t] = {q + key_row, k + key_row, v + value_head * s.value_dim,
                          g + value_head * (s.vector_gate ? s.key_dim : 1), beta[value_head],
-                         out + value_head * s.value_dim,
+                         out + out_head * s.value_dim,
                          outs[snapshots ? 1 + t : 1].data<float>() + head * state_size};
         }
-        delta_rule_tokens({s.key_dim, s.value_dim, s.vector_gate}, state + head * state_size, tokens.data(),
-                          s.tokens, scratch);
+        delta_rule_tokens({s.key_dim, s.value_dim, s.vector_gate}, state + head * state_size, tokens.data(), s.count,
+                          scratch);
     });
 }
 
 using GatedDeltaRecurrence = mlx_hybrid::CpuPrimitive<Shape, compute>;
 
 // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g [B, T, Hv] or [B, T, Hv, Dk]; beta [B, T, Hv];
-// state [B, Hv, Dk, Dv]. -> [out [B, T, Hv, Dv], the state after each token (snapshots) or
-// after the last], all float32.
+// state [B, Hv, Dk, Dv]; count: the rule over the first `count` tokens (-1: all T). -> [out [B, count,
+// Hv, Dv], the state after each token (snapshots) or after the last], all float32.
 std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,
-                                   const mx::array& beta, const mx::array& state, bool snapshots) {
+                                   const mx::array& beta, const mx::array& state, bool snapshots, int count) {
     if (q.ndim() != 4 || v.ndim() != 4 || q.shape() != k.shape())
         throw std::invalid_argument("gated_delta: q and k [B, T, Hk, Dk], v [B, T, Hv, Dv]");
-    Shape s{q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3), g.ndim() == 4};
+    Shape s{q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3), g.ndim() == 4,
+            count < 0 ? q.shape(1) : count};
     mx::Shape gate{s.batch, s.tokens, s.value_heads}, per_head = gate;
     if (s.vector_gate) gate.push_back(s.key_dim);
     mx::Shape state_shape{s.batch, s.value_heads, s.key_dim, s.value_dim};
     if (v.shape(0) != s.batch || v.shape(1) != s.tokens || s.tokens < 1 || s.key_heads < 1 ||
-        s.value_heads % s.key_heads || g.shape() != gate || beta.shape() != per_head || state.shape() != state_shape)
+        s.value_heads % s.key_heads || g.shape() != gate || beta.shape() != per_head || state.shape() != state_shape ||
+        s.count < 1 || s.count > s.tokens)
         throw std::invalid_argument("gated_delta: shapes that do not fit the rule (see ops/reference.py)");
     auto stream = mx::default_stream(mx::Device::cpu);
     std::vector<mx::array> inputs;
     for (auto* a : {&q, &k, &v, &g, &beta, &state})
         inputs.push_back(mx::astype(*a, mx::float32, stream));
-    std::vector<mx::Shape> shapes{v.shape()};
-    shapes.insert(shapes.end(), snapshots ? s.tokens : 1, state_shape);
+    std::vector<mx::Shape> shapes{{s.batch, s.count, s.value_heads, s.value_dim}};
+    shapes.insert(shapes.end(), snapshots ? s.count : 1, state_shape);
     std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
     auto primitive = std::make_shared<GatedDeltaRecurrence>(stream, s, "GatedDeltaRecurrence");
     return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
@@ -243,6 +247,7 @@ std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const
 
 void mlx_hybrid::bind_gated_delta(nb::module_& m) {
     m.def("gated_delta", &gated_delta, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
-          nb::arg("state"), nb::arg("snapshots"),
-          "the gated delta rule token by token: [out, the state after each token (snapshots) or the last]");
+          nb::arg("state"), nb::arg("snapshots"), nb::arg("count") = -1,
+          "the gated delta rule token by token over the first `count` tokens (-1: all): [out, the state after each "
+          "token (snapshots) or the last]");
 }

@@ -14,6 +14,13 @@
 //
 // The work is shared out by key head: a key head's q and k channels, and the channels of the
 // value heads reading it, through every token.
+//
+// For a rollback (snapshots), it keeps the conv's tail after each token and each token's inputs to
+// the rule (k, v, g, beta), not the state after each token: from these the gated delta kernel
+// replays the state after any of the tokens, with the same bits, where one is read. A state a token
+// (64 KB a layer on the bundled model, 1 MB on Qwen3.5-0.8B) is memory written of which a rollback
+// reads one at most: over 16 tokens the bundled model's layer took 330 us with them, 120-150 keeping
+// the inputs (benchmarks/verify_ops.py).
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -41,8 +48,8 @@ constexpr long PARALLEL_MIN_VALUES = 1L << 17;
 
 struct Buffers {
     const float *x, *conv_weight, *tail_in, *a, *b, *A, *dt_bias, *gate, *norm_weight, *state;
-    float *out, *tail_out, *tail_snapshots;
-    std::vector<float*> states;  // the state after each token (snapshots), or after the last
+    float *out, *tail_out, *state_out;
+    float *tail_snapshots, *keys, *values, *gates, *betas;  // with snapshots: each token's (else null)
 };
 
 void key_head(const Layer& s, const Buffers& io, int b, int kh) {
@@ -76,6 +83,7 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
         for (int i = 0; i < Dk; i++) q[i] *= s.q_scale;
         normalize_row(l2, row + Dk, nullptr, k);
         const long token = (long)b * s.tokens + t;  // [B, T] position
+        if (s.snapshots) std::copy(k, k + Dk, io.keys + (token * s.key_heads + kh) * Dk);
         for (int r = 0; r < ratio; r++) {
             const int h = kh * ratio + r;
             const long value_head = token * s.value_heads + h;
@@ -85,6 +93,11 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
                 g[i] = io.A[h] * (std::max(u, 0.0f) + std::log1p(std::exp(-std::fabs(u))));
             }
             g[gates] = 1.0f / (1.0f + std::exp(-io.b[value_head]));  // beta
+            if (!s.snapshots) continue;
+            std::copy(g, g + gates, io.gates + value_head * gates);
+            io.betas[value_head] = g[gates];
+            const float* v = row + 2 * Dk + r * Dv;
+            std::copy(v, v + Dv, io.values + value_head * Dv);
         }
     }
     tokens.resize(s.tokens);
@@ -95,7 +108,7 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
             const float* q = rows + (long)t * row_floats;
             float* g = value_head_at(t, r);  // g, then beta, then the rule's output
             tokens[t] = {q, q + Dk, mixed + (long)t * unit_channels + 2 * Dk + r * Dv, g, g[gates], g + gates + 1,
-                         io.states[s.snapshots ? t : 0] + state_at};
+                         io.state_out + state_at};
         }
         delta_rule_tokens({Dk, Dv, s.vector_gate}, io.state + state_at, tokens.data(), s.tokens, scratch);
         for (int t = 0; t < s.tokens; t++) {
@@ -108,11 +121,12 @@ void key_head(const Layer& s, const Buffers& io, int b, int kh) {
 }
 
 void compute(const Layer& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    auto kept = [&](int i) { return s.snapshots ? outs[i].data<float>() : nullptr; };
     Buffers io{in[0].data<float>(), in[1].data<float>(), in[2].data<float>(), in[3].data<float>(),
                in[4].data<float>(), in[5].data<float>(), in[6].data<float>(), in[7].data<float>(),
                in[8].data<float>(), in[9].data<float>(),
-               outs[0].data<float>(), outs[1].data<float>(), s.snapshots ? outs[2].data<float>() : nullptr, {}};
-    for (size_t i = s.snapshots ? 3 : 2; i < outs.size(); i++) io.states.push_back(outs[i].data<float>());
+               outs[0].data<float>(), outs[1].data<float>(), outs[2].data<float>(),
+               kept(3), kept(4), kept(5), kept(6), kept(7)};
     int units = s.batch * s.key_heads;
     long values = (long)s.batch * s.value_heads * s.tokens * s.key_dim * s.value_dim;
     Pool::get().run(units, units > 1 && values >= PARALLEL_MIN_VALUES,
@@ -124,9 +138,9 @@ using LinearAttentionLayer = mlx_hybrid::CpuPrimitive<Layer, compute>;
 // x [B, T, 2 Hk Dk + Hv Dv] (q|k|v before the conv), conv_weight [C, K], tail [B, K-1, C];
 // a [B, T, Hv] or [B, T, Hv, Dk] and dt_bias [Hv] or [Hv Dk] (the decay's, per head or key
 // channel), A [Hv]; b [B, T, Hv]; gate [B, T, Hv Dv]; norm_weight [Dv]; state [B, Hv, Dk, Dv].
-// -> [out [B, T, Hv Dv], the conv's tail after the last token, with snapshots its tail after each
-// token [B, T, K-1, C], then the state after each token (snapshots) or after the last], all
-// float32.
+// -> [out [B, T, Hv Dv], the conv's tail after the last token, the state after the last token, and
+// with snapshots: the tail after each token [B, T, K-1, C] and the rule's inputs, k [B, T, Hk, Dk]
+// (normalised), v [B, T, Hv, Dv], g as a's shape, beta [B, T, Hv]], all float32.
 std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& conv_weight, const mx::array& tail,
                                         const mx::array& a, const mx::array& b, const mx::array& A,
                                         const mx::array& dt_bias, const mx::array& gate,
@@ -156,9 +170,13 @@ std::vector<mx::array> linear_attention(const mx::array& x, const mx::array& con
     std::vector<mx::array> inputs;
     for (auto* input : {&x, &conv_weight, &tail, &a, &b, &A, &dt_bias, &gate, &norm_weight, &state})
         inputs.push_back(mx::astype(*input, mx::float32, stream));
-    std::vector<mx::Shape> shapes{gate.shape(), tail.shape()};
-    if (snapshots) shapes.push_back({s.batch, s.tokens, s.width - 1, channels});
-    shapes.insert(shapes.end(), snapshots ? s.tokens : 1, state.shape());
+    std::vector<mx::Shape> shapes{gate.shape(), tail.shape(), state.shape()};
+    if (snapshots)
+        shapes.insert(shapes.end(), {{s.batch, s.tokens, s.width - 1, channels},
+                                     {s.batch, s.tokens, s.key_heads, s.key_dim},
+                                     {s.batch, s.tokens, s.value_heads, s.value_dim},
+                                     gate_shape,
+                                     per_head});
     std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
     auto primitive = std::make_shared<LinearAttentionLayer>(stream, s, "LinearAttentionLayer");
     return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
@@ -171,6 +189,6 @@ void mlx_hybrid::bind_linear_attention(nb::module_& m) {
           nb::arg("b"), nb::arg("A"), nb::arg("dt_bias"), nb::arg("gate"), nb::arg("norm_weight"), nb::arg("state"),
           nb::arg("key_heads"),
           nb::arg("q_scale"), nb::arg("l2_eps"), nb::arg("norm_eps"), nb::arg("sigmoid_gate"), nb::arg("snapshots"),
-          "a linear-attention layer between its projections: [out, the conv's tail after the last token, with "
-          "snapshots its tail after each token, then the state after each token (snapshots) or the last]");
+          "a linear-attention layer between its projections: [out, the conv's tail and the state after the last "
+          "token, with snapshots the tail after each token and each token's k, v, g and beta for the rule]");
 }

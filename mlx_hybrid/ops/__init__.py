@@ -279,7 +279,7 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
         out, final, states = gpu_kernels.run(
             gpu_kernels.GATED_DELTA, gpu_kernels.gated_delta_launch(q, k, v, g, beta, state, snapshots), platform
         )
-        return GatedDeltaResult(out, final, _per_token(states) if snapshots else None)
+        return GatedDeltaResult(out, final, reference.per_token(states) if snapshots else None)
     # our CPU kernel token by token beats the chunked form at every length too
     # (benchmarks/linear_attention_ops.py --tokens 128 512)
     if platform is None and backend.cpu_kernel_passed(
@@ -290,11 +290,6 @@ def gated_delta_update(q, k, v, g, beta, state=None, *, snapshots: bool = False)
         out, final = reference.gated_delta_chunked(q, k, v, g, beta, state)
         return GatedDeltaResult(out, final, None)
     return GatedDeltaResult(*reference.gated_delta_recurrent(q, k, v, g, beta, state, snapshots=snapshots))
-
-
-def _per_token(stacked: mx.array) -> list:
-    """A kernel's stacked snapshots [B, T, ...] as the per-token list the reference gives."""
-    return [stacked[:, t] for t in range(stacked.shape[1])]
 
 
 CPU_CONV_MAX_WIDTH = 8  # the widest conv our CPU kernels take (csrc/cpu_kernels.h: CONV_MAX_WIDTH)
@@ -313,7 +308,7 @@ def conv1d_update(x, weight, tail=None, *, snapshots: bool = False) -> ConvResul
         y, new_tail, tails = gpu_kernels.run(
             gpu_kernels.CONV1D_SILU, gpu_kernels.conv1d_silu_launch(x, weight, tail, snapshots), platform
         )
-        return ConvResult(y, new_tail, _per_token(tails) if snapshots else None)
+        return ConvResult(y, new_tail, reference.per_token(tails) if snapshots else None)
     if (
         platform is None
         and x.dtype == mx.float32
@@ -346,7 +341,7 @@ def linear_attention(x, conv_weight, a, b, gate, decay, norm, heads, tail=None, 
             x, conv_weight, a, b, gate, decay, norm, heads, tail, state, snapshots
         )
         out, new_tail, new_state, tails, states = gpu_kernels.run(gpu_kernels.LINEAR_ATTENTION, launch, platform)
-        per_token = (_per_token(tails), _per_token(states)) if snapshots else (None, None)
+        per_token = (reference.per_token(tails), reference.per_token(states)) if snapshots else (None, None)
         return LayerResult(out, new_tail, new_state, *per_token)
     if (
         platform is None

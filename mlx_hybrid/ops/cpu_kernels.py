@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cpu_extension import extension
-from .reference import L2_EPS, LayerResult
+from .reference import L2_EPS, BuiltOnRead, LayerResult, per_token
 
 
 def keep_to_one_thread(value: bool):
@@ -19,7 +19,9 @@ def keep_to_one_thread(value: bool):
 
 def linear_attention(x, conv_weight, a, b, gate, decay, norm, heads, tail=None, state=None, *, snapshots=False):
     """Shapes as in `reference.linear_attention`; x and tail float32. Each token's bits are the same
-    whatever tokens or rows come with it."""
+    whatever tokens or rows come with it. With snapshots the kernel keeps each token's inputs to the
+    rule, not its state (csrc/linear_attention.cpp): a state snapshot is the rule replayed over them
+    from `state`, computed only where a rollback reads it."""
     B, T, C = x.shape
     Hk, Hv, Dk, Dv = heads
     if tail is None:
@@ -44,10 +46,15 @@ def linear_attention(x, conv_weight, a, b, gate, decay, norm, heads, tail=None, 
         norm.activation == "sigmoid",
         snapshots,
     )
+    new_state, *kept = rest
     if not snapshots:
-        return LayerResult(out, new_tail, rest[0], None, None)
-    tails, *states = rest
-    return LayerResult(out, new_tail, states[-1], [tails[:, t] for t in range(T)], states)
+        return LayerResult(out, new_tail, new_state, None, None)
+    tails, k, v, g, beta = kept
+
+    def state_after(t: int) -> mx.array:  # the rule replayed over tokens 0..t: the bits of a state kept a token
+        return new_state if t == T - 1 else extension().gated_delta(k, k, v, g, beta, state, False, t + 1)[1]
+
+    return LayerResult(out, new_tail, new_state, per_token(tails), BuiltOnRead(T, state_after))
 
 
 def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = False):
@@ -63,11 +70,11 @@ def gated_delta_recurrent(q, k, v, g, beta, state=None, *, snapshots: bool = Fal
 def causal_conv1d_silu(x, weight, tail=None, *, snapshots: bool = False):
     """(y [B, T, C], the tail after the last token [B, K-1, C], the T tails after each token or
     None); x and tail float32. Each token's bits are the same whatever tokens or rows come with it."""
-    B, T, C = x.shape
+    B, _, C = x.shape
     if tail is None:
         tail = mx.zeros((B, weight.shape[-1] - 1, C), dtype=x.dtype)
     y, new_tail, *tails = extension().conv1d_silu(x, weight, tail, snapshots)
-    return y, new_tail, ([tails[0][:, t] for t in range(T)] if snapshots else None)
+    return y, new_tail, (per_token(tails[0]) if snapshots else None)
 
 
 def rms_norm(x, weight, eps: float):

@@ -16,6 +16,7 @@ ops into a layer's work between its projections.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from typing import NamedTuple
 
@@ -268,8 +269,31 @@ class LayerResult(NamedTuple):
     out: mx.array  # [B, T, Hv Dv] in x's dtype (computed in float32)
     tail: mx.array  # the conv's tail after the last token [B, K-1, C]
     state: mx.array  # [B, Hv, Dk, Dv] float32, after the last token
-    tail_snapshots: list | None  # T arrays [B, K-1, C]: the tail after each token
-    state_snapshots: list | None  # T arrays [B, Hv, Dk, Dv]: the state after each token
+    tail_snapshots: Sequence | None  # T arrays [B, K-1, C]: the tail after each token
+    state_snapshots: Sequence | None  # T arrays [B, Hv, Dk, Dv]: the state after each token
+
+
+class BuiltOnRead(Sequence):
+    """A call's T snapshots, each built (`build(t)`, once) where it is read. A verify pass keeps a
+    state after every token and a rollback reads one at most: the others then cost no array, no
+    slice and, where the kernels replay them (`cpu_kernels.linear_attention`), no computing."""
+
+    def __init__(self, count: int, build: Callable[[int], mx.array]):
+        self._count, self._build, self._built = count, build, {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, t: int) -> mx.array:
+        t = range(self._count)[t]  # negative indices, and IndexError past the end
+        if t not in self._built:
+            self._built[t] = self._build(t)
+        return self._built[t]
+
+
+def per_token(stacked: mx.array) -> BuiltOnRead:
+    """A kernel's stacked snapshots [B, T, ...] as the per-token sequence the ops give."""
+    return BuiltOnRead(stacked.shape[1], lambda t: stacked[:, t])
 
 
 def linear_attention(
