@@ -323,7 +323,7 @@ class RecurrentCache(LayerCache):
 
     The state is in its `store`: its own (`HeldState`), or, after a pass over several rows together,
     the handle on its row that the pass's batch gave it (`row_caches.RowStates`). Either gives the
-    state and snapshots, the state a rollback keeps (`kept`) and a checkpoint of it."""
+    state, the state a rollback keeps (`kept`) and a checkpoint of it."""
 
     def __init__(self):
         self.store = None  # HeldState, a batch's handle on this row, or None before any token
@@ -339,10 +339,6 @@ class RecurrentCache(LayerCache):
     @property
     def state(self) -> tuple | None:
         return self.store.state if self.store is not None else None
-
-    @property
-    def snapshots(self) -> tuple | None:
-        return self.store.snapshots if self.store is not None else None
 
     def checkpoint(self) -> tuple:
         return self.store.checkpoint() if self.store is not None else ()
@@ -363,8 +359,9 @@ class RecurrentCache(LayerCache):
 
     @property
     def arrays(self) -> list[mx.array]:
-        """The state, and the last call's snapshots while they are kept."""
-        return [*(self.state or ()), *(a for snapshots in self.snapshots or () for a in snapshots)]
+        """The state. Not the last call's snapshots: those a rollback does not read may never be
+        computed (`ops.reference.BuiltOnRead`)."""
+        return list(self.state or ())
 
     @property
     def step_nbytes(self) -> int:

@@ -192,11 +192,6 @@ class RowStates:
     def row(self, row: int) -> tuple:
         return tuple(held[row : row + 1] for held in self.whole())
 
-    def snapshots(self, row: int) -> tuple | None:
-        if self._snapshots is None:
-            return None
-        return tuple([s[row : row + 1] for s in snapshots] for snapshots in self._snapshots)
-
     def rows(self, start: int, stop: int) -> list[mx.array]:
         """The state's arrays of rows start .. stop - 1 (views)."""
         return [held[start:stop] for held in self.whole()]
@@ -216,10 +211,6 @@ class StateRow(BatchRow):
     @property
     def state(self) -> tuple:
         return self.batch.row(self.index)
-
-    @property
-    def snapshots(self) -> tuple | None:
-        return self.batch.snapshots(self.index)
 
     def kept(self, keep: int, recorded: int) -> StateRow:
         self.batch.keep(self.index, keep - 1 if keep < recorded else None)

@@ -51,7 +51,9 @@ def linear_attention(x, conv_weight, a, b, gate, decay, norm, heads, tail=None, 
         return LayerResult(out, new_tail, new_state, None, None)
     tails, k, v, g, beta = kept
 
-    def state_after(t: int) -> mx.array:  # the rule replayed over tokens 0..t: the bits of a state kept a token
+    def state_after(t: int) -> mx.array:
+        # the rule's kernel over tokens 0..t, the bits of a state kept a token (k stands in for q,
+        # which only the output, not read here, depends on)
         return new_state if t == T - 1 else extension().gated_delta(k, k, v, g, beta, state, False, t + 1)[1]
 
     return LayerResult(out, new_tail, new_state, per_token(tails), BuiltOnRead(T, state_after))
