@@ -9,8 +9,8 @@ and the DFlash drafter through the Python API, greedy, on the bundled model (or 
 
 Each round runs every tree once, in its own process (its package first on the path, its CPU kernels
 built from its sources), each round starting from the next tree, each drafter twice after an untimed
-run; a round's figure is the better of the two. Prints each round, then per tree the medians, each drafter's ratio to plain decoding, and
-whether the trees' tokens agree. Beside tokens/s, tokens per CPU-second (the process's threads
+run; a round's figure is the better of the two. Prints each round, then per tree the medians, each
+drafter's ratio to plain decoding, and whether the trees' tokens agree. Beside tokens/s, tokens per CPU-second (the process's threads
 together, `time.process_time`): the work a token costs, which a shared machine's drift moves less
 than the wall clock, and which bounds what a drafter can gain where plain decoding already keeps
 every core busy.

@@ -10,8 +10,8 @@ chunked form, as a prompt runs it, and on a GPU both sides are), the norms (q's 
 normalization, the RMSNorm of the output) and the whole layer between its projections as the
 models call it (ops.linear_attention: on the CPU one fused kernel), over one call per layer,
 every layer's inputs its own, all evaluated. Verify-pass sizes (2 to 8 tokens) keep what a
-rollback needs, and MLX's allocator keeps their buffers for reuse, as speculative decoding has it. Prints milliseconds
-for all layers, medians of --repeats, and the ratio.
+rollback needs, and MLX's allocator keeps their buffers for reuse, as speculative decoding has it.
+Prints milliseconds for all layers, medians of --repeats, and the ratio.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 --model's): its 16-bit products as llama.cpp computes them, for 1 row of x and for several, and a
 linear-attention layer (one primitive of ours) over 1 token and over several: alone, keeping what a
 rollback needs (as a verify pass does), and with a rollback to its first token (the state it keeps
-computed). Each kernel keeps to MLX's CPU thread, as a
-small model's queued layers do (`ops.schedule.layer_built`).
+computed). Each kernel keeps to MLX's CPU thread, as a small model's queued layers do
+(`ops.schedule.layer_built`).
 
     python benchmarks/verify_ops.py
     python benchmarks/verify_ops.py --rows 1 4 16 --calls 200
