@@ -35,11 +35,12 @@ from .sampling import row_items, split_keys
 def keep_snapshot_buffers(cache, num_draft_tokens: int):
     """Let MLX's allocator keep a few rounds of snapshot buffers for reuse (it only raises the limit).
 
-    Every verify pass allocates and frees the same (k + 1) recurrent states per layer
-    (each token's state is kept as a snapshot, so none is updated in place). Beyond the
-    allocator's cache limit (32 MB by default on the CPU) they go back to the system and
+    Every verify pass allocates and frees the same buffers per layer: on a GPU (k + 1) recurrent
+    states (each token's state is kept as a snapshot, so none is updated in place); on the CPU
+    the state, each token's inputs to the rule and, after a rollback, the state replayed. Beyond
+    the allocator's cache limit (32 MB by default on the CPU) they go back to the system and
     return as fresh pages, which made verify passes up to two and a half times slower at the
-    Qwen3.5-0.8B shape (benchmarks/spec_decode.py).
+    Qwen3.5-0.8B shape when every token's state was kept on the CPU (benchmarks/spec_decode.py).
     """
     wanted = 4 * (num_draft_tokens + 1) * sum(c.step_nbytes for c in cache)
     previous = mx.set_cache_limit(wanted)
