@@ -20,6 +20,7 @@ MLX_HYBRID_STRICT_KERNELS=1 makes it an error instead (see `selfcheck`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -88,13 +89,13 @@ CHUNKED_MIN_TOKENS = 128
 class GatedDeltaResult(NamedTuple):
     out: mx.array  # [B, T, Hv, Dv] float32
     state: mx.array  # [B, Hv, Dk, Dv] float32, after the last token
-    snapshots: list | None  # T arrays [B, Hv, Dk, Dv]: the state after each token
+    snapshots: Sequence | None  # T arrays [B, Hv, Dk, Dv]: the state after each token
 
 
 class ConvResult(NamedTuple):
     out: mx.array  # [B, T, C]
     tail: mx.array  # [B, K-1, C]
-    snapshots: list | None  # T arrays [B, K-1, C]: the tail after each token
+    snapshots: Sequence | None  # T arrays [B, K-1, C]: the tail after each token
 
 
 # Float32 matrix products in float32. By default MLX rounds their inputs to TF32 (a 10-bit
