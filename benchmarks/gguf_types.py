@@ -4,6 +4,7 @@ beside llama.cpp's on the same file, in the same run.
     python benchmarks/gguf_types.py --make bench_models/gguf-types --llama-bin DIR   # once: the files
     python benchmarks/gguf_types.py --dir bench_models/gguf-types --llama-bin DIR [DIR ...]
     python benchmarks/gguf_types.py --kernels [--rows 512]   # each type's product alone
+    python benchmarks/gguf_types.py --kernels --queued   # the same, no wait on MLX's thread a call
     python benchmarks/gguf_types.py --kernels --types F16 --rows 4 --matrix 768 256   # the bundled model's
 
 --make writes random weights at Qwen3.5-0.8B's shape (shapes.py) as a float32 GGUF in
@@ -255,7 +256,7 @@ def int8_inputs(q):
     return q.weight, q.scales, codes, held_type, cpu_quantized.int8_grid(q.block)
 
 
-def kernels(rounds: int, rows: int, types, matrix=(3584, 1024)):
+def kernels(rounds: int, rows: int, types, matrix=(3584, 1024), queued: bool = False):
     """One decode step's product per type, the kernel alone: 1 row (`rows`: a verify pass's, a prompt's)
     against an N x K `matrix` (the 0.8B shape's gate projection) of random values in the type's
     layout, with float32 activations and with llama.cpp's 8-bit ones ("int8": the 8-bit kernel at any
@@ -294,12 +295,14 @@ def kernels(rounds: int, rows: int, types, matrix=(3584, 1024)):
         if not ops.int8_activations(q.bits, q.group_size, q.block):
             products[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_matmul(x, *held)
     calls = max(1, 300 // rows)
-    print(f"{rows} x {k} @ ({n} x {k})^T, the best of {rounds} rounds of {calls}")
-    time_products(products, rounds, calls)
+    print(f"{rows} x {k} @ ({n} x {k})^T, the best of {rounds} rounds of {calls}" + (", queued" if queued else ""))
+    time_products(products, rounds, calls, queued)
 
 
-def time_products(products: dict, rounds: int, calls: int):
-    """Each product's best time over `rounds` rounds of `calls` calls, printed."""
+def time_products(products: dict, rounds: int, calls: int, queued: bool = False):
+    """Each product's best time over `rounds` rounds of `calls` calls, printed. queued: a round's calls
+    evaluated together, so that a call's time is its kernel's and its host work's without the wait for
+    MLX's thread that evaluating each alone adds (on the 2-core VMs measured, about 80 us a call)."""
     import mlx.core as mx
 
     for name, product in products.items():
@@ -307,13 +310,16 @@ def time_products(products: dict, rounds: int, calls: int):
         best = float("inf")
         for _ in range(rounds):
             start = time.perf_counter()
-            for _ in range(calls):
-                mx.eval(product())
+            if queued:
+                mx.eval([product() for _ in range(calls)])
+            else:
+                for _ in range(calls):
+                    mx.eval(product())
             best = min(best, (time.perf_counter() - start) / calls)
         print(f"{name:20s} {best * 1e6:7.0f} us", flush=True)
 
 
-def expert_kernels(rounds: int, tokens: int, experts: int, types):
+def expert_kernels(rounds: int, tokens: int, experts: int, types, queued: bool = False):
     """Expert products, the kernels alone: `tokens` rows of x, each against 8 of `experts` matrices of
     512 x 2048 (Qwen3.5-35B-A3B's expert gate; the 8 chosen at random, without repeats), for the types
     that compute experts, with float32 activations and with llama.cpp's 8-bit ones ("int8")."""
@@ -355,7 +361,7 @@ def expert_kernels(rounds: int, tokens: int, experts: int, types):
             x, *held[:3], indices, *held[3:]
         )
     print(f"{tokens} tokens x {chosen} of {experts} experts ({n} x {k}), the best of {rounds} rounds of 20")
-    time_products(timed, rounds, 20)
+    time_products(timed, rounds, 20, queued)
 
 
 def main():
@@ -384,6 +390,11 @@ def main():
     p.add_argument("--kernels", action="store_true", help="time each type's product alone (no files) and stop")
     p.add_argument("--rows", type=int, default=1, help="--kernels: rows of x a product (1: a decode step's)")
     p.add_argument(
+        "--queued",
+        action="store_true",
+        help="--kernels: evaluate a round's calls together, not each alone (no wait on MLX's thread a call)",
+    )
+    p.add_argument(
         "--experts",
         type=int,
         default=0,
@@ -411,8 +422,8 @@ def main():
         if args.experts:
             if args.experts < 8:
                 p.error("--experts: at least 8 (each token chooses 8)")
-            return expert_kernels(max(args.rounds, 3), args.rows, args.experts, types)
-        return kernels(max(args.rounds, 3), args.rows, types, tuple(args.matrix))
+            return expert_kernels(max(args.rounds, 3), args.rows, args.experts, types, args.queued)
+        return kernels(max(args.rounds, 3), args.rows, types, tuple(args.matrix), args.queued)
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")
     if args.make:
@@ -444,7 +455,9 @@ def main():
     def rates_text(type_name, key):
         return ", ".join(f"{median(type_name, b, key):.2f} ({b.removeprefix('llama.cpp ')})" for b in builds)
 
-    print(f"\n32 tokens after an 8-token prompt, {args.threads} threads; medians of {args.rounds}; decode in tokens/s")
+    print(
+        f"\n{args.tokens} tokens after an 8-token prompt, {args.threads} threads; medians of {args.rounds}; decode in tokens/s"
+    )
     print(
         "| type | file GiB | weights / file | peak / file | decode | float32 decode | dequantized decode | "
         "llama.cpp decode | decode / fastest llama.cpp | float32 / fastest | llama.cpp peak / file |"

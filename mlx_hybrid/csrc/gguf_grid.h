@@ -13,6 +13,8 @@ namespace mlx_hybrid::gguf_grid {
 
 // (AVX2 functions inlined into callers of that target or a wider one)
 #define GRID_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+// (scalar BMI2 functions inlined into the AVX-512 bodies, whose CPUs all have it)
+#define GRID_BMI2_INLINE __attribute__((target("bmi2"), always_inline)) inline
 
 // What a packed value stands for: an unsigned integer (times its group's scale, plus its bias),
 // a 4-bit index into the layout's table of 16 unsigned bytes (likewise: IQ4_NL's values plus
@@ -249,13 +251,6 @@ GRID_INLINE __m256i iq1_deltas(const uint8_t* block, int sub) {
     return _mm256_or_si256(_mm256_cmpeq_epi64(bits, _mm256_set1_epi64x(1)), _mm256_set1_epi8(1));
 }
 
-// Step `step` (32 values) of the row `row` of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
-// IQ3_XXS, IQ3_S): the magnitudes, and the masks that negate them (0xFF where a value is negative).
-// GATHER: the grid rows and sign masks read by gather instructions, where the CPU's gathers are quicker
-// than a load and an insert a row (int8_products.cpp decides); IQ3_S's 8 rows always.
-struct GridStep {
-    __m256i magnitudes, minus;
-};
 // The masks of four rows of 8 from the four 7-bit sign fields of a word (IQ2_XXS's and IQ3_XXS's: row
 // j's b-th sign at bit 7 j + b), each row's eighth sign the parity of its seven (SIGNS_OF_7_BITS): the
 // seven tested in their bytes of the word as sign_masks_of_bits tests them, the eighth set where the
@@ -276,50 +271,45 @@ GRID_INLINE __m256i masks_of_word(uint32_t word) {
     const __m256i odd = _mm256_cmpgt_epi64(_mm256_setzero_si256(), _mm256_slli_epi64(count, 63));
     return _mm256_or_si256(seven, _mm256_and_si256(odd, _mm256_set1_epi64x((long long)0xFF00000000000000ULL)));
 }
+// Step `sub` (32 values) of a block of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
+// IQ3_XXS, IQ3_S): the magnitudes (its grid rows), and the masks that negate them (0xFF where a value
+// is negative). GATHER: the grid rows (and IQ2_XS's sign masks) read by gather instructions, where the
+// CPU's gathers are quicker than a load and an insert a row (int8_products.cpp decides); IQ3_S's 8
+// rows always.
 template <int VALUES, bool GATHER = false>
-GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid) {
-    const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
-    const int sub = step % 8;  // the 32 values' place in the block
+GRID_INLINE __m256i step_magnitudes(const uint8_t* block, int sub, const uint8_t* grid) {
     auto row8 = [grid](int index) { return (uint64_t)grid_row8(grid, index); };
-    const uint64_t* masks7 = SIGN_MASKS_OF_7_BITS.data();
     if constexpr (VALUES == IQ2_XXS) {  // 4 index bytes, then a word of 4 x 7 sign bits and the code
         const uint8_t* q = block + 2 + 8 * sub;
-        const __m256i masks = masks_of_word(load_u32(q + 4));
-        if constexpr (GATHER)
-            return {gathered_rows(grid, _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q)))), masks};
-        return {rows_at(row8(q[0]), row8(q[1]), row8(q[2]), row8(q[3])), masks};
+        if constexpr (GATHER) return gathered_rows(grid, _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))));
+        return rows_at(row8(q[0]), row8(q[1]), row8(q[2]), row8(q[3]));
     } else if constexpr (VALUES == IQ2_XS) {  // 4 16-bit words: a 9-bit index and 7 sign bits
         if constexpr (GATHER) {
             const __m128i words = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)(block + 2 + 8 * sub)));
-            return {gathered_rows(grid, _mm_and_si128(words, _mm_set1_epi32(511))),
-                    gathered_rows(masks7, _mm_srli_epi32(words, 9))};
+            return gathered_rows(grid, _mm_and_si128(words, _mm_set1_epi32(511)));
         }
         uint16_t w[4];
         memcpy(w, block + 2 + 8 * sub, 8);
-        return {rows_at(row8(w[0] & 511), row8(w[1] & 511), row8(w[2] & 511), row8(w[3] & 511)),
-                rows_at(masks7[w[0] >> 9], masks7[w[1] >> 9], masks7[w[2] >> 9], masks7[w[3] >> 9])};
+        return rows_at(row8(w[0] & 511), row8(w[1] & 511), row8(w[2] & 511), row8(w[3] & 511));
     } else if constexpr (VALUES == IQ2_S) {  // 4 index bytes, 2 high bits each in qh, 4 sign bytes
-        const uint8_t *q = block + 2 + 4 * sub, *signs = block + 34 + 4 * sub, high = block[66 + sub];
-        const __m256i masks = sign_masks_of_bits(load_u32(signs));
+        const uint8_t *q = block + 2 + 4 * sub, high = block[66 + sub];
         if constexpr (GATHER) {
             const __m128i high_bits = _mm_and_si128(
                 _mm_sllv_epi32(_mm_set1_epi32(high), _mm_setr_epi32(8, 6, 4, 2)), _mm_set1_epi32(0x300));
             const __m128i index = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(q))), high_bits);
-            return {gathered_rows(grid, index), masks};
+            return gathered_rows(grid, index);
         }
         auto index = [&](int j) { return q[j] | (high >> (2 * j) & 3) << 8; };
-        return {rows_at(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3))), masks};
+        return rows_at(row8(index(0)), row8(index(1)), row8(index(2)), row8(index(3)));
     } else if constexpr (VALUES == IQ3_XXS) {  // 8 index bytes; a word of signs and code after the block's indices
         const uint8_t* q = block + 2 + 8 * sub;
-        const __m256i masks = masks_of_word(load_u32(block + 66 + 4 * sub));
         if constexpr (GATHER) {
             const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
-            return {_mm256_i32gather_epi32((const int*)grid, index, 4), masks};
+            return _mm256_i32gather_epi32((const int*)grid, index, 4);
         }
         auto row4 = [grid](int index) { return (int)load_u32(grid + 4 * index); };
-        return {_mm256_setr_epi32(row4(q[0]), row4(q[1]), row4(q[2]), row4(q[3]), row4(q[4]), row4(q[5]), row4(q[6]),
-                                  row4(q[7])),
-                masks};
+        return _mm256_setr_epi32(row4(q[0]), row4(q[1]), row4(q[2]), row4(q[3]), row4(q[4]), row4(q[5]), row4(q[6]),
+                                 row4(q[7]));
     } else {  // IQ3_S: 8 index bytes, a ninth bit each in qh (bit j moved to bit 8), 4 sign bytes
         static_assert(VALUES == IQ3_S);
         // (the 8 rows gathered in one instruction whatever GATHER: 1.7-1.9x faster than 8 loads and inserts
@@ -329,7 +319,65 @@ GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid
         const __m256i ninth =
             _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(high), shifts), _mm256_set1_epi32(256));
         const __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)), ninth);
-        return {_mm256_i32gather_epi32((const int*)grid, index, 4), sign_masks_of_bits(load_u32(block + 74 + 4 * sub))};
+        return _mm256_i32gather_epi32((const int*)grid, index, 4);
+    }
+}
+
+template <int VALUES, bool GATHER = false>
+GRID_INLINE __m256i step_sign_masks(const uint8_t* block, int sub) {
+    if constexpr (VALUES == IQ2_XXS) {
+        return masks_of_word(load_u32(block + 2 + 8 * sub + 4));
+    } else if constexpr (VALUES == IQ3_XXS) {
+        return masks_of_word(load_u32(block + 66 + 4 * sub));
+    } else if constexpr (VALUES == IQ2_S || VALUES == IQ3_S) {
+        return sign_masks_of_bits(load_u32(block + (VALUES == IQ2_S ? 34 : 74) + 4 * sub));
+    } else {
+        static_assert(VALUES == IQ2_XS);
+        const uint64_t* masks7 = SIGN_MASKS_OF_7_BITS.data();
+        if constexpr (GATHER) {
+            const __m128i words = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)(block + 2 + 8 * sub)));
+            return gathered_rows(masks7, _mm_srli_epi32(words, 9));
+        }
+        uint16_t w[4];
+        memcpy(w, block + 2 + 8 * sub, 8);
+        return rows_at(masks7[w[0] >> 9], masks7[w[1] >> 9], masks7[w[2] >> 9], masks7[w[3] >> 9]);
+    }
+}
+
+// Both for step `step` of the row `row`
+struct GridStep {
+    __m256i magnitudes, minus;
+};
+template <int VALUES, bool GATHER = false>
+GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid) {
+    const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
+    const int sub = step % 8;  // the 32 values' place in the block
+    return {step_magnitudes<VALUES, GATHER>(block, sub, grid), step_sign_masks<VALUES, GATHER>(block, sub)};
+}
+
+// The same signs as a word, bit i set where value i is negative, for AVX-512's byte-masked operations:
+// IQ2_S's and IQ3_S's sign bytes as stored; IQ2_XXS's and IQ3_XXS's 4 x 7 bits, and IQ2_XS's 7 atop each
+// index word, spread to a byte a row (BMI2's deposit and extract), each row's eighth the parity of its
+// seven (SIGNS_OF_7_BITS). Scalar work beside the vector ports'.
+template <int VALUES>
+GRID_BMI2_INLINE uint32_t step_sign_bits(const uint8_t* block, int sub) {
+    if constexpr (VALUES == IQ2_S || VALUES == IQ3_S) {
+        return load_u32(block + (VALUES == IQ2_S ? 34 : 74) + 4 * sub);
+    } else {
+        uint32_t fields;  // row j's 7 signs at bit 7 j
+        if constexpr (VALUES == IQ2_XS) {
+            uint64_t words;
+            memcpy(&words, block + 2 + 8 * sub, 8);
+            fields = (uint32_t)_pext_u64(words, 0xFE00FE00FE00FE00ULL);
+        } else {
+            static_assert(VALUES == IQ2_XXS || VALUES == IQ3_XXS);
+            fields = load_u32(VALUES == IQ2_XXS ? block + 2 + 8 * sub + 4 : block + 66 + 4 * sub);
+        }
+        const uint32_t seven = _pdep_u32(fields, 0x7F7F7F7F);
+        uint32_t parity = seven ^ seven >> 4;  // each byte's bits folded onto its lowest
+        parity ^= parity >> 2;
+        parity ^= parity >> 1;
+        return seven | (parity & 0x01010101) << 7;
     }
 }
 
@@ -348,5 +396,6 @@ GRID_INLINE __m256i grid_lanes(const uint8_t* row, int step, const uint8_t* grid
 }
 
 #undef GRID_INLINE
+#undef GRID_BMI2_INLINE
 
 }  // namespace mlx_hybrid::gguf_grid

@@ -86,6 +86,8 @@ constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); 
 #define INT8_WIDE_FN AVX512_FN
 // an AVX2 body inlined into both (compiled for AVX-512 where its caller is)
 #define INT8_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+// an AVX-512 body's part of its own
+#define INT8_WIDE_INLINE __attribute__((target(AVX512_TARGET), always_inline)) inline
 
 struct Q8Shape {
     int rows, inputs, outputs;  // M, K, N
@@ -1144,33 +1146,65 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
         *out[r] = mlx_hybrid::sum_lanes(acc[r]) + 0.125f * (M ? mlx_hybrid::sum_lanes(acc_deltas[r]) : acc_delta[r]);
 }
 
-// A grid type's product on the CPU it runs on. With AVX-512, the body compiled for AVX-512, whose twice
-// as many vector registers spare the IQ1 products' spills (on an Intel Xeon, Emerald Rapids, 15-18%
-// faster; the IQ2 and IQ3_XXS ones 2-5%, and IQ3_S's 3-6% slower, so that it keeps the AVX2 body), and
-// on an Intel CPU the grid rows and sign masks read by gathers (there the IQ2 and IQ3_XXS products
-// 24-42% faster, the IQ1 ones a few percent). Elsewhere a load each: on an AMD EPYC (Zen 4) the gathers
-// took 45% of IQ2_S's samples, and the products of 3584 x 1024 on one thread without them were 6-20%
-// faster (IQ2_XS 531 -> 426 us, IQ2_XXS 435 -> 372; IQ2_S 3% slower); with AVX2 alone they were slower
-// there too.
+// dot_rows_grid's arithmetic with AVX-512's byte masks: x's codes negated by one masked subtraction
+// where the step's sign bits (step_sign_bits, a word made by scalar instructions) are set, in place of
+// masks built in vector registers and a sign instruction (the same bits: either way -x where a value
+// is negative, x elsewhere). On an Intel Xeon (Emerald Rapids), IQ2_XXS's product of 3584 x 1024 on one
+// thread 304 -> 240 us outside MLX.
 template <int VALUES, int R, bool GATHER>
-INT8_INLINE void dot_rows_grid_type(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
-                                    const float* const* x_d, const int16_t* const* x_sums, int blocks,
-                                    float* const* out) {
-    if constexpr (VALUES == grid::IQ1_S || VALUES == grid::IQ1_M)
-        dot_rows_iq1<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
-    else
-        dot_rows_grid<VALUES, R, GATHER>(row, grid_rows, x, x_d, blocks, out);
+INT8_WIDE_INLINE void dot_rows_grid_masked(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
+                                           const float* const* x_d, int blocks, float* const* out) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
+        const uint8_t* block = row + (long)b * grid::grid_block_bytes(VALUES);
+        const __m256i scales = block_scales<VALUES>(block);
+#pragma GCC unroll 8
+        for (int sub = 0; sub < 8; sub++) {
+            const __m256i scale = step_scale(scales, sub);
+            const __m256i magnitudes = grid::step_magnitudes<VALUES, GATHER>(block, sub, grid_rows);
+            const __mmask32 minus = _cvtu32_mask32(grid::step_sign_bits<VALUES>(block, sub));
+            const int at = b * SUPER_BLOCK + sub * BLOCK;
+            for (int r = 0; r < R; r++) {
+                const __m256i codes = _mm256_loadu_si256((const __m256i*)(x[r] + at));
+                const __m256i signed_codes = _mm256_mask_sub_epi8(codes, minus, _mm256_setzero_si256(), codes);
+                sums[r] = _mm256_add_epi32(sums[r],
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_codes), scale));
+            }
+        }
+        const float d_w = _cvtsh_ss(grid::grid_d(VALUES, block));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * x_d[r][b]), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+    }
+    for (int r = 0; r < R; r++)
+        *out[r] = mlx_hybrid::sum_lanes(acc[r]) * (1.0f / (float)grid::GRID_DIVISOR[VALUES - grid::GRID_FIRST]);
 }
+
+// A grid type's product on the CPU it runs on. With AVX-512: the IQ1 types' AVX2 body compiled for
+// AVX-512, whose twice as many vector registers spare their spills (on an Intel Xeon, Emerald Rapids,
+// 15-18% faster), the others' masked body (dot_rows_grid_masked); and on an Intel CPU the grid rows
+// read by gathers (there the IQ2 and IQ3_XXS products 24-42% faster, the IQ1 ones a few percent).
+// Elsewhere a load each: on an AMD EPYC (Zen 4) the gathers took 45% of IQ2_S's samples, and the
+// products of 3584 x 1024 on one thread without them were 6-20% faster (IQ2_XS 531 -> 426 us, IQ2_XXS
+// 435 -> 372; IQ2_S 3% slower); with AVX2 alone they were slower there too.
 template <int VALUES, int R>
 INT8_FN void dot_rows_grid_avx2(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                 const float* const* x_d, const int16_t* const* x_sums, int blocks, float* const* out) {
-    dot_rows_grid_type<VALUES, R, false>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    if constexpr (VALUES == grid::IQ1_S || VALUES == grid::IQ1_M)
+        dot_rows_iq1<VALUES, R, false>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    else
+        dot_rows_grid<VALUES, R, false>(row, grid_rows, x, x_d, blocks, out);
 }
 template <int VALUES, int R, bool GATHER>
 INT8_WIDE_FN void dot_rows_grid_wide(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                      const float* const* x_d, const int16_t* const* x_sums, int blocks,
                                      float* const* out) {
-    dot_rows_grid_type<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    if constexpr (VALUES == grid::IQ1_S || VALUES == grid::IQ1_M)
+        dot_rows_iq1<VALUES, R, GATHER>(row, grid_rows, x, x_d, x_sums, blocks, out);
+    else
+        dot_rows_grid_masked<VALUES, R, GATHER>(row, grid_rows, x, x_d, blocks, out);
     mlx_hybrid::leave_avx512();
 }
 
@@ -1762,7 +1796,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const size_t quantized = half ? 0 : x_rows;  // (rows of the 8-bit forms)
     const bool wide = mlx_hybrid::avx512_in_use();  // (BF16's x is rounded into the order of the body it meets)
     const bool vbmi = mlx_hybrid::avx512_vbmi_in_use();
-    static const bool intel_gathers = __builtin_cpu_is("intel");  // (dot_rows_grid_type says why)
+    static const bool intel_gathers = __builtin_cpu_is("intel");  // (dot_rows_grid_avx2 says why)
     QuantizedRows q{std::vector<int8_t>(quantized * K), std::vector<float>(quantized * blocks),
                     std::vector<int16_t>(quantized * row_shared), std::vector<float>(quantized * blocks),
                     std::vector<float>(half ? (size_t)x_rows * K : 0)};
@@ -1971,12 +2005,9 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 constexpr int V = decltype(values)::value;
                 each_row([&](auto R, int i, const Weights& at) {
                     constexpr int ROWS = decltype(R)::value;
-                    // (IQ3_S keeps the AVX2 body, which gathers its rows on any CPU: gguf_grid.h)
                     auto product = dot_rows_grid_avx2<V, ROWS>;
-                    if constexpr (V != grid::IQ3_S)
-                        if (wide)
-                            product = intel_gathers ? dot_rows_grid_wide<V, ROWS, true>
-                                                    : dot_rows_grid_wide<V, ROWS, false>;
+                    if (wide)
+                        product = intel_gathers ? dot_rows_grid_wide<V, ROWS, true> : dot_rows_grid_wide<V, ROWS, false>;
                     product(at.w, grid_rows, codes + i, d + i, shared + i, blocks, at.out + i);
                 });
             };

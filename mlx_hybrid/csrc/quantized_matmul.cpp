@@ -146,7 +146,8 @@ const char* const LEVEL_NAMES[] = {"avx2", "avx512"};
 
 Level cpu_level() {
     static const Level level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
+                                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                                       __builtin_cpu_supports("bmi2")
                                    ? AVX512
                                    : AVX2;
     return level;
