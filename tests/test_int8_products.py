@@ -560,13 +560,15 @@ def test_mxfp4_products_are_llama_cpps_arithmetic_and_row_invariant(K, N):
 
 
 @pytest.mark.parametrize("N", [24, 20], ids=["rows in eights", "other rows"])
-def test_mxfp4_products_are_exact_where_the_arithmetic_is(N):
-    """Each block's largest magnitude 127 (d_x = 1), integers elsewhere, scales 2^-4 to 2^-1: every sum and
-    scale exact (a block's sum below 2^16, times 3 octaves of scales, 16 blocks: within float32's 24 bits),
-    the reference met exactly."""
+@pytest.mark.parametrize("lowest", [124, 0, 230], ids=["2^-4", "subnormal 2^-128", "2^102"])
+def test_mxfp4_products_are_exact_where_the_arithmetic_is(N, lowest):
+    """Each block's largest magnitude 127 (d_x = 1), integers elsewhere, scales 2^(e - 128) for e in 4
+    octaves from `lowest` (E8M0's 0 and 1 make float32 subnormals): every sum and scale exact (a block's
+    sum below 2^16, times 3 octaves of scales, 16 blocks: within float32's 24 bits), the reference met
+    exactly."""
     rng = np.random.default_rng(15)
     q, _ = llama_reference.random_mxfp4(rng, (N, 512))
-    e = rng.integers(124, 128, (N, 16)).astype(np.uint8)
+    e = rng.integers(lowest, lowest + 4, (N, 16)).astype(np.uint8)
     x = rng.integers(-126, 127, (3, 512)).astype(np.float32)
     x[:, ::32] = 127
     got = product(x, llama_reference.held_mxfp4(q, e), MXFP4)

@@ -1343,6 +1343,31 @@ INT8_FN inline void row_scales8(const uint16_t* w_d, long row_factors, int b, __
     }
 }
 
+// MXFP4's scales 2^(e - 128) of 8 rows (`row_factors` apart) for blocks b..b+7, as row_scales8 lays
+// out d: the rows' 8 exponent bytes each transposed, then each block's 8 made floats at once as
+// e8m0_half makes one (the same bits), where each had been made alone and stored for a load.
+INT8_FN inline void exponent_scales8(const uint8_t* w_e, long row_factors, int b, __m256 (&out)[8]) {
+    __m128i v[8], pairs[4], quads[4], blocks[4];
+    for (int r = 0; r < 8; r++) v[r] = _mm_loadl_epi64((const __m128i*)(w_e + r * row_factors + b));
+    for (int i = 0; i < 4; i++) pairs[i] = _mm_unpacklo_epi8(v[2 * i], v[2 * i + 1]);  // rows 2i, 2i+1
+    for (int h = 0; h < 2; h++) {  // rows 4h to 4h+3: blocks 0-3 (quads[h]), 4-7 (quads[2 + h])
+        quads[h] = _mm_unpacklo_epi16(pairs[2 * h], pairs[2 * h + 1]);
+        quads[2 + h] = _mm_unpackhi_epi16(pairs[2 * h], pairs[2 * h + 1]);
+    }
+    for (int i = 0; i < 2; i++) {  // blocks 4i, 4i+1 (8 rows each), then 4i+2, 4i+3
+        blocks[2 * i] = _mm_unpacklo_epi32(quads[2 * i], quads[2 * i + 1]);
+        blocks[2 * i + 1] = _mm_unpackhi_epi32(quads[2 * i], quads[2 * i + 1]);
+    }
+    const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2);
+    for (int j = 0; j < 8; j++) {
+        const __m128i bytes = j % 2 ? _mm_unpackhi_epi64(blocks[j / 2], blocks[j / 2]) : blocks[j / 2];
+        const __m256i e = _mm256_cvtepu8_epi32(bytes);
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+        const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        out[j] = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(two, e)));
+    }
+}
+
 // A weight row's values of two blocks as dot_rows8_b32 multiplies them: a byte's low nibbles (the
 // blocks' even values), then its high ones (odd); IQ4_NL's and MXFP4's looked up in their table, with
 // their magnitudes (signed_pairs')
@@ -1392,13 +1417,19 @@ INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scale
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b += 2) {
         const bool pair = b + 1 < blocks;
-        if (KIND != MXFP4_VALUES && b % 8 == 0 && b + 8 <= blocks) row_scales8(w_d, row_factors, b, row_d);
+        if (b % 8 == 0 && b + 8 <= blocks) {
+            if constexpr (KIND == MXFP4_VALUES)
+                exponent_scales8((const uint8_t*)w_scales, row_factors, b, row_d);
+            else
+                row_scales8(w_d, row_factors, b, row_d);
+        }
         for (int j = b; j < b + 1 + pair; j++) {
+            if (j < blocks / 8 * 8) continue;  // the last blocks short of 8: each scale alone
             if (KIND == MXFP4_VALUES) {
                 float scales[8];
                 for (int n = 0; n < 8; n++) scales[n] = block_scale<KIND>(w_scales, n * row_factors + j);
                 row_d[j % 8] = _mm256_loadu_ps(scales);
-            } else if (j >= blocks / 8 * 8) {  // the last blocks short of 8: each d alone
+            } else {
                 row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
                     w_d[j], w_d[row_factors + j], w_d[2 * row_factors + j], w_d[3 * row_factors + j],
                     w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j],
