@@ -255,7 +255,7 @@ GRID_INLINE __m256i iq1_deltas(const uint8_t* block, int sub) {
 // j's b-th sign at bit 7 j + b), each row's eighth sign the parity of its seven (SIGNS_OF_7_BITS): the
 // seven tested in their bytes of the word as sign_masks_of_bits tests them, the eighth set where the
 // row's count of the seven is odd. (Quicker than a gather of SIGN_MASKS_OF_7_BITS' rows on an Intel
-// Xeon, Emerald Rapids; IQ2_XS's fields, one a 16-bit word, gather theirs: there the gather was quicker.)
+// Xeon, Emerald Rapids; IQ2_XS's fields, one a 16-bit word, look theirs up.)
 GRID_INLINE __m256i masks_of_word(uint32_t word) {
     // each value's byte of the word and its bit there (H: the top one); the eighth's byte a zero (Z: index
     // 0x80) and its bit NONE, which a zero never matches
@@ -273,7 +273,7 @@ GRID_INLINE __m256i masks_of_word(uint32_t word) {
 }
 // Step `sub` (32 values) of a block of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
 // IQ3_XXS, IQ3_S): the magnitudes (its grid rows), and the masks that negate them (0xFF where a value
-// is negative). GATHER: the grid rows (and IQ2_XS's sign masks) read by gather instructions, where the
+// is negative). GATHER: the grid rows read by gather instructions, where the
 // CPU's gathers are quicker than a load and an insert a row (int8_products.cpp decides); IQ3_S's 8
 // rows always.
 template <int VALUES, bool GATHER = false>
@@ -323,7 +323,7 @@ GRID_INLINE __m256i step_magnitudes(const uint8_t* block, int sub, const uint8_t
     }
 }
 
-template <int VALUES, bool GATHER = false>
+template <int VALUES>
 GRID_INLINE __m256i step_sign_masks(const uint8_t* block, int sub) {
     if constexpr (VALUES == IQ2_XXS) {
         return masks_of_word(load_u32(block + 2 + 8 * sub + 4));
@@ -334,25 +334,21 @@ GRID_INLINE __m256i step_sign_masks(const uint8_t* block, int sub) {
     } else {
         static_assert(VALUES == IQ2_XS);
         const uint64_t* masks7 = SIGN_MASKS_OF_7_BITS.data();
-        if constexpr (GATHER) {
-            const __m128i words = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i*)(block + 2 + 8 * sub)));
-            return gathered_rows(masks7, _mm_srli_epi32(words, 9));
-        }
         uint16_t w[4];
         memcpy(w, block + 2 + 8 * sub, 8);
         return rows_at(masks7[w[0] >> 9], masks7[w[1] >> 9], masks7[w[2] >> 9], masks7[w[3] >> 9]);
     }
 }
 
-// Both for step `step` of the row `row`
+// Both for step `step` of the row `row`, the grid rows loaded one at a time
 struct GridStep {
     __m256i magnitudes, minus;
 };
-template <int VALUES, bool GATHER = false>
+template <int VALUES>
 GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid) {
     const uint8_t* block = row + (long)(step / 8) * grid_block_bytes(VALUES);
     const int sub = step % 8;  // the 32 values' place in the block
-    return {step_magnitudes<VALUES, GATHER>(block, sub, grid), step_sign_masks<VALUES, GATHER>(block, sub)};
+    return {step_magnitudes<VALUES>(block, sub, grid), step_sign_masks<VALUES>(block, sub)};
 }
 
 // The same signs as a word, bit i set where value i is negative, for AVX-512's byte-masked operations:

@@ -86,7 +86,7 @@ constexpr int grid_values(Type type) { return grid::IQ2_XXS + (type - IQ2_XXS); 
 #define INT8_WIDE_FN AVX512_FN
 // an AVX2 body inlined into both (compiled for AVX-512 where its caller is)
 #define INT8_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
-// an AVX-512 body's part of its own
+// a part of an AVX-512 body that has no AVX2 twin
 #define INT8_WIDE_INLINE __attribute__((target(AVX512_TARGET), always_inline)) inline
 
 struct Q8Shape {
@@ -1044,7 +1044,7 @@ INT8_INLINE __m256i step_scale(__m256i scales, int sub) {
 // and IQ2_S's: one a 16 values) as integers, then times d_w d_x into its float lane (a fused
 // multiply-add); the lanes' tree times 1 / the type's divisor (llama.cpp's 0.125f, 0.25f: exact). R rows
 // of x at once (x[r], x_d[r]; *out[r] gets row r's product), each grid row looked up once for them.
-template <int VALUES, int R, bool GATHER>
+template <int VALUES, int R>
 INT8_INLINE void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                const float* const* x_d, int blocks, float* const* out) {
     const __m256i ones = _mm256_set1_epi8(1);
@@ -1059,7 +1059,7 @@ INT8_INLINE void dot_rows_grid(const uint8_t* row, const uint8_t* grid_rows, con
         for (int sub = 0; sub < 8; sub++) {
             const __m256i scale = step_scale(scales, sub);
             // llama.cpp's way: the grid's magnitudes, x's codes negated where the values are
-            const grid::GridStep step = grid::grid_step<VALUES, GATHER>(row, 8 * b + sub, grid_rows);
+            const grid::GridStep step = grid::grid_step<VALUES>(row, 8 * b + sub, grid_rows);
             const __m256i signs = _mm256_or_si256(step.minus, ones);
             const int at = b * SUPER_BLOCK + sub * BLOCK;
             for (int r = 0; r < R; r++) {
@@ -1150,7 +1150,7 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
 // where the step's sign bits (step_sign_bits, a word made by scalar instructions) are set, in place of
 // masks built in vector registers and a sign instruction (the same bits: either way -x where a value
 // is negative, x elsewhere). On an Intel Xeon (Emerald Rapids), IQ2_XXS's product of 3584 x 1024 on one
-// thread 304 -> 240 us outside MLX.
+// thread 349 -> 282 us through MLX (gguf_types.py --kernels --queued), 304 -> 240 in a loop outside it.
 template <int VALUES, int R, bool GATHER>
 INT8_WIDE_INLINE void dot_rows_grid_masked(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                            const float* const* x_d, int blocks, float* const* out) {
@@ -1195,7 +1195,7 @@ INT8_FN void dot_rows_grid_avx2(const uint8_t* row, const uint8_t* grid_rows, co
     if constexpr (VALUES == grid::IQ1_S || VALUES == grid::IQ1_M)
         dot_rows_iq1<VALUES, R, false>(row, grid_rows, x, x_d, x_sums, blocks, out);
     else
-        dot_rows_grid<VALUES, R, false>(row, grid_rows, x, x_d, blocks, out);
+        dot_rows_grid<VALUES, R>(row, grid_rows, x, x_d, blocks, out);
 }
 template <int VALUES, int R, bool GATHER>
 INT8_WIDE_FN void dot_rows_grid_wide(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
