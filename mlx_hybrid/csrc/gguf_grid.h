@@ -323,19 +323,29 @@ GRID_INLINE __m256i step_magnitudes(const uint8_t* block, int sub, const uint8_t
     }
 }
 
+// Where step `sub`'s signs are in its block: IQ2_XXS's and IQ3_XXS's word of 4 x 7 bits (and the code),
+// IQ2_S's and IQ3_S's 4 bytes of 8, IQ2_XS's 4 index words (7 bits atop each)
+template <int VALUES>
+constexpr const uint8_t* step_signs(const uint8_t* block, int sub) {
+    static_assert(VALUES >= IQ2_XXS && VALUES <= IQ3_S);
+    if constexpr (VALUES == IQ2_XXS) return block + 2 + 8 * sub + 4;
+    if constexpr (VALUES == IQ3_XXS) return block + 66 + 4 * sub;
+    if constexpr (VALUES == IQ2_S) return block + 34 + 4 * sub;
+    if constexpr (VALUES == IQ3_S) return block + 74 + 4 * sub;
+    return block + 2 + 8 * sub;  // IQ2_XS
+}
+
 template <int VALUES>
 GRID_INLINE __m256i step_sign_masks(const uint8_t* block, int sub) {
-    if constexpr (VALUES == IQ2_XXS) {
-        return masks_of_word(load_u32(block + 2 + 8 * sub + 4));
-    } else if constexpr (VALUES == IQ3_XXS) {
-        return masks_of_word(load_u32(block + 66 + 4 * sub));
+    const uint8_t* signs = step_signs<VALUES>(block, sub);
+    if constexpr (VALUES == IQ2_XXS || VALUES == IQ3_XXS) {
+        return masks_of_word(load_u32(signs));
     } else if constexpr (VALUES == IQ2_S || VALUES == IQ3_S) {
-        return sign_masks_of_bits(load_u32(block + (VALUES == IQ2_S ? 34 : 74) + 4 * sub));
+        return sign_masks_of_bits(load_u32(signs));
     } else {
-        static_assert(VALUES == IQ2_XS);
         const uint64_t* masks7 = SIGN_MASKS_OF_7_BITS.data();
         uint16_t w[4];
-        memcpy(w, block + 2 + 8 * sub, 8);
+        memcpy(w, signs, 8);
         return rows_at(masks7[w[0] >> 9], masks7[w[1] >> 9], masks7[w[2] >> 9], masks7[w[3] >> 9]);
     }
 }
@@ -357,17 +367,17 @@ GRID_INLINE GridStep grid_step(const uint8_t* row, int step, const uint8_t* grid
 // seven (SIGNS_OF_7_BITS). Scalar work beside the vector ports'.
 template <int VALUES>
 GRID_BMI2_INLINE uint32_t step_sign_bits(const uint8_t* block, int sub) {
+    const uint8_t* signs = step_signs<VALUES>(block, sub);
     if constexpr (VALUES == IQ2_S || VALUES == IQ3_S) {
-        return load_u32(block + (VALUES == IQ2_S ? 34 : 74) + 4 * sub);
+        return load_u32(signs);
     } else {
         uint32_t fields;  // row j's 7 signs at bit 7 j
         if constexpr (VALUES == IQ2_XS) {
             uint64_t words;
-            memcpy(&words, block + 2 + 8 * sub, 8);
+            memcpy(&words, signs, 8);
             fields = (uint32_t)_pext_u64(words, 0xFE00FE00FE00FE00ULL);
         } else {
-            static_assert(VALUES == IQ2_XXS || VALUES == IQ3_XXS);
-            fields = load_u32(VALUES == IQ2_XXS ? block + 2 + 8 * sub + 4 : block + 66 + 4 * sub);
+            fields = load_u32(signs);
         }
         const uint32_t seven = _pdep_u32(fields, 0x7F7F7F7F);
         uint32_t parity = seven ^ seven >> 4;  // each byte's bits folded onto its lowest

@@ -1149,8 +1149,9 @@ INT8_INLINE void dot_rows_iq1(const uint8_t* row, const uint8_t* grid_rows, cons
 // dot_rows_grid's arithmetic with AVX-512's byte masks: x's codes negated by one masked subtraction
 // where the step's sign bits (step_sign_bits, a word made by scalar instructions) are set, in place of
 // masks built in vector registers and a sign instruction (the same bits: either way -x where a value
-// is negative, x elsewhere). On an Intel Xeon (Emerald Rapids), IQ2_XXS's product of 3584 x 1024 on one
-// thread 349 -> 282 us through MLX (gguf_types.py --kernels --queued), 304 -> 240 in a loop outside it.
+// is negative, x elsewhere). A body of its own: dot_rows_grid, an AVX2 function, cannot take AVX-512's
+// instructions. On an Intel Xeon (Emerald Rapids), IQ2_XXS's product of 3584 x 1024 on one thread
+// 349 -> 282 us through MLX (gguf_types.py --kernels --queued), 304 -> 240 in a loop outside it.
 template <int VALUES, int R, bool GATHER>
 INT8_WIDE_INLINE void dot_rows_grid_masked(const uint8_t* row, const uint8_t* grid_rows, const int8_t* const* x,
                                            const float* const* x_d, int blocks, float* const* out) {
