@@ -36,6 +36,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -612,6 +613,22 @@ INT8_FN inline __m256i unpack_4bit_run(const uint8_t* p) {
     return _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
 }
 
+// A Q5_K block's codes (sc_j, m_j pairs as int16) and m_j times the groups' sums of each row of x,
+// one integer, times -dmin_w d_x into its float (mins[r]); the block's factor d
+template <int R>
+INT8_INLINE __m256i q5_k_block(const uint16_t* factors, const int8_t* w_codes, const int16_t* const* x_sums,
+                               const float* const* x_d, int b, float (&mins)[R], float& d) {
+    const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w_codes + 16 * b)));
+    const float minus_dmin = _cvtsh_ss(factors[2 * b + 1]);
+    d = _cvtsh_ss(factors[2 * b]);
+    for (int r = 0; r < R; r++) {
+        const int32_t group_mins =
+            sum_int_lanes(_mm256_madd_epi16(codes, _mm256_loadu_si256((const __m256i*)(x_sums[r] + 16 * b))));
+        mins[r] = std::fma(x_d[r][b] * minus_dmin, (float)group_mins, mins[r]);
+    }
+    return codes;
+}
+
 // ggml_vec_dot_q5_K_q8_K's AVX2 arithmetic for one weight row (5-bit values, factors d and -dmin a
 // block, codes sc_j and m_j a group) and one row of x quantized to Q8_K (in value order, its group sums
 // as QuantizedRows holds them): per block, lane k of 8 sums the block's values 4k..4k+3 of every group
@@ -625,17 +642,12 @@ INT8_FN void dot_rows_q5_k(const uint8_t* w, const uint16_t* factors, const int8
     float mins[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
     for (int b = 0; b < blocks; b++) {
-        const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w_codes + 16 * b)));
+        float d;
+        const __m256i codes = q5_k_block<R>(factors, w_codes, x_sums, x_d, b, mins, d);
         const __m256i first = _mm256_permute2x128_si256(codes, codes, 0x00);
         const __m256i last = _mm256_permute2x128_si256(codes, codes, 0x11);
-        const float minus_dmin = _cvtsh_ss(factors[2 * b + 1]), d = _cvtsh_ss(factors[2 * b]);
         __m256i sums[R];
-        for (int r = 0; r < R; r++) {
-            const int32_t group_mins =
-                sum_int_lanes(_mm256_madd_epi16(codes, _mm256_loadu_si256((const __m256i*)(x_sums[r] + 16 * b))));
-            mins[r] = std::fma(x_d[r][b] * minus_dmin, (float)group_mins, mins[r]);
-            sums[r] = _mm256_setzero_si256();
-        }
+        for (int r = 0; r < R; r++) sums[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int g = 0; g < SUPER_BLOCK / BLOCK; g++) {
             const int at = b * SUPER_BLOCK + g * BLOCK;
@@ -854,23 +866,45 @@ INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* facto
     mlx_hybrid::leave_avx512();
 }
 
-// Q6_K's dot_rows_groups16_wide with AVX-512 VBMI: a byte permute and a multishift unpack 64 values
-// (the 6 bytes of 8 values into each quadword, each value's 6 bits shifted to a byte of its own), and
-// one word permute gives a pair of runs its four groups' scales: 4 instructions a pair of runs where
-// dot_rows_groups16_wide takes 13 (on an AMD EPYC (Zen 4), whose 512-bit instructions take two cycles:
-// a 248k-row LM head on one thread 12.8 -> 10.1 ms, llama.cpp's 9.8). Exact integer sums again: the
-// AVX2 body's result to the bit.
-template <int R>
-AVX512_VBMI_FN void dot_rows_q6_k_vbmi(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes,
-                                       const int8_t* const* x, const int16_t* const* x_shared,
-                                       const float* const* x_d, int blocks, float* const* out) {
-    // quadword j of a pair of runs: its bytes 6j..6j+5 (values 8j..8j+7); value i's 6 bits from bit 6i
-    alignas(64) static constexpr uint8_t QUADWORD_BYTES[64] = {
-        0,  1,  2,  3,  4,  5,  5,  5,  6,  7,  8,  9,  10, 11, 11, 11, 12, 13, 14, 15, 16, 17,
-        17, 17, 18, 19, 20, 21, 22, 23, 23, 23, 24, 25, 26, 27, 28, 29, 29, 29, 30, 31, 32, 33,
-        34, 35, 35, 35, 36, 37, 38, 39, 40, 41, 41, 41, 42, 43, 44, 45, 46, 47, 47, 47};
-    const __m512i quadword_bytes = _mm512_load_si512(QUADWORD_BYTES);
-    const __m512i value_bits = _mm512_set1_epi64(0x2A241E18120C0600LL), six_bits = _mm512_set1_epi8(0x3F);
+// MLX's BITS-bit values (8 every BITS bytes), 64 from the 8 BITS bytes at p, as bytes in order, with
+// AVX-512 VBMI: a byte permute gives quadword j of the register its bytes BITS j .. BITS j + BITS - 1
+// (values 8j..8j+7; its other bytes the last of them again), a multishift moves value i's bits from
+// bit BITS i to a byte of its own. Reads those bytes only.
+template <int BITS>
+struct UnpackVbmi {
+    static constexpr std::array<uint8_t, 64> QUADWORD_BYTES = [] {
+        std::array<uint8_t, 64> index{};
+        for (int i = 0; i < 64; i++) index[i] = (uint8_t)(BITS * (i / 8) + std::min(i % 8, BITS - 1));
+        return index;
+    }();
+    static constexpr long long VALUE_BITS = [] {
+        long long shifts = 0;
+        for (int i = 0; i < 8; i++) shifts |= (long long)(BITS * i) << (8 * i);
+        return shifts;
+    }();
+    __m512i quadword_bytes, value_bits, mask;
+    AVX512_VBMI_FN UnpackVbmi()
+        : quadword_bytes(_mm512_loadu_si512(QUADWORD_BYTES.data())),
+          value_bits(_mm512_set1_epi64(VALUE_BITS)),
+          mask(_mm512_set1_epi8((1 << BITS) - 1)) {}
+    AVX512_VBMI_FN __m512i operator()(const uint8_t* p) const {
+        const __m512i bytes =
+            _mm512_permutexvar_epi8(quadword_bytes, _mm512_maskz_loadu_epi8((1ULL << (8 * BITS)) - 1, p));
+        return _mm512_and_si512(_mm512_multishift_epi64_epi8(value_bits, bytes), mask);
+    }
+};
+
+// dot_rows_groups16_wide with AVX-512 VBMI: UnpackVbmi's 3 instructions unpack 64 values, and one word
+// permute gives a pair of runs its four groups' scales: 4 instructions a pair of runs where
+// dot_rows_groups16_wide takes 13 to 18. Q6_K on an AMD EPYC (Zen 4), whose 512-bit instructions take
+// two cycles: a 248k-row LM head on one thread 12.8 -> 10.1 ms, llama.cpp's 9.8; Q2_K on an Intel Xeon
+// (Emerald Rapids), a row of x alone, where the AVX2 body's unpacking and scale shuffles wait on the
+// one shuffle port (docs/benchmarks.md). Exact integer sums again: the AVX2 body's result to the bit.
+template <int BITS, int R>
+AVX512_VBMI_FN void dot_rows_groups16_vbmi(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes,
+                                           const int8_t* const* x, const int16_t* const* x_shared,
+                                           const float* const* x_d, int blocks, float* const* out) {
+    const UnpackVbmi<BITS> unpack;
     // word lanes 8g..8g+7 (values 16g..16g+15 of a pair of runs): group g of the pair's four
     const __m512i pair_groups = _mm512_set_epi64(0x0003000300030003LL, 0x0003000300030003LL, 0x0002000200020002LL,
                                                  0x0002000200020002LL, 0x0001000100010001LL, 0x0001000100010001LL, 0,
@@ -878,30 +912,70 @@ AVX512_VBMI_FN void dot_rows_q6_k_vbmi(const uint8_t* w, const uint16_t* factors
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const Groups16Block block = groups16_block<6, R>(factors, w_codes, x_shared, x_d, b, acc);
+        const Groups16Block block = groups16_block<BITS, R>(factors, w_codes, x_shared, x_d, b, acc);
         const __m512i scales = _mm512_castsi256_si512(block.scales);
         __m512i sums[R];
         for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int pair = 0; pair < SUPER_BLOCK / 64; pair++) {
             const int at = b * SUPER_BLOCK + pair * 64;
-            const __m512i bytes =
-                _mm512_permutexvar_epi8(quadword_bytes, _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFULL, w + at * 6 / 8));
-            const __m512i q = _mm512_and_si512(_mm512_multishift_epi64_epi8(value_bits, bytes), six_bits);
+            const __m512i q = unpack(w + at * BITS / 8);
             const __m512i pair_scales =
                 _mm512_permutexvar_epi16(_mm512_add_epi16(pair_groups, _mm512_set1_epi16(4 * pair)), scales);
             for (int r = 0; r < R; r++) {
-                const __m512i pairs = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r] + at));
+                __m512i pairs = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r] + at));
+                if constexpr (BITS == 3) pairs = _mm512_sub_epi16(pairs, _mm512_loadu_si512(x_shared[r] + at / 2));
                 sums[r] = _mm512_add_epi32(sums[r], _mm512_madd_epi16(pair_scales, pairs));
             }
         }
         for (int r = 0; r < R; r++) {
             const __m256i halves =
                 _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
-            groups16_block_end<6>(block, halves, factors, x_shared[r], x_d[r][b], b, acc[r]);
+            groups16_block_end<BITS>(block, halves, factors, x_shared[r], x_d[r][b], b, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
+    mlx_hybrid::leave_avx512();
+}
+
+// dot_rows_q5_k with AVX-512 VBMI: two groups a register (UnpackVbmi's 64 values; the even groups in
+// the low half, the odd ones in the high), their two scales by one word permute, the halves added at
+// the block's end: 5 instructions a pair of groups where dot_rows_q5_k takes 20. Exact integer sums:
+// the AVX2 body's result to the bit.
+template <int R>
+AVX512_VBMI_FN void dot_rows_q5_k_vbmi(const uint8_t* w, const uint16_t* factors, const int8_t* w_codes,
+                                       const int8_t* const* x, const float* const* x_d, const int16_t* const* x_sums,
+                                       int blocks, float* const* out) {
+    const UnpackVbmi<5> unpack;
+    // word lanes 0-15 (the low group of a pair): sc_0's word in the block's codes, lanes 16-31 sc_1's
+    const __m512i pair_groups = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
+                                                 0x0002000200020002LL, 0, 0, 0, 0);
+    __m256 acc[R];
+    float mins[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
+    for (int b = 0; b < blocks; b++) {
+        float d;
+        const __m512i codes = _mm512_castsi256_si512(q5_k_block<R>(factors, w_codes, x_sums, x_d, b, mins, d));
+        __m512i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int pair = 0; pair < SUPER_BLOCK / 64; pair++) {
+            const int at = b * SUPER_BLOCK + pair * 64;
+            const __m512i q = unpack(w + at * 5 / 8);
+            const __m512i scales =
+                _mm512_permutexvar_epi16(_mm512_add_epi16(pair_groups, _mm512_set1_epi16(4 * pair)), codes);
+            for (int r = 0; r < R; r++) {
+                const __m512i pairs = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r] + at));
+                sums[r] = _mm512_add_epi32(sums[r], _mm512_madd_epi16(scales, pairs));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i halves =
+                _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * d), _mm256_cvtepi32_ps(halves), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]) + mins[r];
     mlx_hybrid::leave_avx512();
 }
 
@@ -1989,18 +2063,19 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                 each_step(1, [&](const Weights& at) {
                     by_powers_of_two<TILE_ROWS>(rows, [&](auto R, int i) {
                         constexpr int ROWS = decltype(R)::value;
-                        // a row alone, a decode step's, waits on memory: the AVX2 body, without the wide registers'
-                        // cost (measured on an Intel Xeon), except Q6_K's, where the wide body's 6-bit unpacking
-                        // takes half the instructions (an LM head of 248k rows: Zen 4 15% faster; a Q4_K_M file's
-                        // decode on an Intel Xeon (Emerald Rapids) 12% fewer samples in its Q6_K products), with
-                        // VBMI fewer still (dot_rows_q6_k_vbmi)
-                        const bool wide_rows = wide && (ROWS > 1 || s.type == Q6_K);
-                        auto q6_k_wide = vbmi ? dot_rows_q6_k_vbmi<ROWS> : dot_rows_groups16_wide<6, ROWS>;
-                        auto product = s.type == Q6_K
-                                           ? wide_rows ? q6_k_wide : dot_rows_groups16<6, ROWS>
-                                       : s.type == Q3_K
-                                           ? wide_rows ? dot_rows_groups16_wide<3, ROWS> : dot_rows_groups16<3, ROWS>
-                                           : wide_rows ? dot_rows_groups16_wide<2, ROWS> : dot_rows_groups16<2, ROWS>;
+                        // with VBMI its body for any rows (dot_rows_groups16_vbmi); else a row alone, a decode
+                        // step's, which waits on memory, the AVX2 body, without the wide registers' cost (measured
+                        // on an Intel Xeon), except Q6_K's, where the wide body's 6-bit unpacking takes half the
+                        // instructions (an LM head of 248k rows: Zen 4 15% faster)
+                        auto body = [&](auto bits) {
+                            constexpr int BITS = decltype(bits)::value;
+                            if (vbmi) return dot_rows_groups16_vbmi<BITS, ROWS>;
+                            return wide && (ROWS > 1 || BITS == 6) ? dot_rows_groups16_wide<BITS, ROWS>
+                                                                   : dot_rows_groups16<BITS, ROWS>;
+                        };
+                        auto product = s.type == Q6_K   ? body(std::integral_constant<int, 6>{})
+                                       : s.type == Q3_K ? body(std::integral_constant<int, 3>{})
+                                                        : body(std::integral_constant<int, 2>{});
                         product(at.w, at.factors(), at.codes, codes + i, shared + i, d + i, blocks, at.out + i);
                     });
                 });
@@ -2058,8 +2133,9 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     break;
                 case Q5_K:
                     each_row([&](auto R, int i, const Weights& at) {
-                        dot_rows_q5_k<decltype(R)::value>(at.w, at.factors(), at.codes, codes + i, d + i, shared + i,
-                                                          blocks, at.out + i);
+                        constexpr int ROWS = decltype(R)::value;
+                        (vbmi ? dot_rows_q5_k_vbmi<ROWS> : dot_rows_q5_k<ROWS>)(at.w, at.factors(), at.codes, codes + i,
+                                                                                d + i, shared + i, blocks, at.out + i);
                     });
                     break;
                 case IQ4_XS:
