@@ -1398,6 +1398,52 @@ INT8_FN void dot_rows_iq4_xs(const uint8_t* w, const uint16_t* w_d, const int8_t
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
+// dot_rows_iq4_xs with AVX-512 VBMI: two groups a register (UnpackVbmi's 64 indices, looked up by one
+// byte shuffle; the even groups in the low half, the odd ones in the high), x's codes negated under the
+// values' sign mask, the groups' two scales by one word permute, the halves added at the block's end.
+// Exact integer sums: the AVX2 body's result to the bit.
+template <int R>
+AVX512_VBMI_FN void dot_rows_iq4_xs_vbmi(const uint8_t* w, const uint16_t* w_d, const int8_t* w_codes,
+                                         const int8_t* const* x, const float* const* x_d, int blocks,
+                                         float* const* out) {
+    const UnpackVbmi<4> unpack;
+    const __m512i values = _mm512_broadcast_i64x4(iq4_nl_values());
+    // word lanes 0-15 (the low group of a pair): the first group's scale, lanes 16-31 the second's
+    const __m512i pair_groups = _mm512_set_epi64(0x0001000100010001LL, 0x0001000100010001LL, 0x0001000100010001LL,
+                                                 0x0001000100010001LL, 0, 0, 0, 0);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const __m512i scales =
+            _mm512_castsi128_si512(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w_codes + b * 8))));
+        __m512i sums[R];
+        for (int r = 0; r < R; r++) sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int pair = 0; pair < SUPER_BLOCK / 64; pair++) {
+            const int at = b * SUPER_BLOCK + pair * 64;
+            const __m512i v = _mm512_shuffle_epi8(values, unpack(w + at / 2));
+            const __m512i magnitudes = _mm512_abs_epi8(v);
+            const __mmask64 negative = _mm512_movepi8_mask(v);
+            const __m512i pair_scales =
+                _mm512_permutexvar_epi16(_mm512_add_epi16(pair_groups, _mm512_set1_epi16(2 * pair)), scales);
+            for (int r = 0; r < R; r++) {
+                const __m512i codes = _mm512_loadu_si512(x[r] + at);
+                const __m512i signed_codes = _mm512_mask_sub_epi8(codes, negative, _mm512_setzero_si512(), codes);
+                const __m512i pairs = _mm512_maddubs_epi16(magnitudes, signed_codes);
+                sums[r] = _mm512_add_epi32(sums[r], _mm512_madd_epi16(pairs, pair_scales));
+            }
+        }
+        const float d_w = _cvtsh_ss(w_d[b]);
+        for (int r = 0; r < R; r++) {
+            const __m256i halves =
+                _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * x_d[r][b]), _mm256_cvtepi32_ps(halves), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
+    mlx_hybrid::leave_avx512();
+}
+
 // The float16 d of 8 rows (`row_factors` apart) for blocks b..b+7: out[j] holds block b + j's, row r
 // in lane r (an 8 x 8 transpose of the rows' loads).
 INT8_FN inline void row_scales8(const uint16_t* w_d, long row_factors, int b, __m256 (&out)[8]) {
@@ -2140,8 +2186,9 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     break;
                 case IQ4_XS:
                     each_row([&](auto R, int i, const Weights& at) {
-                        dot_rows_iq4_xs<decltype(R)::value>(at.w, at.factors(), at.codes, codes + i, d + i, blocks,
-                                                            at.out + i);
+                        constexpr int ROWS = decltype(R)::value;
+                        (vbmi ? dot_rows_iq4_xs_vbmi<ROWS> : dot_rows_iq4_xs<ROWS>)(at.w, at.factors(), at.codes,
+                                                                                  codes + i, d + i, blocks, at.out + i);
                     });
                     break;
                 case Q5_0:
