@@ -811,6 +811,11 @@ INT8_FN void dot_rows_groups16(const uint8_t* w, const uint16_t* factors, const 
     for (int r = 0; r < R; r++) *out[r] = mlx_hybrid::sum_lanes(acc[r]);
 }
 
+// The two 256-bit halves of a 512-bit body's integer lanes added: the AVX2 body's lanes (exact sums)
+INT8_WIDE_INLINE __m256i add_halves(__m512i sums) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
+}
+
 // unpack_6bit_run of two runs at once with AVX-512 (BW), the 64 values of the 48 bytes at p in order (the
 // first run in the low half): each 128-bit lane takes its 12 bytes (one masked load, no read past them)
 // and unpacks them as unpack_6bit_run's halves do
@@ -857,8 +862,7 @@ INT8_WIDE_FN void dot_rows_groups16_wide(const uint8_t* w, const uint16_t* facto
             }
         }
         for (int r = 0; r < R; r++) {
-            const __m256i halves =
-                _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
+            const __m256i halves = add_halves(sums[r]);
             groups16_block_end<BITS>(block, halves, factors, x_shared[r], x_d[r][b], b, acc[r]);
         }
     }
@@ -929,8 +933,7 @@ AVX512_VBMI_FN void dot_rows_groups16_vbmi(const uint8_t* w, const uint16_t* fac
             }
         }
         for (int r = 0; r < R; r++) {
-            const __m256i halves =
-                _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
+            const __m256i halves = add_halves(sums[r]);
             groups16_block_end<BITS>(block, halves, factors, x_shared[r], x_d[r][b], b, acc[r]);
         }
     }
@@ -970,8 +973,7 @@ AVX512_VBMI_FN void dot_rows_q5_k_vbmi(const uint8_t* w, const uint16_t* factors
             }
         }
         for (int r = 0; r < R; r++) {
-            const __m256i halves =
-                _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
+            const __m256i halves = add_halves(sums[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x_d[r][b] * d), _mm256_cvtepi32_ps(halves), acc[r]);
         }
     }
@@ -1435,8 +1437,7 @@ AVX512_VBMI_FN void dot_rows_iq4_xs_vbmi(const uint8_t* w, const uint16_t* w_d, 
         }
         const float d_w = _cvtsh_ss(w_d[b]);
         for (int r = 0; r < R; r++) {
-            const __m256i halves =
-                _mm256_add_epi32(_mm512_castsi512_si256(sums[r]), _mm512_extracti64x4_epi64(sums[r], 1));
+            const __m256i halves = add_halves(sums[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d_w * x_d[r][b]), _mm256_cvtepi32_ps(halves), acc[r]);
         }
     }
