@@ -39,6 +39,8 @@ void bind_int8_products(nanobind::module_& m);
 bool avx512_in_use();
 // and with them the CPU's VBMI byte permutes and shifts (Ice Lake and later, Zen 4 and later)
 bool avx512_vbmi_in_use();
+// and its VNNI dot products of bytes (Cascade Lake and later, Zen 4 and later)
+bool avx512_vnni_in_use();
 
 // The target of the units' AVX2 functions (within what cpu_supported() checks; the quantized
 // products' body, compiled per instruction set, names its own).
@@ -49,6 +51,7 @@ bool avx512_vbmi_in_use();
 #define AVX512_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2"
 #define AVX512_FN __attribute__((target(AVX512_TARGET)))
 #define AVX512_VBMI_FN __attribute__((target(AVX512_TARGET ",avx512vbmi")))
+#define AVX512_VNNI_FN __attribute__((target(AVX512_TARGET ",avx512vnni")))
 
 // The last instructions of an AVX-512 function before it returns to code built for any x86-64: vector
 // registers 16-31 zeroed, then VZEROUPPER. VZEROUPPER leaves registers 16-31 as they are, and while they

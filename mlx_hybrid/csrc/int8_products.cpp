@@ -1530,71 +1530,134 @@ INT8_FN inline __m256i two_blocks(const NibbleRow& v, __m256i x_even, __m256i x_
 // its high ones; a last odd block alone), with each block's sum of codes (Q4_0's -8). R rows of x at
 // once (x[r], x_sums[r], x_d[r]), the weight rows' values taken once for them; out[r][0..7] gets row r's.
 // INTERLEAVED: Q4_0's rows held interleaved (`interleave_eights`: each pair of blocks of the 8 in turn).
+template <Nibbles KIND>
+INT8_INLINE void rows8_block_scales(const void* w_scales, long row_factors, int b, bool pair, int blocks,
+                                    __m256 (&row_d)[8]) {
+    const uint16_t* w_d = (const uint16_t*)w_scales;
+    if (b % 8 == 0 && b + 8 <= blocks) {
+        if constexpr (KIND == MXFP4_VALUES)
+            exponent_scales8((const uint8_t*)w_scales, row_factors, b, row_d);
+        else
+            row_scales8(w_d, row_factors, b, row_d);
+    }
+    for (int j = b; j < b + 1 + pair; j++) {
+        if (j < blocks / 8 * 8) continue;  // the last blocks short of 8: each scale alone
+        if (KIND == MXFP4_VALUES) {
+            float scales[8];
+            for (int n = 0; n < 8; n++) scales[n] = block_scale<KIND>(w_scales, n * row_factors + j);
+            row_d[j % 8] = _mm256_loadu_ps(scales);
+        } else {
+            row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
+                w_d[j], w_d[row_factors + j], w_d[2 * row_factors + j], w_d[3 * row_factors + j],
+                w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j],
+                w_d[7 * row_factors + j]));
+        }
+    }
+}
+
+// Blocks b and b + 1 of each row of x, split: their even codes, then their odd ones (a last block alone:
+// its even codes, then its odd ones, in the low halves)
+template <int R>
+INT8_INLINE void split_codes(const int8_t* const* x, int b, bool pair, __m256i (&x_even)[R], __m256i (&x_odd)[R]) {
+    for (int r = 0; r < R; r++) {
+        if (pair) {
+            x_even[r] = _mm256_loadu_si256((const __m256i*)(x[r] + b * 32));
+            x_odd[r] = _mm256_loadu_si256((const __m256i*)(x[r] + b * 32 + 32));
+        } else {
+            x_even[r] = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x[r] + b * 32)));
+            x_odd[r] = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x[r] + b * 32 + 16)));
+        }
+    }
+}
+
+// Weight row n's 32 bytes of blocks b and b + 1; a last block alone copied into `last` with zeros after
+// it (read without passing the row's end)
+template <bool INTERLEAVED>
+INT8_INLINE const uint8_t* rows8_bytes(const uint8_t* w, long row_bytes, int b, int n, bool pair,
+                                       uint8_t (&last)[32]) {
+    const uint8_t* p = INTERLEAVED ? w + (long)b / 2 * 256 + n * 32 : w + n * row_bytes + b * 16;
+    if (pair) return p;
+    std::memset(last, 0, 32);
+    std::memcpy(last, p, 16);
+    return last;
+}
+
+// Each row of x's lanes of the 8 weight rows (lanes[r][n]: int32 lanes, the low half's summing to block
+// b's products, the high half's to block b + 1's) into its accumulator: each block's 8 row sums as
+// integers (pairwise sums within halves, then the halves), less `offset` times x's block sum, times
+// d_w d_x
+template <int R>
+INT8_INLINE void add_rows8_sums(const __m256i (&lanes)[R][8], const int16_t* const* x_sums, int offset,
+                                const float* const* x_d, const __m256 (&row_d)[8], int b, bool pair,
+                                __m256 (&acc)[R]) {
+    for (int r = 0; r < R; r++) {
+        const __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]),
+                                                _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
+        const __m256i last = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][4], lanes[r][5]),
+                                               _mm256_hadd_epi32(lanes[r][6], lanes[r][7]));
+        for (int j = 0; j < 1 + pair; j++) {
+            __m256i sums = _mm256_permute2x128_si256(first, last, j ? 0x31 : 0x20);
+            if (offset) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(offset * x_sums[r][b + j]));
+            const __m256 scales = _mm256_mul_ps(row_d[(b + j) % 8], _mm256_set1_ps(x_d[r][b + j]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[r]);
+        }
+    }
+}
+
 template <Nibbles KIND, int R = 1, bool INTERLEAVED = false>
 INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scales, long row_factors,
                            const int8_t* const* x, const int16_t* const* x_sums, const float* const* x_d, int blocks,
                            float* const* out) {
-    const uint16_t* w_d = (const uint16_t*)w_scales;
     __m256 acc[R], row_d[8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b += 2) {
         const bool pair = b + 1 < blocks;
-        if (b % 8 == 0 && b + 8 <= blocks) {
-            if constexpr (KIND == MXFP4_VALUES)
-                exponent_scales8((const uint8_t*)w_scales, row_factors, b, row_d);
-            else
-                row_scales8(w_d, row_factors, b, row_d);
-        }
-        for (int j = b; j < b + 1 + pair; j++) {
-            if (j < blocks / 8 * 8) continue;  // the last blocks short of 8: each scale alone
-            if (KIND == MXFP4_VALUES) {
-                float scales[8];
-                for (int n = 0; n < 8; n++) scales[n] = block_scale<KIND>(w_scales, n * row_factors + j);
-                row_d[j % 8] = _mm256_loadu_ps(scales);
-            } else {
-                row_d[j % 8] = _mm256_cvtph_ps(_mm_setr_epi16(
-                    w_d[j], w_d[row_factors + j], w_d[2 * row_factors + j], w_d[3 * row_factors + j],
-                    w_d[4 * row_factors + j], w_d[5 * row_factors + j], w_d[6 * row_factors + j],
-                    w_d[7 * row_factors + j]));
-            }
-        }
+        rows8_block_scales<KIND>(w_scales, row_factors, b, pair, blocks, row_d);
         __m256i x_even[R], x_odd[R], lanes[R][8];
-        for (int r = 0; r < R; r++) {
-            if (pair) {
-                x_even[r] = _mm256_loadu_si256((const __m256i*)(x[r] + b * 32));
-                x_odd[r] = _mm256_loadu_si256((const __m256i*)(x[r] + b * 32 + 32));
-            } else {  // the last block alone: its even codes, then its odd ones, in the low halves
-                x_even[r] = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x[r] + b * 32)));
-                x_odd[r] = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x[r] + b * 32 + 16)));
-            }
-        }
+        split_codes<R>(x, b, pair, x_even, x_odd);
         for (int n = 0; n < 8; n++) {
-            const uint8_t* p = INTERLEAVED ? w + (long)b / 2 * 256 + n * 32 : w + n * row_bytes + b * 16;
-            NibbleRow values;
-            if (pair) {
-                values = nibble_row<KIND>(p);
-            } else {
-                uint8_t last[32] = {};  // (the block's 16 bytes, read without passing the row's end)
-                std::memcpy(last, p, 16);
-                values = nibble_row<KIND>(last);
-            }
+            uint8_t last[32];
+            const NibbleRow values = nibble_row<KIND>(rows8_bytes<INTERLEAVED>(w, row_bytes, b, n, pair, last));
             for (int r = 0; r < R; r++) lanes[r][n] = two_blocks<KIND>(values, x_even[r], x_odd[r]);
         }
-        for (int r = 0; r < R; r++) {
-            // each block's 8 row sums: pairwise sums within halves (a half is a block), then the halves
-            const __m256i first = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][0], lanes[r][1]),
-                                                    _mm256_hadd_epi32(lanes[r][2], lanes[r][3]));
-            const __m256i last = _mm256_hadd_epi32(_mm256_hadd_epi32(lanes[r][4], lanes[r][5]),
-                                                   _mm256_hadd_epi32(lanes[r][6], lanes[r][7]));
-            for (int j = 0; j < 1 + pair; j++) {
-                __m256i sums = _mm256_permute2x128_si256(first, last, j ? 0x31 : 0x20);
-                if (KIND == Q4_0_VALUES) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * x_sums[r][b + j]));
-                const __m256 scales = _mm256_mul_ps(row_d[(b + j) % 8], _mm256_set1_ps(x_d[r][b + j]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[r]);
-            }
-        }
+        add_rows8_sums<R>(lanes, x_sums, KIND == Q4_0_VALUES ? 8 : 0, x_d, row_d, b, pair, acc);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);
+}
+
+// dot_rows8_b32 with AVX-512 VNNI: each lane's four byte products summed by one `vpdpbusd`, unsigned
+// values times x's signed codes, where dot_rows8_b32 takes three or four instructions and a sign for
+// IQ4_NL's and MXFP4's signed values. Those values are taken plus 128 (unsigned), their block's sums
+// then less 128 times x's block sum (Q4_0's less 8 times it, as before). A block's sum is the same
+// integer, so the bits are dot_rows8_b32's.
+template <Nibbles KIND, int R = 1, bool INTERLEAVED = false>
+AVX512_VNNI_FN void dot_rows8_b32_vnni(const uint8_t* w, long row_bytes, const void* w_scales, long row_factors,
+                                       const int8_t* const* x, const int16_t* const* x_sums, const float* const* x_d,
+                                       int blocks, float* const* out) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i values = _mm256_xor_si256(nibble_values<KIND>(), _mm256_set1_epi8((char)0x80));  // (v + 128)
+    __m256 acc[R], row_d[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b += 2) {
+        const bool pair = b + 1 < blocks;
+        rows8_block_scales<KIND>(w_scales, row_factors, b, pair, blocks, row_d);
+        __m256i x_even[R], x_odd[R], lanes[R][8];
+        split_codes<R>(x, b, pair, x_even, x_odd);
+        for (int n = 0; n < 8; n++) {
+            uint8_t last[32];
+            const __m256i bytes =
+                _mm256_loadu_si256((const __m256i*)rows8_bytes<INTERLEAVED>(w, row_bytes, b, n, pair, last));
+            __m256i even = _mm256_and_si256(bytes, low), odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+            if constexpr (KIND != Q4_0_VALUES)
+                even = _mm256_shuffle_epi8(values, even), odd = _mm256_shuffle_epi8(values, odd);
+            for (int r = 0; r < R; r++)
+                lanes[r][n] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), even, x_even[r]), odd,
+                                                  x_odd[r]);
+        }
+        add_rows8_sums<R>(lanes, x_sums, KIND == Q4_0_VALUES ? 8 : 128, x_d, row_d, b, pair, acc);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r]);
+    mlx_hybrid::leave_avx512();
 }
 
 // ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for one weight row (codes q + 128, float16 d's) and R
@@ -1948,7 +2011,7 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const long row_shared = K / 2;  // QuantizedRows' `shared` a row (Q4_K uses K / 16)
     const size_t quantized = half ? 0 : x_rows;  // (rows of the 8-bit forms)
     const bool wide = mlx_hybrid::avx512_in_use();  // (BF16's x is rounded into the order of the body it meets)
-    const bool vbmi = mlx_hybrid::avx512_vbmi_in_use();
+    const bool vbmi = mlx_hybrid::avx512_vbmi_in_use(), vnni = mlx_hybrid::avx512_vnni_in_use();
     static const bool intel_gathers = __builtin_cpu_is("intel");  // (dot_rows_grid_avx2 says why)
     QuantizedRows q{std::vector<int8_t>(quantized * K), std::vector<float>(quantized * blocks),
                     std::vector<int16_t>(quantized * row_shared), std::vector<float>(quantized * blocks),
@@ -2145,9 +2208,13 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
                     each_step(8, [&](const Weights& at) {
                         by_powers_of_two<8>(rows, [&](auto R, int i) {
                             constexpr int ROWS = decltype(R)::value;
-                            (s.interleaved ? dot_rows8_b32<KIND, ROWS, true> : dot_rows8_b32<KIND, ROWS, false>)(
-                                at.w, row_bytes, at.scales, held.factors, codes + i, shared + i, d + i, blocks,
-                                at.out + i);
+                            auto product = s.interleaved ? dot_rows8_b32<KIND, ROWS, true>
+                                                         : dot_rows8_b32<KIND, ROWS, false>;
+                            if (vnni)
+                                product = s.interleaved ? dot_rows8_b32_vnni<KIND, ROWS, true>
+                                                        : dot_rows8_b32_vnni<KIND, ROWS, false>;
+                            product(at.w, row_bytes, at.scales, held.factors, codes + i, shared + i, d + i, blocks,
+                                    at.out + i);
                         });
                     });
                 else

@@ -484,6 +484,10 @@ bool mlx_hybrid::avx512_vbmi_in_use() {
     static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
     return vbmi && avx512_in_use();
 }
+bool mlx_hybrid::avx512_vnni_in_use() {
+    static const bool vnni = __builtin_cpu_supports("avx512vnni");
+    return vnni && avx512_in_use();
+}
 
 void mlx_hybrid::bind_quantized_matmul(nb::module_& m) {
     m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
