@@ -1521,15 +1521,8 @@ INT8_FN inline __m256i two_blocks(const NibbleRow& v, __m256i x_even, __m256i x_
                             signed_lanes(v.odd_magnitudes, v.odd, x_odd));
 }
 
-// ggml_gemv_q4_0_8x8_q8_0's, ggml_gemv_iq4_nl_8x8_q8_0's and ggml_gemv_mxfp4_8x8_q8_0's arithmetic
-// (the Q4_0, IQ4_NL and MXFP4 matrices of rows in eights llama.cpp's x86 build repacks): 8 weight rows
-// at a time (each `row_bytes` and `row_factors` apart), per block each row's values (Q4_0: q - 8;
-// IQ4_NL, MXFP4: their table's) times x's codes as one exact integer, times d_w d_x into that row's
-// float accumulator. A block's sum is one integer, so its terms come in any order: x's codes are taken
-// split, two blocks at a time (the blocks' even values, then their odd ones: a byte's low nibbles, then
-// its high ones; a last odd block alone), with each block's sum of codes (Q4_0's -8). R rows of x at
-// once (x[r], x_sums[r], x_d[r]), the weight rows' values taken once for them; out[r][0..7] gets row r's.
-// INTERLEAVED: Q4_0's rows held interleaved (`interleave_eights`: each pair of blocks of the 8 in turn).
+// The 8 rows' factors (MXFP4: scales) of blocks b and b + 1 into row_d[j % 8] (row n in lane n): 8
+// blocks' at a time where 8 are left, else each block's alone
 template <Nibbles KIND>
 INT8_INLINE void rows8_block_scales(const void* w_scales, long row_factors, int b, bool pair, int blocks,
                                     __m256 (&row_d)[8]) {
@@ -1604,6 +1597,15 @@ INT8_INLINE void add_rows8_sums(const __m256i (&lanes)[R][8], const int16_t* con
     }
 }
 
+// ggml_gemv_q4_0_8x8_q8_0's, ggml_gemv_iq4_nl_8x8_q8_0's and ggml_gemv_mxfp4_8x8_q8_0's arithmetic
+// (the Q4_0, IQ4_NL and MXFP4 matrices of rows in eights llama.cpp's x86 build repacks): 8 weight rows
+// at a time (each `row_bytes` and `row_factors` apart), per block each row's values (Q4_0: q - 8;
+// IQ4_NL, MXFP4: their table's) times x's codes as one exact integer, times d_w d_x into that row's
+// float accumulator. A block's sum is one integer, so its terms come in any order: x's codes are taken
+// split, two blocks at a time (the blocks' even values, then their odd ones: a byte's low nibbles, then
+// its high ones; a last odd block alone), with each block's sum of codes (Q4_0's -8). R rows of x at
+// once (x[r], x_sums[r], x_d[r]), the weight rows' values taken once for them; out[r][0..7] gets row r's.
+// INTERLEAVED: Q4_0's rows held interleaved (`interleave_eights`: each pair of blocks of the 8 in turn).
 template <Nibbles KIND, int R = 1, bool INTERLEAVED = false>
 INT8_FN void dot_rows8_b32(const uint8_t* w, long row_bytes, const void* w_scales, long row_factors,
                            const int8_t* const* x, const int16_t* const* x_sums, const float* const* x_d, int blocks,
