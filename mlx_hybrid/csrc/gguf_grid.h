@@ -271,11 +271,11 @@ GRID_INLINE __m256i masks_of_word(uint32_t word) {
     const __m256i odd = _mm256_cmpgt_epi64(_mm256_setzero_si256(), _mm256_slli_epi64(count, 63));
     return _mm256_or_si256(seven, _mm256_and_si256(odd, _mm256_set1_epi64x((long long)0xFF00000000000000ULL)));
 }
+
 // Step `sub` (32 values) of a block of a type whose grid holds magnitudes (IQ2_XXS, IQ2_XS, IQ2_S,
-// IQ3_XXS, IQ3_S): the magnitudes (its grid rows), and the masks that negate them (0xFF where a value
-// is negative). GATHER: the grid rows read by gather instructions, where the
-// CPU's gathers are quicker than a load and an insert a row (int8_products.cpp decides); IQ3_S's 8
-// rows always.
+// IQ3_XXS, IQ3_S): its grid rows, the values' magnitudes (their signs: step_sign_masks, step_sign_bits).
+// GATHER: the rows read by gather instructions, where the CPU's gathers are quicker than a load and an
+// insert a row (int8_products.cpp decides); IQ3_S's 8 rows always.
 template <int VALUES, bool GATHER = false>
 GRID_INLINE __m256i step_magnitudes(const uint8_t* block, int sub, const uint8_t* grid) {
     auto row8 = [grid](int index) { return (uint64_t)grid_row8(grid, index); };
@@ -335,6 +335,7 @@ constexpr const uint8_t* step_signs(const uint8_t* block, int sub) {
     return block + 2 + 8 * sub;  // IQ2_XS
 }
 
+// The masks that negate step `sub`'s magnitudes: 0xFF where a value is negative
 template <int VALUES>
 GRID_INLINE __m256i step_sign_masks(const uint8_t* block, int sub) {
     const uint8_t* signs = step_signs<VALUES>(block, sub);
