@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -90,6 +91,20 @@ inline float* aligned_floats(std::vector<float>& buffer, size_t count) {
     buffer.resize(count + 16);
     return buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64 / sizeof(float);
 }
+
+// An allocator of memory that starts at a 64-byte boundary, for buffers that kernels read in vectors
+// (aligned_floats says why): std::vector<T, LineAligned<T>>.
+template <class T>
+struct LineAligned {
+    using value_type = T;
+    LineAligned() = default;
+    template <class U>
+    LineAligned(const LineAligned<U>&) {}
+    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <class U>
+    bool operator==(const LineAligned<U>&) const { return true; }
+};
 
 // whether this CPU runs the kernels: AVX2, FMA and F16C
 inline bool cpu_supported() {
