@@ -11,7 +11,9 @@ turn, with the kernels on every core and the drafts' verdicts read before the ve
 layer" queues each layer as it is built (`ops.layer_built`); "steps ahead" queues plain decoding's
 next step before reading this one's tokens (`ops.overlap_decode_steps`); "one thread" keeps the
 queued layers' kernels on MLX's thread (`cpu_kernels.keep_to_one_thread`); "one wait" reads a
-speculative pass's verdicts with its tokens (`ops.read_draft_verdicts_first`): this tree's decisions.
+speculative pass's verdicts with its tokens (`ops.read_draft_verdicts_first`); "opened with the pass"
+takes a greedy round's first MTP head step while the verify pass before it computes
+(`ops.open_drafting_with_pass`): this tree's decisions.
 Prints tokens/s per round, the medians and their ratios to "whole", each drafter's to plain
 decoding in the last mode, and checks that every mode gives
 the same tokens. --one-thread-weights moves the bound under which a model's products count as
@@ -57,7 +59,8 @@ def main():
 
         model = random_model(SHAPES[args.shape]())
     decided = {
-        name: getattr(ops, name) for name in ("layer_built", "overlap_decode_steps", "read_draft_verdicts_first")
+        name: getattr(ops, name)
+        for name in ("layer_built", "overlap_decode_steps", "read_draft_verdicts_first", "open_drafting_with_pass")
     }
     keep_to_one_thread = cpu_kernels.keep_to_one_thread
 
@@ -66,20 +69,23 @@ def main():
         if evaluate:
             mx.eval(output)
 
-    # each mode: (layers queued, plain steps ahead, kernels kept to one thread, one wait a speculative pass)
+    # each mode: (layers queued, plain steps ahead, kernels kept to one thread, one wait a speculative pass,
+    # the head's first step with the pass)
     modes = {
-        "whole": (False, False, False, False),
-        "by layer": (True, False, False, False),
-        "steps ahead": (True, True, False, False),
-        "one thread": (True, True, True, False),
-        "one wait": (True, True, True, True),
+        "whole": (False, False, False, False, False),
+        "by layer": (True, False, False, False, False),
+        "steps ahead": (True, True, False, False, False),
+        "one thread": (True, True, True, False, False),
+        "one wait": (True, True, True, True, False),
+        "opened with the pass": (True, True, True, True, True),
     }
 
-    def decide(queued, ahead, one_thread, one_wait):
+    def decide(queued, ahead, one_thread, one_wait, opened):
         ops.layer_built = decided["layer_built"] if queued else whole_passes
         ops.overlap_decode_steps = decided["overlap_decode_steps"] if ahead else (lambda widest: False)
         cpu_kernels.keep_to_one_thread = keep_to_one_thread if one_thread else (lambda value: keep_to_one_thread(False))
         ops.read_draft_verdicts_first = decided["read_draft_verdicts_first"] if one_wait else (lambda widest: True)
+        ops.open_drafting_with_pass = decided["open_drafting_with_pass"] if opened else (lambda widest: False)
 
     rates, outputs = {}, {}
     for draft in args.drafts:  # a first untimed run: kernel builds and checks

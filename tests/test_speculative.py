@@ -682,3 +682,68 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, ve
         if temp == 0:
             plain = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, draft=None)
             assert sequence.tokens == [response.token for response in plain]
+
+
+@pytest.mark.parametrize("rows, adaptive, p_min", [(1, False, 0.5), (3, False, 0.5), (1, True, 0.95)])
+def test_a_round_whose_first_step_is_taken_with_the_verify_pass_drafts_as_before(rows, adaptive, p_min, monkeypatch):
+    """Where the engine takes the MTP head's first step of a greedy round while the verify pass before it
+    computes (`ops.open_drafting_with_pass`: over every position verified, each with the token the pass
+    chose there), each pass verifies the same drafts with the same p-min verdicts as where the round
+    takes that step itself, and drafting runs one head step fewer a round. So do rounds after plain
+    ones (a p-min of 0.95 leaves the head unsure often enough to back off), and a conversation's next
+    turn, resumed from the checkpoint each row leaves."""
+    from mlx_hybrid.engine import scheduler
+    from mlx_hybrid.loaders import BUNDLED_MODEL
+
+    model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
+    prompts = [tokenizer.encode(p) for p in ["def parse_args(", "import os\n", "class Parser:"][:rows]]
+    drafting, head_steps, verified = [False], [], []
+    step, build_batch, run_model = MTPDrafter._step, scheduler.build_batch, scheduler.run_model
+    plain_round_ahead = scheduler.plain_round_ahead
+
+    def counted_step(self, *args):
+        head_steps[-1] += drafting[0]
+        return step(self, *args)
+
+    def drafts_built(*args, **kwargs):
+        drafting[0] = True
+        try:
+            return build_batch(*args, **kwargs)
+        finally:
+            drafting[0] = False
+
+    def pass_read(model, batch, *args):
+        prompt = any(row.prefilling for row in batch.rows)
+        verified[-1].append(("prompt" if prompt else "drafts" if batch.marked.size > len(batch.rows) else "plain",
+                             batch.marked.tolist()))  # fmt: skip
+        return run_model(model, batch, *args)
+
+    def plain_ahead(*args):
+        verified[-1].append(("plain", None))
+        return plain_round_ahead(*args)
+
+    monkeypatch.setattr(MTPDrafter, "_step", counted_step)
+    monkeypatch.setattr(scheduler, "plain_round_ahead", plain_ahead)
+    monkeypatch.setattr(scheduler, "build_batch", drafts_built)
+    monkeypatch.setattr(scheduler, "run_model", pass_read)
+    outputs = []
+    for with_pass in (False, True):
+        head_steps.append(0)
+        verified.append([])
+        engine = Engine(model, tokenizer, MTPDrafter(model, draft_p_min=p_min), 3, adaptive=adaptive,
+                        prefix_store=PrefixStore(1 << 30))  # fmt: skip
+        engine.open_drafting = with_pass  # (the model's size decides it: both ways here)
+        first = [engine.submit(prompt, max_tokens=40) for prompt in prompts]
+        engine.run()
+        resumed = [
+            engine.submit(p + s.tokens + tokenizer.encode("\n# next"), max_tokens=24) for p, s in zip(prompts, first)
+        ]
+        engine.run()
+        assert all(s.cached_tokens > len(p) for p, s in zip(prompts, resumed))  # from the first turn's checkpoints
+        outputs.append([s.tokens for s in first + resumed])
+    assert verified[0] == verified[1] and outputs[0] == outputs[1]
+    # a round whose rows all verified drafts in the pass before takes no head step to open while drafting
+    kinds = [kind for kind, _ in verified[0]]
+    opened_with_pass = sum(1 for before, now in zip(kinds, kinds[1:]) if before == now == "drafts")
+    assert opened_with_pass > (0 if adaptive else 10) and head_steps[1] == head_steps[0] - opened_with_pass
+    assert (("plain", "drafts") in set(zip(kinds, kinds[1:]))) == adaptive  # a round opened after plain ones

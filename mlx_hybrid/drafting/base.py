@@ -132,6 +132,16 @@ def _values(tokens: list) -> list[int]:
     return mx.stack(tokens).reshape(-1).tolist() if tokens else []
 
 
+def _rows_of(picks: list[tuple[mx.array, int]]) -> mx.array:
+    """Row i of each pick (x [1, N, E], i) side by side [1, R, E]: the array itself where the picks are its
+    rows in order, one gather where they come from one array, else a slice each."""
+    first = picks[0][0]
+    if all(x is first for x, _ in picks):
+        index = [i for _, i in picks]
+        return first if index == list(range(first.shape[1])) else first[:, mx.array(index)]
+    return _join([x[:, i : i + 1] for x, i in picks])
+
+
 def _last_of_each(x: mx.array, lengths: list[int]) -> mx.array:
     """The last position of each packed row of x [1, N, E] -> [1, R, E]."""
     if len(lengths) == 1:
@@ -149,6 +159,7 @@ class Drafter:
     reads_layers: tuple[int, ...] = ()  # trunk layers whose states it reads in place of the last hidden states
     default_draft_tokens = DEFAULT_DRAFT_TOKENS  # drafts a round unless the request says
     drafts_blocks = False  # a block a pass, accepted in part: adaptive rows adapt how many they verify
+    opens_from_pass = False  # whether it can take its next round's first step with a verify pass (`open_from_pass`)
 
     def prefill(self, tokens: list[int], hidden) -> None:
         """Read a part of the prompt the trunk has read: its tokens and the trunk's states over them
@@ -171,6 +182,13 @@ class Drafter:
 
     def fork(self) -> Drafter:
         """A drafter of the same kind with no sequence yet, sharing what is fixed (the model, the head)."""
+        raise NotImplementedError
+
+    @classmethod
+    def open_from_pass(cls, drafters: list, states: list, tokens: list[mx.array]) -> None:
+        """For greedy rows that drafted this round (drafters of one `batch_key`), while their verify pass
+        computes: the next round's first step, from each row's states at the pass's positions and the
+        tokens [n] the pass chose there, for whatever the round accepts (`update` keeps what it does)."""
         raise NotImplementedError
 
     def start(self, prompt: list[int], prompt_hidden, first_token: int):

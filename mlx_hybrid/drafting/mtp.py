@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import mlx.core as mx
 
 from ..cache import KVCache
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP
 from ..row_caches import row_caches
-from .base import DraftHead, _ConfidentDrafting, _join, _last_of_each
+from .base import DraftHead, _ConfidentDrafting, _join, _last_of_each, _rows_of
 
 
 class MTPDrafter(_ConfidentDrafting):
@@ -19,8 +21,12 @@ class MTPDrafter(_ConfidentDrafting):
     carry (see `MTPHead`). Trunk states not yet fed are kept pending, as the trunk gave
     them, with the tokens that follow them, as far as known; the pairs a prompt completes
     go in with the prefill, and those a round completes go in with the next round's first
-    draft step, at no extra call.
+    draft step, at no extra call. Where the engine says so (`open_from_pass`), a greedy round's
+    pairs go in while its verify pass computes instead, and that step is ready when the next
+    round drafts.
     """
+
+    opens_from_pass = True
 
     def __init__(self, model, draft_p_min: float = 0.0, vocabulary=None, head: DraftHead | None = None):
         if not model.has_mtp:
@@ -31,6 +37,11 @@ class MTPDrafter(_ConfidentDrafting):
         self.pending_hidden = None  # [1, n, E], the trunk's states
         self.pending_next: list[int] = []  # the tokens after the pending hidden states (n, or n - 1)
         self._carry = None  # this round's last MTP carry (the group's [1, R, E], its row): the next step's h
+        # (y, carry, first, count): the head over this pass's pairs (open_from_pass), this row's from `first`
+        self._opened = None
+        # (y, carry, row, h): the next round's first step, taken with the pass: its outputs at the last
+        # accepted position (the group's row) and the trunk's state there, whose pair the cache holds
+        self._ready = None
 
     def fork(self) -> MTPDrafter:
         return MTPDrafter(self.model, self.draft_p_min, head=self.head)
@@ -61,24 +72,45 @@ class MTPDrafter(_ConfidentDrafting):
         self.pending_next.append(first_token)
 
     @staticmethod
-    def _open(drafters):
-        lengths = [len(d.pending_next) for d in drafters]
-        tokens = mx.array([t for d in drafters for t in d.pending_next])[None]
+    def open_from_pass(drafters, states, tokens):
+        """The head over each pass position's pair (the trunk's state, the token the pass chose after
+        it). A pair is right up to the last accepted position: the token chosen after an accepted draft
+        is that draft, and after the last accepted position it is the round's own token. The chained
+        drafts' pairs leave the cache first; `update` keeps the accepted positions' pairs and the step at
+        the last of them, which the next round's `_open` takes as it is."""
+        for drafter in drafters:
+            drafter.cache.trim(drafter.fed_drafts)
+            drafter.fed_drafts = 0
+        lengths = [t.size for t in tokens]
         caches = row_caches([d.cache for d in drafters], lengths)
-        y, carry = drafters[0]._step_from_trunk(_join([d.pending_hidden for d in drafters]), tokens, caches)
-        last_y = _last_of_each(y, lengths)
-        return MTPDrafter._keep_carry(drafters, last_y, last_y if carry is y else _last_of_each(carry, lengths))
+        y, carry = drafters[0]._step_from_trunk(_join(states), mx.concatenate(tokens)[None], caches)
+        for drafter, first, count in zip(drafters, accumulate(lengths, initial=0), lengths):
+            drafter._opened = (y, carry, first, count)
+
+    @staticmethod
+    def _open(drafters):
+        """The round's first step: the head over each row's pending pairs (y at the last), or as the pass
+        took it (`_ready`)."""
+        opening = [d for d in drafters if d._ready is None]
+        if opening:
+            lengths = [len(d.pending_next) for d in opening]
+            tokens = mx.array([t for d in opening for t in d.pending_next])[None]
+            caches = row_caches([d.cache for d in opening], lengths)
+            y, carry = opening[0]._step_from_trunk(_join([d.pending_hidden for d in opening]), tokens, caches)
+            last_y = _last_of_each(y, lengths)
+            last_carry = last_y if carry is y else _last_of_each(carry, lengths)
+            for i, drafter in enumerate(opening):
+                drafter._ready = (last_y, last_carry, i, None)
+        y = _rows_of([(d._ready[0], d._ready[2]) for d in drafters])
+        carry = _rows_of([(d._ready[1], d._ready[2]) for d in drafters])
+        for drafter in drafters:
+            drafter._ready = None
+        return MTPDrafter._keep_carry(drafters, y, carry)
 
     @staticmethod
     def _feed(drafters, tokens):
         caches = row_caches([d.cache for d in drafters], [1] * len(drafters))
-        whole = drafters[0]._carry[0]  # the rows that drafted last together, all going on: read as it is
-        in_place = all(d._carry[0] is whole and d._carry[1] == i for i, d in enumerate(drafters))
-        if in_place and whole.shape[1] == len(drafters):
-            h = whole
-        else:
-            h = _join([carry[:, i : i + 1] for carry, i in (d._carry for d in drafters)])
-        y, carry = drafters[0]._step(h, tokens[None], caches)
+        y, carry = drafters[0]._step(_rows_of([d._carry for d in drafters]), tokens[None], caches)
         return MTPDrafter._keep_carry(drafters, y, carry)
 
     @staticmethod
@@ -90,22 +122,30 @@ class MTPDrafter(_ConfidentDrafting):
         return y
 
     def checkpoint(self):
-        state = {f"cache.{i}": entry for i, entry in enumerate(self.cache.checkpoint())}
-        return state | {"pending_hidden": self.pending_hidden}
+        entries, pending = self.cache.checkpoint(), self.pending_hidden
+        if self._ready is not None:  # its last pair's token is the one not yet read: saved as it was before
+            entries, pending = tuple(mx.contiguous(entry[..., :-1, :]) for entry in entries), self._ready[3]
+        return {f"cache.{i}": entry for i, entry in enumerate(entries)} | {"pending_hidden": pending}
 
     def restore(self, state, tokens):
         self.cache.restore(tuple(state[f"cache.{i}"] for i in range(len(state) - 1)))
-        self.pending_hidden = state["pending_hidden"]
+        self.pending_hidden, self._ready = state["pending_hidden"], None
         held = self.pending_hidden.shape[1]
         self.pending_next = list(tokens[len(tokens) - held + 1 :]) if held > 1 else []
 
     def update(self, verify_hidden: mx.array, accepted: list[int]):
         """accepted: the a accepted drafts and the trunk's token after them."""
         new_hidden = verify_hidden[:, : len(accepted)]
-        if self.drafted:
+        if self._opened is not None:  # the pass's pairs went in (open_from_pass): the accepted ones stay
+            y, carry, first, count = self._opened
+            self.cache.trim(count - len(accepted))
+            self._ready = (y, carry, first + len(accepted) - 1, new_hidden[:, -1:])
+            self.pending_hidden, self.pending_next = new_hidden[:, :0], []
+        elif self.drafted:
             self.cache.trim(self.fed_drafts)
             self.pending_hidden, self.pending_next = new_hidden, list(accepted)
-        else:  # a round without drafts: the pairs wait for the next draft
+        else:  # a round without drafts: the pairs wait for the next draft (a step taken with a pass is stale)
             self.pending_hidden = mx.concatenate([self.pending_hidden, new_hidden], axis=1)
             self.pending_next += accepted
-        self.fed_drafts, self.drafted, self._carry = 0, False, None
+            self._ready = None
+        self.fed_drafts, self.drafted, self._carry, self._opened = 0, False, None, None

@@ -70,6 +70,7 @@ class Engine:
         self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
         self.overlap = ops.overlap_decode_steps(model.widest_product) if overlap is None else overlap
         self.verdicts_first = ops.read_draft_verdicts_first(model.widest_product)
+        self.open_drafting = ops.open_drafting_with_pass(model.widest_product)
         self.prefill_layer_by_layer = ops.prefill_layer_by_layer()
         self.pass_tokens = ops.rows_alike_pass_tokens(model)
         self.prompts_due = False  # the next pass feeds the prompts held back by the last
@@ -310,7 +311,7 @@ class Engine:
         )
         self.prompts_due = batch.prompts_held_back
         hidden = run_model(self.model, batch, self.prefill_layer_by_layer)
-        self._advance(batch, hidden, choose_tokens(self.model, batch, hidden))
+        self._advance(batch, hidden, choose_tokens(self.model, batch, hidden, self.open_drafting))
 
     def _advance(self, batch: Batch, hidden: mx.array, choices: list[Choice]):
         """Each row after the pass: a prompt chunk read (and maybe its first token), or a round's

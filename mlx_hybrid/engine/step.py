@@ -237,11 +237,13 @@ def run_model(model, batch: Batch, layer_by_layer: bool = False) -> mx.array:
             record_snapshots(row.cache, False)
 
 
-def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
+def choose_tokens(model, batch: Batch, hidden: mx.array, open_drafting: bool = False) -> list[Choice]:
     """Choose each row's tokens.
 
     A decoding row's logits are taken at every position it fed, a prompt's at its last. After the
-    request's processors, a decoding row gets its accepted drafts and the model's own next token."""
+    request's processors, a decoding row gets its accepted drafts and the model's own next token.
+    open_drafting: greedy rows whose drafter can (`Drafter.opens_from_pass`) take their next round's
+    first step with this pass, built while its tokens are read (`ops.open_drafting_with_pass`)."""
     rows = batch.rows
     wanted = [
         list(range(s, e)) if not row.prefilling else ([e - 1] if _ends_prompt(row, e - s) else [])
@@ -263,7 +265,8 @@ def choose_tokens(model, batch: Batch, hidden: mx.array) -> list[Choice]:
     ]
     # the model's choice at every position in one op (a row whose processor changed its scores: its own)
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if logits is not None else None
-    rounds = _read_rounds(batch, logits, scores, argmax, bounds)
+    opening = (lambda: _open_drafting(model, batch, hidden, argmax, bounds)) if open_drafting else None
+    rounds = _read_rounds(batch, logits, scores, argmax, bounds, opening)
     choices = []
     for row, feed, x, round_ in zip(rows, batch.feeds, row_logits, rounds):
         if row.prefilling:
@@ -290,14 +293,31 @@ def drafter_states(model, batch: Batch, row: Row, hidden: mx.array, span: tuple[
     return StateSpan(batch.tapped[layers], s, e)
 
 
+def _open_drafting(model, batch: Batch, hidden: mx.array, argmax: mx.array | None, bounds: list[int]):
+    """The next round's first drafting step of each greedy row without a processor whose drafter takes
+    it with the pass (`Drafter.opens_from_pass`) and that verified drafts: over each position it fed,
+    the token the model chose there. Rows whose drafters draft together take it together."""
+    groups = {}
+    for i, (row, (s, e)) in enumerate(zip(batch.rows, batch.spans)):
+        drafter = row.drafter
+        opens = drafter is not None and drafter.opens_from_pass and row.sampler.greedy and row.processor is None
+        if opens and not row.prefilling and e - s > 1:
+            states = drafter_states(model, batch, row, hidden, (s, e))
+            groups.setdefault(drafter.batch_key(), []).append((drafter, states, argmax[bounds[i] : bounds[i + 1]]))
+    for group in groups.values():
+        drafters, states, tokens = zip(*group)
+        type(drafters[0]).open_from_pass(list(drafters), list(states), list(tokens))
+
+
 def _ends_prompt(row: Row, fed_now: int) -> bool:
     """Whether a prompt chunk of `fed_now` tokens is the prompt's last."""
     return len(row.fed) + fed_now == len(row.sequence.prompt)
 
 
-def _read_rounds(batch: Batch, logits: mx.array, scores: list, argmax: mx.array | None, bounds: list[int]) -> list:
+def _read_rounds(batch: Batch, logits: mx.array, scores: list, argmax: mx.array | None, bounds: list[int],
+                 meanwhile=None) -> list:  # fmt: skip
     """For each decoding row (None for the others), its sure drafts and the values that decide them,
-    all read in one host sync.
+    all read in one host sync. meanwhile(): work built while the read waits, queued behind it.
 
     A greedy row gets the model's argmax at each of its positions (`bounds` gives where each row's
     start); a greedy row with a processor gets the argmax of its own scores. A sampling row gets the
@@ -323,7 +343,11 @@ def _read_rounds(batch: Batch, logits: mx.array, scores: list, argmax: mx.array 
         samplers = Samplers([rows[i].sampler for i in sampling])
         parts.append(_sampled_rounds(batch, sampling, samplers, logits, scores, bounds).reshape(-1))
         mx.async_eval(samplers.keys())
-    flat = mx.concatenate(parts).tolist()
+    values = mx.concatenate(parts)
+    if meanwhile is not None:
+        mx.async_eval(values)
+        meanwhile()
+    flat = values.tolist()
     for i in decoding:
         (s, e), at = batch.spans[i], starts[i]
         drafts = sure_drafts(flat[s + 1 : e])

@@ -75,6 +75,7 @@ from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  
 from .reference import QuantizedEntries  # noqa: F401  (a quantized cache's entries, for the caches)
 from .schedule import (  # noqa: F401  (how passes are evaluated, for the models and the engine)
     layer_built,
+    open_drafting_with_pass,
     overlap_decode_steps,
     prefill_layer_by_layer,
     read_draft_verdicts_first,

@@ -70,6 +70,19 @@ def read_draft_verdicts_first(widest_product: int) -> bool:
     return not backend.gpu_computes() and not _host_builds_beside(widest_product)
 
 
+def open_drafting_with_pass(widest_product: int) -> bool:
+    """Whether a greedy row's drafter takes its next round's first step while the verify pass computes
+    (`Drafter.opens_from_pass`: the MTP head over every position the pass verified, each with the token
+    the pass chose after it, built and queued behind the read of its tokens), rather than when that
+    round drafts.
+
+    Yes where the host builds beside the CPU's one thread (`layer_built`): the step is built while the
+    host waits for the pass's last layers, where drafting that round would have built it while MLX's
+    thread waited for the host. Not measured where products run on every core or a GPU computes.
+    """
+    return _host_builds_beside(widest_product)
+
+
 def overlap_decode_steps(widest_product: int) -> bool:
     """Whether decoding builds and queues step t+1 before handing out token t, for a model whose widest
     product multiplies `widest_product` weights.
