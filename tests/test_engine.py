@@ -129,8 +129,11 @@ def test_sampled_rows_draw_what_a_single_run_with_their_seed_draws(draft):
     model, tok = load_fixture("qwen3next", "model.gguf")
     prompts = prompts_for(4)
     settings = dict(temp=0.9, top_p=0.95, max_tokens=MAX_TOKENS)
-    alone = [
-        [r.token for r in mlx_hybrid.stream_generate(model, tok, p, seed=10 + i, draft=draft, **settings)]
+    alone = [  # (the engine's k, which the API's default for a model this small is not)
+        [
+            r.token
+            for r in mlx_hybrid.stream_generate(model, tok, p, seed=10 + i, draft=draft, num_draft_tokens=3, **settings)
+        ]
         for i, p in enumerate(prompts)
     ]
     engine = engine_for("qwen3next", "model.gguf", draft)

@@ -127,7 +127,7 @@ def test_health_reports_the_running_speculation_figures(server, client):
     assert after["drafted"] > before["drafted"]
     assert after["acceptance_rate"] == pytest.approx(after["accepted"] / after["drafted"])
     rates = after["acceptance_by_position"]
-    assert 1 <= len(rates) <= 3 and all(0.0 <= r <= 1.0 for r in rates)  # 3 drafts a round by default
+    assert 1 <= len(rates) <= 3 and all(0.0 <= r <= 1.0 for r in rates)  # 2 or 3 drafts a round by default
 
 
 def test_chat_equals_the_model_alone_plain_and_streamed(client, local):

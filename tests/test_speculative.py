@@ -677,7 +677,9 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, ve
     assert set(reads) <= ({1, 3, 4, 5} if verdicts_first else {1}) and max(reads) == (5 if verdicts_first else 1)
     assert all(s.stats.drafted > 0 for s in sequences)
     for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):
-        alone = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, temp=temp, seed=i)
+        alone = mlx_hybrid.stream_generate(
+            model, tokenizer, prompt, max_tokens=40, temp=temp, seed=i, num_draft_tokens=3
+        )
         assert sequence.tokens == [response.token for response in alone]
         if temp == 0:
             plain = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, draft=None)
@@ -747,3 +749,22 @@ def test_a_round_whose_first_step_is_taken_with_the_verify_pass_drafts_as_before
     opened_with_pass = sum(1 for before, now in zip(kinds, kinds[1:]) if before == now == "drafts")
     assert opened_with_pass > (0 if adaptive else 10) and head_steps[1] == head_steps[0] - opened_with_pass
     assert (("plain", "drafts") in set(zip(kinds, kinds[1:]))) == adaptive  # a round opened after plain ones
+
+
+def test_the_mtp_head_drafts_two_a_round_by_default_where_each_verified_token_costs_its_arithmetic(monkeypatch):
+    """The bundled model on the CPU: each product runs on one thread and computes rather than waits on its
+    weights (`ops.verified_tokens_cost_arithmetic`), so the MTP head asks for 2 drafts a round unless the
+    request names a number; where products run on every core (the bound moved below the model's), 3."""
+    from mlx_hybrid.drafting import SpeculationSettings
+    from mlx_hybrid.loaders import BUNDLED_MODEL
+    from mlx_hybrid.ops import schedule
+
+    model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
+    settings, named = SpeculationSettings(), SpeculationSettings(num_draft_tokens=3)
+    assert settings.draft_tokens_for(settings.drafter(model, tokenizer)) == 2
+    assert named.draft_tokens_for(named.drafter(model, tokenizer)) == 3
+    for k, options in ((2, {}), (3, {"num_draft_tokens": 3})):
+        *_, last = mlx_hybrid.stream_generate(model, tokenizer, "def parse_args(", max_tokens=40, **options)
+        assert len(last.acceptance_by_position) == k
+    monkeypatch.setattr(schedule, "ONE_THREAD_WEIGHTS", 1)
+    assert settings.draft_tokens_for(settings.drafter(model, tokenizer)) == 3

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from mlx_hybrid.drafting import SpeculationSettings
-from mlx_hybrid.drafting.base import DEFAULT_DRAFT_TOKENS
+from mlx_hybrid.drafting.base import DEFAULT_DRAFT_TOKENS, FEWER_DRAFT_TOKENS
 from mlx_hybrid.errors import GenerationError
 from mlx_hybrid.loaders import DTYPES
 from mlx_hybrid.processors import Grammar
@@ -263,7 +263,9 @@ def add_draft_arguments(p: argparse.ArgumentParser):
         "--num-draft-tokens",
         1,
         None,
-        f"most tokens drafted per round (default: {DEFAULT_DRAFT_TOKENS}; a DFlash drafter's block less one)",
+        f"most tokens drafted per round (default: {DEFAULT_DRAFT_TOKENS}; the MTP head of a model small enough "
+        f"that the CPU computes each product on one thread, as the bundled one: {FEWER_DRAFT_TOKENS}; a DFlash "
+        "drafter's block less one)",
     )
     p.add_argument(
         "--draft-vocab",

@@ -6,11 +6,12 @@ from itertools import accumulate
 
 import mlx.core as mx
 
+from .. import ops
 from ..cache import KVCache
 from ..errors import GenerationError
 from ..prompt import PREFILL_STEP
 from ..row_caches import row_caches
-from .base import DraftHead, _ConfidentDrafting, _join, _last_of_each, _rows_of
+from .base import FEWER_DRAFT_TOKENS, DraftHead, _ConfidentDrafting, _join, _last_of_each, _rows_of
 
 
 class MTPDrafter(_ConfidentDrafting):
@@ -33,6 +34,8 @@ class MTPDrafter(_ConfidentDrafting):
             raise GenerationError("this model has no MTP head, so draft='mtp' is unavailable")
         super().__init__(draft_p_min, head or DraftHead(model, vocabulary))
         self.model = model
+        if ops.verified_tokens_cost_arithmetic(model.widest_product):
+            self.default_draft_tokens = FEWER_DRAFT_TOKENS
         self.cache = KVCache()
         self.pending_hidden = None  # [1, n, E], the trunk's states
         self.pending_next: list[int] = []  # the tokens after the pending hidden states (n, or n - 1)

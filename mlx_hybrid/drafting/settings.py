@@ -36,8 +36,7 @@ class SpeculationSettings:
     draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram",
     "dflash" or None; draft_model: a model of the same vocabulary or a DFlash drafter, loaded or its
     path or hub name (loaded once, `loaders.load_draft_model`);
-    num_draft_tokens: drafts a round at most (None: 3, a DFlash drafter's block less one; see
-    `draft_tokens_for`); draft_vocab: tokens a drafter projects onto (None: the default for the
+    num_draft_tokens: drafts a round at most (None: the drafter's default, see `draft_tokens_for`); draft_vocab: tokens a drafter projects onto (None: the default for the
     vocabulary's size, 0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
     off after misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
 
@@ -50,7 +49,8 @@ class SpeculationSettings:
 
     def draft_tokens_for(self, drafter) -> int:
         """The most drafts a round with `drafter` (one `drafter()` built): as given, else the drafter's
-        default (a DFlash drafter's block less one, else 3)."""
+        default (a DFlash drafter's block less one; the MTP head's 2 where each token verified costs its
+        arithmetic, `ops.verified_tokens_cost_arithmetic`; else 3)."""
         if self.num_draft_tokens is not None:
             return self.num_draft_tokens
         return drafter.default_draft_tokens if drafter is not None else DEFAULT_DRAFT_TOKENS

@@ -79,6 +79,7 @@ from .schedule import (  # noqa: F401  (how passes are evaluated, for the models
     overlap_decode_steps,
     prefill_layer_by_layer,
     read_draft_verdicts_first,
+    verified_tokens_cost_arithmetic,
 )
 
 # Below this many tokens the token-by-token recurrence is cheaper than building the

@@ -84,6 +84,19 @@ def open_drafting_with_pass(widest_product: int) -> bool:
     return _host_builds_beside(widest_product)
 
 
+def verified_tokens_cost_arithmetic(widest_product: int) -> bool:
+    """Whether each token a verify pass verifies costs about a decode step's share of arithmetic, so that
+    the MTP head asks for fewer drafts a round by default (`drafting.MTPDrafter`).
+
+    Yes where the host builds beside the CPU's one thread (`layer_built`): a model that small computes
+    rather than waits on its weights, and its third draft, accepted about half the time, costs a head
+    step and a token verified (the bundled model, held-out prompts, default settings: 1.10-1.24x plain
+    decoding at 2 drafts, 1.02-1.09x at 3; docs/benchmarks.md). Not where products wait on memory (the
+    0.8B shape on the CPU) or a GPU computes: a token more costs a pass little there.
+    """
+    return _host_builds_beside(widest_product)
+
+
 def overlap_decode_steps(widest_product: int) -> bool:
     """Whether decoding builds and queues step t+1 before handing out token t, for a model whose widest
     product multiplies `widest_product` weights.
