@@ -127,7 +127,9 @@ def steady_engine(model, tokenizer, rows: int, draft: str | None, temp: float) -
     """An engine whose `rows` rows have read their prompts and decoded together for a few steps (plain rows
     overlap their passes where a GPU computes, as the engine does there)."""
     drafter = make_drafter(model, draft)
-    k = drafter.default_draft_tokens if drafter is not None else 3
+    # the MTP head's 3 drafts, its default where a GPU computes, also for the host's time at tiny widths on
+    # the CPU (where its default is 2: `ops.verified_tokens_cost_arithmetic`); a DFlash drafter's block less one
+    k = drafter.default_draft_tokens if draft == "dflash" else 3
     engine = Engine(model, tokenizer, drafter, k, adaptive=False, max_batch=rows, prefix_store=PrefixStore(0))
     for row in range(rows):
         engine.submit([3 + row] * (8 + row), max_tokens=10_000, stop_tokens=[], temp=temp, seed=row)
