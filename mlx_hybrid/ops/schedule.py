@@ -78,8 +78,9 @@ def open_drafting_with_pass(widest_product: int) -> bool:
 
     Yes where the host builds beside the CPU's one thread (`layer_built`): the step is built while the
     host waits for the pass's last layers, where drafting that round would have built it while MLX's
-    thread waited for the host (the bundled model's MTP head, against plain decoding: 0-9% more,
-    benchmarks/layer_queue.py). Not measured where products run on every core or a GPU computes.
+    thread waited for the host (the bundled model's MTP head: a few percent at most, within the spread
+    of benchmarks/layer_queue.py; drafting 1.3-1.8 ms a pass, was 1.6-1.9). Not measured where
+    products run on every core or a GPU computes.
     """
     return _host_builds_beside(widest_product)
 
@@ -90,9 +91,10 @@ def verified_tokens_cost_arithmetic(widest_product: int) -> bool:
 
     Yes where the host builds beside the CPU's one thread (`layer_built`): a model that small computes
     rather than waits on its weights, and its third draft, accepted about half the time, costs a head
-    step and a token verified (the bundled model, held-out prompts, default settings: 1.10-1.24x plain
-    decoding at 2 drafts, 1.02-1.09x at 3; docs/benchmarks.md). Not where products wait on memory (the
-    0.8B shape on the CPU) or a GPU computes: a token more costs a pass little there.
+    step and a token verified (the bundled model, held-out prompts, default settings: 1.22-1.23x plain
+    decoding at 2 drafts, 1.09-1.12x at 3, examples/eval_tiny.py; docs/benchmarks.md). Not where
+    products wait on memory (the 0.8B shape on the CPU) or a GPU computes: a token more costs a pass
+    little there.
     """
     return _host_builds_beside(widest_product)
 
