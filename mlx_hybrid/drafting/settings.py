@@ -36,9 +36,10 @@ class SpeculationSettings:
     draft: "auto" (the MTP head where the model has one and no draft model is given), "mtp", "ngram",
     "dflash" or None; draft_model: a model of the same vocabulary or a DFlash drafter, loaded or its
     path or hub name (loaded once, `loaders.load_draft_model`);
-    num_draft_tokens: drafts a round at most (None: the drafter's default, see `draft_tokens_for`); draft_vocab: tokens a drafter projects onto (None: the default for the
-    vocabulary's size, 0: all); draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back
-    off after misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
+    num_draft_tokens: drafts a round at most (None: the drafter's default, see `draft_tokens_for`);
+    draft_vocab: tokens a drafter projects onto (None: the default for the vocabulary's size, 0: all);
+    draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back off after
+    misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
 
     draft: str | None = AUTO
     draft_model: object = None
