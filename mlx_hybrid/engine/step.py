@@ -265,7 +265,7 @@ def choose_tokens(model, batch: Batch, hidden: mx.array, open_drafting: bool = F
     ]
     # the model's choice at every position in one op (a row whose processor changed its scores: its own)
     argmax = mx.argmax(logits, axis=-1).astype(mx.int32) if logits is not None else None
-    opening = (lambda: _open_drafting(model, batch, hidden, argmax, bounds)) if open_drafting else None
+    opening = _drafting_to_open(model, batch, hidden, argmax, bounds) if open_drafting else None
     rounds = _read_rounds(batch, logits, scores, argmax, bounds, opening)
     choices = []
     for row, feed, x, round_ in zip(rows, batch.feeds, row_logits, rounds):
@@ -293,10 +293,11 @@ def drafter_states(model, batch: Batch, row: Row, hidden: mx.array, span: tuple[
     return StateSpan(batch.tapped[layers], s, e)
 
 
-def _open_drafting(model, batch: Batch, hidden: mx.array, argmax: mx.array | None, bounds: list[int]):
-    """The next round's first drafting step of each greedy row without a processor whose drafter takes
-    it with the pass (`Drafter.opens_from_pass`) and that verified drafts: over each position it fed,
-    the token the model chose there. Rows whose drafters draft together take it together."""
+def _drafting_to_open(model, batch: Batch, hidden: mx.array, argmax: mx.array | None, bounds: list[int]):
+    """What builds the next round's first drafting step of each greedy row without a processor whose
+    drafter takes it with the pass (`Drafter.opens_from_pass`) and that verified drafts: over each
+    position it fed, the token the model chose there; rows whose drafters draft together take it
+    together. None where no row does."""
     groups = {}
     for i, (row, (s, e)) in enumerate(zip(batch.rows, batch.spans)):
         drafter = row.drafter
@@ -304,9 +305,13 @@ def _open_drafting(model, batch: Batch, hidden: mx.array, argmax: mx.array | Non
         if opens and not row.prefilling and e - s > 1:
             states = drafter_states(model, batch, row, hidden, (s, e))
             groups.setdefault(drafter.batch_key(), []).append((drafter, states, argmax[bounds[i] : bounds[i + 1]]))
-    for group in groups.values():
-        drafters, states, tokens = zip(*group)
-        type(drafters[0]).open_from_pass(list(drafters), list(states), list(tokens))
+
+    def open_groups():
+        for group in groups.values():
+            drafters, states, tokens = zip(*group)
+            type(drafters[0]).open_from_pass(list(drafters), list(states), list(tokens))
+
+    return open_groups if groups else None
 
 
 def _ends_prompt(row: Row, fed_now: int) -> bool:
