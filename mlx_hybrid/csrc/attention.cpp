@@ -240,7 +240,7 @@ void weighted_values(const float* const* p, const int* seen, int rows, const flo
 // a time (decoded once, where quantized) and each chunk serves every block of ROWS rows while it is
 // in cache: a decode step's group of heads, or a verify pass's tokens, read the cache once.
 void group_rows(const Attention& a, const std::vector<mx::array>& in, float* out, int b, int kvh, int i0, int count) {
-    thread_local std::vector<float> buffer;
+    thread_local mlx_hybrid::LineVector<float> buffer;
     const int group = a.heads / a.kv_heads;
     const auto [keys, values] = head_entries(a, in, b, kvh);
     const int held = keys_held(a, in, b);
@@ -337,7 +337,7 @@ AVX2_FN void carry_softmax(float* scores, const int* valid, float* top, float* s
 // sgemm), the carried softmax, out += p v (a second); then each row divided by its sum. A quantized
 // cache's block of keys and of values is decoded first, its rows shared among the threads.
 void prompt_rows(const Attention& a, const std::vector<mx::array>& in, float* out, int b, int kvh, int r0, int rows) {
-    thread_local std::vector<float> buffer;
+    thread_local mlx_hybrid::LineVector<float> buffer;
     const int group = a.heads / a.kv_heads;
     const long first_row = ((long)b * a.heads + (long)kvh * group) * a.tokens + r0;
     const float* q = in[0].data<float>() + first_row * a.key_dim;

@@ -84,16 +84,9 @@ AVX512_FN __attribute__((always_inline)) inline void leave_avx512() {
           "xmm27", "xmm28", "xmm29", "xmm30", "xmm31", "memory");
 }
 
-// `count` floats from `buffer`, the first at a 64-byte boundary: the kernels' 32-byte loads then
-// stay within cache lines (malloc aligns to 16 bytes, which splits half of them and slows every
-// product). The buffer grows as needed and is kept.
-inline float* aligned_floats(std::vector<float>& buffer, size_t count) {
-    buffer.resize(count + 16);
-    return buffer.data() + (64 - (uintptr_t)buffer.data() % 64) % 64 / sizeof(float);
-}
-
-// An allocator of memory that starts at a 64-byte boundary, for buffers that kernels read in vectors
-// (aligned_floats says why): std::vector<T, LineAligned<T>>.
+// An allocator of memory that starts at a 64-byte boundary, for the buffers kernels read in vectors
+// (LineVector): their loads then stay within cache lines. malloc aligns to 16 bytes, which splits half
+// the 32-byte loads and every 64-byte one over two lines, and slows every product.
 template <class T>
 struct LineAligned {
     using value_type = T;
@@ -105,6 +98,14 @@ struct LineAligned {
     template <class U>
     bool operator==(const LineAligned<U>&) const { return true; }
 };
+template <class T>
+using LineVector = std::vector<T, LineAligned<T>>;
+
+// `count` floats from `buffer`, which grows as needed and is kept
+inline float* aligned_floats(LineVector<float>& buffer, size_t count) {
+    buffer.resize(count);
+    return buffer.data();
+}
 
 // whether this CPU runs the kernels: AVX2, FMA and F16C
 inline bool cpu_supported() {
@@ -197,7 +198,7 @@ struct DeltaRuleToken {
 };
 struct DeltaRuleScratch {
     std::vector<float> decay, q_decayed, k_decayed, qk;  // a chunk's tokens', each [Dk] (qk: one a token)
-    std::vector<float> columns;                          // the columns of the state a chunk works on
+    LineVector<float> columns;                           // the columns of the state a chunk works on
 };
 void delta_rule_tokens(const DeltaRuleHead& h, const float* s_in, const DeltaRuleToken* tokens, int count,
                        DeltaRuleScratch& scratch);

@@ -108,15 +108,13 @@ struct Q8Shape {
 // 8 likewise (Q4_0, IQ4_NL and MXFP4 rows in eights: each block's sum of codes); Q5_1's and Q4_1's Q8_1
 // blocks: each block's s, d times its sum of codes as float16.
 struct QuantizedRows {
-    // each row from a cache line's start: from malloc's 16-byte boundary every 64-byte load of x spanned two
-    // lines, and the 16-bit products of 4 to 16 rows ran 1.3-1.4x slower (docs/benchmarks.md)
-    template <class T>
-    using Rows = std::vector<T, mlx_hybrid::LineAligned<T>>;
-    Rows<int8_t> codes;
-    Rows<float> d;
-    Rows<int16_t> shared;
-    Rows<float> s;
-    Rows<float> rounded;  // F16's and BF16's: x rounded to 16 bits, as the float32 values they are
+    // each row from a cache line's start: from malloc's 16-byte boundary, the 16-bit products of 4 to 16
+    // rows ran 1.3-1.4x slower (docs/benchmarks.md)
+    mlx_hybrid::LineVector<int8_t> codes;
+    mlx_hybrid::LineVector<float> d;
+    mlx_hybrid::LineVector<int16_t> shared;
+    mlx_hybrid::LineVector<float> s;
+    mlx_hybrid::LineVector<float> rounded;  // F16's and BF16's: x rounded to 16 bits, as the float32 values they are
 };
 
 // value i of a step of 32 goes to place bf16_step_place(i) (dot_rows_half's step_values): each 16's even
@@ -2019,9 +2017,9 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     const bool wide = mlx_hybrid::avx512_in_use();  // (BF16's x is rounded into the order of the body it meets)
     const bool vbmi = mlx_hybrid::avx512_vbmi_in_use(), vnni = mlx_hybrid::avx512_vnni_in_use();
     static const bool intel_gathers = __builtin_cpu_is("intel");  // (dot_rows_grid_avx2 says why)
-    QuantizedRows q{QuantizedRows::Rows<int8_t>(quantized * K), QuantizedRows::Rows<float>(quantized * blocks),
-                    QuantizedRows::Rows<int16_t>(quantized * row_shared), QuantizedRows::Rows<float>(quantized * blocks),
-                    QuantizedRows::Rows<float>(half ? (size_t)x_rows * K : 0)};
+    QuantizedRows q;
+    q.codes.resize(quantized * K), q.d.resize(quantized * blocks), q.shared.resize(quantized * row_shared);
+    q.s.resize(quantized * blocks), q.rounded.resize(half ? (size_t)x_rows * K : 0);
     // each row alone; in parallel where the rows are many (a prompt's)
     Pool::get().run(x_rows, (long)x_rows * K >= (1L << 15), [&](int r) {
         if (half) {

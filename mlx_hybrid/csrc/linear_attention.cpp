@@ -53,7 +53,7 @@ struct Buffers {
 };
 
 void key_head(const Layer& s, const Buffers& io, int b, int kh) {
-    thread_local std::vector<float> conv_buffer, row_buffer;
+    thread_local mlx_hybrid::LineVector<float> conv_buffer, row_buffer;
     thread_local std::vector<DeltaRuleToken> tokens;
     thread_local DeltaRuleScratch scratch;
     const int Dk = s.key_dim, Dv = s.value_dim, ratio = s.value_heads / s.key_heads;

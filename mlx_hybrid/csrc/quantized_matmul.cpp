@@ -276,7 +276,7 @@ void compute(const Product& params, const std::vector<mx::array>& in, std::vecto
     int x_rows = (int)(x.size() / k);
     int groups_padded = padded_groups(k, bits, group_size);
     // aligned (rows of whole steps and of whole vectors stay so), zeros
-    std::vector<float> buffer;
+    mlx_hybrid::LineVector<float> buffer;
     float* permuted = mlx_hybrid::aligned_floats(buffer, (size_t)x_rows * (padded + groups_padded));
     float* group_sums = permuted + (size_t)x_rows * padded;
     for (int r = 0; r < x_rows; r++) {
