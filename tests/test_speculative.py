@@ -648,7 +648,8 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
     "rows, temp, verdicts_first", [(1, 0.0, False), (3, 0.0, False), (3, 0.8, False), (3, 0.0, True)]
 )
 def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, verdicts_first):
-    """The bundled model's head drafts confidently, so deciding p-min while drafting read the device
+    """With the default p-min where drafts stop below one (`DEFAULT_DRAFT_P_MIN`, named here: the
+    bundled model's own default is none). The bundled model's head drafts confidently, so deciding p-min while drafting read the device
     after every draft (7 reads a pass at k=3), and sampling rows read it again for every draft's
     acceptance test; the verdicts and the speculative sampling rule now stay on the device until the
     verify pass reads its tokens: one read a pass, whatever the rows. Where the engine reads the
@@ -656,11 +657,12 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, ve
     stop at the first unsure one, then the pass reads the drafts and its tokens: k + 2. Each row's
     tokens are those it gives alone, and greedy, those of plain decoding."""
     from benchmarks.engine_step import DeviceUse
-    from mlx_hybrid.drafting import make_drafter
+    from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, make_drafter
     from mlx_hybrid.loaders import BUNDLED_MODEL
 
     model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
-    engine = Engine(model, tokenizer, make_drafter(model, tokenizer, "mtp"), 3, prefix_store=PrefixStore(0))
+    drafter = make_drafter(model, tokenizer, "mtp", draft_p_min=DEFAULT_DRAFT_P_MIN)
+    engine = Engine(model, tokenizer, drafter, 3, prefix_store=PrefixStore(0))
     engine.verdicts_first = verdicts_first  # (the model's size decides it: both ways here)
     prompts = ["def parse_args(", "import os\n", "class Parser:"][:rows]
     sequences = [engine.submit(prompt, max_tokens=40, temp=temp, seed=i) for i, prompt in enumerate(prompts)]
@@ -678,8 +680,9 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, ve
     assert all(s.stats.drafted > 0 for s in sequences)
     for i, (prompt, sequence) in enumerate(zip(prompts, sequences)):
         alone = mlx_hybrid.stream_generate(
-            model, tokenizer, prompt, max_tokens=40, temp=temp, seed=i, num_draft_tokens=3
-        )
+            model, tokenizer, prompt, max_tokens=40, temp=temp, seed=i, num_draft_tokens=3,
+            draft_p_min=DEFAULT_DRAFT_P_MIN,
+        )  # fmt: skip
         assert sequence.tokens == [response.token for response in alone]
         if temp == 0:
             plain = mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=40, draft=None)
@@ -768,3 +771,33 @@ def test_the_mtp_head_drafts_two_a_round_by_default_where_each_verified_token_co
         assert len(last.acceptance_by_position) == k
     monkeypatch.setattr(schedule, "ONE_THREAD_WEIGHTS", 1)
     assert settings.draft_tokens_for(settings.drafter(model, tokenizer)) == 3
+
+
+def test_drafts_are_not_cut_below_p_min_by_default_where_the_pass_verifies_every_draft(monkeypatch):
+    """The bundled model on the CPU: its verify passes verify every draft whatever its p-min verdict
+    (`ops.drafts_stop_below_p_min`), so by default no floor cuts drafts the pass would accept; rows still
+    back off after misses, and a p-min the request names is kept. Where products run on every core (the
+    bound moved below the model's), the default floor is back."""
+    from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, SpeculationSettings
+    from mlx_hybrid.loaders import BUNDLED_MODEL
+    from mlx_hybrid.ops import schedule
+
+    model, tokenizer = mlx_hybrid.load(BUNDLED_MODEL)
+    default, floored, exact = (
+        SpeculationSettings(),
+        SpeculationSettings(draft_p_min=0.5),
+        SpeculationSettings(draft_p_min=0),
+    )
+    assert default.drafter(model, tokenizer).draft_p_min == 0 and default.adaptive
+    assert floored.drafter(model, tokenizer).draft_p_min == 0.5 and floored.adaptive and not exact.adaptive
+    prompt, n = "def parse_args(", 64
+    plain = [r.token for r in mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=n, draft=None)]
+    runs = [
+        list(mlx_hybrid.stream_generate(model, tokenizer, prompt, max_tokens=n, **o))
+        for o in ({}, {"draft_p_min": 0.5})
+    ]
+    assert all([r.token for r in run] == plain for run in runs)
+    # a floor of 0.5 leaves the head unsure often enough to cut drafts the pass accepted without it
+    assert runs[0][-1].tokens_per_pass > runs[1][-1].tokens_per_pass
+    monkeypatch.setattr(schedule, "ONE_THREAD_WEIGHTS", 1)
+    assert default.drafter(model, tokenizer).draft_p_min == DEFAULT_DRAFT_P_MIN

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from mlx_hybrid.drafting import SpeculationSettings
-from mlx_hybrid.drafting.base import DEFAULT_DRAFT_TOKENS, FEWER_DRAFT_TOKENS
+from mlx_hybrid.drafting.base import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_TOKENS, FEWER_DRAFT_TOKENS
 from mlx_hybrid.errors import GenerationError
 from mlx_hybrid.loaders import DTYPES
 from mlx_hybrid.processors import Grammar
@@ -281,7 +281,8 @@ def add_draft_arguments(p: argparse.ArgumentParser):
         default=defaults.draft_p_min,
         metavar="P",
         help=f"stop drafting when the draft's top probability is below P, and back off after misses; 0: always "
-        f"draft --num-draft-tokens (default: {defaults.draft_p_min})",
+        f"draft --num-draft-tokens (default: {DEFAULT_DRAFT_P_MIN}; for a model small enough that the CPU computes "
+        "each product on one thread, as the bundled one, no floor, backing off after misses)",
     )
 
 

@@ -13,8 +13,8 @@ from mlx_hybrid.loaders import load_draft_model
 from .common import launched
 
 
-def describe_speculation(args, drafter, draft_tokens: int) -> str:
-    """How drafting is set up, for --verbose."""
+def describe_speculation(speculation, drafter) -> str:
+    """How drafting is set up (`SpeculationSettings`, the drafter made from them), for --verbose."""
     from mlx_hybrid.draft_vocab import resolved_size
     from mlx_hybrid.drafting import DraftModelDrafter, NgramDrafter
     from mlx_hybrid.drafting.dflash import DFlashDrafter
@@ -23,13 +23,16 @@ def describe_speculation(args, drafter, draft_tokens: int) -> str:
         return "off"
     kinds = {DFlashDrafter: "dflash", NgramDrafter: "ngram", DraftModelDrafter: "draft model"}
     kind = kinds.get(type(drafter), "mtp")
-    described = f"{kind}, up to {draft_tokens} drafts a round"
+    described = f"{kind}, up to {speculation.draft_tokens_for(drafter)} drafts a round"
     if kind == "dflash":
         return described + f" (blocks of {drafter.model.args.block_size})"
     if kind != "ngram":
-        size = resolved_size(args.draft_vocab, drafter.model.args.vocab_size)  # the MTP head's, a draft model's
+        size = resolved_size(speculation.draft_vocab, drafter.model.args.vocab_size)  # the MTP head's, a draft model's
         described += f" over {f'{size} tokens' if size else 'the whole vocabulary'}"
-    return described + (f", p-min {args.draft_p_min}" if args.draft_p_min > 0 else ", exactly k")
+    p_min = getattr(drafter, "draft_p_min", 0)  # (n-gram lookup has no confidence)
+    if p_min > 0:
+        return described + f", p-min {p_min}"
+    return described + (", backing off after misses" if speculation.adaptive else ", exactly k")
 
 
 def load_engine(args, **options):
@@ -66,7 +69,7 @@ def load_engine(args, **options):
     described = (
         f"model: {model.model_type}, {model.args.num_hidden_layers} layers, weights {size_text(model.nbytes)} in memory; "
         f"linear-attention ops: {ops.backend_name()}; BLAS: {active_blas()}; "
-        f"speculation: {describe_speculation(args, drafter, speculation.draft_tokens_for(drafter))}"
+        f"speculation: {describe_speculation(speculation, drafter)}"
         + ("; reads images" if model.has_vision else "")
         + (f"; tables of {size_text(model.mapped_nbytes)} read by rows from their files" if model.mapped_nbytes else "")
     )

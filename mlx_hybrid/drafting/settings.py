@@ -6,6 +6,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+from .. import ops
 from ..draft_vocab import draft_vocabulary
 from ..errors import GenerationError
 from ..loaders import companion_drafter, load_draft_model
@@ -38,14 +39,15 @@ class SpeculationSettings:
     path or hub name (loaded once, `loaders.load_draft_model`);
     num_draft_tokens: drafts a round at most (None: the drafter's default, see `draft_tokens_for`);
     draft_vocab: tokens a drafter projects onto (None: the default for the vocabulary's size, 0: all);
-    draft_p_min: the draft confidence under which a drafter stops; adaptive_drafting: back off after
-    misses (None: on unless draft_p_min is 0, which asks for exactly num_draft_tokens)."""
+    draft_p_min: the draft confidence under which a drafter stops (None: the model's default, see
+    `draft_p_min_for`); adaptive_drafting: back off after misses (None: on unless draft_p_min is 0,
+    which asks for exactly num_draft_tokens)."""
 
     draft: str | None = AUTO
     draft_model: object = None
     num_draft_tokens: int | None = None
     draft_vocab: int | None = None
-    draft_p_min: float = DEFAULT_DRAFT_P_MIN
+    draft_p_min: float | None = None
     adaptive_drafting: bool | None = None
 
     def draft_tokens_for(self, drafter) -> int:
@@ -59,14 +61,22 @@ class SpeculationSettings:
     @property
     def adaptive(self) -> bool:
         """Whether rows back off after misses (see `speculative.DraftingPolicy`)."""
-        return self.draft_p_min > 0 if self.adaptive_drafting is None else bool(self.adaptive_drafting)
+        return self.draft_p_min != 0 if self.adaptive_drafting is None else bool(self.adaptive_drafting)
 
     def drafter(self, model, tokenizer):
         """A drafter for `model` (each row gets a `fork` of it), or None for plain decoding."""
         return make_drafter(model, tokenizer, self.draft, self.draft_model, self.draft_vocab, self.draft_p_min)
 
 
-def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=None, draft_p_min=DEFAULT_DRAFT_P_MIN):
+def draft_p_min_for(model, draft_p_min: float | None = None) -> float:
+    """draft_p_min as given, else the default for `model`'s drafters: DEFAULT_DRAFT_P_MIN, or 0 where its
+    verify passes verify every draft whatever its verdict (`ops.drafts_stop_below_p_min`)."""
+    if draft_p_min is not None:
+        return check_draft_p_min(draft_p_min)
+    return DEFAULT_DRAFT_P_MIN if ops.drafts_stop_below_p_min(model.widest_product) else 0.0
+
+
+def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=None, draft_p_min=None):
     """The drafter for `stream_generate`'s arguments, or None for plain decoding.
 
     draft: None or "none" (no speculation), "mtp", "ngram", "dflash", or "auto" (the MTP head
@@ -75,8 +85,9 @@ def make_drafter(model, tokenizer, draft=None, draft_model=None, draft_vocab=Non
     none; "dflash" without one takes the model's own, `loaders.companion_drafter`), or the path or
     hub name of either. draft_vocab:
     tokens the drafter projects onto (None: the default for the vocabulary's size, 0: all).
+    draft_p_min: None, the model's default (`draft_p_min_for`).
     """
-    check_draft_p_min(draft_p_min)  # it also decides the rows' backoff by default (see SpeculationSettings)
+    draft_p_min = draft_p_min_for(model, draft_p_min)  # given, it also decides the rows' backoff (SpeculationSettings)
     draft_model = _loaded(draft_model)
     draft = resolve_draft(model, draft, draft_model)
     if draft == "dflash" and draft_model is None:

@@ -74,6 +74,7 @@ from .products import (  # noqa: F401  (the products, for the layers)
 from .reference import Decay, HeadShape, LayerResult, OutputNorm  # noqa: F401  (linear_attention's types)
 from .reference import QuantizedEntries  # noqa: F401  (a quantized cache's entries, for the caches)
 from .schedule import (  # noqa: F401  (how passes are evaluated, for the models and the engine)
+    drafts_stop_below_p_min,
     layer_built,
     open_drafting_with_pass,
     overlap_decode_steps,

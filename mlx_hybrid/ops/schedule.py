@@ -85,6 +85,22 @@ def open_drafting_with_pass(widest_product: int) -> bool:
     return _host_builds_beside(widest_product)
 
 
+def drafts_stop_below_p_min(widest_product: int) -> bool:
+    """Whether a drafter stops at its first draft under p-min by default (`drafting.DEFAULT_DRAFT_P_MIN`),
+    rather than proposing every draft a round asks for (p-min 0; drafts that keep missing still back
+    off, `speculative.DraftingPolicy`). A request's own p-min is always kept.
+
+    Yes where the verdicts are read before the verify pass (`read_draft_verdicts_first`): the pass then
+    verifies the sure drafts only. Not where the host builds beside the CPU's one thread (`layer_built`):
+    the pass verifies every draft there, so a verdict only cuts drafts it has verified and would accept,
+    and costs each draw three operations (the top logit, the log-sum-exp, the mark; the bundled model,
+    eval_tiny.py's held-out prompts, `benchmarks/layer_queue.py --held-out 8 --tokens 128 --rounds 5`:
+    MTP at its default settings 466 -> 562 tokens/s, DFlash 437 -> 445; docs/benchmarks.md). Where a
+    GPU computes, not measured, so kept.
+    """
+    return not _host_builds_beside(widest_product)
+
+
 def verified_tokens_cost_arithmetic(widest_product: int) -> bool:
     """Whether each token a verify pass verifies costs about a decode step's share of arithmetic, so that
     the MTP head asks for fewer drafts a round by default (`drafting.MTPDrafter`).
