@@ -128,8 +128,7 @@ def test_cli_chat_template_and_verbose():
     # the CPU), every draft proposed (the pass verifies them all there); a 512-token vocabulary drafts over
     # all of it
     assert (
-        "speculation: mtp, up to 2 drafts a round over the whole vocabulary, backing off after misses"
-        in result.stderr
+        "speculation: mtp, up to 2 drafts a round over the whole vocabulary, backing off after misses" in result.stderr
     )
 
 

@@ -14,10 +14,11 @@ import mlx.core as mx
 from ..errors import GenerationError
 from ..sampling import Samplers, row_items
 
-# Default confidence under which a drafter stops drafting (see speculative.DraftingPolicy for
-# the acceptance-driven part of adaptive drafting). A low floor: it stops drafts from a
-# head with no idea (a random head's top probability is ~0.001 over 32k tokens), while
-# the bundled head keeps 2.73 of its 2.87 tokens per pass at k=3 (0.2: 2.56, 0.5: 2.04).
+# Default confidence under which a drafter stops drafting, where the verdicts can shorten a pass
+# (ops.drafts_stop_below_p_min; see speculative.DraftingPolicy for the acceptance-driven part of
+# adaptive drafting). A low floor: it stops drafts from a head with no idea (a random head's top
+# probability is ~0.001 over 32k tokens), while the bundled head keeps 2.73 of its 2.87 tokens per
+# pass at k=3 (0.2: 2.56, 0.5: 2.04).
 DEFAULT_DRAFT_P_MIN = 0.1
 DEFAULT_DRAFT_TOKENS = 3  # drafts a round, where the request and the drafter name no other number
 # the MTP head's, where each token verified costs its arithmetic (`ops.verified_tokens_cost_arithmetic`)
