@@ -36,7 +36,7 @@ import mlx.core as mx  # noqa: I001
 sys.path.insert(0, str(Path(__file__).parent))
 from mlx_hybrid.cache import marks, record_snapshots, rewind  # noqa: E402
 from mlx_hybrid.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocabulary  # noqa: E402
-from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, MTPDrafter  # noqa: E402
+from mlx_hybrid.drafting import MTPDrafter, draft_p_min_for  # noqa: E402
 from mlx_hybrid.engine import Engine, PrefixStore  # noqa: E402
 from mlx_hybrid.api import prefill  # noqa: E402
 from mlx_hybrid.speculative import DraftingPolicy, keep_snapshot_buffers  # noqa: E402
@@ -189,14 +189,15 @@ def main():
     def oracle(rate, p_min):
         return lambda: OracleDrafter(reference, rate, model.args.vocab_size, inner=mtp(p_min))
 
+    default_p_min = draft_p_min_for(model)  # the API's for this model (none for the bundled one)
     print("\nspeculative decoding, tokens/s and speed ratio to plain:")
     for k in args.draft_tokens:
-        report("MTP head, default settings", k, lambda: mtp(DEFAULT_DRAFT_P_MIN), adaptive=True)
+        report("MTP head, default settings", k, lambda: mtp(default_p_min), adaptive=True)
     table = {}
     for k in args.draft_tokens:
         for rate in args.rates:
             table[k, rate] = report(f"oracle {rate:4.2f}, adaptive off", k, oracle(rate, 0.0))
-        default = oracle(0.0, DEFAULT_DRAFT_P_MIN)
+        default = oracle(0.0, default_p_min)
         table[k, "default"] = report("oracle 0.00, default settings", k, default, adaptive=True)
     columns = [*args.rates, "default"]
     print("\nspeed ratio to plain decoding (oracle acceptance; 'default': 0% with adaptive drafting):")

@@ -15,10 +15,10 @@ from .base import DEFAULT_DRAFT_P_MIN, DraftHead, Drafter, check_draft_p_min, dr
 from .draft_model import DraftModelDrafter
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
-from .settings import AUTO, DRAFTS, SpeculationSettings, make_drafter, resolve_draft
+from .settings import AUTO, DRAFTS, SpeculationSettings, draft_p_min_for, make_drafter, resolve_draft
 
 __all__ = [
     "AUTO", "DEFAULT_DRAFT_P_MIN", "DRAFTS", "DraftHead", "DraftModelDrafter", "Drafter", "MTPDrafter",
-    "NgramDrafter", "SpeculationSettings", "check_draft_p_min", "draft_rows", "make_drafter", "resolve_draft",
-    "sure_drafts", "unmarked",
+    "NgramDrafter", "SpeculationSettings", "check_draft_p_min", "draft_p_min_for", "draft_rows", "make_drafter",
+    "resolve_draft", "sure_drafts", "unmarked",
 ]  # fmt: skip
