@@ -649,10 +649,11 @@ def test_ngram_drafter_proposes_what_followed_the_latest_occurrence():
 )
 def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, verdicts_first):
     """With the default p-min where drafts stop below one (`DEFAULT_DRAFT_P_MIN`, named here: the
-    bundled model's own default is none). The bundled model's head drafts confidently, so deciding p-min while drafting read the device
-    after every draft (7 reads a pass at k=3), and sampling rows read it again for every draft's
-    acceptance test; the verdicts and the speculative sampling rule now stay on the device until the
-    verify pass reads its tokens: one read a pass, whatever the rows. Where the engine reads the
+    bundled model's own default is none). The bundled model's head drafts confidently, so deciding
+    p-min while drafting read the device after every draft (7 reads a pass at k=3), and sampling rows
+    read it again for every draft's acceptance test; the verdicts and the speculative sampling rule
+    now stay on the device until the verify pass reads its tokens: one read a pass, whatever the
+    rows. Where the engine reads the
     verdicts before it verifies (`ops.read_draft_verdicts_first`), drafting reads after each draft, to
     stop at the first unsure one, then the pass reads the drafts and its tokens: k + 2. Each row's
     tokens are those it gives alone, and greedy, those of plain decoding."""
