@@ -6,6 +6,7 @@ and the DFlash drafter through the Python API, greedy, on the bundled model (or 
     git worktree add /tmp/before HEAD~1
     python benchmarks/compare_trees.py /tmp/before . --rounds 7
     python benchmarks/compare_trees.py /tmp/before . --model FILE.gguf --drafts none --tokens 200
+    python benchmarks/compare_trees.py /tmp/before . --held-out 8 --tokens 128   # examples/eval_tiny.py's prompts
 
 Each round runs every tree once, in its own process (its package first on the path, its CPU kernels
 built from its sources), each round starting from the next tree, each drafter twice after an untimed
@@ -31,18 +32,21 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DRAFTS = ("none", "mtp", "dflash")
 
 
-def measure(model_path: str | None, drafts: list[str], tokens: int) -> dict:
-    """In a tree's own process: {draft: [tokens/s, the tokens]}."""
+def measure(model_path: str | None, drafts: list[str], tokens: int, held_out: int) -> dict:
+    """In a tree's own process: {draft: [tokens/s, tokens per CPU-second, the tokens]}."""
     import mlx_hybrid
+    from layer_queue import held_out_prompts
 
     model, tokenizer = mlx_hybrid.load(model_path or mlx_hybrid.bundled_model_path())
+    prompts = held_out_prompts(tokenizer, held_out) if held_out else [PROMPT]
 
     def decode(draft):
         started, cpu, out = time.perf_counter(), time.process_time(), []
-        for response in mlx_hybrid.stream_generate(
-            model, tokenizer, PROMPT, tokens, temp=0.0, draft=None if draft == "none" else draft
-        ):
-            out.append(response.token)
+        for prompt in prompts:
+            for response in mlx_hybrid.stream_generate(
+                model, tokenizer, prompt, tokens, temp=0.0, draft=None if draft == "none" else draft
+            ):
+                out.append(response.token)
         return len(out) / (time.perf_counter() - started), len(out) / (time.process_time() - cpu), out
 
     results = {}
@@ -60,11 +64,19 @@ def main():
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--model", help="a checkpoint directory or GGUF file (default: the bundled model)")
     p.add_argument("--drafts", nargs="+", choices=DRAFTS, default=list(DRAFTS), help="default: all; plain first")
+    p.add_argument(
+        "--held-out",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first 64 tokens of N held-out files "
+        "(examples/eval_tiny.py's prompts), each decoded for --tokens, in place of the one prompt",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     drafts = ["none", *(d for d in args.drafts if d != "none")]
     if args.child:
-        print(json.dumps(measure(args.model, drafts, args.tokens)))
+        print(json.dumps(measure(args.model, drafts, args.tokens, args.held_out)))
         return
     model = str(Path(args.model).resolve()) if args.model else None
     trees = [str(Path(tree).resolve()) for tree in args.trees]
@@ -78,6 +90,7 @@ def main():
         for tree in trees[round_ % len(trees) :] + trees[: round_ % len(trees)]:
             env = {**os.environ, "PYTHONPATH": tree}
             command = [sys.executable, __file__, tree, "--child", "--tokens", str(args.tokens), "--drafts", *drafts]
+            command += ["--held-out", str(args.held_out)]
             command += ["--model", model] if model else []
             done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
             if done.returncode != 0:

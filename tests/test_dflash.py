@@ -65,6 +65,41 @@ def test_drafts_are_the_references_round_after_round(drafter_dir, source):
         assert [int(d.item()) for d in drafts] == refs[f"drafts_{r}"].tolist(), r
 
 
+@pytest.mark.parametrize("drafter_name", ["qwen35-b16-l1", "qwen35-b8-s6-l0-2", "qwen35-dflash2-k4-t16-b16-s6-l1"])
+def test_a_round_that_asks_for_fewer_drafts_drafts_a_block_that_long(drafter_name):
+    """A round asking for k drafts (fewer than the block's) drafts a block of the last token and k masks:
+    its drafts are the drafter's over that block alone, read from the context afresh (the model's pass
+    with no cache; DFlash2: the candidate selector's path), and its full-attention layers' caches keep
+    the context only. Tokens compared exactly: both sides run the same products over the same block."""
+    from mlx_hybrid.drafting.base import StateSpan
+    from mlx_hybrid.sampling import Sampler
+
+    target, tokenizer = load_fixture("qwen35", "hf")
+    model = load_drafter(FIXTURES / "dflash" / drafter_name)
+    refs = np.load(FIXTURES / "dflash" / drafter_name / "refs.npz")
+    context, token = mx.array(refs["context_0"]), int(refs["block_0"][0])
+    for k in (1, 3, model.args.block_size - 2):
+        drafter = make_drafter(target, tokenizer, "dflash", model, draft_vocab=0, draft_p_min=0)
+        drafter.pending = [StateSpan(context, 0, context.shape[1])]
+        drafter.begin(token)
+        drafts, _ = drafter.draft(k, Sampler())
+        block = mx.array([[token] + [model.args.mask_token_id] * k])
+        hidden = model.block_hidden(target.embed(block), context, None)
+        logits = model.block_logits(hidden, target.project)
+        if model.args.dflash2:
+            selector = model.candidate_selector
+            unary, index = selector.candidates(logits.astype(mx.float32))
+            expected, *_ = selector.greedy_path(
+                unary, index, mx.array([token], dtype=mx.int32), selector.hidden_projection(hidden[:, 1:])
+            )
+            expected = expected[0]
+        else:
+            expected = mx.argmax(logits[0], axis=-1)
+        assert [int(d.item()) for d in drafts] == expected.tolist(), k
+        full = [c for c, layer in zip(drafter.cache, model.layers) if layer.self_attn.window is None]
+        assert [c.offset for c in full] == [context.shape[1]] * len(full)
+
+
 @pytest.mark.parametrize("drafter_dir", DRAFTERS, ids=[path.name for path in DRAFTERS])
 @pytest.mark.parametrize("source", ["hf", "model.gguf"])
 def test_the_target_hands_the_drafter_the_states_transformers_gives(drafter_dir, source):
@@ -144,7 +179,8 @@ def test_greedy_dflash_speculation_gives_plain_decoding_in_a_batch(drafter_dir):
 
 @pytest.mark.parametrize("drafter_name", ["qwen35-b16-l1", "qwen35-dflash2-k4-t16-b16-s6-l1"])
 def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_cache(drafter_name):
-    """stream_generate(draft="dflash", draft_model=): the block less one drafts a round by default;
+    """stream_generate(draft="dflash", draft_model=): the block less one drafts a round by default (at
+    most 7 where each token verified costs its arithmetic);
     with a JSON schema and with the attention layers' cache in 8 bits, the tokens those settings give
     without speculation (a DFlash drafter; a DFlash2 one with a sliding layer)."""
     from mlx_hybrid.loaders import load_draft_model
@@ -172,7 +208,9 @@ def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_c
         )
         assert [r.token for r in spec] == [r.token for r in plain], settings
     engine = Engine.speculating(target, tokenizer, mlx_hybrid.drafting.SpeculationSettings("dflash", drafter))
-    assert engine.num_draft_tokens == drafter.args.block_size - 1
+    # the block less one, or at most 7 where each token verified costs its arithmetic (this fixture, on the CPU)
+    fewer = mlx_hybrid.ops.verified_tokens_cost_arithmetic(target.widest_product)
+    assert engine.num_draft_tokens == min(drafter.args.block_size - 1, 7 if fewer else 15)
     # over a reduced vocabulary (the target's head's first rows by the tokenizer's ranking): still plain decoding
     plain = mlx_hybrid.stream_generate(target, tokenizer, "def f(", max_tokens=24, draft=None)
     reduced = mlx_hybrid.stream_generate(

@@ -11,7 +11,12 @@ import sys
 from pathlib import Path
 
 from mlx_hybrid.drafting import SpeculationSettings
-from mlx_hybrid.drafting.base import DEFAULT_DRAFT_P_MIN, DEFAULT_DRAFT_TOKENS, FEWER_DRAFT_TOKENS
+from mlx_hybrid.drafting.base import (
+    DEFAULT_DRAFT_P_MIN,
+    DEFAULT_DRAFT_TOKENS,
+    FEWER_BLOCK_DRAFT_TOKENS,
+    FEWER_DRAFT_TOKENS,
+)
 from mlx_hybrid.errors import GenerationError
 from mlx_hybrid.loaders import DTYPES
 from mlx_hybrid.processors import Grammar
@@ -265,7 +270,7 @@ def add_draft_arguments(p: argparse.ArgumentParser):
         None,
         f"most tokens drafted per round (default: {DEFAULT_DRAFT_TOKENS}; the MTP head of a model small enough "
         f"that the CPU computes each product on one thread, as the bundled one: {FEWER_DRAFT_TOKENS}; a DFlash "
-        "drafter's block less one)",
+        f"drafter's block less one, on such a model at most {FEWER_BLOCK_DRAFT_TOKENS})",
     )
     p.add_argument(
         "--draft-vocab",

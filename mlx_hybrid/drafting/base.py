@@ -21,8 +21,10 @@ from ..sampling import Samplers, row_items
 # pass at k=3 (0.2: 2.56, 0.5: 2.04).
 DEFAULT_DRAFT_P_MIN = 0.1
 DEFAULT_DRAFT_TOKENS = 3  # drafts a round, where the request and the drafter name no other number
-# the MTP head's, where each token verified costs its arithmetic (`ops.verified_tokens_cost_arithmetic`)
+# where each token verified costs its arithmetic (`ops.verified_tokens_cost_arithmetic`): the MTP head's,
+# and a block drafter's most (its blocks then as short as its rounds ask, `DFlashDrafter`)
 FEWER_DRAFT_TOKENS = 2
+FEWER_BLOCK_DRAFT_TOKENS = 7
 
 
 class DraftHead:

@@ -8,10 +8,12 @@ from itertools import accumulate
 import mlx.core as mx
 import numpy as np
 
+from .. import ops
 from ..errors import GenerationError
 from ..parallel import PIPELINE
 from ..row_caches import KVRowsPass
 from .base import (
+    FEWER_BLOCK_DRAFT_TOKENS,
     DraftDistributions,
     DraftHead,
     Drafter,
@@ -30,7 +32,8 @@ class DFlashDrafter(Drafter):
     It reads the target's states at the drafter's layer ids (`reads_layers`: the engine hands them in
     place of the trunk's last hidden states, from the passes it runs anyway: prompt chunks and verify
     passes), for the accepted positions only, as they come; a round's block is the last accepted
-    token and mask tokens, and its drafts are the block's later positions through the target's head
+    token and a mask token for each draft the round asks for (the whole block where it asks for
+    block_size - 1, see `_draft_together`), and its drafts are the block's later positions through the target's head
     (over a reduced vocabulary where given, as the MTP head's): argmax where greedy, drawn from their
     distributions (kept for the acceptance rule) where not; a DFlash2 drafter's, its candidate
     selector's path (`_selected`).
@@ -48,6 +51,8 @@ class DFlashDrafter(Drafter):
         self.pending: list[StateSpan] = []  # the target's states at positions the drafter has not read
         self.token: int | None = None  # the last accepted token: the next block's first
         self.default_draft_tokens = drafter.args.block_size - 1  # a whole block
+        if ops.verified_tokens_cost_arithmetic(target.widest_product):
+            self.default_draft_tokens = min(FEWER_BLOCK_DRAFT_TOKENS, self.default_draft_tokens)
 
     def fork(self) -> DFlashDrafter:
         return DFlashDrafter(self.target, self.model, self.draft_p_min, head=self.head)
@@ -93,11 +98,12 @@ class DFlashDrafter(Drafter):
         return drafters[0].model.block_logits(DFlashDrafter.block_hidden(drafters), drafters[0].head.project)
 
     @staticmethod
-    def block_hidden(drafters) -> mx.array:
-        """The rows' blocks' states [R, B, E], from one pass of the drafter over each row's unread context
-        (then read) and its cache."""
+    def block_hidden(drafters, length: int | None = None) -> mx.array:
+        """The rows' blocks' states [R, length, E] (default: the drafter's block size), from one pass of
+        the drafter over each row's unread context (then read) and its cache."""
         first, args = drafters[0], drafters[0].model.args
-        block = mx.array([[d.token] + [args.mask_token_id] * (args.block_size - 1) for d in drafters])
+        length = args.block_size if length is None else length
+        block = mx.array([[d.token] + [args.mask_token_id] * (length - 1) for d in drafters])
         features, counts = _unread_context(drafters)
         if len(drafters) == 1:
             cache, counts = first.cache, None
@@ -111,11 +117,16 @@ class DFlashDrafter(Drafter):
     @classmethod
     def _draft_together(cls, drafters, ks, samplers):
         first, n = drafters[0], max(ks)
-        hidden = cls.block_hidden(drafters)
+        # A block of the drafts asked for, not the whole: where the adapted length asks for fewer, the
+        # drafter's products scale with the positions, and the positions it drops are masks whose
+        # drafts no row uses. Its drafts then differ from the whole block's (proposals: the verify pass
+        # keeps the tokens exact), and held up (the bundled model, held-out prompts, 4.53 -> 4.57 tokens
+        # a pass) while a round's drafting cost fell (1.05x -> 1.25x plain decoding; docs/benchmarks.md).
+        hidden = cls.block_hidden(drafters, n + 1)
         # the head projects the positions drafted only: each row's logits are the same bits alone
-        logits = first.model.block_logits(hidden[:, : n + 1], first.head.project)
+        logits = first.model.block_logits(hidden, first.head.project)
         if first.model.args.dflash2:
-            drafts, marked, logprobs = first._selected(drafters, hidden[:, 1 : n + 1], logits, samplers[0])
+            drafts, marked, logprobs = first._selected(drafters, hidden[:, 1:], logits, samplers[0])
         elif samplers[0].greedy:  # a group is greedy rows or one sampling row
             (drafts, marked), logprobs = first.head.greedy(logits, first.draft_p_min), [[None] * k for k in ks]
         else:

@@ -103,7 +103,9 @@ def drafts_stop_below_p_min(widest_product: int) -> bool:
 
 def verified_tokens_cost_arithmetic(widest_product: int) -> bool:
     """Whether each token a verify pass verifies costs about a decode step's share of arithmetic, so that
-    the MTP head asks for fewer drafts a round by default (`drafting.MTPDrafter`).
+    the MTP head asks for fewer drafts a round by default (`drafting.MTPDrafter`), and a block drafter
+    at most 7 (`drafting.DFlashDrafter`, whose blocks are as long as its rounds ask: a 16-position
+    block costs its drafter's products too).
 
     Yes where the host builds beside the CPU's one thread (`layer_built`): a model that small computes
     rather than waits on its weights, and its third draft, accepted about half the time, costs a head
