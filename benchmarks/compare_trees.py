@@ -34,8 +34,9 @@ DRAFTS = ("none", "mtp", "dflash")
 
 def measure(model_path: str | None, drafts: list[str], tokens: int, held_out: int) -> dict:
     """In a tree's own process: {draft: [tokens/s, tokens per CPU-second, the tokens]}."""
-    import mlx_hybrid
     from layer_queue import held_out_prompts
+
+    import mlx_hybrid
 
     model, tokenizer = mlx_hybrid.load(model_path or mlx_hybrid.bundled_model_path())
     prompts = held_out_prompts(tokenizer, held_out) if held_out else [PROMPT]
