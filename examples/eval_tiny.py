@@ -14,9 +14,12 @@ drafting over the whole vocabulary and over the `--draft-vocab` most frequent to
 (1/8 of the 2048, as 32k is of Qwen3.5's 248k), both with exactly k drafts a round,
 then with the default (adaptive) settings; then the same for the model's DFlash drafter
 (the bundled one, examples/train_dflash.py, or --draft-model) at k = 3, 7 and its block
-less one: every block verified whole (p-min 0), then the default settings.
+less one: exactly k drafts a round from a block of k + 1 (p-min 0; the whole block at its size less
+one), then the default settings. --rounds N runs them all N times in turn, each round against a plain
+run before and after it, and gives the medians of the speedups and tokens/s.
 
     python examples/eval_tiny.py --draft-model runs/dflash/drafter   # a drafter not installed yet
+    python examples/eval_tiny.py --rounds 3                          # interleaved medians of 3
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--draft-vocab", type=int, default=256, help="the reduced draft vocabulary to compare")
     p.add_argument("--draft-model", default=None, help="the DFlash drafter (default: the model's own, beside it)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of every setting in turn, each against its own plain runs; figures are the medians",
+    )
     args = p.parse_args()
     print(f"BLAS: {active_blas()}")
     model, tokenizer = mlx_hybrid.load(args.model or mlx_hybrid.bundled_model_path())
@@ -92,38 +101,46 @@ def main():
         mean_by_position = [np.mean([rates[j] for rates in by_position if len(rates) > j]) for j in range(positions)]
         return tokens, float(np.mean(tps)), float(np.mean(per_pass)), mean_by_position
 
-    run(draft=None)  # warm up
-    plain_tokens, plain_before, _, _ = run(draft=None)
-    results = []
     settings = {
         "whole vocabulary, k drafts": dict(draft_vocab=0, draft_p_min=0),
         f"{args.draft_vocab} tokens, k drafts": dict(draft_vocab=args.draft_vocab, draft_p_min=0),
         "default settings": {},
     }
-    for label, extra in settings.items():
-        for k in (1, 2, 3, 4):
-            spec_tokens, tps, per_pass, by_position = run(draft="mtp", num_draft_tokens=k, **extra)
-            results.append((f"MTP k={k}, {label}", per_pass, by_position, tps, spec_tokens == plain_tokens))
+    configs = [
+        (f"MTP k={k}, {label}", dict(draft="mtp", num_draft_tokens=k, **extra))
+        for label, extra in settings.items()
+        for k in (1, 2, 3, 4)
+    ]
     drafter = load_draft_model(args.draft_model) if args.draft_model else companion_drafter(model)
     if drafter is None:
         print("no DFlash drafter beside the model (give --draft-model)")
     block = drafter.args.block_size if drafter is not None else 0
-    dflash_settings = {"whole blocks (p-min 0)": dict(draft_p_min=0), "default settings": {}}
-    for label, extra in dflash_settings.items() if drafter is not None else ():
-        for k in sorted({min(3, block - 1), min(7, block - 1), block - 1}):
-            spec_tokens, tps, per_pass, by_position = run(
-                draft="dflash", draft_model=drafter, num_draft_tokens=k, **extra
-            )
-            results.append((f"DFlash k={k}, {label}", per_pass, by_position, tps, spec_tokens == plain_tokens))
-    _, plain_after, _, _ = run(draft=None)
-    plain_tps = (plain_before + plain_after) / 2  # before and after: the machine's drift shows, and averages out
-    print(f"plain greedy decoding: {plain_before:.1f} tokens/s before, {plain_after:.1f} after (baseline: the mean)")
-    for label, per_pass, by_position, tps, same in results:
+    dflash_settings = {"k drafts (p-min 0)": dict(draft_p_min=0), "default settings": {}}
+    configs += [
+        (f"DFlash k={k}, {label}", dict(draft="dflash", draft_model=drafter, num_draft_tokens=k, **extra))
+        for label, extra in (dflash_settings.items() if drafter is not None else ())
+        for k in sorted({min(3, block - 1), min(7, block - 1), block - 1})
+    ]
+    run(draft=None)  # warm up
+    figures = {label: [] for label, _ in configs}  # per round: (speedup, tokens/s, per pass, by position, same)
+    for _ in range(args.rounds):
+        plain_tokens, plain_before, _, _ = run(draft=None)
+        measured = [(label, run(**kwargs)) for label, kwargs in configs]
+        _, plain_after, _, _ = run(draft=None)
+        plain_tps = (plain_before + plain_after) / 2  # before and after: the machine's drift shows, and averages out
+        print(
+            f"plain greedy decoding: {plain_before:.1f} tokens/s before, {plain_after:.1f} after (baseline: the mean)"
+        )
+        for label, (spec_tokens, tps, per_pass, by_position) in measured:
+            figures[label].append((tps / plain_tps, tps, per_pass, by_position, spec_tokens == plain_tokens))
+    for label, rounds in figures.items():
+        speedup, tps = (float(np.median([r[i] for r in rounds])) for i in (0, 1))
+        _, _, per_pass, by_position, _ = rounds[0]  # greedy: the same every round
         accepted = ", ".join(f"{rate:.0%}" for rate in by_position)
         print(
             f"{label}: {per_pass:.2f} tokens per trunk pass, accepted by draft position "
-            f"{accepted}, {tps:.1f} tokens/s, speedup {tps / plain_tps:.2f}x, "
-            f"same tokens as plain: {same}"
+            f"{accepted}, {tps:.1f} tokens/s, speedup {speedup:.2f}x, "
+            f"same tokens as plain: {all(r[4] for r in rounds)}"
         )
 
 

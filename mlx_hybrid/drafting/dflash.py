@@ -117,11 +117,11 @@ class DFlashDrafter(Drafter):
     @classmethod
     def _draft_together(cls, drafters, ks, samplers):
         first, n = drafters[0], max(ks)
-        # A block of the drafts asked for, not the whole: where the adapted length asks for fewer, the
-        # drafter's products scale with the positions, and the positions it drops are masks whose
-        # drafts no row uses. Its drafts then differ from the whole block's (proposals: the verify pass
-        # keeps the tokens exact), and held up (the bundled model, held-out prompts, 4.53 -> 4.57 tokens
-        # a pass) while a round's drafting cost fell (1.05x -> 1.25x plain decoding; docs/benchmarks.md).
+        # A block of the drafts asked for, not the whole: the drafter's products scale with its
+        # positions, and those dropped are masks whose drafts no row uses. The drafts then differ from
+        # the whole block's where the layers are not causal (proposals: the verify pass keeps the tokens
+        # exact) and held up (the bundled model, held-out prompts: 4.53 -> 4.57 tokens a pass, 1.15-1.17x
+        # -> 1.25-1.29x plain decoding; docs/benchmarks.md, "DFlash blocks as long as the round asks").
         hidden = cls.block_hidden(drafters, n + 1)
         # the head projects the positions drafted only: each row's logits are the same bits alone
         logits = first.model.block_logits(hidden, first.head.project)

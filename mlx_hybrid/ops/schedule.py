@@ -110,7 +110,8 @@ def verified_tokens_cost_arithmetic(widest_product: int) -> bool:
     Yes where the host builds beside the CPU's one thread (`layer_built`): a model that small computes
     rather than waits on its weights, and its third draft, accepted about half the time, costs a head
     step and a token verified (the bundled model, held-out prompts, default settings: 1.22-1.23x plain
-    decoding at 2 drafts, 1.09-1.12x at 3, examples/eval_tiny.py; docs/benchmarks.md). Not where
+    decoding at 2 drafts, 1.09-1.12x at 3, examples/eval_tiny.py; the DFlash drafter at up to 7 as fast
+    as at up to 15 or faster, 1.30-1.49x against 1.22-1.42x; docs/benchmarks.md). Not where
     products wait on memory (the 0.8B shape on the CPU) or a GPU computes: a token more costs a pass
     little there.
     """
