@@ -80,7 +80,8 @@ class DFlashDrafter(Drafter):
 
         Greedy rows draft their blocks in one pass of the drafter (their caches one batch,
         `row_caches.KVRows`; each row's unread context gathered at once): launches that do not grow with
-        the rows. Their drafts may round otherwise than alone, which leaves their tokens as they are. A
+        the rows. Their blocks are as long as the longest a row asks for, and their drafts may round
+        otherwise than alone, which leaves their tokens as they are. A
         sampling row drafts alone: what it draws depends on its drafts, and it draws what it draws alone.
         Grammars do not mask a block (its drafts are proposals; the verify pass applies the grammar)."""
         greedy = [r for r, sampler in enumerate(samplers) if sampler.greedy]
