@@ -33,10 +33,10 @@ class DFlashDrafter(Drafter):
     place of the trunk's last hidden states, from the passes it runs anyway: prompt chunks and verify
     passes), for the accepted positions only, as they come; a round's block is the last accepted
     token and a mask token for each draft the round asks for (the whole block where it asks for
-    block_size - 1, see `_draft_together`), and its drafts are the block's later positions through the target's head
-    (over a reduced vocabulary where given, as the MTP head's): argmax where greedy, drawn from their
-    distributions (kept for the acceptance rule) where not; a DFlash2 drafter's, its candidate
-    selector's path (`_selected`).
+    block_size - 1, see `_draft_together`), and its drafts are the block's later positions through
+    the target's head (over a reduced vocabulary where given, as the MTP head's): argmax where
+    greedy, drawn from their distributions (kept for the acceptance rule) where not; a DFlash2
+    drafter's, its candidate selector's path (`_selected`).
     """
 
     declines_cost = True  # a block's pass ran (and in lockstep its drafts were verified) before a cut
@@ -81,9 +81,9 @@ class DFlashDrafter(Drafter):
         Greedy rows draft their blocks in one pass of the drafter (their caches one batch,
         `row_caches.KVRows`; each row's unread context gathered at once): launches that do not grow with
         the rows. Their blocks are as long as the longest a row asks for, and their drafts may round
-        otherwise than alone, which leaves their tokens as they are. A
-        sampling row drafts alone: what it draws depends on its drafts, and it draws what it draws alone.
-        Grammars do not mask a block (its drafts are proposals; the verify pass applies the grammar)."""
+        otherwise than alone, which leaves their tokens as they are. A sampling row drafts alone: what
+        it draws depends on its drafts, and it draws what it draws alone. Grammars do not mask a block
+        (its drafts are proposals; the verify pass applies the grammar)."""
         greedy = [r for r, sampler in enumerate(samplers) if sampler.greedy]
         groups = ([greedy] if greedy else []) + [[r] for r, sampler in enumerate(samplers) if not sampler.greedy]
         drafts = [None] * len(drafters)
