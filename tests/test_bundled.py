@@ -57,8 +57,8 @@ def test_mtp_output_equals_plain_output(bundled, k):
 
 def test_the_bundled_dflash_drafter_keeps_the_output_and_drafts_what_the_model_accepts(bundled):
     """draft="dflash" with no drafter named: the one shipped beside the bundled model
-    (examples/train_dflash.py), whole blocks drafted; the text plain decoding gives, alone and in a
-    batch of rows drafting together."""
+    (examples/train_dflash.py), at its default settings (blocks as long as each round asks); the text
+    plain decoding gives, alone and in a batch of rows drafting together."""
     model, tokenizer = bundled
     plain = mlx_hybrid.generate(model, tokenizer, PROMPT, max_tokens=96, draft=None)
     responses = list(mlx_hybrid.stream_generate(model, tokenizer, PROMPT, max_tokens=96, draft="dflash"))
