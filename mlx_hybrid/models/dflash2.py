@@ -6,6 +6,8 @@ the previous token's and the candidate's codebook rows with the position's proje
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -34,13 +36,21 @@ class GroupedDynamicConv(nn.Module):
         return self._convolve(x, dynamic, self.base_kernel[1])
 
     def _convolve(self, x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
-        """x [B, T, E], dynamic [B, T, K, G], base [K, E]: sum over taps o of (base[o] + dynamic[t, o]) x[t - o]."""
+        """x [B, T, E], dynamic [B, T, K, G], base [K, E]: sum over taps o of (base[o] + dynamic[t, o]) x[t - o].
+        The taps' inputs are one gather, not a slice a tap and a stack: the same values, and a
+        convolution's `prepare` and `finish` 41 operations, not 53 (a DFlash2 layer has two)."""
         B, T, E = x.shape
         K, g = min(self.kernel_size, T), self.group_size
         padded = mx.pad(x.reshape(B, T, E // g, g), [(0, 0), (K - 1, 0), (0, 0), (0, 0)])
-        shifted = mx.stack([padded[:, K - 1 - o : K - 1 - o + T] for o in range(K)], axis=2)  # [B, T, K, G, g]
+        shifted = mx.take(padded, _taps(T, K), axis=1)  # [B, T, K, G, g]
         weights = base[:K].reshape(1, 1, K, E // g, g) + dynamic[:, :, :K, :, None]
         return (weights * shifted).sum(axis=2).reshape(B, T, E)
+
+
+@lru_cache(maxsize=64)
+def _taps(length: int, taps: int) -> mx.array:
+    """[length, taps] int32: where x[t - o] sits in x padded by taps - 1 zeros in front."""
+    return mx.array([[taps - 1 - o + t for o in range(taps)] for t in range(length)], dtype=mx.int32)
 
 
 class CandidateSelector(nn.Module):
