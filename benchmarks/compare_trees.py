@@ -75,6 +75,8 @@ def main():
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.held_out < 0:
+        p.error("--held-out must be 0 or more")
     drafts = ["none", *(d for d in args.drafts if d != "none")]
     if args.child:
         print(json.dumps(measure(args.model, drafts, args.tokens, args.held_out)))

@@ -71,6 +71,8 @@ def main():
         help="rounds of every setting in turn, each against its own plain runs; figures are the medians",
     )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     print(f"BLAS: {active_blas()}")
     model, tokenizer = mlx_hybrid.load(args.model or mlx_hybrid.bundled_model_path())
     _, held_out = corpus_files()
