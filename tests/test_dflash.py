@@ -220,6 +220,18 @@ def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_c
     assert [r.token for r in reduced] == [r.token for r in plain]
 
 
+def test_more_drafts_a_round_than_the_block_holds_are_refused_by_name():
+    """num_draft_tokens past a DFlash drafter's block less one: one error naming both counts, before any
+    generation (a block longer than the drafter was trained on is not drafted)."""
+    from mlx_hybrid.loaders import load_draft_model
+
+    target, tokenizer = load_fixture("qwen35", "hf")
+    drafter = load_draft_model(FIXTURES / "dflash" / "qwen35-b8-l0-2")  # blocks of 8
+    with pytest.raises(GenerationError, match="num_draft_tokens must be at most 7 with this drafter.*got 8"):
+        mlx_hybrid.generate(target, tokenizer, "def f(", max_tokens=8, draft_model=drafter, num_draft_tokens=8)
+    assert mlx_hybrid.generate(target, tokenizer, "def f(", max_tokens=8, draft_model=drafter, num_draft_tokens=7)
+
+
 def test_a_drafter_for_another_target_is_refused_naming_what_differs():
     target, tokenizer = load_fixture("kimilinear", "hf")  # hidden size 64 too, 4 layers
     model = load_drafter(DRAFTERS[0])

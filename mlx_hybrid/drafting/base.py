@@ -163,6 +163,7 @@ class Drafter:
     drafted_columns = None  # see _ConfidentDrafting: a round's marked drafts as its group's columns
     reads_layers: tuple[int, ...] = ()  # trunk layers whose states it reads in place of the last hidden states
     default_draft_tokens = DEFAULT_DRAFT_TOKENS  # drafts a round unless the request says
+    max_draft_tokens: int | None = None  # the most drafts a round can hold (None: no bound)
     drafts_blocks = False  # a block a pass, accepted in part: adaptive rows adapt how many they verify
     opens_from_pass = False  # whether it can take its next round's first step with a verify pass (`open_from_pass`)
 
