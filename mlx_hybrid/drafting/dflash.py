@@ -50,7 +50,8 @@ class DFlashDrafter(Drafter):
         self.cache = drafter.make_cache()
         self.pending: list[StateSpan] = []  # the target's states at positions the drafter has not read
         self.token: int | None = None  # the last accepted token: the next block's first
-        self.default_draft_tokens = self.max_draft_tokens = drafter.args.block_size - 1  # a whole block
+        # a whole block; more would draft past the block the drafter was trained on
+        self.default_draft_tokens = self.max_draft_tokens = drafter.args.block_size - 1
         if ops.verified_tokens_cost_arithmetic(target.widest_product):
             self.default_draft_tokens = min(FEWER_BLOCK_DRAFT_TOKENS, self.default_draft_tokens)
 

@@ -67,9 +67,7 @@ class Engine:
         self.num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
         most = drafter.max_draft_tokens if drafter is not None else None
         if most is not None and num_draft_tokens > most:
-            raise GenerationError(
-                f"num_draft_tokens must be at most {most} with this drafter (its block less one), got {num_draft_tokens}"
-            )
+            raise GenerationError(f"num_draft_tokens must be at most {most} with this drafter, got {num_draft_tokens}")
         self.adaptive = adaptive
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
