@@ -52,10 +52,9 @@ def decode(model, tokenizer, draft: str | None, tokens: int, prompts) -> tuple[f
 def held_out_prompts(tokenizer, count: int, length: int = 64) -> list[list[int]]:
     """examples/eval_tiny.py's prompts: the first `length` tokens of the first `count` held-out files."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    from train_tiny import corpus_files, read
+    from train_tiny import corpus_files, opening_tokens, read
 
-    encoded = (tokenizer.encode(read(f)) for f in corpus_files()[1])
-    return [ids[:length] for ids in encoded if len(ids) > length][:count]
+    return opening_tokens((tokenizer.encode(read(f)) for f in corpus_files()[1]), count, length)
 
 
 def main():

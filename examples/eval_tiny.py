@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from mlx_hybrid.blas import active_blas  # noqa: E402
 from mlx_hybrid.loaders import companion_drafter, load_draft_model  # noqa: E402
-from train_tiny import corpus_files, read  # noqa: E402
+from train_tiny import corpus_files, opening_tokens, read  # noqa: E402
 
 
 def teacher_forced(model, tokens: list[int], window: int, windows: int):
@@ -89,7 +89,7 @@ def main():
         f"cover 99% of the held-out tokens"
     )
 
-    prompts = [ids[: args.prompt_tokens] for ids in encoded if len(ids) > args.prompt_tokens][: args.prompts]
+    prompts = opening_tokens(encoded, args.prompts, args.prompt_tokens)
 
     def run(**kwargs):
         tokens, tps, per_pass, by_position = [], [], [], []

@@ -102,6 +102,12 @@ def read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
+def opening_tokens(encoded, count: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of the first `count` texts longer than that (eval_tiny.py's prompts, from
+    the held-out files; benchmarks/layer_queue.py's --held-out)."""
+    return [ids[:length] for ids in encoded if len(ids) > length][:count]
+
+
 def train_tokenizer(files, vocab_size: int) -> Tokenizer:
     from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HFTokenizer

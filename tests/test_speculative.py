@@ -653,10 +653,10 @@ def test_an_mtp_pass_with_the_default_p_min_reads_the_device_once(rows, temp, ve
     p-min while drafting read the device after every draft (7 reads a pass at k=3), and sampling rows
     read it again for every draft's acceptance test; the verdicts and the speculative sampling rule
     now stay on the device until the verify pass reads its tokens: one read a pass, whatever the
-    rows. Where the engine reads the
-    verdicts before it verifies (`ops.read_draft_verdicts_first`), drafting reads after each draft, to
-    stop at the first unsure one, then the pass reads the drafts and its tokens: k + 2. Each row's
-    tokens are those it gives alone, and greedy, those of plain decoding."""
+    rows. Where the engine reads the verdicts before it verifies (`ops.read_draft_verdicts_first`),
+    drafting reads after each draft, to stop at the first unsure one, then the pass reads the drafts
+    and its tokens: k + 2. Each row's tokens are those it gives alone, and greedy, those of plain
+    decoding."""
     from benchmarks.engine_step import DeviceUse
     from mlx_hybrid.drafting import DEFAULT_DRAFT_P_MIN, make_drafter
     from mlx_hybrid.loaders import BUNDLED_MODEL
