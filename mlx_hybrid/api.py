@@ -73,8 +73,9 @@ def stream_generate(
     onto the `draft_vocab` most frequent tokens (default 32768 when the vocabulary is larger than
     65536, else all; 0: all). Drafting stops when a draft's top probability falls below `draft_p_min`
     (default 0.1; none for a model whose products the CPU computes each on one thread, whose verify
-    passes verify every draft anyway: `ops.drafts_stop_below_p_min`), and `adaptive_drafting` backs off after rejections (on unless
-    `draft_p_min` is given as 0, so that `draft_p_min=0` drafts exactly `num_draft_tokens` every round).
+    passes verify every draft anyway: `ops.drafts_stop_below_p_min`), and `adaptive_drafting` backs off
+    after rejections (on unless `draft_p_min` is given as 0, so that `draft_p_min=0` drafts exactly
+    `num_draft_tokens` every round).
     The output follows the model's distribution exactly; greedy output is plain decoding's,
     token for token. The responses then carry `from_draft`, `acceptance_rate`, `tokens_per_pass` and
     `acceptance_by_position`.
