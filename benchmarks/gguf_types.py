@@ -32,6 +32,7 @@ against the file's size.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -256,12 +257,15 @@ def int8_inputs(q):
     return q.weight, q.scales, codes, held_type, cpu_quantized.int8_grid(q.block)
 
 
-def kernels(rounds: int, rows: int, types, matrix=(3584, 1024), queued: bool = False):
+def kernels(rounds: int, rows: int, types, matrix=(3584, 1024), queued: bool = False, matrices: int = 1):
     """One decode step's product per type, the kernel alone: 1 row (`rows`: a verify pass's, a prompt's)
     against an N x K `matrix` (the 0.8B shape's gate projection) of random values in the type's
     layout, with float32 activations and with llama.cpp's 8-bit ones ("int8": the 8-bit kernel at any
     rows, past the type's `ops.int8_row_limit` too, where a model's products take the float32 path); the
-    16-bit matrices with float32 activations and with llama.cpp's 16-bit ones ("llama.cpp")."""
+    16-bit matrices with float32 activations and with llama.cpp's 16-bit ones ("llama.cpp").
+    matrices: the "int8" products' calls take this many random matrices in turn, so that with enough
+    of them (more than the L3 cache holds) each call reads its matrix from memory, as a decode step's
+    products do."""
     import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
 
     import mlx.core as mx
@@ -280,12 +284,15 @@ def kernels(rounds: int, rows: int, types, matrix=(3584, 1024), queued: bool = F
         products[name] = lambda w=w: cpu_quantized.matmul_16bit(x, w)
         # llama.cpp's 16-bit activations (a GGUF file's F16 and BF16 matrices)
         products[f"{name} llama.cpp"] = lambda w=w: cpu_quantized.half_matmul(x, w)
-    tensors = {
-        name: without_subnormal_blocks(llama_reference.random_block_weights((n, k), bits, group_size, block))
-        for name, (bits, group_size, _, block) in BLOCK_TYPES.items()
-        if name not in GRID_TYPES
-    }
-    tensors |= {name: llama_reference.random_grid_weights((n, k), grid) for name, grid in GRID_TYPES.items()}
+
+    def again(name):  # a random matrix of the type
+        if name in GRID_TYPES:
+            return llama_reference.random_grid_weights((n, k), GRID_TYPES[name])
+        bits, group_size, _, block = BLOCK_TYPES[name]
+        return without_subnormal_blocks(llama_reference.random_block_weights((n, k), bits, group_size, block))
+
+    names = [name for name in BLOCK_TYPES if name not in GRID_TYPES] + list(GRID_TYPES)
+    tensors = {name: again(name) for name in names if not types or name in types}
     for name, q in tensors.items():
         if types and name not in types:
             continue
@@ -293,8 +300,11 @@ def kernels(rounds: int, rows: int, types, matrix=(3584, 1024), queued: bool = F
             x, q.weight, q.scales, q.biases, q.group_size, q.bits, q.block
         )
         if not ops.int8_activations(q.bits, q.group_size, q.block):
-            products[f"{name} int8"] = lambda held=int8_inputs(q): cpu_quantized.int8_matmul(x, *held)
-    calls = max(1, 300 // rows)
+            helds = [int8_inputs(q)] + [int8_inputs(again(name)) for _ in range(matrices - 1)]
+            products[f"{name} int8"] = lambda helds=helds, turn=itertools.count(): cpu_quantized.int8_matmul(
+                x, *helds[next(turn) % len(helds)]
+            )
+    calls = max(matrices, 300 // rows)
     print(f"{rows} x {k} @ ({n} x {k})^T, the best of {rounds} rounds of {calls}" + (", queued" if queued else ""))
     time_products(products, rounds, calls, queued)
 
@@ -408,8 +418,16 @@ def main():
         metavar=("N", "K"),
         help="--kernels: the matrix's shape (default: the 0.8B shape's gate projection)",
     )
+    p.add_argument(
+        "--matrices",
+        type=int,
+        default=1,
+        help="--kernels: the 8-bit products take this many matrices in turn (64 of the default shape: from memory)",
+    )
     p.add_argument("--child", nargs=2, metavar=("RUNNER", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.matrices < 1:
+        p.error("--matrices: at least 1")
     if args.kernels:
         if args.instruction_set:
             import mlx_hybrid  # noqa: F401  (OpenBLAS before MLX)
@@ -423,7 +441,7 @@ def main():
             if args.experts < 8:
                 p.error("--experts: at least 8 (each token chooses 8)")
             return expert_kernels(max(args.rounds, 3), args.rows, args.experts, types, args.queued)
-        return kernels(max(args.rounds, 3), args.rows, types, tuple(args.matrix), args.queued)
+        return kernels(max(args.rounds, 3), args.rows, types, tuple(args.matrix), args.queued, args.matrices)
     if args.llama_bin is None:
         p.error("--llama-bin is required to make or measure files")
     if args.make:

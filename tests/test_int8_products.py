@@ -633,6 +633,29 @@ def test_expert_products_give_each_row_its_product_alone(held_type, weights, hel
             np.testing.assert_array_equal(got[t, j], product(row, tuple(a[int(e)] for a in matrices), held_type)[0])
 
 
+def test_a_row_alone_gives_every_weight_row_its_product_wherever_the_threads_runs_meet():
+    """A row of x alone against a product the threads share (csrc's `Stretches`: each thread its own
+    stretch of the weight rows, then runs from the back of another's), call after call: each output is
+    the one it gets beside a second row of x (runs of 64 from one cursor), for a matrix whose rows are
+    no multiple of 64 and for experts of such matrices. Every call's x differs, so that a weight row
+    no run covered would show another call's output."""
+    rng = np.random.default_rng(11)
+    held = q8_0_matrix(rng, (1091, 1024))[2]
+    experts = q8_0_matrix(rng, (3, 1091, 1024))[2]
+    for call in range(24):
+        x = rng.standard_normal((2, 1024)).astype(np.float32)
+        np.testing.assert_array_equal(product(x[:1], held, Q8_0), product(x, held, Q8_0)[:1], err_msg=f"call {call}")
+        chosen = rng.choice(3, 2, replace=False)
+        got = np.array(
+            cpu_quantized.int8_gather_matmul(
+                mx.array(x[:1, None]), *map(mx.array, experts), mx.array(chosen[None].astype(np.uint32)), Q8_0
+            )
+        )
+        for j, e in enumerate(chosen):
+            want = product(x, tuple(a[int(e)] for a in experts), Q8_0)[:1]
+            np.testing.assert_array_equal(got[0, j][None], want, err_msg=f"call {call}, expert {e}")
+
+
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K_M"])
 def test_a_file_with_int8_activations_verifies_as_it_decodes(type_name):
     """The Q8_0 and Q4_K_M fixtures on 8-bit activations: a 16-token verify pass gives each token its

@@ -371,6 +371,11 @@ class Pool {
 
     int threads() const { return (int)helpers_.size() + 1; }
 
+    // Whether run(parts, parallel, ...) hands parts to the helpers (unless another run holds them)
+    bool spreads(bool parallel) const {
+        return parallel && !helpers_.empty() && !one_thread_.load(std::memory_order_relaxed);
+    }
+
     // Whether every job runs on the calling thread alone, whatever `parallel` says: while the host
     // builds the next layers on the other core (mlx_hybrid/ops/schedule.py decides)
     void keep_to_one_thread(bool value) { one_thread_.store(value, std::memory_order_relaxed); }

@@ -1995,6 +1995,71 @@ struct Weights {
     const uint16_t* factors() const { return (const uint16_t*)scales; }
 };
 
+// The weight rows [0, units) of a product of a row of x alone, whose products wait on memory, as
+// `count` stretches, one a thread. Rows read in order are one stream the hardware's prefetch follows,
+// which starts over at every jump: a thread takes runs from its own stretch's front, each half of
+// what is left of it (at least ROWS_PER_PART rows), and once its own is done, from the back of the
+// stretch with the most left, so that no thread waits long on another at the end. (Runs of a
+// quarter of the rows left a thread from one shared cursor took turns between the threads: 3584 x
+// 1024 products from memory, 2 threads, AMD EPYC (Zen 5), `benchmarks/gguf_types.py --kernels
+// --matrices 64 --queued`: Q8_0 103-110 -> 82-91 us, Q4_K 66-69 -> 53-55, Q6_K 81-88 -> 65-73.) Runs
+// end within a group (a matrix of `rows` weight rows), at multiples of ROWS_PER_PART from its first row.
+class Stretches {
+   public:
+    Stretches(long units, long rows, int count) : rows_(rows), count_(count), ends_(count) {
+        for (int p = 0; p < count; p++) ends_[p].store(pack(boundary(units, p), boundary(units, p + 1)));
+    }
+
+    // a run [first, end) for `part`'s thread; false when every stretch is done
+    bool claim(int part, long& first, long& end) {
+        if (part < count_ && take(part, true, first, end)) return true;
+        for (;;) {
+            int most = -1;
+            long most_left = 0;
+            for (int p = 0; p < count_; p++) {
+                const uint64_t ends = ends_[p].load(std::memory_order_relaxed);
+                const long left = back(ends) - front(ends);
+                if (left > most_left) most = p, most_left = left;
+            }
+            if (most < 0) return false;
+            if (take(most, false, first, end)) return true;
+        }
+    }
+
+   private:
+    static uint64_t pack(long front, long back) { return (uint64_t)front << 32 | (uint64_t)back; }
+    static long front(uint64_t ends) { return (long)(ends >> 32); }
+    static long back(uint64_t ends) { return (long)(ends & 0xffffffffu); }
+
+    long boundary(long units, int p) const {
+        const long at = units * p / count_, group = at / rows_ * rows_;
+        return std::min(units, group + (at - group) / ROWS_PER_PART * ROWS_PER_PART);
+    }
+
+    bool take(int p, bool from_front, long& first, long& end) {
+        uint64_t seen = ends_[p].load(std::memory_order_relaxed);
+        for (;;) {
+            const long at = front(seen), until = back(seen);
+            if (at >= until) return false;
+            const long size = std::max(ROWS_PER_PART, (until - at) / 2 / ROWS_PER_PART * ROWS_PER_PART);
+            uint64_t next;
+            if (from_front) {
+                first = at, end = std::min({at + size, until, (at / rows_ + 1) * rows_});
+                next = pack(end, until);
+            } else {
+                const long group = (until - 1) / rows_ * rows_, start = std::max(0L, until - group - size);
+                first = std::max(at, group + (start + ROWS_PER_PART - 1) / ROWS_PER_PART * ROWS_PER_PART);
+                end = until, next = pack(at, first);
+            }
+            if (ends_[p].compare_exchange_weak(seen, next, std::memory_order_relaxed)) return true;
+        }
+    }
+
+    const long rows_;
+    const int count_;
+    std::vector<std::atomic<uint64_t>> ends_;  // each stretch's (front, back), packed
+};
+
 // y [M, N]: row m of x (for an expert product, x's row of output row m = (token, choice)) times the
 // matrix it multiplies (the one matrix, or matrix indices[m]).
 void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
@@ -2083,23 +2148,19 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
     // pass's few rows; not where the host builds the next layers beside them, whose kernels
     // mlx_hybrid/ops/schedule.py keeps to this thread: Pool::keep_to_one_thread)
     const bool parallel = (long)N * K >= (1L << 20) || (long)N * K * M >= (1L << 21);
-    // The threads claim runs of a group's weight rows from a shared cursor over the groups' rows in turn.
-    // A row of x alone (a decode step's, with its experts'), whose products wait on memory: runs of a
-    // quarter of the rows left a thread, down to 64, which the hardware's prefetch follows further than
-    // runs of 64, while the last runs stay short enough that no thread waits long on another (on an AMD
-    // EPYC, Zen 4: a Q4_K_M file's 186 products of a step 16.5-16.8 -> 15.2-16.2 ms, its LM head 7.8-8.4
-    // -> 6.0-7.9; the 8 experts' three products of a token at 35B-A3B's widths, an expert a run,
-    // 0.81-1.06 -> 0.71-0.88 ms). Many rows of x, whose products compute: runs of 64.
+    // The threads claim runs of a group's weight rows. Many rows of x, whose products compute: runs of
+    // 64 from a shared cursor over the groups' rows in turn. A row of x alone (a decode step's, with its
+    // experts'), whose products wait on memory: each thread its own stretch of the rows (`Stretches`).
     const int threads = Pool::get().threads();
     const long units = (long)groups.size() * N;
     std::atomic<long> cursor{0};
-    auto claim = [&](long& first, long& end) {
+    Stretches stretches(units, N, x_rows == 1 && Pool::get().spreads(parallel) ? threads : 1);
+    auto claim = [&](int part, long& first, long& end) {
+        if (x_rows == 1) return stretches.claim(part, first, end);
         first = cursor.load(std::memory_order_relaxed);
         do {
             if (first >= units) return false;
-            const long left = units - first, share = left / (4 * threads) / ROWS_PER_PART * ROWS_PER_PART;
-            end = x_rows > 1 ? first + ROWS_PER_PART : first + std::max(ROWS_PER_PART, share);
-            end = std::min(end, (first / N + 1) * N);  // (within a group)
+            end = std::min(first + ROWS_PER_PART, (first / N + 1) * N);  // (within a group)
         } while (!cursor.compare_exchange_weak(first, end, std::memory_order_relaxed));
         return true;
     };
@@ -2301,8 +2362,8 @@ void compute(const Q8Shape& s, const std::vector<mx::array>& in, std::vector<mx:
             }
         }
     };
-    Pool::get().run(threads, parallel, [&](int) {
-        for (long first, end; claim(first, end);) rows_of(groups[first / N], first % N, end - first / N * N);
+    Pool::get().run(threads, parallel, [&](int part) {
+        for (long first, end; claim(part, first, end);) rows_of(groups[first / N], first % N, end - first / N * N);
     });
 }
 
