@@ -5,6 +5,7 @@ beside llama.cpp's on the same file, in the same run.
     python benchmarks/gguf_types.py --dir bench_models/gguf-types --llama-bin DIR [DIR ...]
     python benchmarks/gguf_types.py --kernels [--rows 512]   # each type's product alone
     python benchmarks/gguf_types.py --kernels --queued   # the same, no wait on MLX's thread a call
+    python benchmarks/gguf_types.py --kernels --queued --matrices 64   # each from memory, as a decode step's
     python benchmarks/gguf_types.py --kernels --types F16 --rows 4 --matrix 768 256   # the bundled model's
 
 --make writes random weights at Qwen3.5-0.8B's shape (shapes.py) as a float32 GGUF in
