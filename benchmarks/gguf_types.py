@@ -295,8 +295,6 @@ def kernels(rounds: int, rows: int, types, matrix=(3584, 1024), queued: bool = F
     names = [name for name in BLOCK_TYPES if name not in GRID_TYPES] + list(GRID_TYPES)
     tensors = {name: again(name) for name in names if not types or name in types}
     for name, q in tensors.items():
-        if types and name not in types:
-            continue
         products[name] = lambda q=q: cpu_quantized.quantized_matmul(
             x, q.weight, q.scales, q.biases, q.group_size, q.bits, q.block
         )
