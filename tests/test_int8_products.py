@@ -192,23 +192,17 @@ def test_k_quant_products_are_exact_where_the_arithmetic_is(held_type, bits, N):
 
 
 @pytest.mark.parametrize(
-    "held_type, N",
-    [(Q4_K, 24), (Q4_K, 40), (Q4_0, 24), (IQ4_NL, 24), (MXFP4, 24)],
-    ids=["Q4_K", "Q4_K, an eight past the sixteens", "Q4_0", "IQ4_NL", "MXFP4"],
+    "held_type, N", [(Q4_K, 24), (Q4_K, 40), (Q4_0, 24)], ids=["Q4_K", "Q4_K, an eight past the sixteens", "Q4_0"]
 )
 def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
-    """A Q4_K, Q4_0, IQ4_NL or MXFP4 matrix of rows in eights held interleaved (`interleave_eights`: each
-    eight's turns in turn, a 32-bit word of Q4_K, two blocks of the others, as llama.cpp's x86 build
-    repacks them; in the matrix's own buffer where nothing else holds it) multiplies as the matrix as
-    stored, to the bit: a decode step's row, a prompt's rows, experts' rows, from every build this CPU runs."""
+    """A Q4_K or Q4_0 matrix of rows in eights held interleaved (`interleave_eights`: each eight's turns in
+    turn, a 32-bit word of Q4_K, two blocks of Q4_0, as llama.cpp's x86 build repacks them; in the matrix's
+    own buffer where nothing else holds it) multiplies as the matrix as stored, to the bit: a decode step's
+    row, a prompt's rows, experts' rows, from every build this CPU runs."""
     rng = np.random.default_rng(N + held_type)
     if held_type == Q4_K:
         weights = llama_reference.random_k_quant(rng, (5, N, 1024), 4)
         w, factors, codes = (mx.array(a) for a in llama_reference.held_k_quant(weights[0], 4, *weights[1:]))
-    elif held_type == MXFP4:
-        w, factors, codes = (
-            mx.array(a) for a in llama_reference.held_mxfp4(*llama_reference.random_mxfp4(rng, (5, N, 1024)))
-        )
     else:
         q, d = llama_reference.random_b32(rng, (5, N, 1024), 4, False)
         w, factors, codes = llama_reference.held_b32(q, 4, d)
@@ -240,8 +234,18 @@ def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
                 np.testing.assert_array_equal(got, want, err_msg=name)
     finally:
         extension.use_instruction_set(None)
-    with pytest.raises(ValueError, match="only Q4_K, Q4_0, IQ4_NL and MXFP4 matrices of rows in eights are held"):
+    with pytest.raises(ValueError, match="only Q4_K and Q4_0 matrices of rows in eights are held interleaved"):
         cpu_quantized.int8_matmul(x, w[1, :20], factors[1, :20], codes[1, :20], held_type, None, True)
+
+
+def test_only_types_whose_8_bit_products_take_any_rows_are_held_interleaved():
+    """Only the 8-bit products read a matrix held interleaved; past a type's row limit (a long prompt's
+    chunk) its products take the float32 path, which reads the rows as stored. So a type the loader may
+    hold interleaved (`interleaved_unit`) has no row limit (`ops.int8_row_limit`)."""
+    interleaved = [name for name in INT8_TYPES if cpu_quantized.interleaved_unit(int8_number(name), 8, 8)]
+    assert "Q4_K" in interleaved
+    for name in interleaved:
+        assert ops.int8_row_limit(*INT8_TYPES[name]) is None, name
 
 
 def test_several_matrices_of_one_x_give_each_its_own_products_bits():

@@ -2415,8 +2415,7 @@ struct Eights {
 // float32 path, which reads rows as stored), Q4_0's in pairs of blocks
 int interleaved_unit(int type, int N, int words) {
     if (N % 8) return 0;
-    const bool blocks_of_32 = type == Q4_0 || type == IQ4_NL || type == MXFP4;  // (16 bytes of codes a block)
-    return type == Q4_K ? 1 : blocks_of_32 && words % 8 == 0 ? 8 : 0;
+    return type == Q4_K ? 1 : type == Q4_0 && words % 8 == 0 ? 8 : 0;
 }
 
 // Each eight of rows through a copy of it, so that the output may be the matrix's own buffer (a
@@ -2462,7 +2461,7 @@ mx::array interleave_eights(const mx::array& w, int type) {
 // Throws unless a matrix held interleaved (`interleave_eights`) can be
 void check_interleaved(bool interleaved, int type, const mx::array& w) {
     if (interleaved && !interleaved_unit(type, w.shape(-2), w.shape(-1)))
-        throw std::invalid_argument("int8 products: only Q4_K, Q4_0, IQ4_NL and MXFP4 matrices of rows in eights are held "
+        throw std::invalid_argument("int8 products: only Q4_K and Q4_0 matrices of rows in eights are held "
                                     "interleaved");
 }
 
@@ -2608,7 +2607,7 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
           "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, "
           "16: IQ3_S, 17: IQ1_S, 18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks "
-          "with their grid; `interleaved`: a Q4_K, Q4_0, IQ4_NL or MXFP4 matrix of rows in eights held interleaved, as "
+          "with their grid; `interleaved`: a Q4_K or Q4_0 matrix of rows in eights held interleaved, as "
           "interleave_eights makes it) as llama.cpp computes it");
     m.def("int8_matmuls", &int8_matmuls, nb::arg("x"), nb::arg("matrices"),
           "int8_matmul of x with each of `matrices` ((w, factors, codes, type, grid, interleaved) each), as one "

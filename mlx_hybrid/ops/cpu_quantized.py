@@ -187,7 +187,7 @@ def interleaved_unit(held_type: int, rows: int, words: int) -> int:
 def interleave_eights(w: mx.array, held_type: int) -> mx.array:
     """The packed codes [..., N, K / 8] of a matrix of the kernel's type `held_type` (`interleaved_unit`)
     as `int8_matmul(..., interleaved=True)` reads them: each 8 rows' turns in turn, as llama.cpp's x86
-    build repacks Q4_K, Q4_0, IQ4_NL and MXFP4 (its factors and codes stay as they are)."""
+    build repacks Q4_K and Q4_0 (its factors and codes stay as they are)."""
     return extension().interleave_eights(w, held_type)
 
 

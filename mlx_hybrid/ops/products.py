@@ -241,7 +241,7 @@ def int8_type(bits: int, group_size: int, block) -> int | None:
 
 def held_interleaved(matrix: mx.array, bits: int, group_size: int, block, rows_alike: int | None) -> mx.array:
     """What to hold for `matrix` (packed codes [..., N, K / 8]) whose products take llama.cpp's 8-bit
-    activations (`compute_as_llama_cpp`, here too): a Q4_K, Q4_0, IQ4_NL or MXFP4 matrix of rows in eights
+    activations (`compute_as_llama_cpp`, here too): a Q4_K or Q4_0 matrix of rows in eights
     (`cpu_quantized.interleaved_unit`) interleaved as llama.cpp's x86 build repacks them
     (`cpu_quantized.interleave_eights`: a decode step's 3584 x 1024 Q4_K product from memory on an AMD
     EPYC (Zen 4) 150-170 -> 91-100 us on one thread, 94-111 -> 78 on two), not yet evaluated: where the
