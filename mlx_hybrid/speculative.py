@@ -48,9 +48,13 @@ def keep_snapshot_buffers(cache, num_draft_tokens: int):
         mx.set_cache_limit(previous)
 
 
-def check_num_draft_tokens(num_draft_tokens: int) -> int:
+def check_num_draft_tokens(num_draft_tokens: int, most: int | None = None) -> int:
+    """num_draft_tokens, or one error naming it: below 1, or above `most` (a drafter's
+    `max_draft_tokens`, the most drafts its round can hold; None: no bound)."""
     if num_draft_tokens < 1:
         raise GenerationError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    if most is not None and num_draft_tokens > most:
+        raise GenerationError(f"num_draft_tokens must be at most {most} with this drafter, got {num_draft_tokens}")
     return num_draft_tokens
 
 
@@ -188,8 +192,10 @@ class DraftingPolicy:
     MAX_PLAIN_ROUNDS = 64
     MIN_LENGTH = 2
 
-    def __init__(self, num_draft_tokens: int, adaptive: bool = False, adaptive_length: bool = False):
-        self.k = check_num_draft_tokens(num_draft_tokens)
+    def __init__(
+        self, num_draft_tokens: int, adaptive: bool = False, adaptive_length: bool = False, most: int | None = None
+    ):
+        self.k = check_num_draft_tokens(num_draft_tokens, most)
         self.adaptive, self.adaptive_length = adaptive, adaptive_length
         self.length = self.k  # drafts asked for (k unless the length adapts)
         self.stats = SpeculativeStats()

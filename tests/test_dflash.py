@@ -222,7 +222,10 @@ def test_the_api_drafts_a_block_by_default_and_keeps_a_grammar_and_a_quantized_c
 
 def test_more_drafts_a_round_than_the_block_holds_are_refused_by_name():
     """num_draft_tokens past a DFlash drafter's block less one: one error naming both counts, before any
-    generation (a block longer than the drafter was trained on is not drafted)."""
+    generation (a block longer than the drafter was trained on is not drafted), the engine's drafter
+    and a request's own alike."""
+    from mlx_hybrid.drafting.dflash import DFlashDrafter
+    from mlx_hybrid.engine import Engine
     from mlx_hybrid.loaders import load_draft_model
 
     target, tokenizer = load_fixture("qwen35", "hf")
@@ -230,6 +233,9 @@ def test_more_drafts_a_round_than_the_block_holds_are_refused_by_name():
     with pytest.raises(GenerationError, match="num_draft_tokens must be at most 7 with this drafter.*got 8"):
         mlx_hybrid.generate(target, tokenizer, "def f(", max_tokens=8, draft_model=drafter, num_draft_tokens=8)
     assert mlx_hybrid.generate(target, tokenizer, "def f(", max_tokens=8, draft_model=drafter, num_draft_tokens=7)
+    engine = Engine(target, tokenizer, num_draft_tokens=8)
+    with pytest.raises(GenerationError, match="num_draft_tokens must be at most 7 with this drafter.*got 8"):
+        engine.submit("def f(", 8, drafter=DFlashDrafter(target, drafter))
 
 
 def test_a_drafter_for_another_target_is_refused_naming_what_differs():

@@ -64,10 +64,9 @@ class Engine:
             raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.weights_bytes = model.nbytes  # (summed once: /health asks for it on every poll)
-        self.num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
+        # (a request's own drafter is checked as its row is made, `new_row`)
         most = drafter.max_draft_tokens if drafter is not None else None
-        if most is not None and num_draft_tokens > most:
-            raise GenerationError(f"num_draft_tokens must be at most {most} with this drafter, got {num_draft_tokens}")
+        self.num_draft_tokens = check_num_draft_tokens(num_draft_tokens, most)
         self.adaptive = adaptive
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.store = prefix_store if prefix_store is not None else PrefixStore(default_budget_bytes())
@@ -148,7 +147,8 @@ class Engine:
             if drafter is not None:
                 drafter.use_positions(prompt_images.positions)
         policy = (
-            DraftingPolicy(self.num_draft_tokens, self.adaptive, self.adaptive and drafter.drafts_blocks)
+            DraftingPolicy(self.num_draft_tokens, self.adaptive, self.adaptive and drafter.drafts_blocks,
+                           drafter.max_draft_tokens)
             if drafter is not None else None
         )  # fmt: skip
         sequence = Sequence(ids, max_tokens, params.logprobs, stats=policy.stats if policy is not None else None)
