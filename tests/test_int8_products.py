@@ -192,17 +192,24 @@ def test_k_quant_products_are_exact_where_the_arithmetic_is(held_type, bits, N):
 
 
 @pytest.mark.parametrize(
-    "held_type, N", [(Q4_K, 24), (Q4_K, 40), (Q4_0, 24)], ids=["Q4_K", "Q4_K, an eight past the sixteens", "Q4_0"]
+    "held_type, N",
+    [(Q4_K, 24), (Q4_K, 40), (Q4_0, 24), (IQ4_NL, 24), (MXFP4, 24)],
+    ids=["Q4_K", "Q4_K, an eight past the sixteens", "Q4_0", "IQ4_NL", "MXFP4"],
 )
 def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
-    """A Q4_K or Q4_0 matrix of rows in eights held interleaved (`interleave_eights`: each eight's turns in
-    turn, a 32-bit word of Q4_K, two blocks of Q4_0, as llama.cpp's x86 build repacks them; in the matrix's
-    own buffer where nothing else holds it) multiplies as the matrix as stored, to the bit: a decode step's
-    row, a prompt's rows, experts' rows, from every build this CPU runs."""
+    """A Q4_K, Q4_0, IQ4_NL or MXFP4 matrix of rows in eights held interleaved (`interleave_eights`: each
+    eight's turns in turn, a 32-bit word of Q4_K, two blocks of the others, as llama.cpp's x86 build
+    repacks them; in the matrix's own buffer where nothing else holds it) multiplies as the matrix as
+    stored, to the bit: a decode step's row, a prompt's rows, experts' rows, from every build this CPU
+    runs; and `rows_as_stored` gives the codes back as stored."""
     rng = np.random.default_rng(N + held_type)
     if held_type == Q4_K:
         weights = llama_reference.random_k_quant(rng, (5, N, 1024), 4)
         w, factors, codes = (mx.array(a) for a in llama_reference.held_k_quant(weights[0], 4, *weights[1:]))
+    elif held_type == MXFP4:
+        w, factors, codes = (
+            mx.array(a) for a in llama_reference.held_mxfp4(*llama_reference.random_mxfp4(rng, (5, N, 1024)))
+        )
     else:
         q, d = llama_reference.random_b32(rng, (5, N, 1024), 4, False)
         w, factors, codes = llama_reference.held_b32(q, 4, d)
@@ -213,6 +220,7 @@ def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
     # a matrix nothing else holds (a loader's) is interleaved in its own buffer: the same words
     in_place = cpu_quantized.interleave_eights(mx.array(np.array(w)), held_type)
     np.testing.assert_array_equal(np.array(in_place), turns.swapaxes(2, 3).reshape(5, N, -1))
+    np.testing.assert_array_equal(np.array(cpu_quantized.rows_as_stored(interleaved, held_type)), np.array(w))
     x = mx.random.normal((9, 1024), key=mx.random.key(N))
     tokens, indices = mx.random.normal((4, 1, 1024), key=mx.random.key(1)), mx.array(rng.integers(0, 5, (4, 3)))
 
@@ -234,18 +242,35 @@ def test_rows_held_interleaved_give_the_rows_as_stored(held_type, N):
                 np.testing.assert_array_equal(got, want, err_msg=name)
     finally:
         extension.use_instruction_set(None)
-    with pytest.raises(ValueError, match="only Q4_K and Q4_0 matrices of rows in eights are held interleaved"):
+    with pytest.raises(ValueError, match="only Q4_K, Q4_0, IQ4_NL and MXFP4 matrices of rows in eights are held"):
         cpu_quantized.int8_matmul(x, w[1, :20], factors[1, :20], codes[1, :20], held_type, None, True)
 
 
-def test_only_types_whose_8_bit_products_take_any_rows_are_held_interleaved():
-    """Only the 8-bit products read a matrix held interleaved; past a type's row limit (a long prompt's
-    chunk) its products take the float32 path, which reads the rows as stored. So a type the loader may
-    hold interleaved (`interleaved_unit`) has no row limit (`ops.int8_row_limit`)."""
-    interleaved = [name for name in INT8_TYPES if cpu_quantized.interleaved_unit(int8_number(name), 8, 8)]
-    assert "Q4_K" in interleaved
-    for name in interleaved:
-        assert ops.int8_row_limit(*INT8_TYPES[name]) is None, name
+@pytest.mark.parametrize("type_name", ["Q4_0", "IQ4_NL", "MXFP4"])
+def test_a_matrix_held_interleaved_multiplies_as_stored_past_its_row_limit(type_name):
+    """A matrix the loader holds interleaved (`ops.held_interleaved`) computes as the matrix as stored at
+    every row count: each row its own 8-bit product up to its type's row limit, and past it (a long
+    prompt's chunk) the float32 path's product of the rows as stored (`cpu_quantized.rows_as_stored`),
+    not of the interleaved codes."""
+    bits, group_size, block = INT8_TYPES[type_name]
+    q = llama_reference.random_block_weights((24, 256), bits, group_size, block)
+    limit = ops.int8_row_limit(bits, group_size, block)
+    rows = 160 if limit is None else limit + 1
+    x = mx.random.normal((rows, 256), key=mx.random.key(6))
+    held = ops.held_interleaved(mx.array(q.weight), bits, group_size, block, limit)
+    mx.eval(held)
+    assert ops.activations_of(held) == "int8, interleaved"
+    assert not np.array_equal(np.array(held), np.array(q.weight))
+    ops.compute_as_llama_cpp(q.weight, limit)
+
+    def product(w, x):
+        return np.array(ops.quantized_matmul(x, w, q.scales, q.biases, group_size=group_size, bits=bits, block=block))
+
+    for part in (x[:1], x[: limit or rows], x):
+        np.testing.assert_array_equal(product(held, part), product(q.weight, part))
+    if limit is not None:
+        floats = cpu_quantized.quantized_matmul(x, q.weight, q.scales, q.biases, q.group_size, q.bits, q.block)
+        np.testing.assert_array_equal(product(held, x), np.array(floats))
 
 
 def test_several_matrices_of_one_x_give_each_its_own_products_bits():

@@ -2397,8 +2397,8 @@ std::vector<mx::array> with_grid(std::vector<mx::array> inputs, const std::optio
 }
 
 // A matrix's packed codes held interleaved: each 8 rows' turns of `unit` 4-byte words in turn (Q4_K's
-// word p of row 8s + n at (8s) K / 8 + 8p + n, as llama.cpp's x86 build repacks Q4_K; Q4_0's 32 bytes,
-// two blocks, a row's turn), so that the products of rows in eights read one stream,
+// word p of row 8s + n at (8s) K / 8 + 8p + n, as llama.cpp's x86 build repacks Q4_K; Q4_0's, IQ4_NL's and
+// MXFP4's 32 bytes, two blocks, a row's turn), so that the products of rows in eights read one stream,
 // which the hardware's prefetch follows, and Q4_K's load 8 rows' words with one load where gathering
 // them took 3 instructions a word (a 3584 x 1024 product on one thread, AMD EPYC (Zen 4), from the L3
 // cache: 90 -> 57 us, 23.5 -> 37 GB/s). Their factors and codes stay a row's in turn.
@@ -2410,12 +2410,13 @@ struct Eights {
 };
 
 // The words of a row's turn where N rows of `type`, each `words` 32-bit words packed, are held
-// interleaved, else 0: Q4_K's and Q4_0's matrices of rows in eights (which llama.cpp's x86 build
-// repacks, and whose 8-bit products take any number of rows: IQ4_NL's and MXFP4's prompts take the
-// float32 path, which reads rows as stored), Q4_0's in pairs of blocks
+// interleaved, else 0: the matrices of rows in eights of the types llama.cpp's x86 build repacks in
+// eights, Q4_K's a word a turn, Q4_0's, IQ4_NL's and MXFP4's (16 bytes of codes a block) a pair of
+// blocks a turn
 int interleaved_unit(int type, int N, int words) {
     if (N % 8) return 0;
-    return type == Q4_K ? 1 : type == Q4_0 && words % 8 == 0 ? 8 : 0;
+    const bool blocks_of_32 = type == Q4_0 || type == IQ4_NL || type == MXFP4;
+    return type == Q4_K ? 1 : blocks_of_32 && words % 8 == 0 ? 8 : 0;
 }
 
 // Each eight of rows through a copy of it, so that the output may be the matrix's own buffer (a
@@ -2451,8 +2452,9 @@ using Interleave = mlx_hybrid::CpuPrimitive<Eights, interleave, 0, true>;
 mx::array interleave_eights(const mx::array& w, int type) {
     const int unit = w.ndim() < 2 ? 0 : interleaved_unit(type, w.shape(-2), w.shape(-1));
     if (w.dtype() != mx::uint32 || !unit)
-        throw std::invalid_argument("interleave_eights: the packed codes [..., N, K / 8] (uint32) of a Q4_K or "
-                                    "Q4_0 matrix of rows in eights (Q4_0's rows in pairs of blocks)");
+        throw std::invalid_argument("interleave_eights: the packed codes [..., N, K / 8] (uint32) of a Q4_K, "
+                                    "Q4_0, IQ4_NL or MXFP4 matrix of rows in eights (but Q4_K's, rows in "
+                                    "pairs of blocks)");
     Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1), unit};
     return mx::array(w.shape(), mx::uint32,
                      std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s, "InterleaveEights"), {w});
@@ -2461,8 +2463,8 @@ mx::array interleave_eights(const mx::array& w, int type) {
 // Throws unless a matrix held interleaved (`interleave_eights`) can be
 void check_interleaved(bool interleaved, int type, const mx::array& w) {
     if (interleaved && !interleaved_unit(type, w.shape(-2), w.shape(-1)))
-        throw std::invalid_argument("int8 products: only Q4_K and Q4_0 matrices of rows in eights are held "
-                                    "interleaved");
+        throw std::invalid_argument("int8 products: only Q4_K, Q4_0, IQ4_NL and MXFP4 matrices of rows in "
+                                    "eights are held interleaved");
 }
 
 // The product of M rows of x [..., K] with a matrix held as `type` (w packed codes, factors, codes, a grid
@@ -2607,8 +2609,8 @@ void mlx_hybrid::bind_int8_products(nb::module_& m) {
           "x @ W^T for a GGUF matrix (type 0: Q8_0, 1: Q4_K, 2: Q6_K, 3: Q5_0, 4: Q5_1, 5: Q4_0, 6: Q4_1, "
           "7: IQ4_NL, 8: Q5_K, 9: Q3_K, 10: Q2_K, 11: IQ4_XS, 12: IQ2_XXS, 13: IQ2_XS, 14: IQ2_S, 15: IQ3_XXS, "
           "16: IQ3_S, 17: IQ1_S, 18: IQ1_M, 19: TQ1_0, 20: TQ2_0, 21: MXFP4; the types held as the file's blocks "
-          "with their grid; `interleaved`: a Q4_K or Q4_0 matrix of rows in eights held interleaved, as "
-          "interleave_eights makes it) as llama.cpp computes it");
+          "with their grid; `interleaved`: a Q4_K, Q4_0, IQ4_NL or MXFP4 matrix of rows in eights held "
+          "interleaved, as interleave_eights makes it) as llama.cpp computes it");
     m.def("int8_matmuls", &int8_matmuls, nb::arg("x"), nb::arg("matrices"),
           "int8_matmul of x with each of `matrices` ((w, factors, codes, type, grid, interleaved) each), as one "
           "node");

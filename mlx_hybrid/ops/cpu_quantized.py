@@ -187,8 +187,17 @@ def interleaved_unit(held_type: int, rows: int, words: int) -> int:
 def interleave_eights(w: mx.array, held_type: int) -> mx.array:
     """The packed codes [..., N, K / 8] of a matrix of the kernel's type `held_type` (`interleaved_unit`)
     as `int8_matmul(..., interleaved=True)` reads them: each 8 rows' turns in turn, as llama.cpp's x86
-    build repacks Q4_K and Q4_0 (its factors and codes stay as they are)."""
+    build repacks Q4_K, Q4_0, IQ4_NL and MXFP4 (its factors and codes stay as they are)."""
     return extension().interleave_eights(w, held_type)
+
+
+def rows_as_stored(w: mx.array, held_type: int) -> mx.array:
+    """The packed codes of a matrix held interleaved (`interleave_eights`) as stored, for the products
+    that read rows as they are stored: each eight's [turns, 8 rows, unit] back to [8 rows, turns, unit]."""
+    *lead, rows, words = w.shape
+    unit = interleaved_unit(held_type, rows, words)
+    eights = w.reshape(*lead, rows // 8, words // unit, 8, unit)
+    return eights.swapaxes(-3, -2).reshape(*lead, rows, words)
 
 
 def half_matmul(x, w) -> mx.array:

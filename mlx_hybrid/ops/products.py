@@ -241,12 +241,13 @@ def int8_type(bits: int, group_size: int, block) -> int | None:
 
 def held_interleaved(matrix: mx.array, bits: int, group_size: int, block, rows_alike: int | None) -> mx.array:
     """What to hold for `matrix` (packed codes [..., N, K / 8]) whose products take llama.cpp's 8-bit
-    activations (`compute_as_llama_cpp`, here too): a Q4_K or Q4_0 matrix of rows in eights
-    (`cpu_quantized.interleaved_unit`) interleaved as llama.cpp's x86 build repacks them
+    activations (`compute_as_llama_cpp`, here too): a Q4_K, Q4_0, IQ4_NL or MXFP4 matrix of rows in
+    eights (`cpu_quantized.interleaved_unit`) interleaved as llama.cpp's x86 build repacks them
     (`cpu_quantized.interleave_eights`: a decode step's 3584 x 1024 Q4_K product from memory on an AMD
     EPYC (Zen 4) 150-170 -> 91-100 us on one thread, 94-111 -> 78 on two), not yet evaluated: where the
     caller holds `matrix` no more when it evaluates it, in matrix's own buffer; any other the matrix
-    itself. Only the 8-bit products read an interleaved matrix: its rows are not to be cut or gathered."""
+    itself. Only the 8-bit products read an interleaved matrix as held, its rows not to be cut or gathered;
+    past a type's row limit its product reads the rows as stored (`cpu_quantized.rows_as_stored`)."""
     held_type = int8_type(bits, group_size, block)
     if held_type is None or not cpu_quantized.interleaved_unit(held_type, *matrix.shape[-2:]):
         compute_as_llama_cpp(matrix, rows_alike)
@@ -305,7 +306,9 @@ class Int8Path:
 
     def __call__(self, x, w, scales, biases):
         if not rows_within(x, self.limit):
-            return self.float_path(x, w, scales, biases)
+            # (a prompt's chunk: its copy of the rows as stored is some 1% of the float32 path's time)
+            rows = cpu_quantized.rows_as_stored(w, self.held_type) if self.interleaved else w
+            return self.float_path(x, rows, scales, biases)
         return cpu_quantized.int8_matmul(x, *self.operands(w, scales, biases))
 
 
