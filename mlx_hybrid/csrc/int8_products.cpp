@@ -2453,8 +2453,8 @@ mx::array interleave_eights(const mx::array& w, int type) {
     const int unit = w.ndim() < 2 ? 0 : interleaved_unit(type, w.shape(-2), w.shape(-1));
     if (w.dtype() != mx::uint32 || !unit)
         throw std::invalid_argument("interleave_eights: the packed codes [..., N, K / 8] (uint32) of a Q4_K, "
-                                    "Q4_0, IQ4_NL or MXFP4 matrix of rows in eights (but Q4_K's, rows in "
-                                    "pairs of blocks)");
+                                    "Q4_0, IQ4_NL or MXFP4 matrix of rows in eights (Q4_0's, IQ4_NL's and "
+                                    "MXFP4's rows in pairs of blocks)");
     Eights s{(long)(w.size() / w.shape(-1) / 8), w.shape(-1), unit};
     return mx::array(w.shape(), mx::uint32,
                      std::make_shared<Interleave>(mx::default_stream(mx::Device::cpu), s, "InterleaveEights"), {w});
