@@ -286,20 +286,20 @@ def kernels(rounds: int, rows: int, types, matrix=(3584, 1024), queued: bool = F
         # llama.cpp's 16-bit activations (a GGUF file's F16 and BF16 matrices)
         products[f"{name} llama.cpp"] = lambda w=w: cpu_quantized.half_matmul(x, w)
 
-    def again(name):  # a random matrix of the type
+    def random_matrix(name):  # of the type, N x K
         if name in GRID_TYPES:
             return llama_reference.random_grid_weights((n, k), GRID_TYPES[name])
         bits, group_size, _, block = BLOCK_TYPES[name]
         return without_subnormal_blocks(llama_reference.random_block_weights((n, k), bits, group_size, block))
 
     names = [name for name in BLOCK_TYPES if name not in GRID_TYPES] + list(GRID_TYPES)
-    tensors = {name: again(name) for name in names if not types or name in types}
+    tensors = {name: random_matrix(name) for name in names if not types or name in types}
     for name, q in tensors.items():
         products[name] = lambda q=q: cpu_quantized.quantized_matmul(
             x, q.weight, q.scales, q.biases, q.group_size, q.bits, q.block
         )
         if not ops.int8_activations(q.bits, q.group_size, q.block):
-            helds = [int8_inputs(q)] + [int8_inputs(again(name)) for _ in range(matrices - 1)]
+            helds = [int8_inputs(q)] + [int8_inputs(random_matrix(name)) for _ in range(matrices - 1)]
             products[f"{name} int8"] = lambda helds=helds, turn=itertools.count(): cpu_quantized.int8_matmul(
                 x, *helds[next(turn) % len(helds)]
             )
